@@ -1,0 +1,85 @@
+"""Small shared helpers: interpreter detection, device queries, integer maths, input checks.
+
+Every check raises before any kernel launch and names the argument, what was expected and what was given.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 256
+
+# The Triton interpreter holds bf16 as raw uint16 and does arithmetic on the bits, so kernels widen tiles to fp32
+# when interpreting (a constexpr; GPU numerics are untouched). Tests switch this off to show a bf16 test can fail.
+INTERPRETER_UPCAST = True
+
+
+def is_interpreter() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def upcast_tiles() -> bool:
+    return is_interpreter() and INTERPRETER_UPCAST
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms_cuda(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessor count; on the CPU (interpreter) a fixed H200-like 132 keeps heuristics deterministic."""
+    if device.type == "cuda":
+        return _num_sms_cuda(device.index if device.index is not None else torch.cuda.current_device())
+    return 132
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (x - 1).bit_length()
+
+
+def check_tensor(name: str, t, ndim: int | None = None, dtypes=None, device=None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name}: expected dtype in ({names}), got {str(t.dtype).replace('torch.', '')}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {t.device}")
+
+
+def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name}: last dimension must be contiguous (stride 1), got stride {t.stride(-1)}")
+
+
+def check_head_dim(d: int) -> None:
+    if d % 8 != 0 or not 8 <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim: expected a multiple of 8 in [8, {MAX_HEAD_DIM}], got {d}")
+
+
+def check_window(window_size) -> tuple[int, int]:
+    try:
+        left, right = (int(w) for w in window_size)
+    except (TypeError, ValueError):
+        raise TypeError(f"window_size: expected a pair of ints (left, right), got {window_size!r}") from None
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size: expected values >= -1 (-1 = unbounded), got {window_size!r}")
+    return left, right
+
+
+def check_int32(name: str, t, ndim: int, device) -> None:
+    check_tensor(name, t, ndim=ndim, dtypes=(torch.int32,), device=device)
+
+
+def softmax_scale_or_default(softmax_scale, head_dim: int) -> float:
+    return head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)

@@ -1,0 +1,1 @@
+"""Benchmarks of tileflash against its peers; run with ``python -m tileflash bench``."""

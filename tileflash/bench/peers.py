@@ -1,0 +1,151 @@
+"""Peer attention implementations to compare against.
+
+Each builder returns a zero-argument callable whose output is laid out [B, S, H, D] like
+tileflash's, or None when the peer is not installed or fails on these inputs. Failures are
+reported through ``note`` and never raised: a broken peer must not stop a benchmark.
+Layout changes of the inputs happen once, outside the returned callable, so they are not timed.
+"""
+
+import functools
+import importlib
+
+import torch
+import torch.nn.functional as F
+
+
+@functools.cache
+def _import(name):
+    try:
+        return importlib.import_module(name)
+    except Exception:  # a broken install raises more than ImportError (OSError, RuntimeError)
+        return None
+
+
+def _first(out):
+    # FA4 returns out or (out, lse) depending on its version.
+    return out[0] if isinstance(out, tuple) else out
+
+
+def short_error(e):
+    """First line of an exception, with its type: enough for a one-line note."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"
+
+
+def _guarded(name, make, note):
+    """Build the callable and run it once, so unsupported shapes fail here and not mid-timing."""
+    try:
+        fn = make()
+        fn()
+        return fn
+    except Exception as e:
+        note(f"  note: peer {name} failed: {short_error(e)}")
+        return None
+
+
+def available_peers():
+    """Which peers can be tried on this machine: name -> bool."""
+    cuda = torch.cuda.is_available()
+    return {
+        "sdpa_flash": cuda,
+        "sdpa_cudnn": cuda and torch.backends.cudnn.is_available(),
+        "sdpa": cuda,
+        "fa4": cuda and _import("flash_attn.cute") is not None,
+        "flashinfer": cuda and _import("flashinfer") is not None,
+    }
+
+
+def sdpa_prefill(q, k, v, causal, backend, note=print):
+    """torch SDPA forced to one backend, "flash" or "cudnn"; q/k/v are [B, S, H, D]."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    sdp_backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+    # Transposed views: SDPA's flash and cuDNN kernels take [B, S, H, D] memory as it is.
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    gqa = q.shape[2] != k.shape[2]
+
+    def make():
+        def fn():
+            with sdpa_kernel(sdp_backend):
+                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=gqa).transpose(1, 2)
+
+        return fn
+
+    return _guarded(f"sdpa_{backend}", make, note)
+
+
+def sdpa_decode(q, k, v, note=print):
+    """torch SDPA, default backend choice, on a contiguous [B, Hkv, ctx, D] cache.
+    q is [B, 1, Hq, D]; k and v are the logical cache [B, ctx, Hkv, D]."""
+    qt = q.transpose(1, 2)
+
+    def make():
+        kt, vt = (x.transpose(1, 2).contiguous() for x in (k, v))
+
+        def fn():
+            return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True).transpose(1, 2)
+
+        return fn
+
+    return _guarded("sdpa", make, note)
+
+
+def fa4_prefill(q, k, v, causal, note=print):
+    """flash-attn 4 (flash_attn.cute) forward."""
+    fa4 = _import("flash_attn.cute")
+    if fa4 is None:
+        return None
+    return _guarded("fa4", lambda: lambda: _first(fa4.flash_attn_func(q, k, v, causal=causal)), note)
+
+
+def fa4_decode(q, k_cache, v_cache, cache_seqlens, block_table=None, note=print):
+    """flash-attn 4 decode: contiguous cache through flash_attn_func, paged through
+    flash_attn_varlen_func with page_table. Sq = 1, so no causal mask is needed."""
+    fa4 = _import("flash_attn.cute")
+    if fa4 is None:
+        return None
+    if block_table is None:
+        call = functools.partial(fa4.flash_attn_func, q, k_cache, v_cache, causal=False)
+    else:
+        call = functools.partial(
+            fa4.flash_attn_varlen_func, q, k_cache, v_cache,
+            seqused_k=cache_seqlens, page_table=block_table, causal=False,
+        )
+    # num_splits=0 asks FA4's split-KV heuristic, which decode needs to fill the GPU; versions
+    # without split-KV (or without the argument) get the plain call.
+    for kwargs in ({"num_splits": 0}, {}):
+        fn = _guarded("fa4", lambda kw=kwargs: lambda: _first(call(**kw)), note)
+        if fn is not None:
+            return fn
+    return None
+
+
+def flashinfer_decode(q, k_cache, v_cache, block_table, seqlen, use_tensor_cores, note=print):
+    """FlashInfer BatchDecodeWithPagedKVCacheWrapper, NHD layout.
+    q [B, 1, Hq, D]; k/v_cache [num_pages, page_size, Hkv, D]; block_table [B, pages] int32;
+    every sequence holds ``seqlen`` tokens. Planning is done here, outside the timed call."""
+    flashinfer = _import("flashinfer")
+    if flashinfer is None:
+        return None
+
+    def make():
+        batch, page_size = q.shape[0], k_cache.shape[1]
+        pages = -(-seqlen // page_size)
+        dev = q.device
+        workspace = torch.zeros(128 << 20, dtype=torch.uint8, device=dev)
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=use_tensor_cores)
+        wrapper.plan(
+            torch.arange(batch + 1, dtype=torch.int32, device=dev) * pages,
+            block_table[:, :pages].reshape(-1).to(torch.int32).contiguous(),
+            torch.full((batch,), seqlen - (pages - 1) * page_size, dtype=torch.int32, device=dev),
+            q.shape[2], k_cache.shape[2], q.shape[3], page_size,
+            q_data_type=q.dtype, kv_data_type=k_cache.dtype,
+        )
+        q3 = q[:, 0]  # [B, Hq, D], contiguous since dim 1 has size 1
+
+        def fn():
+            return wrapper.run(q3, (k_cache, v_cache)).unsqueeze(1)
+
+        return fn
+
+    return _guarded("flashinfer_tc" if use_tensor_cores else "flashinfer", make, note)

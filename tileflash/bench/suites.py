@@ -1,0 +1,298 @@
+"""Benchmark suites: the shape registries (plain data) and the prefill and decode runners.
+
+Every backend of every shape is first checked against an fp32 SDPA reference, then timed;
+a failure of one backend is printed and recorded, and the run goes on.
+"""
+
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+
+from tileflash.bench import peers
+from tileflash.bench.formulas import (
+    BF16_GEMM_TFLOPS,
+    COPY_TBPS,
+    attn_fwd_flops,
+    decode_kv_bytes,
+    gbps,
+    tflops,
+)
+from tileflash.bench.table import format_cell, format_table
+from tileflash.bench.timing import bench_ms, graphed
+
+DEVICE = "cuda"
+DTYPE = torch.bfloat16
+TOL = 2e-2  # max abs error allowed for bf16 outputs
+# The fp32 reference covers a slice, so its [S, S] score matrix stays small at 16k tokens.
+CHECK_KV_HEADS = 2  # prefill: batch 0, the q heads of the first 2 kv heads
+CHECK_BATCH = 4  # decode: the first 4 sequences, all heads
+
+# batch * seqlen = 16k tokens and nheads * d = 2048 in every row, so work grows only with seqlen.
+PREFILL_SHAPES = [
+    {
+        "batch": 16384 // s, "seqlen": s, "nheads": 2048 // d, "d": d, "causal": causal,
+        "label": f"d{d}-{'causal' if causal else 'full'}",
+    }
+    for d in (64, 128, 256)
+    for causal in (False, True)
+    for s in (1024, 2048, 4096, 8192, 16384)
+]
+
+DECODE_GRID = (
+    (1, 8192), (1, 32768), (1, 131072), (8, 8192), (8, 32768),
+    (32, 2048), (32, 8192), (64, 4096), (128, 1024), (256, 2048),
+)
+# label, hq, hkv, d, page_size (None = contiguous cache)
+DECODE_SETS = (
+    ("gqa", 32, 8, 128, None),
+    ("gqa-paged16", 32, 8, 128, 16),
+    ("gqa-paged64", 32, 8, 128, 64),
+    ("mqa", 8, 1, 128, None),
+    ("d64", 32, 8, 64, None),
+)
+DECODE_SHAPES = [
+    {"batch": b, "ctx": ctx, "hq": hq, "hkv": hkv, "d": d, "page_size": ps, "label": label}
+    for label, hq, hkv, d, ps in DECODE_SETS
+    for b, ctx in DECODE_GRID
+]
+
+PREFILL_BACKENDS = ("tileflash", "sdpa_flash", "sdpa_cudnn", "fa4")
+TILEFLASH_DECODE = ("tileflash", "tileflash_plain", "tileflash_graph")
+DECODE_PEERS = ("sdpa", "sdpa_graph", "flashinfer", "flashinfer_tc", "fa4")
+
+
+def select_shapes(shapes, quick=False, only=None):
+    """Rows whose label contains ``only``; with ``quick``, the first 3 rows of each label."""
+    picked = [s for s in shapes if only is None or only in s["label"]]
+    if not quick:
+        return picked
+    seen = Counter()
+    kept = []
+    for s in picked:
+        if seen[s["label"]] < 3:
+            kept.append(s)
+        seen[s["label"]] += 1
+    return kept
+
+
+def _tileflash():
+    import tileflash
+
+    return tileflash
+
+
+def _randn(*shape):
+    return torch.randn(*shape, device=DEVICE, dtype=DTYPE)
+
+
+def reference_fp32(q, k, v, causal):
+    """SDPA's math backend on fp32 copies; [B, S, H, D] in and out. For Sq == Sk, torch's
+    top-left causal mask equals flash-attn's bottom-right one."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qt, kt, vt = (x.float().transpose(1, 2) for x in (q, k, v))
+    with sdpa_kernel(SDPBackend.MATH):
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=qt.shape[1] != kt.shape[1])
+    return out.transpose(1, 2)
+
+
+def max_abs_err(out, ref):
+    return float((out.float() - ref).abs().max())
+
+
+def _measure(name, build, check, note):
+    """Build one backend's callable, check its output, time it. None when it is unavailable."""
+    rec = {"ms": None, "max_err": None, "ok": False, "error": None}
+    try:
+        fn = build()
+        if fn is None:
+            return None
+        rec["max_err"] = check(fn())
+        rec["ok"] = rec["max_err"] <= TOL
+        if not rec["ok"]:
+            note(f"  FAIL: {name} max abs err {rec['max_err']:.3g} > {TOL} (timed anyway)")
+        rec["ms"] = bench_ms(fn)
+    except Exception as e:
+        rec["error"] = peers.short_error(e)
+        note(f"  note: {name} failed: {rec['error']}")
+    return rec
+
+
+def _best_ms(results, names):
+    times = [results[n]["ms"] for n in names if results.get(n) and results[n]["ok"] and results[n]["ms"]]
+    return min(times, default=None)
+
+
+def speedup(results, ours):
+    """Best peer time over best tileflash time, counting only runs that passed the check;
+    above 1 means tileflash is faster."""
+    mine = _best_ms(results, ours)
+    theirs = _best_ms(results, [n for n in results if n not in ours])
+    return theirs / mine if mine and theirs else None
+
+
+def _field(row, backend, key):
+    rec = row["backends"].get(backend)
+    return rec.get(key) if rec else None
+
+
+def _failed(row):
+    return ", ".join(n for n, r in row["backends"].items() if r and not r["ok"]) or None
+
+
+def _summary(results, key):
+    return "  ".join(f"{n} {format_cell(r.get(key) if r else None)}" for n, r in results.items())
+
+
+def _prefill_one(shape, tf, note):
+    b, s, h, d, causal = (shape[k] for k in ("batch", "seqlen", "nheads", "d", "causal"))
+    q, k, v = (_randn(b, s, h, d) for _ in range(3))
+    hk = min(CHECK_KV_HEADS, k.shape[2])
+    hq = hk * (q.shape[2] // k.shape[2])
+    ref = reference_fp32(q[:1, :, :hq], k[:1, :, :hk], v[:1, :, :hk], causal)
+
+    def check(out):
+        return max_abs_err(out[:1, :, :hq], ref)
+
+    builders = {
+        "tileflash": lambda: lambda: tf.flash_attn_func(q, k, v, causal=causal),
+        "sdpa_flash": lambda: peers.sdpa_prefill(q, k, v, causal, "flash", note),
+        "sdpa_cudnn": lambda: peers.sdpa_prefill(q, k, v, causal, "cudnn", note),
+        "fa4": lambda: peers.fa4_prefill(q, k, v, causal, note),
+    }
+    flops = attn_fwd_flops(b, h, s, s, d, causal)
+    results = {}
+    for name, build in builders.items():
+        rec = _measure(name, build, check, note)
+        if rec is not None:
+            rec["TFLOP/s"] = tflops(flops, rec["ms"]) if rec["ms"] else None
+        results[name] = rec
+    tf_tflops = results["tileflash"]["TFLOP/s"]
+    return {
+        **shape,
+        "flops": flops,
+        "backends": results,
+        "speedup": speedup(results, ("tileflash",)),
+        "pct_bf16_gemm": 100 * tf_tflops / BF16_GEMM_TFLOPS if tf_tflops else None,
+    }
+
+
+def prefill_table(rows):
+    headers = ["d", "causal", "seqlen", "tileflash", "SDPA-flash", "SDPA-cuDNN", "FA4", "tf/best", "%GEMM", "failed"]
+    body = [
+        [r["d"], r["causal"], r["seqlen"], *(_field(r, n, "TFLOP/s") for n in PREFILL_BACKENDS),
+         r["speedup"], r["pct_bf16_gemm"], _failed(r)]
+        for r in rows
+    ]
+    title = (f"Prefill forward, bf16, TFLOP/s (BF16 GEMM ceiling {BF16_GEMM_TFLOPS:.0f}); "
+             "tf/best > 1: tileflash faster than the best peer")
+    return format_table(headers, body, title=title)
+
+
+def run_prefill(shapes=None, out=print):
+    """Check and time tileflash.flash_attn_func and its peers on each shape; print a table and
+    return one JSON-serialisable dict per shape."""
+    tf = _tileflash()
+    rows = []
+    for shape in PREFILL_SHAPES if shapes is None else shapes:
+        torch.manual_seed(0)
+        row = _prefill_one(shape, tf, out)
+        rows.append(row)
+        out(f"prefill {shape['label']} s={shape['seqlen']} (TFLOP/s): {_summary(row['backends'], 'TFLOP/s')}")
+        torch.cuda.empty_cache()
+    out(prefill_table(rows))
+    return rows
+
+
+def _decode_one(shape, tf, note):
+    b, ctx, hq, hkv, d, ps = (shape[k] for k in ("batch", "ctx", "hq", "hkv", "d", "page_size"))
+    q = _randn(b, 1, hq, d)
+    seqlens = torch.full((b,), ctx, dtype=torch.int32, device=DEVICE)
+    if ps is None:
+        k_cache, v_cache = _randn(b, ctx, hkv, d), _randn(b, ctx, hkv, d)
+        block_table = None
+        k_seq, v_seq = k_cache, v_cache
+        # FlashInfer takes only paged caches; a contiguous cache is already one with 16-token
+        # pages in order, so it gets a view and an identity table, not a copy.
+        fi_k, fi_v = (x.view(b * ctx // 16, 16, hkv, d) for x in (k_cache, v_cache))
+        fi_table = torch.arange(b * ctx // 16, dtype=torch.int32, device=DEVICE).view(b, -1)
+    else:
+        num_pages = b * ctx // ps
+        k_cache, v_cache = _randn(num_pages, ps, hkv, d), _randn(num_pages, ps, hkv, d)
+        # Pages in random order, as an allocator hands them out after some churn.
+        block_table = torch.randperm(num_pages, device=DEVICE).to(torch.int32).view(b, ctx // ps)
+        # The logical [B, ctx, Hkv, D] cache, for the reference and for SDPA (which has no paging).
+        k_seq, v_seq = (x[block_table.long()].view(b, ctx, hkv, d) for x in (k_cache, v_cache))
+        fi_k, fi_v, fi_table = k_cache, v_cache, block_table
+
+    n = min(b, CHECK_BATCH)
+    ref = reference_fp32(q[:n], k_seq[:n], v_seq[:n], causal=False)  # Sq = 1 sees the whole cache
+
+    def check(out):
+        return max_abs_err(out[:n], ref)
+
+    def tileflash_call(overlap):
+        return lambda: tf.flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=seqlens, block_table=block_table, causal=True, sp_overlap=overlap,
+        )
+
+    def sdpa_graph():
+        fn = peers.sdpa_decode(q, k_seq, v_seq, note)
+        return None if fn is None else graphed(fn)
+
+    builders = {
+        "tileflash": lambda: tileflash_call(True),
+        "tileflash_plain": lambda: tileflash_call(False),
+        "tileflash_graph": lambda: graphed(tileflash_call(True)),
+        "sdpa": lambda: peers.sdpa_decode(q, k_seq, v_seq, note),
+        "sdpa_graph": sdpa_graph,
+        "flashinfer": lambda: peers.flashinfer_decode(q, fi_k, fi_v, fi_table, ctx, False, note),
+        "flashinfer_tc": lambda: peers.flashinfer_decode(q, fi_k, fi_v, fi_table, ctx, True, note),
+        "fa4": lambda: peers.fa4_decode(q, k_cache, v_cache, seqlens, block_table, note),
+    }
+    nbytes = decode_kv_bytes(b, ctx, hkv, d, DTYPE.itemsize)
+    results = {}
+    for name, build in builders.items():
+        rec = _measure(name, build, check, note)
+        if rec is not None:
+            rec["us"] = rec["ms"] * 1e3 if rec["ms"] else None
+            rec["GB/s"] = gbps(nbytes, rec["ms"]) if rec["ms"] else None
+        results[name] = rec
+    graph = results["tileflash_graph"]
+    return {
+        **shape,
+        "kv_bytes": nbytes,
+        "backends": results,
+        "speedup": speedup(results, TILEFLASH_DECODE),
+        "pct_copy": 100 * graph["GB/s"] / (COPY_TBPS * 1e3) if graph["GB/s"] else None,
+    }
+
+
+def decode_table(rows):
+    headers = ["set", "B", "ctx", "tf us", "tf-plain us", "tf-graph us", "graph GB/s", "%copy",
+               "SDPA us", "SDPA-graph us", "FI us", "FI-TC us", "FA4 us", "tf/best", "failed"]
+    body = [
+        [r["label"], r["batch"], r["ctx"], *(_field(r, n, "us") for n in TILEFLASH_DECODE),
+         _field(r, "tileflash_graph", "GB/s"), r["pct_copy"],
+         *(_field(r, n, "us") for n in DECODE_PEERS), r["speedup"], _failed(r)]
+        for r in rows
+    ]
+    title = (f"Decode (Sq=1), bf16, microseconds; %copy = tileflash graph GB/s over the "
+             f"{COPY_TBPS} TB/s copy ceiling; tf/best > 1: best tileflash faster than the best peer")
+    return format_table(headers, body, title=title)
+
+
+def run_decode(shapes=None, out=print):
+    """Check and time tileflash.flash_attn_with_kvcache (eager, plain loop, CUDA graph) and its
+    peers on each shape; print a table and return one JSON-serialisable dict per shape."""
+    tf = _tileflash()
+    rows = []
+    for shape in DECODE_SHAPES if shapes is None else shapes:
+        torch.manual_seed(0)
+        row = _decode_one(shape, tf, out)
+        rows.append(row)
+        out(f"decode {shape['label']} b={shape['batch']} ctx={shape['ctx']} (us): {_summary(row['backends'], 'us')}")
+        torch.cuda.empty_cache()
+    out(decode_table(rows))
+    return rows

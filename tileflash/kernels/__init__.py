@@ -1,0 +1,1 @@
+"""Triton kernels only. The torch-facing launchers live in tileflash.ops."""

@@ -1,0 +1,135 @@
+"""The one QK^T -> online softmax -> PV inner loop, shared by prefill, varlen and decode.
+
+Notation (per program): a tile of BLOCK_M query rows and the KV tokens [lo, hi) of one KV head.
+  q:      [BLOCK_M, DP]  (DP = head dim padded to a power of two; padding is masked, never stored in memory)
+  k, v:   [BLOCK_N, DP]  loaded per step, from a contiguous cache or gathered through a page table
+  s:      [BLOCK_M, BLOCK_N] scores in log2 units (scaled by softmax_scale * log2(e)) so the softmax uses exp2
+  m_i:    running row max of s (log2 units), l_i: running row sum of exp2(s - m_i), acc: unnormalised output (fp32)
+Each row r carries its query position q_pos[r] in key coordinates (bottom-right aligned: i + seqlen_k - seqlen_q),
+so one mask helper serves plain prefill rows and pack-GQA decode rows (several heads sharing a position).
+"""
+import triton
+import triton.language as tl
+
+LOG2E: tl.constexpr = 1.4426950408889634
+
+
+@triton.jit
+def _visible(q_pos, offs_n, seqlen_k, window_left, window_right, HAS_LEFT: tl.constexpr,
+             HAS_RIGHT: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] mask of keys row r may see: in range, not beyond q_pos + window_right (causal is a
+    right window of 0), not before q_pos - window_left. An absent bound is unbounded."""
+    k_pos = offs_n[None, :]
+    ok = k_pos < seqlen_k
+    if HAS_RIGHT:
+        ok = ok & (k_pos <= q_pos[:, None] + window_right)
+    if HAS_LEFT:
+        ok = ok & (k_pos >= q_pos[:, None] - window_left)
+    return ok
+
+
+@triton.jit
+def _kv_row_offsets(offs_n, seqlen_k, bt_ptr, page_size, stride_page, stride_tok, PAGED: tl.constexpr,
+                    MASK_N: tl.constexpr):
+    """Element offsets (int64) of KV tokens offs_n: contiguous rows, or rows gathered through the block table."""
+    if PAGED:
+        if MASK_N:
+            page = tl.load(bt_ptr + offs_n // page_size, mask=offs_n < seqlen_k, other=0)
+        else:
+            page = tl.load(bt_ptr + offs_n // page_size)
+        return page.to(tl.int64) * stride_page + (offs_n % page_size).to(tl.int64) * stride_tok
+    else:
+        return offs_n.to(tl.int64) * stride_tok
+
+
+@triton.jit
+def _load_kv(base_ptr, row_off, offs_n, offs_d, seqlen_k, HEAD_DIM: tl.constexpr, MASK_N: tl.constexpr,
+             UPCAST: tl.constexpr):
+    ptrs = base_ptr + row_off[:, None] + offs_d[None, :]
+    EVEN_D: tl.constexpr = HEAD_DIM == offs_d.shape[0]
+    if MASK_N:
+        mask = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
+        t = tl.load(ptrs, mask=mask, other=0.0)
+    elif EVEN_D:
+        t = tl.load(ptrs)
+    else:
+        t = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    if UPCAST:
+        t = t.to(tl.float32)
+    return t
+
+
+@triton.jit
+def _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right,
+            SOFTCAP: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """s = mask(softcap(q k^T * scale)) in log2 units."""
+    s = tl.dot(q, tl.trans(k))
+    if SOFTCAP:
+        # softcap * tanh(x / softcap), tanh(y) = 1 - 2 / (exp(2y) + 1); qk_scale already holds softcap * log2(e).
+        y = s * softcap_scale
+        s = qk_scale * (1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0))
+    else:
+        s = s * qk_scale
+    if MASK:
+        s = tl.where(_visible(q_pos, offs_n, seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT), s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _softmax_pv(acc, m_i, l_i, s, v):
+    """Online-softmax update with one block of scores s and values v."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row that has seen only masked keys keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, page_size, stride_k_page, stride_k_tok,
+               stride_v_page, stride_v_tok, offs_d, seqlen_k, lo, hi, qk_scale, softcap_scale, window_left,
+               window_right, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, PAGED: tl.constexpr,
+               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+               SOFTCAP: tl.constexpr, SP_OVERLAP: tl.constexpr, UPCAST: tl.constexpr):
+    """Accumulate KV tokens [lo, hi) (lo a multiple of BLOCK_N) into (acc, m_i, l_i).
+
+    MASK=False is the fast path for blocks that are fully visible to every row (no per-element masks).
+    SP_OVERLAP=True issues QK^T of block j+1 before the softmax of block j (FA4's S/P ping-pong), so the MMA
+    and the next loads overlap the exp2 work; False is the plain loop.
+    """
+    if SP_OVERLAP:
+        if lo < hi:
+            offs_n = lo + tl.arange(0, BLOCK_N)
+            k_off = _kv_row_offsets(offs_n, seqlen_k, bt_ptr, page_size, stride_k_page, stride_k_tok, PAGED, MASK)
+            k = _load_kv(k_base, k_off, offs_n, offs_d, seqlen_k, HEAD_DIM, MASK, UPCAST)
+            s = _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right,
+                        SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT)
+            for start_n in range(lo, hi, BLOCK_N):
+                offs_n = start_n + tl.arange(0, BLOCK_N)
+                v_off = _kv_row_offsets(offs_n, seqlen_k, bt_ptr, page_size, stride_v_page, stride_v_tok, PAGED,
+                                        MASK)
+                v = _load_kv(v_base, v_off, offs_n, offs_d, seqlen_k, HEAD_DIM, MASK, UPCAST)
+                # Next block's scores first (clamped to the last block on the final step; the result is unused).
+                next_n = tl.minimum(start_n + BLOCK_N, hi - BLOCK_N) + tl.arange(0, BLOCK_N)
+                nk_off = _kv_row_offsets(next_n, seqlen_k, bt_ptr, page_size, stride_k_page, stride_k_tok, PAGED,
+                                         MASK)
+                k_next = _load_kv(k_base, nk_off, next_n, offs_d, seqlen_k, HEAD_DIM, MASK, UPCAST)
+                s_next = _scores(q, k_next, qk_scale, softcap_scale, q_pos, next_n, seqlen_k, window_left, window_right,
+                        SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT)
+                acc, m_i, l_i = _softmax_pv(acc, m_i, l_i, s, v)
+                s = s_next
+    else:
+        for start_n in range(lo, hi, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            k_off = _kv_row_offsets(offs_n, seqlen_k, bt_ptr, page_size, stride_k_page, stride_k_tok, PAGED, MASK)
+            k = _load_kv(k_base, k_off, offs_n, offs_d, seqlen_k, HEAD_DIM, MASK, UPCAST)
+            s = _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right,
+                        SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT)
+            v_off = _kv_row_offsets(offs_n, seqlen_k, bt_ptr, page_size, stride_v_page, stride_v_tok, PAGED, MASK)
+            v = _load_kv(v_base, v_off, offs_n, offs_d, seqlen_k, HEAD_DIM, MASK, UPCAST)
+            acc, m_i, l_i = _softmax_pv(acc, m_i, l_i, s, v)
+    return acc, m_i, l_i

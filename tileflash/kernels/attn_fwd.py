@@ -1,0 +1,176 @@
+"""Attention forward for prefill (batched or varlen) and decode (pack-GQA, paged, split-KV): one kernel.
+
+Shapes (element strides are passed explicitly; the head dim must be contiguous):
+  q:    [B, Sq, Hq, D]       (varlen: [total_q, Hq, D] viewed with a batch stride of 0 and cu_seqlens_q offsets)
+  k, v: [B, Sk, Hkv, D]      contiguous / varlen like q; or paged [num_pages, page_size, Hkv, D] + block_table
+  out:  like q, in q's dtype
+  lse:  [B, Hq, Sq] (varlen: [Hq, total_q]) float32, natural log; -inf for rows that see no key
+  Split-KV (decode): o_part [num_splits, B, Sq, Hq, D] and lse_part [num_splits, B, Sq, Hq], fp32, merged by
+  attn_combine; each split holds its own normalised output and LSE (an empty split: o = 0, lse = -inf).
+
+Program grid: axis 0 = (batch x head) x M tiles, flattened (axis 1 is capped at 65535), heaviest causal tiles first;
+axis 1 = KV split. A program's rows are either BLOCK_M consecutive query tokens of one query head (prefill) or, with
+PACK_GQA, rows r = token * G + g over the G = Hq/Hkv query heads of one KV head (decode), so each K/V byte is read
+once per group.
+"""
+import triton
+import triton.language as tl
+
+from ._attn_inner import LOG2E, attn_inner
+
+
+@triton.jit
+def attn_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, o_part_ptr, lse_part_ptr,
+    cu_seqlens_q_ptr, cu_seqlens_k_ptr, seqlens_k_ptr, block_table_ptr,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh,
+    stride_lb, stride_lh, stride_ls,
+    stride_bt,
+    seqlen_q_static, seqlen_k_static, seqlen_k_add, page_size,
+    num_heads_q, group_size, m_tiles, rows_per_split,
+    softmax_scale, softcap, window_left, window_right,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    VARLEN_Q: tl.constexpr, VARLEN_K: tl.constexpr, HAS_SEQLENS_K: tl.constexpr, PAGED: tl.constexpr,
+    PACK_GQA: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    SP_OVERLAP: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    pid_m = m_tiles - 1 - pid % m_tiles  # reverse order: causal tiles with the most work start first
+    pid_bh = pid // m_tiles
+    num_heads_prog = num_heads_q // group_size if PACK_GQA else num_heads_q
+    b = pid_bh // num_heads_prog
+    head = pid_bh % num_heads_prog  # the KV head when packing, else the query head
+    head_kv = head if PACK_GQA else head // group_size
+
+    # ---- sequence extents -------------------------------------------------------------------------------
+    if VARLEN_Q:
+        q_start = tl.load(cu_seqlens_q_ptr + b)
+        seqlen_q = tl.load(cu_seqlens_q_ptr + b + 1) - q_start
+    else:
+        q_start = 0
+        seqlen_q = seqlen_q_static
+    if VARLEN_K:
+        k_start = tl.load(cu_seqlens_k_ptr + b)
+        seqlen_k = tl.load(cu_seqlens_k_ptr + b + 1) - k_start
+    else:
+        k_start = 0
+        seqlen_k = seqlen_k_static
+    if HAS_SEQLENS_K:
+        # Never past the KV actually stored (the cache capacity / this sequence's keys): no out-of-bounds reads.
+        seqlen_k = tl.minimum(tl.load(seqlens_k_ptr + b) + seqlen_k_add, seqlen_k)
+    rows_total = seqlen_q * group_size if PACK_GQA else seqlen_q
+    start_m = pid_m * BLOCK_M
+    if start_m >= rows_total:
+        return
+
+    # ---- rows of this tile: (query token, query head) ---------------------------------------------------
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    row_ok = offs_m < rows_total
+    if PACK_GQA:
+        tok = offs_m // group_size
+        head_q = head * group_size + offs_m % group_size
+        last_row = tl.minimum(start_m + BLOCK_M, rows_total) - 1
+        tok_min = start_m // group_size
+        tok_max = last_row // group_size
+    else:
+        tok = offs_m
+        head_q = head + tl.zeros([BLOCK_M], dtype=tl.int32)
+        tok_min = start_m
+        tok_max = tl.minimum(start_m + BLOCK_M, rows_total) - 1
+    diag = seqlen_k - seqlen_q  # bottom-right alignment
+    q_pos = tok + diag
+
+    q_rows = (q_start + tok).to(tl.int64) * stride_qs + head_q.to(tl.int64) * stride_qh
+    q_ptrs = q_ptr + b.to(tl.int64) * stride_qb + q_rows[:, None] + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # ---- KV block range: [n_lo, n_hi) needed at all, [full_lo, full_hi) visible to every row --------------
+    hi_key = seqlen_k
+    full_hi_key = seqlen_k
+    if HAS_RIGHT:  # causal is a right window of 0
+        hi_key = tl.minimum(hi_key, tok_max + diag + window_right + 1)
+        full_hi_key = tl.minimum(full_hi_key, tok_min + diag + window_right + 1)
+    n_lo = 0
+    full_lo = 0
+    if HAS_LEFT:
+        n_lo = tl.maximum(tok_min + diag - window_left, 0) // BLOCK_N
+        full_lo = tl.cdiv(tl.maximum(tok_max + diag - window_left, 0), BLOCK_N)
+    n_hi = tl.cdiv(tl.maximum(hi_key, 0), BLOCK_N)
+    full_hi = tl.maximum(full_hi_key, 0) // BLOCK_N
+    full_lo = tl.minimum(tl.maximum(full_lo, n_lo), n_hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), n_hi)
+    if SPLIT:
+        # Splits divide this sequence's own block range, so short sequences in a long cache stay balanced.
+        split_blocks = tl.cdiv(n_hi - n_lo, tl.num_programs(1))
+        s_lo = n_lo + split * split_blocks
+        s_hi = tl.minimum(s_lo + split_blocks, n_hi)
+    else:
+        s_lo = n_lo
+        s_hi = n_hi
+
+    if PAGED:
+        k_base = k_ptr + head_kv.to(tl.int64) * stride_kh
+        v_base = v_ptr + head_kv.to(tl.int64) * stride_vh
+        bt_ptr = block_table_ptr + b.to(tl.int64) * stride_bt
+    else:
+        k_base = k_ptr + b.to(tl.int64) * stride_kb + k_start.to(tl.int64) * stride_ks + head_kv.to(tl.int64) * stride_kh
+        v_base = v_ptr + b.to(tl.int64) * stride_vb + k_start.to(tl.int64) * stride_vs + head_kv.to(tl.int64) * stride_vh
+        bt_ptr = block_table_ptr
+
+    if SOFTCAP:
+        qk_scale = softcap * LOG2E
+        softcap_scale = softmax_scale / softcap
+    else:
+        qk_scale = softmax_scale * LOG2E
+        softcap_scale = 1.0
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # Three phases: masked blocks at the window's left edge, unmasked blocks, masked blocks at the diagonal/end.
+    if HAS_LEFT:
+        acc, m_i, l_i = attn_inner(
+            acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
+            offs_d, seqlen_k, tl.maximum(s_lo, n_lo) * BLOCK_N, tl.minimum(s_hi, full_lo) * BLOCK_N,
+            qk_scale, softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_N, True, PAGED, HAS_LEFT,
+            HAS_RIGHT, SOFTCAP,
+            SP_OVERLAP, UPCAST)
+    acc, m_i, l_i = attn_inner(
+        acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
+        offs_d, seqlen_k, tl.maximum(s_lo, full_lo) * BLOCK_N, tl.minimum(s_hi, full_hi) * BLOCK_N,
+        qk_scale, softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_N, False, PAGED, HAS_LEFT, HAS_RIGHT,
+        SOFTCAP,
+        SP_OVERLAP, UPCAST)
+    acc, m_i, l_i = attn_inner(
+        acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
+        offs_d, seqlen_k, tl.maximum(s_lo, full_hi) * BLOCK_N, tl.minimum(s_hi, n_hi) * BLOCK_N,
+        qk_scale, softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_N, True, PAGED, HAS_LEFT, HAS_RIGHT,
+        SOFTCAP,
+        SP_OVERLAP, UPCAST)
+
+    # ---- epilogue: normalise; rows that saw no key give out = 0 and lse = -inf ---------------------------
+    seen = l_i > 0.0
+    inv_l = tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0)
+    o = acc * inv_l[:, None]
+    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) / LOG2E, float("-inf"))
+    d_ok = offs_d[None, :] < HEAD_DIM
+    if SPLIT:
+        # o_part [splits, B, Sq, Hq, D] and lse_part [splits, B, Sq, Hq], contiguous fp32; rows_per_split = B*Sq*Hq.
+        part = split.to(tl.int64) * rows_per_split + ((b * seqlen_q_static + tok) * num_heads_q + head_q).to(tl.int64)
+        tl.store(o_part_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None] & d_ok)
+        tl.store(lse_part_ptr + part, lse, mask=row_ok)
+    else:
+        o_rows = (q_start + tok).to(tl.int64) * stride_os + head_q.to(tl.int64) * stride_oh
+        o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + o_rows[:, None] + offs_d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok)
+        l_ptrs = lse_ptr + b.to(tl.int64) * stride_lb + head_q.to(tl.int64) * stride_lh \
+            + (q_start + tok).to(tl.int64) * stride_ls
+        tl.store(l_ptrs, lse, mask=row_ok)

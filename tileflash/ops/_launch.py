@@ -1,0 +1,116 @@
+"""Launchers: turn torch tensors into the kernels' pointer/stride arguments. No input checking here (the public
+functions check before calling), no allocation whose size depends on tensor values (CUDA-graph safe)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import _utils
+from ..heuristics import padded_head_dim
+from ..kernels.attn_combine import attn_combine_kernel, merge_states_kernel
+from ..kernels.attn_fwd import attn_fwd_kernel
+from ..kernels.kv_append import kv_append_kernel
+
+COMBINE_BLOCK_ROWS = 16
+
+
+@dataclass(frozen=True)
+class Mask:
+    """Normalised masking: causal is a right window of 0; -1 is unbounded."""
+    window_left: int
+    window_right: int
+    softcap: float
+
+    @staticmethod
+    def make(causal: bool, window_size, softcap: float) -> "Mask":
+        left, right = window_size
+        if causal:
+            right = 0
+        return Mask(left, right, float(softcap))
+
+
+def _dummy(device) -> torch.Tensor:
+    return torch.empty(1, dtype=torch.int32, device=device)
+
+
+def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_stride0: bool, num_batches: int,
+                    seqlen_q: int, seqlen_k: int, m_rows: int, softmax_scale: float, mask: Mask, config,
+                    cu_seqlens_q=None, cu_seqlens_k=None, seqlens_k=None, seqlen_k_add: int = 0,
+                    block_table=None, pack_gqa: bool = False, num_splits: int = 1, sp_overlap: bool = False,
+                    o_part=None, lse_part=None) -> None:
+    """q4/out4 [Bq, Sq, Hq, D]; k4/v4 [Bk, Sk, Hkv, D] (paged: [pages, page_size, Hkv, D]); lse3 [Bq, Hq, Sq].
+
+    m_rows: rows per (batch, head program) = max query tokens (x group size when packing).
+    """
+    dev = q4.device
+    hq, d = q4.shape[2], q4.shape[3]
+    hkv = k4.shape[2]
+    group = hq // hkv
+    heads_prog = hkv if pack_gqa else hq
+    m_tiles = _utils.cdiv(max(m_rows, 1), config.block_m)
+    dummy = _dummy(dev)
+    paged = block_table is not None
+    split = num_splits > 1
+    grid = (m_tiles * num_batches * heads_prog, num_splits)
+    attn_fwd_kernel[grid](
+        q4, k4, v4, out4, lse3,
+        o_part if split else dummy, lse_part if split else dummy,
+        cu_seqlens_q if cu_seqlens_q is not None else dummy,
+        cu_seqlens_k if cu_seqlens_k is not None else dummy,
+        seqlens_k if seqlens_k is not None else dummy,
+        block_table if paged else dummy,
+        0 if q_batch_stride0 else q4.stride(0), q4.stride(1), q4.stride(2),
+        0 if k_batch_stride0 else k4.stride(0), k4.stride(1), k4.stride(2),
+        0 if k_batch_stride0 else v4.stride(0), v4.stride(1), v4.stride(2),
+        0 if q_batch_stride0 else out4.stride(0), out4.stride(1), out4.stride(2),
+        0 if q_batch_stride0 else lse3.stride(0), lse3.stride(1), lse3.stride(2),
+        block_table.stride(0) if paged else 0,
+        seqlen_q, seqlen_k, seqlen_k_add, k4.shape[1] if paged else 1,
+        hq, group, m_tiles, num_batches * seqlen_q * hq,
+        softmax_scale, mask.softcap, mask.window_left, mask.window_right,
+        HEAD_DIM=d, HEAD_DIM_PAD=padded_head_dim(d), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        VARLEN_Q=cu_seqlens_q is not None, VARLEN_K=cu_seqlens_k is not None, HAS_SEQLENS_K=seqlens_k is not None,
+        PAGED=paged, PACK_GQA=pack_gqa, SPLIT=split,
+        HAS_LEFT=mask.window_left >= 0, HAS_RIGHT=mask.window_right >= 0, SOFTCAP=mask.softcap > 0.0,
+        SP_OVERLAP=sp_overlap, UPCAST=_utils.upcast_tiles(),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+
+
+def launch_combine(o_part, lse_part, out4, lse3) -> None:
+    """Merge split partials o_part [splits, B*Sq*Hq, D], lse_part [splits, B*Sq*Hq] into out4 / lse3."""
+    num_splits, num_rows, d = o_part.shape
+    b, sq, hq, _ = out4.shape
+    grid = (_utils.cdiv(num_rows, COMBINE_BLOCK_ROWS),)
+    attn_combine_kernel[grid](
+        o_part, lse_part, out4, lse3, num_splits, sq, hq, num_rows,
+        out4.stride(0), out4.stride(1), out4.stride(2), lse3.stride(0), lse3.stride(1), lse3.stride(2),
+        HEAD_DIM=d, HEAD_DIM_PAD=padded_head_dim(d), BLOCK_R=COMBINE_BLOCK_ROWS, num_warps=4,
+    )
+
+
+def launch_merge(oa4, la3, ob4, lb3, out4, lse3) -> None:
+    """All outputs [B, S, H, D], all LSEs [B, H, S] (any strides, last dim of outputs contiguous)."""
+    b, s, h, d = out4.shape
+    num_rows = b * s * h
+    grid = (_utils.cdiv(num_rows, COMBINE_BLOCK_ROWS),)
+    merge_states_kernel[grid](
+        oa4, la3, ob4, lb3, out4, lse3, s, h, num_rows,
+        oa4.stride(0), oa4.stride(1), oa4.stride(2), la3.stride(0), la3.stride(1), la3.stride(2),
+        ob4.stride(0), ob4.stride(1), ob4.stride(2), lb3.stride(0), lb3.stride(1), lb3.stride(2),
+        out4.stride(0), out4.stride(1), out4.stride(2), lse3.stride(0), lse3.stride(1), lse3.stride(2),
+        HEAD_DIM=d, HEAD_DIM_PAD=padded_head_dim(d), BLOCK_R=COMBINE_BLOCK_ROWS, num_warps=4,
+    )
+
+
+def launch_kv_append(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table) -> None:
+    b, s_new, hkv, d = k_new.shape
+    paged = block_table is not None
+    kv_append_kernel[(b * s_new,)](
+        k_new, v_new, k_cache, v_cache, cache_seqlens, block_table if paged else _dummy(k_new.device),
+        k_new.stride(0), k_new.stride(1), k_new.stride(2), v_new.stride(0), v_new.stride(1), v_new.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), block_table.stride(0) if paged else 0, s_new, k_cache.shape[1] if paged else 1, hkv,
+        HEAD_DIM=d, HEAD_DIM_PAD=padded_head_dim(d), HEADS_PAD=_utils.next_pow2(hkv), PAGED=paged, num_warps=4,
+    )

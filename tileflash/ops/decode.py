@@ -1,0 +1,172 @@
+"""flash_attn_with_kvcache: decode / speculative verify over a contiguous or paged KV cache.
+
+Split-KV: num_splits programs share one (sequence, KV head); each writes fp32 partial (o, lse) and attn_combine
+merges them. Pack-GQA: the Hq/Hkv query heads of one KV head x the Sq new tokens form one tile of rows.
+No host-device synchronisation and no value-dependent allocation, so the call can be captured in a CUDA graph
+(validate=True is the exception: it reads device values to check them).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import _utils
+from ..heuristics import decode_config, num_splits_heuristic
+from ._launch import Mask, launch_attn_fwd, launch_combine, launch_kv_append
+from .prefill import _check_softcap
+
+MAX_QUERY_TOKENS = 16
+MAX_PAGE_SIZE = 256
+
+
+def _plan(q, k_cache, block_table, num_splits: int):
+    """(config, m_tiles, num_splits) from shapes only."""
+    b, sq, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    rows = sq * (hq // hkv)
+    cfg = decode_config(d, rows, _utils.is_interpreter())
+    m_tiles = _utils.cdiv(rows, cfg.block_m)
+    capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
+    if num_splits == 0:
+        num_splits = num_splits_heuristic(b, hkv, m_tiles, capacity, cfg.block_n, _utils.num_sms(q.device))
+    return cfg, num_splits, capacity
+
+
+@torch.library.custom_op("tileflash::attn_kvcache", mutates_args=("k_cache", "v_cache"))
+def _attn_kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: Optional[torch.Tensor],
+                     v: Optional[torch.Tensor], cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor],
+                     softmax_scale: float, window_left: int, window_right: int, softcap: float, num_splits: int,
+                     sp_overlap: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    b, sq, hq, d = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
+    if b == 0:
+        return out, lse
+    s_new = 0
+    if k is not None and k.shape[1] > 0:
+        s_new = k.shape[1]
+        launch_kv_append(k, v, k_cache, v_cache, cache_seqlens, block_table)
+    cfg, num_splits, capacity = _plan(q, k_cache, block_table, num_splits)
+    o_part = lse_part = None
+    if num_splits > 1:
+        rows = b * sq * hq
+        o_part = torch.empty((num_splits, rows, d), dtype=torch.float32, device=q.device)
+        lse_part = torch.empty((num_splits, rows), dtype=torch.float32, device=q.device)
+    launch_attn_fwd(q, k_cache, v_cache, out, lse, q_batch_stride0=False, k_batch_stride0=False, num_batches=b,
+                    seqlen_q=sq, seqlen_k=capacity, m_rows=sq * (hq // k_cache.shape[2]),
+                    softmax_scale=softmax_scale, mask=Mask(window_left, window_right, softcap), config=cfg,
+                    seqlens_k=cache_seqlens, seqlen_k_add=s_new, block_table=block_table, pack_gqa=True,
+                    num_splits=num_splits, sp_overlap=sp_overlap, o_part=o_part, lse_part=lse_part)
+    if num_splits > 1:
+        launch_combine(o_part, lse_part, out, lse)
+    return out, lse
+
+
+@_attn_kvcache_op.register_fake
+def _(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, window_left, window_right, softcap,
+      num_splits, sp_overlap):
+    b, sq, hq, _ = q.shape
+    return torch.empty_like(q), q.new_empty((b, hq, sq), dtype=torch.float32)
+
+
+def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits):
+    _utils.check_tensor("q", q, ndim=4, dtypes=_utils.SUPPORTED_DTYPES)
+    dev = q.device
+    _utils.check_tensor("k_cache", k_cache, ndim=4, dtypes=(q.dtype,), device=dev)
+    _utils.check_tensor("v_cache", v_cache, ndim=4, dtypes=(q.dtype,), device=dev)
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _utils.check_last_dim_contiguous(name, t)
+    b, sq, hq, d = q.shape
+    _utils.check_head_dim(d)
+    if not 1 <= sq <= MAX_QUERY_TOKENS:
+        raise ValueError(f"q: expected 1..{MAX_QUERY_TOKENS} query tokens per sequence (dim 1), got {sq}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache, v_cache: expected equal shapes, got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}")
+    hkv = k_cache.shape[2]
+    if k_cache.shape[3] != d:
+        raise ValueError(f"k_cache: expected head dim {d} (q's), got {k_cache.shape[3]}")
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"k_cache: number of KV heads must divide the query heads, got Hq={hq}, Hkv={hkv}")
+    if block_table is not None:
+        _utils.check_int32("block_table", block_table, 2, dev)
+        if block_table.shape[0] != b:
+            raise ValueError(f"block_table: expected {b} rows (batch), got {block_table.shape[0]}")
+        if block_table.shape[1] > 1 and block_table.stride(1) != 1:
+            raise ValueError("block_table: last dimension must be contiguous (stride 1)")
+        page_size = k_cache.shape[1]
+        if not 1 <= page_size <= MAX_PAGE_SIZE:
+            raise ValueError(f"k_cache: page size (dim 1) must be in 1..{MAX_PAGE_SIZE}, got {page_size}")
+        capacity = block_table.shape[1] * page_size
+    else:
+        if k_cache.shape[0] != b:
+            raise ValueError(f"k_cache: expected batch {b} (q's) for a contiguous cache, got {k_cache.shape[0]} "
+                             f"(pass block_table for a paged cache)")
+        capacity = k_cache.shape[1]
+    if cache_seqlens is None:
+        raise ValueError("cache_seqlens: required ([batch] int32, tokens already in each sequence's cache)")
+    _utils.check_int32("cache_seqlens", cache_seqlens, 1, dev)
+    if cache_seqlens.shape[0] != b:
+        raise ValueError(f"cache_seqlens: expected {b} elements (batch), got {cache_seqlens.shape[0]}")
+    if (k is None) != (v is None):
+        raise ValueError("k, v: pass both new keys and new values, or neither")
+    s_new = 0
+    if k is not None:
+        for name, t in (("k", k), ("v", v)):
+            _utils.check_tensor(name, t, ndim=4, dtypes=(q.dtype,), device=dev)
+            _utils.check_last_dim_contiguous(name, t)
+            if tuple(t.shape) != (b, t.shape[1], hkv, d):
+                raise ValueError(f"{name}: expected shape [{b}, Snew, {hkv}, {d}], got {tuple(t.shape)}")
+        if k.shape != v.shape:
+            raise ValueError(f"k, v: expected equal shapes, got {tuple(k.shape)} and {tuple(v.shape)}")
+        s_new = k.shape[1]
+        if s_new > capacity:
+            raise ValueError(f"k: {s_new} new tokens exceed the cache capacity of {capacity} tokens")
+    if int(num_splits) < 0:
+        raise ValueError(f"num_splits: expected 0 (heuristic), 1 (no split) or n > 1, got {num_splits}")
+    return capacity, s_new
+
+
+def _validate_values(k_cache, cache_seqlens, block_table, capacity: int, s_new: int) -> None:
+    """Checks that read device values (a host sync): lengths within capacity, page indices inside the pool."""
+    seqlens = cache_seqlens.cpu()
+    if seqlens.numel() and int(seqlens.min()) < 0:
+        raise ValueError(f"cache_seqlens: expected values >= 0, got min {int(seqlens.min())}")
+    if seqlens.numel() and int(seqlens.max()) + s_new > capacity:
+        raise ValueError(f"cache_seqlens + Snew: {int(seqlens.max())} + {s_new} exceeds the cache capacity of "
+                         f"{capacity} tokens")
+    if block_table is not None:
+        page_size = k_cache.shape[1]
+        num_pages = k_cache.shape[0]
+        table = block_table.cpu()
+        for i, n in enumerate((seqlens + s_new).tolist()):
+            used = table[i, : _utils.cdiv(n, page_size)]
+            if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_pages):
+                raise ValueError(f"block_table: row {i} uses page indices outside the pool [0, {num_pages}): "
+                                 f"min {int(used.min())}, max {int(used.max())}")
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
+                            softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0, num_splits=0,
+                            return_lse=False, sp_overlap=True, validate=False):
+    """Attention of 1..16 new query tokens per sequence over a KV cache, appending new K/V in place.
+
+    q [B, Sq, Hq, D]; k_cache/v_cache [B, S_max, Hkv, D], or paged [num_pages, page_size, Hkv, D] with
+    block_table [B, max_pages] int32 (page_size 1..256, pages in any order); cache_seqlens [B] int32.
+    k, v [B, Snew, Hkv, D] are written at positions cache_seqlens .. cache_seqlens + Snew, then attention runs over
+    cache_seqlens + Snew tokens (causal bottom-right aligned). num_splits: 0 heuristic, 1 none, n exactly n.
+    sp_overlap selects the S/P-overlapped inner loop (default) or the plain loop.
+    validate=True checks cache_seqlens and block_table values against the cache (costs a device sync); without it
+    they are the caller's contract (lengths are clamped to the capacity in the kernel; page indices are trusted).
+    Returns out [B, Sq, Hq, D], and with return_lse=True (out, lse [B, Hq, Sq] float32).
+    """
+    capacity, s_new = _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits)
+    if validate or q.device.type == "cpu":  # on the CPU reading values costs no sync
+        _validate_values(k_cache, cache_seqlens, block_table, capacity, s_new)
+    left, right = _utils.check_window(window_size)
+    mask = Mask.make(causal, (left, right), _check_softcap(softcap))
+    out, lse = _attn_kvcache_op(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                                _utils.softmax_scale_or_default(softmax_scale, q.shape[-1]), mask.window_left,
+                                mask.window_right, mask.softcap, int(num_splits), bool(sp_overlap))
+    return (out, lse) if return_lse else out

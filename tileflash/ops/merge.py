@@ -1,0 +1,51 @@
+"""merge_attn_states: join two partial attention results (cascade / shared-prefix and cross-GPU attention)."""
+from __future__ import annotations
+
+import torch
+
+from .. import _utils
+from ._launch import launch_merge
+
+
+@torch.library.custom_op("tileflash::merge_attn_states", mutates_args=())
+def _merge_op(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+              lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.empty_like(out_a)
+    lse = torch.empty_like(lse_a, memory_format=torch.contiguous_format)
+    if out.numel() == 0:
+        return out, lse
+    if out_a.dim() == 3:  # [T, H, D] with lse [H, T] is the batch-1 case of [B, S, H, D] with [B, H, S]
+        launch_merge(out_a.unsqueeze(0), lse_a.unsqueeze(0), out_b.unsqueeze(0), lse_b.unsqueeze(0),
+                     out.unsqueeze(0), lse.unsqueeze(0))
+    else:
+        launch_merge(out_a, lse_a, out_b, lse_b, out, lse)
+    return out, lse
+
+
+@_merge_op.register_fake
+def _(out_a, lse_a, out_b, lse_b):
+    return torch.empty_like(out_a), torch.empty_like(lse_a, memory_format=torch.contiguous_format)
+
+
+def merge_attn_states(out_a, lse_a, out_b, lse_b):
+    """Merge two partial results over disjoint key sets into the result over their union.
+
+    out_* [B, S, H, D] with lse_* [B, H, S] (flash_attn_func / flash_attn_with_kvcache layouts), or out_* [T, H, D]
+    with lse_* [H, T] (varlen layout); lse float32, natural log, -inf for a part that saw no key (it contributes
+    nothing). Returns (out, lse) with out in out_a's dtype.
+    """
+    _utils.check_tensor("out_a", out_a, dtypes=_utils.SUPPORTED_DTYPES + (torch.float32,))
+    if out_a.dim() not in (3, 4):
+        raise ValueError(f"out_a: expected [B, S, H, D] or [T, H, D], got shape {tuple(out_a.shape)}")
+    _utils.check_tensor("out_b", out_b, ndim=out_a.dim(), dtypes=(out_a.dtype,), device=out_a.device)
+    if out_b.shape != out_a.shape:
+        raise ValueError(f"out_b: expected shape {tuple(out_a.shape)} (out_a's), got {tuple(out_b.shape)}")
+    lse_shape = (out_a.shape[2], out_a.shape[0]) if out_a.dim() == 3 else \
+        (out_a.shape[0], out_a.shape[2], out_a.shape[1])
+    for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
+        _utils.check_tensor(name, t, ndim=len(lse_shape), dtypes=(torch.float32,), device=out_a.device)
+        if tuple(t.shape) != lse_shape:
+            raise ValueError(f"{name}: expected shape {lse_shape}, got {tuple(t.shape)}")
+    for name, t in (("out_a", out_a), ("out_b", out_b)):
+        _utils.check_last_dim_contiguous(name, t)
+    return _merge_op(out_a, lse_a, out_b, lse_b)

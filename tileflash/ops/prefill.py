@@ -1,0 +1,136 @@
+"""flash_attn_func / flash_attn_varlen_func: checks, custom ops, public functions (flash-attn's names and order)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import _utils
+from ..heuristics import fwd_config
+from ._launch import Mask, launch_attn_fwd
+
+
+def _check_qkv(q, k, v, ndim: int) -> None:
+    _utils.check_tensor("q", q, ndim=ndim, dtypes=_utils.SUPPORTED_DTYPES)
+    _utils.check_tensor("k", k, ndim=ndim, dtypes=(q.dtype,), device=q.device)
+    _utils.check_tensor("v", v, ndim=ndim, dtypes=(q.dtype,), device=q.device)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _utils.check_last_dim_contiguous(name, t)
+    if k.shape != v.shape:
+        raise ValueError(f"k, v: expected equal shapes, got {tuple(k.shape)} and {tuple(v.shape)}")
+    hq, d = q.shape[-2], q.shape[-1]
+    hkv = k.shape[-2]
+    if k.shape[-1] != d:
+        raise ValueError(f"k: expected head dim {d} (q's), got {k.shape[-1]}")
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"k: number of KV heads must divide the query heads, got Hq={hq}, Hkv={hkv}")
+    _utils.check_head_dim(d)
+
+
+def _check_softcap(softcap) -> float:
+    softcap = float(softcap)
+    if softcap < 0:
+        raise ValueError(f"softcap: expected >= 0 (0 disables it), got {softcap}")
+    return softcap
+
+
+@torch.library.custom_op("tileflash::attn_fwd", mutates_args=())
+def _attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, window_left: int,
+                 window_right: int, softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    b, sq, hq, d = q.shape
+    sk = k.shape[1]
+    out = torch.empty_like(q)
+    lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse.fill_(float("-inf"))
+    launch_attn_fwd(q, k, v, out, lse, q_batch_stride0=False, k_batch_stride0=False, num_batches=b,
+                    seqlen_q=sq, seqlen_k=sk, m_rows=sq, softmax_scale=softmax_scale,
+                    mask=Mask(window_left, window_right, softcap),
+                    config=fwd_config(d, _utils.is_interpreter()))
+    return out, lse
+
+
+@_attn_fwd_op.register_fake
+def _(q, k, v, softmax_scale, window_left, window_right, softcap):
+    b, sq, hq, _ = q.shape
+    return torch.empty_like(q), q.new_empty((b, hq, sq), dtype=torch.float32)
+
+
+@torch.library.custom_op("tileflash::attn_varlen_fwd", mutates_args=())
+def _attn_varlen_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                        cu_seqlens_k: torch.Tensor, seqused_k: Optional[torch.Tensor], max_seqlen_q: int,
+                        softmax_scale: float, window_left: int, window_right: int,
+                        softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    total_q, hq, d = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty((hq, total_q), dtype=torch.float32, device=q.device)
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    if total_q == 0 or num_seqs == 0 or max_seqlen_q == 0:
+        return out, lse.fill_(float("-inf"))
+    # [total, H, D] -> [1, total, H, D]; the batch stride is 0 and cu_seqlens give each sequence's start.
+    launch_attn_fwd(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0),
+                    q_batch_stride0=True, k_batch_stride0=True, num_batches=num_seqs, seqlen_q=0,
+                    seqlen_k=0, m_rows=max_seqlen_q, softmax_scale=softmax_scale,
+                    mask=Mask(window_left, window_right, softcap), config=fwd_config(d, _utils.is_interpreter()),
+                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqlens_k=seqused_k)
+    return out, lse
+
+
+@_attn_varlen_fwd_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, softmax_scale, window_left, window_right,
+      softcap):
+    total_q, hq, _ = q.shape
+    return torch.empty_like(q), q.new_empty((hq, total_q), dtype=torch.float32)
+
+
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    return_lse=False):
+    """Attention over a padded batch. q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (Hq % Hkv == 0), fp16/bf16.
+
+    Causal and windows are bottom-right aligned (query i sees key j iff j <= i + Sk - Sq). Returns out
+    [B, Sq, Hq, D], and with return_lse=True (out, lse) with lse [B, Hq, Sq] float32, natural log.
+    """
+    _check_qkv(q, k, v, 4)
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"k: expected batch {q.shape[0]} (q's), got {k.shape[0]}")
+    left, right = _utils.check_window(window_size)
+    mask = Mask.make(causal, (left, right), _check_softcap(softcap))
+    out, lse = _attn_fwd_op(q, k, v, _utils.softmax_scale_or_default(softmax_scale, q.shape[-1]),
+                            mask.window_left, mask.window_right, mask.softcap)
+    return (out, lse) if return_lse else out
+
+
+def _check_cu_seqlens(name: str, t, device) -> None:
+    _utils.check_int32(name, t, 1, device)
+    if t.shape[0] < 1:
+        raise ValueError(f"{name}: expected at least one element (batch + 1 offsets), got shape {tuple(t.shape)}")
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=None,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, return_lse=False):
+    """Attention over packed variable-length sequences. q [total_q, Hq, D], k/v [total_k, Hkv, D];
+    cu_seqlens_q/k [batch + 1] int32 offsets; optional seqused_k [batch] int32 (keys actually used per sequence).
+    Empty sequences are allowed. Returns out [total_q, Hq, D] and with return_lse=True lse [Hq, total_q].
+
+    max_seqlen_q must be >= every query length (it sizes the grid); max_seqlen_k is accepted for flash-attn
+    compatibility.
+    """
+    _check_qkv(q, k, v, 3)
+    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device)
+    if cu_seqlens_k.shape[0] != cu_seqlens_q.shape[0]:
+        raise ValueError(f"cu_seqlens_k: expected {cu_seqlens_q.shape[0]} elements (cu_seqlens_q's), "
+                         f"got {cu_seqlens_k.shape[0]}")
+    if seqused_k is not None:
+        _utils.check_int32("seqused_k", seqused_k, 1, q.device)
+        if seqused_k.shape[0] != cu_seqlens_q.shape[0] - 1:
+            raise ValueError(f"seqused_k: expected {cu_seqlens_q.shape[0] - 1} elements, got {seqused_k.shape[0]}")
+    for name, val in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if int(val) < 0:
+            raise ValueError(f"{name}: expected >= 0, got {val}")
+    left, right = _utils.check_window(window_size)
+    mask = Mask.make(causal, (left, right), _check_softcap(softcap))
+    out, lse = _attn_varlen_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q),
+                                   _utils.softmax_scale_or_default(softmax_scale, q.shape[-1]),
+                                   mask.window_left, mask.window_right, mask.softcap)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,108 @@
+"""Pure-PyTorch references. Never used by the kernels; tests compare kernels against these.
+
+`upcast=True` computes in float32 (the accuracy target); `upcast=False` mimics a low-precision kernel (matmuls in
+the input dtype, softmax in float32, probabilities rounded to the input dtype) and measures the rounding noise a
+correct fp16/bf16 kernel is allowed: pass iff max|out - ref32| <= 2 * max|ref_lowp - ref32| + atol.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def visible_mask(seqlen_q: int, seqlen_k: int, causal: bool = False, window_size=(-1, -1),
+                 device=None) -> torch.Tensor:
+    """[Sq, Sk] bool: query i sees key j. Bottom-right aligned: row i sits at key position i + Sk - Sq."""
+    left, right = window_size
+    if causal:
+        right = 0
+    q_pos = torch.arange(seqlen_q, device=device)[:, None] + (seqlen_k - seqlen_q)
+    k_pos = torch.arange(seqlen_k, device=device)[None, :]
+    ok = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if right >= 0:
+        ok &= k_pos <= q_pos + right
+    if left >= 0:
+        ok &= k_pos >= q_pos - left
+    return ok
+
+
+def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, upcast=True):
+    """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] -> (out [B, Sq, Hq, D] in q's dtype, lse [B, Hq, Sq] float32)."""
+    dtype = q.dtype
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    if upcast:
+        q, k, v = q.float(), k.float(), v.float()
+    k = k.repeat_interleave(hq // hkv, dim=2)
+    v = v.repeat_interleave(hq // hkv, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k).float() * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    ok = visible_mask(sq, sk, causal, window_size, device=q.device)
+    s = s.masked_fill(~ok, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # -inf for rows that see no key
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    out = torch.einsum("bhqk,bkhd->bqhd", p.to(v.dtype), v)
+    return out.to(dtype), lse
+
+
+def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None, **kw):
+    """Packed sequences: q [total_q, Hq, D], k/v [total_k, Hkv, D] -> (out [total_q, Hq, D], lse [Hq, total_q])."""
+    out = torch.zeros_like(q)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for i in range(len(cq) - 1):
+        q0, q1, k0, k1 = cq[i], cq[i + 1], ck[i], ck[i + 1]
+        if seqused_k is not None:
+            k1 = k0 + min(int(seqused_k[i]), k1 - k0)
+        if q1 == q0:
+            continue
+        o, l = attention_ref(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], **kw)
+        out[q0:q1], lse[:, q0:q1] = o[0], l[0]
+    return out, lse
+
+
+def gather_cache(cache, block_table, seqlen: int, b: int):
+    """Sequence b's first `seqlen` tokens [seqlen, Hkv, D] from a contiguous [B, S, H, D] or paged cache."""
+    if block_table is None:
+        return cache[b, :seqlen]
+    page_size = cache.shape[1]
+    pages = block_table[b, : math.ceil(seqlen / page_size)].long()
+    return cache[pages].reshape(-1, *cache.shape[2:])[:seqlen]
+
+
+def kvcache_ref(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None, causal=True, **kw):
+    """Reference for flash_attn_with_kvcache on copies of the caches. Returns (out, lse, k_cache, v_cache) with the
+    new tokens appended to the returned caches."""
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    b, sq = q.shape[:2]
+    s_new = 0 if k is None else k.shape[1]
+    out = torch.empty_like(q)
+    lse = torch.empty(b, q.shape[2], sq, dtype=torch.float32, device=q.device)
+    for i in range(b):
+        n0 = int(cache_seqlens[i])
+        for t in range(s_new):
+            pos = n0 + t
+            if block_table is None:
+                k_cache[i, pos], v_cache[i, pos] = k[i, t], v[i, t]
+            else:
+                page, slot = int(block_table[i, pos // k_cache.shape[1]]), pos % k_cache.shape[1]
+                k_cache[page, slot], v_cache[page, slot] = k[i, t], v[i, t]
+        n = n0 + s_new
+        kk = gather_cache(k_cache, block_table, n, i)[None]
+        vv = gather_cache(v_cache, block_table, n, i)[None]
+        o, l = attention_ref(q[i: i + 1], kk, vv, causal=causal, **kw)
+        out[i], lse[i] = o[0], l[0]
+    return out, lse, k_cache, v_cache
+
+
+def merge_ref(out_a, lse_a, out_b, lse_b):
+    """out_* [B, S, H, D], lse_* [B, H, S] -> merged (out, lse), float32 maths."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    safe = torch.where(torch.isinf(lse), 0.0, lse)
+    wa = torch.exp(lse_a - safe).transpose(1, 2)[..., None]
+    wb = torch.exp(lse_b - safe).transpose(1, 2)[..., None]
+    out = wa * out_a.float() + wb * out_b.float()
+    return out.to(out_a.dtype), lse
