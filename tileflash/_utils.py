@@ -16,6 +16,9 @@ MAX_HEAD_DIM = 256
 # when interpreting (a constexpr; GPU numerics are untouched). Tests switch this off to show a bf16 test can fail.
 INTERPRETER_UPCAST = True
 
+# Tests set this so every output buffer starts as NaN: an element a kernel forgets to write then fails the test.
+POISON_OUTPUTS = False
+
 
 def is_interpreter() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -35,6 +38,11 @@ def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return _num_sms_cuda(device.index if device.index is not None else torch.cuda.current_device())
     return 132
+
+
+def new_output(shape, dtype, device) -> torch.Tensor:
+    t = torch.empty(shape, dtype=dtype, device=device)
+    return t.fill_(float("nan")) if POISON_OUTPUTS else t
 
 
 def cdiv(a: int, b: int) -> int:

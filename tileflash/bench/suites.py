@@ -43,13 +43,14 @@ DECODE_GRID = (
     (1, 8192), (1, 32768), (1, 131072), (8, 8192), (8, 32768),
     (32, 2048), (32, 8192), (64, 4096), (128, 1024), (256, 2048),
 )
-# label, hq, hkv, d, page_size (None = contiguous cache)
+# label, hq, hkv, d, page_size (None = contiguous cache). Labels are picked so that --only
+# substrings don't collide: "d64" matches the head-dim rows, not "page64".
 DECODE_SETS = (
     ("gqa", 32, 8, 128, None),
-    ("gqa-paged16", 32, 8, 128, 16),
-    ("gqa-paged64", 32, 8, 128, 64),
+    ("gqa-page16", 32, 8, 128, 16),
+    ("gqa-page64", 32, 8, 128, 64),
     ("mqa", 8, 1, 128, None),
-    ("d64", 32, 8, 64, None),
+    ("gqa-d64", 32, 8, 64, None),
 )
 DECODE_SHAPES = [
     {"batch": b, "ctx": ctx, "hq": hq, "hkv": hkv, "d": d, "page_size": ps, "label": label}

@@ -38,7 +38,7 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
                     seqlen_q: int, seqlen_k: int, m_rows: int, softmax_scale: float, mask: Mask, config,
                     cu_seqlens_q=None, cu_seqlens_k=None, seqlens_k=None, seqlen_k_add: int = 0,
                     block_table=None, pack_gqa: bool = False, num_splits: int = 1, sp_overlap: bool = False,
-                    o_part=None, lse_part=None) -> None:
+                    o_part=None, lse_part=None):
     """q4/out4 [Bq, Sq, Hq, D]; k4/v4 [Bk, Sk, Hkv, D] (paged: [pages, page_size, Hkv, D]); lse3 [Bq, Hq, Sq].
 
     m_rows: rows per (batch, head program) = max query tokens (x group size when packing).
@@ -53,7 +53,7 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
     paged = block_table is not None
     split = num_splits > 1
     grid = (m_tiles * num_batches * heads_prog, num_splits)
-    attn_fwd_kernel[grid](
+    return attn_fwd_kernel[grid](
         q4, k4, v4, out4, lse3,
         o_part if split else dummy, lse_part if split else dummy,
         cu_seqlens_q if cu_seqlens_q is not None else dummy,

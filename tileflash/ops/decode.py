@@ -39,8 +39,8 @@ def _attn_kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      softmax_scale: float, window_left: int, window_right: int, softcap: float, num_splits: int,
                      sp_overlap: bool) -> tuple[torch.Tensor, torch.Tensor]:
     b, sq, hq, d = q.shape
-    out = torch.empty_like(q)
-    lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
+    out = _utils.new_output(q.shape, q.dtype, q.device)
+    lse = _utils.new_output((b, hq, sq), torch.float32, q.device)
     if b == 0:
         return out, lse
     s_new = 0
@@ -51,8 +51,8 @@ def _attn_kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     o_part = lse_part = None
     if num_splits > 1:
         rows = b * sq * hq
-        o_part = torch.empty((num_splits, rows, d), dtype=torch.float32, device=q.device)
-        lse_part = torch.empty((num_splits, rows), dtype=torch.float32, device=q.device)
+        o_part = _utils.new_output((num_splits, rows, d), torch.float32, q.device)
+        lse_part = _utils.new_output((num_splits, rows), torch.float32, q.device)
     launch_attn_fwd(q, k_cache, v_cache, out, lse, q_batch_stride0=False, k_batch_stride0=False, num_batches=b,
                     seqlen_q=sq, seqlen_k=capacity, m_rows=sq * (hq // k_cache.shape[2]),
                     softmax_scale=softmax_scale, mask=Mask(window_left, window_right, softcap), config=cfg,

@@ -10,8 +10,8 @@ from ._launch import launch_merge
 @torch.library.custom_op("tileflash::merge_attn_states", mutates_args=())
 def _merge_op(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
               lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    out = torch.empty_like(out_a)
-    lse = torch.empty_like(lse_a, memory_format=torch.contiguous_format)
+    out = _utils.new_output(out_a.shape, out_a.dtype, out_a.device)
+    lse = _utils.new_output(lse_a.shape, torch.float32, out_a.device)
     if out.numel() == 0:
         return out, lse
     if out_a.dim() == 3:  # [T, H, D] with lse [H, T] is the batch-1 case of [B, S, H, D] with [B, H, S]
@@ -40,7 +40,7 @@ def merge_attn_states(out_a, lse_a, out_b, lse_b):
     _utils.check_tensor("out_b", out_b, ndim=out_a.dim(), dtypes=(out_a.dtype,), device=out_a.device)
     if out_b.shape != out_a.shape:
         raise ValueError(f"out_b: expected shape {tuple(out_a.shape)} (out_a's), got {tuple(out_b.shape)}")
-    lse_shape = (out_a.shape[2], out_a.shape[0]) if out_a.dim() == 3 else \
+    lse_shape = (out_a.shape[1], out_a.shape[0]) if out_a.dim() == 3 else \
         (out_a.shape[0], out_a.shape[2], out_a.shape[1])
     for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
         _utils.check_tensor(name, t, ndim=len(lse_shape), dtypes=(torch.float32,), device=out_a.device)

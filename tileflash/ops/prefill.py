@@ -39,8 +39,8 @@ def _attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scal
                  window_right: int, softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
     b, sq, hq, d = q.shape
     sk = k.shape[1]
-    out = torch.empty_like(q)
-    lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
+    out = _utils.new_output(q.shape, q.dtype, q.device)
+    lse = _utils.new_output((b, hq, sq), torch.float32, q.device)
     if out.numel() == 0:
         return out, lse.fill_(float("-inf"))
     launch_attn_fwd(q, k, v, out, lse, q_batch_stride0=False, k_batch_stride0=False, num_batches=b,
@@ -62,8 +62,8 @@ def _attn_varlen_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_se
                         softmax_scale: float, window_left: int, window_right: int,
                         softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
     total_q, hq, d = q.shape
-    out = torch.empty_like(q)
-    lse = torch.empty((hq, total_q), dtype=torch.float32, device=q.device)
+    out = _utils.new_output(q.shape, q.dtype, q.device)
+    lse = _utils.new_output((hq, total_q), torch.float32, q.device)
     num_seqs = cu_seqlens_q.shape[0] - 1
     if total_q == 0 or num_seqs == 0 or max_seqlen_q == 0:
         return out, lse.fill_(float("-inf"))

@@ -1,0 +1,148 @@
+"""Tile-config sweep on the GPU: checks each config against SDPA, times it, reports SASS facts (HGMMA, spills).
+
+Run on the GPU machine: `python benchmarks/sweep.py [--json PATH]`. The winners go into tileflash/heuristics.py
+with the measurement in a comment; this script is how they were chosen.
+"""
+import argparse
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from tileflash.bench.formulas import attn_fwd_flops, decode_kv_bytes, gbps, tflops
+from tileflash.bench.table import format_table
+from tileflash.bench.timing import bench_ms
+from tileflash.heuristics import DecodeConfig, FwdConfig
+from tileflash.ops import decode as decode_ops
+from tileflash.ops._launch import Mask, launch_attn_fwd
+
+PREFILL_CONFIGS = [
+    FwdConfig(128, 64, 4, 3), FwdConfig(128, 64, 8, 3), FwdConfig(128, 128, 8, 3), FwdConfig(128, 128, 8, 2),
+    FwdConfig(128, 128, 4, 3), FwdConfig(64, 128, 4, 3), FwdConfig(128, 64, 8, 4), FwdConfig(128, 32, 4, 4),
+]
+DECODE_CONFIGS = [(32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 8, 3)]
+
+
+def sass_facts(compiled) -> str:
+    try:
+        sass = compiled.asm.get("sass", "")
+    except Exception:  # noqa: BLE001 - best effort, never fail the sweep
+        return "?"
+    n_regs = getattr(compiled, "n_regs", "?")
+    n_spills = getattr(compiled, "n_spills", "?")
+    return f"HGMMA={'HGMMA' in sass} regs={n_regs} spills={n_spills}"
+
+
+def sweep_prefill(rows, out):
+    for d, causal in ((64, False), (64, True), (128, False), (128, True), (256, False)):
+        if True:
+            s, h = 4096, 2048 // d
+            b = 16384 // s
+            q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            ref = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), is_causal=causal)
+            ref = ref.transpose(1, 2)
+            for cfg in PREFILL_CONFIGS:
+                if d == 256 and cfg.block_n > 64 and cfg.block_m > 64:
+                    continue  # does not fit the register file
+                o = torch.empty_like(q)
+                lse = torch.empty(b, h, s, device="cuda", dtype=torch.float32)
+
+                def run():
+                    return launch_attn_fwd(q, k, v, o, lse, q_batch_stride0=False, k_batch_stride0=False,
+                                           num_batches=b, seqlen_q=s, seqlen_k=s, m_rows=s,
+                                           softmax_scale=d ** -0.5, mask=Mask.make(causal, (-1, -1), 0.0),
+                                           config=cfg)
+                try:
+                    compiled = run()
+                    err = (o.float() - ref.float()).abs().max().item()
+                    ms = bench_ms(run)
+                    facts = sass_facts(compiled)
+                except Exception as e:  # noqa: BLE001
+                    err, ms, facts = float("nan"), None, f"error: {str(e)[:80]}"
+                tf = tflops(attn_fwd_flops(b, h, s, s, d, causal), ms) if ms else None
+                rows.append(dict(kind="prefill", d=d, causal=causal, cfg=str(cfg), err=err, tflops=tf, facts=facts))
+                out(f"prefill d={d} causal={causal} {cfg}: err={err:.2e} TFLOP/s={tf} {facts}")
+
+
+def sweep_decode(rows, out):
+    import tileflash
+
+    for b, ctx, hq, hkv, d, ps in ((1, 32768, 32, 8, 128, None), (1, 32768, 32, 8, 128, 16),
+                                   (32, 8192, 32, 8, 128, None), (1, 8192, 32, 8, 128, None),
+                                   (8, 32768, 8, 1, 128, None), (32, 8192, 32, 8, 64, None)):
+        q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)
+        if ps is None:
+            kc, vc = (torch.randn(b, ctx, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            table = None
+            ks, vs = kc, vc
+        else:
+            n = b * ctx // ps
+            kc, vc = (torch.randn(n, ps, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            table = torch.randperm(n, device="cuda").to(torch.int32).view(b, -1)
+            ks, vs = (x[table.long()].view(b, ctx, hkv, d) for x in (kc, vc))
+        lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+        ref = F.scaled_dot_product_attention(q.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2),
+                                             enable_gqa=True).transpose(1, 2)
+        nbytes = decode_kv_bytes(b, ctx, hkv, d)
+        original = decode_ops.decode_config
+        for bn, w, st in DECODE_CONFIGS:
+            for overlap in (True, False):
+                decode_ops.decode_config = lambda dd, rows_, interpret=False: DecodeConfig(  # noqa: E731
+                    original(dd, rows_).block_m, bn, w, st)
+                try:
+                    fn = lambda: tileflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens,  # noqa: E731
+                                                                   block_table=table, sp_overlap=overlap)
+                    err = (fn().float() - ref.float()).abs().max().item()
+                    ms = bench_ms(fn)
+                except Exception as e:  # noqa: BLE001
+                    err, ms = float("nan"), None
+                    out(f"decode error {bn},{w},{st}: {str(e)[:100]}")
+                finally:
+                    decode_ops.decode_config = original
+                rows.append(dict(kind="decode", b=b, ctx=ctx, hq=hq, hkv=hkv, d=d, ps=ps, bn=bn, warps=w,
+                                 stages=st, overlap=overlap, err=err, us=ms * 1e3 if ms else None,
+                                 gbps=gbps(nbytes, ms) if ms else None))
+                out(f"decode b={b} ctx={ctx} hq={hq} hkv={hkv} d={d} ps={ps} bn={bn} w={w} st={st} "
+                    f"overlap={overlap}: err={err:.2e} us={rows[-1]['us']}")
+
+
+def best_table(rows):
+    body = []
+    keys = sorted({(r["kind"], r.get("d"), r.get("causal"), r.get("b"), r.get("ctx"), r.get("hkv"), r.get("ps"))
+                   for r in rows}, key=str)
+    for key in keys:
+        group = [r for r in rows if (r["kind"], r.get("d"), r.get("causal"), r.get("b"), r.get("ctx"), r.get("hkv"),
+                                     r.get("ps")) == key and (r.get("tflops") or r.get("us"))]
+        if not group:
+            continue
+        if key[0] == "prefill":
+            best = max(group, key=lambda r: r["tflops"])
+            body.append([f"prefill d{key[1]} causal={key[2]}", best["cfg"], f"{best['tflops']:.0f} TFLOP/s",
+                         best["facts"]])
+        else:
+            best = min(group, key=lambda r: r["us"])
+            body.append([f"decode b{key[3]} ctx{key[4]} hkv{key[5]} d{key[1]} ps{key[6]}",
+                         f"bn={best['bn']} w={best['warps']} st={best['stages']} ov={best['overlap']}",
+                         f"{best['us']:.1f} us", f"{best['gbps']:.0f} GB/s"])
+    return format_table(["shape", "best config", "result", "notes"], body, title="Best config per shape")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--skip", choices=["prefill", "decode"])
+    args = ap.parse_args(argv)
+    rows = []
+    if args.skip != "prefill":
+        sweep_prefill(rows, print)
+    if args.skip != "decode":
+        sweep_decode(rows, print)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1, default=str)
+    print(best_table(rows))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

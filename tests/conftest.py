@@ -1,0 +1,26 @@
+"""Test setup: without a GPU, kernels run through Triton's interpreter. TRITON_INTERPRET must be set before any
+@triton.jit decorator runs, i.e. before tileflash is imported."""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+import tileflash._utils as tf_utils  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _poison_outputs():
+    tf_utils.POISON_OUTPUTS = True
+    yield
+    tf_utils.POISON_OUTPUTS = False
+
+
+@pytest.fixture
+def device():
+    return DEVICE

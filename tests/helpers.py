@@ -1,0 +1,27 @@
+"""Comparison rule shared by the kernel tests (the "2x rule" of the project conventions)."""
+import torch
+
+from tileflash.reference import error_and_bound
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ON_GPU = DEVICE == "cuda"
+
+
+def check_2x(out, ref32, ref_lowp, name="out") -> tuple[float, float]:
+    """Pass iff max|out - ref32| <= 2 * max|ref_lowp - ref32| + atol, with no NaN anywhere (outputs are poisoned
+    with NaN before launch, so an unwritten element fails here)."""
+    assert out.shape == ref32.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref32.shape)}"
+    err, bound = error_and_bound(out, ref32, ref_lowp)
+    assert err <= bound, f"{name}: max error {err:.3e} > bound {bound:.3e} (inf = NaN in the output)"
+    return err, bound
+
+
+def check_lse(lse, ref_lse, atol=1e-3):
+    """LSE is float32 in both; -inf rows must match exactly (positions), finite ones to atol (relative to scale)."""
+    assert not torch.isnan(lse).any(), "lse: NaN (unwritten?)"
+    ref_lse = ref_lse.float()
+    inf_ref = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), inf_ref), "lse: -inf rows differ from the reference"
+    if (~inf_ref).any():
+        err = (lse[~inf_ref] - ref_lse[~inf_ref]).abs().max().item()
+        assert err <= atol, f"lse: max error {err:.3e} > {atol}"

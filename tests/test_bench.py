@@ -1,0 +1,349 @@
+"""CPU tests of tileflash.bench: formulas, table, registries, peers, and the suites' plumbing
+(run on CPU with a stand-in tileflash and a stand-in timer)."""
+
+import json
+import sys
+import types
+
+import pytest
+import torch
+
+from tileflash.bench import cli, formulas, peers, suites
+from tileflash.bench.table import format_cell, format_table
+
+CUDA = torch.cuda.is_available()
+
+
+# ---- formulas ---------------------------------------------------------------------------------
+
+def test_fwd_flops_exact():
+    assert formulas.attn_fwd_flops(1, 16, 1024, 1024, 128, False) == 4 * 16 * 1024 * 1024 * 128
+    assert formulas.attn_fwd_flops(1, 16, 1024, 1024, 128, True) == 2 * 16 * 1024 * 1024 * 128
+    assert formulas.attn_fwd_flops(2, 8, 512, 2048, 64) == 4 * 2 * 8 * 512 * 2048 * 64
+
+
+def test_bwd_flops_is_two_and_a_half_fwd():
+    for causal in (False, True):
+        fwd = formulas.attn_fwd_flops(4, 32, 4096, 4096, 128, causal)
+        assert formulas.attn_bwd_flops(4, 32, 4096, 4096, 128, causal) == 2.5 * fwd
+
+
+def test_decode_bytes_exact():
+    # b=1, 128k tokens, 8 kv heads, d=128, bf16: K and V are 256 MiB each.
+    assert formulas.decode_kv_bytes(1, 131072, 8, 128) == 512 * 2**20
+    assert formulas.decode_kv_bytes(2, 10, 3, 4, dtype_bytes=1) == 2 * 2 * 10 * 3 * 4
+
+
+def test_rates():
+    assert formulas.tflops(1e12, 1000.0) == pytest.approx(1.0)
+    assert formulas.tflops(695e9, 1.0) == pytest.approx(695.0)
+    assert formulas.gbps(4.25e9, 1.0) == pytest.approx(4250.0)
+
+
+def test_ceilings():
+    assert (formulas.COPY_TBPS, formulas.BF16_GEMM_TFLOPS, formulas.FP8_GEMM_TFLOPS) == (4.25, 695, 1289)
+
+
+# ---- table ------------------------------------------------------------------------------------
+
+def test_format_cell():
+    assert format_cell(None) == "-"
+    assert format_cell(123.456) == "123.5"
+    assert format_cell(0.934) == "0.93"
+    assert format_cell(7) == "7"
+    assert format_cell(True) == "yes"
+    assert format_cell("abc") == "abc"
+
+
+def test_format_table_alignment():
+    text = format_table(["name", "value", "x"], [["a", 1.0, None], ["long-name", 1234.56, 5]], title="T")
+    lines = text.splitlines()
+    assert lines[0] == "T"
+    assert lines[1] == lines[3] == lines[-1]  # the +---+ rules
+    assert set(lines[1]) == {"+", "-"}
+    assert len({len(line) for line in lines[1:]}) == 1  # every line the same width
+    assert lines[4] == "| a         |   1.00 | - |"  # strings left, numbers right, None -> '-'
+    assert lines[5] == "| long-name | 1234.6 | 5 |"
+    assert lines[2] == "| name      |  value | x |"
+
+
+def test_format_table_no_title_and_bad_row():
+    assert format_table(["a"], [[1]]).splitlines()[0].startswith("+")
+    with pytest.raises(ValueError):
+        format_table(["a", "b"], [[1]])
+
+
+# ---- registries -------------------------------------------------------------------------------
+
+def test_prefill_registry():
+    shapes = suites.PREFILL_SHAPES
+    assert len(shapes) == 3 * 2 * 5
+    for s in shapes:
+        assert s["batch"] * s["seqlen"] == 16384
+        assert s["nheads"] * s["d"] == 2048
+    assert {s["d"] for s in shapes} == {64, 128, 256}
+    assert {s["causal"] for s in shapes} == {False, True}
+    assert sorted({s["seqlen"] for s in shapes}) == [1024, 2048, 4096, 8192, 16384]
+    assert len({(s["d"], s["causal"], s["seqlen"]) for s in shapes}) == 30
+
+
+def test_decode_registry():
+    grid = [(1, 8192), (1, 32768), (1, 131072), (8, 8192), (8, 32768),
+            (32, 2048), (32, 8192), (64, 4096), (128, 1024), (256, 2048)]
+    assert list(suites.DECODE_GRID) == grid
+    shapes = suites.DECODE_SHAPES
+    assert len(shapes) == 5 * 10
+    by_label = {}
+    for s in shapes:
+        assert set(s) == {"batch", "ctx", "hq", "hkv", "d", "page_size", "label"}
+        by_label.setdefault(s["label"], []).append(s)
+    for rows in by_label.values():
+        assert [(s["batch"], s["ctx"]) for s in rows] == grid
+    heads = {lbl: {(s["hq"], s["hkv"], s["d"], s["page_size"]) for s in rows} for lbl, rows in by_label.items()}
+    assert heads == {
+        "gqa": {(32, 8, 128, None)},
+        "gqa-page16": {(32, 8, 128, 16)},
+        "gqa-page64": {(32, 8, 128, 64)},
+        "mqa": {(8, 1, 128, None)},
+        "gqa-d64": {(32, 8, 64, None)},
+    }
+    for s in shapes:  # pages tile the context exactly, also FlashInfer's 16-token view
+        assert s["ctx"] % 16 == 0 and (s["page_size"] is None or s["ctx"] % s["page_size"] == 0)
+
+
+def test_select_shapes():
+    quick = suites.select_shapes(suites.DECODE_SHAPES, quick=True)
+    assert len(quick) == 15
+    assert [(s["batch"], s["ctx"]) for s in quick[:3]] == [(1, 8192), (1, 32768), (1, 131072)]
+    paged = suites.select_shapes(suites.DECODE_SHAPES, only="page")
+    assert {s["label"] for s in paged} == {"gqa-page16", "gqa-page64"} and len(paged) == 20
+    assert {s["label"] for s in suites.select_shapes(suites.DECODE_SHAPES, only="d64")} == {"gqa-d64"}
+    causal = suites.select_shapes(suites.PREFILL_SHAPES, quick=True, only="causal")
+    assert len(causal) == 9 and all(s["causal"] and s["seqlen"] <= 4096 for s in causal)
+    assert suites.select_shapes(suites.PREFILL_SHAPES, only="nothing") == []
+    assert suites.select_shapes(suites.PREFILL_SHAPES) == suites.PREFILL_SHAPES
+
+
+# ---- reference and peers ----------------------------------------------------------------------
+
+def _attn(q, k, v, causal):
+    """Plain softmax attention, [B, S, H, D], fp32, bottom-right causal mask."""
+    g = q.shape[2] // k.shape[2]
+    k, v = (x.float().repeat_interleave(g, dim=2) for x in (k, v))
+    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), k) / q.shape[-1] ** 0.5
+    if causal:
+        sq, sk = q.shape[1], k.shape[1]
+        s = s.masked_fill(torch.ones(sq, sk, dtype=torch.bool).triu(sk - sq + 1), float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_reference_fp32_gqa(causal):
+    q, k, v = torch.randn(2, 16, 4, 8), torch.randn(2, 16, 2, 8), torch.randn(2, 16, 2, 8)
+    torch.testing.assert_close(suites.reference_fp32(q, k, v, causal), _attn(q, k, v, causal))
+
+
+def test_available_peers_are_bools():
+    avail = peers.available_peers()
+    assert set(avail) == {"sdpa_flash", "sdpa_cudnn", "sdpa", "fa4", "flashinfer"}
+    assert all(isinstance(x, bool) for x in avail.values())
+    if not CUDA:
+        assert not any(avail.values())
+
+
+@pytest.mark.skipif(CUDA, reason="CPU behaviour")
+def test_peer_failure_is_none_and_noted():
+    q = torch.randn(1, 8, 2, 16, dtype=torch.bfloat16)
+    notes = []
+    assert peers.sdpa_prefill(q, q, q, False, "cudnn", note=notes.append) is None  # no cuDNN on CPU
+    assert len(notes) == 1 and "sdpa_cudnn" in notes[0]
+
+
+def test_missing_libraries_give_none(monkeypatch):
+    monkeypatch.setattr(peers, "_import", lambda name: None)
+    q = torch.randn(1, 8, 2, 16)
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    assert peers.fa4_prefill(q, q, q, True) is None
+    assert peers.fa4_decode(q[:, :1], q, q, torch.full((1,), 8, dtype=torch.int32)) is None
+    assert peers.flashinfer_decode(q[:, :1], q.view(1, 8, 2, 16), q.view(1, 8, 2, 16), table, 8, False) is None
+
+
+def test_fa4_falls_back_without_num_splits(monkeypatch):
+    calls = []
+
+    def flash_attn_func(q, k, v, causal=False, **kw):
+        calls.append(kw)
+        if "num_splits" in kw:
+            raise TypeError("unexpected keyword argument 'num_splits'")
+        return q, None  # (out, lse)
+
+    monkeypatch.setattr(peers, "_import", lambda name: types.SimpleNamespace(flash_attn_func=flash_attn_func))
+    q = torch.randn(2, 1, 4, 16)
+    notes = []
+    fn = peers.fa4_decode(q, q, q, None, note=notes.append)
+    assert fn is not None and fn() is q
+    assert calls[0] == {"num_splits": 0} and calls[-1] == {} and len(notes) == 1
+
+
+def test_sdpa_peers_layout_cpu():
+    q, k, v = (torch.randn(2, 32, 4, 16) for _ in range(3))
+    fn = peers.sdpa_prefill(q, k, v, True, "flash")
+    if fn is not None:  # CPU builds of torch have a flash kernel; skip the check where they don't
+        torch.testing.assert_close(fn(), _attn(q, k, v, True), atol=1e-4, rtol=1e-4)
+    qd, kd, vd = torch.randn(3, 1, 8, 16), torch.randn(3, 40, 2, 16), torch.randn(3, 40, 2, 16)
+    fn = peers.sdpa_decode(qd, kd, vd)
+    assert fn is not None
+    torch.testing.assert_close(fn(), _attn(qd, kd, vd, False), atol=1e-4, rtol=1e-4)
+
+
+# ---- suites, on CPU with a stand-in tileflash -------------------------------------------------
+
+def _fake_tileflash(mode="right"):
+    def flash_attn_func(q, k, v, softmax_scale=None, causal=False, **kw):
+        if mode == "raise":
+            raise RuntimeError("kernel exploded")
+        out = _attn(q, k, v, causal).to(q.dtype)
+        return out + 1 if mode == "wrong" else out
+
+    def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
+                                causal=True, sp_overlap=True, **kw):
+        if block_table is not None:
+            k_cache, v_cache = (x[block_table.long()].flatten(1, 2) for x in (k_cache, v_cache))
+        n = int(cache_seqlens.max())
+        out = _attn(q, k_cache[:, :n], v_cache[:, :n], causal).to(q.dtype)
+        return out + 1 if mode == "wrong" and not sp_overlap else out
+
+    return types.SimpleNamespace(flash_attn_func=flash_attn_func, flash_attn_with_kvcache=flash_attn_with_kvcache)
+
+
+@pytest.fixture
+def cpu_suites(monkeypatch):
+    monkeypatch.setattr(suites, "DEVICE", "cpu")
+    monkeypatch.setattr(suites, "bench_ms", lambda fn: 0.5)
+    monkeypatch.setattr(suites, "graphed", lambda fn: fn)
+
+    def use(mode):
+        monkeypatch.setitem(sys.modules, "tileflash", _fake_tileflash(mode))
+
+    return use
+
+
+PREFILL_TINY = [{"batch": 2, "seqlen": 64, "nheads": 4, "d": 32, "causal": c, "label": "t"} for c in (False, True)]
+DECODE_TINY = [
+    {"batch": 5, "ctx": 64, "hq": 4, "hkv": 2, "d": 32, "page_size": ps, "label": lbl}
+    for lbl, ps in (("contig", None), ("paged16", 16))
+]
+
+
+def test_run_prefill_cpu(cpu_suites):
+    cpu_suites("right")
+    lines = []
+    rows = suites.run_prefill(PREFILL_TINY, out=lines.append)
+    assert len(rows) == 2
+    json.dumps(rows)
+    for row in rows:
+        tf = row["backends"]["tileflash"]
+        assert tf["ok"] and tf["max_err"] <= suites.TOL and tf["ms"] == 0.5
+        flops = formulas.attn_fwd_flops(2, 4, 64, 64, 32, row["causal"])
+        assert tf["TFLOP/s"] == pytest.approx(formulas.tflops(flops, 0.5))
+        assert row["pct_bf16_gemm"] == pytest.approx(100 * tf["TFLOP/s"] / 695)
+        assert row["backends"]["fa4"] is None or not CUDA
+    assert "Prefill forward" in lines[-1] and "TFLOP/s" in lines[-1]
+
+
+def test_run_prefill_records_wrong_and_raising(cpu_suites):
+    cpu_suites("wrong")
+    lines = []
+    row = suites.run_prefill(PREFILL_TINY[:1], out=lines.append)[0]
+    tf = row["backends"]["tileflash"]
+    assert tf["ok"] is False and tf["max_err"] > suites.TOL and tf["ms"] == 0.5
+    assert row["speedup"] is None  # a wrong tileflash is never compared
+    assert any("FAIL: tileflash" in line for line in lines)
+    assert "tileflash" in lines[-1].splitlines()[-2]  # the 'failed' column
+
+    cpu_suites("raise")
+    lines = []
+    row = suites.run_prefill(PREFILL_TINY[:1], out=lines.append)[0]
+    tf = row["backends"]["tileflash"]
+    assert tf["ms"] is None and "kernel exploded" in tf["error"] and row["pct_bf16_gemm"] is None
+    json.dumps(row)
+
+
+def test_run_decode_cpu(cpu_suites):
+    cpu_suites("right")
+    lines = []
+    rows = suites.run_decode(DECODE_TINY, out=lines.append)
+    assert [r["label"] for r in rows] == ["contig", "paged16"]
+    json.dumps(rows)
+    nbytes = formulas.decode_kv_bytes(5, 64, 2, 32)
+    for row in rows:
+        assert row["kv_bytes"] == nbytes
+        for name in suites.TILEFLASH_DECODE + ("sdpa", "sdpa_graph"):
+            rec = row["backends"][name]
+            assert rec["ok"], (row["label"], name, rec)
+            assert rec["us"] == 500.0 and rec["GB/s"] == pytest.approx(formulas.gbps(nbytes, 0.5))
+        assert row["speedup"] == pytest.approx(1.0)
+        assert row["pct_copy"] == pytest.approx(100 * formulas.gbps(nbytes, 0.5) / 4250)
+    assert "Decode" in lines[-1]
+
+
+def test_run_decode_flags_plain_loop_mismatch(cpu_suites):
+    cpu_suites("wrong")  # only the sp_overlap=False path is wrong
+    row = suites.run_decode(DECODE_TINY[1:], out=lambda s: None)[0]
+    assert row["backends"]["tileflash"]["ok"] and not row["backends"]["tileflash_plain"]["ok"]
+    assert row["speedup"] == pytest.approx(1.0)
+
+
+def test_speedup_uses_best_passing_runs():
+    def rec(ms, ok=True):
+        return {"ms": ms, "ok": ok}
+
+    results = {"tileflash": rec(2.0), "tileflash_graph": rec(1.0), "sdpa": rec(3.0),
+               "fi": rec(0.1, ok=False), "fa4": None}  # the fast peer is wrong, so it doesn't count
+    assert suites.speedup(results, suites.TILEFLASH_DECODE) == pytest.approx(3.0)
+    assert suites.speedup({"tileflash": rec(1.0)}, ("tileflash",)) is None
+
+
+# ---- cli --------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(CUDA, reason="CPU behaviour")
+def test_cli_without_gpu_exits_1(capsys):
+    assert cli.main(["prefill", "--quick"]) == 1
+    assert "CUDA" in capsys.readouterr().err
+
+
+def test_cli_runs_selected_shapes_and_writes_json(monkeypatch, tmp_path):
+    seen = {}
+
+    def fake_runner(name):
+        def run(shapes):
+            seen[name] = shapes
+            return [{"n": len(shapes)}]
+        return run
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cli, "environment", lambda: {"device": "fake"})
+    monkeypatch.setitem(cli.SUITES, "prefill", (suites.PREFILL_SHAPES, fake_runner("prefill")))
+    monkeypatch.setitem(cli.SUITES, "decode", (suites.DECODE_SHAPES, fake_runner("decode")))
+    path = tmp_path / "r.json"
+    assert cli.main(["all", "--quick", "--only", "d64", "--json", str(path)]) == 0
+    assert [s["label"] for s in seen["prefill"]] == ["d64-full"] * 3 + ["d64-causal"] * 3
+    assert len(seen["decode"]) == 3 and all(s["label"] == "gqa-d64" for s in seen["decode"])
+    data = json.loads(path.read_text())
+    assert data == {"env": {"device": "fake"}, "prefill": [{"n": 6}], "decode": [{"n": 3}]}
+    with pytest.raises(SystemExit):
+        cli.main(["bogus"])
+
+
+@pytest.mark.skipif(CUDA, reason="runs the real kernels through Triton's CPU interpreter")
+def test_suites_call_real_tileflash_cpu(monkeypatch):
+    """The suites' calls match tileflash's real API and agree with the fp32 reference."""
+    monkeypatch.setattr(suites, "DEVICE", "cpu")
+    monkeypatch.setattr(suites, "bench_ms", lambda fn: 0.5)
+    monkeypatch.setattr(suites, "graphed", lambda fn: fn)
+    rows = suites.run_prefill(PREFILL_TINY, out=lambda s: None)
+    rows += suites.run_decode(DECODE_TINY, out=lambda s: None)
+    for row in rows:
+        for name, rec in row["backends"].items():
+            if name.startswith("tileflash"):
+                assert rec["ok"], (row["label"], name, rec)

@@ -1,0 +1,120 @@
+"""flash_attn_with_kvcache against a reference that gathers the pages into a contiguous cache."""
+import pytest
+import torch
+
+import tileflash
+from helpers import DEVICE, ON_GPU, check_2x, check_lse
+from tileflash.reference import kvcache_ref
+
+
+def make_cache(batch, capacity, hkv, d, dtype, page_size, gen, spare_pages=3):
+    """Contiguous [B, capacity, Hkv, D] (page_size None) or a paged pool in random order with unused pages."""
+    if page_size is None:
+        k = torch.randn(batch, capacity, hkv, d, generator=gen)
+        return k.to(DEVICE, dtype), torch.randn_like(k).to(DEVICE, dtype), None
+    pages_per_seq = -(-capacity // page_size)
+    num_pages = batch * pages_per_seq + spare_pages
+    k = torch.randn(num_pages, page_size, hkv, d, generator=gen)
+    v = torch.randn(num_pages, page_size, hkv, d, generator=gen)
+    perm = torch.randperm(num_pages, generator=gen)[: batch * pages_per_seq]
+    table = perm.reshape(batch, pages_per_seq).to(torch.int32)
+    return k.to(DEVICE, dtype), v.to(DEVICE, dtype), table.to(DEVICE)
+
+
+# (seqlens, Sq, Snew, Hq, Hkv, D, page_size, capacity, num_splits) — why each is here:
+CASES = [
+    ([0, 37, 63], 1, 1, 8, 2, 64, 16, 64, 0),  # GQA 4, page 16; empty cache; a full cache after the append
+    ([13, 5], 3, 3, 4, 4, 64, 1, 24, 1),  # page size 1 (every token its own page), MHA, no split
+    ([21, 0, 9], 2, 2, 8, 1, 32, 5, 30, 7),  # MQA, non-power-of-two page 5, append crosses page edges, 7 splits
+    ([40], 16, 16, 8, 1, 128, 16, 64, 0),  # 16 query tokens (speculative verify) x GQA 8 = 128 packed rows
+    ([50, 3], 4, 0, 16, 2, 80, None, 60, 3),  # contiguous cache, no append, head dim 80
+    ([33], 1, 1, 32, 1, 64, 16, 48, 5),  # MQA with 32 query heads: pack-GQA needs several M tiles
+]
+if ON_GPU:
+    CASES += [
+        ([8191, 4000], 1, 1, 32, 8, 128, 64, 8192, 0),
+        ([30000], 1, 1, 32, 8, 128, None, 32768, 0),
+        ([1000, 1, 255], 5, 5, 16, 2, 256, 256, 1280, 0),
+    ]
+
+
+@pytest.mark.parametrize("sp_overlap", [True, False], ids=["overlap", "plain"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
+def test_kvcache(case, dtype, sp_overlap):
+    seqlens, sq, s_new, hq, hkv, d, page_size, capacity, num_splits = case
+    b = len(seqlens)
+    g = torch.Generator().manual_seed(11)
+    k_cache, v_cache, table = make_cache(b, capacity, hkv, d, dtype, page_size, g)
+    q = torch.randn(b, sq, hq, d, generator=g).to(DEVICE, dtype)
+    k = v = None
+    if s_new:
+        k = torch.randn(b, s_new, hkv, d, generator=g).to(DEVICE, dtype)
+        v = torch.randn(b, s_new, hkv, d, generator=g).to(DEVICE, dtype)
+    cache_seqlens = torch.tensor(seqlens, dtype=torch.int32, device=DEVICE)
+    ref, ref_lse, ref_k, ref_v = kvcache_ref(q, k_cache, v_cache, k, v, cache_seqlens, table)
+    ref_lowp, _, _, _ = kvcache_ref(q, k_cache, v_cache, k, v, cache_seqlens, table, upcast=False)
+    out, lse = tileflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
+                                                 block_table=table, num_splits=num_splits, return_lse=True,
+                                                 sp_overlap=sp_overlap)
+    check_2x(out, ref, ref_lowp)
+    check_lse(lse, ref_lse)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v), "appended cache contents differ"
+
+
+@pytest.mark.parametrize("page_size", [None, 1, 16])
+def test_num_splits_agree(page_size):
+    """No split, the heuristic and many forced splits give the same result within rounding."""
+    g = torch.Generator().manual_seed(5)
+    b, hq, hkv, d, cap = 2, 8, 2, 64, 96
+    k_cache, v_cache, table = make_cache(b, cap, hkv, d, torch.float16, page_size, g)
+    q = torch.randn(b, 1, hq, d, generator=g).to(DEVICE, torch.float16)
+    seqlens = torch.tensor([96, 41], dtype=torch.int32, device=DEVICE)
+    outs = [tileflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table,
+                                              num_splits=n, return_lse=True) for n in (1, 0, 6, 40)]
+    for out, lse in outs[1:]:
+        assert (out.float() - outs[0][0].float()).abs().max().item() <= 2e-3
+        assert (lse - outs[0][1]).abs().max().item() <= 1e-4
+
+
+def test_window_and_softcap_in_decode():
+    g = torch.Generator().manual_seed(9)
+    k_cache, v_cache, table = make_cache(2, 80, 2, 64, torch.bfloat16, 16, g)
+    q = torch.randn(2, 4, 8, 64, generator=g).to(DEVICE, torch.bfloat16)
+    seqlens = torch.tensor([70, 12], dtype=torch.int32, device=DEVICE)
+    kw = dict(window_size=(24, 0), softcap=8.0)
+    out, lse = tileflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table,
+                                                 num_splits=3, return_lse=True, **kw)
+    ref, ref_lse, _, _ = kvcache_ref(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, **kw)
+    ref_lowp, _, _, _ = kvcache_ref(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, upcast=False,
+                                    **kw)
+    check_2x(out, ref, ref_lowp)
+    check_lse(lse, ref_lse)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+def test_cuda_graph_replay_follows_new_seqlens_and_table():
+    g = torch.Generator().manual_seed(2)
+    b, hq, hkv, d, cap = 4, 32, 8, 128, 4096
+    k_cache, v_cache, table = make_cache(b, cap, hkv, d, torch.bfloat16, 16, g, spare_pages=64)
+    q = torch.randn(b, 1, hq, d, generator=g).to(DEVICE, torch.bfloat16)
+    seqlens = torch.tensor([4000, 10, 2049, 1], dtype=torch.int32, device=DEVICE)
+    call = lambda: tileflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,  # noqa: E731
+                                                     block_table=table)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for new_lens in ([17, 4096, 300, 0], [1, 1, 1, 1]):
+        seqlens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        table.copy_(table[torch.randperm(b)])
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, _, _, _ = kvcache_ref(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table)
+        ref_lowp, _, _, _ = kvcache_ref(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table,
+                                        upcast=False)
+        check_2x(out, ref, ref_lowp)

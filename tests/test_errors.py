@@ -1,0 +1,111 @@
+"""Bad input raises ValueError/TypeError before any launch, naming the argument."""
+import pytest
+import torch
+
+import tileflash
+from helpers import DEVICE
+
+F16 = dict(dtype=torch.float16, device=DEVICE)
+
+
+def qkv(b=1, sq=4, sk=4, hq=4, hkv=2, d=64):
+    return torch.randn(b, sq, hq, d, **F16), torch.randn(b, sk, hkv, d, **F16), torch.randn(b, sk, hkv, d, **F16)
+
+
+def _noncontig_last(t):
+    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+FUNC_CASES = [
+    ("q", TypeError, lambda q, k, v: (q.float(), k, v)),  # dtype
+    ("q", TypeError, lambda q, k, v: (q.to(torch.int32), k, v)),  # integer tensor
+    ("k", TypeError, lambda q, k, v: (q, k.bfloat16(), v)),  # dtype mismatch
+    ("q", ValueError, lambda q, k, v: (q[0], k, v)),  # rank
+    ("KV heads", ValueError, lambda q, k, v: (q[:, :, :3], k, v)),  # Hq % Hkv != 0
+    ("head dim", ValueError, lambda q, k, v: (q[..., :60], k[..., :60], v[..., :60])),  # not a multiple of 8
+    ("k, v", ValueError, lambda q, k, v: (q, k, v[:, :3])),  # k/v shape mismatch
+    ("last dimension", ValueError, lambda q, k, v: (_noncontig_last(q), k, v)),
+    ("batch", ValueError, lambda q, k, v: (q, k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1))),
+]
+
+
+@pytest.mark.parametrize("needle, exc, mutate", FUNC_CASES, ids=[str(i) for i in range(len(FUNC_CASES))])
+def test_flash_attn_func_errors(needle, exc, mutate):
+    with pytest.raises(exc, match=needle):
+        tileflash.flash_attn_func(*mutate(*qkv()))
+
+
+def test_head_dim_too_large():
+    q, k, v = qkv(d=264)
+    with pytest.raises(ValueError, match="head dim"):
+        tileflash.flash_attn_func(q, k, v)
+
+
+@pytest.mark.parametrize("kw, needle", [(dict(window_size=(-2, 0)), "window_size"), (dict(softcap=-1.0), "softcap"),
+                                        (dict(window_size=3), "window_size")])
+def test_option_errors(kw, needle):
+    with pytest.raises((ValueError, TypeError), match=needle):
+        tileflash.flash_attn_func(*qkv(), **kw)
+
+
+def test_varlen_errors():
+    q, k, v = (t[0] for t in qkv())
+    cu = torch.tensor([0, 4], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(TypeError, match="cu_seqlens_q"):
+        tileflash.flash_attn_varlen_func(q, k, v, cu.long(), cu, 4, 4)
+    with pytest.raises(ValueError, match="cu_seqlens_k"):
+        tileflash.flash_attn_varlen_func(q, k, v, cu, torch.tensor([0, 2, 4], dtype=torch.int32, device=DEVICE), 4, 4)
+    with pytest.raises(TypeError, match="seqused_k"):
+        tileflash.flash_attn_varlen_func(q, k, v, cu, cu, 4, 4, seqused_k=torch.tensor([4], device=DEVICE))
+
+
+def kvcache_args(paged=True):
+    q = torch.randn(2, 1, 4, 64, **F16)
+    if paged:
+        kc = torch.randn(10, 16, 2, 64, **F16)
+        table = torch.arange(8, dtype=torch.int32, device=DEVICE).reshape(2, 4)
+    else:
+        kc, table = torch.randn(2, 64, 2, 64, **F16), None
+    seqlens = torch.tensor([3, 60], dtype=torch.int32, device=DEVICE)
+    return dict(q=q, k_cache=kc, v_cache=kc.clone(), cache_seqlens=seqlens, block_table=table)
+
+
+KVCACHE_CASES = [
+    ("cache_seqlens", TypeError, lambda a: a.update(cache_seqlens=a["cache_seqlens"].long())),
+    ("cache_seqlens", ValueError, lambda a: a.update(cache_seqlens=None)),
+    ("block_table", TypeError, lambda a: a.update(block_table=a["block_table"].long())),
+    ("k, v", ValueError, lambda a: a.update(k=torch.randn(2, 1, 2, 64, **F16))),
+    ("query tokens", ValueError, lambda a: a.update(q=torch.randn(2, 17, 4, 64, **F16))),
+    ("page size", ValueError, lambda a: a.update(k_cache=torch.randn(2, 257, 2, 64, **F16),
+                                                 v_cache=torch.randn(2, 257, 2, 64, **F16))),
+    ("capacity", ValueError, lambda a: a.update(cache_seqlens=torch.full((2,), 64, dtype=torch.int32, device=DEVICE),
+                                                k=torch.randn(2, 1, 2, 64, **F16), v=torch.randn(2, 1, 2, 64, **F16))),
+    ("outside the pool", ValueError, lambda a: a["block_table"].__setitem__((1, 0), 10)),
+    ("num_splits", ValueError, lambda a: a.update(num_splits=-1)),
+    ("k_cache", TypeError, lambda a: a.update(k_cache=a["k_cache"].bfloat16())),
+]
+
+
+@pytest.mark.parametrize("needle, exc, mutate", KVCACHE_CASES, ids=[str(i) for i in range(len(KVCACHE_CASES))])
+def test_kvcache_errors(needle, exc, mutate):
+    args = kvcache_args()
+    mutate(args)
+    with pytest.raises(exc, match=needle):
+        tileflash.flash_attn_with_kvcache(validate=True, **args)
+
+
+def test_kvcache_contiguous_batch_mismatch():
+    args = kvcache_args(paged=False)
+    args["k_cache"] = args["k_cache"][:1]
+    args["v_cache"] = args["v_cache"][:1]
+    with pytest.raises(ValueError, match="k_cache"):
+        tileflash.flash_attn_with_kvcache(**args)
+
+
+def test_merge_errors():
+    o = torch.randn(1, 3, 2, 16, **F16)
+    lse = torch.randn(1, 2, 3, device=DEVICE)
+    with pytest.raises(ValueError, match="lse_b"):
+        tileflash.merge_attn_states(o, lse, o, lse.transpose(1, 2))
+    with pytest.raises(TypeError, match="lse_a"):
+        tileflash.merge_attn_states(o, lse.half(), o, lse)

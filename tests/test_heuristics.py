@@ -1,0 +1,50 @@
+"""Launch heuristics as tables: inputs -> expected choices (no kernel runs)."""
+import pytest
+
+from tileflash.heuristics import (MAX_SPLITS, decode_block_m, decode_config, fwd_config, num_splits_heuristic,
+                                  padded_head_dim)
+
+
+@pytest.mark.parametrize("d, expected", [(8, 16), (40, 64), (64, 64), (80, 128), (128, 128), (136, 256),
+                                         (256, 256)])
+def test_padded_head_dim(d, expected):
+    assert padded_head_dim(d) == expected
+
+
+@pytest.mark.parametrize("d, block_m, block_n, warps, stages", [
+    (64, 128, 128, 8, 3),
+    (128, 128, 128, 8, 3),
+    (256, 128, 64, 8, 2),
+])
+def test_fwd_config(d, block_m, block_n, warps, stages):
+    c = fwd_config(d)
+    assert (c.block_m, c.block_n, c.num_warps, c.num_stages) == (block_m, block_n, warps, stages)
+
+
+def test_fwd_config_interpreter_uses_small_tiles():
+    assert fwd_config(128, interpret=True).block_n == 16
+
+
+@pytest.mark.parametrize("rows, expected", [(1, 16), (4, 16), (17, 32), (64, 64), (128, 64), (512, 64)])
+def test_decode_block_m(rows, expected):
+    assert decode_block_m(rows) == expected
+
+
+@pytest.mark.parametrize("d, block_n", [(64, 64), (128, 64), (256, 32)])
+def test_decode_block_n(d, block_n):
+    assert decode_config(d, 4).block_n == block_n
+
+
+# (batch, Hkv, m_tiles, max_seqlen_k, block_n, sms) -> splits
+@pytest.mark.parametrize("args, expected", [
+    ((1, 8, 1, 8192, 64, 132), 32),  # b=1: 8 programs -> split to ~2 per SM (cdiv(264, 8) = 33 > 128 blocks / 4)
+    ((1, 8, 1, 32768, 64, 132), 33),  # long context: limited by the SM target
+    ((1, 8, 1, 131072, 64, 132), 33),
+    ((8, 8, 1, 32768, 64, 132), 5),  # 64 programs -> cdiv(264, 64)
+    ((32, 8, 1, 2048, 64, 132), 2),  # 256 programs: just under the target
+    ((64, 8, 1, 4096, 64, 132), 1),  # enough programs already
+    ((1, 8, 1, 100, 64, 132), 1),  # 2 blocks: too short to split
+    ((1, 1, 1, 10 ** 7, 64, 132), MAX_SPLITS),  # capped
+])
+def test_num_splits_heuristic(args, expected):
+    assert num_splits_heuristic(*args) == expected

@@ -1,0 +1,38 @@
+"""flash_attn_varlen_func against a per-sequence reference: empty sequences, seqused_k, masks."""
+import pytest
+import torch
+
+import tileflash
+from helpers import DEVICE, ON_GPU, check_2x, check_lse
+from tileflash.reference import attention_varlen_ref
+
+# (query lengths, key lengths, heads_q, heads_kv, head_dim, causal, window, seqused_k) — why each is here:
+CASES = [
+    ([5, 0, 17, 33], [5, 3, 40, 33], 4, 2, 64, True, (-1, -1), None),  # an empty query sequence; Sq != Sk
+    ([1, 20, 7], [0, 20, 31], 4, 4, 40, False, (-1, -1), None),  # an empty key sequence: out 0, lse -inf
+    ([9, 31], [50, 31], 8, 1, 128, True, (8, 0), [41, 17]),  # seqused_k < stored keys; MQA; sliding window
+    ([16, 16, 16], [16, 16, 16], 2, 2, 80, False, (-1, -1), [16, 0, 5]),  # seqused_k = 0 for one sequence
+]
+if ON_GPU:
+    CASES += [([300, 0, 1025, 77], [400, 12, 1025, 2000], 8, 2, 128, True, (-1, -1), None)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
+def test_flash_attn_varlen_func(case, dtype):
+    lens_q, lens_k, hq, hkv, d, causal, window, seqused = case
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(sum(lens_q), hq, d, generator=g).to(DEVICE, dtype)
+    k = torch.randn(sum(lens_k), hkv, d, generator=g).to(DEVICE, dtype)
+    v = torch.randn(sum(lens_k), hkv, d, generator=g).to(DEVICE, dtype)
+    cu = lambda lens: torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(DEVICE, torch.int32)  # noqa: E731
+    cu_q, cu_k = cu(lens_q), cu(lens_k)
+    used = None if seqused is None else torch.tensor(seqused, dtype=torch.int32, device=DEVICE)
+    out, lse = tileflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), seqused_k=used,
+                                                causal=causal, window_size=window, return_lse=True)
+    kw = dict(causal=causal, window_size=window)
+    ref, ref_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, used, **kw)
+    ref_lowp, _ = attention_varlen_ref(q, k, v, cu_q, cu_k, used, upcast=False, **kw)
+    assert lse.shape == (hq, sum(lens_q))
+    check_2x(out, ref, ref_lowp)
+    check_lse(lse, ref_lse)

@@ -1,0 +1,27 @@
+"""`python -m tileflash` runs the self-check (and a short benchmark on a GPU);
+`python -m tileflash bench {prefill,decode,all}` runs the benchmark suites."""
+import os
+import sys
+
+import torch
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "bench":
+        from tileflash.bench.cli import main as bench_main
+        return bench_main(argv[1:]) or 0
+    if argv and argv[0] != "check":
+        print(__doc__)
+        return 2
+    from tileflash.selfcheck import main as check_main
+    return check_main()
+
+
+if __name__ == "__main__":
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        # The package (and its @triton.jit kernels) was imported before this line ran; the interpreter switch is
+        # read at decoration time, so start again with it set.
+        os.execve(sys.executable, [sys.executable, "-m", "tileflash", *sys.argv[1:]],
+                  {**os.environ, "TRITON_INTERPRET": "1"})
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""Command line: ``python -m tileflash bench {prefill,decode,all} [--quick] [--only LABEL] [--json PATH]``."""
+
+import argparse
+import json
+import sys
+
+import torch
+
+from tileflash.bench import peers, suites
+
+SUITES = {
+    "prefill": (suites.PREFILL_SHAPES, suites.run_prefill),
+    "decode": (suites.DECODE_SHAPES, suites.run_decode),
+}
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="python -m tileflash bench", description=__doc__)
+    p.add_argument("suite", choices=[*SUITES, "all"])
+    p.add_argument("--json", metavar="PATH", help="write the results here (rewritten after each suite)")
+    p.add_argument("--quick", action="store_true", help="only the first 3 shapes of each label")
+    p.add_argument("--only", metavar="LABEL", help="only shapes whose label contains LABEL, e.g. d64, causal, page16")
+    return p
+
+
+def environment():
+    env = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "peers": peers.available_peers(),
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    return env
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    if not torch.cuda.is_available():
+        print("tileflash bench needs a CUDA GPU; none is visible", file=sys.stderr)
+        return 1
+    results = {"env": environment()}
+    print(f"env: {json.dumps(results['env'])}")
+    for name in SUITES if args.suite == "all" else [args.suite]:
+        registry, runner = SUITES[name]
+        shapes = suites.select_shapes(registry, quick=args.quick, only=args.only)
+        if not shapes:
+            print(f"{name}: no shape label contains {args.only!r}")
+            continue
+        results[name] = runner(shapes)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+    return 0
