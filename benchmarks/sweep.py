@@ -26,12 +26,13 @@ DECODE_CONFIGS = [(32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3), (1
 
 def sass_facts(compiled) -> str:
     try:
-        sass = compiled.asm.get("sass", "")
+        ptx = compiled.asm.get("ptx", "")
     except Exception:  # noqa: BLE001 - best effort, never fail the sweep
         return "?"
     n_regs = getattr(compiled, "n_regs", "?")
     n_spills = getattr(compiled, "n_spills", "?")
-    return f"HGMMA={'HGMMA' in sass} regs={n_regs} spills={n_spills}"
+    return (f"wgmma={'wgmma' in ptx} cp.async={'cp.async' in ptx} tma={'cp.async.bulk.tensor' in ptx} "
+            f"regs={n_regs} spills={n_spills}")
 
 
 def sweep_prefill(rows, out):

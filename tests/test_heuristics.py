@@ -37,12 +37,13 @@ def test_decode_block_n(d, block_n):
 
 # (batch, Hkv, m_tiles, max_seqlen_k, block_n, sms) -> splits
 @pytest.mark.parametrize("args, expected", [
-    ((1, 8, 1, 8192, 64, 132), 32),  # b=1: 8 programs -> split to ~2 per SM (cdiv(264, 8) = 33 > 128 blocks / 4)
-    ((1, 8, 1, 32768, 64, 132), 33),  # long context: limited by the SM target
+    ((1, 8, 1, 8192, 64, 132), 33),  # b=1: 8 programs -> split to ~2 per SM: cdiv(264, 8)
+    ((1, 8, 1, 32768, 64, 132), 33),
     ((1, 8, 1, 131072, 64, 132), 33),
     ((8, 8, 1, 32768, 64, 132), 5),  # 64 programs -> cdiv(264, 64)
     ((32, 8, 1, 2048, 64, 132), 2),  # 256 programs: just under the target
     ((64, 8, 1, 4096, 64, 132), 1),  # enough programs already
+    ((1, 1, 1, 8192, 64, 132), 64),  # MQA at batch 1: 128 blocks -> 64 splits of 2 blocks
     ((1, 8, 1, 100, 64, 132), 1),  # 2 blocks: too short to split
     ((1, 1, 1, 10 ** 7, 64, 132), MAX_SPLITS),  # capped
 ])

@@ -11,7 +11,7 @@ so one mask helper serves plain prefill rows and pack-GQA decode rows (several h
 import triton
 import triton.language as tl
 
-LOG2E: tl.constexpr = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr object: triton 3.6 rejects annotated globals
 
 
 @triton.jit
@@ -29,10 +29,15 @@ def _visible(q_pos, offs_n, seqlen_k, window_left, window_right, HAS_LEFT: tl.co
 
 
 @triton.jit
-def _kv_row_offsets(offs_n, seqlen_k, bt_ptr, page_size, stride_page, stride_tok, PAGED: tl.constexpr,
-                    MASK_N: tl.constexpr):
-    """Element offsets (int64) of KV tokens offs_n: contiguous rows, or rows gathered through the block table."""
-    if PAGED:
+def _kv_row_offsets(start_n, offs_n, seqlen_k, bt_ptr, page_size, stride_page, stride_tok, PAGED: tl.constexpr,
+                    PAGE_BLOCKS: tl.constexpr, MASK_N: tl.constexpr):
+    """Element offsets (int64) of KV tokens offs_n = start_n + arange: contiguous rows, or rows gathered through the
+    block table. PAGE_BLOCKS (page_size a multiple of BLOCK_N): the block lies in one page, so one scalar table
+    load and contiguous rows; otherwise one table entry per token (any page size)."""
+    if PAGE_BLOCKS:
+        page = tl.load(bt_ptr + start_n // page_size).to(tl.int64)
+        return page * stride_page + (start_n % page_size + offs_n - start_n).to(tl.int64) * stride_tok
+    elif PAGED:
         if MASK_N:
             page = tl.load(bt_ptr + offs_n // page_size, mask=offs_n < seqlen_k, other=0)
         else:
@@ -93,6 +98,7 @@ def _softmax_pv(acc, m_i, l_i, s, v):
 def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, page_size, stride_k_page, stride_k_tok,
                stride_v_page, stride_v_tok, offs_d, seqlen_k, lo, hi, qk_scale, softcap_scale, window_left,
                window_right, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, PAGED: tl.constexpr,
+               PAGE_BLOCKS: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                SOFTCAP: tl.constexpr, SP_OVERLAP: tl.constexpr, UPCAST: tl.constexpr):
     """Accumulate KV tokens [lo, hi) (lo a multiple of BLOCK_N) into (acc, m_i, l_i).
@@ -103,20 +109,22 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, page_size, strid
     """
     if SP_OVERLAP:
         if lo < hi:
+            start_n = lo
             offs_n = lo + tl.arange(0, BLOCK_N)
-            k_off = _kv_row_offsets(offs_n, seqlen_k, bt_ptr, page_size, stride_k_page, stride_k_tok, PAGED, MASK)
+            k_off = _kv_row_offsets(start_n, offs_n, seqlen_k, bt_ptr, page_size, stride_k_page, stride_k_tok, PAGED, PAGE_BLOCKS, MASK)
             k = _load_kv(k_base, k_off, offs_n, offs_d, seqlen_k, HEAD_DIM, MASK, UPCAST)
             s = _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right,
                         SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT)
             for start_n in range(lo, hi, BLOCK_N):
                 offs_n = start_n + tl.arange(0, BLOCK_N)
-                v_off = _kv_row_offsets(offs_n, seqlen_k, bt_ptr, page_size, stride_v_page, stride_v_tok, PAGED,
-                                        MASK)
+                v_off = _kv_row_offsets(start_n, offs_n, seqlen_k, bt_ptr, page_size, stride_v_page, stride_v_tok, PAGED,
+                                        PAGE_BLOCKS, MASK)
                 v = _load_kv(v_base, v_off, offs_n, offs_d, seqlen_k, HEAD_DIM, MASK, UPCAST)
                 # Next block's scores first (clamped to the last block on the final step; the result is unused).
-                next_n = tl.minimum(start_n + BLOCK_N, hi - BLOCK_N) + tl.arange(0, BLOCK_N)
-                nk_off = _kv_row_offsets(next_n, seqlen_k, bt_ptr, page_size, stride_k_page, stride_k_tok, PAGED,
-                                         MASK)
+                next_start = tl.minimum(start_n + BLOCK_N, hi - BLOCK_N)
+                next_n = next_start + tl.arange(0, BLOCK_N)
+                nk_off = _kv_row_offsets(next_start, next_n, seqlen_k, bt_ptr, page_size, stride_k_page, stride_k_tok, PAGED,
+                                         PAGE_BLOCKS, MASK)
                 k_next = _load_kv(k_base, nk_off, next_n, offs_d, seqlen_k, HEAD_DIM, MASK, UPCAST)
                 s_next = _scores(q, k_next, qk_scale, softcap_scale, q_pos, next_n, seqlen_k, window_left, window_right,
                         SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT)
@@ -125,11 +133,11 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, page_size, strid
     else:
         for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
-            k_off = _kv_row_offsets(offs_n, seqlen_k, bt_ptr, page_size, stride_k_page, stride_k_tok, PAGED, MASK)
+            k_off = _kv_row_offsets(start_n, offs_n, seqlen_k, bt_ptr, page_size, stride_k_page, stride_k_tok, PAGED, PAGE_BLOCKS, MASK)
             k = _load_kv(k_base, k_off, offs_n, offs_d, seqlen_k, HEAD_DIM, MASK, UPCAST)
             s = _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right,
                         SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT)
-            v_off = _kv_row_offsets(offs_n, seqlen_k, bt_ptr, page_size, stride_v_page, stride_v_tok, PAGED, MASK)
+            v_off = _kv_row_offsets(start_n, offs_n, seqlen_k, bt_ptr, page_size, stride_v_page, stride_v_tok, PAGED, PAGE_BLOCKS, MASK)
             v = _load_kv(v_base, v_off, offs_n, offs_d, seqlen_k, HEAD_DIM, MASK, UPCAST)
             acc, m_i, l_i = _softmax_pv(acc, m_i, l_i, s, v)
     return acc, m_i, l_i

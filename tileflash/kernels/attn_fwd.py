@@ -34,6 +34,7 @@ def attn_fwd_kernel(
     softmax_scale, softcap, window_left, window_right,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     VARLEN_Q: tl.constexpr, VARLEN_K: tl.constexpr, HAS_SEQLENS_K: tl.constexpr, PAGED: tl.constexpr,
+    PAGE_BLOCKS: tl.constexpr,
     PACK_GQA: tl.constexpr, SPLIT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     SP_OVERLAP: tl.constexpr, UPCAST: tl.constexpr,
@@ -140,19 +141,19 @@ def attn_fwd_kernel(
         acc, m_i, l_i = attn_inner(
             acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
             offs_d, seqlen_k, tl.maximum(s_lo, n_lo) * BLOCK_N, tl.minimum(s_hi, full_lo) * BLOCK_N,
-            qk_scale, softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_N, True, PAGED, HAS_LEFT,
+            qk_scale, softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_N, True, PAGED, PAGE_BLOCKS, HAS_LEFT,
             HAS_RIGHT, SOFTCAP,
             SP_OVERLAP, UPCAST)
     acc, m_i, l_i = attn_inner(
         acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
         offs_d, seqlen_k, tl.maximum(s_lo, full_lo) * BLOCK_N, tl.minimum(s_hi, full_hi) * BLOCK_N,
-        qk_scale, softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_N, False, PAGED, HAS_LEFT, HAS_RIGHT,
+        qk_scale, softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_N, False, PAGED, PAGE_BLOCKS, HAS_LEFT, HAS_RIGHT,
         SOFTCAP,
         SP_OVERLAP, UPCAST)
     acc, m_i, l_i = attn_inner(
         acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
         offs_d, seqlen_k, tl.maximum(s_lo, full_hi) * BLOCK_N, tl.minimum(s_hi, n_hi) * BLOCK_N,
-        qk_scale, softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_N, True, PAGED, HAS_LEFT, HAS_RIGHT,
+        qk_scale, softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_N, True, PAGED, PAGE_BLOCKS, HAS_LEFT, HAS_RIGHT,
         SOFTCAP,
         SP_OVERLAP, UPCAST)
 

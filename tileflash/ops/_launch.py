@@ -71,7 +71,7 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         softmax_scale, mask.softcap, mask.window_left, mask.window_right,
         HEAD_DIM=d, HEAD_DIM_PAD=padded_head_dim(d), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         VARLEN_Q=cu_seqlens_q is not None, VARLEN_K=cu_seqlens_k is not None, HAS_SEQLENS_K=seqlens_k is not None,
-        PAGED=paged, PACK_GQA=pack_gqa, SPLIT=split,
+        PAGED=paged, PAGE_BLOCKS=paged and k4.shape[1] % config.block_n == 0, PACK_GQA=pack_gqa, SPLIT=split,
         HAS_LEFT=mask.window_left >= 0, HAS_RIGHT=mask.window_right >= 0, SOFTCAP=mask.softcap > 0.0,
         SP_OVERLAP=sp_overlap, UPCAST=_utils.upcast_tiles(),
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -82,11 +82,11 @@ def launch_combine(o_part, lse_part, out4, lse3) -> None:
     """Merge split partials o_part [splits, B*Sq*Hq, D], lse_part [splits, B*Sq*Hq] into out4 / lse3."""
     num_splits, num_rows, d = o_part.shape
     b, sq, hq, _ = out4.shape
-    grid = (_utils.cdiv(num_rows, COMBINE_BLOCK_ROWS),)
-    attn_combine_kernel[grid](
+    attn_combine_kernel[(num_rows,)](
         o_part, lse_part, out4, lse3, num_splits, sq, hq, num_rows,
         out4.stride(0), out4.stride(1), out4.stride(2), lse3.stride(0), lse3.stride(1), lse3.stride(2),
-        HEAD_DIM=d, HEAD_DIM_PAD=padded_head_dim(d), BLOCK_R=COMBINE_BLOCK_ROWS, num_warps=4,
+        HEAD_DIM=d, HEAD_DIM_PAD=padded_head_dim(d), SPLIT_CHUNK=min(32, _utils.next_pow2(num_splits)),
+        num_warps=4,
     )
 
 

@@ -33,8 +33,7 @@ def _plan(q, k_cache, block_table, num_splits: int):
     return cfg, num_splits, capacity
 
 
-@torch.library.custom_op("tileflash::attn_kvcache", mutates_args=("k_cache", "v_cache"))
-def _attn_kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: Optional[torch.Tensor],
+def _attn_kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: Optional[torch.Tensor],
                      v: Optional[torch.Tensor], cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor],
                      softmax_scale: float, window_left: int, window_right: int, softcap: float, num_splits: int,
                      sp_overlap: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,6 +60,9 @@ def _attn_kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if num_splits > 1:
         launch_combine(o_part, lse_part, out, lse)
     return out, lse
+
+
+_attn_kvcache_op = torch.library.custom_op("tileflash::attn_kvcache", mutates_args=("k_cache", "v_cache"))(_attn_kvcache_impl)
 
 
 @_attn_kvcache_op.register_fake
@@ -166,7 +168,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         _validate_values(k_cache, cache_seqlens, block_table, capacity, s_new)
     left, right = _utils.check_window(window_size)
     mask = Mask.make(causal, (left, right), _check_softcap(softcap))
-    out, lse = _attn_kvcache_op(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+    out, lse = _utils.eager_or_op(_attn_kvcache_op, _attn_kvcache_impl)(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                 _utils.softmax_scale_or_default(softmax_scale, q.shape[-1]), mask.window_left,
                                 mask.window_right, mask.softcap, int(num_splits), bool(sp_overlap))
     return (out, lse) if return_lse else out

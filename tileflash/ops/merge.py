@@ -7,8 +7,7 @@ from .. import _utils
 from ._launch import launch_merge
 
 
-@torch.library.custom_op("tileflash::merge_attn_states", mutates_args=())
-def _merge_op(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+def _merge_impl(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
               lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     out = _utils.new_output(out_a.shape, out_a.dtype, out_a.device)
     lse = _utils.new_output(lse_a.shape, torch.float32, out_a.device)
@@ -20,6 +19,9 @@ def _merge_op(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
     else:
         launch_merge(out_a, lse_a, out_b, lse_b, out, lse)
     return out, lse
+
+
+_merge_op = torch.library.custom_op("tileflash::merge_attn_states", mutates_args=())(_merge_impl)
 
 
 @_merge_op.register_fake
@@ -48,4 +50,4 @@ def merge_attn_states(out_a, lse_a, out_b, lse_b):
             raise ValueError(f"{name}: expected shape {lse_shape}, got {tuple(t.shape)}")
     for name, t in (("out_a", out_a), ("out_b", out_b)):
         _utils.check_last_dim_contiguous(name, t)
-    return _merge_op(out_a, lse_a, out_b, lse_b)
+    return _utils.eager_or_op(_merge_op, _merge_impl)(out_a, lse_a, out_b, lse_b)

@@ -34,8 +34,7 @@ def _check_softcap(softcap) -> float:
     return softcap
 
 
-@torch.library.custom_op("tileflash::attn_fwd", mutates_args=())
-def _attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, window_left: int,
+def _attn_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, window_left: int,
                  window_right: int, softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
     b, sq, hq, d = q.shape
     sk = k.shape[1]
@@ -50,14 +49,16 @@ def _attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scal
     return out, lse
 
 
+_attn_fwd_op = torch.library.custom_op("tileflash::attn_fwd", mutates_args=())(_attn_fwd_impl)
+
+
 @_attn_fwd_op.register_fake
 def _(q, k, v, softmax_scale, window_left, window_right, softcap):
     b, sq, hq, _ = q.shape
     return torch.empty_like(q), q.new_empty((b, hq, sq), dtype=torch.float32)
 
 
-@torch.library.custom_op("tileflash::attn_varlen_fwd", mutates_args=())
-def _attn_varlen_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+def _attn_varlen_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                         cu_seqlens_k: torch.Tensor, seqused_k: Optional[torch.Tensor], max_seqlen_q: int,
                         softmax_scale: float, window_left: int, window_right: int,
                         softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,6 +75,9 @@ def _attn_varlen_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_se
                     mask=Mask(window_left, window_right, softcap), config=fwd_config(d, _utils.is_interpreter()),
                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqlens_k=seqused_k)
     return out, lse
+
+
+_attn_varlen_fwd_op = torch.library.custom_op("tileflash::attn_varlen_fwd", mutates_args=())(_attn_varlen_fwd_impl)
 
 
 @_attn_varlen_fwd_op.register_fake
@@ -95,7 +99,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
         raise ValueError(f"k: expected batch {q.shape[0]} (q's), got {k.shape[0]}")
     left, right = _utils.check_window(window_size)
     mask = Mask.make(causal, (left, right), _check_softcap(softcap))
-    out, lse = _attn_fwd_op(q, k, v, _utils.softmax_scale_or_default(softmax_scale, q.shape[-1]),
+    out, lse = _utils.eager_or_op(_attn_fwd_op, _attn_fwd_impl)(q, k, v, _utils.softmax_scale_or_default(softmax_scale, q.shape[-1]),
                             mask.window_left, mask.window_right, mask.softcap)
     return (out, lse) if return_lse else out
 
@@ -130,7 +134,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             raise ValueError(f"{name}: expected >= 0, got {val}")
     left, right = _utils.check_window(window_size)
     mask = Mask.make(causal, (left, right), _check_softcap(softcap))
-    out, lse = _attn_varlen_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q),
+    out, lse = _utils.eager_or_op(_attn_varlen_fwd_op, _attn_varlen_fwd_impl)(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q),
                                    _utils.softmax_scale_or_default(softmax_scale, q.shape[-1]),
                                    mask.window_left, mask.window_right, mask.softcap)
     return (out, lse) if return_lse else out
