@@ -17,11 +17,18 @@ from tileflash.heuristics import DecodeConfig, FwdConfig
 from tileflash.ops import decode as decode_ops
 from tileflash.ops._launch import Mask, launch_attn_fwd
 
-PREFILL_CONFIGS = [
-    FwdConfig(128, 64, 4, 3), FwdConfig(128, 64, 8, 3), FwdConfig(128, 128, 8, 3), FwdConfig(128, 128, 8, 2),
-    FwdConfig(128, 128, 4, 3), FwdConfig(64, 128, 4, 3), FwdConfig(128, 64, 8, 4), FwdConfig(128, 32, 4, 4),
-]
-DECODE_CONFIGS = [(32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 8, 3)]
+PREFILL_CONFIGS = {
+    64: [FwdConfig(128, 64, 8, 3), FwdConfig(128, 128, 8, 3), FwdConfig(128, 128, 8, 3, tma=True),
+         FwdConfig(128, 128, 8, 3, tma=True, warp_spec=True), FwdConfig(128, 64, 4, 3, tma=True, warp_spec=True),
+         FwdConfig(128, 128, 4, 3, tma=True, warp_spec=True), FwdConfig(128, 64, 8, 3, tma=True, warp_spec=True)],
+    128: [FwdConfig(128, 128, 8, 3), FwdConfig(128, 64, 8, 3), FwdConfig(128, 128, 8, 3, tma=True),
+          FwdConfig(128, 128, 8, 3, tma=True, warp_spec=True), FwdConfig(128, 64, 8, 3, tma=True, warp_spec=True),
+          FwdConfig(128, 128, 8, 2, tma=True, warp_spec=True), FwdConfig(128, 64, 4, 3, tma=True, warp_spec=True)],
+    256: [FwdConfig(128, 64, 8, 2), FwdConfig(128, 64, 8, 2, tma=True), FwdConfig(128, 64, 8, 2, tma=True,
+          warp_spec=True), FwdConfig(64, 64, 4, 2, tma=True), FwdConfig(128, 32, 8, 3, tma=True)],
+}
+# (block_n, warps, stages, tma)
+DECODE_CONFIGS = [(bn, 4, st, tma) for bn in (64, 128) for st in (2, 3, 4) for tma in (False, True)]
 
 
 def sass_facts(compiled) -> str:
@@ -43,9 +50,7 @@ def sweep_prefill(rows, out):
             q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
             ref = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), is_causal=causal)
             ref = ref.transpose(1, 2)
-            for cfg in PREFILL_CONFIGS:
-                if d == 256 and cfg.block_n > 64 and cfg.block_m > 64:
-                    continue  # does not fit the register file
+            for cfg in PREFILL_CONFIGS[d]:
                 o = torch.empty_like(q)
                 lse = torch.empty(b, h, s, device="cuda", dtype=torch.float32)
 
@@ -68,10 +73,13 @@ def sweep_prefill(rows, out):
 
 def sweep_decode(rows, out):
     import tileflash
+    from tileflash.bench.timing import graphed
 
-    for b, ctx, hq, hkv, d, ps in ((1, 32768, 32, 8, 128, None), (1, 32768, 32, 8, 128, 16),
-                                   (32, 8192, 32, 8, 128, None), (1, 8192, 32, 8, 128, None),
-                                   (8, 32768, 8, 1, 128, None), (32, 8192, 32, 8, 64, None)):
+    shapes = [(1, 8192, 32, 8, 128, None), (1, 32768, 32, 8, 128, None), (1, 131072, 32, 8, 128, None),
+              (8, 32768, 32, 8, 128, None), (32, 8192, 32, 8, 128, None), (128, 1024, 32, 8, 128, None),
+              (1, 32768, 32, 8, 128, 16), (1, 32768, 32, 8, 128, 64), (1, 8192, 8, 1, 128, None),
+              (1, 32768, 8, 1, 128, None)]
+    for b, ctx, hq, hkv, d, ps in shapes:
         q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)
         if ps is None:
             kc, vc = (torch.randn(b, ctx, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -87,25 +95,27 @@ def sweep_decode(rows, out):
                                              enable_gqa=True).transpose(1, 2)
         nbytes = decode_kv_bytes(b, ctx, hkv, d)
         original = decode_ops.decode_config
-        for bn, w, st in DECODE_CONFIGS:
+        for bn, w, st, tma in DECODE_CONFIGS:
+            if tma and ps is not None:
+                continue
             for overlap in (True, False):
                 decode_ops.decode_config = lambda dd, rows_, interpret=False: DecodeConfig(  # noqa: E731
-                    original(dd, rows_).block_m, bn, w, st)
+                    original(dd, rows_).block_m, bn, w, st, tma=tma)
                 try:
                     fn = lambda: tileflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens,  # noqa: E731
                                                                    block_table=table, sp_overlap=overlap)
                     err = (fn().float() - ref.float()).abs().max().item()
-                    ms = bench_ms(fn)
+                    ms = bench_ms(graphed(fn))
                 except Exception as e:  # noqa: BLE001
                     err, ms = float("nan"), None
-                    out(f"decode error {bn},{w},{st}: {str(e)[:100]}")
+                    out(f"decode error {bn},{w},{st},{tma}: {str(e)[:100]}")
                 finally:
                     decode_ops.decode_config = original
                 rows.append(dict(kind="decode", b=b, ctx=ctx, hq=hq, hkv=hkv, d=d, ps=ps, bn=bn, warps=w,
-                                 stages=st, overlap=overlap, err=err, us=ms * 1e3 if ms else None,
+                                 stages=st, tma=tma, overlap=overlap, err=err, us=ms * 1e3 if ms else None,
                                  gbps=gbps(nbytes, ms) if ms else None))
-                out(f"decode b={b} ctx={ctx} hq={hq} hkv={hkv} d={d} ps={ps} bn={bn} w={w} st={st} "
-                    f"overlap={overlap}: err={err:.2e} us={rows[-1]['us']}")
+                out(f"decode b={b} ctx={ctx} hq={hq} hkv={hkv} d={d} ps={ps} bn={bn} w={w} st={st} tma={tma} "
+                    f"overlap={overlap}: err={err:.2e} graph us={rows[-1]['us']}")
 
 
 def best_table(rows):
@@ -124,7 +134,8 @@ def best_table(rows):
         else:
             best = min(group, key=lambda r: r["us"])
             body.append([f"decode b{key[3]} ctx{key[4]} hkv{key[5]} d{key[1]} ps{key[6]}",
-                         f"bn={best['bn']} w={best['warps']} st={best['stages']} ov={best['overlap']}",
+                         f"bn={best['bn']} w={best['warps']} st={best['stages']} tma={best['tma']} "
+                         f"ov={best['overlap']}",
                          f"{best['us']:.1f} us", f"{best['gbps']:.0f} GB/s"])
     return format_table(["shape", "best config", "result", "notes"], body, title="Best config per shape")
 

@@ -82,3 +82,30 @@ def test_bf16_check_can_fail(monkeypatch):
         return  # the interpreter may also refuse raw-bit bf16 dots outright; either way it cannot pass silently
     with pytest.raises(AssertionError):
         check_2x(out, ref, ref_lowp)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_tma_descriptor_path(monkeypatch, varlen):
+    """K/V through tensor descriptors (the Hopper TMA path): rows past a sequence's end belong to the next one and
+    must be masked out, including from P @ V."""
+    import tileflash.ops.prefill as prefill_ops
+    from tileflash.heuristics import FwdConfig
+    from tileflash.reference import attention_varlen_ref
+
+    cfg = FwdConfig(32, 16, 4, 1, tma=True) if not ON_GPU else FwdConfig(128, 64, 8, 2, tma=True)
+    monkeypatch.setattr(prefill_ops, "fwd_config", lambda d, interpret=False: cfg)
+    if varlen:
+        lens = [23, 0, 41]
+        cu = torch.tensor([0, 23, 23, 64], dtype=torch.int32, device=DEVICE)
+        q, k, v = (x[0] for x in _inputs(1, 64, 64, 4, 2, 64, torch.float16, seed=5))
+        out = tileflash.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True)
+        ref, _ = attention_varlen_ref(q, k, v, cu, cu, causal=True)
+        ref_lowp, _ = attention_varlen_ref(q, k, v, cu, cu, causal=True, upcast=False)
+    else:
+        q, k, v = _inputs(2, 37, 45, 4, 2, 64, torch.bfloat16, seed=6)
+        v[1, :3] = float("nan")  # the next batch's rows must not leak into batch 0's last block
+        out = tileflash.flash_attn_func(q, k, v[:, :], causal=True)
+        ref, _ = attention_ref(q, k, v, causal=True)
+        ref_lowp, _ = attention_ref(q, k, v, causal=True, upcast=False)
+        out, ref, ref_lowp = out[:1], ref[:1], ref_lowp[:1]
+    check_2x(out, ref, ref_lowp)

@@ -16,6 +16,8 @@ class FwdConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    tma: bool = False  # K/V through TMA tensor descriptors (when strides allow; else pointers)
+    warp_spec: bool = False  # Triton warp specialisation of the KV loop
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,8 @@ class DecodeConfig:
     block_n: int  # KV tokens per inner-loop step
     num_warps: int
     num_stages: int
+    tma: bool = False  # contiguous caches only: K/V through TMA tensor descriptors
+    warp_spec: bool = False  # unused by decode (its loop is the S/P-overlapped one); kept for the shared launcher
 
 
 def padded_head_dim(d: int) -> int:

@@ -48,20 +48,30 @@ def _kv_row_offsets(start_n, offs_n, seqlen_k, bt_ptr, page_size, stride_page, s
 
 
 @triton.jit
-def _load_kv(base_ptr, row_off, offs_n, offs_d, seqlen_k, HEAD_DIM: tl.constexpr, MASK_N: tl.constexpr,
-             UPCAST: tl.constexpr):
-    ptrs = base_ptr + row_off[:, None] + offs_d[None, :]
-    EVEN_D: tl.constexpr = HEAD_DIM == offs_d.shape[0]
-    if MASK_N:
-        mask = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
-        t = tl.load(ptrs, mask=mask, other=0.0)
-    elif EVEN_D:
-        t = tl.load(ptrs)
+def _kv_tile(base, start_n, seqlen_k, bt_ptr, page_size, stride_page, stride_tok, desc_row0, head_kv, offs_d,
+             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_BLOCKS: tl.constexpr,
+             USE_DESC: tl.constexpr, MASK_N: tl.constexpr, UPCAST: tl.constexpr):
+    """The [BLOCK_N, DP] K or V tile of tokens start_n.. : through a TMA tensor descriptor (base is a descriptor over
+    [rows, Hkv, D]; columns past D arrive as zeros), or by pointers (contiguous or paged). Rows at or past seqlen_k
+    are zero when MASK_N (with a descriptor they belong to the next sequence: never let them reach P @ V)."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    if USE_DESC:
+        t = base.load([desc_row0 + start_n, head_kv, 0]).reshape(BLOCK_N, offs_d.shape[0])
+        if MASK_N:
+            t = tl.where(offs_n[:, None] < seqlen_k, t, 0.0)
     else:
-        t = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        row_off = _kv_row_offsets(start_n, offs_n, seqlen_k, bt_ptr, page_size, stride_page, stride_tok, PAGED,
+                                  PAGE_BLOCKS, MASK_N)
+        ptrs = base + row_off[:, None] + offs_d[None, :]
+        if MASK_N:
+            t = tl.load(ptrs, mask=(offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        elif HEAD_DIM == offs_d.shape[0]:
+            t = tl.load(ptrs)
+        else:
+            t = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
     if UPCAST:
         t = t.to(tl.float32)
-    return t
+    return t, offs_n
 
 
 @triton.jit
@@ -96,48 +106,64 @@ def _softmax_pv(acc, m_i, l_i, s, v):
 
 @triton.jit
 def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, page_size, stride_k_page, stride_k_tok,
-               stride_v_page, stride_v_tok, offs_d, seqlen_k, lo, hi, qk_scale, softcap_scale, window_left,
-               window_right, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, PAGED: tl.constexpr,
-               PAGE_BLOCKS: tl.constexpr,
-               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-               SOFTCAP: tl.constexpr, SP_OVERLAP: tl.constexpr, UPCAST: tl.constexpr):
-    """Accumulate KV tokens [lo, hi) (lo a multiple of BLOCK_N) into (acc, m_i, l_i).
+               stride_v_page, stride_v_tok, desc_row0, head_kv, offs_d, seqlen_k, lo, hi, qk_scale, softcap_scale,
+               window_left, window_right, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+               PAGED: tl.constexpr, PAGE_BLOCKS: tl.constexpr, USE_DESC: tl.constexpr, HAS_LEFT: tl.constexpr,
+               HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, SP_OVERLAP: tl.constexpr, WARP_SPEC: tl.constexpr,
+               UPCAST: tl.constexpr):
+    """Accumulate KV tokens [lo, hi) (lo, hi multiples of BLOCK_N) into (acc, m_i, l_i).
 
     MASK=False is the fast path for blocks that are fully visible to every row (no per-element masks).
     SP_OVERLAP=True issues QK^T of block j+1 before the softmax of block j (FA4's S/P ping-pong), so the MMA
-    and the next loads overlap the exp2 work; False is the plain loop.
+    and the next loads overlap the exp2 work; False is the plain loop, which WARP_SPEC hands to Triton's warp
+    specialisation (producer warps for loads, consumer warps for MMA and softmax).
     """
     if SP_OVERLAP:
         if lo < hi:
-            start_n = lo
-            offs_n = lo + tl.arange(0, BLOCK_N)
-            k_off = _kv_row_offsets(start_n, offs_n, seqlen_k, bt_ptr, page_size, stride_k_page, stride_k_tok, PAGED, PAGE_BLOCKS, MASK)
-            k = _load_kv(k_base, k_off, offs_n, offs_d, seqlen_k, HEAD_DIM, MASK, UPCAST)
+            k, offs_n = _kv_tile(k_base, lo, seqlen_k, bt_ptr, page_size, stride_k_page, stride_k_tok, desc_row0,
+                                 head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGED, PAGE_BLOCKS, USE_DESC, MASK, UPCAST)
             s = _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right,
                         SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT)
             for start_n in range(lo, hi, BLOCK_N):
-                offs_n = start_n + tl.arange(0, BLOCK_N)
-                v_off = _kv_row_offsets(start_n, offs_n, seqlen_k, bt_ptr, page_size, stride_v_page, stride_v_tok, PAGED,
-                                        PAGE_BLOCKS, MASK)
-                v = _load_kv(v_base, v_off, offs_n, offs_d, seqlen_k, HEAD_DIM, MASK, UPCAST)
+                v, _ = _kv_tile(v_base, start_n, seqlen_k, bt_ptr, page_size, stride_v_page, stride_v_tok, desc_row0,
+                                head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGED, PAGE_BLOCKS, USE_DESC, MASK, UPCAST)
                 # Next block's scores first (clamped to the last block on the final step; the result is unused).
                 next_start = tl.minimum(start_n + BLOCK_N, hi - BLOCK_N)
-                next_n = next_start + tl.arange(0, BLOCK_N)
-                nk_off = _kv_row_offsets(next_start, next_n, seqlen_k, bt_ptr, page_size, stride_k_page, stride_k_tok, PAGED,
-                                         PAGE_BLOCKS, MASK)
-                k_next = _load_kv(k_base, nk_off, next_n, offs_d, seqlen_k, HEAD_DIM, MASK, UPCAST)
-                s_next = _scores(q, k_next, qk_scale, softcap_scale, q_pos, next_n, seqlen_k, window_left, window_right,
-                        SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT)
+                k_next, next_n = _kv_tile(k_base, next_start, seqlen_k, bt_ptr, page_size, stride_k_page,
+                                          stride_k_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGED,
+                                          PAGE_BLOCKS, USE_DESC, MASK, UPCAST)
+                s_next = _scores(q, k_next, qk_scale, softcap_scale, q_pos, next_n, seqlen_k, window_left,
+                                 window_right, SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT)
                 acc, m_i, l_i = _softmax_pv(acc, m_i, l_i, s, v)
                 s = s_next
+    elif WARP_SPEC:
+        for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=True):
+            acc, m_i, l_i = _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, page_size, stride_k_page,
+                                        stride_k_tok, stride_v_page, stride_v_tok, desc_row0, head_kv, offs_d,
+                                        seqlen_k, start_n, qk_scale, softcap_scale, window_left, window_right,
+                                        HEAD_DIM, BLOCK_N, MASK, PAGED, PAGE_BLOCKS, USE_DESC, HAS_LEFT, HAS_RIGHT,
+                                        SOFTCAP, UPCAST)
     else:
         for start_n in range(lo, hi, BLOCK_N):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            k_off = _kv_row_offsets(start_n, offs_n, seqlen_k, bt_ptr, page_size, stride_k_page, stride_k_tok, PAGED, PAGE_BLOCKS, MASK)
-            k = _load_kv(k_base, k_off, offs_n, offs_d, seqlen_k, HEAD_DIM, MASK, UPCAST)
-            s = _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right,
-                        SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT)
-            v_off = _kv_row_offsets(start_n, offs_n, seqlen_k, bt_ptr, page_size, stride_v_page, stride_v_tok, PAGED, PAGE_BLOCKS, MASK)
-            v = _load_kv(v_base, v_off, offs_n, offs_d, seqlen_k, HEAD_DIM, MASK, UPCAST)
-            acc, m_i, l_i = _softmax_pv(acc, m_i, l_i, s, v)
+            acc, m_i, l_i = _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, page_size, stride_k_page,
+                                        stride_k_tok, stride_v_page, stride_v_tok, desc_row0, head_kv, offs_d,
+                                        seqlen_k, start_n, qk_scale, softcap_scale, window_left, window_right,
+                                        HEAD_DIM, BLOCK_N, MASK, PAGED, PAGE_BLOCKS, USE_DESC, HAS_LEFT, HAS_RIGHT,
+                                        SOFTCAP, UPCAST)
     return acc, m_i, l_i
+
+
+@triton.jit
+def _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, page_size, stride_k_page, stride_k_tok,
+                stride_v_page, stride_v_tok, desc_row0, head_kv, offs_d, seqlen_k, start_n, qk_scale, softcap_scale,
+                window_left, window_right, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+                PAGED: tl.constexpr, PAGE_BLOCKS: tl.constexpr, USE_DESC: tl.constexpr, HAS_LEFT: tl.constexpr,
+                HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr):
+    """One block of the plain loop: load K, scores, load V, online softmax and PV."""
+    k, offs_n = _kv_tile(k_base, start_n, seqlen_k, bt_ptr, page_size, stride_k_page, stride_k_tok, desc_row0,
+                         head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGED, PAGE_BLOCKS, USE_DESC, MASK, UPCAST)
+    s = _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right, SOFTCAP, MASK,
+                HAS_LEFT, HAS_RIGHT)
+    v, _ = _kv_tile(v_base, start_n, seqlen_k, bt_ptr, page_size, stride_v_page, stride_v_tok, desc_row0, head_kv,
+                    offs_d, HEAD_DIM, BLOCK_N, PAGED, PAGE_BLOCKS, USE_DESC, MASK, UPCAST)
+    return _softmax_pv(acc, m_i, l_i, s, v)

@@ -11,6 +11,7 @@ from ..heuristics import padded_head_dim
 from ..kernels.attn_combine import attn_combine_kernel, merge_states_kernel
 from ..kernels.attn_fwd import attn_fwd_kernel
 from ..kernels.kv_append import kv_append_kernel
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 COMBINE_BLOCK_ROWS = 16
 
@@ -34,6 +35,24 @@ def _dummy(device) -> torch.Tensor:
     return torch.empty(1, dtype=torch.int32, device=device)
 
 
+def _kv_descriptors(k4, v4, rows: int, block_n: int):
+    """TMA descriptors over K/V viewed as [rows, Hkv, D] (batch and sequence merged), or None when the layout does
+    not allow it: merged dims need stride(0) == S * stride(1), and TMA needs 16-byte aligned bases and strides.
+    Only for head dims that are powers of two, so a tile never reaches past D."""
+    d = k4.shape[3]
+    if d != padded_head_dim(d):
+        return None
+    descs = []
+    for t in (k4, v4):
+        es = t.element_size()
+        mergeable = t.shape[0] == 1 or t.stride(0) == t.shape[1] * t.stride(1)
+        aligned = t.data_ptr() % 16 == 0 and (t.stride(1) * es) % 16 == 0 and (t.stride(2) * es) % 16 == 0
+        if not (mergeable and aligned and t.stride(3) == 1):
+            return None
+        descs.append(TensorDescriptor(t, [rows, t.shape[2], d], [t.stride(1), t.stride(2), 1], [block_n, 1, d]))
+    return descs
+
+
 def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_stride0: bool, num_batches: int,
                     seqlen_q: int, seqlen_k: int, m_rows: int, softmax_scale: float, mask: Mask, config,
                     cu_seqlens_q=None, cu_seqlens_k=None, seqlens_k=None, seqlen_k_add: int = 0,
@@ -53,8 +72,12 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
     paged = block_table is not None
     split = num_splits > 1
     grid = (m_tiles * num_batches * heads_prog, num_splits)
+    descs = None
+    if config.tma and not paged:
+        descs = _kv_descriptors(k4, v4, k4.shape[0] * k4.shape[1], config.block_n)
+    k_arg, v_arg = descs if descs else (k4, v4)
     return attn_fwd_kernel[grid](
-        q4, k4, v4, out4, lse3,
+        q4, k_arg, v_arg, out4, lse3,
         o_part if split else dummy, lse_part if split else dummy,
         cu_seqlens_q if cu_seqlens_q is not None else dummy,
         cu_seqlens_k if cu_seqlens_k is not None else dummy,
@@ -66,14 +89,15 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         0 if q_batch_stride0 else out4.stride(0), out4.stride(1), out4.stride(2),
         0 if q_batch_stride0 else lse3.stride(0), lse3.stride(1), lse3.stride(2),
         block_table.stride(0) if paged else 0,
-        seqlen_q, seqlen_k, seqlen_k_add, k4.shape[1] if paged else 1,
+        seqlen_q, seqlen_k, seqlen_k_add, k4.shape[1] if paged else 1, 0 if k_batch_stride0 else k4.shape[1],
         hq, group, m_tiles, num_batches * seqlen_q * hq,
         softmax_scale, mask.softcap, mask.window_left, mask.window_right,
         HEAD_DIM=d, HEAD_DIM_PAD=padded_head_dim(d), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         VARLEN_Q=cu_seqlens_q is not None, VARLEN_K=cu_seqlens_k is not None, HAS_SEQLENS_K=seqlens_k is not None,
         PAGED=paged, PAGE_BLOCKS=paged and k4.shape[1] % config.block_n == 0, PACK_GQA=pack_gqa, SPLIT=split,
         HAS_LEFT=mask.window_left >= 0, HAS_RIGHT=mask.window_right >= 0, SOFTCAP=mask.softcap > 0.0,
-        SP_OVERLAP=sp_overlap, UPCAST=_utils.upcast_tiles(),
+        USE_DESC=descs is not None, SP_OVERLAP=sp_overlap, WARP_SPEC=config.warp_spec and not sp_overlap,
+        UPCAST=_utils.upcast_tiles(),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
