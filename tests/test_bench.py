@@ -206,12 +206,12 @@ def _fake_tileflash(mode="right"):
         return out + 1 if mode == "wrong" else out
 
     def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
-                                causal=True, sp_overlap=True, **kw):
+                                causal=True, sp_overlap=False, **kw):
         if block_table is not None:
             k_cache, v_cache = (x[block_table.long()].flatten(1, 2) for x in (k_cache, v_cache))
         n = int(cache_seqlens.max())
         out = _attn(q, k_cache[:, :n], v_cache[:, :n], causal).to(q.dtype)
-        return out + 1 if mode == "wrong" and not sp_overlap else out
+        return out + 1 if mode == "wrong" and sp_overlap else out
 
     return types.SimpleNamespace(flash_attn_func=flash_attn_func, flash_attn_with_kvcache=flash_attn_with_kvcache)
 
@@ -287,10 +287,10 @@ def test_run_decode_cpu(cpu_suites):
     assert "Decode" in lines[-1]
 
 
-def test_run_decode_flags_plain_loop_mismatch(cpu_suites):
-    cpu_suites("wrong")  # only the sp_overlap=False path is wrong
+def test_run_decode_flags_sp_overlap_mismatch(cpu_suites):
+    cpu_suites("wrong")  # only the sp_overlap=True path is wrong
     row = suites.run_decode(DECODE_TINY[1:], out=lambda s: None)[0]
-    assert row["backends"]["tileflash"]["ok"] and not row["backends"]["tileflash_plain"]["ok"]
+    assert row["backends"]["tileflash"]["ok"] and not row["backends"]["tileflash_sp"]["ok"]
     assert row["speedup"] == pytest.approx(1.0)
 
 

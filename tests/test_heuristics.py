@@ -11,18 +11,23 @@ def test_padded_head_dim(d, expected):
     assert padded_head_dim(d) == expected
 
 
-@pytest.mark.parametrize("d, block_m, block_n, warps, stages", [
-    (64, 128, 128, 8, 3),
-    (128, 128, 128, 8, 3),
-    (256, 128, 64, 8, 2),
+@pytest.mark.parametrize("d, causal, block_m, block_n, warps, stages, tma", [
+    (64, False, 128, 64, 8, 3, False),
+    (64, True, 128, 64, 8, 3, False),
+    (128, False, 128, 128, 8, 3, True),
+    (128, True, 128, 128, 8, 3, False),
+    (256, False, 128, 64, 8, 2, True),
+    (40, False, 128, 64, 8, 3, False),  # padded to 64
 ])
-def test_fwd_config(d, block_m, block_n, warps, stages):
-    c = fwd_config(d)
-    assert (c.block_m, c.block_n, c.num_warps, c.num_stages) == (block_m, block_n, warps, stages)
+def test_fwd_config(d, causal, block_m, block_n, warps, stages, tma):
+    c = fwd_config(d, causal)
+    assert (c.block_m, c.block_n, c.num_warps, c.num_stages, c.tma, c.warp_spec) == \
+        (block_m, block_n, warps, stages, tma, False)
 
 
 def test_fwd_config_interpreter_uses_small_tiles():
     assert fwd_config(128, interpret=True).block_n == 16
+    assert not fwd_config(128, interpret=True).tma
 
 
 @pytest.mark.parametrize("rows, expected", [(1, 16), (4, 16), (17, 32), (64, 64), (128, 64), (512, 64)])
@@ -31,8 +36,9 @@ def test_decode_block_m(rows, expected):
 
 
 @pytest.mark.parametrize("d, block_n", [(64, 64), (128, 64), (256, 32)])
-def test_decode_block_n(d, block_n):
-    assert decode_config(d, 4).block_n == block_n
+def test_decode_config(d, block_n):
+    c = decode_config(d, 4)
+    assert (c.block_n, c.num_warps, c.num_stages, c.tma) == (block_n, 4, 2, True)
 
 
 # (batch, Hkv, m_tiles, max_seqlen_k, block_n, sms) -> splits

@@ -93,7 +93,7 @@ def test_tma_descriptor_path(monkeypatch, varlen):
     from tileflash.reference import attention_varlen_ref
 
     cfg = FwdConfig(32, 16, 4, 1, tma=True) if not ON_GPU else FwdConfig(128, 64, 8, 2, tma=True)
-    monkeypatch.setattr(prefill_ops, "fwd_config", lambda d, interpret=False: cfg)
+    monkeypatch.setattr(prefill_ops, "fwd_config", lambda d, **kw: cfg)
     if varlen:
         lens = [23, 0, 41]
         cu = torch.tensor([0, 23, 23, 64], dtype=torch.int32, device=DEVICE)

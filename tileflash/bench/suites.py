@@ -59,7 +59,7 @@ DECODE_SHAPES = [
 ]
 
 PREFILL_BACKENDS = ("tileflash", "sdpa_flash", "sdpa_cudnn", "fa4")
-TILEFLASH_DECODE = ("tileflash", "tileflash_plain", "tileflash_graph")
+TILEFLASH_DECODE = ("tileflash", "tileflash_sp", "tileflash_graph")
 DECODE_PEERS = ("sdpa", "sdpa_graph", "flashinfer", "flashinfer_tc", "fa4")
 
 
@@ -243,9 +243,9 @@ def _decode_one(shape, tf, note):
         return None if fn is None else graphed(fn)
 
     builders = {
-        "tileflash": lambda: tileflash_call(True),
-        "tileflash_plain": lambda: tileflash_call(False),
-        "tileflash_graph": lambda: graphed(tileflash_call(True)),
+        "tileflash": lambda: tileflash_call(False),
+        "tileflash_sp": lambda: tileflash_call(True),
+        "tileflash_graph": lambda: graphed(tileflash_call(False)),
         "sdpa": lambda: peers.sdpa_decode(q, k_seq, v_seq, note),
         "sdpa_graph": sdpa_graph,
         "flashinfer": lambda: peers.flashinfer_decode(q, fi_k, fi_v, fi_table, ctx, False, note),
@@ -271,7 +271,7 @@ def _decode_one(shape, tf, note):
 
 
 def decode_table(rows):
-    headers = ["set", "B", "ctx", "tf us", "tf-plain us", "tf-graph us", "graph GB/s", "%copy",
+    headers = ["set", "B", "ctx", "tf us", "tf-S/P us", "tf-graph us", "graph GB/s", "%copy",
                "SDPA us", "SDPA-graph us", "FI us", "FI-TC us", "FA4 us", "tf/best", "failed"]
     body = [
         [r["label"], r["batch"], r["ctx"], *(_field(r, n, "us") for n in TILEFLASH_DECODE),
@@ -285,7 +285,7 @@ def decode_table(rows):
 
 
 def run_decode(shapes=None, out=print):
-    """Check and time tileflash.flash_attn_with_kvcache (eager, plain loop, CUDA graph) and its
+    """Check and time tileflash.flash_attn_with_kvcache (eager, S/P-overlapped loop, CUDA graph) and its
     peers on each shape; print a table and return one JSON-serialisable dict per shape."""
     tf = _tileflash()
     rows = []

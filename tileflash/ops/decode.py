@@ -151,14 +151,15 @@ def _validate_values(k_cache, cache_seqlens, block_table, capacity: int, s_new: 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
                             softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0, num_splits=0,
-                            return_lse=False, sp_overlap=True, validate=False):
+                            return_lse=False, sp_overlap=False, validate=False):
     """Attention of 1..16 new query tokens per sequence over a KV cache, appending new K/V in place.
 
     q [B, Sq, Hq, D]; k_cache/v_cache [B, S_max, Hkv, D], or paged [num_pages, page_size, Hkv, D] with
     block_table [B, max_pages] int32 (page_size 1..256, pages in any order); cache_seqlens [B] int32.
     k, v [B, Snew, Hkv, D] are written at positions cache_seqlens .. cache_seqlens + Snew, then attention runs over
     cache_seqlens + Snew tokens (causal bottom-right aligned). num_splits: 0 heuristic, 1 none, n exactly n.
-    sp_overlap selects the S/P-overlapped inner loop (default) or the plain loop.
+    sp_overlap=True selects the S/P-overlapped inner loop (QK^T of block j+1 issued before the softmax of block j);
+    the default plain loop measured as fast or faster on the H200 with triton 3.6 (benchmarks/RESULTS.md).
     validate=True checks cache_seqlens and block_table values against the cache (costs a device sync); without it
     they are the caller's contract (lengths are clamped to the capacity in the kernel; page indices are trusted).
     Returns out [B, Sq, Hq, D], and with return_lse=True (out, lse [B, Hq, Sq] float32).

@@ -45,7 +45,7 @@ def _attn_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sc
     launch_attn_fwd(q, k, v, out, lse, q_batch_stride0=False, k_batch_stride0=False, num_batches=b,
                     seqlen_q=sq, seqlen_k=sk, m_rows=sq, softmax_scale=softmax_scale,
                     mask=Mask(window_left, window_right, softcap),
-                    config=fwd_config(d, _utils.is_interpreter()))
+                    config=fwd_config(d, causal=window_right >= 0, interpret=_utils.is_interpreter()))
     return out, lse
 
 
@@ -72,7 +72,7 @@ def _attn_varlen_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
     launch_attn_fwd(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0),
                     q_batch_stride0=True, k_batch_stride0=True, num_batches=num_seqs, seqlen_q=0,
                     seqlen_k=0, m_rows=max_seqlen_q, softmax_scale=softmax_scale,
-                    mask=Mask(window_left, window_right, softcap), config=fwd_config(d, _utils.is_interpreter()),
+                    mask=Mask(window_left, window_right, softcap), config=fwd_config(d, causal=window_right >= 0, interpret=_utils.is_interpreter()),
                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqlens_k=seqused_k)
     return out, lse
 
