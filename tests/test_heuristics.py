@@ -49,7 +49,8 @@ def test_decode_config(d, block_n):
     ((8, 8, 1, 32768, 64, 132), 5),  # 64 programs -> cdiv(264, 64)
     ((32, 8, 1, 2048, 64, 132), 2),  # 256 programs: just under the target
     ((64, 8, 1, 4096, 64, 132), 1),  # enough programs already
-    ((1, 1, 1, 8192, 64, 132), 64),  # MQA at batch 1: 128 blocks -> 64 splits of 2 blocks
+    ((1, 1, 1, 8192, 64, 132), 32),  # MQA at batch 1: 128 blocks -> 32 splits of 4 blocks
+    ((1, 1, 1, 32768, 64, 132), 128),  # measured best ~132
     ((1, 8, 1, 100, 64, 132), 1),  # 2 blocks: too short to split
     ((1, 1, 1, 10 ** 7, 64, 132), MAX_SPLITS),  # capped
 ])

@@ -78,14 +78,15 @@ def num_splits_heuristic(batch: int, nheads_kv: int, m_tiles: int, max_seqlen_k:
     """How many programs share one sequence's KV.
 
     Without splitting there are batch*Hkv*m_tiles programs; at batch 1 that is 8 on a 132-SM GPU, which is how the
-    sm_90 peer ends up at 0.4 TB/s. Split until about two programs per SM are in flight (two 96 KiB pipelines fit
-    an SM's shared memory), keeping each split at least 2 KV blocks long so the loads of one block overlap the
-    maths of the other; the combine reads all splits of a row in one round trip, so many splits are cheap.
+    sm_90 peer ends up at 0.4 TB/s. Split until about two programs per SM are in flight, keeping each split at
+    least 4 KV blocks long. Measured (benchmarks/splits_sweep.py, graph replay, H200): b=1 ctx 8k/32k/128k with
+    8 KV heads are within 2% of the best forced count (33 / 33 / 50 splits); MQA b=1 ctx 32k is best at ~128
+    splits (25.0 us) and loses 24% at 256 splits of 2 blocks (30.9 us), where the combine dominates.
     """
     base = batch * nheads_kv * m_tiles
     target = 2 * num_sms
     if base >= target:
         return 1
     n_blocks = cdiv(max(max_seqlen_k, 1), block_n)
-    by_length = max(1, n_blocks // 2)
+    by_length = max(1, n_blocks // 4)
     return max(1, min(cdiv(target, base), by_length, MAX_SPLITS))
