@@ -43,7 +43,7 @@ def test_decode_config(d, block_n):
 
 # (batch, Hkv, m_tiles, max_seqlen_k, block_n, sms) -> splits
 @pytest.mark.parametrize("args, expected", [
-    ((1, 8, 1, 8192, 64, 132), 33),  # b=1: 8 programs -> split to ~2 per SM: cdiv(264, 8)
+    ((1, 8, 1, 8192, 64, 132), 32),  # b=1: 8 programs; 128 blocks / 4 caps the SM target cdiv(264, 8) = 33
     ((1, 8, 1, 32768, 64, 132), 33),
     ((1, 8, 1, 131072, 64, 132), 33),
     ((8, 8, 1, 32768, 64, 132), 5),  # 64 programs -> cdiv(264, 64)
