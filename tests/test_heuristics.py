@@ -35,7 +35,7 @@ def test_decode_block_m(rows, expected):
     assert decode_block_m(rows) == expected
 
 
-@pytest.mark.parametrize("d, block_n", [(64, 64), (128, 64), (256, 32)])
+@pytest.mark.parametrize("d, block_n", [(32, 128), (64, 128), (128, 64), (256, 32)])
 def test_decode_config(d, block_n):
     c = decode_config(d, 4)
     assert (c.block_n, c.num_warps, c.num_stages, c.tma) == (block_n, 4, 2, True)

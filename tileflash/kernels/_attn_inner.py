@@ -29,28 +29,25 @@ def _visible(q_pos, offs_n, seqlen_k, window_left, window_right, HAS_LEFT: tl.co
 
 
 @triton.jit
-def _kv_row_offsets(start_n, offs_n, seqlen_k, bt_ptr, page_size, stride_page, stride_tok, PAGED: tl.constexpr,
-                    PAGE_BLOCKS: tl.constexpr, MASK_N: tl.constexpr):
-    """Element offsets (int64) of KV tokens offs_n = start_n + arange: contiguous rows, or rows gathered through the
-    block table. PAGE_BLOCKS (page_size a multiple of BLOCK_N): the block lies in one page, so one scalar table
-    load and contiguous rows; otherwise one table entry per token (any page size)."""
-    if PAGE_BLOCKS:
-        page = tl.load(bt_ptr + start_n // page_size).to(tl.int64)
-        return page * stride_page + (start_n % page_size + offs_n - start_n).to(tl.int64) * stride_tok
-    elif PAGED:
+def _kv_row_offsets(offs_n, seqlen_k, bt_ptr, stride_page, stride_tok, PAGE_SIZE: tl.constexpr,
+                    MASK_N: tl.constexpr):
+    """Element offsets (int64) of KV tokens offs_n: contiguous rows (PAGE_SIZE 0), or rows gathered through the
+    block table, one table entry per token (any page size). PAGE_SIZE is a compile-time constant: the per-token
+    // and % by a run-time page size cost more ALU time than the loads they feed (paged decode ran up to 1.4x
+    slower than contiguous with it)."""
+    if PAGE_SIZE > 0:
         if MASK_N:
-            page = tl.load(bt_ptr + offs_n // page_size, mask=offs_n < seqlen_k, other=0)
+            page = tl.load(bt_ptr + offs_n // PAGE_SIZE, mask=offs_n < seqlen_k, other=0)
         else:
-            page = tl.load(bt_ptr + offs_n // page_size)
-        return page.to(tl.int64) * stride_page + (offs_n % page_size).to(tl.int64) * stride_tok
+            page = tl.load(bt_ptr + offs_n // PAGE_SIZE)
+        return page.to(tl.int64) * stride_page + (offs_n % PAGE_SIZE).to(tl.int64) * stride_tok
     else:
         return offs_n.to(tl.int64) * stride_tok
 
 
 @triton.jit
-def _kv_tile(base, start_n, seqlen_k, bt_ptr, page_size, stride_page, stride_tok, desc_row0, head_kv, offs_d,
-             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_BLOCKS: tl.constexpr,
-             USE_DESC: tl.constexpr, MASK_N: tl.constexpr, UPCAST: tl.constexpr):
+def _kv_tile(base, start_n, seqlen_k, bt_ptr, stride_page, stride_tok, desc_row0, head_kv, offs_d,
+             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, USE_DESC: tl.constexpr, MASK_N: tl.constexpr, UPCAST: tl.constexpr):
     """The [BLOCK_N, DP] K or V tile of tokens start_n.. : through a TMA tensor descriptor (base is a descriptor over
     [rows, Hkv, D]; columns past D arrive as zeros), or by pointers (contiguous or paged). Rows at or past seqlen_k
     are zero when MASK_N (with a descriptor they belong to the next sequence: never let them reach P @ V)."""
@@ -60,8 +57,7 @@ def _kv_tile(base, start_n, seqlen_k, bt_ptr, page_size, stride_page, stride_tok
         if MASK_N:
             t = tl.where(offs_n[:, None] < seqlen_k, t, 0.0)
     else:
-        row_off = _kv_row_offsets(start_n, offs_n, seqlen_k, bt_ptr, page_size, stride_page, stride_tok, PAGED,
-                                  PAGE_BLOCKS, MASK_N)
+        row_off = _kv_row_offsets(offs_n, seqlen_k, bt_ptr, stride_page, stride_tok, PAGE_SIZE, MASK_N)
         ptrs = base + row_off[:, None] + offs_d[None, :]
         if MASK_N:
             t = tl.load(ptrs, mask=(offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM), other=0.0)
@@ -105,10 +101,10 @@ def _softmax_pv(acc, m_i, l_i, s, v):
 
 
 @triton.jit
-def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, page_size, stride_k_page, stride_k_tok,
+def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, stride_k_page, stride_k_tok,
                stride_v_page, stride_v_tok, desc_row0, head_kv, offs_d, seqlen_k, lo, hi, qk_scale, softcap_scale,
                window_left, window_right, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
-               PAGED: tl.constexpr, PAGE_BLOCKS: tl.constexpr, USE_DESC: tl.constexpr, HAS_LEFT: tl.constexpr,
+               PAGE_SIZE: tl.constexpr, USE_DESC: tl.constexpr, HAS_LEFT: tl.constexpr,
                HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, SP_OVERLAP: tl.constexpr, WARP_SPEC: tl.constexpr,
                UPCAST: tl.constexpr):
     """Accumulate KV tokens [lo, hi) (lo, hi multiples of BLOCK_N) into (acc, m_i, l_i).
@@ -120,50 +116,49 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, page_size, strid
     """
     if SP_OVERLAP:
         if lo < hi:
-            k, offs_n = _kv_tile(k_base, lo, seqlen_k, bt_ptr, page_size, stride_k_page, stride_k_tok, desc_row0,
-                                 head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGED, PAGE_BLOCKS, USE_DESC, MASK, UPCAST)
+            k, offs_n = _kv_tile(k_base, lo, seqlen_k, bt_ptr, stride_k_page, stride_k_tok, desc_row0,
+                                 head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, MASK, UPCAST)
             s = _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right,
                         SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT)
             for start_n in range(lo, hi, BLOCK_N):
-                v, _ = _kv_tile(v_base, start_n, seqlen_k, bt_ptr, page_size, stride_v_page, stride_v_tok, desc_row0,
-                                head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGED, PAGE_BLOCKS, USE_DESC, MASK, UPCAST)
+                v, _ = _kv_tile(v_base, start_n, seqlen_k, bt_ptr, stride_v_page, stride_v_tok, desc_row0,
+                                head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, MASK, UPCAST)
                 # Next block's scores first (clamped to the last block on the final step; the result is unused).
                 next_start = tl.minimum(start_n + BLOCK_N, hi - BLOCK_N)
-                k_next, next_n = _kv_tile(k_base, next_start, seqlen_k, bt_ptr, page_size, stride_k_page,
-                                          stride_k_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGED,
-                                          PAGE_BLOCKS, USE_DESC, MASK, UPCAST)
+                k_next, next_n = _kv_tile(k_base, next_start, seqlen_k, bt_ptr, stride_k_page,
+                                          stride_k_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, MASK, UPCAST)
                 s_next = _scores(q, k_next, qk_scale, softcap_scale, q_pos, next_n, seqlen_k, window_left,
                                  window_right, SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT)
                 acc, m_i, l_i = _softmax_pv(acc, m_i, l_i, s, v)
                 s = s_next
     elif WARP_SPEC:
         for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=True):
-            acc, m_i, l_i = _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, page_size, stride_k_page,
+            acc, m_i, l_i = _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, stride_k_page,
                                         stride_k_tok, stride_v_page, stride_v_tok, desc_row0, head_kv, offs_d,
                                         seqlen_k, start_n, qk_scale, softcap_scale, window_left, window_right,
-                                        HEAD_DIM, BLOCK_N, MASK, PAGED, PAGE_BLOCKS, USE_DESC, HAS_LEFT, HAS_RIGHT,
+                                        HEAD_DIM, BLOCK_N, MASK, PAGE_SIZE, USE_DESC, HAS_LEFT, HAS_RIGHT,
                                         SOFTCAP, UPCAST)
     else:
         for start_n in range(lo, hi, BLOCK_N):
-            acc, m_i, l_i = _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, page_size, stride_k_page,
+            acc, m_i, l_i = _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, stride_k_page,
                                         stride_k_tok, stride_v_page, stride_v_tok, desc_row0, head_kv, offs_d,
                                         seqlen_k, start_n, qk_scale, softcap_scale, window_left, window_right,
-                                        HEAD_DIM, BLOCK_N, MASK, PAGED, PAGE_BLOCKS, USE_DESC, HAS_LEFT, HAS_RIGHT,
+                                        HEAD_DIM, BLOCK_N, MASK, PAGE_SIZE, USE_DESC, HAS_LEFT, HAS_RIGHT,
                                         SOFTCAP, UPCAST)
     return acc, m_i, l_i
 
 
 @triton.jit
-def _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, page_size, stride_k_page, stride_k_tok,
+def _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, stride_k_page, stride_k_tok,
                 stride_v_page, stride_v_tok, desc_row0, head_kv, offs_d, seqlen_k, start_n, qk_scale, softcap_scale,
                 window_left, window_right, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
-                PAGED: tl.constexpr, PAGE_BLOCKS: tl.constexpr, USE_DESC: tl.constexpr, HAS_LEFT: tl.constexpr,
+                PAGE_SIZE: tl.constexpr, USE_DESC: tl.constexpr, HAS_LEFT: tl.constexpr,
                 HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr):
     """One block of the plain loop: load K, scores, load V, online softmax and PV."""
-    k, offs_n = _kv_tile(k_base, start_n, seqlen_k, bt_ptr, page_size, stride_k_page, stride_k_tok, desc_row0,
-                         head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGED, PAGE_BLOCKS, USE_DESC, MASK, UPCAST)
+    k, offs_n = _kv_tile(k_base, start_n, seqlen_k, bt_ptr, stride_k_page, stride_k_tok, desc_row0,
+                         head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, MASK, UPCAST)
     s = _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right, SOFTCAP, MASK,
                 HAS_LEFT, HAS_RIGHT)
-    v, _ = _kv_tile(v_base, start_n, seqlen_k, bt_ptr, page_size, stride_v_page, stride_v_tok, desc_row0, head_kv,
-                    offs_d, HEAD_DIM, BLOCK_N, PAGED, PAGE_BLOCKS, USE_DESC, MASK, UPCAST)
+    v, _ = _kv_tile(v_base, start_n, seqlen_k, bt_ptr, stride_v_page, stride_v_tok, desc_row0, head_kv,
+                    offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, MASK, UPCAST)
     return _softmax_pv(acc, m_i, l_i, s, v)

@@ -29,12 +29,12 @@ def attn_fwd_kernel(
     stride_ob, stride_os, stride_oh,
     stride_lb, stride_lh, stride_ls,
     stride_bt,
-    seqlen_q_static, seqlen_k_static, seqlen_k_add, page_size, desc_rows_per_batch,
+    seqlen_q_static, seqlen_k_static, seqlen_k_add, desc_rows_per_batch,
     num_heads_q, group_size, m_tiles, rows_per_split,
     softmax_scale, softcap, window_left, window_right,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    VARLEN_Q: tl.constexpr, VARLEN_K: tl.constexpr, HAS_SEQLENS_K: tl.constexpr, PAGED: tl.constexpr,
-    PAGE_BLOCKS: tl.constexpr,
+    VARLEN_Q: tl.constexpr, VARLEN_K: tl.constexpr, HAS_SEQLENS_K: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
     PACK_GQA: tl.constexpr, SPLIT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     USE_DESC: tl.constexpr, SP_OVERLAP: tl.constexpr, WARP_SPEC: tl.constexpr, UPCAST: tl.constexpr,
@@ -123,7 +123,7 @@ def attn_fwd_kernel(
         v_base = v_ptr
         desc_row0 = b * desc_rows_per_batch + k_start
         bt_ptr = block_table_ptr
-    elif PAGED:
+    elif PAGE_SIZE > 0:  # paged: [num_pages, PAGE_SIZE, Hkv, D]
         k_base = k_ptr + head_kv.to(tl.int64) * stride_kh
         v_base = v_ptr + head_kv.to(tl.int64) * stride_vh
         bt_ptr = block_table_ptr + b.to(tl.int64) * stride_bt
@@ -146,24 +146,24 @@ def attn_fwd_kernel(
     # Three phases: masked blocks at the window's left edge, unmasked blocks, masked blocks at the diagonal/end.
     if HAS_LEFT:
         acc, m_i, l_i = attn_inner(
-            acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
+            acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, stride_kb, stride_ks, stride_vb, stride_vs,
             desc_row0, head_kv,
             offs_d, seqlen_k, tl.maximum(s_lo, n_lo) * BLOCK_N, tl.minimum(s_hi, full_lo) * BLOCK_N,
-            qk_scale, softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_N, True, PAGED, PAGE_BLOCKS, USE_DESC, HAS_LEFT,
+            qk_scale, softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_N, True, PAGE_SIZE, USE_DESC, HAS_LEFT,
             HAS_RIGHT, SOFTCAP,
             SP_OVERLAP, WARP_SPEC, UPCAST)
     acc, m_i, l_i = attn_inner(
-        acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
+        acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, stride_kb, stride_ks, stride_vb, stride_vs,
             desc_row0, head_kv,
         offs_d, seqlen_k, tl.maximum(s_lo, full_lo) * BLOCK_N, tl.minimum(s_hi, full_hi) * BLOCK_N,
-        qk_scale, softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_N, False, PAGED, PAGE_BLOCKS, USE_DESC, HAS_LEFT, HAS_RIGHT,
+        qk_scale, softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_N, False, PAGE_SIZE, USE_DESC, HAS_LEFT, HAS_RIGHT,
         SOFTCAP,
         SP_OVERLAP, WARP_SPEC, UPCAST)
     acc, m_i, l_i = attn_inner(
-        acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
+        acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, stride_kb, stride_ks, stride_vb, stride_vs,
             desc_row0, head_kv,
         offs_d, seqlen_k, tl.maximum(s_lo, full_hi) * BLOCK_N, tl.minimum(s_hi, n_hi) * BLOCK_N,
-        qk_scale, softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_N, True, PAGED, PAGE_BLOCKS, USE_DESC, HAS_LEFT, HAS_RIGHT,
+        qk_scale, softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_N, True, PAGE_SIZE, USE_DESC, HAS_LEFT, HAS_RIGHT,
         SOFTCAP,
         SP_OVERLAP, WARP_SPEC, UPCAST)
 
