@@ -47,7 +47,8 @@ def _kv_row_offsets(offs_n, seqlen_k, bt_ptr, stride_page, stride_tok, PAGE_SIZE
 
 @triton.jit
 def _kv_tile(base, start_n, seqlen_k, bt_ptr, stride_page, stride_tok, desc_row0, head_kv, offs_d,
-             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, USE_DESC: tl.constexpr, MASK_N: tl.constexpr, UPCAST: tl.constexpr):
+             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, USE_DESC: tl.constexpr,
+             MASK_N: tl.constexpr, UPCAST: tl.constexpr):
     """The [BLOCK_N, DP] K or V tile of tokens start_n.. : through a TMA tensor descriptor (base is a descriptor over
     [rows, Hkv, D]; columns past D arrive as zeros), or by pointers (contiguous or paged). Rows at or past seqlen_k
     are zero when MASK_N (with a descriptor they belong to the next sequence: never let them reach P @ V)."""
@@ -82,7 +83,8 @@ def _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left,
     else:
         s = s * qk_scale
     if MASK:
-        s = tl.where(_visible(q_pos, offs_n, seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT), s, float("-inf"))
+        visible = _visible(q_pos, offs_n, seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT)
+        s = tl.where(visible, s, float("-inf"))
     return s
 
 
@@ -125,8 +127,9 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, stride_k_page, s
                                 head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, MASK, UPCAST)
                 # Next block's scores first (clamped to the last block on the final step; the result is unused).
                 next_start = tl.minimum(start_n + BLOCK_N, hi - BLOCK_N)
-                k_next, next_n = _kv_tile(k_base, next_start, seqlen_k, bt_ptr, stride_k_page,
-                                          stride_k_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, MASK, UPCAST)
+                k_next, next_n = _kv_tile(k_base, next_start, seqlen_k, bt_ptr, stride_k_page, stride_k_tok,
+                                          desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, MASK,
+                                          UPCAST)
                 s_next = _scores(q, k_next, qk_scale, softcap_scale, q_pos, next_n, seqlen_k, window_left,
                                  window_right, SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT)
                 acc, m_i, l_i = _softmax_pv(acc, m_i, l_i, s, v)

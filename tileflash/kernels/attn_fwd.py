@@ -128,9 +128,9 @@ def attn_fwd_kernel(
         v_base = v_ptr + head_kv.to(tl.int64) * stride_vh
         bt_ptr = block_table_ptr + b.to(tl.int64) * stride_bt
     else:
-        kv_row = b.to(tl.int64) * stride_kb + k_start.to(tl.int64) * stride_ks + head_kv.to(tl.int64) * stride_kh
-        k_base = k_ptr + kv_row
-        v_base = v_ptr + b.to(tl.int64) * stride_vb + k_start.to(tl.int64) * stride_vs + head_kv.to(tl.int64) * stride_vh
+        b64, k0, h64 = b.to(tl.int64), k_start.to(tl.int64), head_kv.to(tl.int64)
+        k_base = k_ptr + b64 * stride_kb + k0 * stride_ks + h64 * stride_kh
+        v_base = v_ptr + b64 * stride_vb + k0 * stride_vs + h64 * stride_vh
         bt_ptr = block_table_ptr
 
     if SOFTCAP:
@@ -144,28 +144,23 @@ def attn_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     # Three phases: masked blocks at the window's left edge, unmasked blocks, masked blocks at the diagonal/end.
+    # (Only the bounds and MASK differ; a static loop over them would hide which phase is which.)
     if HAS_LEFT:
         acc, m_i, l_i = attn_inner(
-            acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, stride_kb, stride_ks, stride_vb, stride_vs,
-            desc_row0, head_kv,
-            offs_d, seqlen_k, tl.maximum(s_lo, n_lo) * BLOCK_N, tl.minimum(s_hi, full_lo) * BLOCK_N,
-            qk_scale, softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_N, True, PAGE_SIZE, USE_DESC, HAS_LEFT,
-            HAS_RIGHT, SOFTCAP,
-            SP_OVERLAP, WARP_SPEC, UPCAST)
+            acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, stride_kb, stride_ks, stride_vb, stride_vs, desc_row0,
+            head_kv, offs_d, seqlen_k, tl.maximum(s_lo, n_lo) * BLOCK_N, tl.minimum(s_hi, full_lo) * BLOCK_N,
+            qk_scale, softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_N, True, PAGE_SIZE, USE_DESC,
+            HAS_LEFT, HAS_RIGHT, SOFTCAP, SP_OVERLAP, WARP_SPEC, UPCAST)
     acc, m_i, l_i = attn_inner(
-        acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, stride_kb, stride_ks, stride_vb, stride_vs,
-            desc_row0, head_kv,
-        offs_d, seqlen_k, tl.maximum(s_lo, full_lo) * BLOCK_N, tl.minimum(s_hi, full_hi) * BLOCK_N,
-        qk_scale, softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_N, False, PAGE_SIZE, USE_DESC, HAS_LEFT, HAS_RIGHT,
-        SOFTCAP,
-        SP_OVERLAP, WARP_SPEC, UPCAST)
+        acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, stride_kb, stride_ks, stride_vb, stride_vs, desc_row0,
+        head_kv, offs_d, seqlen_k, tl.maximum(s_lo, full_lo) * BLOCK_N, tl.minimum(s_hi, full_hi) * BLOCK_N,
+        qk_scale, softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_N, False, PAGE_SIZE, USE_DESC,
+        HAS_LEFT, HAS_RIGHT, SOFTCAP, SP_OVERLAP, WARP_SPEC, UPCAST)
     acc, m_i, l_i = attn_inner(
-        acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, stride_kb, stride_ks, stride_vb, stride_vs,
-            desc_row0, head_kv,
-        offs_d, seqlen_k, tl.maximum(s_lo, full_hi) * BLOCK_N, tl.minimum(s_hi, n_hi) * BLOCK_N,
-        qk_scale, softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_N, True, PAGE_SIZE, USE_DESC, HAS_LEFT, HAS_RIGHT,
-        SOFTCAP,
-        SP_OVERLAP, WARP_SPEC, UPCAST)
+        acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, stride_kb, stride_ks, stride_vb, stride_vs, desc_row0,
+        head_kv, offs_d, seqlen_k, tl.maximum(s_lo, full_hi) * BLOCK_N, tl.minimum(s_hi, n_hi) * BLOCK_N,
+        qk_scale, softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_N, True, PAGE_SIZE, USE_DESC,
+        HAS_LEFT, HAS_RIGHT, SOFTCAP, SP_OVERLAP, WARP_SPEC, UPCAST)
 
     # ---- epilogue: normalise; rows that saw no key give out = 0 and lse = -inf ---------------------------
     seen = l_i > 0.0

@@ -62,7 +62,8 @@ def _attn_kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     return out, lse
 
 
-_attn_kvcache_op = torch.library.custom_op("tileflash::attn_kvcache", mutates_args=("k_cache", "v_cache"))(_attn_kvcache_impl)
+_attn_kvcache_op = torch.library.custom_op("tileflash::attn_kvcache",
+                                           mutates_args=("k_cache", "v_cache"))(_attn_kvcache_impl)
 
 
 @_attn_kvcache_op.register_fake
@@ -165,11 +166,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     Returns out [B, Sq, Hq, D], and with return_lse=True (out, lse [B, Hq, Sq] float32).
     """
     capacity, s_new = _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits)
-    if validate or q.device.type == "cpu":  # on the CPU reading values costs no sync
+    # On the CPU reading values costs no sync (but torch.compile cannot trace value-dependent checks).
+    if validate or (q.device.type == "cpu" and not torch.compiler.is_compiling()):
         _validate_values(k_cache, cache_seqlens, block_table, capacity, s_new)
     left, right = _utils.check_window(window_size)
     mask = Mask.make(causal, (left, right), _check_softcap(softcap))
-    out, lse = _utils.eager_or_op(_attn_kvcache_op, _attn_kvcache_impl)(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                                _utils.softmax_scale_or_default(softmax_scale, q.shape[-1]), mask.window_left,
-                                mask.window_right, mask.softcap, int(num_splits), bool(sp_overlap))
+    op = _utils.eager_or_op(_attn_kvcache_op, _attn_kvcache_impl)
+    out, lse = op(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                  _utils.softmax_scale_or_default(softmax_scale, q.shape[-1]), mask.window_left, mask.window_right,
+                  mask.softcap, int(num_splits), bool(sp_overlap))
     return (out, lse) if return_lse else out

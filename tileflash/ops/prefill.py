@@ -72,12 +72,14 @@ def _attn_varlen_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
     launch_attn_fwd(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0),
                     q_batch_stride0=True, k_batch_stride0=True, num_batches=num_seqs, seqlen_q=0,
                     seqlen_k=0, m_rows=max_seqlen_q, softmax_scale=softmax_scale,
-                    mask=Mask(window_left, window_right, softcap), config=fwd_config(d, causal=window_right >= 0, interpret=_utils.is_interpreter()),
+                    mask=Mask(window_left, window_right, softcap),
+                    config=fwd_config(d, causal=window_right >= 0, interpret=_utils.is_interpreter()),
                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqlens_k=seqused_k)
     return out, lse
 
 
-_attn_varlen_fwd_op = torch.library.custom_op("tileflash::attn_varlen_fwd", mutates_args=())(_attn_varlen_fwd_impl)
+_attn_varlen_fwd_op = torch.library.custom_op("tileflash::attn_varlen_fwd",
+                                              mutates_args=())(_attn_varlen_fwd_impl)
 
 
 @_attn_varlen_fwd_op.register_fake
@@ -99,8 +101,9 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
         raise ValueError(f"k: expected batch {q.shape[0]} (q's), got {k.shape[0]}")
     left, right = _utils.check_window(window_size)
     mask = Mask.make(causal, (left, right), _check_softcap(softcap))
-    out, lse = _utils.eager_or_op(_attn_fwd_op, _attn_fwd_impl)(q, k, v, _utils.softmax_scale_or_default(softmax_scale, q.shape[-1]),
-                            mask.window_left, mask.window_right, mask.softcap)
+    op = _utils.eager_or_op(_attn_fwd_op, _attn_fwd_impl)
+    out, lse = op(q, k, v, _utils.softmax_scale_or_default(softmax_scale, q.shape[-1]), mask.window_left,
+                  mask.window_right, mask.softcap)
     return (out, lse) if return_lse else out
 
 
@@ -134,7 +137,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             raise ValueError(f"{name}: expected >= 0, got {val}")
     left, right = _utils.check_window(window_size)
     mask = Mask.make(causal, (left, right), _check_softcap(softcap))
-    out, lse = _utils.eager_or_op(_attn_varlen_fwd_op, _attn_varlen_fwd_impl)(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q),
-                                   _utils.softmax_scale_or_default(softmax_scale, q.shape[-1]),
-                                   mask.window_left, mask.window_right, mask.softcap)
+    op = _utils.eager_or_op(_attn_varlen_fwd_op, _attn_varlen_fwd_impl)
+    out, lse = op(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q),
+                  _utils.softmax_scale_or_default(softmax_scale, q.shape[-1]), mask.window_left, mask.window_right,
+                  mask.softcap)
     return (out, lse) if return_lse else out
