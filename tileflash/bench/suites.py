@@ -191,19 +191,25 @@ def prefill_table(rows):
     return format_table(headers, body, title=title)
 
 
+def _run(shapes, measure_one, describe, table, out):
+    """Measure each shape (fresh seed, cache emptied between shapes), print a progress line each, then the table."""
+    tf = _tileflash()
+    rows = []
+    for shape in shapes:
+        torch.manual_seed(0)
+        rows.append(measure_one(shape, tf, out))
+        out(describe(shape, rows[-1]))
+        torch.cuda.empty_cache()
+    out(table(rows))
+    return rows
+
+
 def run_prefill(shapes=None, out=print):
     """Check and time tileflash.flash_attn_func and its peers on each shape; print a table and
     return one JSON-serialisable dict per shape."""
-    tf = _tileflash()
-    rows = []
-    for shape in PREFILL_SHAPES if shapes is None else shapes:
-        torch.manual_seed(0)
-        row = _prefill_one(shape, tf, out)
-        rows.append(row)
-        out(f"prefill {shape['label']} s={shape['seqlen']} (TFLOP/s): {_summary(row['backends'], 'TFLOP/s')}")
-        torch.cuda.empty_cache()
-    out(prefill_table(rows))
-    return rows
+    return _run(PREFILL_SHAPES if shapes is None else shapes, _prefill_one,
+                lambda s, r: f"prefill {s['label']} s={s['seqlen']} (TFLOP/s): {_summary(r['backends'], 'TFLOP/s')}",
+                prefill_table, out)
 
 
 def _decode_one(shape, tf, note):
@@ -287,13 +293,6 @@ def decode_table(rows):
 def run_decode(shapes=None, out=print):
     """Check and time tileflash.flash_attn_with_kvcache (eager, S/P-overlapped loop, CUDA graph) and its
     peers on each shape; print a table and return one JSON-serialisable dict per shape."""
-    tf = _tileflash()
-    rows = []
-    for shape in DECODE_SHAPES if shapes is None else shapes:
-        torch.manual_seed(0)
-        row = _decode_one(shape, tf, out)
-        rows.append(row)
-        out(f"decode {shape['label']} b={shape['batch']} ctx={shape['ctx']} (us): {_summary(row['backends'], 'us')}")
-        torch.cuda.empty_cache()
-    out(decode_table(rows))
-    return rows
+    return _run(DECODE_SHAPES if shapes is None else shapes, _decode_one,
+                lambda s, r: f"decode {s['label']} b={s['batch']} ctx={s['ctx']} (us): {_summary(r['backends'], 'us')}",
+                decode_table, out)
