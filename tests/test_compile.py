@@ -35,3 +35,16 @@ def test_varlen_compiles():
     q = torch.randn(12, 2, 16, device=DEVICE, dtype=torch.float16)
     fn = lambda q: tileflash.flash_attn_varlen_func(q, q, q, cu, cu, 7, 7, causal=True)  # noqa: E731
     assert torch.equal(torch.compile(fn, fullgraph=True, backend="aot_eager")(q), fn(q))
+
+
+def test_compile_backward_matches_eager():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 11, 2, 32, generator=g).to(DEVICE, torch.float16).requires_grad_() for _ in range(3))
+
+    def loss(q, k, v):
+        return tileflash.flash_attn_func(q, k, v, causal=True).float().square().sum()
+
+    eager = torch.autograd.grad(loss(q, k, v), (q, k, v))
+    compiled = torch.autograd.grad(torch.compile(loss, fullgraph=True, backend="aot_eager")(q, k, v), (q, k, v))
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b)

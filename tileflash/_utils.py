@@ -45,10 +45,15 @@ def new_output(shape, dtype, device) -> torch.Tensor:
     return t.fill_(float("nan")) if POISON_OUTPUTS else t
 
 
-def eager_or_op(op, impl):
-    """The torch.library custom op while torch.compile traces; the plain implementation in eager mode, where the
-    op's dispatch would add tens of microseconds to every decode step."""
-    return op if torch.compiler.is_compiling() else impl
+def eager_or_op(op, impl, grad: bool = False):
+    """The torch.library custom op while torch.compile traces or when autograd must record the call (the op
+    carries the registered backward); otherwise the plain implementation, because the op's dispatch adds tens of
+    microseconds to every decode step."""
+    return op if grad or torch.compiler.is_compiling() else impl
+
+
+def needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def cdiv(a: int, b: int) -> int:

@@ -30,6 +30,16 @@ class DecodeConfig:
     warp_spec: bool = False  # always off for decode (no gain measured); the launcher reads it for both configs
 
 
+@dataclass(frozen=True)
+class BwdConfig:
+    dkdv_block_m: int  # query rows per step of a dK/dV program
+    dkdv_block_n: int  # keys owned by a dK/dV program (K, V, dK, dV stay in registers)
+    dq_block_m: int  # query rows owned by a dQ program
+    dq_block_n: int  # keys per step of a dQ program
+    num_warps: int
+    num_stages: int
+
+
 def padded_head_dim(d: int) -> int:
     """Head dims are padded inside the kernel to a power of two (>= 16, the smallest tl.dot K)."""
     return max(16, next_pow2(d))
@@ -51,6 +61,20 @@ def fwd_config(head_dim: int, causal: bool = False, interpret: bool = False) -> 
     # d = 256: a 128x128 S tile plus a 128x256 accumulator exceeds the register file; 3 stages exceed shared
     # memory. TMA: 524 vs 489.
     return FwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, tma=True)
+
+
+def bwd_config(head_dim: int, interpret: bool = False) -> BwdConfig:
+    """Backward tiles per head dim (attn_bwd.py's docstring says why d64 gets the wider key block). Chosen from
+    register budgets, not yet timed: K, V, dK, dV of a dK/dV program are 4 x block_n x d fp32/bf16 values, so
+    block_n x d is held at 128 x 64 = 64 x 128; d = 256 halves it again."""
+    if interpret:
+        return BwdConfig(16, 16, 16, 16, num_warps=4, num_stages=1)
+    d = padded_head_dim(head_dim)
+    if d <= 64:
+        return BwdConfig(64, 128, 128, 64, num_warps=8, num_stages=2)
+    if d <= 128:
+        return BwdConfig(64, 64, 128, 32, num_warps=8, num_stages=2)
+    return BwdConfig(32, 32, 64, 32, num_warps=8, num_stages=1)
 
 
 def decode_block_m(group_rows: int) -> int:

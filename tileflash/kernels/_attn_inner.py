@@ -11,21 +11,7 @@ so one mask helper serves plain prefill rows and pack-GQA decode rows (several h
 import triton
 import triton.language as tl
 
-LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr object: triton 3.6 rejects annotated globals
-
-
-@triton.jit
-def _visible(q_pos, offs_n, seqlen_k, window_left, window_right, HAS_LEFT: tl.constexpr,
-             HAS_RIGHT: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] mask of keys row r may see: in range, not beyond q_pos + window_right (causal is a
-    right window of 0), not before q_pos - window_left. An absent bound is unbounded."""
-    k_pos = offs_n[None, :]
-    ok = k_pos < seqlen_k
-    if HAS_RIGHT:
-        ok = ok & (k_pos <= q_pos[:, None] + window_right)
-    if HAS_LEFT:
-        ok = ok & (k_pos >= q_pos[:, None] - window_left)
-    return ok
+from ._masks import LOG2E, visible
 
 
 @triton.jit
@@ -72,19 +58,24 @@ def _kv_tile(base, start_n, seqlen_k, bt_ptr, stride_page, stride_tok, desc_row0
 
 
 @triton.jit
+def tanh(y):
+    """tanh(y) = 1 - 2 / (exp(2y) + 1): exact at +-inf (no inf/inf), and the interpreter has no libdevice."""
+    return 1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)
+
+
+@triton.jit
 def _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right,
             SOFTCAP: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
     """s = mask(softcap(q k^T * scale)) in log2 units."""
     s = tl.dot(q, tl.trans(k))
     if SOFTCAP:
-        # softcap * tanh(x / softcap), tanh(y) = 1 - 2 / (exp(2y) + 1); qk_scale already holds softcap * log2(e).
-        y = s * softcap_scale
-        s = qk_scale * (1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0))
+        # softcap * tanh(x / softcap); qk_scale already holds softcap * log2(e).
+        s = qk_scale * tanh(s * softcap_scale)
     else:
         s = s * qk_scale
     if MASK:
-        visible = _visible(q_pos, offs_n, seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT)
-        s = tl.where(visible, s, float("-inf"))
+        ok = visible(q_pos, offs_n, seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT)
+        s = tl.where(ok, s, float("-inf"))
     return s
 
 

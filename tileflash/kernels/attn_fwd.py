@@ -16,7 +16,8 @@ once per group.
 import triton
 import triton.language as tl
 
-from ._attn_inner import LOG2E, attn_inner
+from ._attn_inner import attn_inner
+from ._masks import LOG2E, kv_block_range, seq_extents
 
 
 @triton.jit
@@ -48,22 +49,9 @@ def attn_fwd_kernel(
     head = pid_bh % num_heads_prog  # the KV head when packing, else the query head
     head_kv = head if PACK_GQA else head // group_size
 
-    # ---- sequence extents -------------------------------------------------------------------------------
-    if VARLEN_Q:
-        q_start = tl.load(cu_seqlens_q_ptr + b)
-        seqlen_q = tl.load(cu_seqlens_q_ptr + b + 1) - q_start
-    else:
-        q_start = 0
-        seqlen_q = seqlen_q_static
-    if VARLEN_K:
-        k_start = tl.load(cu_seqlens_k_ptr + b)
-        seqlen_k = tl.load(cu_seqlens_k_ptr + b + 1) - k_start
-    else:
-        k_start = 0
-        seqlen_k = seqlen_k_static
-    if HAS_SEQLENS_K:
-        # Never past the KV actually stored (the cache capacity / this sequence's keys): no out-of-bounds reads.
-        seqlen_k = tl.minimum(tl.load(seqlens_k_ptr + b) + seqlen_k_add, seqlen_k)
+    q_start, seqlen_q, k_start, seqlen_k = seq_extents(
+        b, cu_seqlens_q_ptr, cu_seqlens_k_ptr, seqlens_k_ptr, seqlen_q_static, seqlen_k_static, seqlen_k_add,
+        VARLEN_Q, VARLEN_K, HAS_SEQLENS_K)
     rows_total = seqlen_q * group_size if PACK_GQA else seqlen_q
     start_m = pid_m * BLOCK_M
     if start_m >= rows_total:
@@ -94,20 +82,8 @@ def attn_fwd_kernel(
         q = q.to(tl.float32)
 
     # ---- KV block range: [n_lo, n_hi) needed at all, [full_lo, full_hi) visible to every row --------------
-    hi_key = seqlen_k
-    full_hi_key = seqlen_k
-    if HAS_RIGHT:  # causal is a right window of 0
-        hi_key = tl.minimum(hi_key, tok_max + diag + window_right + 1)
-        full_hi_key = tl.minimum(full_hi_key, tok_min + diag + window_right + 1)
-    n_lo = 0
-    full_lo = 0
-    if HAS_LEFT:
-        n_lo = tl.maximum(tok_min + diag - window_left, 0) // BLOCK_N
-        full_lo = tl.cdiv(tl.maximum(tok_max + diag - window_left, 0), BLOCK_N)
-    n_hi = tl.cdiv(tl.maximum(hi_key, 0), BLOCK_N)
-    full_hi = tl.maximum(full_hi_key, 0) // BLOCK_N
-    full_lo = tl.minimum(tl.maximum(full_lo, n_lo), n_hi)
-    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), n_hi)
+    n_lo, full_lo, full_hi, n_hi = kv_block_range(tok_min, tok_max, diag, seqlen_k, window_left, window_right,
+                                                  HAS_LEFT, HAS_RIGHT, BLOCK_N)
     if SPLIT:
         # Splits divide this sequence's own block range, so short sequences in a long cache stay balanced.
         split_blocks = tl.cdiv(n_hi - n_lo, tl.num_programs(1))

@@ -7,6 +7,7 @@ import torch
 
 from .. import _utils
 from ..heuristics import fwd_config
+from . import backward as _bwd
 from ._launch import Mask, launch_attn_fwd
 
 
@@ -58,9 +59,12 @@ def _(q, k, v, softmax_scale, window_left, window_right, softcap):
     return torch.empty_like(q), q.new_empty((b, hq, sq), dtype=torch.float32)
 
 
+_attn_fwd_op.register_autograd(_bwd.fwd_backward, setup_context=_bwd.setup_fwd_context)
+
+
 def _attn_varlen_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                         cu_seqlens_k: torch.Tensor, seqused_k: Optional[torch.Tensor], max_seqlen_q: int,
-                        softmax_scale: float, window_left: int, window_right: int,
+                        max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
                         softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
     total_q, hq, d = q.shape
     out = _utils.new_output(q.shape, q.dtype, q.device)
@@ -83,25 +87,30 @@ _attn_varlen_fwd_op = torch.library.custom_op("tileflash::attn_varlen_fwd",
 
 
 @_attn_varlen_fwd_op.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, softmax_scale, window_left, window_right,
-      softcap):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
+      window_right, softcap):
     total_q, hq, _ = q.shape
     return torch.empty_like(q), q.new_empty((hq, total_q), dtype=torch.float32)
 
 
+_attn_varlen_fwd_op.register_autograd(_bwd.varlen_backward, setup_context=_bwd.setup_varlen_context)
+
+
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    return_lse=False):
+                    return_lse=False, deterministic=False):
     """Attention over a padded batch. q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (Hq % Hkv == 0), fp16/bf16.
 
     Causal and windows are bottom-right aligned (query i sees key j iff j <= i + Sk - Sq). Returns out
     [B, Sq, Hq, D], and with return_lse=True (out, lse) with lse [B, Hq, Sq] float32, natural log.
+    Differentiable in q, k, v (and through lse). The backward never uses atomics, so gradients are bitwise
+    reproducible whatever `deterministic` says (the argument is accepted for flash-attn compatibility).
     """
     _check_qkv(q, k, v, 4)
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"k: expected batch {q.shape[0]} (q's), got {k.shape[0]}")
     left, right = _utils.check_window(window_size)
     mask = Mask.make(causal, (left, right), _check_softcap(softcap))
-    op = _utils.eager_or_op(_attn_fwd_op, _attn_fwd_impl)
+    op = _utils.eager_or_op(_attn_fwd_op, _attn_fwd_impl, _utils.needs_grad(q, k, v))
     out, lse = op(q, k, v, _utils.softmax_scale_or_default(softmax_scale, q.shape[-1]), mask.window_left,
                   mask.window_right, mask.softcap)
     return (out, lse) if return_lse else out
@@ -114,13 +123,14 @@ def _check_cu_seqlens(name: str, t, device) -> None:
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=None,
-                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, return_lse=False):
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, return_lse=False,
+                           deterministic=False):
     """Attention over packed variable-length sequences. q [total_q, Hq, D], k/v [total_k, Hkv, D];
     cu_seqlens_q/k [batch + 1] int32 offsets; optional seqused_k [batch] int32 (keys actually used per sequence).
     Empty sequences are allowed. Returns out [total_q, Hq, D] and with return_lse=True lse [Hq, total_q].
 
-    max_seqlen_q must be >= every query length (it sizes the grid); max_seqlen_k is accepted for flash-attn
-    compatibility.
+    max_seqlen_q / max_seqlen_k must be >= every query / key length (they size the grids). Differentiable in
+    q, k, v like flash_attn_func (deterministic gradients).
     """
     _check_qkv(q, k, v, 3)
     _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
@@ -137,8 +147,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             raise ValueError(f"{name}: expected >= 0, got {val}")
     left, right = _utils.check_window(window_size)
     mask = Mask.make(causal, (left, right), _check_softcap(softcap))
-    op = _utils.eager_or_op(_attn_varlen_fwd_op, _attn_varlen_fwd_impl)
-    out, lse = op(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q),
+    op = _utils.eager_or_op(_attn_varlen_fwd_op, _attn_varlen_fwd_impl, _utils.needs_grad(q, k, v))
+    out, lse = op(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q), int(max_seqlen_k),
                   _utils.softmax_scale_or_default(softmax_scale, q.shape[-1]), mask.window_left, mask.window_right,
                   mask.softcap)
     return (out, lse) if return_lse else out

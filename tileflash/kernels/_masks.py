@@ -1,0 +1,83 @@
+"""Masks and index ranges shared by the forward, decode and backward kernels.
+
+Positions are bottom-right aligned: query token i of a sequence with Sq queries and Sk keys sits at key position
+q_pos = i + Sk - Sq (diag = Sk - Sq). Query i sees key j iff j < Sk, j <= q_pos + window_right (causal is a right
+window of 0) and j >= q_pos - window_left; an absent bound (HAS_* False) is unbounded.
+"""
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr object: triton 3.6 rejects annotated globals
+
+
+@triton.jit
+def visible(q_pos, offs_n, seqlen_k, window_left, window_right, HAS_LEFT: tl.constexpr,
+             HAS_RIGHT: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] mask of keys row r may see: in range, not beyond q_pos + window_right (causal is a
+    right window of 0), not before q_pos - window_left. An absent bound is unbounded."""
+    k_pos = offs_n[None, :]
+    ok = k_pos < seqlen_k
+    if HAS_RIGHT:
+        ok = ok & (k_pos <= q_pos[:, None] + window_right)
+    if HAS_LEFT:
+        ok = ok & (k_pos >= q_pos[:, None] - window_left)
+    return ok
+
+
+@triton.jit
+def seq_extents(b, cu_seqlens_q_ptr, cu_seqlens_k_ptr, seqlens_k_ptr, seqlen_q_static, seqlen_k_static,
+                seqlen_k_add, VARLEN_Q: tl.constexpr, VARLEN_K: tl.constexpr, HAS_SEQLENS_K: tl.constexpr):
+    """(q_start, seqlen_q, k_start, seqlen_k) of sequence b: packed (cu_seqlens) or padded (static lengths);
+    seqlens_k (seqused_k / cache_seqlens) + seqlen_k_add overrides the key count, never past the stored keys."""
+    if VARLEN_Q:
+        q_start = tl.load(cu_seqlens_q_ptr + b)
+        seqlen_q = tl.load(cu_seqlens_q_ptr + b + 1) - q_start
+    else:
+        q_start = 0
+        seqlen_q = seqlen_q_static
+    if VARLEN_K:
+        k_start = tl.load(cu_seqlens_k_ptr + b)
+        seqlen_k = tl.load(cu_seqlens_k_ptr + b + 1) - k_start
+    else:
+        k_start = 0
+        seqlen_k = seqlen_k_static
+    if HAS_SEQLENS_K:
+        # Never past the KV actually stored (the cache capacity / this sequence's keys): no out-of-bounds reads.
+        seqlen_k = tl.minimum(tl.load(seqlens_k_ptr + b) + seqlen_k_add, seqlen_k)
+    return q_start, seqlen_q, k_start, seqlen_k
+
+
+@triton.jit
+def kv_block_range(tok_min, tok_max, diag, seqlen_k, window_left, window_right, HAS_LEFT: tl.constexpr,
+                   HAS_RIGHT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """KV blocks for query tokens [tok_min, tok_max]: [n_lo, n_hi) seen by some row, and inside it
+    [full_lo, full_hi) seen whole by every row (no per-element mask needed)."""
+    hi_key = seqlen_k
+    full_hi_key = seqlen_k
+    if HAS_RIGHT:
+        hi_key = tl.minimum(hi_key, tok_max + diag + window_right + 1)
+        full_hi_key = tl.minimum(full_hi_key, tok_min + diag + window_right + 1)
+    n_lo = 0
+    full_lo = 0
+    if HAS_LEFT:
+        n_lo = tl.maximum(tok_min + diag - window_left, 0) // BLOCK_N
+        full_lo = tl.cdiv(tl.maximum(tok_max + diag - window_left, 0), BLOCK_N)
+    n_hi = tl.cdiv(tl.maximum(hi_key, 0), BLOCK_N)
+    full_hi = tl.maximum(full_hi_key, 0) // BLOCK_N
+    full_lo = tl.minimum(tl.maximum(full_lo, n_lo), n_hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), n_hi)
+    return n_lo, full_lo, full_hi, n_hi
+
+
+@triton.jit
+def q_token_range(key_lo, key_hi, diag, seqlen_q, window_left, window_right, HAS_LEFT: tl.constexpr,
+                  HAS_RIGHT: tl.constexpr):
+    """Query tokens [q_lo, q_hi) that see at least one key of [key_lo, key_hi) (the backward's transpose of
+    kv_block_range): key j is visible to i iff i >= j - diag - window_right and i <= j - diag + window_left."""
+    q_lo = 0
+    q_hi = seqlen_q
+    if HAS_RIGHT:
+        q_lo = tl.maximum(key_lo - diag - window_right, 0)
+    if HAS_LEFT:
+        q_hi = tl.minimum(key_hi - 1 - diag + window_left + 1, seqlen_q)
+    return q_lo, q_hi

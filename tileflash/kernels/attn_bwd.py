@@ -1,0 +1,249 @@
+"""Attention backward: dQ, dK, dV for every forward variant (causal/window, softcap, GQA/MQA, varlen, seqused_k).
+
+Notation as in the forward (attn_fwd.py): q, do, dq [B, Sq, Hq, D]; k, v, dk, dv [B, Sk, Hkv, D] (varlen: packed
+rows with a batch stride of 0 and cu_seqlens offsets); lse, delta [B, Hq, Sq] fp32 (varlen [Hq, total_q]).
+With logits z = softmax_scale * q.k (softcap: z = cap * tanh(softmax_scale * q.k / cap)), P = exp(z - lse):
+  dV = P^T dO,   dP = dO V^T,   dZ = P * (dP - delta),   delta = rowsum(dO * O) - dlse,
+  dS = dZ * dz/d(q.k) with dz/d(q.k) = softmax_scale (softcap: softmax_scale * (1 - tanh^2)),
+  dQ = dS K,   dK = dS^T Q.
+(-dlse folds the gradient of a returned lse into delta: d lse / dz = P.)
+
+Three kernels, no atomics, so gradients are bitwise reproducible run to run (deterministic=True costs nothing):
+  preprocess  delta per query row;
+  dK/dV       one program per (KV block, KV head): K, V stay in registers while the program walks every query
+              block of every query head of its GQA group that can see the block, so dK/dV of a group are summed
+              in registers, never through memory;
+  dQ          one program per (query block, query head) walking the KV blocks it sees, like the forward
+              (masked edge blocks, unmasked interior).
+
+Head dim 64 (why FA4 found its backward at 30-37% of peak there, against 55% at d128): each q/do tile loaded by
+the dK/dV program feeds MMAs with K = d, so at d64 every loaded byte and every recomputed exp2 (BLOCK_M x BLOCK_N
+per step, independent of d) buys half the matrix work of d128; the step becomes bound by exp2/ALU and by load
+latency rather than the tensor cores. The kernel answers with a larger KV block per program at d64 (128 keys of
+K and V in registers cost as many registers as 64 keys at d128) and a taller query step, so each exp2 and each
+loaded q/do tile is shared by twice the keys; tile shapes per head dim are the table in heuristics.bwd_config.
+"""
+import triton
+import triton.language as tl
+
+from ._attn_inner import tanh
+from ._masks import LOG2E, kv_block_range, q_token_range, seq_extents, visible
+
+
+@triton.jit
+def attn_bwd_preprocess_kernel(o_ptr, do_ptr, dlse_ptr, delta_ptr, seqlen, num_heads, num_rows,
+                               stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh,
+                               stride_lb, stride_lh, stride_ls,
+                               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
+                               HAS_DLSE: tl.constexpr):
+    """delta = rowsum(dO * O) - dlse for rows (b, s, h) of [B, S, H, D]; delta and dlse laid out like lse."""
+    r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    row_ok = r < num_rows
+    b = r // (seqlen * num_heads)
+    s = (r // num_heads) % seqlen
+    h = r % num_heads
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    o = tl.load(o_ptr + (b * stride_ob + s * stride_os + h * stride_oh)[:, None] + offs_d[None, :], mask=mask,
+                other=0.0).to(tl.float32)
+    do = tl.load(do_ptr + (b * stride_dob + s * stride_dos + h * stride_doh)[:, None] + offs_d[None, :], mask=mask,
+                 other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, 1)
+    lse_off = b * stride_lb + h * stride_lh + s * stride_ls
+    if HAS_DLSE:
+        delta -= tl.load(dlse_ptr + lse_off, mask=row_ok, other=0.0)
+    tl.store(delta_ptr + lse_off, delta, mask=row_ok)
+
+
+@triton.jit
+def _load_rows(ptr, rows, row_ok, offs_d, stride_s, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr):
+    """[len(rows), DP] tile of rows of one head; padding rows and columns are 0."""
+    t = tl.load(ptr + rows.to(tl.int64)[:, None] * stride_s + offs_d[None, :],
+                mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    if UPCAST:
+        t = t.to(tl.float32)
+    return t
+
+
+@triton.jit
+def _probs_and_dscores(q, k, v, do, lse2, delta, q_pos, offs_n, seqlen_k, qk_scale, softcap_scale, window_left,
+                       window_right, MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                       SOFTCAP: tl.constexpr):
+    """Recompute P [BM, BN] from the saved lse (lse2 = lse * log2(e), +inf for rows that saw no key) and return
+    (P, dS / softmax_scale) for one block."""
+    s = tl.dot(q, tl.trans(k))
+    if SOFTCAP:
+        t = tanh(s * softcap_scale)
+        s = qk_scale * t
+    else:
+        s = s * qk_scale
+    p = tl.math.exp2(s - lse2[:, None])
+    if MASK:
+        p = tl.where(visible(q_pos, offs_n, seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT), p, 0.0)
+    dp = tl.dot(do, tl.trans(v))
+    ds = p * (dp - delta[:, None])
+    if SOFTCAP:
+        ds = ds * (1.0 - t * t)
+    return p, ds
+
+
+@triton.jit
+def _row_stats(lse_ptr, delta_ptr, b, h, tok, row_ok, stride_lb, stride_lh, stride_ls):
+    """lse in log2 units (+inf for rows that saw no key, so their P is 0) and delta for rows tok of head h."""
+    off = b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + tok.to(tl.int64) * stride_ls
+    lse = tl.load(lse_ptr + off, mask=row_ok, other=float("inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    delta = tl.load(delta_ptr + off, mask=row_ok, other=0.0)
+    return lse2, delta
+
+
+@triton.jit
+def attn_bwd_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    cu_seqlens_q_ptr, cu_seqlens_k_ptr, seqused_k_ptr,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+    stride_lb, stride_lh, stride_ls,
+    seqlen_q_static, seqlen_k_static, num_heads_kv, group_size, n_tiles,
+    softmax_scale, softcap, window_left, window_right,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    VARLEN_Q: tl.constexpr, VARLEN_K: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    start_n = (pid % n_tiles) * BLOCK_N
+    bh = pid // n_tiles
+    b = bh // num_heads_kv
+    head_kv = bh % num_heads_kv
+    q_start, seqlen_q, k_start, seqlen_k = seq_extents(
+        b, cu_seqlens_q_ptr, cu_seqlens_k_ptr, seqused_k_ptr, seqlen_q_static, seqlen_k_static, 0,
+        VARLEN_Q, VARLEN_K, HAS_SEQUSED_K)
+    if VARLEN_K:  # keys stored for this sequence (seqused_k may use fewer; the rest get zero gradients)
+        stored_k = tl.load(cu_seqlens_k_ptr + b + 1) - k_start
+    else:
+        stored_k = seqlen_k_static
+    if start_n >= stored_k:
+        return
+
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    key_ok = offs_n < seqlen_k
+    b64 = b.to(tl.int64)
+    k = _load_rows(k_ptr + b64 * stride_kb + head_kv.to(tl.int64) * stride_kh, k_start + offs_n, key_ok, offs_d,
+                   stride_ks, HEAD_DIM, UPCAST)
+    v = _load_rows(v_ptr + b64 * stride_vb + head_kv.to(tl.int64) * stride_vh, k_start + offs_n, key_ok, offs_d,
+                   stride_vs, HEAD_DIM, UPCAST)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
+    if SOFTCAP:
+        qk_scale = softcap * LOG2E
+        softcap_scale = softmax_scale / softcap
+    else:
+        qk_scale = softmax_scale * LOG2E
+        softcap_scale = 1.0
+
+    diag = seqlen_k - seqlen_q
+    q_lo, q_hi = q_token_range(start_n, tl.minimum(start_n + BLOCK_N, seqlen_k), diag, seqlen_q, window_left,
+                               window_right, HAS_LEFT, HAS_RIGHT)
+    if start_n >= seqlen_k:
+        q_hi = q_lo  # keys past seqused_k: nothing to accumulate, zeros are stored below
+    for g in range(group_size):
+        head_q = head_kv * group_size + g
+        q_base = q_ptr + b64 * stride_qb + head_q.to(tl.int64) * stride_qh
+        do_base = do_ptr + b64 * stride_dob + head_q.to(tl.int64) * stride_doh
+        for start_m in range((q_lo // BLOCK_M) * BLOCK_M, q_hi, BLOCK_M):
+            tok = start_m + tl.arange(0, BLOCK_M)
+            row_ok = tok < seqlen_q
+            q = _load_rows(q_base, q_start + tok, row_ok, offs_d, stride_qs, HEAD_DIM, UPCAST)
+            do = _load_rows(do_base, q_start + tok, row_ok, offs_d, stride_dos, HEAD_DIM, UPCAST)
+            lse2, delta = _row_stats(lse_ptr, delta_ptr, b, head_q, q_start + tok, row_ok, stride_lb, stride_lh,
+                                     stride_ls)
+            p, ds = _probs_and_dscores(q, k, v, do, lse2, delta, tok + diag, offs_n, seqlen_k, qk_scale,
+                                       softcap_scale, window_left, window_right, True, HAS_LEFT, HAS_RIGHT, SOFTCAP)
+            dv = tl.dot(tl.trans(p).to(do.dtype), do, dv)
+            dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk)
+    dk = dk * softmax_scale
+    store_ok = (offs_n[:, None] < stored_k) & (offs_d[None, :] < HEAD_DIM)
+    rows = (k_start + offs_n).to(tl.int64)
+    tl.store(dk_ptr + b64 * stride_dkb + head_kv.to(tl.int64) * stride_dkh + rows[:, None] * stride_dks
+             + offs_d[None, :], dk.to(dk_ptr.dtype.element_ty), mask=store_ok)
+    tl.store(dv_ptr + b64 * stride_dvb + head_kv.to(tl.int64) * stride_dvh + rows[:, None] * stride_dvs
+             + offs_d[None, :], dv.to(dv_ptr.dtype.element_ty), mask=store_ok)
+
+
+@triton.jit
+def _dq_blocks(dq, q, do, lse2, delta, q_pos, k_base, v_base, stride_ks, stride_vs, k_start, offs_d, seqlen_k,
+               lo, hi, qk_scale, softcap_scale, window_left, window_right, HEAD_DIM: tl.constexpr,
+               BLOCK_N: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+               SOFTCAP: tl.constexpr, UPCAST: tl.constexpr):
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        key_ok = offs_n < seqlen_k
+        k = _load_rows(k_base, k_start + offs_n, key_ok, offs_d, stride_ks, HEAD_DIM, UPCAST)
+        v = _load_rows(v_base, k_start + offs_n, key_ok, offs_d, stride_vs, HEAD_DIM, UPCAST)
+        p, ds = _probs_and_dscores(q, k, v, do, lse2, delta, q_pos, offs_n, seqlen_k, qk_scale, softcap_scale,
+                                   window_left, window_right, MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP)
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+    return dq
+
+
+@triton.jit
+def attn_bwd_dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+    cu_seqlens_q_ptr, cu_seqlens_k_ptr, seqused_k_ptr,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh, stride_dqb, stride_dqs, stride_dqh,
+    stride_lb, stride_lh, stride_ls,
+    seqlen_q_static, seqlen_k_static, num_heads_q, group_size, m_tiles,
+    softmax_scale, softcap, window_left, window_right,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    VARLEN_Q: tl.constexpr, VARLEN_K: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    start_m = (m_tiles - 1 - pid % m_tiles) * BLOCK_M  # heaviest causal tiles first
+    bh = pid // m_tiles
+    b = bh // num_heads_q
+    head_q = bh % num_heads_q
+    head_kv = head_q // group_size
+    q_start, seqlen_q, k_start, seqlen_k = seq_extents(
+        b, cu_seqlens_q_ptr, cu_seqlens_k_ptr, seqused_k_ptr, seqlen_q_static, seqlen_k_static, 0,
+        VARLEN_Q, VARLEN_K, HAS_SEQUSED_K)
+    if start_m >= seqlen_q:
+        return
+    tok = start_m + tl.arange(0, BLOCK_M)
+    row_ok = tok < seqlen_q
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    b64 = b.to(tl.int64)
+    q = _load_rows(q_ptr + b64 * stride_qb + head_q.to(tl.int64) * stride_qh, q_start + tok, row_ok, offs_d,
+                   stride_qs, HEAD_DIM, UPCAST)
+    do = _load_rows(do_ptr + b64 * stride_dob + head_q.to(tl.int64) * stride_doh, q_start + tok, row_ok, offs_d,
+                    stride_dos, HEAD_DIM, UPCAST)
+    lse2, delta = _row_stats(lse_ptr, delta_ptr, b, head_q, q_start + tok, row_ok, stride_lb, stride_lh, stride_ls)
+    if SOFTCAP:
+        qk_scale = softcap * LOG2E
+        softcap_scale = softmax_scale / softcap
+    else:
+        qk_scale = softmax_scale * LOG2E
+        softcap_scale = 1.0
+    diag = seqlen_k - seqlen_q
+    n_lo, full_lo, full_hi, n_hi = kv_block_range(start_m, tl.minimum(start_m + BLOCK_M, seqlen_q) - 1, diag,
+                                                  seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT, BLOCK_N)
+    k_base = k_ptr + b64 * stride_kb + head_kv.to(tl.int64) * stride_kh
+    v_base = v_ptr + b64 * stride_vb + head_kv.to(tl.int64) * stride_vh
+    dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    q_pos = tok + diag
+    # Masked blocks at the left window edge, unmasked interior, masked blocks at the diagonal / end.
+    dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, k_base, v_base, stride_ks, stride_vs, k_start, offs_d, seqlen_k,
+                    n_lo * BLOCK_N, full_lo * BLOCK_N, qk_scale, softcap_scale, window_left, window_right, HEAD_DIM,
+                    BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, UPCAST)
+    dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, k_base, v_base, stride_ks, stride_vs, k_start, offs_d, seqlen_k,
+                    full_lo * BLOCK_N, full_hi * BLOCK_N, qk_scale, softcap_scale, window_left, window_right,
+                    HEAD_DIM, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, UPCAST)
+    dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, k_base, v_base, stride_ks, stride_vs, k_start, offs_d, seqlen_k,
+                    full_hi * BLOCK_N, n_hi * BLOCK_N, qk_scale, softcap_scale, window_left, window_right, HEAD_DIM,
+                    BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, UPCAST)
+    dq = dq * softmax_scale
+    rows = (q_start + tok).to(tl.int64)
+    tl.store(dq_ptr + b64 * stride_dqb + head_q.to(tl.int64) * stride_dqh + rows[:, None] * stride_dqs
+             + offs_d[None, :], dq.to(dq_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))

@@ -1,0 +1,137 @@
+"""NVFP4 quantize / dequantize kernels (format and rounding rules: tileflash/formats.py).
+
+Notation: rows of x viewed as [R, K] (leading dims flattened), K a multiple of 16; each program owns a
+[BLOCK_R, BLOCK_K] tile (BLOCK_K a multiple of 16, so a 16-element scale block never straddles programs).
+  x:      [R, K] fp32 / fp16 / bf16 (any strides)
+  data:   [R, K/2] uint8, element 2i in the low nibble, 2i+1 in the high nibble
+  scales: [R, K/16] e4m3fn, handled as raw uint8 bits
+  g:      the global scale, a float32 scalar read from memory (no host sync)
+
+e4m3 is encoded and decoded here with integer arithmetic rather than `.to(tl.float8e4nv)`: the interpreter's fp8
+cast rounds half-up, truncates subnormals and reads 0x7F as 480 instead of NaN, so only explicit bit maths gives the
+same bits on the CPU and the GPU. Divisions are `div_rn` (IEEE): Triton's `/` on fp32 is an approximate division on
+NVIDIA GPUs, which would move ties by an ulp away from the PyTorch reference.
+"""
+import triton
+import triton.language as tl
+
+from ..formats import E2M1_MAX as _E2M1_MAX, E4M3 as _E4M3
+
+E2M1_MAX = tl.constexpr(_E2M1_MAX)
+E4M3_MAX = tl.constexpr(_E4M3.max)
+E4M3_NAN = tl.constexpr(0x7F)
+
+
+@triton.jit
+def e4m3_encode(s):
+    """float32 s >= 0 (or NaN) -> e4m3fn bits (int32): round to nearest even, saturated to 448, NaN -> 0x7F.
+
+    The fp32 significand (with its implicit bit) is shifted right by 20 for e4m3 normals (keeping 3 mantissa bits),
+    and by 1 more per octave below e4m3's smallest normal 2^-6 (subnormals: multiples of 2^-9); the rounding
+    increment is half - 1 + the kept lowest bit (ties to even). A carry out of the mantissa moves into the exponent
+    by the plain addition below."""
+    s = tl.where(s > E4M3_MAX, E4M3_MAX, s)
+    bits = s.to(tl.int32, bitcast=True)
+    e = bits >> 23  # biased fp32 exponent (s >= 0: no sign bit)
+    sig = (bits & 0x7FFFFF) | 0x800000
+    shift = 20 + tl.minimum(tl.maximum(121 - e, 0), 5)  # e = 121 is 2^-6; 5 more shifts reach every value < 2^-10
+    r = (sig + ((1 << (shift - 1)) - 1) + ((sig >> shift) & 1)) >> shift
+    code = tl.where(e >= 121, ((e - 120) << 3) + r - 8, r)  # normals: r = 1mmm in [8, 16]; subnormals: r = s / 2^-9
+    return tl.where(s != s, E4M3_NAN, code)
+
+
+@triton.jit
+def e4m3_decode(bits):
+    """e4m3fn bits (int32, low 8 bits) -> float32; 0x7F / 0xFF are NaN."""
+    e = (bits >> 3) & 0xF
+    m = bits & 7
+    normal = ((e + 120) << 23) | (m << 20)  # rebias 7 -> 127
+    subnormal = (m.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)  # m * 2^-9, exact
+    mag = tl.where(e == 0, subnormal, normal)
+    v = (mag | ((bits & 0x80) << 24)).to(tl.float32, bitcast=True)
+    return tl.where((bits & 0x7F) == E4M3_NAN, float("nan"), v)
+
+
+@triton.jit
+def e2m1_encode(v, negative):
+    """Nearest e2m1 code (int32) of |v|, ties to the even code, saturating at 6; sign bit from `negative`; NaN -> 0.
+    Each comparison adds one code step: strict at a tie whose lower code is even (0.25, 1.25, 2.5, 5), >= where the
+    upper code is the even one (0.75, 1.75, 3.5)."""
+    a = tl.abs(v)
+    mag = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+           + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32))
+    return tl.where(v != v, 0, mag | (negative.to(tl.int32) << 3))
+
+
+@triton.jit
+def e2m1_decode(code):
+    """e2m1 code (int32, low 4 bits) -> float32, built from bits: exponent field e >= 1 gives 2^(e-1) * (1 + m/2),
+    e = 0 gives m / 2. Code 0b1000 is -0.0."""
+    mag = code & 7
+    normal = (((mag >> 1) + 126) << 23) | ((mag & 1) << 22)
+    subnormal = ((mag & 1).to(tl.float32) * 0.5).to(tl.int32, bitcast=True)
+    bits = tl.where(mag < 2, subnormal, normal) | ((code & 8) << 28)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rows(R, BLOCK_R: tl.constexpr):
+    """This program's row indices as int64 (row offsets can pass 2^31 elements) and their in-range mask."""
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    return offs_r.to(tl.int64), offs_r < R
+
+
+@triton.jit
+def nvfp4_quantize_kernel(x_ptr, data_ptr, scales_ptr, g_ptr, R, K, stride_xr, stride_xk, stride_dr, stride_sr,
+                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x [R, K] -> data [R, K/2] (row stride stride_dr), scales [R, K/16] (row stride stride_sr)."""
+    r64, row_ok = _rows(R, BLOCK_R)
+    k0 = tl.program_id(1) * BLOCK_K
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    mask = row_ok[:, None] & (offs_k[None, :] < K)
+    x = tl.load(x_ptr + r64[:, None] * stride_xr + offs_k[None, :].to(tl.int64) * stride_xk, mask=mask, other=0.0)
+    x = x.to(tl.float32).reshape(BLOCK_R, BLOCK_K // 16, 16)
+    g = tl.load(g_ptr)
+
+    # tl.max may drop NaN (GPU max.f32 returns the other operand): mark NaN blocks explicitly.
+    has_nan = tl.max((x != x).to(tl.int32), 2) > 0
+    amax = tl.where(has_nan, float("nan"), tl.max(tl.abs(x), 2))
+    s_bits = e4m3_encode(tl.math.div_rn(tl.math.div_rn(amax, E2M1_MAX), g))
+    denom = (e4m3_decode(s_bits) * g)[:, :, None]
+    v = tl.where(denom == 0.0, 0.0, tl.math.div_rn(x, tl.where(denom == 0.0, 1.0, denom)))
+    negative = (x.to(tl.int32, bitcast=True) >> 31) & 1  # the sign bit, so -0.0 keeps its sign
+    lo, hi = tl.split(e2m1_encode(v, negative).reshape(BLOCK_R, BLOCK_K // 2, 2))
+
+    offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    tl.store(data_ptr + r64[:, None] * stride_dr + offs_b[None, :], (lo | (hi << 4)).to(tl.uint8),
+             mask=row_ok[:, None] & (offs_b[None, :] < K // 2))
+    offs_s = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+    tl.store(scales_ptr + r64[:, None] * stride_sr + offs_s[None, :], s_bits.to(tl.uint8),
+             mask=row_ok[:, None] & (offs_s[None, :] < K // 16))
+
+
+@triton.jit
+def nvfp4_unpack_tile(packed, s_bits, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """packed [ROWS, COLS/2] bytes and s_bits [ROWS, COLS/16] scale bits -> [ROWS, COLS] float32 e2m1 * scale
+    (exact: a 2-bit e2m1 significand times a 4-bit e4m3 one fits any float format used here)."""
+    packed = packed.to(tl.int32)
+    codes = tl.join(packed & 0xF, packed >> 4).reshape(ROWS, COLS // 16, 16)
+    vals = e2m1_decode(codes) * e4m3_decode(s_bits.to(tl.int32))[:, :, None]
+    return vals.reshape(ROWS, COLS)
+
+
+@triton.jit
+def nvfp4_dequantize_kernel(data_ptr, scales_ptr, g_ptr, out_ptr, R, K, stride_dr, stride_dk, stride_sr, stride_sk,
+                            BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """data [R, K/2], scales [R, K/16] (any strides) -> out [R, K] float32 contiguous: (e2m1 * s) * g."""
+    r64, row_ok = _rows(R, BLOCK_R)
+    k0 = tl.program_id(1) * BLOCK_K
+    offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    packed = tl.load(data_ptr + r64[:, None] * stride_dr + offs_b[None, :].to(tl.int64) * stride_dk,
+                     mask=row_ok[:, None] & (offs_b[None, :] < K // 2), other=0)
+    offs_s = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+    s_bits = tl.load(scales_ptr + r64[:, None] * stride_sr + offs_s[None, :].to(tl.int64) * stride_sk,
+                     mask=row_ok[:, None] & (offs_s[None, :] < K // 16), other=0)
+    out = nvfp4_unpack_tile(packed, s_bits, BLOCK_R, BLOCK_K) * tl.load(g_ptr)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + r64[:, None] * K + offs_k[None, :], out, mask=row_ok[:, None] & (offs_k[None, :] < K))

@@ -1,0 +1,126 @@
+"""Backward of flash_attn_func / flash_attn_varlen_func: launcher, custom op, and the autograd formulas that the
+forward custom ops register (prefill.py). Gradients are deterministic (no atomics; see kernels/attn_bwd.py)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import _utils
+from ..heuristics import bwd_config, padded_head_dim
+from ..kernels.attn_bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
+
+PREPROCESS_BLOCK_ROWS = 32
+
+
+def _strides3(t):
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, *, varlen: bool, num_batches: int, seqlen_q: int,
+                seqlen_k: int, max_seqlen_q: int, max_seqlen_k: int, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                softmax_scale: float, window_left: int, window_right: int, softcap: float) -> None:
+    """All tensors 4-D [Bv, S, H, D] (varlen: Bv = 1 with batch strides passed as 0) and lse/dlse [Bv, H, S]."""
+    dev = q4.device
+    hq, d = q4.shape[2], q4.shape[3]
+    hkv = k4.shape[2]
+    dp = padded_head_dim(d)
+    cfg = bwd_config(d, _utils.is_interpreter())
+    delta = torch.empty_like(lse3)
+    rows = lse3.numel()
+    attn_bwd_preprocess_kernel[(_utils.cdiv(rows, PREPROCESS_BLOCK_ROWS),)](
+        o4, do4, dlse3 if dlse3 is not None else delta, delta, o4.shape[1], hq, rows,
+        *_strides3(o4), *_strides3(do4), *_strides3(lse3),
+        HEAD_DIM=d, HEAD_DIM_PAD=dp, BLOCK_R=PREPROCESS_BLOCK_ROWS, HAS_DLSE=dlse3 is not None, num_warps=4)
+
+    def bstride(t):  # varlen tensors are one packed sequence: the batch index must not move the pointer
+        return (0, t.stride(1), t.stride(2)) if varlen else _strides3(t)
+
+    dummy = torch.empty(1, dtype=torch.int32, device=dev)
+    common = dict(HEAD_DIM=d, HEAD_DIM_PAD=dp, VARLEN_Q=varlen, VARLEN_K=varlen, HAS_SEQUSED_K=seqused_k is not None,
+                  HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, SOFTCAP=softcap > 0.0,
+                  UPCAST=_utils.upcast_tiles(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    seq_args = (cu_seqlens_q if varlen else dummy, cu_seqlens_k if varlen else dummy,
+                seqused_k if seqused_k is not None else dummy)
+    lse_strides = (0, lse3.stride(1), lse3.stride(2)) if varlen else _strides3(lse3)
+    n_tiles = _utils.cdiv(max(max_seqlen_k, 1), cfg.dkdv_block_n)
+    attn_bwd_dkdv_kernel[(n_tiles * num_batches * hkv,)](
+        q4, k4, v4, do4, lse3, delta, dk4, dv4, *seq_args,
+        *bstride(q4), *bstride(k4), *bstride(v4), *bstride(do4), *bstride(dk4), *bstride(dv4), *lse_strides,
+        seqlen_q, seqlen_k, hkv, hq // hkv, n_tiles, softmax_scale, softcap, window_left, window_right,
+        BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, **common)
+    m_tiles = _utils.cdiv(max(max_seqlen_q, 1), cfg.dq_block_m)
+    attn_bwd_dq_kernel[(m_tiles * num_batches * hq,)](
+        q4, k4, v4, do4, lse3, delta, dq4, *seq_args,
+        *bstride(q4), *bstride(k4), *bstride(v4), *bstride(do4), *bstride(dq4), *lse_strides,
+        seqlen_q, seqlen_k, hq, hq // hkv, m_tiles, softmax_scale, softcap, window_left, window_right,
+        BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, **common)
+
+
+def _attn_bwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                   dout: torch.Tensor, dlse: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
+                   cu_seqlens_k: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor], max_seqlen_q: int,
+                   max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
+                   softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq = _utils.new_output(q.shape, q.dtype, q.device)
+    dk = _utils.new_output(k.shape, k.dtype, k.device)
+    dv = _utils.new_output(v.shape, v.dtype, v.device)
+    if q.numel() == 0 or k.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    dout = dout.contiguous() if dout.stride(-1) != 1 else dout
+    dlse = dlse.contiguous() if dlse is not None else None  # read with lse's (contiguous) strides
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        views = [t.unsqueeze(0) for t in (q, k, v, out, dout, dq, dk, dv)]
+        lse3, dlse3 = lse.unsqueeze(0), (dlse.unsqueeze(0) if dlse is not None else None)
+        num_batches, seqlen_q, seqlen_k = cu_seqlens_q.shape[0] - 1, 0, 0
+    else:
+        views = [q, k, v, out, dout, dq, dk, dv]
+        lse3, dlse3 = lse, dlse
+        num_batches, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+        max_seqlen_q, max_seqlen_k = seqlen_q, seqlen_k
+    q4, k4, v4, o4, do4, dq4, dk4, dv4 = views
+    if num_batches > 0:
+        _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, varlen=varlen, num_batches=num_batches,
+                    seqlen_q=seqlen_q, seqlen_k=seqlen_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
+                    softmax_scale=softmax_scale, window_left=window_left, window_right=window_right, softcap=softcap)
+    return dq, dk, dv
+
+
+attn_bwd_op = torch.library.custom_op("tileflash::attn_bwd", mutates_args=())(_attn_bwd_impl)
+
+
+@attn_bwd_op.register_fake
+def _(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+      softmax_scale, window_left, window_right, softcap):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+# ---- autograd formulas registered on the forward custom ops ----------------------------------------------------
+
+def setup_fwd_context(ctx, inputs, output):
+    q, k, v, softmax_scale, window_left, window_right, softcap = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.args = (softmax_scale, window_left, window_right, softcap)
+
+
+def fwd_backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = attn_bwd_op(q, k, v, out, lse, dout, dlse, None, None, None, 0, 0, *ctx.args)
+    return dq, dk, dv, None, None, None, None
+
+
+def setup_varlen_context(ctx, inputs, output):
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
+     window_right, softcap) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k)
+    ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap)
+
+
+def varlen_backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k = ctx.saved_tensors
+    dq, dk, dv = attn_bwd_op(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
