@@ -325,12 +325,14 @@ def test_cli_runs_selected_shapes_and_writes_json(monkeypatch, tmp_path):
     monkeypatch.setattr(cli, "environment", lambda: {"device": "fake"})
     monkeypatch.setitem(cli.SUITES, "prefill", (suites.PREFILL_SHAPES, fake_runner("prefill")))
     monkeypatch.setitem(cli.SUITES, "decode", (suites.DECODE_SHAPES, fake_runner("decode")))
+    monkeypatch.setitem(cli.SUITES, "backward", (suites.BACKWARD_SHAPES, fake_runner("backward")))
     path = tmp_path / "r.json"
     assert cli.main(["all", "--quick", "--only", "d64", "--json", str(path)]) == 0
     assert [s["label"] for s in seen["prefill"]] == ["d64-full"] * 3 + ["d64-causal"] * 3
     assert len(seen["decode"]) == 3 and all(s["label"] == "gqa-d64" for s in seen["decode"])
+    assert [s["label"] for s in seen["backward"]] == ["d64-full"] * 3 + ["d64-causal"] * 3
     data = json.loads(path.read_text())
-    assert data == {"env": {"device": "fake"}, "prefill": [{"n": 6}], "decode": [{"n": 3}]}
+    assert data == {"env": {"device": "fake"}, "prefill": [{"n": 6}], "decode": [{"n": 3}], "backward": [{"n": 6}]}
     with pytest.raises(SystemExit):
         cli.main(["bogus"])
 
@@ -347,3 +349,23 @@ def test_suites_call_real_tileflash_cpu(monkeypatch):
         for name, rec in row["backends"].items():
             if name.startswith("tileflash"):
                 assert rec["ok"], (row["label"], name, rec)
+
+
+def test_run_backward_cpu(cpu_suites):
+    cpu_suites("right")
+    lines = []
+    shapes = [{"batch": 1, "seqlen": 32, "nheads": 2, "d": 16, "causal": c, "label": "t"} for c in (False, True)]
+    rows = suites.run_backward(shapes, out=lines.append)
+    json.dumps(rows)
+    for row in rows:
+        tf = row["backends"]["tileflash"]
+        assert tf["ok"], tf
+        flops = formulas.attn_bwd_flops(1, 2, 32, 32, 16, row["causal"])
+        assert tf["TFLOP/s"] == pytest.approx(formulas.tflops(flops, 0.5))
+    assert "Backward" in lines[-1]
+
+
+def test_backward_registry():
+    assert len(suites.BACKWARD_SHAPES) == 12
+    for s in suites.BACKWARD_SHAPES:
+        assert s["batch"] * s["seqlen"] == 16384 and s["nheads"] * s["d"] == 2048

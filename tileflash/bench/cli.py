@@ -1,4 +1,4 @@
-"""Command line: ``python -m tileflash bench {prefill,decode,all} [--quick] [--only LABEL] [--json PATH]``."""
+"""Command line: ``python -m tileflash bench {prefill,decode,backward,all} [--quick] [--only LABEL] [--json PATH]``."""
 
 import argparse
 import json
@@ -11,6 +11,7 @@ from tileflash.bench import peers, suites
 SUITES = {
     "prefill": (suites.PREFILL_SHAPES, suites.run_prefill),
     "decode": (suites.DECODE_SHAPES, suites.run_decode),
+    "backward": (suites.BACKWARD_SHAPES, suites.run_backward),
 }
 
 

@@ -13,6 +13,7 @@ from tileflash.bench import peers
 from tileflash.bench.formulas import (
     BF16_GEMM_TFLOPS,
     COPY_TBPS,
+    attn_bwd_flops,
     attn_fwd_flops,
     decode_kv_bytes,
     gbps,
@@ -58,7 +59,19 @@ DECODE_SHAPES = [
     for b, ctx in DECODE_GRID
 ]
 
+# Backward: d in (64, 128) x causal x s in (1k, 4k, 16k), same 16k-token / 2048-dim sizing as prefill.
+BACKWARD_SHAPES = [
+    {
+        "batch": 16384 // s, "seqlen": s, "nheads": 2048 // d, "d": d, "causal": causal,
+        "label": f"d{d}-{'causal' if causal else 'full'}",
+    }
+    for d in (64, 128)
+    for causal in (False, True)
+    for s in (1024, 4096, 16384)
+]
+
 PREFILL_BACKENDS = ("tileflash", "sdpa_flash", "sdpa_cudnn", "fa4")
+BACKWARD_BACKENDS = ("tileflash", "sdpa_flash", "sdpa_cudnn")
 TILEFLASH_DECODE = ("tileflash", "tileflash_sp", "tileflash_graph")
 DECODE_PEERS = ("sdpa", "sdpa_graph", "flashinfer", "flashinfer_tc", "fa4")
 
@@ -210,6 +223,70 @@ def run_prefill(shapes=None, out=print):
     return _run(PREFILL_SHAPES if shapes is None else shapes, _prefill_one,
                 lambda s, r: f"prefill {s['label']} s={s['seqlen']} (TFLOP/s): {_summary(r['backends'], 'TFLOP/s')}",
                 prefill_table, out)
+
+
+def _backward_one(shape, tf, note):
+    """Time the backward alone (the forward graph is kept and re-differentiated) and record the peak memory of
+    one forward + backward next to each backend's time."""
+    b, s, h, d, causal = (shape[k] for k in ("batch", "seqlen", "nheads", "d", "causal"))
+    q, k, v = (_randn(b, s, h, d).requires_grad_() for _ in range(3))
+    dout = _randn(b, s, h, d)
+    hs = min(CHECK_KV_HEADS, h)
+    sl = [x[:1, :, :hs].detach().float().requires_grad_() for x in (q, k, v)]
+    ref = torch.autograd.grad(reference_fp32(*sl, causal), sl, dout[:1, :, :hs].float())
+
+    def check(grads):
+        return max(max_abs_err(g[:1, :, :hs], r) / max(float(r.abs().max()), 1.0) for g, r in zip(grads, ref))
+
+    def backward_of(forward):
+        if forward is None:
+            return None
+        on_gpu = DEVICE == "cuda"
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        out = forward()
+        grads = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        if on_gpu:
+            peak_mib[0] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        del grads
+        return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+
+    builders = {
+        "tileflash": lambda: lambda: tf.flash_attn_func(q, k, v, causal=causal),
+        "sdpa_flash": lambda: peers.sdpa_prefill(q, k, v, causal, "flash", note),
+        "sdpa_cudnn": lambda: peers.sdpa_prefill(q, k, v, causal, "cudnn", note),
+    }
+    flops = attn_bwd_flops(b, h, s, s, d, causal)
+    results = {}
+    for name, build in builders.items():
+        peak_mib = [None]
+        rec = _measure(name, lambda build=build: backward_of(build()), check, note)
+        if rec is not None:
+            rec["TFLOP/s"] = tflops(flops, rec["ms"]) if rec["ms"] else None
+            rec["peak MiB"] = peak_mib[0]
+        results[name] = rec
+    return {**shape, "flops": flops, "backends": results, "speedup": speedup(results, ("tileflash",))}
+
+
+def backward_table(rows):
+    headers = ["d", "causal", "seqlen", "tileflash", "SDPA-flash", "SDPA-cuDNN", "tf/best", "tf MiB", "cuDNN MiB",
+               "failed"]
+    body = [
+        [r["d"], r["causal"], r["seqlen"], *(_field(r, n, "TFLOP/s") for n in BACKWARD_BACKENDS), r["speedup"],
+         _field(r, "tileflash", "peak MiB"), _field(r, "sdpa_cudnn", "peak MiB"), _failed(r)]
+        for r in rows
+    ]
+    title = ("Backward (dq, dk, dv), bf16, TFLOP/s = 2.5 x forward FLOPs / t; MiB = peak memory of one forward + "
+             "backward above the inputs; check = max relative grad error vs fp32")
+    return format_table(headers, body, title=title)
+
+
+def run_backward(shapes=None, out=print):
+    """Check and time the backward of tileflash.flash_attn_func and SDPA's flash and cuDNN backends."""
+    return _run(BACKWARD_SHAPES if shapes is None else shapes, _backward_one,
+                lambda s, r: f"backward {s['label']} s={s['seqlen']} (TFLOP/s): {_summary(r['backends'], 'TFLOP/s')}",
+                backward_table, out)
 
 
 def _decode_one(shape, tf, note):
