@@ -49,8 +49,9 @@ def test_flash_attn_func_backward(case, dtype):
     b, sq, sk, hq, hkv, d, causal, window, softcap = case
     q, k, v = _leaves((b, sq, hq, d), (b, sk, hkv, d), (b, sk, hkv, d), dtype=dtype, seed=sq + sk)
     kw = dict(causal=causal, window_size=window, softcap=softcap)
-    dout = torch.randn(b, sq, hq, d, device=DEVICE)
-    dlse = torch.randn(b, hq, sq, device=DEVICE)  # gradient through the returned lse too
+    g = torch.Generator().manual_seed(1)
+    dout = torch.randn(b, sq, hq, d, generator=g).to(DEVICE)
+    dlse = torch.randn(b, hq, sq, generator=g).to(DEVICE)  # gradient through the returned lse too
     _check_grads(lambda q, k, v: tileflash.flash_attn_func(q, k, v, return_lse=True, **kw),
                  lambda q, k, v, upcast: attention_ref(q, k, v, upcast=upcast, **kw), (q, k, v), dout, dlse)
 
@@ -63,8 +64,9 @@ def test_varlen_backward_with_empty_sequences_and_seqused(dtype):
     cu = lambda lens: torch.tensor([0] + lens).cumsum(0).to(DEVICE, torch.int32)  # noqa: E731
     cu_q, cu_k = cu(lens_q), cu(lens_k)
     used = torch.tensor(seqused, dtype=torch.int32, device=DEVICE)
-    dout = torch.randn(sum(lens_q), hq, d, device=DEVICE)
-    dlse = torch.randn(hq, sum(lens_q), device=DEVICE)
+    g = torch.Generator().manual_seed(2)
+    dout = torch.randn(sum(lens_q), hq, d, generator=g).to(DEVICE)
+    dlse = torch.randn(hq, sum(lens_q), generator=g).to(DEVICE)
     kw = dict(causal=True)
     _check_grads(lambda q, k, v: tileflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 21, 21, seqused_k=used,
                                                                   return_lse=True, **kw),
@@ -86,7 +88,7 @@ def test_keys_past_seqused_and_unseen_rows_get_zero_gradients():
 
 def test_deterministic_gradients_are_bitwise_repeatable():
     q, k, v = _leaves((2, 37, 8, 64), (2, 45, 2, 64), (2, 45, 2, 64), dtype=torch.bfloat16, seed=5)
-    dout = torch.randn(2, 37, 8, 64, device=DEVICE, dtype=torch.bfloat16)
+    dout = torch.randn(2, 37, 8, 64, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.bfloat16)
     runs = [torch.autograd.grad(tileflash.flash_attn_func(q, k, v, causal=True, deterministic=True), (q, k, v),
                                 dout) for _ in range(2)]
     for a, b in zip(*runs):

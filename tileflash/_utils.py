@@ -28,6 +28,13 @@ def upcast_tiles() -> bool:
     return is_interpreter() and INTERPRETER_UPCAST
 
 
+def tile_dtype(dtype: torch.dtype):
+    """The Triton dtype attention tiles are computed in: the query dtype, or fp32 when the interpreter upcasts."""
+    import triton.language as tl
+
+    return tl.float32 if upcast_tiles() else {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
+
+
 @functools.lru_cache(maxsize=None)
 def _num_sms_cuda(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count

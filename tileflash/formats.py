@@ -92,12 +92,13 @@ def e2m1_codes(v: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
 def nvfp4_quantize_ref(x: torch.Tensor, global_scale: torch.Tensor | None = None):
     """x [..., K] -> (data [..., K/2] uint8, scales [..., K/16] float8_e4m3fn, global_scale float32 [])."""
     g = nvfp4_global_scale(x) if global_scale is None else global_scale
-    xf = x.float().reshape(*x.shape[:-1], -1, NVFP4_BLOCK)
+    lead, k = x.shape[:-1], x.shape[-1]
+    xf = x.float().reshape(*lead, k // NVFP4_BLOCK, NVFP4_BLOCK)
     amax = xf.abs().amax(dim=-1)  # propagates NaN: a NaN block gets a NaN scale
     scales = e4m3_saturate(_div(amax, E2M1_MAX) / g)
     denom = (scales.float() * g)[..., None]
     v = torch.where(denom == 0, 0.0, xf / torch.where(denom == 0, 1.0, denom))
-    codes = e2m1_codes(v, torch.signbit(xf)).reshape(*x.shape[:-1], -1, 2)
+    codes = e2m1_codes(v, torch.signbit(xf)).reshape(*lead, k // 2, 2)
     data = codes[..., 0] | (codes[..., 1] << 4)
     return data, scales, g
 
@@ -111,6 +112,7 @@ def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
 
 def nvfp4_dequantize_ref(data: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
     """(data [..., K/2] uint8, scales [..., K/16] e4m3, global_scale []) -> float32 [..., K]: (e2m1 * s) * g."""
-    codes = torch.stack((data & 0xF, data >> 4), dim=-1).reshape(*data.shape[:-1], -1, NVFP4_BLOCK)
+    lead, k = data.shape[:-1], data.shape[-1] * 2
+    codes = torch.stack((data & 0xF, data >> 4), dim=-1).reshape(*lead, k // NVFP4_BLOCK, NVFP4_BLOCK)
     out = e2m1_values(codes) * scales.float()[..., None] * global_scale
-    return out.reshape(*data.shape[:-1], -1)
+    return out.reshape(*lead, k)

@@ -34,7 +34,7 @@ def _kv_row_offsets(offs_n, seqlen_k, bt_ptr, stride_page, stride_tok, PAGE_SIZE
 @triton.jit
 def _kv_tile(base, start_n, seqlen_k, bt_ptr, stride_page, stride_tok, desc_row0, head_kv, offs_d,
              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, USE_DESC: tl.constexpr,
-             MASK_N: tl.constexpr, UPCAST: tl.constexpr):
+             MASK_N: tl.constexpr, TILE_DTYPE: tl.constexpr):
     """The [BLOCK_N, DP] K or V tile of tokens start_n.. : through a TMA tensor descriptor (base is a descriptor over
     [rows, Hkv, D]; columns past D arrive as zeros), or by pointers (contiguous or paged). Rows at or past seqlen_k
     are zero when MASK_N (with a descriptor they belong to the next sequence: never let them reach P @ V)."""
@@ -52,9 +52,8 @@ def _kv_tile(base, start_n, seqlen_k, bt_ptr, stride_page, stride_tok, desc_row0
             t = tl.load(ptrs)
         else:
             t = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-    if UPCAST:
-        t = t.to(tl.float32)
-    return t, offs_n
+    # TILE_DTYPE: q's dtype on the GPU (fp8 caches widen here, exactly), fp32 in the interpreter (its bf16 is wrong).
+    return t.to(TILE_DTYPE), offs_n
 
 
 @triton.jit
@@ -99,7 +98,7 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, stride_k_page, s
                window_left, window_right, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
                PAGE_SIZE: tl.constexpr, USE_DESC: tl.constexpr, HAS_LEFT: tl.constexpr,
                HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, SP_OVERLAP: tl.constexpr, WARP_SPEC: tl.constexpr,
-               UPCAST: tl.constexpr):
+               TILE_DTYPE: tl.constexpr):
     """Accumulate KV tokens [lo, hi) (lo, hi multiples of BLOCK_N) into (acc, m_i, l_i).
 
     MASK=False is the fast path for blocks that are fully visible to every row (no per-element masks).
@@ -110,17 +109,17 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, stride_k_page, s
     if SP_OVERLAP:
         if lo < hi:
             k, offs_n = _kv_tile(k_base, lo, seqlen_k, bt_ptr, stride_k_page, stride_k_tok, desc_row0,
-                                 head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, MASK, UPCAST)
+                                 head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, MASK, TILE_DTYPE)
             s = _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right,
                         SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT)
             for start_n in range(lo, hi, BLOCK_N):
                 v, _ = _kv_tile(v_base, start_n, seqlen_k, bt_ptr, stride_v_page, stride_v_tok, desc_row0,
-                                head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, MASK, UPCAST)
+                                head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, MASK, TILE_DTYPE)
                 # Next block's scores first (clamped to the last block on the final step; the result is unused).
                 next_start = tl.minimum(start_n + BLOCK_N, hi - BLOCK_N)
                 k_next, next_n = _kv_tile(k_base, next_start, seqlen_k, bt_ptr, stride_k_page, stride_k_tok,
                                           desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, MASK,
-                                          UPCAST)
+                                          TILE_DTYPE)
                 s_next = _scores(q, k_next, qk_scale, softcap_scale, q_pos, next_n, seqlen_k, window_left,
                                  window_right, SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT)
                 acc, m_i, l_i = _softmax_pv(acc, m_i, l_i, s, v)
@@ -131,14 +130,14 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, stride_k_page, s
                                         stride_k_tok, stride_v_page, stride_v_tok, desc_row0, head_kv, offs_d,
                                         seqlen_k, start_n, qk_scale, softcap_scale, window_left, window_right,
                                         HEAD_DIM, BLOCK_N, MASK, PAGE_SIZE, USE_DESC, HAS_LEFT, HAS_RIGHT,
-                                        SOFTCAP, UPCAST)
+                                        SOFTCAP, TILE_DTYPE)
     else:
         for start_n in range(lo, hi, BLOCK_N):
             acc, m_i, l_i = _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, stride_k_page,
                                         stride_k_tok, stride_v_page, stride_v_tok, desc_row0, head_kv, offs_d,
                                         seqlen_k, start_n, qk_scale, softcap_scale, window_left, window_right,
                                         HEAD_DIM, BLOCK_N, MASK, PAGE_SIZE, USE_DESC, HAS_LEFT, HAS_RIGHT,
-                                        SOFTCAP, UPCAST)
+                                        SOFTCAP, TILE_DTYPE)
     return acc, m_i, l_i
 
 
@@ -147,12 +146,12 @@ def _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, stride_k_page, 
                 stride_v_page, stride_v_tok, desc_row0, head_kv, offs_d, seqlen_k, start_n, qk_scale, softcap_scale,
                 window_left, window_right, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
                 PAGE_SIZE: tl.constexpr, USE_DESC: tl.constexpr, HAS_LEFT: tl.constexpr,
-                HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr):
+                HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, TILE_DTYPE: tl.constexpr):
     """One block of the plain loop: load K, scores, load V, online softmax and PV."""
     k, offs_n = _kv_tile(k_base, start_n, seqlen_k, bt_ptr, stride_k_page, stride_k_tok, desc_row0,
-                         head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, MASK, UPCAST)
+                         head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, MASK, TILE_DTYPE)
     s = _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right, SOFTCAP, MASK,
                 HAS_LEFT, HAS_RIGHT)
     v, _ = _kv_tile(v_base, start_n, seqlen_k, bt_ptr, stride_v_page, stride_v_tok, desc_row0, head_kv,
-                    offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, MASK, UPCAST)
+                    offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, MASK, TILE_DTYPE)
     return _softmax_pv(acc, m_i, l_i, s, v)

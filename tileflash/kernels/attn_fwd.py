@@ -38,7 +38,7 @@ def attn_fwd_kernel(
     PAGE_SIZE: tl.constexpr,
     PACK_GQA: tl.constexpr, SPLIT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-    USE_DESC: tl.constexpr, SP_OVERLAP: tl.constexpr, WARP_SPEC: tl.constexpr, UPCAST: tl.constexpr,
+    USE_DESC: tl.constexpr, SP_OVERLAP: tl.constexpr, WARP_SPEC: tl.constexpr, TILE_DTYPE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -77,9 +77,7 @@ def attn_fwd_kernel(
 
     q_rows = (q_start + tok).to(tl.int64) * stride_qs + head_q.to(tl.int64) * stride_qh
     q_ptrs = q_ptr + b.to(tl.int64) * stride_qb + q_rows[:, None] + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0).to(TILE_DTYPE)
 
     # ---- KV block range: [n_lo, n_hi) needed at all, [full_lo, full_hi) visible to every row --------------
     n_lo, full_lo, full_hi, n_hi = kv_block_range(tok_min, tok_max, diag, seqlen_k, window_left, window_right,
@@ -126,17 +124,17 @@ def attn_fwd_kernel(
             acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, stride_kb, stride_ks, stride_vb, stride_vs, desc_row0,
             head_kv, offs_d, seqlen_k, tl.maximum(s_lo, n_lo) * BLOCK_N, tl.minimum(s_hi, full_lo) * BLOCK_N,
             qk_scale, softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_N, True, PAGE_SIZE, USE_DESC,
-            HAS_LEFT, HAS_RIGHT, SOFTCAP, SP_OVERLAP, WARP_SPEC, UPCAST)
+            HAS_LEFT, HAS_RIGHT, SOFTCAP, SP_OVERLAP, WARP_SPEC, TILE_DTYPE)
     acc, m_i, l_i = attn_inner(
         acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, stride_kb, stride_ks, stride_vb, stride_vs, desc_row0,
         head_kv, offs_d, seqlen_k, tl.maximum(s_lo, full_lo) * BLOCK_N, tl.minimum(s_hi, full_hi) * BLOCK_N,
         qk_scale, softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_N, False, PAGE_SIZE, USE_DESC,
-        HAS_LEFT, HAS_RIGHT, SOFTCAP, SP_OVERLAP, WARP_SPEC, UPCAST)
+        HAS_LEFT, HAS_RIGHT, SOFTCAP, SP_OVERLAP, WARP_SPEC, TILE_DTYPE)
     acc, m_i, l_i = attn_inner(
         acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, stride_kb, stride_ks, stride_vb, stride_vs, desc_row0,
         head_kv, offs_d, seqlen_k, tl.maximum(s_lo, full_hi) * BLOCK_N, tl.minimum(s_hi, n_hi) * BLOCK_N,
         qk_scale, softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_N, True, PAGE_SIZE, USE_DESC,
-        HAS_LEFT, HAS_RIGHT, SOFTCAP, SP_OVERLAP, WARP_SPEC, UPCAST)
+        HAS_LEFT, HAS_RIGHT, SOFTCAP, SP_OVERLAP, WARP_SPEC, TILE_DTYPE)
 
     # ---- epilogue: normalise; rows that saw no key give out = 0 and lse = -inf ---------------------------
     seen = l_i > 0.0

@@ -97,7 +97,7 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         PAGE_SIZE=k4.shape[1] if paged else 0, PACK_GQA=pack_gqa, SPLIT=split,
         HAS_LEFT=mask.window_left >= 0, HAS_RIGHT=mask.window_right >= 0, SOFTCAP=mask.softcap > 0.0,
         USE_DESC=descs is not None, SP_OVERLAP=sp_overlap, WARP_SPEC=config.warp_spec and not sp_overlap,
-        UPCAST=_utils.upcast_tiles(),
+        TILE_DTYPE=_utils.tile_dtype(q4.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 

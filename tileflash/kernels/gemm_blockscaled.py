@@ -1,0 +1,55 @@
+"""NVFP4 weight GEMM: c = a @ dequant(b)^T with b stored as NVFP4 (format: tileflash/formats.py).
+
+Notation: a [M, K] fp16/bf16; b quantized from [N, K]: b_data [N, K/2] uint8 (two e2m1 codes per byte), b_scales
+[N, K/16] e4m3 bits, g the float32 global scale; c [M, N] in a's dtype. K is a multiple of 16, so the K tail of
+the last tile is a whole number of scale blocks (masked to zero).
+
+Each program owns a [BLOCK_M, BLOCK_N] tile of c. Per K step it loads the packed nibbles and scales of a
+[BLOCK_N, BLOCK_K] slice of b, decodes e2m1 * scale in registers with bit arithmetic on the 4-bit codes (no table
+gather), and feeds tl.dot in a's dtype (exact: e2m1 * e4m3 has at most 6 significant bits) with an fp32
+accumulator. g multiplies the accumulator once at the end instead of every element of b.
+"""
+import triton
+import triton.language as tl
+
+from .quant import nvfp4_unpack_tile
+
+
+@triton.jit
+def _round_bf16(x):
+    """float32 -> the nearest bf16 value (ties to even), still float32. The interpreter's fp32 -> bf16 cast
+    truncates (up to 1 bf16 ulp off, the size of the test bound); after this the cast is exact."""
+    bits = x.to(tl.int32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def nvfp4_matmul_kernel(a_ptr, b_ptr, s_ptr, g_ptr, c_ptr, M, N, K,
+                        stride_am, stride_ak, stride_bn, stride_bk, stride_sn, stride_sk, stride_cm, stride_cn,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = offs_m < M, offs_n < N
+    m64, n64 = offs_m.to(tl.int64), offs_n.to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_b = tl.arange(0, BLOCK_K // 2)
+    offs_s = tl.arange(0, BLOCK_K // 16)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = tl.load(a_ptr + m64[:, None] * stride_am + (k0 + offs_k)[None, :] * stride_ak,
+                    mask=m_ok[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
+        packed = tl.load(b_ptr + n64[:, None] * stride_bn + (k0 // 2 + offs_b)[None, :] * stride_bk,
+                         mask=n_ok[:, None] & (k0 // 2 + offs_b < K // 2)[None, :], other=0)
+        s_bits = tl.load(s_ptr + n64[:, None] * stride_sn + (k0 // 16 + offs_s)[None, :] * stride_sk,
+                         mask=n_ok[:, None] & (k0 // 16 + offs_s < K // 16)[None, :], other=0)
+        w = nvfp4_unpack_tile(packed, s_bits, BLOCK_N, BLOCK_K)
+        if UPCAST:  # interpreter: bf16 dots would run on raw bits, so both operands go to fp32
+            a = a.to(tl.float32)
+        else:
+            w = w.to(a.dtype)
+        acc = tl.dot(a, tl.trans(w), acc)
+    c = acc * tl.load(g_ptr)
+    if UPCAST and c_ptr.dtype.element_ty == tl.bfloat16:
+        c = _round_bf16(c)
+    tl.store(c_ptr + m64[:, None] * stride_cm + n64[None, :] * stride_cn, c.to(c_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])

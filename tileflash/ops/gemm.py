@@ -1,0 +1,85 @@
+"""nvfp4_matmul: a @ dequant(b)^T with an NVFP4 weight b (the blockscaled GEMM; kernel in
+tileflash/kernels/gemm_blockscaled.py).
+
+Shapes: a [M, K] fp16/bf16, b_data [N, K/2] uint8, b_scales [N, K/16] float8_e4m3fn, b_global_scale float32 [];
+out [M, N] in a's dtype. K must be a positive multiple of 16 (the scale block); no other alignment is required.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import _utils
+from ..kernels.gemm_blockscaled import nvfp4_matmul_kernel
+from .quant import check_nvfp4
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def gemm_config(m: int, n: int, k: int, interpret: bool = False) -> GemmConfig:
+    """Tile shape from the problem shape only (CUDA-graph safe). Not yet swept on the H200: these are the usual
+    Hopper starting points for a weight-only GEMM, to be replaced by measured ones.
+    BLOCK_M follows M (a decode-sized M of 1-16 would waste most of a 64-row tile); BLOCK_K = 128 is 64 bytes of
+    packed b per row and 8 scales per step."""
+    if interpret:
+        # Small tiles: the interpreter's cost is per program and per K step, and tests use M <= 33, N, K <= 96.
+        return GemmConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1)
+    if m <= 16:
+        return GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
+    if m <= 64:
+        return GemmConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3)
+    return GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3)
+
+
+def _nvfp4_matmul_impl(a: torch.Tensor, b_data: torch.Tensor, b_scales: torch.Tensor,
+                       b_global_scale: torch.Tensor) -> torch.Tensor:
+    (m, k), n = a.shape, b_data.shape[0]
+    out = _utils.new_output((m, n), a.dtype, a.device)
+    if out.numel() == 0:
+        return out
+    cfg = gemm_config(m, n, k, interpret=_utils.is_interpreter())
+    s_bits = b_scales.view(torch.uint8)
+    grid = (_utils.cdiv(m, cfg.block_m), _utils.cdiv(n, cfg.block_n))
+    nvfp4_matmul_kernel[grid](
+        a, b_data, s_bits, b_global_scale, out, m, n, k,
+        a.stride(0), a.stride(1), b_data.stride(0), b_data.stride(1), s_bits.stride(0), s_bits.stride(1),
+        out.stride(0), out.stride(1),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=_utils.upcast_tiles(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+_nvfp4_matmul_op = torch.library.custom_op("tileflash::nvfp4_matmul", mutates_args=())(_nvfp4_matmul_impl)
+
+
+@_nvfp4_matmul_op.register_fake
+def _(a, b_data, b_scales, b_global_scale):
+    return a.new_empty((a.shape[0], b_data.shape[0]))
+
+
+def nvfp4_matmul(a: torch.Tensor, b_data: torch.Tensor, b_scales: torch.Tensor,
+                 b_global_scale: torch.Tensor) -> torch.Tensor:
+    """a [M, K] (fp16/bf16) @ dequant(b)^T -> [M, N] in a's dtype, fp32 accumulation.
+
+    b is an NVFP4 [N, K] matrix as returned by nvfp4_quantize: b_data [N, K/2] uint8, b_scales [N, K/16]
+    float8_e4m3fn, b_global_scale float32 []. K must be a positive multiple of 16.
+    """
+    _utils.check_tensor("a", a, ndim=2, dtypes=_utils.SUPPORTED_DTYPES)
+    if a.shape[1] == 0 or a.shape[1] % 16 != 0:
+        raise ValueError(f"a: K (dimension 1) must be a positive multiple of 16 (the NVFP4 scale block), "
+                         f"got shape {tuple(a.shape)}")
+    _utils.check_tensor("b_data", b_data, ndim=2, device=a.device)
+    k = check_nvfp4(b_data, b_scales, b_global_scale, names=("b_data", "b_scales", "b_global_scale"))
+    if k != a.shape[1]:
+        raise ValueError(f"b_data: expected shape (N, {a.shape[1] // 2}) (K/2 with a's K={a.shape[1]}), "
+                         f"got {tuple(b_data.shape)}")
+    return _utils.eager_or_op(_nvfp4_matmul_op, _nvfp4_matmul_impl)(a, b_data, b_scales, b_global_scale)
