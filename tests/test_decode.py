@@ -118,3 +118,71 @@ def test_cuda_graph_replay_follows_new_seqlens_and_table():
         ref_lowp, _, _, _ = kvcache_ref(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table,
                                         upcast=False)
         check_2x(out, ref, ref_lowp)
+
+
+# (seqlens, Sq, Snew, Hq, Hkv, D, page_size, capacity, num_splits, per_head_scale) — FP8 (e4m3) caches:
+FP8_CASES = [
+    ([0, 29, 50], 1, 1, 8, 2, 64, 16, 64, 0, False),  # per-tensor scales, paged, empty cache, append
+    ([13, 40], 3, 3, 4, 4, 128, None, 48, 4, True),  # per-KV-head scales, contiguous, append crossing 4 splits
+    ([21], 2, 0, 8, 1, 32, 5, 30, 1, True),  # MQA, page 5, no append
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", FP8_CASES, ids=[f"fp8case{i}" for i in range(len(FP8_CASES))])
+def test_kvcache_fp8(case, dtype):
+    from tileflash.reference import fp8_quantize_ref
+
+    seqlens, sq, s_new, hq, hkv, d, page_size, capacity, num_splits, per_head = case
+    b = len(seqlens)
+    g = torch.Generator().manual_seed(21)
+    k_hi, v_hi, table = make_cache(b, capacity, hkv, d, torch.float32, page_size, g)
+    n_scales = hkv if per_head else 1
+    k_scale = (torch.rand(n_scales, generator=g) * 0.02 + 0.005).to(DEVICE)
+    v_scale = (torch.rand(n_scales, generator=g) * 0.02 + 0.005).to(DEVICE)
+    k_cache, v_cache = fp8_quantize_ref(k_hi, k_scale), fp8_quantize_ref(v_hi, v_scale)
+    q = torch.randn(b, sq, hq, d, generator=g).to(DEVICE, dtype)
+    k = v = None
+    if s_new:
+        k = torch.randn(b, s_new, hkv, d, generator=g).to(DEVICE, dtype)
+        v = torch.randn(b, s_new, hkv, d, generator=g).to(DEVICE, dtype)
+    cache_seqlens = torch.tensor(seqlens, dtype=torch.int32, device=DEVICE)
+    kw = dict(cache_seqlens=cache_seqlens, block_table=table, k_scale=k_scale, v_scale=v_scale)
+    ref, ref_lse, ref_k, ref_v = kvcache_ref(q, k_cache, v_cache, k, v, **kw)
+    ref_lowp, _, _, _ = kvcache_ref(q, k_cache, v_cache, k, v, upcast=False, **kw)
+    out, lse = tileflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, num_splits=num_splits, return_lse=True,
+                                                 **kw)
+    check_2x(out, ref, ref_lowp)
+    check_lse(lse, ref_lse)
+    # Appended tokens are quantized exactly like the reference (x / scale, saturated, round to nearest even).
+    assert torch.equal(k_cache.view(torch.uint8), ref_k.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), ref_v.view(torch.uint8))
+
+
+def test_fp8_append_saturates():
+    k_cache = torch.zeros(1, 4, 1, 16, dtype=torch.float8_e4m3fn, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    big = torch.full((1, 1, 1, 16), 1000.0, device=DEVICE, dtype=torch.float16)
+    big[..., 1] = -1000.0
+    one = torch.ones(1, device=DEVICE)
+    tileflash.flash_attn_with_kvcache(torch.randn(1, 1, 1, 16, device=DEVICE, dtype=torch.float16), k_cache,
+                                      v_cache, big, big, cache_seqlens=torch.zeros(1, dtype=torch.int32, device=DEVICE),
+                                      k_scale=one, v_scale=one)
+    assert k_cache[0, 0, 0, 0].float().item() == 448.0 and k_cache[0, 0, 0, 1].float().item() == -448.0
+
+
+def test_fp8_append_rounds_every_fp16_value_like_torch():
+    """All 65536 fp16 bit patterns through the FP8 append (scale 1) equal torch's saturating RNE cast bit for bit,
+    including ties, subnormals, the sign of zero and NaN."""
+    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    x = x.reshape(1, 256, 16, 16).to(DEVICE)
+    k_cache = torch.zeros(1, 256, 16, 16, dtype=torch.float8_e4m3fn, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    one = torch.ones(1, device=DEVICE)
+    q = torch.zeros(1, 1, 16, 16, dtype=torch.float16, device=DEVICE)
+    tileflash.flash_attn_with_kvcache(q, k_cache, v_cache, x, x, cache_seqlens=torch.zeros(1, dtype=torch.int32,
+                                      device=DEVICE), k_scale=one, v_scale=one)
+    ref = x.float().clamp(-448.0, 448.0).to(torch.float8_e4m3fn)  # clamp keeps NaN; e4m3fn has no inf
+    nan = torch.isnan(x)
+    assert torch.equal(k_cache.view(torch.uint8)[~nan], ref.view(torch.uint8)[~nan])
+    assert torch.isnan(k_cache.float()[nan]).all()

@@ -83,6 +83,18 @@ KVCACHE_CASES = [
     ("outside the pool", ValueError, lambda a: a["block_table"].__setitem__((1, 0), 10)),
     ("num_splits", ValueError, lambda a: a.update(num_splits=-1)),
     ("k_cache", TypeError, lambda a: a.update(k_cache=a["k_cache"].bfloat16())),
+    ("only float8_e4m3fn caches take scales", ValueError, lambda a: a.update(k_scale=torch.ones(1, device=DEVICE),
+                                                                             v_scale=torch.ones(1, device=DEVICE))),
+    ("k_scale: required", ValueError, lambda a: a.update(k_cache=a["k_cache"].to(torch.float8_e4m3fn),
+                                                         v_cache=a["v_cache"].to(torch.float8_e4m3fn))),
+    ("v_scale", ValueError, lambda a: a.update(k_cache=a["k_cache"].to(torch.float8_e4m3fn),
+                                               v_cache=a["v_cache"].to(torch.float8_e4m3fn),
+                                               k_scale=torch.ones(2, device=DEVICE),
+                                               v_scale=torch.ones(3, device=DEVICE))),
+    ("k_scale", TypeError, lambda a: a.update(k_cache=a["k_cache"].to(torch.float8_e4m3fn),
+                                              v_cache=a["v_cache"].to(torch.float8_e4m3fn),
+                                              k_scale=torch.ones(1, device=DEVICE, dtype=torch.float16),
+                                              v_scale=torch.ones(1, device=DEVICE))),
 ]
 
 

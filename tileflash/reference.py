@@ -73,10 +73,24 @@ def gather_cache(cache, block_table, seqlen: int, b: int):
     return cache[pages].reshape(-1, *cache.shape[2:])[:seqlen]
 
 
-def kvcache_ref(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None, causal=True, **kw):
+def fp8_quantize_ref(x, scale):
+    """x / scale per KV head (scale [1] or [Hkv], heads at dim -2), saturated to +-448, round to nearest even."""
+    s = scale.float().view(*([1] * (x.dim() - 2)), -1, 1)
+    return (x.float() / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+
+def fp8_dequantize_ref(x8, scale):
+    return x8.float() * scale.float().view(*([1] * (x8.dim() - 2)), -1, 1)
+
+
+def kvcache_ref(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None, causal=True,
+                k_scale=None, v_scale=None, **kw):
     """Reference for flash_attn_with_kvcache on copies of the caches. Returns (out, lse, k_cache, v_cache) with the
-    new tokens appended to the returned caches."""
+    new tokens appended to the returned caches. FP8 caches (with k_scale/v_scale) get quantized appends and are
+    dequantized (fp32, then q's dtype for the low-precision variant) for the attention itself."""
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    if k_scale is not None and k is not None:
+        k, v = fp8_quantize_ref(k, k_scale), fp8_quantize_ref(v, v_scale)
     b, sq = q.shape[:2]
     s_new = 0 if k is None else k.shape[1]
     out = torch.empty_like(q)
@@ -93,6 +107,10 @@ def kvcache_ref(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_t
         n = n0 + s_new
         kk = gather_cache(k_cache, block_table, n, i)[None]
         vv = gather_cache(v_cache, block_table, n, i)[None]
+        if k_scale is not None:
+            kk, vv = fp8_dequantize_ref(kk, k_scale), fp8_dequantize_ref(vv, v_scale)
+            if not kw.get("upcast", True):
+                kk, vv = kk.to(q.dtype), vv.to(q.dtype)
         o, l = attention_ref(q[i: i + 1], kk, vv, causal=causal, **kw)
         out[i], lse[i] = o[0], l[0]
     return out, lse, k_cache, v_cache

@@ -5,6 +5,7 @@ Shapes (element strides are passed explicitly; the head dim must be contiguous):
   k, v: [B, Sk, Hkv, D]      contiguous / varlen like q; or paged [num_pages, page_size, Hkv, D] + block_table
   out:  like q, in q's dtype
   lse:  [B, Hq, Sq] (varlen: [Hq, total_q]) float32, natural log; -inf for rows that see no key
+  FP8 caches (decode): k/v in float8_e4m3fn with fp32 scales per tensor or per KV head (KV_SCALED).
   Split-KV (decode): o_part [num_splits, B, Sq, Hq, D] and lse_part [num_splits, B, Sq, Hq], fp32, merged by
   attn_combine; each split holds its own normalised output and LSE (an empty split: o = 0, lse = -inf).
 
@@ -23,7 +24,7 @@ from ._masks import LOG2E, kv_block_range, seq_extents
 @triton.jit
 def attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, o_part_ptr, lse_part_ptr,
-    cu_seqlens_q_ptr, cu_seqlens_k_ptr, seqlens_k_ptr, block_table_ptr,
+    cu_seqlens_q_ptr, cu_seqlens_k_ptr, seqlens_k_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr, stride_kv_scale,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -35,7 +36,7 @@ def attn_fwd_kernel(
     softmax_scale, softcap, window_left, window_right,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     VARLEN_Q: tl.constexpr, VARLEN_K: tl.constexpr, HAS_SEQLENS_K: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, KV_SCALED: tl.constexpr,
     PACK_GQA: tl.constexpr, SPLIT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     USE_DESC: tl.constexpr, SP_OVERLAP: tl.constexpr, WARP_SPEC: tl.constexpr, TILE_DTYPE: tl.constexpr,
@@ -107,6 +108,10 @@ def attn_fwd_kernel(
         v_base = v_ptr + b64 * stride_vb + k0 * stride_vs + h64 * stride_vh
         bt_ptr = block_table_ptr
 
+    if KV_SCALED:
+        # FP8 cache: K = k_scale * K8, V = v_scale * V8. Both scales factor out of the dots, so tiles are only
+        # widened (exactly) and the scales fold into the logit scale and the final normalisation.
+        softmax_scale = softmax_scale * tl.load(k_scale_ptr + head_kv * stride_kv_scale)
     if SOFTCAP:
         qk_scale = softcap * LOG2E
         softcap_scale = softmax_scale / softcap
@@ -139,6 +144,8 @@ def attn_fwd_kernel(
     # ---- epilogue: normalise; rows that saw no key give out = 0 and lse = -inf ---------------------------
     seen = l_i > 0.0
     inv_l = tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0)
+    if KV_SCALED:
+        inv_l = inv_l * tl.load(v_scale_ptr + head_kv * stride_kv_scale)
     o = acc * inv_l[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) / LOG2E, float("-inf"))
     d_ok = offs_d[None, :] < HEAD_DIM

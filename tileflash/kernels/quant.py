@@ -58,7 +58,7 @@ def e2m1_encode(v, negative):
     Each comparison adds one code step: strict at a tie whose lower code is even (0.25, 1.25, 2.5, 5), >= where the
     upper code is the even one (0.75, 1.75, 3.5)."""
     a = tl.abs(v)
-    mag = ((a >= 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+    mag = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
            + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32))
     return tl.where(v != v, 0, mag | (negative.to(tl.int32) << 3))
 

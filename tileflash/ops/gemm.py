@@ -77,9 +77,9 @@ def nvfp4_matmul(a: torch.Tensor, b_data: torch.Tensor, b_scales: torch.Tensor,
     if a.shape[1] == 0 or a.shape[1] % 16 != 0:
         raise ValueError(f"a: K (dimension 1) must be a positive multiple of 16 (the NVFP4 scale block), "
                          f"got shape {tuple(a.shape)}")
-    _utils.check_tensor("b_data", b_data, ndim=2, device=a.device)
-    k = check_nvfp4(b_data, b_scales, b_global_scale, names=("b_data", "b_scales", "b_global_scale"))
-    if k != a.shape[1]:
+    _utils.check_tensor("b_data", b_data, ndim=2, dtypes=(torch.uint8,), device=a.device)
+    if b_data.shape[1] * 2 != a.shape[1]:
         raise ValueError(f"b_data: expected shape (N, {a.shape[1] // 2}) (K/2 with a's K={a.shape[1]}), "
                          f"got {tuple(b_data.shape)}")
+    check_nvfp4(b_data, b_scales, b_global_scale, names=("b_data", "b_scales", "b_global_scale"))
     return _utils.eager_or_op(_nvfp4_matmul_op, _nvfp4_matmul_impl)(a, b_data, b_scales, b_global_scale)

@@ -86,8 +86,8 @@ def check_global_scale(name: str, g, device) -> None:
     _utils.check_tensor(name, g, ndim=0, dtypes=(torch.float32,), device=device)
 
 
-def check_nvfp4(data, scales, global_scale, names=("data", "scales", "global_scale")) -> int:
-    """Checks a quantized tensor (data [..., K/2] uint8, scales [..., K/16] e4m3, global scale []); returns K."""
+def check_nvfp4(data, scales, global_scale, names=("data", "scales", "global_scale")) -> None:
+    """Checks a quantized tensor: data [..., K/2] uint8, scales [..., K/16] e4m3, global scale []."""
     d_name, s_name, g_name = names
     _utils.check_tensor(d_name, data, dtypes=(torch.uint8,))
     if data.dim() == 0 or data.shape[-1] == 0 or data.shape[-1] % (NVFP4_BLOCK // 2) != 0:
@@ -100,7 +100,6 @@ def check_nvfp4(data, scales, global_scale, names=("data", "scales", "global_sca
         raise ValueError(f"{s_name}: expected shape {expected} (one scale per {NVFP4_BLOCK} elements of "
                          f"{d_name}'s K={k}), got {tuple(scales.shape)}")
     check_global_scale(g_name, global_scale, data.device)
-    return k
 
 
 def nvfp4_quantize(x: torch.Tensor, global_scale: Optional[torch.Tensor] = None):
