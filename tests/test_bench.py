@@ -344,7 +344,8 @@ def test_suites_call_real_tileflash_cpu(monkeypatch):
     monkeypatch.setattr(suites, "bench_ms", lambda fn: 0.5)
     monkeypatch.setattr(suites, "graphed", lambda fn: fn)
     rows = suites.run_prefill(PREFILL_TINY, out=lambda s: None)
-    rows += suites.run_decode(DECODE_TINY, out=lambda s: None)
+    rows += suites.run_decode(DECODE_TINY + [{**s, "kv": "fp8"} for s in DECODE_TINY], out=lambda s: None)
+    rows += suites.run_backward(PREFILL_TINY, out=lambda s: None)
     for row in rows:
         for name, rec in row["backends"].items():
             if name.startswith("tileflash"):
@@ -363,6 +364,11 @@ def test_run_backward_cpu(cpu_suites):
         flops = formulas.attn_bwd_flops(1, 2, 32, 32, 16, row["causal"])
         assert tf["TFLOP/s"] == pytest.approx(formulas.tflops(flops, 0.5))
     assert "Backward" in lines[-1]
+
+
+def test_lowp_registry():
+    assert [(s["batch"], s["ctx"]) for s in suites.LOWP_DECODE_SHAPES] == list(suites.DECODE_GRID)
+    assert all(s["kv"] == "fp8" for s in suites.LOWP_DECODE_SHAPES)
 
 
 def test_backward_registry():

@@ -1,4 +1,4 @@
-"""Command line: ``python -m tileflash bench {prefill,decode,backward,all} [--quick] [--only LABEL] [--json PATH]``."""
+"""Command line: ``python -m tileflash bench {prefill,decode,backward,lowp,all} [--quick] [--only LABEL] [--json PATH]``."""
 
 import argparse
 import json
@@ -12,6 +12,7 @@ SUITES = {
     "prefill": (suites.PREFILL_SHAPES, suites.run_prefill),
     "decode": (suites.DECODE_SHAPES, suites.run_decode),
     "backward": (suites.BACKWARD_SHAPES, suites.run_backward),
+    "lowp": (suites.LOWP_DECODE_SHAPES, suites.run_decode),
 }
 
 

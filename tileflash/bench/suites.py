@@ -70,6 +70,10 @@ BACKWARD_SHAPES = [
     for s in (1024, 4096, 16384)
 ]
 
+# Low precision: the GQA decode grid with an FP8 (e4m3, per-KV-head scales) cache for tileflash; peers read the
+# same values from a bf16 cache ("next to the best bf16 peer").
+LOWP_DECODE_SHAPES = [{**s, "label": "gqa-fp8", "kv": "fp8"} for s in DECODE_SHAPES if s["label"] == "gqa"]
+
 PREFILL_BACKENDS = ("tileflash", "sdpa_flash", "sdpa_cudnn", "fa4")
 BACKWARD_BACKENDS = ("tileflash", "sdpa_flash", "sdpa_cudnn")
 TILEFLASH_DECODE = ("tileflash", "tileflash_sp", "tileflash_graph")
@@ -310,6 +314,16 @@ def _decode_one(shape, tf, note):
         k_seq, v_seq = (x[block_table.long()].view(b, ctx, hkv, d) for x in (k_cache, v_cache))
         fi_k, fi_v, fi_table = k_cache, v_cache, block_table
 
+    tf_k, tf_v, scales = k_cache, v_cache, {}
+    if shape.get("kv") == "fp8":
+        # Quantize per KV head; every backend then sees the same (dequantized) values, peers in bf16.
+        ks, vs = (x.float().abs().amax(dim=(0, 1, 3)) / 448.0 for x in (k_cache, v_cache))
+        tf_k, tf_v = ((x.float() / s_[:, None]).to(torch.float8_e4m3fn) for x, s_ in ((k_cache, ks), (v_cache, vs)))
+        k_cache, v_cache = ((x.float() * s_[:, None]).to(DTYPE) for x, s_ in ((tf_k, ks), (tf_v, vs)))
+        k_seq, v_seq = ((x[block_table.long()].view(b, ctx, hkv, d) if block_table is not None else x)
+                        for x in (k_cache, v_cache))
+        scales = dict(k_scale=ks, v_scale=vs)
+
     n = min(b, CHECK_BATCH)
     ref = reference_fp32(q[:n], k_seq[:n], v_seq[:n], causal=False)  # Sq = 1 sees the whole cache
 
@@ -318,7 +332,7 @@ def _decode_one(shape, tf, note):
 
     def tileflash_call(overlap):
         return lambda: tf.flash_attn_with_kvcache(
-            q, k_cache, v_cache, cache_seqlens=seqlens, block_table=block_table, causal=True, sp_overlap=overlap,
+            q, tf_k, tf_v, cache_seqlens=seqlens, block_table=block_table, causal=True, sp_overlap=overlap, **scales,
         )
 
     def sdpa_graph():
@@ -336,12 +350,14 @@ def _decode_one(shape, tf, note):
         "fa4": lambda: peers.fa4_decode(q, k_cache, v_cache, seqlens, block_table, note),
     }
     nbytes = decode_kv_bytes(b, ctx, hkv, d, DTYPE.itemsize)
+    tf_bytes = decode_kv_bytes(b, ctx, hkv, d, tf_k.element_size())
     results = {}
     for name, build in builders.items():
         rec = _measure(name, build, check, note)
         if rec is not None:
             rec["us"] = rec["ms"] * 1e3 if rec["ms"] else None
-            rec["GB/s"] = gbps(nbytes, rec["ms"]) if rec["ms"] else None
+            read = tf_bytes if name in TILEFLASH_DECODE else nbytes
+            rec["GB/s"] = gbps(read, rec["ms"]) if rec["ms"] else None
         results[name] = rec
     graph = results["tileflash_graph"]
     return {
