@@ -1,0 +1,80 @@
+"""tileflash as a transformers attention backend: a tiny Llama built from a config with random weights gives the
+same logits (2x rule against fp32 SDPA) and greedy tokens as attn_implementation="sdpa"."""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import tileflash.integrations.transformers as tf_hf  # noqa: E402
+from helpers import DEVICE  # noqa: E402
+from tileflash.reference import error_and_bound  # noqa: E402
+
+CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+
+
+@pytest.fixture(scope="module")
+def models():
+    name = tf_hf.register()
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).eval()
+
+    def build(impl, dtype):
+        m = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**CONFIG),
+                                                          attn_implementation=impl).eval()
+        assert m.config._attn_implementation == impl
+        m.load_state_dict(base.state_dict())
+        return m.to(DEVICE, dtype)
+
+    return {"ref32": build("sdpa", torch.float32), "sdpa": build("sdpa", torch.float16),
+            "tileflash": build(name, torch.float16)}
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts calls into tileflash's attention function, so a silent fallback to another backend fails."""
+    seen = []
+    original = tf_hf.tileflash_attention_forward
+
+    def counting(*args, **kwargs):
+        seen.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(tf_hf, "tileflash_attention_forward", counting)
+    tf_hf.register()
+    yield seen
+    monkeypatch.undo()
+    tf_hf.register()
+
+
+def test_padded_batch_logits_and_greedy_tokens(models, calls):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 128, (3, 13), generator=g).to(DEVICE)
+    mask = torch.ones(3, 13, dtype=torch.long, device=DEVICE)
+    mask[1, :4] = 0  # left padding, as in batched generation
+    mask[2, :9] = 0
+    with torch.no_grad():
+        logits = {k: m(ids, attention_mask=mask).logits.float() for k, m in models.items()}
+        tokens = {k: models[k].generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+                  for k in ("sdpa", "tileflash")}
+    assert calls, "the tileflash attention function was never called"
+    keep = mask.bool()
+    err, bound = error_and_bound(logits["tileflash"][keep], logits["ref32"][keep], logits["sdpa"][keep])
+    assert err <= bound, (err, bound)
+    assert torch.equal(tokens["tileflash"], tokens["sdpa"])
+
+
+def test_padding_free_packed_batch(models, calls):
+    """Three sequences packed in one row (position_ids restart at 0) equal three separate forwards."""
+    g = torch.Generator().manual_seed(2)
+    lens = [5, 11, 7]
+    seqs = [torch.randint(0, 128, (1, n), generator=g).to(DEVICE) for n in lens]
+    packed = torch.cat(seqs, dim=1)
+    position_ids = torch.cat([torch.arange(n) for n in lens]).unsqueeze(0).to(DEVICE)
+    with torch.no_grad():
+        out = models["tileflash"](packed, position_ids=position_ids).logits.float()[0]
+        ref32 = torch.cat([models["ref32"](s).logits.float()[0] for s in seqs])
+        ref16 = torch.cat([models["sdpa"](s).logits.float()[0] for s in seqs])
+    assert calls
+    err, bound = error_and_bound(out, ref32, ref16)
+    assert err <= bound, (err, bound)
