@@ -375,3 +375,21 @@ def test_backward_registry():
     assert len(suites.BACKWARD_SHAPES) == 12
     for s in suites.BACKWARD_SHAPES:
         assert s["batch"] * s["seqlen"] == 16384 and s["nheads"] * s["d"] == 2048
+
+
+def test_progress_bar():
+    assert suites.progress(0, 4, width=8) == "[........] 0/4"
+    assert suites.progress(2, 4, width=8) == "[####....] 2/4"
+    assert suites.progress(12, 12, width=8) == "[########] 12/12"
+
+
+def test_plot_series_and_png(tmp_path):
+    from tileflash.bench import plots
+
+    rows = [{"d": 64, "causal": True, "seqlen": 4096,
+             "backends": {"tileflash": {"TFLOP/s": 400.0}, "sdpa_cudnn": {"TFLOP/s": 450.0}, "fa4": None}}]
+    labels, data = plots.series("prefill", rows)
+    assert labels == ["d64 c 4k"] and data == {"tileflash": [400.0], "sdpa_cudnn": [450.0]}
+    pytest.importorskip("matplotlib")
+    (path,) = plots.write_charts({"prefill": rows}, str(tmp_path))
+    assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"

@@ -22,6 +22,7 @@ def build_parser():
     p.add_argument("--json", metavar="PATH", help="write the results here (rewritten after each suite)")
     p.add_argument("--quick", action="store_true", help="only the first 3 shapes of each label")
     p.add_argument("--only", metavar="LABEL", help="only shapes whose label contains LABEL, e.g. d64, causal, page16")
+    p.add_argument("--plot", metavar="DIR", help="write one PNG chart per suite into DIR (needs matplotlib)")
     return p
 
 
@@ -58,4 +59,9 @@ def main(argv=None):
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1)
+    if args.plot:
+        from tileflash.bench.plots import write_charts
+
+        for path in write_charts({k: v for k, v in results.items() if k != "env"}, args.plot):
+            print(f"wrote {path}")
     return 0

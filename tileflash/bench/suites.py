@@ -208,15 +208,22 @@ def prefill_table(rows):
     return format_table(headers, body, title=title)
 
 
+def progress(done, total, width=24):
+    """An ASCII progress bar, e.g. [#########...............]  9/24."""
+    filled = width * done // max(total, 1)
+    return f"[{'#' * filled}{'.' * (width - filled)}] {done:>{len(str(total))}}/{total}"
+
+
 def _run(shapes, measure_one, describe, table, out):
     """Measure each shape (fresh seed, cache emptied between shapes), print a progress line each, then the table."""
     tf = _tileflash()
     rows = []
-    for shape in shapes:
+    for i, shape in enumerate(shapes):
         torch.manual_seed(0)
         rows.append(measure_one(shape, tf, out))
-        out(describe(shape, rows[-1]))
-        torch.cuda.empty_cache()
+        out(f"{progress(i + 1, len(shapes))} {describe(shape, rows[-1])}")
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
     out(table(rows))
     return rows
 
