@@ -6,6 +6,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+    # Small CPU matmuls between interpreter launches ran ~1000x slower with spinning OpenMP threads on the 2-core
+    # CI machine (seen by the demo test: 30 ms instead of 9 us); one thread is the fast setting there.
+    torch.set_num_threads(1)
 
 import pytest  # noqa: E402
 

@@ -1,5 +1,6 @@
 """`python -m tileflash` runs the self-check (and a short benchmark on a GPU);
-`python -m tileflash bench {prefill,decode,all}` runs the benchmark suites."""
+`python -m tileflash bench {prefill,decode,all}` runs the benchmark suites;
+`python -m tileflash demo [--help]` serves a small Llama through a paged-KV engine on tileflash attention."""
 import os
 import sys
 
@@ -11,6 +12,9 @@ def main(argv=None) -> int:
     if argv and argv[0] == "bench":
         from tileflash.bench.cli import main as bench_main
         return bench_main(argv[1:]) or 0
+    if argv and argv[0] == "demo":
+        from tileflash.demo import main as demo_main
+        return demo_main(argv[1:])
     if argv and argv[0] != "check":
         print(__doc__)
         return 2

@@ -19,9 +19,10 @@ Special values (decided here, tested in tests/test_quant.py):
   NaN      e2m1 has no NaN: a block holding a NaN gets the NaN scale (e4m3 0x7F) and all its 16 codes are 0, so the
            whole block dequantizes to NaN; other blocks are unaffected (the default g ignores NaN and +-inf).
   +-inf    saturates like any value above the range: the block scale saturates to 448 and the element to code +-6.
-  > 448    block scales above e4m3's largest finite value saturate to 448 (e4m3fn has no inf; a plain cast would
-           give NaN), and elements then saturate to +-6: the block keeps its largest representable magnitude.
-  tiny     scales below half of e4m3's smallest subnormal (2^-9) round to 0; such a block is all (signed) zeros.
+  > 448    block scales above e4m3's largest finite value saturate to 448 (e4m3fn has no inf; values are clamped
+           before the cast, so nothing rests on a cast's overflow behaviour), and the block's elements then
+           saturate to +-6: the block keeps its largest representable magnitude.
+  tiny     scales at or below half of e4m3's smallest subnormal (2^-9) round to 0: the block is all (signed) zeros.
 """
 from __future__ import annotations
 
@@ -32,23 +33,24 @@ import torch
 
 @dataclass(frozen=True)
 class FP8Format:
-    """An 8-bit float format: its torch dtype and largest finite magnitude (saturation point)."""
+    """An 8-bit float format: its torch dtype, largest finite magnitude (the saturation point), mantissa bits and
+    smallest subnormal (the step below the smallest normal)."""
     name: str
     dtype: torch.dtype
     max: float
     mantissa_bits: int
-    exponent_bias: int
+    min_subnormal: float
 
 
-E4M3 = FP8Format("e4m3fn", torch.float8_e4m3fn, max=448.0, mantissa_bits=3, exponent_bias=7)
+E4M3 = FP8Format("e4m3fn", torch.float8_e4m3fn, max=448.0, mantissa_bits=3, min_subnormal=2.0 ** -9)
 
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude of e2m1 code c (c & 7); index = code
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitude of e2m1 code c is E2M1_VALUES[c & 7]
 E2M1_SIGN = 0b1000
 E2M1_MAX = 6.0
 NVFP4_BLOCK = 16  # elements per e4m3 scale
 
 
-def _div(a: torch.Tensor, b: float) -> torch.Tensor:
+def ieee_div(a: torch.Tensor, b: float) -> torch.Tensor:
     """a / b as an IEEE division. On CUDA, dividing by a Python scalar multiplies by its reciprocal (one ulp off at
     times), which would break bit-exact agreement with the kernels."""
     return a / torch.tensor(b, dtype=torch.float32, device=a.device)
@@ -65,7 +67,7 @@ def finite_amax(x: torch.Tensor, dim: tuple[int, ...] | None = None) -> torch.Te
 
 def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:
     """Default global scale, float32 shape []: amax(|x|) / (6 * 448) over finite elements, 1.0 when that is 0."""
-    g = _div(finite_amax(x), E2M1_MAX * E4M3.max)
+    g = ieee_div(finite_amax(x), E2M1_MAX * E4M3.max)
     return torch.where(g > 0, g, 1.0)
 
 
@@ -95,7 +97,7 @@ def nvfp4_quantize_ref(x: torch.Tensor, global_scale: torch.Tensor | None = None
     lead, k = x.shape[:-1], x.shape[-1]
     xf = x.float().reshape(*lead, k // NVFP4_BLOCK, NVFP4_BLOCK)
     amax = xf.abs().amax(dim=-1)  # propagates NaN: a NaN block gets a NaN scale
-    scales = e4m3_saturate(_div(amax, E2M1_MAX) / g)
+    scales = e4m3_saturate(ieee_div(amax, E2M1_MAX) / g)
     denom = (scales.float() * g)[..., None]
     v = torch.where(denom == 0, 0.0, xf / torch.where(denom == 0, 1.0, denom))
     codes = e2m1_codes(v, torch.signbit(xf)).reshape(*lead, k // 2, 2)

@@ -75,8 +75,9 @@ def gather_cache(cache, block_table, seqlen: int, b: int):
 
 def fp8_quantize_ref(x, scale):
     """x / scale per KV head (scale [1] or [Hkv], heads at dim -2), saturated to +-448, round to nearest even."""
-    s = scale.float().view(*([1] * (x.dim() - 2)), -1, 1)
-    return (x.float() / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    from .formats import e4m3_saturate
+
+    return e4m3_saturate(x.float() / scale.float().view(*([1] * (x.dim() - 2)), -1, 1))
 
 
 def fp8_dequantize_ref(x8, scale):

@@ -7,30 +7,14 @@ An FP8 cache (QUANT) stores x / scale saturated to the e4m3 range, rounded to ne
 import triton
 import triton.language as tl
 
-
-FP8_E4M3_MAX = tl.constexpr(448.0)
-RINT_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: x + M - M rounds 0 <= x < 2**22 to an integer, ties even
+from .quant import e4m3_encode
 
 
 @triton.jit
 def e4m3_bits(y):
-    """fp32 -> float8_e4m3fn bit pattern (uint8): round to nearest even, saturate at +-448, keep the sign of zero,
-    NaN -> NaN.
-    Built from integer fields instead of a float cast because Triton's interpreter casts wrongly when rounding
-    carries into the next binade (-31.6 became -16) and drops the sign of zero; cvt.rn on the GPU agrees with this.
-    """
-    bits = y.to(tl.int32, bitcast=True)
-    a = tl.minimum(tl.abs(y), FP8_E4M3_MAX)
-    exp = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    ulp_exp = tl.maximum(exp, -6) - 3  # 3 mantissa bits; below 2**-6 the subnormal step 2**-9
-    ulp = ((ulp_exp + 127) << 23).to(tl.float32, bitcast=True)
-    r = ((a / ulp + RINT_MAGIC) - RINT_MAGIC) * ulp  # exactly an e4m3 value now
-    r_bits = r.to(tl.int32, bitcast=True)
-    r_exp = (r_bits >> 23) & 0xFF
-    normal = r_exp >= 121  # r >= 2**-6
-    field = tl.where(normal, ((r_exp - 120) << 3) | ((r_bits >> 20) & 0x7), (r * 512.0).to(tl.int32))
-    field = tl.where(y != y, 0x7F, field)  # NaN stays NaN (e4m3fn has no inf: +-inf saturates to +-448)
-    return (field | ((bits >> 24) & 0x80)).to(tl.uint8)
+    """fp32 -> float8_e4m3fn bits (uint8), the shared bit-exact encoder (kernels/quant.py; the interpreter's own
+    fp8 cast rounds wrongly) plus the sign bit, so -0.0 and negatives that round to zero keep their sign."""
+    return (e4m3_encode(tl.abs(y)) | ((y.to(tl.int32, bitcast=True) >> 24) & 0x80)).to(tl.uint8)
 
 
 @triton.jit
@@ -39,7 +23,8 @@ def _append_one(src_ptr, dst_ptr, src_off, dst_off, offs_h, offs_d, stride_src_h
     x = tl.load(src_ptr + src_off + offs_h[:, None] * stride_src_h + offs_d[None, :], mask=mask)
     if QUANT:  # FP8 cache: x / scale (per tensor or per KV head), saturated to +-448, rounded to nearest even
         scale = tl.load(scale_ptr + offs_h * stride_scale, mask=head_ok, other=1.0)
-        x = e4m3_bits(x.to(tl.float32) / scale[:, None])  # dst is the cache viewed as uint8
+        # IEEE division (Triton's fp32 `/` is approximate on the GPU and would move ties); dst is viewed as uint8.
+        x = e4m3_bits(tl.math.div_rn(x.to(tl.float32), scale[:, None]))
     tl.store(dst_ptr + dst_off + offs_h[:, None] * stride_dst_h + offs_d[None, :], x, mask=mask)
 
 

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from .. import _utils
-from ..formats import E4M3, NVFP4_BLOCK, e4m3_saturate, finite_amax, nvfp4_global_scale
+from ..formats import E4M3, NVFP4_BLOCK, e4m3_saturate, finite_amax, ieee_div, nvfp4_global_scale
 from ..kernels.quant import nvfp4_dequantize_kernel, nvfp4_quantize_kernel
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -161,7 +161,7 @@ def fp8_quantize(x: torch.Tensor, scale: Optional[torch.Tensor] = None, per_head
     dim = _head_dim(x, per_head_dim)
     if scale is None:
         amax = finite_amax(x) if dim is None else finite_amax(x, tuple(i for i in range(x.dim()) if i != dim))
-        scale = amax.reshape(-1) / torch.tensor(E4M3.max, device=x.device)  # a tensor divisor: IEEE division
+        scale = ieee_div(amax.reshape(-1), E4M3.max)
         scale = torch.where(scale > 0, scale, 1.0)
     else:
         _check_fp8_scale(scale, x, dim)

@@ -1,0 +1,145 @@
+"""nvfp4_matmul against a.float() @ dequant(b).T (the reference dequantizer), with the 2x rule; its tile table;
+bad input."""
+import pytest
+import torch
+
+import tileflash._utils as tf_utils
+from helpers import DEVICE, ON_GPU, check_2x
+from tileflash.formats import E4M3, nvfp4_dequantize_ref
+from tileflash.ops.gemm import GemmConfig, gemm_config, nvfp4_matmul
+from tileflash.ops.quant import nvfp4_dequantize, nvfp4_quantize
+
+
+def _inputs(m, n, k, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(m, k, generator=g).to(DEVICE, dtype)
+    b = torch.randn(n, k, generator=g) * torch.exp2(torch.randint(-3, 4, (n, k), generator=g).float())
+    return a, nvfp4_quantize(b.to(DEVICE))
+
+
+def _check(a, b_q, out):
+    w = nvfp4_dequantize_ref(*b_q)
+    return check_2x(out, a.float() @ w.T, a @ w.to(a.dtype).T)
+
+
+SHAPES = [
+    (1, 32, 16),  # M = 1 (decode): one row of a 16-row tile; K = one scale block, half of a 32-wide K step
+    (17, 48, 96),  # odd M across two M tiles; N = 1.5 N tiles; three K steps
+    (33, 64, 80),  # K = 2.5 K steps: the last step holds one scale block, the rest masked
+    (16, 16, 32),  # exactly one tile in M and K; N half a tile
+]
+
+
+@pytest.mark.parametrize("m, n, k", SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in SHAPES])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_matches_reference(m, n, k, dtype):
+    a, b_q = _inputs(m, n, k, dtype, seed=m + n + k)
+    out = nvfp4_matmul(a, *b_q)
+    assert out.dtype == dtype and out.shape == (m, n)
+    _check(a, b_q, out)
+
+
+def test_strided_operands():
+    # a transposed (column-major), b_data / b_scales with a row stride larger than their width.
+    a_t, (data, scales, gs) = _inputs(48, 24, 64, torch.float16, seed=3)
+    a = a_t.t().contiguous().t()[:24]
+    wide_data = torch.zeros(24, 64, dtype=torch.uint8, device=DEVICE)
+    wide_data[:, :32] = data
+    wide_scales = torch.zeros(24, 8, dtype=torch.uint8, device=DEVICE)
+    wide_scales[:, :4] = scales.view(torch.uint8)
+    b_q = (wide_data[:, :32], wide_scales[:, :4].view(E4M3.dtype), gs)
+    out = nvfp4_matmul(a, *b_q)
+    _check(a, (data, scales, gs), out)
+
+
+def test_nan_scale_poisons_its_output_column():
+    a, (data, scales, gs) = _inputs(5, 32, 32, torch.float16, seed=4)
+    scales = scales.clone()
+    scales.view(torch.uint8)[7, 1] = 0x7F  # NaN
+    out = nvfp4_matmul(a, data, scales, gs)
+    assert torch.isnan(out[:, 7]).all()
+    assert not torch.isnan(out[:, :7]).any() and not torch.isnan(out[:, 8:]).any()
+
+
+def test_matches_dequantize_then_matmul():
+    # The public dequantize kernel and the GEMM decode the same format.
+    a, b_q = _inputs(9, 32, 64, torch.float16, seed=5)
+    w = nvfp4_dequantize(*b_q)
+    check_2x(nvfp4_matmul(a, *b_q), a.float() @ w.T, a @ w.half().T)
+
+
+@pytest.mark.skipif(ON_GPU, reason="interpreter-only: shows the bf16 interpreter hazard is caught")
+def test_bf16_check_can_fail(monkeypatch):
+    """Without the interpreter's fp32 widening the bf16 dot runs on raw bits; the 2x check must catch it."""
+    monkeypatch.setattr(tf_utils, "INTERPRETER_UPCAST", False)
+    a, b_q = _inputs(17, 32, 64, torch.bfloat16, seed=6)
+    try:
+        out = nvfp4_matmul(a, *b_q)
+    except Exception:
+        return  # the interpreter may also refuse raw-bit bf16 dots outright; either way it cannot pass silently
+    with pytest.raises(AssertionError):
+        _check(a, b_q, out)
+
+
+@pytest.mark.parametrize("m, expected", [
+    (1, GemmConfig(16, 64, 128, 4, 4)),
+    (16, GemmConfig(16, 64, 128, 4, 4)),
+    (17, GemmConfig(64, 128, 128, 4, 3)),
+    (64, GemmConfig(64, 128, 128, 4, 3)),
+    (65, GemmConfig(128, 128, 128, 8, 3)),
+    (4096, GemmConfig(128, 128, 128, 8, 3)),
+])
+def test_gemm_config_table(m, expected):
+    assert gemm_config(m, 4096, 4096) == expected
+
+
+def test_gemm_config_interpreter_uses_small_tiles():
+    assert gemm_config(4096, 4096, 4096, interpret=True) == GemmConfig(16, 32, 32, 4, 1)
+
+
+def test_compile_fullgraph_matches_eager():
+    """The three NVFP4 ops are custom ops with fake implementations: torch.compile traces them whole."""
+    a, _ = _inputs(3, 16, 32, torch.float16, seed=7)
+    b = torch.randn(16, 32, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+
+    def fn(a, b):
+        b_q = nvfp4_quantize(b)
+        return nvfp4_matmul(a, *b_q), nvfp4_dequantize(*b_q)
+
+    eager = fn(a, b)
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")(a, b)
+    for x, y in zip(eager, compiled):
+        assert torch.equal(x, y)
+
+
+def _args(m=4, n=16, k=32):
+    a, b_q = _inputs(m, n, k, torch.float16)
+    return [a, *b_q]
+
+
+def _with(i, value):
+    args = _args()
+    args[i] = value(args[i])
+    return args
+
+
+ERROR_CASES = [
+    (lambda: _with(0, lambda a: a.float()), TypeError, "a: expected dtype"),
+    (lambda: _with(0, lambda a: a[0]), ValueError, "a: expected 2 dimensions"),
+    (lambda: [torch.randn(4, 24, device=DEVICE).half(), *_args()[1:]], ValueError, "a: K"),
+    (lambda: _with(1, lambda d: d[:, :8]), ValueError, "b_data: expected shape"),  # K/2 != a's K / 2
+    (lambda: _with(1, lambda d: d.to(torch.int8)), TypeError, "b_data"),
+    (lambda: _with(1, lambda d: d.to("meta")), ValueError, "b_data: expected device"),
+    (lambda: _with(2, lambda s: s.float()), TypeError, "b_scales"),
+    (lambda: _with(2, lambda s: s[:, :1]), ValueError, "b_scales: expected shape"),
+    (lambda: _with(2, lambda s: s.to("meta")), ValueError, "b_scales: expected device"),
+    (lambda: _with(3, lambda g: g.reshape(1)), ValueError, "b_global_scale"),
+    (lambda: _with(3, lambda g: g.double()), TypeError, "b_global_scale"),
+    (lambda: _with(3, lambda g: 1.0), TypeError, "b_global_scale"),
+]
+
+
+@pytest.mark.parametrize("make_args, exc, needle", ERROR_CASES, ids=[str(i) for i in range(len(ERROR_CASES))])
+def test_errors_name_the_argument(make_args, exc, needle):
+    with pytest.raises(exc, match=needle):
+        nvfp4_matmul(*make_args())
