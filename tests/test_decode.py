@@ -186,3 +186,43 @@ def test_fp8_append_rounds_every_fp16_value_like_torch():
     nan = torch.isnan(x)
     assert torch.equal(k_cache.view(torch.uint8)[~nan], ref.view(torch.uint8)[~nan])
     assert torch.isnan(k_cache.float()[nan]).all()
+
+
+# (seqlens, Sq, Snew, Hq, Hkv, D, page_size, capacity, num_splits) — NVFP4 caches (uint8 e2m1 pairs, e4m3 block
+# scales, fp32 global scales):
+NVFP4_CASES = [
+    ([0, 29, 50], 1, 1, 8, 2, 64, 16, 64, 0),  # paged, empty cache, append into the 16-element blocks
+    ([13, 40], 3, 3, 4, 4, 32, None, 48, 4),  # contiguous, append crossing 4 splits
+    ([21], 2, 0, 8, 1, 16, 5, 30, 1),  # MQA, page 5, smallest head dim (one scale per head vector), no append
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", NVFP4_CASES, ids=[f"nvfp4case{i}" for i in range(len(NVFP4_CASES))])
+def test_kvcache_nvfp4(case, dtype):
+    from tileflash.formats import nvfp4_quantize_ref
+
+    seqlens, sq, s_new, hq, hkv, d, page_size, capacity, num_splits = case
+    b = len(seqlens)
+    g = torch.Generator().manual_seed(31)
+    k_hi, v_hi, table = make_cache(b, capacity, hkv, d, torch.float32, page_size, g)
+    (k_cache, k_scale, k_g), (v_cache, v_scale, v_g) = nvfp4_quantize_ref(k_hi), nvfp4_quantize_ref(v_hi)
+    k_g, v_g = k_g.reshape(1), v_g.reshape(1)
+    q = torch.randn(b, sq, hq, d, generator=g).to(DEVICE, dtype)
+    k = v = None
+    if s_new:
+        k = torch.randn(b, s_new, hkv, d, generator=g).to(DEVICE, dtype)
+        v = torch.randn(b, s_new, hkv, d, generator=g).to(DEVICE, dtype)
+    cache_seqlens = torch.tensor(seqlens, dtype=torch.int32, device=DEVICE)
+    kw = dict(cache_seqlens=cache_seqlens, block_table=table, k_global_scale=k_g, v_global_scale=v_g)
+    ref, ref_lse, (ref_k, ref_ks), (ref_v, ref_vs) = kvcache_ref(q, k_cache, v_cache, k, v, k_scale=k_scale,
+                                                                 v_scale=v_scale, **kw)
+    ref_lowp, _, _, _ = kvcache_ref(q, k_cache, v_cache, k, v, k_scale=k_scale, v_scale=v_scale, upcast=False, **kw)
+    out, lse = tileflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, num_splits=num_splits, return_lse=True,
+                                                 k_scale=k_scale, v_scale=v_scale, **kw)
+    check_2x(out, ref, ref_lowp)
+    check_lse(lse, ref_lse)
+    # Appended tokens are quantized exactly like nvfp4_quantize (data nibbles and e4m3 block scales).
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    assert torch.equal(k_scale.view(torch.uint8), ref_ks.view(torch.uint8))
+    assert torch.equal(v_scale.view(torch.uint8), ref_vs.view(torch.uint8))

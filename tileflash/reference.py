@@ -85,35 +85,54 @@ def fp8_dequantize_ref(x8, scale):
 
 
 def kvcache_ref(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None, causal=True,
-                k_scale=None, v_scale=None, **kw):
+                k_scale=None, v_scale=None, k_global_scale=None, v_global_scale=None, **kw):
     """Reference for flash_attn_with_kvcache on copies of the caches. Returns (out, lse, k_cache, v_cache) with the
-    new tokens appended to the returned caches. FP8 caches (with k_scale/v_scale) get quantized appends and are
-    dequantized (fp32, then q's dtype for the low-precision variant) for the attention itself."""
+    new tokens appended to the returned caches.
+
+    FP8 caches (k_scale/v_scale): appends are quantized, attention runs on the dequantized cache (fp32; q's dtype
+    for the low-precision variant). NVFP4 caches (uint8 data, e4m3 block scales k_scale/v_scale, global scales):
+    the same, and the returned k_cache/v_cache are (data, block_scales) pairs."""
+    from .formats import nvfp4_dequantize_ref, nvfp4_quantize_ref
+
+    nvfp4 = k_global_scale is not None
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
-    if k_scale is not None and k is not None:
-        k, v = fp8_quantize_ref(k, k_scale), fp8_quantize_ref(v, v_scale)
+    if nvfp4:
+        k_scale, v_scale = k_scale.clone(), v_scale.clone()
+    new = {}
+    if k is not None:
+        if nvfp4:
+            new = {"k": nvfp4_quantize_ref(k, k_global_scale)[:2], "v": nvfp4_quantize_ref(v, v_global_scale)[:2]}
+        elif k_scale is not None:
+            new = {"k": (fp8_quantize_ref(k, k_scale),), "v": (fp8_quantize_ref(v, v_scale),)}
+        else:
+            new = {"k": (k,), "v": (v,)}
+    stores = {"k": (k_cache, k_scale) if nvfp4 else (k_cache,), "v": (v_cache, v_scale) if nvfp4 else (v_cache,)}
     b, sq = q.shape[:2]
     s_new = 0 if k is None else k.shape[1]
     out = torch.empty_like(q)
     lse = torch.empty(b, q.shape[2], sq, dtype=torch.float32, device=q.device)
+    page_size = k_cache.shape[1]
     for i in range(b):
         n0 = int(cache_seqlens[i])
         for t in range(s_new):
             pos = n0 + t
-            if block_table is None:
-                k_cache[i, pos], v_cache[i, pos] = k[i, t], v[i, t]
-            else:
-                page, slot = int(block_table[i, pos // k_cache.shape[1]]), pos % k_cache.shape[1]
-                k_cache[page, slot], v_cache[page, slot] = k[i, t], v[i, t]
+            row, slot = (i, pos) if block_table is None else (int(block_table[i, pos // page_size]), pos % page_size)
+            for name in ("k", "v"):
+                for dst, src in zip(stores[name], new[name]):
+                    dst[row, slot] = src[i, t]
         n = n0 + s_new
-        kk = gather_cache(k_cache, block_table, n, i)[None]
-        vv = gather_cache(v_cache, block_table, n, i)[None]
-        if k_scale is not None:
+        kk, vv = (gather_cache(x, block_table, n, i)[None] for x in (k_cache, v_cache))
+        if nvfp4:
+            kk = nvfp4_dequantize_ref(kk, gather_cache(k_scale, block_table, n, i)[None], k_global_scale)
+            vv = nvfp4_dequantize_ref(vv, gather_cache(v_scale, block_table, n, i)[None], v_global_scale)
+        elif k_scale is not None:
             kk, vv = fp8_dequantize_ref(kk, k_scale), fp8_dequantize_ref(vv, v_scale)
-            if not kw.get("upcast", True):
-                kk, vv = kk.to(q.dtype), vv.to(q.dtype)
+        if kk.dtype != q.dtype and not kw.get("upcast", True):
+            kk, vv = kk.to(q.dtype), vv.to(q.dtype)
         o, l = attention_ref(q[i: i + 1], kk, vv, causal=causal, **kw)
         out[i], lse[i] = o[0], l[0]
+    if nvfp4:
+        return out, lse, (k_cache, k_scale), (v_cache, v_scale)
     return out, lse, k_cache, v_cache
 
 

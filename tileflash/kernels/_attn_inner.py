@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ._masks import LOG2E, visible
+from .quant import nvfp4_unpack_tile
 
 
 @triton.jit
@@ -32,14 +33,30 @@ def _kv_row_offsets(offs_n, seqlen_k, bt_ptr, stride_page, stride_tok, PAGE_SIZE
 
 
 @triton.jit
-def _kv_tile(base, start_n, seqlen_k, bt_ptr, stride_page, stride_tok, desc_row0, head_kv, offs_d,
-             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, USE_DESC: tl.constexpr,
-             MASK_N: tl.constexpr, TILE_DTYPE: tl.constexpr):
+def _kv_tile(base, sbase, start_n, seqlen_k, bt_ptr, stride_page, stride_tok, sstride_page, sstride_tok, desc_row0,
+             head_kv, offs_d, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+             USE_DESC: tl.constexpr, KV_NVFP4: tl.constexpr, MASK_N: tl.constexpr, TILE_DTYPE: tl.constexpr):
     """The [BLOCK_N, DP] K or V tile of tokens start_n.. : through a TMA tensor descriptor (base is a descriptor over
     [rows, Hkv, D]; columns past D arrive as zeros), or by pointers (contiguous or paged). Rows at or past seqlen_k
-    are zero when MASK_N (with a descriptor they belong to the next sequence: never let them reach P @ V)."""
+    are zero when MASK_N (with a descriptor they belong to the next sequence: never let them reach P @ V).
+    KV_NVFP4: base holds packed e2m1 pairs [.., D/2] and sbase the e4m3 scale of each 16 elements [.., D/16]
+    (strides sstride_*); the tile is decoded in registers (e2m1 x e4m3 is exact in fp16/bf16) and the per-tensor
+    global scale is folded in by the caller."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    if USE_DESC:
+    if KV_NVFP4:
+        row_ok = offs_n[:, None] < seqlen_k
+        row_off = _kv_row_offsets(offs_n, seqlen_k, bt_ptr, stride_page, stride_tok, PAGE_SIZE, MASK_N)
+        offs_b = tl.arange(0, HEAD_DIM // 2)
+        offs_s = tl.arange(0, HEAD_DIM // 16)
+        s_off = _kv_row_offsets(offs_n, seqlen_k, bt_ptr, sstride_page, sstride_tok, PAGE_SIZE, MASK_N)
+        if MASK_N:
+            packed = tl.load(base + row_off[:, None] + offs_b[None, :], mask=row_ok, other=0)
+            s_bits = tl.load(sbase + s_off[:, None] + offs_s[None, :], mask=row_ok, other=0)
+        else:
+            packed = tl.load(base + row_off[:, None] + offs_b[None, :])
+            s_bits = tl.load(sbase + s_off[:, None] + offs_s[None, :])
+        t = nvfp4_unpack_tile(packed, s_bits, BLOCK_N, HEAD_DIM)
+    elif USE_DESC:
         t = base.load([desc_row0 + start_n, head_kv, 0]).reshape(BLOCK_N, offs_d.shape[0])
         if MASK_N:
             t = tl.where(offs_n[:, None] < seqlen_k, t, 0.0)
@@ -93,12 +110,12 @@ def _softmax_pv(acc, m_i, l_i, s, v):
 
 
 @triton.jit
-def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, stride_k_page, stride_k_tok,
-               stride_v_page, stride_v_tok, desc_row0, head_kv, offs_d, seqlen_k, lo, hi, qk_scale, softcap_scale,
-               window_left, window_right, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
-               PAGE_SIZE: tl.constexpr, USE_DESC: tl.constexpr, HAS_LEFT: tl.constexpr,
-               HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, SP_OVERLAP: tl.constexpr, WARP_SPEC: tl.constexpr,
-               TILE_DTYPE: tl.constexpr):
+def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr, stride_k_page, stride_k_tok,
+               stride_v_page, stride_v_tok, sstride_page, sstride_tok, desc_row0, head_kv, offs_d, seqlen_k, lo, hi,
+               qk_scale, softcap_scale, window_left, window_right, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+               MASK: tl.constexpr, PAGE_SIZE: tl.constexpr, USE_DESC: tl.constexpr, KV_NVFP4: tl.constexpr,
+               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, SP_OVERLAP: tl.constexpr,
+               WARP_SPEC: tl.constexpr, TILE_DTYPE: tl.constexpr):
     """Accumulate KV tokens [lo, hi) (lo, hi multiples of BLOCK_N) into (acc, m_i, l_i).
 
     MASK=False is the fast path for blocks that are fully visible to every row (no per-element masks).
@@ -108,50 +125,56 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, stride_k_page, s
     """
     if SP_OVERLAP:
         if lo < hi:
-            k, offs_n = _kv_tile(k_base, lo, seqlen_k, bt_ptr, stride_k_page, stride_k_tok, desc_row0,
-                                 head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, MASK, TILE_DTYPE)
+            k, offs_n = _kv_tile(k_base, k_sbase, lo, seqlen_k, bt_ptr, stride_k_page, stride_k_tok, sstride_page,
+                                 sstride_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC,
+                                 KV_NVFP4, MASK, TILE_DTYPE)
             s = _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right,
                         SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT)
             for start_n in range(lo, hi, BLOCK_N):
-                v, _ = _kv_tile(v_base, start_n, seqlen_k, bt_ptr, stride_v_page, stride_v_tok, desc_row0,
-                                head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, MASK, TILE_DTYPE)
+                v, _ = _kv_tile(v_base, v_sbase, start_n, seqlen_k, bt_ptr, stride_v_page, stride_v_tok,
+                                sstride_page, sstride_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE,
+                                USE_DESC, KV_NVFP4, MASK, TILE_DTYPE)
                 # Next block's scores first (clamped to the last block on the final step; the result is unused).
                 next_start = tl.minimum(start_n + BLOCK_N, hi - BLOCK_N)
-                k_next, next_n = _kv_tile(k_base, next_start, seqlen_k, bt_ptr, stride_k_page, stride_k_tok,
-                                          desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, MASK,
-                                          TILE_DTYPE)
+                k_next, next_n = _kv_tile(k_base, k_sbase, next_start, seqlen_k, bt_ptr, stride_k_page,
+                                          stride_k_tok, sstride_page, sstride_tok, desc_row0, head_kv, offs_d,
+                                          HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4, MASK, TILE_DTYPE)
                 s_next = _scores(q, k_next, qk_scale, softcap_scale, q_pos, next_n, seqlen_k, window_left,
                                  window_right, SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT)
                 acc, m_i, l_i = _softmax_pv(acc, m_i, l_i, s, v)
                 s = s_next
     elif WARP_SPEC:
         for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=True):
-            acc, m_i, l_i = _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, stride_k_page,
-                                        stride_k_tok, stride_v_page, stride_v_tok, desc_row0, head_kv, offs_d,
-                                        seqlen_k, start_n, qk_scale, softcap_scale, window_left, window_right,
-                                        HEAD_DIM, BLOCK_N, MASK, PAGE_SIZE, USE_DESC, HAS_LEFT, HAS_RIGHT,
+            acc, m_i, l_i = _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr,
+                                        stride_k_page, stride_k_tok, stride_v_page, stride_v_tok, sstride_page,
+                                        sstride_tok, desc_row0, head_kv, offs_d, seqlen_k, start_n, qk_scale,
+                                        softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_N, MASK,
+                                        PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT, HAS_RIGHT,
                                         SOFTCAP, TILE_DTYPE)
     else:
         for start_n in range(lo, hi, BLOCK_N):
-            acc, m_i, l_i = _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, stride_k_page,
-                                        stride_k_tok, stride_v_page, stride_v_tok, desc_row0, head_kv, offs_d,
-                                        seqlen_k, start_n, qk_scale, softcap_scale, window_left, window_right,
-                                        HEAD_DIM, BLOCK_N, MASK, PAGE_SIZE, USE_DESC, HAS_LEFT, HAS_RIGHT,
+            acc, m_i, l_i = _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr,
+                                        stride_k_page, stride_k_tok, stride_v_page, stride_v_tok, sstride_page,
+                                        sstride_tok, desc_row0, head_kv, offs_d, seqlen_k, start_n, qk_scale,
+                                        softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_N, MASK,
+                                        PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT, HAS_RIGHT,
                                         SOFTCAP, TILE_DTYPE)
     return acc, m_i, l_i
 
 
 @triton.jit
-def _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, stride_k_page, stride_k_tok,
-                stride_v_page, stride_v_tok, desc_row0, head_kv, offs_d, seqlen_k, start_n, qk_scale, softcap_scale,
-                window_left, window_right, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
-                PAGE_SIZE: tl.constexpr, USE_DESC: tl.constexpr, HAS_LEFT: tl.constexpr,
-                HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, TILE_DTYPE: tl.constexpr):
+def _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr, stride_k_page, stride_k_tok,
+                stride_v_page, stride_v_tok, sstride_page, sstride_tok, desc_row0, head_kv, offs_d, seqlen_k, start_n,
+                qk_scale, softcap_scale, window_left, window_right, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                MASK: tl.constexpr, PAGE_SIZE: tl.constexpr, USE_DESC: tl.constexpr, KV_NVFP4: tl.constexpr,
+                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, TILE_DTYPE: tl.constexpr):
     """One block of the plain loop: load K, scores, load V, online softmax and PV."""
-    k, offs_n = _kv_tile(k_base, start_n, seqlen_k, bt_ptr, stride_k_page, stride_k_tok, desc_row0,
-                         head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, MASK, TILE_DTYPE)
+    k, offs_n = _kv_tile(k_base, k_sbase, start_n, seqlen_k, bt_ptr, stride_k_page, stride_k_tok, sstride_page,
+                         sstride_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4,
+                         MASK, TILE_DTYPE)
     s = _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right, SOFTCAP, MASK,
                 HAS_LEFT, HAS_RIGHT)
-    v, _ = _kv_tile(v_base, start_n, seqlen_k, bt_ptr, stride_v_page, stride_v_tok, desc_row0, head_kv,
-                    offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, MASK, TILE_DTYPE)
+    v, _ = _kv_tile(v_base, v_sbase, start_n, seqlen_k, bt_ptr, stride_v_page, stride_v_tok, sstride_page,
+                    sstride_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4, MASK,
+                    TILE_DTYPE)
     return _softmax_pv(acc, m_i, l_i, s, v)

@@ -6,6 +6,8 @@ Shapes (element strides are passed explicitly; the head dim must be contiguous):
   out:  like q, in q's dtype
   lse:  [B, Hq, Sq] (varlen: [Hq, total_q]) float32, natural log; -inf for rows that see no key
   FP8 caches (decode): k/v in float8_e4m3fn with fp32 scales per tensor or per KV head (KV_SCALED).
+  NVFP4 caches (decode, KV_NVFP4): k/v uint8 [.., D/2] packed e2m1 pairs, block scales e4m3 [.., D/16] at
+  k/v_bscale_ptr, and the per-tensor global scales at k/v_scale_ptr (KV_SCALED too).
   Split-KV (decode): o_part [num_splits, B, Sq, Hq, D] and lse_part [num_splits, B, Sq, Hq], fp32, merged by
   attn_combine; each split holds its own normalised output and LSE (an empty split: o = 0, lse = -inf).
 
@@ -25,6 +27,7 @@ from ._masks import LOG2E, kv_block_range, seq_extents
 def attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, o_part_ptr, lse_part_ptr,
     cu_seqlens_q_ptr, cu_seqlens_k_ptr, seqlens_k_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr, stride_kv_scale,
+    k_bscale_ptr, v_bscale_ptr, stride_bs_page, stride_bs_tok, stride_bs_h,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -36,7 +39,7 @@ def attn_fwd_kernel(
     softmax_scale, softcap, window_left, window_right,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     VARLEN_Q: tl.constexpr, VARLEN_K: tl.constexpr, HAS_SEQLENS_K: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, KV_SCALED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, KV_SCALED: tl.constexpr, KV_NVFP4: tl.constexpr,
     PACK_GQA: tl.constexpr, SPLIT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     USE_DESC: tl.constexpr, SP_OVERLAP: tl.constexpr, WARP_SPEC: tl.constexpr, TILE_DTYPE: tl.constexpr,
@@ -93,6 +96,12 @@ def attn_fwd_kernel(
         s_hi = n_hi
 
     desc_row0 = 0
+    h64 = head_kv.to(tl.int64)
+    k_sbase = k_bscale_ptr + h64 * stride_bs_h  # NVFP4 block scales (unused otherwise)
+    v_sbase = v_bscale_ptr + h64 * stride_bs_h
+    if not PAGE_SIZE > 0:
+        k_sbase += b.to(tl.int64) * stride_bs_page
+        v_sbase += b.to(tl.int64) * stride_bs_page
     if USE_DESC:  # k_ptr / v_ptr are TMA descriptors over [rows, Hkv, D]
         k_base = k_ptr
         v_base = v_ptr
@@ -109,8 +118,9 @@ def attn_fwd_kernel(
         bt_ptr = block_table_ptr
 
     if KV_SCALED:
-        # FP8 cache: K = k_scale * K8, V = v_scale * V8. Both scales factor out of the dots, so tiles are only
-        # widened (exactly) and the scales fold into the logit scale and the final normalisation.
+        # FP8 cache: K = k_scale * K8, V = v_scale * V8 (NVFP4: the per-tensor global scales). Both factor out of
+        # the dots, so tiles are only widened (exactly) and the scales fold into the logit scale and the final
+        # normalisation.
         softmax_scale = softmax_scale * tl.load(k_scale_ptr + head_kv * stride_kv_scale)
     if SOFTCAP:
         qk_scale = softcap * LOG2E
@@ -126,20 +136,23 @@ def attn_fwd_kernel(
     # (Only the bounds and MASK differ; a static loop over them would hide which phase is which.)
     if HAS_LEFT:
         acc, m_i, l_i = attn_inner(
-            acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, stride_kb, stride_ks, stride_vb, stride_vs, desc_row0,
-            head_kv, offs_d, seqlen_k, tl.maximum(s_lo, n_lo) * BLOCK_N, tl.minimum(s_hi, full_lo) * BLOCK_N,
-            qk_scale, softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_N, True, PAGE_SIZE, USE_DESC,
-            HAS_LEFT, HAS_RIGHT, SOFTCAP, SP_OVERLAP, WARP_SPEC, TILE_DTYPE)
+            acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr, stride_kb, stride_ks, stride_vb,
+            stride_vs, stride_bs_page, stride_bs_tok, desc_row0, head_kv, offs_d, seqlen_k,
+            tl.maximum(s_lo, n_lo) * BLOCK_N, tl.minimum(s_hi, full_lo) * BLOCK_N, qk_scale, softcap_scale,
+            window_left, window_right, HEAD_DIM, BLOCK_N, True, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT, HAS_RIGHT,
+            SOFTCAP, SP_OVERLAP, WARP_SPEC, TILE_DTYPE)
     acc, m_i, l_i = attn_inner(
-        acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, stride_kb, stride_ks, stride_vb, stride_vs, desc_row0,
-        head_kv, offs_d, seqlen_k, tl.maximum(s_lo, full_lo) * BLOCK_N, tl.minimum(s_hi, full_hi) * BLOCK_N,
-        qk_scale, softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_N, False, PAGE_SIZE, USE_DESC,
-        HAS_LEFT, HAS_RIGHT, SOFTCAP, SP_OVERLAP, WARP_SPEC, TILE_DTYPE)
+        acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr, stride_kb, stride_ks, stride_vb,
+        stride_vs, stride_bs_page, stride_bs_tok, desc_row0, head_kv, offs_d, seqlen_k,
+        tl.maximum(s_lo, full_lo) * BLOCK_N, tl.minimum(s_hi, full_hi) * BLOCK_N, qk_scale, softcap_scale,
+        window_left, window_right, HEAD_DIM, BLOCK_N, False, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT, HAS_RIGHT,
+        SOFTCAP, SP_OVERLAP, WARP_SPEC, TILE_DTYPE)
     acc, m_i, l_i = attn_inner(
-        acc, m_i, l_i, q, q_pos, k_base, v_base, bt_ptr, stride_kb, stride_ks, stride_vb, stride_vs, desc_row0,
-        head_kv, offs_d, seqlen_k, tl.maximum(s_lo, full_hi) * BLOCK_N, tl.minimum(s_hi, n_hi) * BLOCK_N,
-        qk_scale, softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_N, True, PAGE_SIZE, USE_DESC,
-        HAS_LEFT, HAS_RIGHT, SOFTCAP, SP_OVERLAP, WARP_SPEC, TILE_DTYPE)
+        acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr, stride_kb, stride_ks, stride_vb,
+        stride_vs, stride_bs_page, stride_bs_tok, desc_row0, head_kv, offs_d, seqlen_k,
+        tl.maximum(s_lo, full_hi) * BLOCK_N, tl.minimum(s_hi, n_hi) * BLOCK_N, qk_scale, softcap_scale,
+        window_left, window_right, HEAD_DIM, BLOCK_N, True, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT, HAS_RIGHT,
+        SOFTCAP, SP_OVERLAP, WARP_SPEC, TILE_DTYPE)
 
     # ---- epilogue: normalise; rows that saw no key give out = 0 and lse = -inf ---------------------------
     seen = l_i > 0.0

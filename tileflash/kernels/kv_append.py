@@ -1,13 +1,15 @@
-"""Append new tokens into a KV cache in place (contiguous or paged).
+"""Append new tokens into a KV cache in place (contiguous or paged; bf16/fp16, FP8 or NVFP4).
 
 k_new, v_new: [B, Snew, Hkv, D]; token i of sequence b goes to cache position cache_seqlens[b] + i, which in a
 paged cache is page block_table[b, pos // page_size], slot pos % page_size. One program per (b, i): all heads.
-An FP8 cache (QUANT) stores x / scale saturated to the e4m3 range, rounded to nearest even.
+FORMAT 0 copies; 1 (FP8) stores x / scale (per tensor or per KV head) saturated to e4m3, rounded to nearest even;
+2 (NVFP4) quantizes each head vector with the cache's global scale exactly as nvfp4_quantize does: packed e2m1
+pairs into the cache [.., D/2] and one e4m3 scale per 16 elements into the block-scale tensor [.., D/16].
 """
 import triton
 import triton.language as tl
 
-from .quant import e4m3_encode
+from .quant import e4m3_encode, nvfp4_quantize_tile
 
 
 @triton.jit
@@ -18,41 +20,53 @@ def e4m3_bits(y):
 
 
 @triton.jit
-def _append_one(src_ptr, dst_ptr, src_off, dst_off, offs_h, offs_d, stride_src_h, stride_dst_h, head_ok, mask,
-                scale_ptr, stride_scale, QUANT: tl.constexpr):
-    x = tl.load(src_ptr + src_off + offs_h[:, None] * stride_src_h + offs_d[None, :], mask=mask)
-    if QUANT:  # FP8 cache: x / scale (per tensor or per KV head), saturated to +-448, rounded to nearest even
-        scale = tl.load(scale_ptr + offs_h * stride_scale, mask=head_ok, other=1.0)
-        # IEEE division (Triton's fp32 `/` is approximate on the GPU and would move ties); dst is viewed as uint8.
-        x = e4m3_bits(tl.math.div_rn(x.to(tl.float32), scale[:, None]))
-    tl.store(dst_ptr + dst_off + offs_h[:, None] * stride_dst_h + offs_d[None, :], x, mask=mask)
+def _append_one(src_ptr, dst_ptr, bs_ptr, scale_ptr, src_off, dst_off, bs_off, offs_h, offs_d, stride_src_h,
+                stride_dst_h, stride_bs_h, stride_scale, head_ok, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr,
+                FORMAT: tl.constexpr):
+    mask = head_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    x = tl.load(src_ptr + src_off + offs_h[:, None] * stride_src_h + offs_d[None, :], mask=mask, other=0.0)
+    h_off = offs_h[:, None].to(tl.int64) * stride_dst_h
+    if FORMAT == 2:  # NVFP4: D is a power of two here (checked before launch), so the tile has no padding
+        packed, s_bits = nvfp4_quantize_tile(x, tl.load(scale_ptr), HEADS_PAD, HEAD_DIM)
+        offs_b = tl.arange(0, HEAD_DIM // 2)
+        tl.store(dst_ptr + dst_off + h_off + offs_b[None, :], packed, mask=head_ok[:, None])
+        offs_s = tl.arange(0, HEAD_DIM // 16)
+        tl.store(bs_ptr + bs_off + offs_h[:, None].to(tl.int64) * stride_bs_h + offs_s[None, :], s_bits,
+                 mask=head_ok[:, None])
+    else:
+        if FORMAT == 1:  # FP8: dst is the cache viewed as uint8
+            scale = tl.load(scale_ptr + offs_h * stride_scale, mask=head_ok, other=1.0)
+            # IEEE division: Triton's fp32 `/` is approximate on the GPU and would move ties.
+            x = e4m3_bits(tl.math.div_rn(x.to(tl.float32), scale[:, None]))
+        tl.store(dst_ptr + dst_off + h_off + offs_d[None, :], x, mask=mask)
 
 
 @triton.jit
-def kv_append_kernel(k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, cache_seqlens_ptr, block_table_ptr,
-                     k_scale_ptr, v_scale_ptr, stride_scale,
+def kv_append_kernel(k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, k_bs_ptr, v_bs_ptr, k_scale_ptr, v_scale_ptr,
+                     cache_seqlens_ptr, block_table_ptr, stride_scale,
                      stride_knb, stride_kns, stride_knh, stride_vnb, stride_vns, stride_vnh,
                      stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+                     stride_bsb, stride_bss, stride_bsh,
                      stride_bt, seqlen_new, page_size, num_heads_kv,
                      HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEADS_PAD: tl.constexpr,
-                     PAGED: tl.constexpr, QUANT: tl.constexpr):
+                     PAGED: tl.constexpr, FORMAT: tl.constexpr):
     pid = tl.program_id(0)
     b = (pid // seqlen_new).to(tl.int64)
     i = pid % seqlen_new
     pos = tl.load(cache_seqlens_ptr + b) + i
     if PAGED:
-        page = tl.load(block_table_ptr + b * stride_bt + pos // page_size).to(tl.int64)
+        row = tl.load(block_table_ptr + b * stride_bt + pos // page_size).to(tl.int64)  # the page
         slot = (pos % page_size).to(tl.int64)
-        k_dst = page * stride_kcb + slot * stride_kcs
-        v_dst = page * stride_vcb + slot * stride_vcs
     else:
-        k_dst = b * stride_kcb + pos.to(tl.int64) * stride_kcs
-        v_dst = b * stride_vcb + pos.to(tl.int64) * stride_vcs
+        row = b
+        slot = pos.to(tl.int64)
     offs_h = tl.arange(0, HEADS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     head_ok = offs_h < num_heads_kv
-    mask = head_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    _append_one(k_new_ptr, k_cache_ptr, b * stride_knb + i * stride_kns, k_dst, offs_h, offs_d, stride_knh,
-                stride_kch, head_ok, mask, k_scale_ptr, stride_scale, QUANT)
-    _append_one(v_new_ptr, v_cache_ptr, b * stride_vnb + i * stride_vns, v_dst, offs_h, offs_d, stride_vnh,
-                stride_vch, head_ok, mask, v_scale_ptr, stride_scale, QUANT)
+    bs_off = row * stride_bsb + slot * stride_bss  # NVFP4 block scales (k and v share strides)
+    _append_one(k_new_ptr, k_cache_ptr, k_bs_ptr, k_scale_ptr, b * stride_knb + i * stride_kns,
+                row * stride_kcb + slot * stride_kcs, bs_off, offs_h, offs_d, stride_knh, stride_kch, stride_bsh,
+                stride_scale, head_ok, HEAD_DIM, HEADS_PAD, FORMAT)
+    _append_one(v_new_ptr, v_cache_ptr, v_bs_ptr, v_scale_ptr, b * stride_vnb + i * stride_vns,
+                row * stride_vcb + slot * stride_vcs, bs_off, offs_h, offs_d, stride_vnh, stride_vch, stride_bsh,
+                stride_scale, head_ok, HEAD_DIM, HEADS_PAD, FORMAT)

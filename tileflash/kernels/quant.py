@@ -82,6 +82,23 @@ def _rows(R, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
+def nvfp4_quantize_tile(x, g, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """x [ROWS, COLS] (COLS a multiple of 16), global scale g -> (packed [ROWS, COLS/2] uint8, scale bits
+    [ROWS, COLS/16] uint8), exactly as formats.nvfp4_quantize_ref. Shared by the quantize kernel and the NVFP4
+    KV-cache append."""
+    x = x.to(tl.float32).reshape(ROWS, COLS // 16, 16)
+    # tl.max may drop NaN (GPU max.f32 returns the other operand): mark NaN blocks explicitly.
+    has_nan = tl.max((x != x).to(tl.int32), 2) > 0
+    amax = tl.where(has_nan, float("nan"), tl.max(tl.abs(x), 2))
+    s_bits = e4m3_encode(tl.math.div_rn(tl.math.div_rn(amax, E2M1_MAX), g))
+    denom = (e4m3_decode(s_bits) * g)[:, :, None]
+    v = tl.where(denom == 0.0, 0.0, tl.math.div_rn(x, tl.where(denom == 0.0, 1.0, denom)))
+    negative = (x.to(tl.int32, bitcast=True) >> 31) & 1  # the sign bit, so -0.0 keeps its sign
+    lo, hi = tl.split(e2m1_encode(v, negative).reshape(ROWS, COLS // 2, 2))
+    return (lo | (hi << 4)).to(tl.uint8), s_bits.to(tl.uint8)
+
+
+@triton.jit
 def nvfp4_quantize_kernel(x_ptr, data_ptr, scales_ptr, g_ptr, R, K, stride_xr, stride_xk, stride_dr, stride_sr,
                           BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """x [R, K] -> data [R, K/2] (row stride stride_dr), scales [R, K/16] (row stride stride_sr)."""
@@ -90,23 +107,13 @@ def nvfp4_quantize_kernel(x_ptr, data_ptr, scales_ptr, g_ptr, R, K, stride_xr, s
     offs_k = k0 + tl.arange(0, BLOCK_K)
     mask = row_ok[:, None] & (offs_k[None, :] < K)
     x = tl.load(x_ptr + r64[:, None] * stride_xr + offs_k[None, :].to(tl.int64) * stride_xk, mask=mask, other=0.0)
-    x = x.to(tl.float32).reshape(BLOCK_R, BLOCK_K // 16, 16)
-    g = tl.load(g_ptr)
-
-    # tl.max may drop NaN (GPU max.f32 returns the other operand): mark NaN blocks explicitly.
-    has_nan = tl.max((x != x).to(tl.int32), 2) > 0
-    amax = tl.where(has_nan, float("nan"), tl.max(tl.abs(x), 2))
-    s_bits = e4m3_encode(tl.math.div_rn(tl.math.div_rn(amax, E2M1_MAX), g))
-    denom = (e4m3_decode(s_bits) * g)[:, :, None]
-    v = tl.where(denom == 0.0, 0.0, tl.math.div_rn(x, tl.where(denom == 0.0, 1.0, denom)))
-    negative = (x.to(tl.int32, bitcast=True) >> 31) & 1  # the sign bit, so -0.0 keeps its sign
-    lo, hi = tl.split(e2m1_encode(v, negative).reshape(BLOCK_R, BLOCK_K // 2, 2))
+    packed, s_bits = nvfp4_quantize_tile(x, tl.load(g_ptr), BLOCK_R, BLOCK_K)
 
     offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    tl.store(data_ptr + r64[:, None] * stride_dr + offs_b[None, :], (lo | (hi << 4)).to(tl.uint8),
+    tl.store(data_ptr + r64[:, None] * stride_dr + offs_b[None, :], packed,
              mask=row_ok[:, None] & (offs_b[None, :] < K // 2))
     offs_s = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-    tl.store(scales_ptr + r64[:, None] * stride_sr + offs_s[None, :], s_bits.to(tl.uint8),
+    tl.store(scales_ptr + r64[:, None] * stride_sr + offs_s[None, :], s_bits,
              mask=row_ok[:, None] & (offs_s[None, :] < K // 16))
 
 

@@ -57,13 +57,13 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
                     seqlen_q: int, seqlen_k: int, m_rows: int, softmax_scale: float, mask: Mask, config,
                     cu_seqlens_q=None, cu_seqlens_k=None, seqlens_k=None, seqlen_k_add: int = 0,
                     block_table=None, pack_gqa: bool = False, num_splits: int = 1, sp_overlap: bool = False,
-                    o_part=None, lse_part=None, k_scale=None, v_scale=None):
+                    o_part=None, lse_part=None, k_scale=None, v_scale=None, k_block_scale=None, v_block_scale=None):
     """q4/out4 [Bq, Sq, Hq, D]; k4/v4 [Bk, Sk, Hkv, D] (paged: [pages, page_size, Hkv, D]); lse3 [Bq, Hq, Sq].
 
     m_rows: rows per (batch, head program) = max query tokens (x group size when packing).
     """
     dev = q4.device
-    hq, d = q4.shape[2], q4.shape[3]
+    hq, d = q4.shape[2], q4.shape[3]  # q's head dim (an NVFP4 cache stores d / 2 bytes per head)
     hkv = k4.shape[2]
     group = hq // hkv
     heads_prog = hkv if pack_gqa else hq
@@ -71,9 +71,10 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
     dummy = _dummy(dev)
     paged = block_table is not None
     split = num_splits > 1
+    nvfp4 = k_block_scale is not None
     grid = (m_tiles * num_batches * heads_prog, num_splits)
     descs = None
-    if config.tma and not paged:
+    if config.tma and not paged and not nvfp4:  # NVFP4 tiles are decoded from bytes, not loaded as values
         descs = _kv_descriptors(k4, v4, k4.shape[0] * k4.shape[1], config.block_n)
     k_arg, v_arg = descs if descs else (k4, v4)
     return attn_fwd_kernel[grid](
@@ -85,6 +86,8 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         block_table if paged else dummy,
         k_scale if k_scale is not None else dummy, v_scale if v_scale is not None else dummy,
         1 if k_scale is not None and k_scale.numel() > 1 else 0,
+        *((k_block_scale.view(torch.uint8), v_block_scale.view(torch.uint8), *k_block_scale.stride()[:3]) if nvfp4
+          else (dummy, dummy, 0, 0, 0)),
         0 if q_batch_stride0 else q4.stride(0), q4.stride(1), q4.stride(2),
         0 if k_batch_stride0 else k4.stride(0), k4.stride(1), k4.stride(2),
         0 if k_batch_stride0 else v4.stride(0), v4.stride(1), v4.stride(2),
@@ -96,7 +99,8 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         softmax_scale, mask.softcap, mask.window_left, mask.window_right,
         HEAD_DIM=d, HEAD_DIM_PAD=padded_head_dim(d), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         VARLEN_Q=cu_seqlens_q is not None, VARLEN_K=cu_seqlens_k is not None, HAS_SEQLENS_K=seqlens_k is not None,
-        PAGE_SIZE=k4.shape[1] if paged else 0, KV_SCALED=k_scale is not None, PACK_GQA=pack_gqa, SPLIT=split,
+        PAGE_SIZE=k4.shape[1] if paged else 0, KV_SCALED=k_scale is not None, KV_NVFP4=nvfp4, PACK_GQA=pack_gqa,
+        SPLIT=split,
         HAS_LEFT=mask.window_left >= 0, HAS_RIGHT=mask.window_right >= 0, SOFTCAP=mask.softcap > 0.0,
         USE_DESC=descs is not None, SP_OVERLAP=sp_overlap, WARP_SPEC=config.warp_spec and not sp_overlap,
         TILE_DTYPE=_utils.tile_dtype(q4.dtype),
@@ -130,21 +134,28 @@ def launch_merge(oa4, la3, ob4, lb3, out4, lse3) -> None:
     )
 
 
-def launch_kv_append(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table, k_scale=None,
-                     v_scale=None) -> None:
-    """Write new tokens into the cache; with scales (FP8 cache) they are quantized: x / scale, saturated, RNE."""
+def launch_kv_append(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table, k_scale=None, v_scale=None,
+                     k_block_scale=None, v_block_scale=None) -> None:
+    """Write new tokens into the cache. FP8 caches (k_scale/v_scale per tensor or KV head) and NVFP4 caches
+    (uint8 data, e4m3 block scales, k_scale/v_scale = global scales) quantize them in the kernel."""
     b, s_new, hkv, d = k_new.shape
     paged = block_table is not None
     dummy = _dummy(k_new.device)
-    if k_scale is not None:  # the kernel writes e4m3 bit patterns (see kv_append.e4m3_bits)
+    nvfp4 = k_block_scale is not None
+    fmt = 2 if nvfp4 else (1 if k_scale is not None else 0)
+    if fmt == 1:  # the kernel writes e4m3 bit patterns (see kv_append.e4m3_bits)
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    bs_strides = k_block_scale.stride()[:3] if nvfp4 else (0, 0, 0)
     kv_append_kernel[(b * s_new,)](
-        k_new, v_new, k_cache, v_cache, cache_seqlens, block_table if paged else dummy,
+        k_new, v_new, k_cache, v_cache,
+        k_block_scale.view(torch.uint8) if nvfp4 else dummy, v_block_scale.view(torch.uint8) if nvfp4 else dummy,
         k_scale if k_scale is not None else dummy, v_scale if v_scale is not None else dummy,
-        1 if k_scale is not None and k_scale.numel() > 1 else 0,
+        cache_seqlens, block_table if paged else dummy,
+        1 if fmt == 1 and k_scale.numel() > 1 else 0,
         k_new.stride(0), k_new.stride(1), k_new.stride(2), v_new.stride(0), v_new.stride(1), v_new.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), block_table.stride(0) if paged else 0, s_new, k_cache.shape[1] if paged else 1, hkv,
-        HEAD_DIM=d, HEAD_DIM_PAD=padded_head_dim(d), HEADS_PAD=_utils.next_pow2(hkv), PAGED=paged,
-        QUANT=k_scale is not None, num_warps=4,
+        v_cache.stride(2), *bs_strides, block_table.stride(0) if paged else 0, s_new,
+        k_cache.shape[1] if paged else 1, hkv,
+        HEAD_DIM=d, HEAD_DIM_PAD=padded_head_dim(d), HEADS_PAD=_utils.next_pow2(hkv), PAGED=paged, FORMAT=fmt,
+        num_warps=4,
     )

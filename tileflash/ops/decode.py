@@ -36,17 +36,23 @@ def _plan(q, k_cache, block_table, num_splits: int):
 def _attn_kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: Optional[torch.Tensor],
                      v: Optional[torch.Tensor], cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor],
                      softmax_scale: float, window_left: int, window_right: int, softcap: float, num_splits: int,
-                     sp_overlap: bool, k_scale: Optional[torch.Tensor],
-                     v_scale: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                     sp_overlap: bool, k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
+                     k_global_scale: Optional[torch.Tensor],
+                     v_global_scale: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     b, sq, hq, d = q.shape
     out = _utils.new_output(q.shape, q.dtype, q.device)
     lse = _utils.new_output((b, hq, sq), torch.float32, q.device)
     if b == 0:
         return out, lse
+    # FP8: k_scale/v_scale factor out of the dots. NVFP4: the global scales do; k_scale/v_scale are block scales.
+    if k_global_scale is not None:
+        scales = dict(k_scale=k_global_scale, v_scale=v_global_scale, k_block_scale=k_scale, v_block_scale=v_scale)
+    else:
+        scales = dict(k_scale=k_scale, v_scale=v_scale)
     s_new = 0
     if k is not None and k.shape[1] > 0:
         s_new = k.shape[1]
-        launch_kv_append(k, v, k_cache, v_cache, cache_seqlens, block_table, k_scale, v_scale)
+        launch_kv_append(k, v, k_cache, v_cache, cache_seqlens, block_table, **scales)
     cfg, num_splits, capacity = _plan(q, k_cache, block_table, num_splits)
     o_part = lse_part = None
     if num_splits > 1:
@@ -57,46 +63,69 @@ def _attn_kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                     seqlen_q=sq, seqlen_k=capacity, m_rows=sq * (hq // k_cache.shape[2]),
                     softmax_scale=softmax_scale, mask=Mask(window_left, window_right, softcap), config=cfg,
                     seqlens_k=cache_seqlens, seqlen_k_add=s_new, block_table=block_table, pack_gqa=True,
-                    num_splits=num_splits, sp_overlap=sp_overlap, o_part=o_part, lse_part=lse_part,
-                    k_scale=k_scale, v_scale=v_scale)
+                    num_splits=num_splits, sp_overlap=sp_overlap, o_part=o_part, lse_part=lse_part, **scales)
     if num_splits > 1:
         launch_combine(o_part, lse_part, out, lse)
     return out, lse
 
 
-_attn_kvcache_op = torch.library.custom_op("tileflash::attn_kvcache",
-                                           mutates_args=("k_cache", "v_cache"))(_attn_kvcache_impl)
+_attn_kvcache_op = torch.library.custom_op(
+    "tileflash::attn_kvcache", mutates_args=("k_cache", "v_cache", "k_scale", "v_scale"))(_attn_kvcache_impl)
 
 
 @_attn_kvcache_op.register_fake
 def _(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, window_left, window_right, softcap,
-      num_splits, sp_overlap, k_scale, v_scale):
+      num_splits, sp_overlap, k_scale, v_scale, k_global_scale, v_global_scale):
     b, sq, hq, _ = q.shape
     return torch.empty_like(q), q.new_empty((b, hq, sq), dtype=torch.float32)
 
 
-def _check_kv_scales(k_cache, k_scale, v_scale, num_heads_kv: int, device) -> None:
-    """An FP8 cache needs fp32 scales ([1] per tensor or [Hkv] per KV head); other caches take none."""
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
-    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if not fp8:
+def _check_kv_scales(k_cache, v_cache, k_scale, v_scale, k_global_scale, v_global_scale, num_heads_kv: int,
+                     head_dim: int, device) -> None:
+    """FP8 caches need fp32 scales ([1] per tensor or [Hkv] per KV head); NVFP4 caches (uint8) need e4m3 block
+    scales shaped like the cache with D/16 in the last dim, sharing strides, and fp32 global scales; bf16/fp16
+    caches take none."""
+    fmt = {torch.float8_e4m3fn: "fp8", torch.uint8: "nvfp4"}.get(k_cache.dtype)
+    names = (("k_scale", k_scale), ("v_scale", v_scale), ("k_global_scale", k_global_scale),
+             ("v_global_scale", v_global_scale))
+    needed = {None: (), "fp8": ("k_scale", "v_scale"), "nvfp4": tuple(n for n, _ in names)}[fmt]
+    for name, t in names:
+        if name not in needed:
             if t is not None:
-                raise ValueError(f"{name}: only float8_e4m3fn caches take scales, the cache is {k_cache.dtype}")
-            continue
-        if t is None:
-            raise ValueError(f"{name}: required with a float8_e4m3fn cache (float32, shape [1] or [{num_heads_kv}])")
-        _utils.check_tensor(name, t, ndim=1, dtypes=(torch.float32,), device=device)
-        if t.shape[0] not in (1, num_heads_kv) or (t.shape[0] > 1 and t.stride(0) != 1):
-            raise ValueError(f"{name}: expected a contiguous shape [1] or [{num_heads_kv}], got {tuple(t.shape)}")
-    if fp8 and k_scale.shape != v_scale.shape:
-        raise ValueError(f"k_scale, v_scale: expected equal shapes, got {tuple(k_scale.shape)} and "
-                         f"{tuple(v_scale.shape)}")
+                raise ValueError(f"{name}: not used with a {k_cache.dtype} cache (fp8 caches take k_scale/v_scale, "
+                                 f"nvfp4 (uint8) caches also k_global_scale/v_global_scale)")
+        elif t is None:
+            raise ValueError(f"{name}: required with a {k_cache.dtype} cache")
+    if fmt == "fp8":
+        for name, t in names[:2]:
+            _utils.check_tensor(name, t, ndim=1, dtypes=(torch.float32,), device=device)
+            if t.shape[0] not in (1, num_heads_kv) or (t.shape[0] > 1 and t.stride(0) != 1):
+                raise ValueError(f"{name}: expected a contiguous shape [1] or [{num_heads_kv}], got {tuple(t.shape)}")
+        if k_scale.shape != v_scale.shape:
+            raise ValueError(f"k_scale, v_scale: expected equal shapes, got {tuple(k_scale.shape)} and "
+                             f"{tuple(v_scale.shape)}")
+    elif fmt == "nvfp4":
+        if head_dim & (head_dim - 1) or head_dim < 16:
+            raise ValueError(f"k_cache: NVFP4 caches need a power-of-two head dim >= 16, got {head_dim}")
+        expected = (*k_cache.shape[:-1], head_dim // 16)
+        for name, t in names[:2]:
+            _utils.check_tensor(name, t, ndim=4, dtypes=(torch.float8_e4m3fn,), device=device)
+            if tuple(t.shape) != expected or t.stride(-1) != 1:
+                raise ValueError(f"{name}: expected e4m3 block scales of shape {expected} (last dim contiguous), "
+                                 f"got {tuple(t.shape)}")
+        if k_scale.stride() != v_scale.stride() or k_cache.stride() != v_cache.stride():
+            raise ValueError("k_scale, v_scale / k_cache, v_cache: NVFP4 K and V tensors must share strides")
+        for name, t in names[2:]:
+            _utils.check_tensor(name, t, dtypes=(torch.float32,), device=device)
+            if t.numel() != 1:
+                raise ValueError(f"{name}: expected one float32 value, got shape {tuple(t.shape)}")
 
 
-def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, k_scale, v_scale):
+def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, k_scale, v_scale,
+                   k_global_scale, v_global_scale):
     _utils.check_tensor("q", q, ndim=4, dtypes=_utils.SUPPORTED_DTYPES)
     dev = q.device
-    cache_dtypes = (q.dtype, torch.float8_e4m3fn)
+    cache_dtypes = (q.dtype, torch.float8_e4m3fn, torch.uint8)
     _utils.check_tensor("k_cache", k_cache, ndim=4, dtypes=cache_dtypes, device=dev)
     _utils.check_tensor("v_cache", v_cache, ndim=4, dtypes=(k_cache.dtype,), device=dev)
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -109,11 +138,12 @@ def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_sp
         raise ValueError(f"k_cache, v_cache: expected equal shapes, got {tuple(k_cache.shape)} and "
                          f"{tuple(v_cache.shape)}")
     hkv = k_cache.shape[2]
-    if k_cache.shape[3] != d:
-        raise ValueError(f"k_cache: expected head dim {d} (q's), got {k_cache.shape[3]}")
+    cache_d = k_cache.shape[3] * (2 if k_cache.dtype == torch.uint8 else 1)  # NVFP4 packs two values per byte
+    if cache_d != d:
+        raise ValueError(f"k_cache: expected head dim {d} (q's; NVFP4: {d // 2} bytes), got {k_cache.shape[3]}")
     if hkv == 0 or hq % hkv != 0:
         raise ValueError(f"k_cache: number of KV heads must divide the query heads, got Hq={hq}, Hkv={hkv}")
-    _check_kv_scales(k_cache, k_scale, v_scale, hkv, dev)
+    _check_kv_scales(k_cache, v_cache, k_scale, v_scale, k_global_scale, v_global_scale, hkv, d, dev)
     if block_table is not None:
         _utils.check_int32("block_table", block_table, 2, dev)
         if block_table.shape[0] != b:
@@ -174,7 +204,8 @@ def _validate_values(k_cache, cache_seqlens, block_table, capacity: int, s_new: 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
                             softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0, num_splits=0,
-                            return_lse=False, sp_overlap=False, validate=False, k_scale=None, v_scale=None):
+                            return_lse=False, sp_overlap=False, validate=False, k_scale=None, v_scale=None,
+                            k_global_scale=None, v_global_scale=None):
     """Attention of 1..16 new query tokens per sequence over a KV cache, appending new K/V in place.
 
     q [B, Sq, Hq, D]; k_cache/v_cache [B, S_max, Hkv, D], or paged [num_pages, page_size, Hkv, D] with
@@ -185,12 +216,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     the default plain loop measured as fast or faster on the H200 with triton 3.6 (benchmarks/RESULTS.md).
     FP8 caches: k_cache/v_cache in float8_e4m3fn with k_scale/v_scale (float32, [1] per tensor or [Hkv] per KV
     head): K = k_scale * k_cache; new k/v (in q's dtype) are quantized into the cache (x / scale, saturated, RNE).
+    NVFP4 caches: k_cache/v_cache uint8 [.., S, Hkv, D/2] (element 2i in the low nibble), k_scale/v_scale
+    float8_e4m3fn [.., S, Hkv, D/16] (one scale per 16 elements), k_global_scale/v_global_scale float32 [1]:
+    K = e2m1 * k_scale * k_global_scale (tileflash.nvfp4_quantize's format); appends quantize with the global
+    scale. D must be a power of two.
     validate=True checks cache_seqlens and block_table values against the cache (costs a device sync); without it
     they are the caller's contract (lengths are clamped to the capacity in the kernel; page indices are trusted).
     Returns out [B, Sq, Hq, D], and with return_lse=True (out, lse [B, Hq, Sq] float32).
     """
     capacity, s_new = _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, k_scale,
-                                     v_scale)
+                                     v_scale, k_global_scale, v_global_scale)
     # On the CPU reading values costs no sync (but torch.compile cannot trace value-dependent checks).
     if validate or (q.device.type == "cpu" and not torch.compiler.is_compiling()):
         _validate_values(k_cache, cache_seqlens, block_table, capacity, s_new)
@@ -199,5 +234,5 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     op = _utils.eager_or_op(_attn_kvcache_op, _attn_kvcache_impl)
     out, lse = op(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                   _utils.softmax_scale_or_default(softmax_scale, q.shape[-1]), mask.window_left, mask.window_right,
-                  mask.softcap, int(num_splits), bool(sp_overlap), k_scale, v_scale)
+                  mask.softcap, int(num_splits), bool(sp_overlap), k_scale, v_scale, k_global_scale, v_global_scale)
     return (out, lse) if return_lse else out
