@@ -34,6 +34,17 @@ def test_decode_bytes_exact():
     assert formulas.decode_kv_bytes(2, 10, 3, 4, dtype_bytes=1) == 2 * 2 * 10 * 3 * 4
 
 
+def test_gemm_formulas_exact():
+    assert formulas.gemm_flops(16, 4096, 4096) == 2 * 16 * 4096 * 4096 == 536_870_912
+    # NVFP4 [4096, 4096]: 8 MiB of packed e2m1 pairs + 1 MiB of e4m3 block scales (one per 16 elements).
+    assert formulas.nvfp4_weight_bytes(4096, 4096) == 9 * 2**20
+    assert formulas.nvfp4_weight_bytes(8192, 8192) == 32 * 2**20 + 4 * 2**20
+    assert formulas.nvfp4_weight_bytes(3, 32) == 3 * 16 + 3 * 2
+    assert formulas.gemm_weight_bytes(8192, 8192) == 128 * 2**20  # bf16
+    assert formulas.gemm_weight_bytes(8192, 8192, dtype_bytes=1) == 64 * 2**20  # fp8
+    assert formulas.gemm_weight_bytes(3, 5) == 30
+
+
 def test_rates():
     assert formulas.tflops(1e12, 1000.0) == pytest.approx(1.0)
     assert formulas.tflops(695e9, 1.0) == pytest.approx(695.0)
@@ -145,7 +156,7 @@ def test_reference_fp32_gqa(causal):
 
 def test_available_peers_are_bools():
     avail = peers.available_peers()
-    assert set(avail) == {"sdpa_flash", "sdpa_cudnn", "sdpa", "fa4", "flashinfer"}
+    assert set(avail) == {"sdpa_flash", "sdpa_cudnn", "sdpa", "fa4", "flashinfer", "torch_fp8"}
     assert all(isinstance(x, bool) for x in avail.values())
     if not CUDA:
         assert not any(avail.values())
@@ -368,7 +379,28 @@ def test_run_backward_cpu(cpu_suites):
 
 def test_lowp_registry():
     assert [(s["batch"], s["ctx"]) for s in suites.LOWP_DECODE_SHAPES] == list(suites.DECODE_GRID)
-    assert all(s["kv"] == "fp8" for s in suites.LOWP_DECODE_SHAPES)
+    assert all(s["kv"] == "fp8" and s["kind"] == "decode" for s in suites.LOWP_DECODE_SHAPES)
+
+
+def test_gemm_registry():
+    shapes = suites.GEMM_SHAPES
+    assert len(shapes) == 10
+    assert [(s["m"], s["n"]) for s in shapes] == [(m, nk) for nk in (4096, 8192) for m in (1, 16, 128, 1024, 4096)]
+    for s in shapes:
+        assert set(s) == {"kind", "m", "n", "k", "label"}
+        assert s["kind"] == "gemm" and s["n"] == s["k"] and s["label"] == f"gemm-{s['n'] // 1024}k"
+    assert suites.LOWP_SHAPES == suites.LOWP_DECODE_SHAPES + shapes
+    # --quick keeps the decode-sized M of each N = K; --only picks one half of the lowp suite.
+    quick = suites.select_shapes(suites.LOWP_SHAPES, quick=True)
+    assert len(quick) == 3 + 6
+    assert [(s["m"], s["n"]) for s in quick if s["kind"] == "gemm"] == [(1, 4096), (16, 4096), (128, 4096),
+                                                                         (1, 8192), (16, 8192), (128, 8192)]
+    assert suites.select_shapes(suites.LOWP_SHAPES, only="gemm") == shapes
+    assert suites.select_shapes(suites.LOWP_SHAPES, only="fp8") == suites.LOWP_DECODE_SHAPES
+    assert suites.select_shapes(suites.LOWP_SHAPES, only="8k") == shapes[5:]
+    for registry in (suites.PREFILL_SHAPES, suites.DECODE_SHAPES, suites.BACKWARD_SHAPES):
+        assert not suites.select_shapes(registry, only="gemm") and not suites.select_shapes(registry, only="8k")
+    assert cli.SUITES["lowp"] == (suites.LOWP_SHAPES, suites.run_lowp)
 
 
 def test_backward_registry():
@@ -393,3 +425,130 @@ def test_plot_series_and_png(tmp_path):
     pytest.importorskip("matplotlib")
     (path,) = plots.write_charts({"prefill": rows}, str(tmp_path))
     assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- GEMM (low precision) ---------------------------------------------------------------------
+
+GEMM_TINY = [{"kind": "gemm", "m": m, "n": 64, "k": 64, "label": "gemm-tiny"} for m in (1, 17)]
+
+
+@pytest.fixture
+def cpu_timer(monkeypatch):
+    monkeypatch.setattr(suites, "DEVICE", "cpu")
+    monkeypatch.setattr(suites, "bench_ms", lambda fn: 0.5)
+
+
+@pytest.mark.skipif(CUDA, reason="runs nvfp4_quantize / nvfp4_matmul through Triton's CPU interpreter")
+def test_run_gemm_real_kernels_cpu(cpu_timer):
+    lines = []
+    rows = suites.run_gemm(GEMM_TINY, out=lines.append)
+    json.dumps(rows)
+    assert [r["m"] for r in rows] == [1, 17]
+    for row in rows:
+        m, n, k = row["m"], row["n"], row["k"]
+        assert row["flops"] == formulas.gemm_flops(m, n, k)
+        assert row["weight_bytes"] == {"tileflash_nvfp4": formulas.nvfp4_weight_bytes(n, k),
+                                       "torch_bf16": formulas.gemm_weight_bytes(n, k, 2),
+                                       "torch_fp8": formulas.gemm_weight_bytes(n, k, 1)}
+        assert 0.01 < row["nvfp4_weight_err"] < 0.5  # NVFP4 weights are a visible approximation of bf16 ones
+        for name in ("tileflash_nvfp4", "torch_bf16"):
+            rec = row["backends"][name]
+            assert rec["ok"] and rec["max_err"] <= suites.GEMM_TOL[name], (name, rec)
+            assert rec["us"] == 500.0
+            assert rec["TFLOP/s"] == pytest.approx(formulas.tflops(formulas.gemm_flops(m, n, k), 0.5))
+            assert rec["GB/s"] == pytest.approx(formulas.gbps(row["weight_bytes"][name], 0.5))
+        assert row["backends"]["tileflash_nvfp4"]["max_err"] < 1e-2  # bf16 rounding only
+        fp8 = row["backends"]["torch_fp8"]  # torch 2.13 runs _scaled_mm on CPU; older builds give None
+        assert fp8 is None or (fp8["ok"] and 1e-3 < fp8["max_err"] <= 0.1), fp8
+        assert row["speedup_bf16"] == pytest.approx(1.0) and row["speedup"] == pytest.approx(1.0)
+    table = lines[-1]
+    assert table.startswith("GEMM") and "| tf weight GB/s |" in table
+    assert [c.strip() for c in table.splitlines()[-2].split("|")[1:3]] == ["17", "64"]
+
+
+@pytest.mark.skipif(CUDA, reason="runs nvfp4_quantize / nvfp4_matmul through Triton's CPU interpreter")
+def test_run_gemm_fp8_failure_and_wrong_tileflash(cpu_timer, monkeypatch):
+    import tileflash
+
+    def no_scaled_mm(*args, **kwargs):
+        raise RuntimeError("_scaled_mm: no FP8 kernel here")
+
+    real = tileflash.nvfp4_matmul
+    monkeypatch.setattr(torch, "_scaled_mm", no_scaled_mm)
+    monkeypatch.setattr(tileflash, "nvfp4_matmul", lambda *args: real(*args) * 1.1)
+    lines = []
+    (row,) = suites.run_gemm(GEMM_TINY[1:], out=lines.append)
+    json.dumps(row)
+    assert row["backends"]["torch_fp8"] is None  # unavailable: a '-' cell, and the run goes on
+    assert any("torch_fp8 failed" in line and "no FP8 kernel" in line for line in lines)
+    tf = row["backends"]["tileflash_nvfp4"]
+    assert not tf["ok"] and tf["max_err"] == pytest.approx(0.1, rel=0.05) and tf["us"] == 500.0
+    assert row["speedup"] is None and row["speedup_bf16"] is None  # a wrong tileflash is never compared
+    assert row["backends"]["torch_bf16"]["ok"]
+    assert any("FAIL: tileflash_nvfp4" in line for line in lines)
+    last = lines[-1].splitlines()[-2]
+    assert "tileflash_nvfp4" in last and last.count(" - ") >= 3  # fp8 us, tf/bf16, tf/best
+
+
+def test_scaled_mm_fp8_peer_layout(monkeypatch):
+    """The FP8 peer hands _scaled_mm e4m3 a [M, K], a column-major [K, N] view of w, and fp32 [] scales."""
+    seen = {}
+
+    def fake_scaled_mm(a8, b, scale_a, scale_b, out_dtype):
+        seen.update(a8=a8, b=b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+        return (a8.float() * scale_a) @ (b.float() * scale_b)
+
+    monkeypatch.setattr(torch, "_scaled_mm", fake_scaled_mm)
+    a = torch.randn(3, 32, dtype=torch.bfloat16)
+    w = torch.randn(16, 32, dtype=torch.bfloat16) * 100
+    fn = peers.scaled_mm_fp8(a, w)
+    out = fn()
+    assert seen["a8"].dtype == seen["b"].dtype == torch.float8_e4m3fn
+    assert seen["b"].shape == (32, 16) and seen["b"].stride() == (1, 32)  # column-major
+    assert seen["scale_a"].shape == () and seen["scale_a"].dtype == torch.float32
+    assert float(seen["b"].float().abs().max()) == 448.0  # per-tensor amax maps to e4m3's max
+    assert seen["out_dtype"] == torch.bfloat16
+    assert suites.rel_err(out, a.float() @ w.float().T) < 0.1
+    zero = peers.scaled_mm_fp8(torch.zeros(2, 32, dtype=torch.bfloat16), w)  # amax 0: scale 1, no NaN
+    assert zero is not None and seen["scale_a"] == 1.0 and not zero().isnan().any()
+
+
+def test_run_lowp_splits_by_kind(monkeypatch):
+    calls = []
+
+    def fake(name):
+        def run(shapes, out=print):
+            calls.append((name, shapes))
+            return [{"from": name, **s} for s in shapes]
+        return run
+
+    monkeypatch.setattr(suites, "run_decode", fake("decode"))
+    monkeypatch.setattr(suites, "run_gemm", fake("gemm"))
+    rows = suites.run_lowp()
+    assert calls == [("decode", suites.LOWP_DECODE_SHAPES), ("gemm", suites.GEMM_SHAPES)]
+    assert [r["from"] for r in rows] == ["decode"] * 10 + ["gemm"] * 10
+    calls.clear()
+    assert len(suites.run_lowp(suites.select_shapes(suites.LOWP_SHAPES, only="gemm"))) == 10
+    assert [name for name, _ in calls] == ["gemm"]  # no empty decode run (and no empty table)
+
+
+def test_plot_series_gemm_and_lowp_charts(tmp_path):
+    from tileflash.bench import plots
+
+    def rec(tflops):
+        return {"TFLOP/s": tflops, "GB/s": 1.0}
+
+    gemm = [{"kind": "gemm", "m": m, "n": 8192, "k": 8192, "label": "gemm-8k",
+             "backends": {"tileflash_nvfp4": rec(t), "torch_bf16": rec(2 * t), "torch_fp8": None}}
+            for m, t in ((16, 10.0), (4096, 500.0))]
+    labels, data = plots.series("lowp", gemm)
+    assert labels == ["M16 8k", "M4096 8k"]
+    assert data == {"tileflash_nvfp4": [10.0, 500.0], "torch_bf16": [20.0, 1000.0]}
+    decode = [{"kind": "decode", "label": "gqa-fp8", "batch": 8, "ctx": 32768,
+               "backends": {"tileflash": {"GB/s": 3000.0}, "sdpa": None}}]
+    assert plots.series("lowp", decode) == (["gqa-fp8 b8 32k"], {"tileflash": [3000.0]})
+    with pytest.raises(ValueError):
+        plots.series("lowp", decode + gemm)
+    pytest.importorskip("matplotlib")
+    paths = plots.write_charts({"lowp": decode + gemm}, str(tmp_path))
+    assert [p.rsplit("/", 1)[-1] for p in paths] == ["lowp.png", "lowp-gemm.png"]

@@ -12,7 +12,7 @@ SUITES = {
     "prefill": (suites.PREFILL_SHAPES, suites.run_prefill),
     "decode": (suites.DECODE_SHAPES, suites.run_decode),
     "backward": (suites.BACKWARD_SHAPES, suites.run_backward),
-    "lowp": (suites.LOWP_DECODE_SHAPES, suites.run_decode),
+    "lowp": (suites.LOWP_SHAPES, suites.run_lowp),  # FP8-cache decode grid, then the NVFP4 GEMM grid
 }
 
 
@@ -21,7 +21,8 @@ def build_parser():
     p.add_argument("suite", choices=[*SUITES, "all"])
     p.add_argument("--json", metavar="PATH", help="write the results here (rewritten after each suite)")
     p.add_argument("--quick", action="store_true", help="only the first 3 shapes of each label")
-    p.add_argument("--only", metavar="LABEL", help="only shapes whose label contains LABEL, e.g. d64, causal, page16")
+    p.add_argument("--only", metavar="LABEL",
+                   help="only shapes whose label contains LABEL, e.g. d64, causal, page16, gqa-fp8, gemm, 8k")
     p.add_argument("--plot", metavar="DIR", help="write one PNG chart per suite into DIR (needs matplotlib)")
     return p
 

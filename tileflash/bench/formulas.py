@@ -22,6 +22,22 @@ def decode_kv_bytes(batch, seqlen_k, nheads_kv, headdim, dtype_bytes=2):
     return 2 * batch * seqlen_k * nheads_kv * headdim * dtype_bytes
 
 
+def gemm_flops(m, n, k):
+    """One multiply and one add per (m, n, k): 2*M*N*K."""
+    return 2 * m * n * k
+
+
+def gemm_weight_bytes(n, k, dtype_bytes=2):
+    """Bytes of a dense [N, K] weight (bf16: 2, fp8: 1 per element) a GEMM must read."""
+    return n * k * dtype_bytes
+
+
+def nvfp4_weight_bytes(n, k):
+    """Bytes of an NVFP4 [N, K] weight: K/2 bytes of packed e2m1 pairs and K/16 one-byte e4m3 block scales per row
+    (the 4-byte global scale is negligible)."""
+    return n * k // 2 + n * k // 16
+
+
 def tflops(flops, ms):
     return flops / ms / 1e9
 

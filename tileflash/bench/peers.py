@@ -1,7 +1,7 @@
-"""Peer attention implementations to compare against.
+"""Peer implementations to compare against: attention, and the FP8 GEMM of the low-precision suite.
 
-Each builder returns a zero-argument callable whose output is laid out [B, S, H, D] like
-tileflash's, or None when the peer is not installed or fails on these inputs. Failures are
+Each builder returns a zero-argument callable whose output is laid out like tileflash's ([B, S, H, D] for
+attention, [M, N] for the GEMM), or None when the peer is not installed or fails on these inputs. Failures are
 reported through ``note`` and never raised: a broken peer must not stop a benchmark.
 Layout changes of the inputs happen once, outside the returned callable, so they are not timed.
 """
@@ -52,6 +52,7 @@ def available_peers():
         "sdpa": cuda,
         "fa4": cuda and _import("flash_attn.cute") is not None,
         "flashinfer": cuda and _import("flashinfer") is not None,
+        "torch_fp8": cuda and torch.cuda.get_device_capability() >= (8, 9),  # cuBLASLt FP8 needs sm89+
     }
 
 
@@ -149,3 +150,28 @@ def flashinfer_decode(q, k_cache, v_cache, block_table, seqlen, use_tensor_cores
         return fn
 
     return _guarded("flashinfer_tc" if use_tensor_cores else "flashinfer", make, note)
+
+
+def _e4m3_per_tensor(x):
+    """x -> (e4m3 copy, fp32 [] scale) with x ~= x8 * scale; scale = amax / 448 (1.0 for an all-zero x)."""
+    amax = x.abs().amax().float()
+    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    return (x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
+
+
+def scaled_mm_fp8(a, w, note=print):
+    """torch._scaled_mm (cuBLASLt FP8) on e4m3 copies of a [M, K] and w [N, K] with per-tensor scales: a @ w.T in
+    a's dtype. The quantization happens here, outside the timed call; cuBLASLt wants the second operand column-major,
+    which w8.t() (a [K, N] view of the row-major [N, K] w8) is."""
+
+    def make():
+        a8, sa = _e4m3_per_tensor(a)
+        w8, sw = _e4m3_per_tensor(w)
+        b = w8.t()
+
+        def fn():
+            return torch._scaled_mm(a8, b, scale_a=sa, scale_b=sw, out_dtype=a.dtype)
+
+        return fn
+
+    return _guarded("torch_fp8", make, note)

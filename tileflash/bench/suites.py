@@ -1,6 +1,7 @@
-"""Benchmark suites: the shape registries (plain data) and the prefill and decode runners.
+"""Benchmark suites: the shape registries (plain data) and the prefill, decode, backward and GEMM runners.
 
-Every backend of every shape is first checked against an fp32 SDPA reference, then timed;
+Every backend of every shape is first checked against an fp32 reference (SDPA's math backend, or an fp32 matmul
+for the GEMM), then timed;
 a failure of one backend is printed and recorded, and the run goes on.
 """
 
@@ -17,6 +18,9 @@ from tileflash.bench.formulas import (
     attn_fwd_flops,
     decode_kv_bytes,
     gbps,
+    gemm_flops,
+    gemm_weight_bytes,
+    nvfp4_weight_bytes,
     tflops,
 )
 from tileflash.bench.table import format_cell, format_table
@@ -72,12 +76,29 @@ BACKWARD_SHAPES = [
 
 # Low precision: the GQA decode grid with an FP8 (e4m3, per-KV-head scales) cache for tileflash; peers read the
 # same values from a bf16 cache ("next to the best bf16 peer").
-LOWP_DECODE_SHAPES = [{**s, "label": "gqa-fp8", "kv": "fp8"} for s in DECODE_SHAPES if s["label"] == "gqa"]
+LOWP_DECODE_SHAPES = [{**s, "label": "gqa-fp8", "kv": "fp8", "kind": "decode"}
+                      for s in DECODE_SHAPES if s["label"] == "gqa"]
+
+# Low precision, GEMM half: bf16 activations a [M, K] times a weight w [N, K] (out = a @ w.T), N = K, M from one
+# decode token to a prefill-sized batch. One label per N = K, so --quick keeps M in (1, 16, 128) of each, and
+# --only gemm / --only 8k pick these rows (no other label contains "gemm" or "8k"; "fp8" matches only the decode
+# rows above).
+GEMM_SHAPES = [
+    {"kind": "gemm", "m": m, "n": nk, "k": nk, "label": f"gemm-{nk // 1024}k"}
+    for nk in (4096, 8192)
+    for m in (1, 16, 128, 1024, 4096)
+]
+LOWP_SHAPES = LOWP_DECODE_SHAPES + GEMM_SHAPES
 
 PREFILL_BACKENDS = ("tileflash", "sdpa_flash", "sdpa_cudnn", "fa4")
 BACKWARD_BACKENDS = ("tileflash", "sdpa_flash", "sdpa_cudnn")
 TILEFLASH_DECODE = ("tileflash", "tileflash_sp", "tileflash_graph")
 DECODE_PEERS = ("sdpa", "sdpa_graph", "flashinfer", "flashinfer_tc", "fa4")
+GEMM_BACKENDS = ("tileflash_nvfp4", "torch_bf16", "torch_fp8")
+# Max relative error (max|out - ref| / max|ref|) per GEMM backend. tileflash is checked against a @ dequant(w).T,
+# its own weights, so only bf16 output rounding separates them; the peers against a @ w.T, where torch_fp8 also
+# carries the e4m3 rounding of a and w (~4% relative, measured on randn inputs; expected).
+GEMM_TOL = {"tileflash_nvfp4": 2e-2, "torch_bf16": 2e-2, "torch_fp8": 0.1}
 
 
 def select_shapes(shapes, quick=False, only=None):
@@ -119,17 +140,22 @@ def max_abs_err(out, ref):
     return float((out.float() - ref).abs().max())
 
 
-def _measure(name, build, check, note):
-    """Build one backend's callable, check its output, time it. None when it is unavailable."""
+def rel_err(out, ref):
+    """max|out - ref| / max|ref|, for outputs whose scale grows with the problem (GEMMs: ~sqrt(K))."""
+    return max_abs_err(out, ref) / max(float(ref.abs().max()), 1e-30)
+
+
+def _measure(name, build, check, note, tol=TOL):
+    """Build one backend's callable, check its output (error <= tol), time it. None when it is unavailable."""
     rec = {"ms": None, "max_err": None, "ok": False, "error": None}
     try:
         fn = build()
         if fn is None:
             return None
         rec["max_err"] = check(fn())
-        rec["ok"] = rec["max_err"] <= TOL
+        rec["ok"] = rec["max_err"] <= tol
         if not rec["ok"]:
-            note(f"  FAIL: {name} max abs err {rec['max_err']:.3g} > {TOL} (timed anyway)")
+            note(f"  FAIL: {name} max err {rec['max_err']:.3g} > {tol} (timed anyway)")
         rec["ms"] = bench_ms(fn)
     except Exception as e:
         rec["error"] = peers.short_error(e)
@@ -396,3 +422,79 @@ def run_decode(shapes=None, out=print):
     return _run(DECODE_SHAPES if shapes is None else shapes, _decode_one,
                 lambda s, r: f"decode {s['label']} b={s['batch']} ctx={s['ctx']} (us): {_summary(r['backends'], 'us')}",
                 decode_table, out)
+
+
+def _gemm_one(shape, tf, note):
+    """a [M, K] bf16 @ w [N, K]^T: tileflash on w quantized once to NVFP4, torch in bf16 and in FP8."""
+    m, n, k = (shape[x] for x in ("m", "n", "k"))
+    a, w = _randn(m, k), _randn(n, k)
+    w_q = tf.nvfp4_quantize(w)  # (data [N, K/2] uint8, scales [N, K/16] e4m3, global scale [])
+    ref = a.float() @ w.float().T
+    ref_q = a.float() @ tf.nvfp4_dequantize(*w_q).T  # what a correct NVFP4 GEMM computes
+
+    def check_q(out):
+        return rel_err(out, ref_q)
+
+    def check(out):
+        return rel_err(out, ref)
+
+    builders = {
+        "tileflash_nvfp4": (lambda: lambda: tf.nvfp4_matmul(a, *w_q), check_q),
+        "torch_bf16": (lambda: lambda: a @ w.T, check),
+        "torch_fp8": (lambda: peers.scaled_mm_fp8(a, w, note), check),
+    }
+    weight_bytes = {
+        "tileflash_nvfp4": nvfp4_weight_bytes(n, k),
+        "torch_bf16": gemm_weight_bytes(n, k, DTYPE.itemsize),
+        "torch_fp8": gemm_weight_bytes(n, k, 1),
+    }
+    flops = gemm_flops(m, n, k)
+    results = {}
+    for name, (build, chk) in builders.items():
+        rec = _measure(name, build, chk, note, tol=GEMM_TOL[name])
+        if rec is not None:
+            rec["us"] = rec["ms"] * 1e3 if rec["ms"] else None
+            rec["TFLOP/s"] = tflops(flops, rec["ms"]) if rec["ms"] else None
+            rec["GB/s"] = gbps(weight_bytes[name], rec["ms"]) if rec["ms"] else None
+        results[name] = rec
+    ours = ("tileflash_nvfp4",)
+    return {
+        **shape,
+        "flops": flops,
+        "weight_bytes": weight_bytes,
+        # The accuracy NVFP4 weights cost: a @ dequant(w).T against a @ w.T, both fp32.
+        "nvfp4_weight_err": rel_err(ref_q, ref),
+        "backends": results,
+        "speedup_bf16": speedup({x: results[x] for x in (*ours, "torch_bf16")}, ours),
+        "speedup": speedup(results, ours),
+    }
+
+
+def gemm_table(rows):
+    headers = ["M", "N=K", "tileflash us", "bf16 us", "fp8 us", "tf/bf16", "tf/best", "tf weight GB/s", "failed"]
+    body = [
+        [r["m"], r["n"], *(_field(r, x, "us") for x in GEMM_BACKENDS), r["speedup_bf16"], r["speedup"],
+         _field(r, "tileflash_nvfp4", "GB/s"), _failed(r)]
+        for r in rows
+    ]
+    title = ("GEMM a [M, K] bf16 @ w [N, K]^T, microseconds: tileflash = nvfp4_matmul on an NVFP4 w, bf16 = a @ w.T, "
+             "fp8 = torch._scaled_mm on e4m3 a and w (per-tensor scales); tf/bf16, tf/best > 1: tileflash faster; "
+             f"weight GB/s = NVFP4 weight bytes (N*K*9/16) / t, copy ceiling {COPY_TBPS} TB/s")
+    return format_table(headers, body, title=title)
+
+
+def run_gemm(shapes=None, out=print):
+    """Check and time tileflash.nvfp4_matmul (bf16 activations, NVFP4 weights) against torch's bf16 matmul and FP8
+    torch._scaled_mm on each shape; print a table and return one JSON-serialisable dict per shape."""
+    return _run(GEMM_SHAPES if shapes is None else shapes, _gemm_one,
+                lambda s, r: f"gemm M={s['m']} N=K={s['n']} (us): {_summary(r['backends'], 'us')}",
+                gemm_table, out)
+
+
+def run_lowp(shapes=None, out=print):
+    """The low-precision suite: the FP8-cache decode rows through run_decode, then the GEMM rows (kind "gemm")
+    through run_gemm; one list back, decode rows first, every row keeping its shape's "kind"."""
+    shapes = LOWP_SHAPES if shapes is None else shapes
+    decode = [s for s in shapes if s.get("kind") != "gemm"]
+    gemm = [s for s in shapes if s.get("kind") == "gemm"]
+    return (run_decode(decode, out) if decode else []) + (run_gemm(gemm, out) if gemm else [])
