@@ -2,6 +2,7 @@
 
 k_new, v_new: [B, Snew, Hkv, D]; token i of sequence b goes to cache position cache_seqlens[b] + i, which in a
 paged cache is page block_table[b, pos // page_size], slot pos % page_size. One program per (b, i): all heads.
+Positions at or past the capacity are dropped (never written out of bounds; validate=True reports them).
 FORMAT 0 copies; 1 (FP8) stores x / scale (per tensor or per KV head) saturated to e4m3, rounded to nearest even;
 2 (NVFP4) quantizes each head vector with the cache's global scale exactly as nvfp4_quantize does: packed e2m1
 pairs into the cache [.., D/2] and one e4m3 scale per 16 elements into the block-scale tensor [.., D/16].
@@ -47,13 +48,15 @@ def kv_append_kernel(k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, k_bs_ptr, v
                      stride_knb, stride_kns, stride_knh, stride_vnb, stride_vns, stride_vnh,
                      stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
                      stride_bsb, stride_bss, stride_bsh,
-                     stride_bt, seqlen_new, page_size, num_heads_kv,
+                     stride_bt, seqlen_new, page_size, num_heads_kv, capacity,
                      HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEADS_PAD: tl.constexpr,
                      PAGED: tl.constexpr, FORMAT: tl.constexpr):
     pid = tl.program_id(0)
     b = (pid // seqlen_new).to(tl.int64)
     i = pid % seqlen_new
     pos = tl.load(cache_seqlens_ptr + b) + i
+    if pos >= capacity:  # cache_seqlens + Snew past the cache (validate=True reports it): never write out of bounds
+        return
     if PAGED:
         row = tl.load(block_table_ptr + b * stride_bt + pos // page_size).to(tl.int64)  # the page
         slot = (pos % page_size).to(tl.int64)

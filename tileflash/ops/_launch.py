@@ -155,7 +155,7 @@ def launch_kv_append(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table,
         k_new.stride(0), k_new.stride(1), k_new.stride(2), v_new.stride(0), v_new.stride(1), v_new.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), *bs_strides, block_table.stride(0) if paged else 0, s_new,
-        k_cache.shape[1] if paged else 1, hkv,
+        k_cache.shape[1] if paged else 1, hkv, block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1],
         HEAD_DIM=d, HEAD_DIM_PAD=padded_head_dim(d), HEADS_PAD=_utils.next_pow2(hkv), PAGED=paged, FORMAT=fmt,
         num_warps=4,
     )

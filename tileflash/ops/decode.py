@@ -226,6 +226,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     """
     capacity, s_new = _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, k_scale,
                                      v_scale, k_global_scale, v_global_scale)
+    cache_seqlens = cache_seqlens.contiguous()  # read with unit stride by the kernels
     # On the CPU reading values costs no sync (but torch.compile cannot trace value-dependent checks).
     if validate or (q.device.type == "cpu" and not torch.compiler.is_compiling()):
         _validate_values(k_cache, cache_seqlens, block_table, capacity, s_new)

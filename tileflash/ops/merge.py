@@ -11,8 +11,8 @@ def _merge_impl(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
               lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     out = _utils.new_output(out_a.shape, out_a.dtype, out_a.device)
     lse = _utils.new_output(lse_a.shape, torch.float32, out_a.device)
-    if out.numel() == 0:
-        return out, lse
+    if out.numel() == 0:  # nothing to launch for; an empty head dim still has LSEs to merge
+        return out, torch.logaddexp(lse_a, lse_b)
     if out_a.dim() == 3:  # [T, H, D] with lse [H, T] is the batch-1 case of [B, S, H, D] with [B, H, S]
         launch_merge(out_a.unsqueeze(0), lse_a.unsqueeze(0), out_b.unsqueeze(0), lse_b.unsqueeze(0),
                      out.unsqueeze(0), lse.unsqueeze(0))

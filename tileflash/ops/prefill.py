@@ -147,6 +147,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             raise ValueError(f"{name}: expected >= 0, got {val}")
     left, right = _utils.check_window(window_size)
     mask = Mask.make(causal, (left, right), _check_softcap(softcap))
+    # The kernels index these with unit stride; a strided view (e.g. every other element) becomes a small copy.
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    seqused_k = seqused_k.contiguous() if seqused_k is not None else None
     op = _utils.eager_or_op(_attn_varlen_fwd_op, _attn_varlen_fwd_impl, _utils.needs_grad(q, k, v))
     out, lse = op(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q), int(max_seqlen_k),
                   _utils.softmax_scale_or_default(softmax_scale, q.shape[-1]), mask.window_left, mask.window_right,
