@@ -143,22 +143,13 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
                                  window_right, SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT)
                 acc, m_i, l_i = _softmax_pv(acc, m_i, l_i, s, v)
                 s = s_next
-    elif WARP_SPEC:
-        for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=True):
-            acc, m_i, l_i = _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr,
-                                        stride_k_page, stride_k_tok, stride_v_page, stride_v_tok, sstride_page,
-                                        sstride_tok, desc_row0, head_kv, offs_d, seqlen_k, start_n, qk_scale,
-                                        softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_N, MASK,
-                                        PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT, HAS_RIGHT,
-                                        SOFTCAP, TILE_DTYPE)
     else:
-        for start_n in range(lo, hi, BLOCK_N):
+        for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
             acc, m_i, l_i = _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr,
                                         stride_k_page, stride_k_tok, stride_v_page, stride_v_tok, sstride_page,
                                         sstride_tok, desc_row0, head_kv, offs_d, seqlen_k, start_n, qk_scale,
                                         softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_N, MASK,
-                                        PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT, HAS_RIGHT,
-                                        SOFTCAP, TILE_DTYPE)
+                                        PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE)
     return acc, m_i, l_i
 
 

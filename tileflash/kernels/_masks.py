@@ -81,3 +81,12 @@ def q_token_range(key_lo, key_hi, diag, seqlen_q, window_left, window_right, HAS
     if HAS_LEFT:
         q_hi = tl.minimum(key_hi - 1 - diag + window_left + 1, seqlen_q)
     return q_lo, q_hi
+
+
+@triton.jit
+def logit_scales(softmax_scale, softcap, SOFTCAP: tl.constexpr):
+    """(qk_scale, softcap_scale) so that logits in log2 units are qk_scale * q.k, or with softcap
+    qk_scale * tanh(softcap_scale * q.k) = log2(e) * softcap * tanh(softmax_scale * q.k / softcap)."""
+    if SOFTCAP:
+        return softcap * LOG2E, softmax_scale / softcap
+    return softmax_scale * LOG2E, 1.0

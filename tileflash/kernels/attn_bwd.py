@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ._attn_inner import tanh
-from ._masks import LOG2E, kv_block_range, q_token_range, seq_extents, visible
+from ._masks import LOG2E, kv_block_range, logit_scales, q_token_range, seq_extents, visible
 
 
 @triton.jit
@@ -135,12 +135,7 @@ def attn_bwd_dkdv_kernel(
                    stride_vs, HEAD_DIM, UPCAST)
     dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
-    if SOFTCAP:
-        qk_scale = softcap * LOG2E
-        softcap_scale = softmax_scale / softcap
-    else:
-        qk_scale = softmax_scale * LOG2E
-        softcap_scale = 1.0
+    qk_scale, softcap_scale = logit_scales(softmax_scale, softcap, SOFTCAP)
 
     diag = seqlen_k - seqlen_q
     q_lo, q_hi = q_token_range(start_n, tl.minimum(start_n + BLOCK_N, seqlen_k), diag, seqlen_q, window_left,
@@ -220,12 +215,7 @@ def attn_bwd_dq_kernel(
     do = _load_rows(do_ptr + b64 * stride_dob + head_q.to(tl.int64) * stride_doh, q_start + tok, row_ok, offs_d,
                     stride_dos, HEAD_DIM, UPCAST)
     lse2, delta = _row_stats(lse_ptr, delta_ptr, b, head_q, q_start + tok, row_ok, stride_lb, stride_lh, stride_ls)
-    if SOFTCAP:
-        qk_scale = softcap * LOG2E
-        softcap_scale = softmax_scale / softcap
-    else:
-        qk_scale = softmax_scale * LOG2E
-        softcap_scale = 1.0
+    qk_scale, softcap_scale = logit_scales(softmax_scale, softcap, SOFTCAP)
     diag = seqlen_k - seqlen_q
     n_lo, full_lo, full_hi, n_hi = kv_block_range(start_m, tl.minimum(start_m + BLOCK_M, seqlen_q) - 1, diag,
                                                   seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT, BLOCK_N)

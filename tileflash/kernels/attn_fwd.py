@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ._attn_inner import attn_inner
-from ._masks import LOG2E, kv_block_range, seq_extents
+from ._masks import LOG2E, kv_block_range, logit_scales, seq_extents
 
 
 @triton.jit
@@ -122,12 +122,7 @@ def attn_fwd_kernel(
         # the dots, so tiles are only widened (exactly) and the scales fold into the logit scale and the final
         # normalisation.
         softmax_scale = softmax_scale * tl.load(k_scale_ptr + head_kv * stride_kv_scale)
-    if SOFTCAP:
-        qk_scale = softcap * LOG2E
-        softcap_scale = softmax_scale / softcap
-    else:
-        qk_scale = softmax_scale * LOG2E
-        softcap_scale = 1.0
+    qk_scale, softcap_scale = logit_scales(softmax_scale, softcap, SOFTCAP)
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
