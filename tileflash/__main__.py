@@ -1,5 +1,5 @@
 """`python -m tileflash` runs the self-check (and a short benchmark on a GPU);
-`python -m tileflash bench {prefill,decode,all}` runs the benchmark suites;
+`python -m tileflash bench {prefill,decode,backward,lowp,all}` runs the benchmark suites;
 `python -m tileflash demo [--help]` serves a small Llama through a paged-KV engine on tileflash attention."""
 import os
 import sys
