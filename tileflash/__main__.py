@@ -9,6 +9,9 @@ import torch
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "cp"]:  # launched by torchrun, one process per GPU
+        from tileflash.bench.cp import main as cp_main
+        return cp_main(argv[2:])
     if argv and argv[0] == "bench":
         from tileflash.bench.cli import main as bench_main
         return bench_main(argv[1:]) or 0

@@ -1,0 +1,104 @@
+"""Context parallelism on the CPU: 2 processes over gloo (kernels through the interpreter; the environment,
+including TRITON_INTERPRET, is inherited from this process) against the pure-PyTorch reference of the whole
+sequence, with the 2x rule."""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WORLD = 2
+
+
+def _init(rank, init_file):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    torch.set_num_threads(1)
+
+
+def _decode_worker(rank, init_file, paged, sq):
+    _init(rank, init_file)
+    try:
+        import tileflash.distributed as tfd
+        from helpers import check_2x, check_lse
+        from tileflash.reference import kvcache_ref
+
+        g = torch.Generator().manual_seed(0)
+        b, hq, hkv, d, cap = 2, 8, 2, 32, 40
+        k_full = torch.randn(b, 2 * cap, hkv, d, generator=g).half()
+        v_full = torch.randn(b, 2 * cap, hkv, d, generator=g).half()
+        q = torch.randn(b, sq, hq, d, generator=g).half()
+        k_new = torch.randn(b, sq, hkv, d, generator=g).half()
+        v_new = torch.randn(b, sq, hkv, d, generator=g).half()
+        lens0 = torch.tensor([cap, 29], dtype=torch.int32)  # rank 0's shard: a full one and a shorter one
+        lens1 = torch.tensor([17, 3], dtype=torch.int32)  # the tail shard, before the append
+        # Whole sequences for the reference: rank 0's tokens then rank 1's.
+        whole_k = torch.zeros(b, 2 * cap, hkv, d, dtype=torch.float16)
+        whole_v = torch.zeros_like(whole_k)
+        for i in range(b):
+            n0, n1 = int(lens0[i]), int(lens1[i])
+            whole_k[i, :n0], whole_k[i, n0:n0 + n1] = k_full[i, :n0], k_full[i, cap:cap + n1]
+            whole_v[i, :n0], whole_v[i, n0:n0 + n1] = v_full[i, :n0], v_full[i, cap:cap + n1]
+        ref, ref_lse, _, _ = kvcache_ref(q, whole_k, whole_v, k_new, v_new, lens0 + lens1)
+        ref_lowp, _, _, _ = kvcache_ref(q, whole_k, whole_v, k_new, v_new, lens0 + lens1, upcast=False)
+
+        mine = slice(0, cap) if rank == 0 else slice(cap, 2 * cap)
+        k_shard, v_shard = k_full[:, mine].contiguous(), v_full[:, mine].contiguous()
+        lens = lens0 if rank == 0 else lens1
+        table = None
+        if paged:  # 8-token pages in reverse order
+            pages = cap // 8
+            k_shard = k_shard.reshape(b * pages, 8, hkv, d).flip(0).contiguous()
+            v_shard = v_shard.reshape(b * pages, 8, hkv, d).flip(0).contiguous()
+            table = (b * pages - 1 - torch.arange(b * pages, dtype=torch.int32)).reshape(b, pages)
+        out, lse = tfd.cp_decode(q, k_shard, v_shard, lens, k=k_new, v=v_new, block_table=table, num_splits=2,
+                                 return_lse=True)
+        check_2x(out, ref, ref_lowp)
+        check_lse(lse, ref_lse)
+    finally:
+        dist.destroy_process_group()
+
+
+def _prefill_worker(rank, init_file, causal):
+    _init(rank, init_file)
+    try:
+        import tileflash.distributed as tfd
+        from helpers import check_2x, check_lse
+        from tileflash.reference import attention_ref
+
+        g = torch.Generator().manual_seed(1)
+        b, s, hq, hkv, d = 1, 48, 4, 2, 32
+        q = torch.randn(b, s, hq, d, generator=g).half()
+        k = torch.randn(b, s, hkv, d, generator=g).half()
+        v = torch.randn(b, s, hkv, d, generator=g).half()
+        shard = [tfd.zigzag_shard(x, rank, WORLD) for x in (q, k, v)]
+        out, lse = tfd.ring_attention(*shard, causal=causal, return_lse=True)
+        outs = [torch.empty_like(out) for _ in range(WORLD)]
+        lses = [torch.empty_like(lse) for _ in range(WORLD)]
+        dist.all_gather(outs, out)
+        dist.all_gather(lses, lse)
+        full_out, full_lse = tfd.zigzag_unshard(outs, WORLD), tfd.zigzag_unshard(lses, WORLD, dim=2)
+        ref, ref_lse = attention_ref(q, k, v, causal=causal)
+        ref_lowp, _ = attention_ref(q, k, v, causal=causal, upcast=False)
+        check_2x(full_out, ref, ref_lowp)
+        check_lse(full_lse, ref_lse)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(fn, tmp_path, *args):
+    init_file = tmp_path / "dist_init"
+    here = os.path.dirname(__file__)
+    os.environ["PYTHONPATH"] = os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])  # children import helpers
+    mp.spawn(fn, args=(str(init_file), *args), nprocs=WORLD, join=True)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("sq", [1, 3])
+def test_cp_decode_two_ranks(tmp_path, paged, sq):
+    _spawn(_decode_worker, tmp_path, paged, sq)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_ring_attention_two_ranks(tmp_path, causal):
+    _spawn(_prefill_worker, tmp_path, causal)
