@@ -1,0 +1,110 @@
+"""Named regression tests: each failure found while fuzzing the public ops (tests/test_fuzz.py and the probing
+around it), with its minimal failing example written out. Each was fixed in the library; the test keeps it fixed.
+
+The inputs of the index-tensor cases are chosen so that the buggy path stays inside every buffer: a wrong read
+there gives wrong numbers (or leaves poisoned NaN rows), never a crash of the test process.
+"""
+import pytest
+import torch
+
+import tileflash
+from helpers import DEVICE, check_2x, check_lse
+from tileflash.reference import attention_varlen_ref, kvcache_ref
+
+
+def _strided_int32(values, fillers):
+    """A 1-D int32 tensor holding `values` with stride 2: the element after values[i] is fillers[i]."""
+    storage = torch.tensor([x for pair in zip(values, fillers) for x in pair], dtype=torch.int32, device=DEVICE)
+    t = storage[::2]
+    assert t.tolist() == list(values) and t.stride() == (2,)
+    return t
+
+
+def _raises_naming(exc: Exception, name: str) -> bool:
+    return isinstance(exc, (ValueError, TypeError)) and name in str(exc)
+
+
+# --- Index tensors with a non-unit stride -------------------------------------------------------------------------
+# README: "the last dim of every tensor must be contiguous" and bad inputs "raise ValueError/TypeError naming the
+# argument, before any launch". The 1-D int32 index tensors (cache_seqlens, cu_seqlens_q/k, seqused_k) are checked
+# for dtype, rank and device only (_utils.check_int32), and the kernels read them as `ptr + b`, i.e. as if their
+# stride were 1: attn_fwd_kernel (cu_seqlens_q_ptr + b, cu_seqlens_k_ptr + b, seqlens_k_ptr + b) and
+# kv_append_kernel (cache_seqlens_ptr + b). A stride-2 view silently reads the filler elements instead. With other
+# fillers the varlen case reads garbage offsets and corrupted the heap in a probe ("free(): invalid next size"), and
+# kv_append (which does not clamp) can write past the cache. Either a ValueError naming the argument or the correct
+# result passes these tests.
+
+def test_kvcache_strided_cache_seqlens():
+    # Contiguous cache, B=2, Hq=Hkv=2, D=16, one decode token, one appended token. cache_seqlens [5, 20] stored as
+    # [5, 0, 20, 0][::2]: the kernels read [5, 0], so sequence 1 attends over 1 token instead of 21 and its new
+    # token is appended at position 0 instead of 20 (both in bounds).
+    g = torch.Generator().manual_seed(0)
+    b, cap, hkv, d = 2, 32, 2, 16
+    q = torch.randn(b, 1, hkv, d, generator=g).to(DEVICE, torch.float16)
+    k_cache = torch.randn(b, cap, hkv, d, generator=g).to(DEVICE, torch.float16)
+    v_cache = torch.randn(b, cap, hkv, d, generator=g).to(DEVICE, torch.float16)
+    k = torch.randn(b, 1, hkv, d, generator=g).to(DEVICE, torch.float16)
+    v = torch.randn(b, 1, hkv, d, generator=g).to(DEVICE, torch.float16)
+    seqlens = _strided_int32([5, 20], fillers=[0, 0])
+    ref, ref_lse, ref_k, ref_v = kvcache_ref(q, k_cache, v_cache, k, v, seqlens)
+    ref_lowp, _, _, _ = kvcache_ref(q, k_cache, v_cache, k, v, seqlens, upcast=False)
+    try:
+        out, lse = tileflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens,
+                                                     num_splits=1, return_lse=True)
+    except Exception as e:  # rejecting the layout is a fix too
+        assert _raises_naming(e, "cache_seqlens"), e
+        return
+    check_2x(out, ref, ref_lowp)
+    check_lse(lse, ref_lse)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v), "appended cache contents differ"
+
+
+def test_varlen_strided_cu_seqlens():
+    # Two sequences of 10 and 20 tokens, Hq=Hkv=2, D=16, non-causal. cu_seqlens [0, 10, 30] stored as
+    # [0, 0, 10, 10, 30, 30][::2]: the kernel reads offsets [0, 0, 10], i.e. lengths 0 and 10, so tokens 10..29
+    # are never written (they keep the NaN poison; without poisoning they are uninitialised memory).
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(30, 2, 16, generator=g).to(DEVICE, torch.float16) for _ in range(3))
+    cu = _strided_int32([0, 10, 30], fillers=[0, 10, 30])
+    ref, ref_lse = attention_varlen_ref(q, k, v, cu, cu)
+    ref_lowp, _ = attention_varlen_ref(q, k, v, cu, cu, upcast=False)
+    try:
+        out, lse = tileflash.flash_attn_varlen_func(q, k, v, cu, cu, 20, 20, return_lse=True)
+    except Exception as e:
+        assert _raises_naming(e, "cu_seqlens"), e
+        return
+    check_2x(out, ref, ref_lowp)
+    check_lse(lse, ref_lse)
+
+
+def test_varlen_strided_seqused_k():
+    # Two sequences of 8 queries / 24 keys, seqused_k [24, 3] stored as [24, 0, 3, 0][::2]: the kernel reads
+    # [24, 0], so sequence 1 sees no key (out 0, lse -inf) instead of its first 3.
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(16, 2, 16, generator=g).to(DEVICE, torch.float16)
+    k, v = (torch.randn(48, 2, 16, generator=g).to(DEVICE, torch.float16) for _ in range(2))
+    cu_q = torch.tensor([0, 8, 16], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 24, 48], dtype=torch.int32, device=DEVICE)
+    used = _strided_int32([24, 3], fillers=[0, 0])
+    ref, ref_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, used)
+    ref_lowp, _ = attention_varlen_ref(q, k, v, cu_q, cu_k, used, upcast=False)
+    try:
+        out, lse = tileflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 8, 24, seqused_k=used, return_lse=True)
+    except Exception as e:
+        assert _raises_naming(e, "seqused_k"), e
+        return
+    check_2x(out, ref, ref_lowp)
+    check_lse(lse, ref_lse)
+
+
+# --- merge_attn_states with head dim 0 ----------------------------------------------------------------------------
+def test_merge_head_dim_zero_still_merges_lse():
+    # out [1, 3, 2, 0], lse [1, 2, 3]. README: merge supports "any" head dim. _merge_impl returns early when
+    # out.numel() == 0, before the kernel writes lse, so lse is whatever new_output left there (NaN when poisoned,
+    # uninitialised memory otherwise) instead of logaddexp(lse_a, lse_b). Branch: the empty-output early return.
+    g = torch.Generator().manual_seed(0)
+    oa = torch.empty(1, 3, 2, 0, dtype=torch.float16, device=DEVICE)
+    la, lb = (torch.randn(1, 2, 3, generator=g).to(DEVICE) for _ in range(2))
+    out, lse = tileflash.merge_attn_states(oa, la, oa.clone(), lb)
+    assert out.shape == oa.shape
+    check_lse(lse, torch.logaddexp(la, lb), atol=1e-5)
