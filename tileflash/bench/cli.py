@@ -1,4 +1,5 @@
-"""Command line: ``python -m tileflash bench {prefill,decode,backward,lowp,all} [--quick] [--only LABEL] [--json PATH]``."""
+"""Command line: ``python -m tileflash bench {prefill,decode,backward,lowp,all} [--quick] [--only LABEL]
+[--json PATH] [--plot DIR]`` (and ``torchrun ... -m tileflash bench cp``, see bench/cp.py)."""
 
 import argparse
 import json
