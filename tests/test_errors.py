@@ -80,7 +80,7 @@ KVCACHE_CASES = [
                                                  v_cache=torch.randn(2, 257, 2, 64, **F16))),
     ("capacity", ValueError, lambda a: a.update(cache_seqlens=torch.full((2,), 64, dtype=torch.int32, device=DEVICE),
                                                 k=torch.randn(2, 1, 2, 64, **F16), v=torch.randn(2, 1, 2, 64, **F16))),
-    ("outside the pool", ValueError, lambda a: a["block_table"].__setitem__((1, 0), 10)),
+    ("page indices in \\[0, 10\\)", ValueError, lambda a: a["block_table"].__setitem__((1, 0), 10)),
     ("num_splits", ValueError, lambda a: a.update(num_splits=-1)),
     ("k_cache", TypeError, lambda a: a.update(k_cache=a["k_cache"].bfloat16())),
     ("k_scale: not used with a torch.float16 cache", ValueError,
@@ -135,3 +135,22 @@ def test_merge_errors():
         tileflash.merge_attn_states(o, lse, o, lse.transpose(1, 2))
     with pytest.raises(TypeError, match="lse_a"):
         tileflash.merge_attn_states(o, lse.half(), o, lse)
+
+
+def test_every_error_names_the_argument_and_what_was_given():
+    """Each ValueError/TypeError above starts with the argument's name and says what was given ('got ...')."""
+    messages = []
+    for needle, exc, mutate in FUNC_CASES:
+        with pytest.raises(exc) as info:
+            tileflash.flash_attn_func(*mutate(*qkv()))
+        messages.append(str(info.value))
+    for needle, exc, mutate in KVCACHE_CASES:
+        args = kvcache_args()
+        mutate(args)
+        with pytest.raises(exc) as info:
+            tileflash.flash_attn_with_kvcache(validate=True, **args)
+        messages.append(str(info.value))
+    for msg in messages:
+        arg = msg.split(":")[0]
+        assert arg and " " not in arg.replace(", ", ",").replace(" + ", "+").replace("head dim", "head_dim"), msg
+        assert "got" in msg or "exceed" in msg, msg

@@ -93,9 +93,10 @@ def _check_kv_scales(k_cache, v_cache, k_scale, v_scale, k_global_scale, v_globa
         if name not in needed:
             if t is not None:
                 raise ValueError(f"{name}: not used with a {k_cache.dtype} cache (fp8 caches take k_scale/v_scale, "
-                                 f"nvfp4 (uint8) caches also k_global_scale/v_global_scale)")
+                                 f"nvfp4 (uint8) caches also k_global_scale/v_global_scale); expected None, got a "
+                                 f"tensor")
         elif t is None:
-            raise ValueError(f"{name}: required with a {k_cache.dtype} cache")
+            raise ValueError(f"{name}: required with a {k_cache.dtype} cache, got None")
     if fmt == "fp8":
         for name, t in names[:2]:
             _utils.check_tensor(name, t, ndim=1, dtypes=(torch.float32,), device=device)
@@ -114,7 +115,8 @@ def _check_kv_scales(k_cache, v_cache, k_scale, v_scale, k_global_scale, v_globa
                 raise ValueError(f"{name}: expected e4m3 block scales of shape {expected} (last dim contiguous), "
                                  f"got {tuple(t.shape)}")
         if k_scale.stride() != v_scale.stride() or k_cache.stride() != v_cache.stride():
-            raise ValueError("k_scale, v_scale / k_cache, v_cache: NVFP4 K and V tensors must share strides")
+            raise ValueError(f"k_scale, v_scale / k_cache, v_cache: NVFP4 K and V tensors must share strides, got "
+                             f"{k_scale.stride()} / {v_scale.stride()} and {k_cache.stride()} / {v_cache.stride()}")
         for name, t in names[2:]:
             _utils.check_tensor(name, t, dtypes=(torch.float32,), device=device)
             if t.numel() != 1:
@@ -149,7 +151,8 @@ def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_sp
         if block_table.shape[0] != b:
             raise ValueError(f"block_table: expected {b} rows (batch), got {block_table.shape[0]}")
         if block_table.shape[1] > 1 and block_table.stride(1) != 1:
-            raise ValueError("block_table: last dimension must be contiguous (stride 1)")
+            raise ValueError(f"block_table: last dimension must be contiguous (stride 1), got stride "
+                             f"{block_table.stride(1)}")
         page_size = k_cache.shape[1]
         if not 1 <= page_size <= MAX_PAGE_SIZE:
             raise ValueError(f"k_cache: page size (dim 1) must be in 1..{MAX_PAGE_SIZE}, got {page_size}")
@@ -160,12 +163,13 @@ def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_sp
                              f"(pass block_table for a paged cache)")
         capacity = k_cache.shape[1]
     if cache_seqlens is None:
-        raise ValueError("cache_seqlens: required ([batch] int32, tokens already in each sequence's cache)")
+        raise ValueError("cache_seqlens: required ([batch] int32, tokens already in each sequence's cache), got None")
     _utils.check_int32("cache_seqlens", cache_seqlens, 1, dev)
     if cache_seqlens.shape[0] != b:
         raise ValueError(f"cache_seqlens: expected {b} elements (batch), got {cache_seqlens.shape[0]}")
     if (k is None) != (v is None):
-        raise ValueError("k, v: pass both new keys and new values, or neither")
+        raise ValueError(f"k, v: pass both new keys and new values, or neither; got k={'None' if k is None else 'a tensor'}"
+                         f", v={'None' if v is None else 'a tensor'}")
     s_new = 0
     if k is not None:
         for name, t in (("k", k), ("v", v)):
@@ -198,8 +202,8 @@ def _validate_values(k_cache, cache_seqlens, block_table, capacity: int, s_new: 
         for i, n in enumerate((seqlens + s_new).tolist()):
             used = table[i, : _utils.cdiv(n, page_size)]
             if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_pages):
-                raise ValueError(f"block_table: row {i} uses page indices outside the pool [0, {num_pages}): "
-                                 f"min {int(used.min())}, max {int(used.max())}")
+                raise ValueError(f"block_table: row {i} must use page indices in [0, {num_pages}), got min "
+                                 f"{int(used.min())}, max {int(used.max())}")
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
