@@ -168,8 +168,8 @@ def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_sp
     if cache_seqlens.shape[0] != b:
         raise ValueError(f"cache_seqlens: expected {b} elements (batch), got {cache_seqlens.shape[0]}")
     if (k is None) != (v is None):
-        raise ValueError(f"k, v: pass both new keys and new values, or neither; got k={'None' if k is None else 'a tensor'}"
-                         f", v={'None' if v is None else 'a tensor'}")
+        given = lambda t: "None" if t is None else "a tensor"  # noqa: E731
+        raise ValueError(f"k, v: pass both new keys and new values, or neither; got k={given(k)}, v={given(v)}")
     s_new = 0
     if k is not None:
         for name, t in (("k", k), ("v", v)):
