@@ -6,7 +6,8 @@ import torch
 import tileflash._utils as tf_utils
 from helpers import DEVICE, ON_GPU, check_2x
 from tileflash.formats import E4M3, nvfp4_dequantize_ref
-from tileflash.ops.gemm import GemmConfig, gemm_config, nvfp4_matmul
+from tileflash.heuristics import GemmConfig, gemm_config
+from tileflash.ops.gemm import nvfp4_matmul
 from tileflash.ops.quant import nvfp4_dequantize, nvfp4_quantize
 
 

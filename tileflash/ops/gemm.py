@@ -6,37 +6,12 @@ out [M, N] in a's dtype. K must be a positive multiple of 16 (the scale block); 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from .. import _utils
+from ..heuristics import gemm_config
 from ..kernels.gemm_blockscaled import nvfp4_matmul_kernel
 from .quant import check_nvfp4
-
-
-@dataclass(frozen=True)
-class GemmConfig:
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-
-
-def gemm_config(m: int, n: int, k: int, interpret: bool = False) -> GemmConfig:
-    """Tile shape from the problem shape only (CUDA-graph safe). Not yet swept on the H200: these are the usual
-    Hopper starting points for a weight-only GEMM, to be replaced by measured ones.
-    BLOCK_M follows M (a decode-sized M of 1-16 would waste most of a 64-row tile); BLOCK_K = 128 is 64 bytes of
-    packed b per row and 8 scales per step."""
-    if interpret:
-        # Small tiles: the interpreter's cost is per program and per K step, and tests use M <= 33, N, K <= 96.
-        return GemmConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1)
-    if m <= 16:
-        return GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
-    if m <= 64:
-        return GemmConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3)
-    return GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3)
 
 
 def _nvfp4_matmul_impl(a: torch.Tensor, b_data: torch.Tensor, b_scales: torch.Tensor,
