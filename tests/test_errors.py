@@ -154,3 +154,18 @@ def test_every_error_names_the_argument_and_what_was_given():
         arg = msg.split(":")[0]
         assert arg and " " not in arg.replace(", ", ",").replace(" + ", "+").replace("head dim", "head_dim"), msg
         assert "got" in msg or "exceed" in msg, msg
+
+
+def test_varlen_paged_errors():
+    q = torch.randn(6, 4, 32, **F16)
+    pool = torch.randn(8, 16, 2, 32, **F16)
+    cu = torch.tensor([0, 6], dtype=torch.int32, device=DEVICE)
+    table = torch.arange(4, dtype=torch.int32, device=DEVICE).reshape(1, 4)
+    used = torch.tensor([30], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="seqused_k: required"):
+        tileflash.flash_attn_varlen_func(q, pool, pool, cu, None, 6, 30, block_table=table)
+    with pytest.raises(ValueError, match="block_table: expected a \\[1, max_pages\\]"):
+        tileflash.flash_attn_varlen_func(q, pool, pool, cu, None, 6, 30, seqused_k=used, block_table=table.repeat(2, 1))
+    with pytest.raises(ValueError, match="block_table: paged keys are forward-only"):
+        tileflash.flash_attn_varlen_func(q.requires_grad_(), pool, pool, cu, None, 6, 30, seqused_k=used,
+                                         block_table=table)

@@ -36,3 +36,30 @@ def test_flash_attn_varlen_func(case, dtype):
     assert lse.shape == (hq, sum(lens_q))
     check_2x(out, ref, ref_lowp)
     check_lse(lse, ref_lse)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 5])
+def test_varlen_over_paged_keys(page_size):
+    """vLLM-style chunked prefill: packed new queries attend to each sequence's keys held in pages."""
+    from tileflash.reference import gather_cache
+
+    g = torch.Generator().manual_seed(9)
+    lens_q, used = [5, 0, 12, 1], [20, 7, 12, 33]  # queries are the last lens_q tokens of used keys
+    hq, hkv, d, max_pages = 4, 2, 32, 40 // page_size + 1
+    num_pages = len(used) * max_pages + 3
+    k_cache = torch.randn(num_pages, page_size, hkv, d, generator=g).to(DEVICE, torch.float16)
+    v_cache = torch.randn(num_pages, page_size, hkv, d, generator=g).to(DEVICE, torch.float16)
+    table = torch.randperm(num_pages, generator=g)[: len(used) * max_pages].reshape(len(used), max_pages)
+    table = table.to(DEVICE, torch.int32)
+    q = torch.randn(sum(lens_q), hq, d, generator=g).to(DEVICE, torch.float16)
+    cu_q = torch.tensor([0] + lens_q).cumsum(0).to(DEVICE, torch.int32)
+    seqused = torch.tensor(used, dtype=torch.int32, device=DEVICE)
+    out, lse = tileflash.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, None, max(lens_q), max(used),
+                                                seqused_k=seqused, causal=True, block_table=table, return_lse=True)
+    k = torch.cat([gather_cache(k_cache, table, n, i) for i, n in enumerate(used)])
+    v = torch.cat([gather_cache(v_cache, table, n, i) for i, n in enumerate(used)])
+    cu_k = torch.tensor([0] + used).cumsum(0).to(DEVICE, torch.int32)
+    ref, ref_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, causal=True)
+    ref_lowp, _ = attention_varlen_ref(q, k, v, cu_q, cu_k, causal=True, upcast=False)
+    check_2x(out, ref, ref_lowp)
+    check_lse(lse, ref_lse)

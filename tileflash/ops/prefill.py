@@ -96,6 +96,63 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k
 _attn_varlen_fwd_op.register_autograd(_bwd.varlen_backward, setup_context=_bwd.setup_varlen_context)
 
 
+def _attn_varlen_paged_fwd_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor, block_table: torch.Tensor,
+                                max_seqlen_q: int, softmax_scale: float, window_left: int, window_right: int,
+                                softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed queries over paged keys: sequence b's keys are its first seqused_k[b] tokens in its pages."""
+    total_q, hq, d = q.shape
+    out = _utils.new_output(q.shape, q.dtype, q.device)
+    lse = _utils.new_output((hq, total_q), torch.float32, q.device)
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    if total_q == 0 or num_seqs == 0 or max_seqlen_q == 0:
+        return out, lse.fill_(float("-inf"))
+    launch_attn_fwd(q.unsqueeze(0), k_cache, v_cache, out.unsqueeze(0), lse.unsqueeze(0), q_batch_stride0=True,
+                    k_batch_stride0=False, num_batches=num_seqs, seqlen_q=0,
+                    seqlen_k=block_table.shape[1] * k_cache.shape[1], m_rows=max_seqlen_q,
+                    softmax_scale=softmax_scale, mask=Mask(window_left, window_right, softcap),
+                    config=fwd_config(d, causal=window_right >= 0, interpret=_utils.is_interpreter()),
+                    cu_seqlens_q=cu_seqlens_q, seqlens_k=seqused_k, block_table=block_table)
+    return out, lse
+
+
+_attn_varlen_paged_fwd_op = torch.library.custom_op("tileflash::attn_varlen_paged_fwd",
+                                                    mutates_args=())(_attn_varlen_paged_fwd_impl)
+
+
+@_attn_varlen_paged_fwd_op.register_fake
+def _(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, softmax_scale, window_left,
+      window_right, softcap):
+    total_q, hq, _ = q.shape
+    return torch.empty_like(q), q.new_empty((hq, total_q), dtype=torch.float32)
+
+
+def _check_paged_kv(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table) -> None:
+    _utils.check_tensor("q", q, ndim=3, dtypes=_utils.SUPPORTED_DTYPES)
+    for name, t in (("k", k_cache), ("v", v_cache)):
+        _utils.check_tensor(name, t, ndim=4, dtypes=(q.dtype,), device=q.device)
+        _utils.check_last_dim_contiguous(name, t)
+    _utils.check_last_dim_contiguous("q", q)
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k, v: expected equal page pools, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    hq, d = q.shape[1], q.shape[2]
+    hkv = k_cache.shape[2]
+    if k_cache.shape[3] != d:
+        raise ValueError(f"k: expected head dim {d} (q's), got {k_cache.shape[3]}")
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"k: number of KV heads must divide the query heads, got Hq={hq}, Hkv={hkv}")
+    _utils.check_head_dim(d)
+    if not 1 <= k_cache.shape[1] <= 256:
+        raise ValueError(f"k: page size (dim 1) must be in 1..256, got {k_cache.shape[1]}")
+    _utils.check_int32("block_table", block_table, 2, q.device)
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    if block_table.shape[0] != num_seqs or (block_table.shape[1] > 1 and block_table.stride(1) != 1):
+        raise ValueError(f"block_table: expected a [{num_seqs}, max_pages] int32 table with a contiguous last dim, "
+                         f"got shape {tuple(block_table.shape)}, strides {block_table.stride()}")
+    if seqused_k is None:
+        raise ValueError("seqused_k: required with block_table (keys per sequence in its pages), got None")
+
+
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     return_lse=False, deterministic=False):
     """Attention over a padded batch. q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (Hq % Hkv == 0), fp16/bf16.
@@ -124,14 +181,32 @@ def _check_cu_seqlens(name: str, t, device) -> None:
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=None,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, return_lse=False,
-                           deterministic=False):
+                           deterministic=False, block_table=None):
     """Attention over packed variable-length sequences. q [total_q, Hq, D], k/v [total_k, Hkv, D];
     cu_seqlens_q/k [batch + 1] int32 offsets; optional seqused_k [batch] int32 (keys actually used per sequence).
     Empty sequences are allowed. Returns out [total_q, Hq, D] and with return_lse=True lse [Hq, total_q].
 
     max_seqlen_q / max_seqlen_k must be >= every query / key length (they size the grids). Differentiable in
     q, k, v like flash_attn_func (deterministic gradients).
+
+    Paged keys (vLLM-style chunked prefill / prefix caching): with block_table [batch, max_pages] int32, k and v
+    are page pools [num_pages, page_size, Hkv, D], sequence b's keys are the first seqused_k[b] tokens of its pages
+    (cu_seqlens_k is ignored and may be None), and its queries are the last tokens of that sequence (bottom-right
+    causal). Forward only.
     """
+    if block_table is not None:
+        _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
+        _check_paged_kv(q, k, v, cu_seqlens_q, seqused_k, block_table)
+        _utils.check_int32("seqused_k", seqused_k, 1, q.device)
+        if _utils.needs_grad(q, k, v):
+            raise ValueError("block_table: paged keys are forward-only; got inputs that require grad")
+        left, right = _utils.check_window(window_size)
+        mask = Mask.make(causal, (left, right), _check_softcap(softcap))
+        op = _utils.eager_or_op(_attn_varlen_paged_fwd_op, _attn_varlen_paged_fwd_impl)
+        out, lse = op(q, k, v, cu_seqlens_q.contiguous(), seqused_k.contiguous(), block_table, int(max_seqlen_q),
+                      _utils.softmax_scale_or_default(softmax_scale, q.shape[-1]), mask.window_left,
+                      mask.window_right, mask.softcap)
+        return (out, lse) if return_lse else out
     _check_qkv(q, k, v, 3)
     _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
     _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device)
