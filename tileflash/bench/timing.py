@@ -11,7 +11,8 @@ def bench_ms(fn, warmup=25, rep=100):
 
 def graphed(fn, warmup_iters=3):
     """Capture ``fn`` in a CUDA graph; return a callable that replays it and returns the
-    output captured with it (written in place by each replay)."""
+    output captured with it (written in place by each replay). ``fn`` runs ``warmup_iters`` + 1 times before the
+    first replay, so a call with side effects (a decode step that appends K/V) applies them that often."""
     import torch
 
     # torch's documented recipe: warm up on a side stream so lazy init, autotuning and
