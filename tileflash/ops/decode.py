@@ -17,7 +17,6 @@ from ._launch import Mask, launch_attn_fwd, launch_combine, launch_kv_append
 from .prefill import _check_softcap
 
 MAX_QUERY_TOKENS = 16
-MAX_PAGE_SIZE = 256
 
 
 def _plan(q, k_cache, block_table, num_splits: int):
@@ -154,8 +153,8 @@ def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_sp
             raise ValueError(f"block_table: last dimension must be contiguous (stride 1), got stride "
                              f"{block_table.stride(1)}")
         page_size = k_cache.shape[1]
-        if not 1 <= page_size <= MAX_PAGE_SIZE:
-            raise ValueError(f"k_cache: page size (dim 1) must be in 1..{MAX_PAGE_SIZE}, got {page_size}")
+        if not 1 <= page_size <= _utils.MAX_PAGE_SIZE:
+            raise ValueError(f"k_cache: page size (dim 1) must be in 1..{_utils.MAX_PAGE_SIZE}, got {page_size}")
         capacity = block_table.shape[1] * page_size
     else:
         if k_cache.shape[0] != b:

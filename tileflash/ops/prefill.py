@@ -11,10 +11,12 @@ from . import backward as _bwd
 from ._launch import Mask, launch_attn_fwd
 
 
-def _check_qkv(q, k, v, ndim: int) -> None:
+def _check_qkv(q, k, v, ndim: int, kv_ndim: int | None = None) -> None:
+    """kv_ndim: the rank of k/v when it differs from q's (paged pools [pages, page_size, Hkv, D])."""
+    kv_ndim = ndim if kv_ndim is None else kv_ndim
     _utils.check_tensor("q", q, ndim=ndim, dtypes=_utils.SUPPORTED_DTYPES)
-    _utils.check_tensor("k", k, ndim=ndim, dtypes=(q.dtype,), device=q.device)
-    _utils.check_tensor("v", v, ndim=ndim, dtypes=(q.dtype,), device=q.device)
+    _utils.check_tensor("k", k, ndim=kv_ndim, dtypes=(q.dtype,), device=q.device)
+    _utils.check_tensor("v", v, ndim=kv_ndim, dtypes=(q.dtype,), device=q.device)
     for name, t in (("q", q), ("k", k), ("v", v)):
         _utils.check_last_dim_contiguous(name, t)
     if k.shape != v.shape:
@@ -62,24 +64,31 @@ def _(q, k, v, softmax_scale, window_left, window_right, softcap):
 _attn_fwd_op.register_autograd(_bwd.fwd_backward, setup_context=_bwd.setup_fwd_context)
 
 
-def _attn_varlen_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                        cu_seqlens_k: torch.Tensor, seqused_k: Optional[torch.Tensor], max_seqlen_q: int,
-                        max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
-                        softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _varlen_forward(q, k4, v4, cu_seqlens_q, max_seqlen_q, softmax_scale, window_left, window_right, softcap,
+                    **launch_kw):
+    """Allocate (out, lse [Hq, total_q]) and launch over packed queries: q [total, H, D] is viewed as
+    [1, total, H, D] with a batch stride of 0, and cu_seqlens_q gives each sequence's start."""
     total_q, hq, d = q.shape
     out = _utils.new_output(q.shape, q.dtype, q.device)
     lse = _utils.new_output((hq, total_q), torch.float32, q.device)
     num_seqs = cu_seqlens_q.shape[0] - 1
     if total_q == 0 or num_seqs == 0 or max_seqlen_q == 0:
         return out, lse.fill_(float("-inf"))
-    # [total, H, D] -> [1, total, H, D]; the batch stride is 0 and cu_seqlens give each sequence's start.
-    launch_attn_fwd(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0),
-                    q_batch_stride0=True, k_batch_stride0=True, num_batches=num_seqs, seqlen_q=0,
-                    seqlen_k=0, m_rows=max_seqlen_q, softmax_scale=softmax_scale,
+    launch_attn_fwd(q.unsqueeze(0), k4, v4, out.unsqueeze(0), lse.unsqueeze(0), q_batch_stride0=True,
+                    num_batches=num_seqs, seqlen_q=0, m_rows=max_seqlen_q, softmax_scale=softmax_scale,
                     mask=Mask(window_left, window_right, softcap),
                     config=fwd_config(d, causal=window_right >= 0, interpret=_utils.is_interpreter()),
-                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqlens_k=seqused_k)
+                    cu_seqlens_q=cu_seqlens_q, **launch_kw)
     return out, lse
+
+
+def _attn_varlen_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                          cu_seqlens_k: torch.Tensor, seqused_k: Optional[torch.Tensor], max_seqlen_q: int,
+                          max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
+                          softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _varlen_forward(q, k.unsqueeze(0), v.unsqueeze(0), cu_seqlens_q, max_seqlen_q, softmax_scale, window_left,
+                           window_right, softcap, k_batch_stride0=True, seqlen_k=0, cu_seqlens_k=cu_seqlens_k,
+                           seqlens_k=seqused_k)
 
 
 _attn_varlen_fwd_op = torch.library.custom_op("tileflash::attn_varlen_fwd",
@@ -101,19 +110,10 @@ def _attn_varlen_paged_fwd_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
                                 max_seqlen_q: int, softmax_scale: float, window_left: int, window_right: int,
                                 softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed queries over paged keys: sequence b's keys are its first seqused_k[b] tokens in its pages."""
-    total_q, hq, d = q.shape
-    out = _utils.new_output(q.shape, q.dtype, q.device)
-    lse = _utils.new_output((hq, total_q), torch.float32, q.device)
-    num_seqs = cu_seqlens_q.shape[0] - 1
-    if total_q == 0 or num_seqs == 0 or max_seqlen_q == 0:
-        return out, lse.fill_(float("-inf"))
-    launch_attn_fwd(q.unsqueeze(0), k_cache, v_cache, out.unsqueeze(0), lse.unsqueeze(0), q_batch_stride0=True,
-                    k_batch_stride0=False, num_batches=num_seqs, seqlen_q=0,
-                    seqlen_k=block_table.shape[1] * k_cache.shape[1], m_rows=max_seqlen_q,
-                    softmax_scale=softmax_scale, mask=Mask(window_left, window_right, softcap),
-                    config=fwd_config(d, causal=window_right >= 0, interpret=_utils.is_interpreter()),
-                    cu_seqlens_q=cu_seqlens_q, seqlens_k=seqused_k, block_table=block_table)
-    return out, lse
+    return _varlen_forward(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, softmax_scale, window_left,
+                           window_right, softcap, k_batch_stride0=False,
+                           seqlen_k=block_table.shape[1] * k_cache.shape[1], seqlens_k=seqused_k,
+                           block_table=block_table)
 
 
 _attn_varlen_paged_fwd_op = torch.library.custom_op("tileflash::attn_varlen_paged_fwd",
@@ -128,22 +128,9 @@ def _(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, s
 
 
 def _check_paged_kv(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table) -> None:
-    _utils.check_tensor("q", q, ndim=3, dtypes=_utils.SUPPORTED_DTYPES)
-    for name, t in (("k", k_cache), ("v", v_cache)):
-        _utils.check_tensor(name, t, ndim=4, dtypes=(q.dtype,), device=q.device)
-        _utils.check_last_dim_contiguous(name, t)
-    _utils.check_last_dim_contiguous("q", q)
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k, v: expected equal page pools, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    hq, d = q.shape[1], q.shape[2]
-    hkv = k_cache.shape[2]
-    if k_cache.shape[3] != d:
-        raise ValueError(f"k: expected head dim {d} (q's), got {k_cache.shape[3]}")
-    if hkv == 0 or hq % hkv != 0:
-        raise ValueError(f"k: number of KV heads must divide the query heads, got Hq={hq}, Hkv={hkv}")
-    _utils.check_head_dim(d)
-    if not 1 <= k_cache.shape[1] <= 256:
-        raise ValueError(f"k: page size (dim 1) must be in 1..256, got {k_cache.shape[1]}")
+    _check_qkv(q, k_cache, v_cache, 3, kv_ndim=4)
+    if not 1 <= k_cache.shape[1] <= _utils.MAX_PAGE_SIZE:
+        raise ValueError(f"k: page size (dim 1) must be in 1..{_utils.MAX_PAGE_SIZE}, got {k_cache.shape[1]}")
     _utils.check_int32("block_table", block_table, 2, q.device)
     num_seqs = cu_seqlens_q.shape[0] - 1
     if block_table.shape[0] != num_seqs or (block_table.shape[1] > 1 and block_table.stride(1) != 1):
