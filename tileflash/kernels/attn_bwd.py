@@ -56,13 +56,11 @@ def attn_bwd_preprocess_kernel(o_ptr, do_ptr, dlse_ptr, delta_ptr, seqlen, num_h
 
 
 @triton.jit
-def _load_rows(ptr, rows, row_ok, offs_d, stride_s, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr):
+def _load_rows(ptr, rows, row_ok, offs_d, stride_s, HEAD_DIM: tl.constexpr, TILE_DTYPE: tl.constexpr):
     """[len(rows), DP] tile of rows of one head; padding rows and columns are 0."""
     t = tl.load(ptr + rows.to(tl.int64)[:, None] * stride_s + offs_d[None, :],
                 mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    if UPCAST:
-        t = t.to(tl.float32)
-    return t
+    return t.to(TILE_DTYPE)  # as in the forward: the input dtype, fp32 in the interpreter
 
 
 @triton.jit
@@ -108,7 +106,7 @@ def attn_bwd_dkdv_kernel(
     softmax_scale, softcap, window_left, window_right,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     VARLEN_Q: tl.constexpr, VARLEN_K: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, TILE_DTYPE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     start_n = (pid % n_tiles) * BLOCK_N
@@ -130,9 +128,9 @@ def attn_bwd_dkdv_kernel(
     key_ok = offs_n < seqlen_k
     b64 = b.to(tl.int64)
     k = _load_rows(k_ptr + b64 * stride_kb + head_kv.to(tl.int64) * stride_kh, k_start + offs_n, key_ok, offs_d,
-                   stride_ks, HEAD_DIM, UPCAST)
+                   stride_ks, HEAD_DIM, TILE_DTYPE)
     v = _load_rows(v_ptr + b64 * stride_vb + head_kv.to(tl.int64) * stride_vh, k_start + offs_n, key_ok, offs_d,
-                   stride_vs, HEAD_DIM, UPCAST)
+                   stride_vs, HEAD_DIM, TILE_DTYPE)
     dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
     qk_scale, softcap_scale = logit_scales(softmax_scale, softcap, SOFTCAP)
@@ -149,8 +147,8 @@ def attn_bwd_dkdv_kernel(
         for start_m in range((q_lo // BLOCK_M) * BLOCK_M, q_hi, BLOCK_M):
             tok = start_m + tl.arange(0, BLOCK_M)
             row_ok = tok < seqlen_q
-            q = _load_rows(q_base, q_start + tok, row_ok, offs_d, stride_qs, HEAD_DIM, UPCAST)
-            do = _load_rows(do_base, q_start + tok, row_ok, offs_d, stride_dos, HEAD_DIM, UPCAST)
+            q = _load_rows(q_base, q_start + tok, row_ok, offs_d, stride_qs, HEAD_DIM, TILE_DTYPE)
+            do = _load_rows(do_base, q_start + tok, row_ok, offs_d, stride_dos, HEAD_DIM, TILE_DTYPE)
             lse2, delta = _row_stats(lse_ptr, delta_ptr, b, head_q, q_start + tok, row_ok, stride_lb, stride_lh,
                                      stride_ls)
             p, ds = _probs_and_dscores(q, k, v, do, lse2, delta, tok + diag, offs_n, seqlen_k, qk_scale,
@@ -170,12 +168,12 @@ def attn_bwd_dkdv_kernel(
 def _dq_blocks(dq, q, do, lse2, delta, q_pos, k_base, v_base, stride_ks, stride_vs, k_start, offs_d, seqlen_k,
                lo, hi, qk_scale, softcap_scale, window_left, window_right, HEAD_DIM: tl.constexpr,
                BLOCK_N: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-               SOFTCAP: tl.constexpr, UPCAST: tl.constexpr):
+               SOFTCAP: tl.constexpr, TILE_DTYPE: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         key_ok = offs_n < seqlen_k
-        k = _load_rows(k_base, k_start + offs_n, key_ok, offs_d, stride_ks, HEAD_DIM, UPCAST)
-        v = _load_rows(v_base, k_start + offs_n, key_ok, offs_d, stride_vs, HEAD_DIM, UPCAST)
+        k = _load_rows(k_base, k_start + offs_n, key_ok, offs_d, stride_ks, HEAD_DIM, TILE_DTYPE)
+        v = _load_rows(v_base, k_start + offs_n, key_ok, offs_d, stride_vs, HEAD_DIM, TILE_DTYPE)
         p, ds = _probs_and_dscores(q, k, v, do, lse2, delta, q_pos, offs_n, seqlen_k, qk_scale, softcap_scale,
                                    window_left, window_right, MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP)
         dq = tl.dot(ds.to(k.dtype), k, dq)
@@ -193,7 +191,7 @@ def attn_bwd_dq_kernel(
     softmax_scale, softcap, window_left, window_right,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     VARLEN_Q: tl.constexpr, VARLEN_K: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, TILE_DTYPE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     start_m = (m_tiles - 1 - pid % m_tiles) * BLOCK_M  # heaviest causal tiles first
@@ -211,9 +209,9 @@ def attn_bwd_dq_kernel(
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     b64 = b.to(tl.int64)
     q = _load_rows(q_ptr + b64 * stride_qb + head_q.to(tl.int64) * stride_qh, q_start + tok, row_ok, offs_d,
-                   stride_qs, HEAD_DIM, UPCAST)
+                   stride_qs, HEAD_DIM, TILE_DTYPE)
     do = _load_rows(do_ptr + b64 * stride_dob + head_q.to(tl.int64) * stride_doh, q_start + tok, row_ok, offs_d,
-                    stride_dos, HEAD_DIM, UPCAST)
+                    stride_dos, HEAD_DIM, TILE_DTYPE)
     lse2, delta = _row_stats(lse_ptr, delta_ptr, b, head_q, q_start + tok, row_ok, stride_lb, stride_lh, stride_ls)
     qk_scale, softcap_scale = logit_scales(softmax_scale, softcap, SOFTCAP)
     diag = seqlen_k - seqlen_q
@@ -226,13 +224,13 @@ def attn_bwd_dq_kernel(
     # Masked blocks at the left window edge, unmasked interior, masked blocks at the diagonal / end.
     dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, k_base, v_base, stride_ks, stride_vs, k_start, offs_d, seqlen_k,
                     n_lo * BLOCK_N, full_lo * BLOCK_N, qk_scale, softcap_scale, window_left, window_right, HEAD_DIM,
-                    BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, UPCAST)
+                    BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE)
     dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, k_base, v_base, stride_ks, stride_vs, k_start, offs_d, seqlen_k,
                     full_lo * BLOCK_N, full_hi * BLOCK_N, qk_scale, softcap_scale, window_left, window_right,
-                    HEAD_DIM, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, UPCAST)
+                    HEAD_DIM, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE)
     dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, k_base, v_base, stride_ks, stride_vs, k_start, offs_d, seqlen_k,
                     full_hi * BLOCK_N, n_hi * BLOCK_N, qk_scale, softcap_scale, window_left, window_right, HEAD_DIM,
-                    BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, UPCAST)
+                    BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE)
     dq = dq * softmax_scale
     rows = (q_start + tok).to(tl.int64)
     tl.store(dq_ptr + b64 * stride_dqb + head_q.to(tl.int64) * stride_dqh + rows[:, None] * stride_dqs

@@ -39,7 +39,7 @@ def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, *, varlen: bool
     dummy = torch.empty(1, dtype=torch.int32, device=dev)
     common = dict(HEAD_DIM=d, HEAD_DIM_PAD=dp, VARLEN_Q=varlen, VARLEN_K=varlen, HAS_SEQUSED_K=seqused_k is not None,
                   HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, SOFTCAP=softcap > 0.0,
-                  UPCAST=_utils.upcast_tiles(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  TILE_DTYPE=_utils.tile_dtype(q4.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     seq_args = (cu_seqlens_q if varlen else dummy, cu_seqlens_k if varlen else dummy,
                 seqused_k if seqused_k is not None else dummy)
     lse_strides = (0, lse3.stride(1), lse3.stride(2)) if varlen else _strides3(lse3)
