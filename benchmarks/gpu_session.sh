@@ -1,22 +1,46 @@
 #!/usr/bin/env bash
-# One GPU session's worth of checks and measurements, in priority order, each bounded, logs under $OUT (or ./out).
-# Usage on the H200: PYTHONPATH=$PWD bash benchmarks/gpu_session.sh
+# GPU session steps, each bounded, logs under $OUT (or ./out). Usage on the H200 machine:
+#   PYTHONPATH=$PWD bash benchmarks/gpu_session.sh PHASE [PHASE ...]
+# Phases: tests (every test file in its own process, in parallel, on GPU $TEST_GPU), memcheck, leak,
+#         bench-SUITE (decode, prefill, backward, lowp; on GPU $BENCH_GPU), cp (torchrun over 2 GPUs), demo.
+# On a 2-GPU machine run `tests` and the benchmarks at the same time: TEST_GPU=0 BENCH_GPU=1.
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
-step() { local t=$1; shift; echo "== $* (limit ${t}s)"; timeout "$t" "$@"; echo "== rc=$?"; }
-# 1. The whole test suite natively on the GPU (larger shape grid than the CPU run).
-step 300 python3 -m pytest tests -q -x -p no:cacheprovider --ignore=tests/test_fuzz.py > "$OUT/pytest.log" 2>&1
-tail -n 3 "$OUT/pytest.log"
-# 2. Memory errors: decode, merge, backward, quant tests under memcheck (graph capture needs the caching allocator,
-#    which memcheck needs off, so the graph test is excluded).
-PYTORCH_NO_CUDA_MEMORY_CACHING=1 step 240 compute-sanitizer --tool memcheck --error-exitcode 9 \
-  python3 -m pytest tests/test_decode.py tests/test_merge.py tests/test_backward.py tests/test_quant.py -q \
-  -p no:cacheprovider -k "not graph and not overlap" > "$OUT/memcheck.log" 2>&1
-grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -2
-step 120 python3 benchmarks/leak_check.py > "$OUT/leak.log" 2>&1; tail -n 1 "$OUT/leak.log"
-# 3. Benchmarks, each suite to its own JSON; tables at the end of each log.
-for suite in decode prefill backward lowp; do
-  step 300 python3 -m tileflash bench "$suite" --json "$OUT/$suite.json" > "$OUT/bench_$suite.log" 2>&1
+export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD} NCCL_NVLS_ENABLE=0
+TEST_GPU=${TEST_GPU:-0}; BENCH_GPU=${BENCH_GPU:-0}
+step() { local t=$1; shift; echo "== $* (limit ${t}s)"; timeout "$t" "$@"; echo "== rc=$? $(date +%T)"; }
+
+run_tests() {  # one process per file: compiling dominates, and it is CPU-bound
+  local pids=() f
+  for f in tests/test_*.py; do
+    local gpus=$TEST_GPU; [[ $f == *distributed* ]] && gpus=${ALL_GPUS:-$TEST_GPU}  # NCCL: one GPU per rank
+    CUDA_VISIBLE_DEVICES=$gpus timeout "${TEST_LIMIT:-330}" python3 -m pytest "$f" -q -p no:cacheprovider \
+      > "$OUT/pytest_$(basename "$f" .py).log" 2>&1 &
+    pids+=($!)
+  done
+  wait "${pids[@]}"
+  for f in "$OUT"/pytest_*.log; do echo "$(basename "$f"): $(tail -n 1 "$f")"; done
+  cat "$OUT"/pytest_*.log > "$OUT/pytest.log"; rm -f "$OUT"/pytest_*.log
+}
+
+for phase in "$@"; do
+  case $phase in
+    tests) run_tests ;;
+    memcheck)  # graph capture needs the caching allocator, which memcheck needs off: the graph test is excluded
+      CUDA_VISIBLE_DEVICES=$TEST_GPU PYTORCH_NO_CUDA_MEMORY_CACHING=1 step 300 compute-sanitizer --tool memcheck \
+        --error-exitcode 9 python3 -m pytest tests/test_decode.py tests/test_merge.py tests/test_backward.py \
+        tests/test_quant.py tests/test_varlen.py -q -p no:cacheprovider -k "not graph and not overlap" \
+        > "$OUT/memcheck.log" 2>&1
+      grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -2 ;;
+    leak) CUDA_VISIBLE_DEVICES=$TEST_GPU step 120 python3 benchmarks/leak_check.py > "$OUT/leak.log" 2>&1
+      tail -n 2 "$OUT/leak.log" ;;
+    bench-*) suite=${phase#bench-}
+      CUDA_VISIBLE_DEVICES=$BENCH_GPU step "${BENCH_LIMIT:-300}" python3 -m tileflash bench "$suite" \
+        --json "$OUT/$suite.json" ${BENCH_ARGS:-} > "$OUT/bench_$suite.log" 2>&1
+      tail -n 40 "$OUT/bench_$suite.log" ;;
+    cp) step 200 torchrun --nproc-per-node 2 -m tileflash bench cp > "$OUT/cp.log" 2>&1; tail -n 30 "$OUT/cp.log" ;;
+    demo) CUDA_VISIBLE_DEVICES=$TEST_GPU step 120 python3 -m tileflash demo --preset small > "$OUT/demo.log" 2>&1
+      tail -n 8 "$OUT/demo.log" ;;
+    *) echo "unknown phase $phase"; exit 2 ;;
+  esac
 done
-step 120 python3 -m tileflash demo --preset small > "$OUT/demo.log" 2>&1; tail -n 8 "$OUT/demo.log"

@@ -1,6 +1,7 @@
-"""Context parallelism on the CPU: 2 processes over gloo (kernels through the interpreter; the environment,
-including TRITON_INTERPRET, is inherited from this process) against the pure-PyTorch reference of the whole
-sequence, with the 2x rule."""
+"""Context parallelism with 2 processes against the pure-PyTorch reference of the whole sequence, with the 2x rule.
+On the CPU: gloo, kernels through the interpreter (the environment, including TRITON_INTERPRET, is inherited from
+this process). With 2 GPUs: NCCL, one GPU per rank. With one GPU: skipped (gloo moves no CUDA tensors in
+all_gather or point-to-point)."""
 import os
 
 import pytest
@@ -11,13 +12,22 @@ import torch.multiprocessing as mp
 WORLD = 2
 
 
+ON_GPU = torch.cuda.is_available()
+needs_ranks = pytest.mark.skipif(ON_GPU and torch.cuda.device_count() < WORLD, reason="needs 2 GPUs for NCCL")
+
+
 def _init(rank, init_file):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    """Join the group; return the device this rank's tensors live on."""
+    if ON_GPU:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if ON_GPU else "gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=WORLD)
     torch.set_num_threads(1)
+    return torch.device("cuda", rank) if ON_GPU else torch.device("cpu")
 
 
 def _decode_worker(rank, init_file, paged, sq):
-    _init(rank, init_file)
+    dev = _init(rank, init_file)
     try:
         import tileflash.distributed as tfd
         from helpers import check_2x, check_lse
@@ -51,8 +61,10 @@ def _decode_worker(rank, init_file, paged, sq):
             k_shard = k_shard.reshape(b * pages, 8, hkv, d).flip(0).contiguous()
             v_shard = v_shard.reshape(b * pages, 8, hkv, d).flip(0).contiguous()
             table = (b * pages - 1 - torch.arange(b * pages, dtype=torch.int32)).reshape(b, pages)
-        out, lse = tfd.cp_decode(q, k_shard, v_shard, lens, k=k_new, v=v_new, block_table=table, num_splits=2,
-                                 return_lse=True)
+        on = lambda t: None if t is None else t.to(dev)  # noqa: E731
+        out, lse = tfd.cp_decode(on(q), on(k_shard), on(v_shard), on(lens), k=on(k_new), v=on(v_new),
+                                 block_table=on(table), num_splits=2, return_lse=True)
+        out, lse = out.cpu(), lse.cpu()
         check_2x(out, ref, ref_lowp)
         check_lse(lse, ref_lse)
     finally:
@@ -60,7 +72,7 @@ def _decode_worker(rank, init_file, paged, sq):
 
 
 def _prefill_worker(rank, init_file, causal):
-    _init(rank, init_file)
+    dev = _init(rank, init_file)
     try:
         import tileflash.distributed as tfd
         from helpers import check_2x, check_lse
@@ -71,13 +83,13 @@ def _prefill_worker(rank, init_file, causal):
         q = torch.randn(b, s, hq, d, generator=g).half()
         k = torch.randn(b, s, hkv, d, generator=g).half()
         v = torch.randn(b, s, hkv, d, generator=g).half()
-        shard = [tfd.zigzag_shard(x, rank, WORLD) for x in (q, k, v)]
+        shard = [tfd.zigzag_shard(x, rank, WORLD).to(dev) for x in (q, k, v)]
         out, lse = tfd.ring_attention(*shard, causal=causal, return_lse=True)
         outs = [torch.empty_like(out) for _ in range(WORLD)]
         lses = [torch.empty_like(lse) for _ in range(WORLD)]
         dist.all_gather(outs, out)
         dist.all_gather(lses, lse)
-        full_out, full_lse = tfd.zigzag_unshard(outs, WORLD), tfd.zigzag_unshard(lses, WORLD, dim=2)
+        full_out, full_lse = tfd.zigzag_unshard(outs, WORLD).cpu(), tfd.zigzag_unshard(lses, WORLD, dim=2).cpu()
         ref, ref_lse = attention_ref(q, k, v, causal=causal)
         ref_lowp, _ = attention_ref(q, k, v, causal=causal, upcast=False)
         check_2x(full_out, ref, ref_lowp)
@@ -93,12 +105,14 @@ def _spawn(fn, tmp_path, *args):
     mp.spawn(fn, args=(str(init_file), *args), nprocs=WORLD, join=True)
 
 
+@needs_ranks
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("sq", [1, 3])
 def test_cp_decode_two_ranks(tmp_path, paged, sq):
     _spawn(_decode_worker, tmp_path, paged, sq)
 
 
+@needs_ranks
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_ring_attention_two_ranks(tmp_path, causal):
     _spawn(_prefill_worker, tmp_path, causal)
