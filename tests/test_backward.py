@@ -15,6 +15,7 @@ CASES = [
     (2, 23, 23, 8, 2, 80, False, (5, 7), 3.0),  # two-sided window with softcap, GQA 4
     (1, 17, 29, 2, 2, 128, True, (-1, -1), 0.0),  # d128
     (1, 9, 13, 2, 1, 256, False, (-1, -1), 0.0),  # d256, MQA
+    (1, 70, 86, 2, 1, 32, False, (33, 18), 0.0),  # windows wider than a tile: masked edges around unmasked blocks
 ]
 if ON_GPU:
     CASES += [(2, 1024, 1024, 8, 2, 64, True, (-1, -1), 0.0), (1, 777, 1500, 4, 4, 128, False, (-1, -1), 0.0),

@@ -194,6 +194,7 @@ NVFP4_CASES = [
     ([0, 29, 50], 1, 1, 8, 2, 64, 16, 64, 0),  # paged, empty cache, append into the 16-element blocks
     ([13, 40], 3, 3, 4, 4, 32, None, 48, 4),  # contiguous, append crossing 4 splits
     ([21], 2, 0, 8, 1, 16, 5, 30, 1),  # MQA, page 5, smallest head dim (one scale per head vector), no append
+    ([7, 30], 2, 2, 4, 2, 16, None, 32, 2),  # head dim 16 with an append: quantize one scale per head vector
 ]
 
 

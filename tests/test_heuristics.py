@@ -1,4 +1,6 @@
 """Launch heuristics as tables: inputs -> expected choices (no kernel runs)."""
+import dataclasses
+
 import pytest
 
 from tileflash.heuristics import (MAX_SPLITS, bwd_config, decode_block_m, decode_config, fwd_config,
@@ -59,12 +61,12 @@ def test_num_splits_heuristic(args, expected):
 
 
 @pytest.mark.parametrize("d, expected", [
-    (64, (64, 128, 128, 64, 8, 2)),  # d64: twice the keys per dK/dV program (see attn_bwd.py)
-    (128, (64, 64, 128, 32, 8, 2)),
-    (256, (32, 32, 64, 32, 8, 1)),
-    (40, (64, 128, 128, 64, 8, 2)),  # padded to 64
+    (64, (64, 128, 128, 64, 8, 2, 8, 2)),  # d64: twice the keys per dK/dV program (see attn_bwd.py)
+    (128, (64, 64, 128, 32, 8, 2, 8, 2)),
+    (256, (32, 32, 64, 32, 8, 1, 8, 1)),
+    (40, (64, 128, 128, 64, 8, 2, 8, 2)),  # padded to 64
 ])
 def test_bwd_config(d, expected):
     c = bwd_config(d)
-    assert (c.dkdv_block_m, c.dkdv_block_n, c.dq_block_m, c.dq_block_n, c.num_warps, c.num_stages) == expected
+    assert dataclasses.astuple(c) == expected
     assert c.dkdv_block_n * padded_head_dim(d) <= 128 * 64  # K, V, dK, dV register budget

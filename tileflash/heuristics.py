@@ -36,8 +36,10 @@ class BwdConfig:
     dkdv_block_n: int  # keys owned by a dK/dV program (K, V, dK, dV stay in registers)
     dq_block_m: int  # query rows owned by a dQ program
     dq_block_n: int  # keys per step of a dQ program
-    num_warps: int
-    num_stages: int
+    dkdv_warps: int
+    dkdv_stages: int
+    dq_warps: int
+    dq_stages: int
 
 
 def padded_head_dim(d: int) -> int:
@@ -68,13 +70,13 @@ def bwd_config(head_dim: int, interpret: bool = False) -> BwdConfig:
     register budgets, not yet timed: K, V, dK, dV of a dK/dV program are 4 x block_n x d fp32/bf16 values, so
     block_n x d is held at 128 x 64 = 64 x 128; d = 256 halves it again."""
     if interpret:
-        return BwdConfig(16, 16, 16, 16, num_warps=4, num_stages=1)
+        return BwdConfig(16, 16, 16, 16, 4, 1, 4, 1)
     d = padded_head_dim(head_dim)
     if d <= 64:
-        return BwdConfig(64, 128, 128, 64, num_warps=8, num_stages=2)
+        return BwdConfig(64, 128, 128, 64, 8, 2, 8, 2)
     if d <= 128:
-        return BwdConfig(64, 64, 128, 32, num_warps=8, num_stages=2)
-    return BwdConfig(32, 32, 64, 32, num_warps=8, num_stages=1)
+        return BwdConfig(64, 64, 128, 32, 8, 2, 8, 2)
+    return BwdConfig(32, 32, 64, 32, 8, 1, 8, 1)
 
 
 def decode_block_m(group_rows: int) -> int:
@@ -83,17 +85,22 @@ def decode_block_m(group_rows: int) -> int:
     return min(64, max(16, next_pow2(group_rows)))
 
 
-def decode_config(head_dim: int, group_rows: int, interpret: bool = False) -> DecodeConfig:
+# KV tokens per decode step by cache format, at head dim 128 (scaled by 128 / d for other head dims).
+DECODE_BLOCK_N = {"16bit": 64, "fp8": 64, "nvfp4": 64}
+
+
+def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_format: str = "16bit") -> DecodeConfig:
     """Measured on the H200 (benchmarks/sweep.py, CUDA-graph replay, 2026-11-30): 64-token blocks, 2 stages and TMA
     loads of contiguous caches were best or within noise of best on 8 of 10 shapes (b=1 ctx 32k: 51.8 us vs 53.2 with
-    pointers, 55.2 with 4 stages; b=8 ctx 32k: 262 us). Paged caches use pointer gathers (TMA needs one tensor)."""
+    pointers, 55.2 with 4 stages; b=8 ctx 32k: 262 us). Paged caches use pointer gathers (TMA needs one tensor).
+    kv_format ("16bit", "fp8", "nvfp4") picks the tokens per step (DECODE_BLOCK_N)."""
     block_m = decode_block_m(group_rows)
     if interpret:
         return DecodeConfig(block_m=block_m, block_n=16, num_warps=4, num_stages=1)
     d = padded_head_dim(head_dim)
     # K+V bytes per step held at 32 KiB for every head dim (d=64 at 64 tokens per step ran 0.71-0.93x the peer).
-    return DecodeConfig(block_m=block_m, block_n=64 * 128 // d if d >= 64 else 128, num_warps=4, num_stages=2,
-                        tma=True)
+    block_n = DECODE_BLOCK_N[kv_format] * 128 // d if d >= 64 else 2 * DECODE_BLOCK_N[kv_format]
+    return DecodeConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=2, tma=True)
 
 
 MAX_SPLITS = 256

@@ -76,8 +76,8 @@ BACKWARD_SHAPES = [
 
 # Low precision: the GQA decode grid with an FP8 (e4m3, per-KV-head scales) cache for tileflash; peers read the
 # same values from a bf16 cache ("next to the best bf16 peer").
-LOWP_DECODE_SHAPES = [{**s, "label": "gqa-fp8", "kv": "fp8", "kind": "decode"}
-                      for s in DECODE_SHAPES if s["label"] == "gqa"]
+LOWP_DECODE_SHAPES = [{**s, "label": f"gqa-{fmt}", "kv": fmt, "kind": "decode"}
+                      for fmt in ("fp8", "nvfp4") for s in DECODE_SHAPES if s["label"] == "gqa"]
 
 # Low precision, GEMM half: bf16 activations a [M, K] times a weight w [N, K] (out = a @ w.T), N = K, M from one
 # decode token to a prefill-sized batch. One label per N = K, so --quick keeps M in (1, 16, 128) of each, and
@@ -356,6 +356,13 @@ def _decode_one(shape, tf, note):
         k_seq, v_seq = ((x[block_table.long()].view(b, ctx, hkv, d) if block_table is not None else x)
                         for x in (k_cache, v_cache))
         scales = dict(k_scale=ks, v_scale=vs)
+    elif shape.get("kv") == "nvfp4":
+        # One global scale per tensor, e4m3 scales per 16 elements; peers see the dequantized values in bf16.
+        (tf_k, ks, kg), (tf_v, vs, vg) = tf.nvfp4_quantize(k_cache), tf.nvfp4_quantize(v_cache)
+        k_cache, v_cache = (tf.nvfp4_dequantize(x, s_, g_).to(DTYPE) for x, s_, g_ in ((tf_k, ks, kg), (tf_v, vs, vg)))
+        k_seq, v_seq = ((x[block_table.long()].view(b, ctx, hkv, d) if block_table is not None else x)
+                        for x in (k_cache, v_cache))
+        scales = dict(k_scale=ks, v_scale=vs, k_global_scale=kg.reshape(1), v_global_scale=vg.reshape(1))
 
     n = min(b, CHECK_BATCH)
     ref = reference_fp32(q[:n], k_seq[:n], v_seq[:n], causal=False)  # Sq = 1 sees the whole cache
@@ -383,7 +390,9 @@ def _decode_one(shape, tf, note):
         "fa4": lambda: peers.fa4_decode(q, k_cache, v_cache, seqlens, block_table, note),
     }
     nbytes = decode_kv_bytes(b, ctx, hkv, d, DTYPE.itemsize)
-    tf_bytes = decode_kv_bytes(b, ctx, hkv, d, tf_k.element_size())
+    # Bytes per element as stored: 2 (bf16), 1 (fp8), 9/16 (nvfp4: half a byte plus one e4m3 scale per 16).
+    tf_bytes = decode_kv_bytes(b, ctx, hkv, d, (tf_k.numel() * tf_k.element_size() + (
+        scales["k_scale"].numel() if "k_global_scale" in scales else 0)) / k_cache.numel())
     results = {}
     for name, build in builders.items():
         rec = _measure(name, build, check, note)

@@ -47,14 +47,19 @@ def _kv_tile(base, sbase, start_n, seqlen_k, bt_ptr, stride_page, stride_tok, ss
         row_ok = offs_n[:, None] < seqlen_k
         row_off = _kv_row_offsets(offs_n, seqlen_k, bt_ptr, stride_page, stride_tok, PAGE_SIZE, MASK_N)
         offs_b = tl.arange(0, HEAD_DIM // 2)
-        offs_s = tl.arange(0, HEAD_DIM // 16)
         s_off = _kv_row_offsets(offs_n, seqlen_k, bt_ptr, sstride_page, sstride_tok, PAGE_SIZE, MASK_N)
+        if HEAD_DIM == 16:  # one scale per row, loaded as a vector (see nvfp4_unpack_tile)
+            s_ptrs = sbase + s_off
+            s_ok = offs_n < seqlen_k
+        else:
+            s_ptrs = sbase + s_off[:, None] + tl.arange(0, HEAD_DIM // 16)[None, :]
+            s_ok = row_ok
         if MASK_N:
             packed = tl.load(base + row_off[:, None] + offs_b[None, :], mask=row_ok, other=0)
-            s_bits = tl.load(sbase + s_off[:, None] + offs_s[None, :], mask=row_ok, other=0)
+            s_bits = tl.load(s_ptrs, mask=s_ok, other=0)
         else:
             packed = tl.load(base + row_off[:, None] + offs_b[None, :])
-            s_bits = tl.load(sbase + s_off[:, None] + offs_s[None, :])
+            s_bits = tl.load(s_ptrs)
         t = nvfp4_unpack_tile(packed, s_bits, BLOCK_N, HEAD_DIM)
     elif USE_DESC:
         t = base.load([desc_row0 + start_n, head_kv, 0]).reshape(BLOCK_N, offs_d.shape[0])
@@ -90,7 +95,7 @@ def _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left,
     else:
         s = s * qk_scale
     if MASK:
-        ok = visible(q_pos, offs_n, seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT)
+        ok = visible(q_pos[:, None], offs_n[None, :], seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT)
         s = tl.where(ok, s, float("-inf"))
     return s
 

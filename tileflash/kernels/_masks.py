@@ -11,16 +11,16 @@ LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr object: triton 3.6 rejec
 
 
 @triton.jit
-def visible(q_pos, offs_n, seqlen_k, window_left, window_right, HAS_LEFT: tl.constexpr,
-             HAS_RIGHT: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] mask of keys row r may see: in range, not beyond q_pos + window_right (causal is a
-    right window of 0), not before q_pos - window_left. An absent bound is unbounded."""
-    k_pos = offs_n[None, :]
+def visible(q_pos, k_pos, seqlen_k, window_left, window_right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Mask of the keys at k_pos each query at q_pos may see, over the broadcast of the two (the forward passes
+    q_pos[:, None] and k_pos[None, :] for [M, N] scores; the dK/dV pass the transpose for [N, M]): in range, not
+    beyond q_pos + window_right (causal is a right window of 0), not before q_pos - window_left. An absent bound is
+    unbounded."""
     ok = k_pos < seqlen_k
     if HAS_RIGHT:
-        ok = ok & (k_pos <= q_pos[:, None] + window_right)
+        ok = ok & (k_pos <= q_pos + window_right)
     if HAS_LEFT:
-        ok = ok & (k_pos >= q_pos[:, None] - window_left)
+        ok = ok & (k_pos >= q_pos - window_left)
     return ok
 
 
@@ -70,17 +70,31 @@ def kv_block_range(tok_min, tok_max, diag, seqlen_k, window_left, window_right, 
 
 
 @triton.jit
-def q_token_range(key_lo, key_hi, diag, seqlen_q, window_left, window_right, HAS_LEFT: tl.constexpr,
-                  HAS_RIGHT: tl.constexpr):
-    """Query tokens [q_lo, q_hi) that see at least one key of [key_lo, key_hi) (the backward's transpose of
-    kv_block_range): key j is visible to i iff i >= j - diag - window_right and i <= j - diag + window_left."""
+def q_block_range(key_lo, key_hi, key_block_partial, diag, seqlen_q, window_left, window_right,
+                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Query blocks for keys [key_lo, key_hi) (the backward's transpose of kv_block_range): [m_lo, m_hi) hold a
+    query that sees some key, and inside it [full_lo, full_hi) only queries that see every key (no per-element
+    mask; rows past seqlen_q are harmless there, their lse is +inf so P = 0). Key j is visible to query i iff
+    j - diag - window_right <= i <= j - diag + window_left. A key block cut by seqlen_k is masked throughout."""
     q_lo = 0
     q_hi = seqlen_q
+    full_lo_tok = 0
     if HAS_RIGHT:
         q_lo = tl.maximum(key_lo - diag - window_right, 0)
+        full_lo_tok = key_hi - 1 - diag - window_right
+    m_lo = q_lo // BLOCK_M
     if HAS_LEFT:
         q_hi = tl.minimum(key_hi - 1 - diag + window_left + 1, seqlen_q)
-    return q_lo, q_hi
+    m_hi = tl.cdiv(tl.maximum(q_hi, 0), BLOCK_M)
+    full_lo = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(full_lo_tok, 0), BLOCK_M), m_lo), m_hi)
+    full_hi = m_hi
+    if HAS_LEFT:
+        full_hi = tl.maximum(key_lo - diag + window_left + 1, 0) // BLOCK_M
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), m_hi)
+    if key_block_partial:
+        full_lo = m_hi
+        full_hi = m_hi
+    return m_lo, full_lo, full_hi, m_hi
 
 
 @triton.jit

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ._attn_inner import tanh
-from ._masks import LOG2E, kv_block_range, logit_scales, q_token_range, seq_extents, visible
+from ._masks import LOG2E, kv_block_range, logit_scales, q_block_range, seq_extents, visible
 
 
 @triton.jit
@@ -64,22 +64,34 @@ def _load_rows(ptr, rows, row_ok, offs_d, stride_s, HEAD_DIM: tl.constexpr, TILE
 
 
 @triton.jit
-def _probs_and_dscores(q, k, v, do, lse2, delta, q_pos, offs_n, seqlen_k, qk_scale, softcap_scale, window_left,
+def _probs_and_dscores(q, k, v, do, lse2, delta, q_pos, k_pos, seqlen_k, qk_scale, softcap_scale, window_left,
                        window_right, MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                       SOFTCAP: tl.constexpr):
-    """Recompute P [BM, BN] from the saved lse (lse2 = lse * log2(e), +inf for rows that saw no key) and return
-    (P, dS / softmax_scale) for one block."""
-    s = tl.dot(q, tl.trans(k))
+                       SOFTCAP: tl.constexpr, KEYS_MAJOR: tl.constexpr):
+    """Recompute P from the saved lse (lse2 = lse * log2(e), +inf for rows that saw no key) and return
+    (P, dS / softmax_scale) for one block: [BM, BN] tiles, or with KEYS_MAJOR their transposes [BN, BM], which the
+    dK/dV program feeds to its MMAs as the register operand as they come out of the accumulator (a transpose of
+    P and dS would move each through shared memory every step)."""
+    if KEYS_MAJOR:
+        s = tl.dot(k, tl.trans(q))
+        lse_b, delta_b = lse2[None, :], delta[None, :]
+        qp, kp = q_pos[None, :], k_pos[:, None]
+    else:
+        s = tl.dot(q, tl.trans(k))
+        lse_b, delta_b = lse2[:, None], delta[:, None]
+        qp, kp = q_pos[:, None], k_pos[None, :]
     if SOFTCAP:
         t = tanh(s * softcap_scale)
         s = qk_scale * t
     else:
         s = s * qk_scale
-    p = tl.math.exp2(s - lse2[:, None])
+    p = tl.math.exp2(s - lse_b)
     if MASK:
-        p = tl.where(visible(q_pos, offs_n, seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT), p, 0.0)
-    dp = tl.dot(do, tl.trans(v))
-    ds = p * (dp - delta[:, None])
+        p = tl.where(visible(qp, kp, seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT), p, 0.0)
+    if KEYS_MAJOR:
+        dp = tl.dot(v, tl.trans(do))
+    else:
+        dp = tl.dot(do, tl.trans(v))
+    ds = p * (dp - delta_b)
     if SOFTCAP:
         ds = ds * (1.0 - t * t)
     return p, ds
@@ -93,6 +105,27 @@ def _row_stats(lse_ptr, delta_ptr, b, h, tok, row_ok, stride_lb, stride_lh, stri
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
     delta = tl.load(delta_ptr + off, mask=row_ok, other=0.0)
     return lse2, delta
+
+
+@triton.jit
+def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, b, head_q, stride_lb, stride_lh, stride_ls,
+                 stride_qs, stride_dos, q_start, offs_d, offs_n, diag, seqlen_q, seqlen_k, lo, hi, qk_scale, softcap_scale, window_left, window_right,
+                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr,
+                 HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, TILE_DTYPE: tl.constexpr):
+    """dV += P^T dO and dK += dS^T Q (dS without softmax_scale) over query blocks [lo, hi) of one head."""
+    for start_m in range(lo, hi, BLOCK_M):
+        tok = start_m + tl.arange(0, BLOCK_M)
+        row_ok = tok < seqlen_q
+        q = _load_rows(q_base, q_start + tok, row_ok, offs_d, stride_qs, HEAD_DIM, TILE_DTYPE)
+        do = _load_rows(do_base, q_start + tok, row_ok, offs_d, stride_dos, HEAD_DIM, TILE_DTYPE)
+        lse2, delta = _row_stats(lse_ptr, delta_ptr, b, head_q, q_start + tok, row_ok, stride_lb, stride_lh,
+                                 stride_ls)
+        p_t, ds_t = _probs_and_dscores(q, k, v, do, lse2, delta, tok + diag, offs_n, seqlen_k, qk_scale,
+                                       softcap_scale, window_left, window_right, MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                                       True)
+        dv = tl.dot(p_t.to(do.dtype), do, dv)
+        dk = tl.dot(ds_t.to(q.dtype), q, dk)
+    return dk, dv
 
 
 @triton.jit
@@ -136,25 +169,33 @@ def attn_bwd_dkdv_kernel(
     qk_scale, softcap_scale = logit_scales(softmax_scale, softcap, SOFTCAP)
 
     diag = seqlen_k - seqlen_q
-    q_lo, q_hi = q_token_range(start_n, tl.minimum(start_n + BLOCK_N, seqlen_k), diag, seqlen_q, window_left,
-                               window_right, HAS_LEFT, HAS_RIGHT)
+    m_lo, full_lo, full_hi, m_hi = q_block_range(start_n, tl.minimum(start_n + BLOCK_N, seqlen_k),
+                                                 start_n + BLOCK_N > seqlen_k, diag, seqlen_q, window_left,
+                                                 window_right, HAS_LEFT, HAS_RIGHT, BLOCK_M)
     if start_n >= seqlen_k:
-        q_hi = q_lo  # keys past seqused_k: nothing to accumulate, zeros are stored below
+        m_hi = m_lo  # keys past seqused_k: nothing to accumulate, zeros are stored below
+        full_lo = m_lo
+        full_hi = m_lo
     for g in range(group_size):
         head_q = head_kv * group_size + g
         q_base = q_ptr + b64 * stride_qb + head_q.to(tl.int64) * stride_qh
         do_base = do_ptr + b64 * stride_dob + head_q.to(tl.int64) * stride_doh
-        for start_m in range((q_lo // BLOCK_M) * BLOCK_M, q_hi, BLOCK_M):
-            tok = start_m + tl.arange(0, BLOCK_M)
-            row_ok = tok < seqlen_q
-            q = _load_rows(q_base, q_start + tok, row_ok, offs_d, stride_qs, HEAD_DIM, TILE_DTYPE)
-            do = _load_rows(do_base, q_start + tok, row_ok, offs_d, stride_dos, HEAD_DIM, TILE_DTYPE)
-            lse2, delta = _row_stats(lse_ptr, delta_ptr, b, head_q, q_start + tok, row_ok, stride_lb, stride_lh,
-                                     stride_ls)
-            p, ds = _probs_and_dscores(q, k, v, do, lse2, delta, tok + diag, offs_n, seqlen_k, qk_scale,
-                                       softcap_scale, window_left, window_right, True, HAS_LEFT, HAS_RIGHT, SOFTCAP)
-            dv = tl.dot(tl.trans(p).to(do.dtype), do, dv)
-            dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk)
+        # Masked blocks at the diagonal, unmasked interior, masked blocks at the left window edge.
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, b, head_q, stride_lb, stride_lh,
+                              stride_ls, stride_qs, stride_dos, q_start, offs_d, offs_n,
+                              diag, seqlen_q, seqlen_k, m_lo * BLOCK_M, full_lo * BLOCK_M, qk_scale, softcap_scale,
+                              window_left, window_right, HEAD_DIM, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                              TILE_DTYPE)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, b, head_q, stride_lb, stride_lh,
+                              stride_ls, stride_qs, stride_dos, q_start, offs_d, offs_n,
+                              diag, seqlen_q, seqlen_k, full_lo * BLOCK_M, full_hi * BLOCK_M, qk_scale,
+                              softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_M, False, HAS_LEFT,
+                              HAS_RIGHT, SOFTCAP, TILE_DTYPE)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, b, head_q, stride_lb, stride_lh,
+                              stride_ls, stride_qs, stride_dos, q_start, offs_d, offs_n,
+                              diag, seqlen_q, seqlen_k, full_hi * BLOCK_M, m_hi * BLOCK_M, qk_scale, softcap_scale,
+                              window_left, window_right, HEAD_DIM, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                              TILE_DTYPE)
     dk = dk * softmax_scale
     store_ok = (offs_n[:, None] < stored_k) & (offs_d[None, :] < HEAD_DIM)
     rows = (k_start + offs_n).to(tl.int64)
@@ -175,7 +216,7 @@ def _dq_blocks(dq, q, do, lse2, delta, q_pos, k_base, v_base, stride_ks, stride_
         k = _load_rows(k_base, k_start + offs_n, key_ok, offs_d, stride_ks, HEAD_DIM, TILE_DTYPE)
         v = _load_rows(v_base, k_start + offs_n, key_ok, offs_d, stride_vs, HEAD_DIM, TILE_DTYPE)
         p, ds = _probs_and_dscores(q, k, v, do, lse2, delta, q_pos, offs_n, seqlen_k, qk_scale, softcap_scale,
-                                   window_left, window_right, MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP)
+                                   window_left, window_right, MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP, False)
         dq = tl.dot(ds.to(k.dtype), k, dq)
     return dq
 

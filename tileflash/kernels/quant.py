@@ -85,13 +85,19 @@ def _rows(R, BLOCK_R: tl.constexpr):
 def nvfp4_quantize_tile(x, g, ROWS: tl.constexpr, COLS: tl.constexpr):
     """x [ROWS, COLS] (COLS a multiple of 16), global scale g -> (packed [ROWS, COLS/2] uint8, scale bits
     [ROWS, COLS/16] uint8), exactly as formats.nvfp4_quantize_ref. Shared by the quantize kernel and the NVFP4
-    KV-cache append."""
-    x = x.to(tl.float32).reshape(ROWS, COLS // 16, 16)
+    KV-cache append. COLS == 16 gives scale bits as a vector [ROWS] (no size-1 tile dimension, see
+    nvfp4_unpack_tile)."""
+    if COLS == 16:
+        x = x.to(tl.float32)
+        axis: tl.constexpr = 1
+    else:
+        x = x.to(tl.float32).reshape(ROWS, COLS // 16, 16)
+        axis: tl.constexpr = 2
     # tl.max may drop NaN (GPU max.f32 returns the other operand): mark NaN blocks explicitly.
-    has_nan = tl.max((x != x).to(tl.int32), 2) > 0
-    amax = tl.where(has_nan, float("nan"), tl.max(tl.abs(x), 2))
+    has_nan = tl.max((x != x).to(tl.int32), axis) > 0
+    amax = tl.where(has_nan, float("nan"), tl.max(tl.abs(x), axis))
     s_bits = e4m3_encode(tl.math.div_rn(tl.math.div_rn(amax, E2M1_MAX), g))
-    denom = (e4m3_decode(s_bits) * g)[:, :, None]
+    denom = tl.expand_dims(e4m3_decode(s_bits) * g, axis)
     v = tl.where(denom == 0.0, 0.0, tl.math.div_rn(x, tl.where(denom == 0.0, 1.0, denom)))
     negative = (x.to(tl.int32, bitcast=True) >> 31) & 1  # the sign bit, so -0.0 keeps its sign
     lo, hi = tl.split(e2m1_encode(v, negative).reshape(ROWS, COLS // 2, 2))
@@ -119,9 +125,13 @@ def nvfp4_quantize_kernel(x_ptr, data_ptr, scales_ptr, g_ptr, R, K, stride_xr, s
 
 @triton.jit
 def nvfp4_unpack_tile(packed, s_bits, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """packed [ROWS, COLS/2] bytes and s_bits [ROWS, COLS/16] scale bits -> [ROWS, COLS] float32 e2m1 * scale
-    (exact: a 2-bit e2m1 significand times a 4-bit e4m3 one fits any float format used here)."""
+    """packed [ROWS, COLS/2] bytes and s_bits [ROWS, COLS/16] scale bits ([ROWS] when COLS == 16) -> [ROWS, COLS]
+    float32 e2m1 * scale (exact: a 2-bit e2m1 significand times a 4-bit e4m3 one fits any float format used here).
+    COLS == 16 takes one scale per row as a vector: a size-1 tile dimension miscompiles on the GPU (triton 3.6)."""
     packed = packed.to(tl.int32)
+    if COLS == 16:
+        codes = tl.join(packed & 0xF, packed >> 4).reshape(ROWS, COLS)
+        return e2m1_decode(codes) * e4m3_decode(s_bits.to(tl.int32))[:, None]
     codes = tl.join(packed & 0xF, packed >> 4).reshape(ROWS, COLS // 16, 16)
     vals = e2m1_decode(codes) * e4m3_decode(s_bits.to(tl.int32))[:, :, None]
     return vals.reshape(ROWS, COLS)

@@ -39,7 +39,7 @@ def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, *, varlen: bool
     dummy = torch.empty(1, dtype=torch.int32, device=dev)
     common = dict(HEAD_DIM=d, HEAD_DIM_PAD=dp, VARLEN_Q=varlen, VARLEN_K=varlen, HAS_SEQUSED_K=seqused_k is not None,
                   HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, SOFTCAP=softcap > 0.0,
-                  TILE_DTYPE=_utils.tile_dtype(q4.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  TILE_DTYPE=_utils.tile_dtype(q4.dtype))
     seq_args = (cu_seqlens_q if varlen else dummy, cu_seqlens_k if varlen else dummy,
                 seqused_k if seqused_k is not None else dummy)
     lse_strides = (0, lse3.stride(1), lse3.stride(2)) if varlen else _strides3(lse3)
@@ -48,13 +48,14 @@ def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, *, varlen: bool
         q4, k4, v4, do4, lse3, delta, dk4, dv4, *seq_args,
         *bstride(q4), *bstride(k4), *bstride(v4), *bstride(do4), *bstride(dk4), *bstride(dv4), *lse_strides,
         seqlen_q, seqlen_k, hkv, hq // hkv, n_tiles, softmax_scale, softcap, window_left, window_right,
-        BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, **common)
+        BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
+        **common)
     m_tiles = _utils.cdiv(max(max_seqlen_q, 1), cfg.dq_block_m)
     attn_bwd_dq_kernel[(m_tiles * num_batches * hq,)](
         q4, k4, v4, do4, lse3, delta, dq4, *seq_args,
         *bstride(q4), *bstride(k4), *bstride(v4), *bstride(do4), *bstride(dq4), *lse_strides,
         seqlen_q, seqlen_k, hq, hq // hkv, m_tiles, softmax_scale, softcap, window_left, window_right,
-        BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, **common)
+        BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, num_warps=cfg.dq_warps, num_stages=cfg.dq_stages, **common)
 
 
 def _attn_bwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,

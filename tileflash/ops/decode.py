@@ -19,12 +19,15 @@ from .prefill import _check_softcap
 MAX_QUERY_TOKENS = 16
 
 
+KV_FORMATS = {torch.float8_e4m3fn: "fp8", torch.uint8: "nvfp4"}  # cache dtype -> format; others are 16-bit
+
+
 def _plan(q, k_cache, block_table, num_splits: int):
     """(config, m_tiles, num_splits) from shapes only."""
     b, sq, hq, d = q.shape
     hkv = k_cache.shape[2]
     rows = sq * (hq // hkv)
-    cfg = decode_config(d, rows, _utils.is_interpreter())
+    cfg = decode_config(d, rows, _utils.is_interpreter(), kv_format=KV_FORMATS.get(k_cache.dtype, "16bit"))
     m_tiles = _utils.cdiv(rows, cfg.block_m)
     capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
     if num_splits == 0:
@@ -84,7 +87,7 @@ def _check_kv_scales(k_cache, v_cache, k_scale, v_scale, k_global_scale, v_globa
     """FP8 caches need fp32 scales ([1] per tensor or [Hkv] per KV head); NVFP4 caches (uint8) need e4m3 block
     scales shaped like the cache with D/16 in the last dim, sharing strides, and fp32 global scales; bf16/fp16
     caches take none."""
-    fmt = {torch.float8_e4m3fn: "fp8", torch.uint8: "nvfp4"}.get(k_cache.dtype)
+    fmt = KV_FORMATS.get(k_cache.dtype)
     names = (("k_scale", k_scale), ("v_scale", v_scale), ("k_global_scale", k_global_scale),
              ("v_global_scale", v_global_scale))
     needed = {None: (), "fp8": ("k_scale", "v_scale"), "nvfp4": tuple(n for n, _ in names)}[fmt]

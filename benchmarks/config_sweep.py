@@ -1,0 +1,161 @@
+"""Tile-config sweep for the backward, the FP8 / NVFP4 decode and the NVFP4 GEMM (GPU only).
+
+`python benchmarks/config_sweep.py [bwd] [decode] [gemm] [--json PATH]`. Each config is forced by replacing the
+heuristic the op reads (tileflash.ops.*.{bwd,decode,gemm}_config), checked against a reference, then timed
+(decode: CUDA-graph replay). The winners go into tileflash/heuristics.py with the numbers in a comment.
+"""
+import argparse
+import json
+import sys
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+import tileflash
+from tileflash.bench.formulas import attn_fwd_flops, tflops
+from tileflash.bench.table import format_table
+from tileflash.bench.timing import bench_ms, graphed
+from tileflash.heuristics import BwdConfig, DecodeConfig, GemmConfig, decode_block_m
+from tileflash.ops import backward as bwd_ops
+from tileflash.ops import decode as decode_ops
+from tileflash.ops import gemm as gemm_ops
+
+BF16 = torch.bfloat16
+# (dkdv_block_m, dkdv_block_n, dq_block_m, dq_block_n, dkdv_warps, dkdv_stages, dq_warps, dq_stages)
+BWD_CONFIGS = {
+    64: [(64, 128, 128, 64, 8, 2, 8, 2), (32, 128, 128, 64, 4, 3, 8, 2), (64, 128, 128, 64, 8, 3, 4, 3),
+         (32, 128, 64, 64, 8, 3, 4, 3), (64, 64, 128, 32, 4, 3, 8, 3), (32, 64, 64, 128, 4, 4, 8, 2),
+         (64, 128, 64, 64, 4, 2, 4, 2)],
+    128: [(64, 64, 128, 32, 8, 2, 8, 2), (32, 128, 128, 32, 8, 3, 8, 3), (64, 128, 128, 64, 8, 2, 8, 2),
+          (32, 64, 128, 64, 4, 3, 8, 2), (64, 64, 64, 64, 4, 3, 4, 3), (32, 128, 64, 32, 8, 2, 4, 3),
+          (16, 128, 128, 32, 4, 4, 8, 3)],
+}
+# (block_n, warps, stages, tma)
+DECODE_CONFIGS = [(bn, w, st, True) for bn in (64, 128, 256) for w in (4, 8) for st in (2, 3)] + [
+    (128, 4, 3, False), (256, 8, 2, False)]
+DECODE_SHAPES = [(1, 32768), (8, 32768), (32, 8192), (256, 2048)]  # (batch, ctx), hq 32 / hkv 8, d 128
+GEMM_CONFIGS = [(16, 64, 128, 4, 4), (16, 32, 128, 4, 4), (16, 32, 256, 4, 3), (16, 16, 256, 4, 4),
+                (16, 64, 256, 8, 3), (16, 128, 128, 4, 4), (16, 32, 128, 2, 4), (64, 64, 128, 4, 3),
+                (64, 128, 128, 4, 3), (128, 128, 64, 8, 3), (128, 64, 128, 4, 3)]
+GEMM_SHAPES = [(1, 4096), (16, 4096), (1, 8192), (16, 8192), (128, 8192), (1024, 8192)]  # (M, N = K)
+
+
+def _force(module, name, cfg):
+    setattr(module, name, lambda *a, **k: cfg)
+
+
+def sweep_bwd(rows):
+    orig = bwd_ops.bwd_config
+    for d in (64, 128):
+        for causal in (False, True):
+            s, h = 4096, 2048 // d
+            b = 16384 // s
+            q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=BF16, requires_grad=True) for _ in range(3))
+            do = torch.randn(b, s, h, d, device="cuda", dtype=BF16)
+            ref = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), is_causal=causal)
+            ref_grads = torch.autograd.grad(ref, (q, k, v), do.transpose(1, 2))
+            for cfg_t in BWD_CONFIGS[d]:
+                cfg = BwdConfig(*cfg_t)
+                _force(bwd_ops, "bwd_config", cfg)
+                try:
+                    out = tileflash.flash_attn_func(q, k, v, causal=causal)
+                    grads = torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+                    err = max(((g - r).abs().max() / r.abs().max()).item() for g, r in zip(grads, ref_grads))
+                    ms = bench_ms(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True))
+                    tf = tflops(2.5 * attn_fwd_flops(b, h, s, s, d, causal), ms)
+                    rows.append(["bwd", f"d{d} {'causal' if causal else 'full'} s={s}", str(cfg_t),
+                                 f"{tf:.1f} TFLOP/s", f"{err:.1e}"])
+                except Exception as exc:  # noqa: BLE001 - a config that fails to compile is a result
+                    rows.append(["bwd", f"d{d} causal={causal}", str(cfg_t), "FAILED", repr(exc)[:60]])
+                print(rows[-1], flush=True)
+    bwd_ops.bwd_config = orig
+
+
+def _decode_inputs(b, ctx, fmt):
+    hq, hkv, d = 32, 8, 128
+    q = torch.randn(b, 1, hq, d, device="cuda", dtype=BF16)
+    kh, vh = (torch.randn(b, ctx, hkv, d, device="cuda", dtype=BF16) for _ in range(2))
+    lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+    if fmt == "fp8":
+        ks, vs = (x.float().abs().amax(dim=(0, 1, 3)) / 448.0 for x in (kh, vh))
+        kc, vc = ((x.float() / s_[:, None]).to(torch.float8_e4m3fn) for x, s_ in ((kh, ks), (vh, vs)))
+        kw = dict(k_scale=ks, v_scale=vs)
+        kd, vd = ((x.float() * s_[:, None]) for x, s_ in ((kc, ks), (vc, vs)))
+        nbytes = kc.numel() * 2
+    else:
+        (kc, ks, kg), (vc, vs, vg) = tileflash.nvfp4_quantize(kh), tileflash.nvfp4_quantize(vh)
+        kw = dict(k_scale=ks, v_scale=vs, k_global_scale=kg.reshape(1), v_global_scale=vg.reshape(1))
+        kd, vd = tileflash.nvfp4_dequantize(kc, ks, kg), tileflash.nvfp4_dequantize(vc, vs, vg)
+        nbytes = 2 * (kc.numel() + ks.numel())
+    ref = F.scaled_dot_product_attention(q.float().transpose(1, 2), kd.transpose(1, 2), vd.transpose(1, 2),
+                                         enable_gqa=True).transpose(1, 2)
+    return q, kc, vc, lens, kw, ref, nbytes
+
+
+def sweep_decode(rows):
+    orig = decode_ops.decode_config
+    for fmt in ("fp8", "nvfp4"):
+        for b, ctx in DECODE_SHAPES:
+            q, kc, vc, lens, kw, ref, nbytes = _decode_inputs(b, ctx, fmt)
+            for bn, w, st, tma in DECODE_CONFIGS:
+                cfg = DecodeConfig(block_m=decode_block_m(4), block_n=bn, num_warps=w, num_stages=st, tma=tma)
+                _force(decode_ops, "decode_config", cfg)
+                try:
+                    call = lambda: tileflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, **kw)  # noqa
+                    err = (call().float() - ref).abs().max().item()
+                    ms = bench_ms(graphed(call))
+                    rows.append([f"decode-{fmt}", f"b={b} ctx={ctx}", str((bn, w, st, tma)),
+                                 f"{ms * 1e3:.1f} us {nbytes / ms / 1e9:.2f} TB/s", f"{err:.1e}"])
+                except Exception as exc:  # noqa: BLE001
+                    rows.append([f"decode-{fmt}", f"b={b} ctx={ctx}", str((bn, w, st, tma)), "FAILED",
+                                 repr(exc)[:60]])
+                print(rows[-1], flush=True)
+            del kc, vc
+    decode_ops.decode_config = orig
+
+
+def sweep_gemm(rows):
+    orig = gemm_ops.gemm_config
+    for m, nk in GEMM_SHAPES:
+        a = torch.randn(m, nk, device="cuda", dtype=BF16)
+        w = torch.randn(nk, nk, device="cuda", dtype=BF16)
+        data, scales, g = tileflash.nvfp4_quantize(w)
+        ref = a.float() @ tileflash.nvfp4_dequantize(data, scales, g).T
+        bf16_ms = bench_ms(lambda: a @ w.T)
+        for cfg_t in GEMM_CONFIGS:
+            if (m <= 16) != (cfg_t[0] == 16):
+                continue
+            _force(gemm_ops, "gemm_config", GemmConfig(*cfg_t))
+            try:
+                call = lambda: tileflash.nvfp4_matmul(a, data, scales, g)  # noqa: E731
+                err = ((call().float() - ref).abs().max() / ref.abs().max()).item()
+                ms = bench_ms(call)
+                rows.append(["gemm", f"M={m} N=K={nk}", str(cfg_t),
+                             f"{ms * 1e3:.1f} us ({bf16_ms / ms:.2f}x bf16)", f"{err:.1e}"])
+            except Exception as exc:  # noqa: BLE001
+                rows.append(["gemm", f"M={m} N=K={nk}", str(cfg_t), "FAILED", repr(exc)[:60]])
+            print(rows[-1], flush=True)
+    gemm_ops.gemm_config = orig
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("families", nargs="*", default=["bwd", "decode", "gemm"])
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    rows = []
+    for fam in args.families:
+        try:
+            {"bwd": sweep_bwd, "decode": sweep_decode, "gemm": sweep_gemm}[fam](rows)
+        except Exception:  # noqa: BLE001 - keep the other families' results
+            traceback.print_exc()
+    print(format_table(["family", "shape", "config", "time", "err"], rows, title="config sweep (bf16, H200)"))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
