@@ -378,8 +378,9 @@ def test_run_backward_cpu(cpu_suites):
 
 
 def test_lowp_registry():
-    assert [(s["batch"], s["ctx"]) for s in suites.LOWP_DECODE_SHAPES] == list(suites.DECODE_GRID)
-    assert all(s["kv"] == "fp8" and s["kind"] == "decode" for s in suites.LOWP_DECODE_SHAPES)
+    assert [(s["kv"], s["batch"], s["ctx"]) for s in suites.LOWP_DECODE_SHAPES] == [
+        (fmt, b, ctx) for fmt in ("fp8", "nvfp4") for b, ctx in suites.DECODE_GRID]
+    assert all(s["kind"] == "decode" and s["label"] == f"gqa-{s['kv']}" for s in suites.LOWP_DECODE_SHAPES)
 
 
 def test_gemm_registry():
