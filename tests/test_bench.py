@@ -393,11 +393,12 @@ def test_gemm_registry():
     assert suites.LOWP_SHAPES == suites.LOWP_DECODE_SHAPES + shapes
     # --quick keeps the decode-sized M of each N = K; --only picks one half of the lowp suite.
     quick = suites.select_shapes(suites.LOWP_SHAPES, quick=True)
-    assert len(quick) == 3 + 6
+    assert len(quick) == 3 + 3 + 6  # fp8 decode, nvfp4 decode, gemm
     assert [(s["m"], s["n"]) for s in quick if s["kind"] == "gemm"] == [(1, 4096), (16, 4096), (128, 4096),
                                                                          (1, 8192), (16, 8192), (128, 8192)]
     assert suites.select_shapes(suites.LOWP_SHAPES, only="gemm") == shapes
-    assert suites.select_shapes(suites.LOWP_SHAPES, only="fp8") == suites.LOWP_DECODE_SHAPES
+    assert suites.select_shapes(suites.LOWP_SHAPES, only="fp8") == [
+        s for s in suites.LOWP_DECODE_SHAPES if s["kv"] == "fp8"]
     assert suites.select_shapes(suites.LOWP_SHAPES, only="8k") == shapes[5:]
     for registry in (suites.PREFILL_SHAPES, suites.DECODE_SHAPES, suites.BACKWARD_SHAPES):
         assert not suites.select_shapes(registry, only="gemm") and not suites.select_shapes(registry, only="8k")
