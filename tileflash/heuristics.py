@@ -66,16 +66,21 @@ def fwd_config(head_dim: int, causal: bool = False, interpret: bool = False) -> 
 
 
 def bwd_config(head_dim: int, interpret: bool = False) -> BwdConfig:
-    """Backward tiles per head dim (attn_bwd.py's docstring says why d64 gets the wider key block). Chosen from
-    register budgets, not yet timed: K, V, dK, dV of a dK/dV program are 4 x block_n x d fp32/bf16 values, so
-    block_n x d is held at 128 x 64 = 64 x 128; d = 256 halves it again."""
+    """Backward tiles per head dim, measured on the H200 (benchmarks/config_sweep.py bwd, bf16, 16k tokens at
+    s = 4096, 2048/d heads, TFLOP/s = 2.5 x forward FLOPs / t, 2026-11-30):
+      d64:  (64, 64, 128, 32, warps 4/8, stages 3/3) 298 full / 288 causal; the former default (64, 128 keys, 8 warps,
+            2 stages) 249 / 226; 128 keys with 4 warps 299 / 264.
+      d128: (64, 128, 128, 64, 8 warps, 2 stages) 334 full / 296 causal; 64 keys per dK/dV program 196 / 179;
+            16-row query steps 110 / 94.
+    Fields: dK/dV (query rows per step, keys per program), dQ (query rows per program, keys per step), then warps
+    and stages of each kernel. d = 256 is not swept (a 128-key program would not fit the register file)."""
     if interpret:
         return BwdConfig(16, 16, 16, 16, 4, 1, 4, 1)
     d = padded_head_dim(head_dim)
     if d <= 64:
-        return BwdConfig(64, 128, 128, 64, 8, 2, 8, 2)
+        return BwdConfig(64, 64, 128, 32, 4, 3, 8, 3)
     if d <= 128:
-        return BwdConfig(64, 64, 128, 32, 8, 2, 8, 2)
+        return BwdConfig(64, 128, 128, 64, 8, 2, 8, 2)
     return BwdConfig(32, 32, 64, 32, 8, 1, 8, 1)
 
 
@@ -85,22 +90,26 @@ def decode_block_m(group_rows: int) -> int:
     return min(64, max(16, next_pow2(group_rows)))
 
 
-# KV tokens per decode step by cache format, at head dim 128 (scaled by 128 / d for other head dims).
-DECODE_BLOCK_N = {"16bit": 64, "fp8": 64, "nvfp4": 64}
+# (KV tokens per step at head dim 128, pipeline stages) by cache format. FP8 / NVFP4, measured on the H200
+# (benchmarks/config_sweep.py decode, graph replay, 32/8 heads, 2026-11-30): 64 tokens, 4 warps, 3 stages was best
+# or within 5% on 3 of 4 shapes for fp8 (b=32 ctx 8k: 240 us vs 252 with 2 stages; b=256 ctx 2k 457 vs 452 best) and
+# within 4% for nvfp4 (b=8 ctx 32k: 594 us vs 794 with 2 stages); 8 warps and 256 tokens lost everywhere.
+DECODE_TILES = {"16bit": (64, 2), "fp8": (64, 3), "nvfp4": (64, 3)}
 
 
 def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_format: str = "16bit") -> DecodeConfig:
     """Measured on the H200 (benchmarks/sweep.py, CUDA-graph replay, 2026-11-30): 64-token blocks, 2 stages and TMA
     loads of contiguous caches were best or within noise of best on 8 of 10 shapes (b=1 ctx 32k: 51.8 us vs 53.2 with
     pointers, 55.2 with 4 stages; b=8 ctx 32k: 262 us). Paged caches use pointer gathers (TMA needs one tensor).
-    kv_format ("16bit", "fp8", "nvfp4") picks the tokens per step (DECODE_BLOCK_N)."""
+    kv_format ("16bit", "fp8", "nvfp4") picks tokens per step and stages (DECODE_TILES)."""
     block_m = decode_block_m(group_rows)
     if interpret:
         return DecodeConfig(block_m=block_m, block_n=16, num_warps=4, num_stages=1)
     d = padded_head_dim(head_dim)
-    # K+V bytes per step held at 32 KiB for every head dim (d=64 at 64 tokens per step ran 0.71-0.93x the peer).
-    block_n = DECODE_BLOCK_N[kv_format] * 128 // d if d >= 64 else 2 * DECODE_BLOCK_N[kv_format]
-    return DecodeConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=2, tma=True)
+    tokens, stages = DECODE_TILES[kv_format]
+    # K+V bytes per step held constant across head dims (d=64 at 64 tokens per step ran 0.71-0.93x the peer).
+    block_n = tokens * 128 // d if d >= 64 else 2 * tokens
+    return DecodeConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=stages, tma=True)
 
 
 MAX_SPLITS = 256

@@ -10,18 +10,24 @@ With logits z = softmax_scale * q.k (softcap: z = cap * tanh(softmax_scale * q.k
 
 Three kernels, no atomics, so gradients are bitwise reproducible run to run (deterministic=True costs nothing):
   preprocess  delta per query row;
-  dK/dV       one program per (KV block, KV head): K, V stay in registers while the program walks every query
-              block of every query head of its GQA group that can see the block, so dK/dV of a group are summed
-              in registers, never through memory;
+  dK/dV       one program per (KV block, KV head): K, V stay in registers while the program walks every
+              query block of every query head of its GQA group that can see the block, so dK/dV of a group are
+              summed in registers, never through memory;
   dQ          one program per (query block, query head) walking the KV blocks it sees, like the forward
               (masked edge blocks, unmasked interior).
 
 Head dim 64 (why FA4 found its backward at 30-37% of peak there, against 55% at d128): each q/do tile loaded by
 the dK/dV program feeds MMAs with K = d, so at d64 every loaded byte and every recomputed exp2 (BLOCK_M x BLOCK_N
 per step, independent of d) buys half the matrix work of d128; the step becomes bound by exp2/ALU and by load
-latency rather than the tensor cores. The kernel answers with a larger KV block per program at d64 (128 keys of
-K and V in registers cost as many registers as 64 keys at d128) and a taller query step, so each exp2 and each
-loaded q/do tile is shared by twice the keys; tile shapes per head dim are the table in heuristics.bwd_config.
+latency rather than the tensor cores. What the kernel does about it:
+  - the dK/dV program works keys-major: it computes S^T = K Q^T and dP^T = V dO^T, so P^T and dS^T come out of the
+    accumulator already in the layout the next MMAs (dV += P^T dO, dK += dS^T Q) take from registers; a
+    transpose of P and dS would go through shared memory every step, which costs relatively most at d64;
+  - query blocks are split into masked edges and an unmasked interior, so most steps carry no mask arithmetic;
+  - at d64 a program is small (64 keys: K, V, dK, dV are 4 x 64 x 64 values), so it runs with 4 warps and 3
+    stages: two or more programs share an SM and one's exp2/ALU work overlaps another's MMAs and loads, instead of
+    one wide program stalling on its own dependency chain (measured in heuristics.bwd_config: 298 TFLOP/s against
+    249 for a 128-key 8-warp program; d128 takes 128-key 8-warp programs, 334).
 """
 import triton
 import triton.language as tl

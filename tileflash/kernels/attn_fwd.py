@@ -21,6 +21,7 @@ import triton.language as tl
 
 from ._attn_inner import attn_inner
 from ._masks import LOG2E, kv_block_range, logit_scales, seq_extents
+from .quant import E2M1_UNIT
 
 
 @triton.jit
@@ -122,6 +123,8 @@ def attn_fwd_kernel(
         # the dots, so tiles are only widened (exactly) and the scales fold into the logit scale and the final
         # normalisation.
         softmax_scale = softmax_scale * tl.load(k_scale_ptr + head_kv * stride_kv_scale)
+        if KV_NVFP4:  # unpacked NVFP4 tiles are e2m1 * scale / E2M1_UNIT
+            softmax_scale = softmax_scale * E2M1_UNIT
     qk_scale, softcap_scale = logit_scales(softmax_scale, softcap, SOFTCAP)
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
@@ -154,6 +157,8 @@ def attn_fwd_kernel(
     inv_l = tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0)
     if KV_SCALED:
         inv_l = inv_l * tl.load(v_scale_ptr + head_kv * stride_kv_scale)
+        if KV_NVFP4:
+            inv_l = inv_l * E2M1_UNIT
     o = acc * inv_l[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) / LOG2E, float("-inf"))
     d_ok = offs_d[None, :] < HEAD_DIM

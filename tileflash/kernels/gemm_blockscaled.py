@@ -6,13 +6,14 @@ the last tile is a whole number of scale blocks (masked to zero).
 
 Each program owns a [BLOCK_M, BLOCK_N] tile of c. Per K step it loads the packed nibbles and scales of a
 [BLOCK_N, BLOCK_K] slice of b, decodes e2m1 * scale in registers with bit arithmetic on the 4-bit codes (no table
-gather), and feeds tl.dot in a's dtype (exact: e2m1 * e4m3 has at most 6 significant bits) with an fp32
-accumulator. g multiplies the accumulator once at the end instead of every element of b.
+gather; scaled by 2^-14, see quant.nvfp4_unpack_tile), and feeds tl.dot in a's dtype (exact: e2m1 * e4m3 has at
+most 6 significant bits) with an fp32 accumulator. g * 2^14 multiplies the accumulator once at the end instead of
+every element of b.
 """
 import triton
 import triton.language as tl
 
-from .quant import nvfp4_unpack_tile
+from .quant import E2M1_UNIT, nvfp4_unpack_tile
 
 
 @triton.jit
@@ -45,10 +46,11 @@ def nvfp4_matmul_kernel(a_ptr, b_ptr, s_ptr, g_ptr, c_ptr, M, N, K,
         w = nvfp4_unpack_tile(packed, s_bits, BLOCK_N, BLOCK_K)
         if UPCAST:  # interpreter: bf16 dots would run on raw bits, so both operands go to fp32
             a = a.to(tl.float32)
+            w = w.to(tl.float32)
         else:
             w = w.to(a.dtype)
         acc = tl.dot(a, tl.trans(w), acc)
-    c = acc * tl.load(g_ptr)
+    c = acc * (tl.load(g_ptr) * E2M1_UNIT)
     if UPCAST and c_ptr.dtype.element_ty == tl.bfloat16:
         c = _round_bf16(c)
     tl.store(c_ptr + m64[:, None] * stride_cm + n64[None, :] * stride_cn, c.to(c_ptr.dtype.element_ty),
