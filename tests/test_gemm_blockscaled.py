@@ -28,6 +28,7 @@ SHAPES = [
     (17, 48, 96),  # odd M across two M tiles; N = 1.5 N tiles; three K steps
     (33, 64, 80),  # K = 2.5 K steps: the last step holds one scale block, the rest masked
     (16, 16, 32),  # exactly one tile in M and K; N half a tile
+    (5, 40, 112),  # decode-sized M with K split in two slices (the second ends in a masked half step)
 ]
 
 
@@ -82,20 +83,27 @@ def test_bf16_check_can_fail(monkeypatch):
         _check(a, b_q, out)
 
 
-@pytest.mark.parametrize("m, expected", [
-    (1, GemmConfig(16, 64, 128, 4, 4)),
-    (16, GemmConfig(16, 64, 128, 4, 4)),
-    (17, GemmConfig(64, 128, 128, 4, 3)),
-    (64, GemmConfig(64, 128, 128, 4, 3)),
-    (65, GemmConfig(128, 128, 128, 8, 3)),
-    (4096, GemmConfig(128, 128, 128, 8, 3)),
+@pytest.mark.parametrize("m, n, expected", [
+    (1, 4096, GemmConfig(16, 32, 128, 4, 4, split_k=3)),  # 128 N tiles: 3 K slices fill 2 x 132 SMs
+    (16, 8192, GemmConfig(16, 32, 128, 4, 4, split_k=2)),
+    (16, 65536, GemmConfig(16, 32, 128, 4, 4, split_k=1)),  # enough N tiles alone
+    (17, 4096, GemmConfig(64, 64, 128, 4, 3)),
+    (128, 4096, GemmConfig(128, 64, 128, 4, 3)),
+    (257, 4096, GemmConfig(128, 128, 64, 8, 3)),
+    (4096, 4096, GemmConfig(128, 128, 64, 8, 3)),
 ])
-def test_gemm_config_table(m, expected):
-    assert gemm_config(m, 4096, 4096) == expected
+def test_gemm_config_table(m, n, expected):
+    assert gemm_config(m, n, 4096) == expected
+
+
+def test_gemm_config_split_k_keeps_four_k_steps_per_slice():
+    assert gemm_config(1, 32, 1024).split_k == 2  # 8 K steps of 128: at most 2 slices
+    assert gemm_config(1, 32, 256).split_k == 1
 
 
 def test_gemm_config_interpreter_uses_small_tiles():
     assert gemm_config(4096, 4096, 4096, interpret=True) == GemmConfig(16, 32, 32, 4, 1)
+    assert gemm_config(8, 48, 96, interpret=True).split_k == 2  # the CPU tests cover split-K
 
 
 def test_compile_fullgraph_matches_eager():

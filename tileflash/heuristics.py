@@ -141,18 +141,28 @@ class GemmConfig:
     block_k: int
     num_warps: int
     num_stages: int
+    split_k: int = 1  # slices of K per output tile (decode-sized M); fp32 partials, summed in a fixed order
 
 
-def gemm_config(m: int, n: int, k: int, interpret: bool = False) -> GemmConfig:
-    """Tile shape from the problem shape only (CUDA-graph safe). Not yet swept on the H200: these are the usual
-    Hopper starting points for a weight-only GEMM, to be replaced by measured ones.
-    BLOCK_M follows M (a decode-sized M of 1-16 would waste most of a 64-row tile); BLOCK_K = 128 is 64 bytes of
-    packed b per row and 8 scales per step."""
+def gemm_config(m: int, n: int, k: int, interpret: bool = False, num_sms: int = 132) -> GemmConfig:
+    """Tile shape from the problem shape only (CUDA-graph safe). Measured on the H200 (benchmarks/config_sweep.py
+    gemm, 2026-11-30, before split-K): for M <= 16, 32-column tiles were best (M=16 N=K=4096: 27.6 us vs 53.2 with
+    64 columns and 131 with 128; N=K=8192: 68 us); for M = 128 (128, 64, 128, 4 warps) 138 us vs 156-250; for
+    M = 1024 (128, 128, 64, 8 warps) 649 us vs 1001-1161.
+    Decode-sized M gives only N / 32 programs (128 at N = 4096 on 132 SMs), so K is split until about two programs
+    per SM are in flight, keeping at least 4 K steps per slice."""
     if interpret:
-        # Small tiles: the interpreter's cost is per program and per K step, and tests use M <= 33, N, K <= 96.
-        return GemmConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1)
+        # Small tiles: the interpreter's cost is per program and per K step, and tests use M <= 33, N, K <= 96;
+        # K >= 64 takes the split-K path so the CPU tests cover it.
+        return GemmConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1,
+                          split_k=2 if m <= 16 and k >= 64 else 1)
     if m <= 16:
-        return GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
-    if m <= 64:
-        return GemmConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3)
-    return GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3)
+        block_n, block_k = 32, 128
+        tiles = -(-n // block_n)
+        split = max(1, min(-(-2 * num_sms // tiles), k // (4 * block_k)))
+        return GemmConfig(block_m=16, block_n=block_n, block_k=block_k, num_warps=4, num_stages=4, split_k=split)
+    if m <= 64:  # not measured at this M: the M = 128 runner-up, with a tile that wastes fewer rows
+        return GemmConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3)
+    if m <= 256:
+        return GemmConfig(block_m=128, block_n=64, block_k=128, num_warps=4, num_stages=3)
+    return GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)

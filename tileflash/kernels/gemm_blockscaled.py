@@ -4,7 +4,8 @@ Notation: a [M, K] fp16/bf16; b quantized from [N, K]: b_data [N, K/2] uint8 (tw
 [N, K/16] e4m3 bits, g the float32 global scale; c [M, N] in a's dtype. K is a multiple of 16, so the K tail of
 the last tile is a whole number of scale blocks (masked to zero).
 
-Each program owns a [BLOCK_M, BLOCK_N] tile of c. Per K step it loads the packed nibbles and scales of a
+Each program owns a [BLOCK_M, BLOCK_N] tile of c (and, for decode-sized M, one of SPLIT_K slices of K: N / BLOCK_N
+tiles alone would leave most SMs idle; fp32 partials are summed by a second small kernel). Per K step it loads the packed nibbles and scales of a
 [BLOCK_N, BLOCK_K] slice of b, decodes e2m1 * scale in registers with bit arithmetic on the 4-bit codes (no table
 gather; scaled by 2^-14, see quant.nvfp4_unpack_tile), and feeds tl.dot in a's dtype (exact: e2m1 * e4m3 has at
 most 6 significant bits) with an fp32 accumulator. g * 2^14 multiplies the accumulator once at the end instead of
@@ -25,18 +26,25 @@ def _round_bf16(x):
 
 
 @triton.jit
-def nvfp4_matmul_kernel(a_ptr, b_ptr, s_ptr, g_ptr, c_ptr, M, N, K,
+def nvfp4_matmul_kernel(a_ptr, b_ptr, s_ptr, g_ptr, c_ptr, M, N, K, k_per_split,
                         stride_am, stride_ak, stride_bn, stride_bk, stride_sn, stride_sk, stride_cm, stride_cn,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                        UPCAST: tl.constexpr):
+    """One [BLOCK_M, BLOCK_N] tile of c over K range [split * k_per_split, ...) of program_id(2). SPLIT_K > 1:
+    c_ptr is an fp32 workspace [SPLIT_K, M, N] (stride_cm, stride_cn for M, N; splits are M * N apart) that
+    splitk_sum_kernel reduces in a fixed order, so results are bitwise reproducible."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)
     m_ok, n_ok = offs_m < M, offs_n < N
     m64, n64 = offs_m.to(tl.int64), offs_n.to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     offs_b = tl.arange(0, BLOCK_K // 2)
     offs_s = tl.arange(0, BLOCK_K // 16)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         a = tl.load(a_ptr + m64[:, None] * stride_am + (k0 + offs_k)[None, :] * stride_ak,
                     mask=m_ok[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
         packed = tl.load(b_ptr + n64[:, None] * stride_bn + (k0 // 2 + offs_b)[None, :] * stride_bk,
@@ -51,7 +59,24 @@ def nvfp4_matmul_kernel(a_ptr, b_ptr, s_ptr, g_ptr, c_ptr, M, N, K,
             w = w.to(a.dtype)
         acc = tl.dot(a, tl.trans(w), acc)
     c = acc * (tl.load(g_ptr) * E2M1_UNIT)
+    c_off = m64[:, None] * stride_cm + n64[None, :] * stride_cn
+    c_ok = m_ok[:, None] & n_ok[None, :]
+    if SPLIT_K > 1:
+        tl.store(c_ptr + split.to(tl.int64) * M * N + c_off, c, mask=c_ok)
+    else:
+        if UPCAST and c_ptr.dtype.element_ty == tl.bfloat16:
+            c = _round_bf16(c)
+        tl.store(c_ptr + c_off, c.to(c_ptr.dtype.element_ty), mask=c_ok)
+
+
+@triton.jit
+def splitk_sum_kernel(ws_ptr, c_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, UPCAST: tl.constexpr):
+    """c (contiguous [M, N], a's dtype) = sum over splits of the fp32 workspace [SPLIT_K, M, N], in split order."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < numel
+    c = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in tl.static_range(SPLIT_K):
+        c += tl.load(ws_ptr + i * numel + offs, mask=ok, other=0.0)
     if UPCAST and c_ptr.dtype.element_ty == tl.bfloat16:
         c = _round_bf16(c)
-    tl.store(c_ptr + m64[:, None] * stride_cm + n64[None, :] * stride_cn, c.to(c_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(c_ptr + offs, c.to(c_ptr.dtype.element_ty), mask=ok)

@@ -128,9 +128,11 @@ def nvfp4_unpack_tile(packed, s_bits, ROWS: tl.constexpr, COLS: tl.constexpr):
     hi = ((p << 5) & 0x0E00) | ((p << 8) & 0x8000)
     vals = tl.join(lo, hi).to(tl.int16).to(tl.float16, bitcast=True)
     scale = e4m3_decode(s_bits.to(tl.int32)).to(tl.float16)
-    if COLS == 16:
-        return vals.reshape(ROWS, COLS) * scale[:, None]
-    return (vals.reshape(ROWS, COLS // 16, 16) * scale[:, :, None]).reshape(ROWS, COLS)
+    if COLS == 16:  # one if/else and one return: the compiler visits code after a return inside a static if
+        out = vals.reshape(ROWS, COLS) * scale[:, None]
+    else:
+        out = (vals.reshape(ROWS, COLS // 16, 16) * scale[:, :, None]).reshape(ROWS, COLS)
+    return out
 
 
 @triton.jit

@@ -10,8 +10,10 @@ import torch
 
 from .. import _utils
 from ..heuristics import gemm_config
-from ..kernels.gemm_blockscaled import nvfp4_matmul_kernel
+from ..kernels.gemm_blockscaled import nvfp4_matmul_kernel, splitk_sum_kernel
 from .quant import check_nvfp4
+
+SPLITK_SUM_BLOCK = 1024
 
 
 def _nvfp4_matmul_impl(a: torch.Tensor, b_data: torch.Tensor, b_scales: torch.Tensor,
@@ -20,16 +22,26 @@ def _nvfp4_matmul_impl(a: torch.Tensor, b_data: torch.Tensor, b_scales: torch.Te
     out = _utils.new_output((m, n), a.dtype, a.device)
     if out.numel() == 0:
         return out
-    cfg = gemm_config(m, n, k, interpret=_utils.is_interpreter())
+    cfg = gemm_config(m, n, k, interpret=_utils.is_interpreter(), num_sms=_utils.num_sms(a.device))
     s_bits = b_scales.view(torch.uint8)
-    grid = (_utils.cdiv(m, cfg.block_m), _utils.cdiv(n, cfg.block_n))
+    k_steps = _utils.cdiv(k, cfg.block_k)
+    split = min(cfg.split_k, k_steps)
+    k_per_split = _utils.cdiv(k_steps, split) * cfg.block_k
+    split = _utils.cdiv(k, k_per_split)  # no empty slice
+    # Partials of a split K go to an fp32 workspace [split, M, N] (contiguous), summed by a second kernel.
+    dest = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=a.device)
+    grid = (_utils.cdiv(m, cfg.block_m), _utils.cdiv(n, cfg.block_n), split)
     nvfp4_matmul_kernel[grid](
-        a, b_data, s_bits, b_global_scale, out, m, n, k,
+        a, b_data, s_bits, b_global_scale, dest, m, n, k, k_per_split,
         a.stride(0), a.stride(1), b_data.stride(0), b_data.stride(1), s_bits.stride(0), s_bits.stride(1),
-        out.stride(0), out.stride(1),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=_utils.upcast_tiles(),
+        dest.stride(-2), dest.stride(-1),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, UPCAST=_utils.upcast_tiles(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if split > 1:  # out is contiguous (new_output)
+        splitk_sum_kernel[(_utils.cdiv(m * n, SPLITK_SUM_BLOCK),)](dest, out, m * n, SPLIT_K=split,
+                                                                  BLOCK=SPLITK_SUM_BLOCK,
+                                                                  UPCAST=_utils.upcast_tiles(), num_warps=4)
     return out
 
 
