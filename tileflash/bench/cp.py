@@ -111,6 +111,14 @@ def main(argv=None) -> int:
                          f"{per_gpu / one:.2f}"])
     if rank == 0:
         print(format_table(["case", "1 GPU", f"{world} GPUs", "ratio"], rows,
-                           title=f"Context parallel ({world} GPUs, bf16, d=128)"))
+                           title=f"Context parallel ({world} GPUs, bf16, d=128)"), flush=True)
+    # The first run printed its table and then hung in teardown (graphs holding NCCL work were still alive):
+    # drop them and let every rank finish its work before the group goes.
+    del cp_fn
+    import gc
+
+    gc.collect()
+    torch.cuda.synchronize()
+    dist.barrier()
     dist.destroy_process_group()
     return 0
