@@ -109,7 +109,7 @@ def _cases():
         "decode 16-bit paged append": lambda: decode("16bit", append=True, paged=True),
         "decode fp8 append": lambda: decode("fp8", append=True),
         "decode nvfp4 append": lambda: decode("nvfp4", append=True),
-        "decode nvfp4 d16 append": lambda: decode("nvfp4", d=16, append=True),
+        "decode nvfp4 d32 append": lambda: decode("nvfp4", d=32, append=True),
         "decode nvfp4 paged": lambda: decode("nvfp4", paged=True),
         "nvfp4_dequantize": lambda: tileflash.nvfp4_dequantize(*tileflash.nvfp4_quantize(torch.randn(64, 128))),
         "fp8_quantize": lambda: tileflash.fp8_quantize(torch.randn(64, 128, dtype=bf)),

@@ -193,8 +193,7 @@ def test_fp8_append_rounds_every_fp16_value_like_torch():
 NVFP4_CASES = [
     ([0, 29, 50], 1, 1, 8, 2, 64, 16, 64, 0),  # paged, empty cache, append into the 16-element blocks
     ([13, 40], 3, 3, 4, 4, 32, None, 48, 4),  # contiguous, append crossing 4 splits
-    ([21], 2, 0, 8, 1, 16, 5, 30, 1),  # MQA, page 5, smallest head dim (one scale per head vector), no append
-    ([7, 30], 2, 2, 4, 2, 16, None, 32, 2),  # head dim 16 with an append: quantize one scale per head vector
+    ([21], 2, 0, 8, 1, 32, 5, 30, 1),  # MQA, page 5, smallest head dim (two scales per head vector), no append
 ]
 
 
@@ -227,3 +226,15 @@ def test_kvcache_nvfp4(case, dtype):
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
     assert torch.equal(k_scale.view(torch.uint8), ref_ks.view(torch.uint8))
     assert torch.equal(v_scale.view(torch.uint8), ref_vs.view(torch.uint8))
+
+
+def test_nvfp4_refuses_head_dim_16():
+    """Head dim 16 NVFP4 caches decoded wrongly on the H200 (exact in the interpreter): refused, not guessed."""
+    cache = torch.zeros(1, 8, 1, 8, dtype=torch.uint8, device=DEVICE)
+    scales = torch.zeros(1, 8, 1, 1, device=DEVICE).to(torch.float8_e4m3fn)
+    one = torch.ones(1, device=DEVICE)
+    with pytest.raises(ValueError, match="power-of-two head dim >= 32, got 16"):
+        tileflash.flash_attn_with_kvcache(torch.randn(1, 1, 2, 16, device=DEVICE, dtype=torch.float16), cache,
+                                          cache.clone(), cache_seqlens=torch.ones(1, dtype=torch.int32, device=DEVICE),
+                                          k_scale=scales, v_scale=scales.clone(), k_global_scale=one,
+                                          v_global_scale=one)

@@ -48,15 +48,10 @@ def _kv_tile(base, sbase, start_n, seqlen_k, bt_ptr, stride_page, stride_tok, ss
         row_off = _kv_row_offsets(offs_n, seqlen_k, bt_ptr, stride_page, stride_tok, PAGE_SIZE, MASK_N)
         offs_b = tl.arange(0, HEAD_DIM // 2)
         s_off = _kv_row_offsets(offs_n, seqlen_k, bt_ptr, sstride_page, sstride_tok, PAGE_SIZE, MASK_N)
-        if HEAD_DIM == 16:  # one scale per row, loaded as a vector (see nvfp4_unpack_tile)
-            s_ptrs = sbase + s_off
-            s_ok = offs_n < seqlen_k
-        else:
-            s_ptrs = sbase + s_off[:, None] + tl.arange(0, HEAD_DIM // 16)[None, :]
-            s_ok = row_ok
+        s_ptrs = sbase + s_off[:, None] + tl.arange(0, HEAD_DIM // 16)[None, :]
         if MASK_N:
             packed = tl.load(base + row_off[:, None] + offs_b[None, :], mask=row_ok, other=0)
-            s_bits = tl.load(s_ptrs, mask=s_ok, other=0)
+            s_bits = tl.load(s_ptrs, mask=row_ok, other=0)
         else:
             packed = tl.load(base + row_off[:, None] + offs_b[None, :])
             s_bits = tl.load(s_ptrs)

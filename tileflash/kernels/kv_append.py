@@ -31,11 +31,9 @@ def _append_one(src_ptr, dst_ptr, bs_ptr, scale_ptr, src_off, dst_off, bs_off, o
         packed, s_bits = nvfp4_quantize_tile(x, tl.load(scale_ptr), HEADS_PAD, HEAD_DIM)
         offs_b = tl.arange(0, HEAD_DIM // 2)
         tl.store(dst_ptr + dst_off + h_off + offs_b[None, :], packed, mask=head_ok[:, None])
-        s_ptrs = bs_ptr + bs_off + offs_h.to(tl.int64) * stride_bs_h
-        if HEAD_DIM == 16:  # one scale per head vector, a [HEADS_PAD] vector
-            tl.store(s_ptrs, s_bits, mask=head_ok)
-        else:
-            tl.store(s_ptrs[:, None] + tl.arange(0, HEAD_DIM // 16)[None, :], s_bits, mask=head_ok[:, None])
+        offs_s = tl.arange(0, HEAD_DIM // 16)
+        tl.store(bs_ptr + bs_off + offs_h[:, None].to(tl.int64) * stride_bs_h + offs_s[None, :], s_bits,
+                 mask=head_ok[:, None])
     else:
         if FORMAT == 1:  # FP8: dst is the cache viewed as uint8
             scale = tl.load(scale_ptr + offs_h * stride_scale, mask=head_ok, other=1.0)

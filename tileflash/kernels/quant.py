@@ -75,19 +75,13 @@ def _rows(R, BLOCK_R: tl.constexpr):
 def nvfp4_quantize_tile(x, g, ROWS: tl.constexpr, COLS: tl.constexpr):
     """x [ROWS, COLS] (COLS a multiple of 16), global scale g -> (packed [ROWS, COLS/2] uint8, scale bits
     [ROWS, COLS/16] uint8), exactly as formats.nvfp4_quantize_ref. Shared by the quantize kernel and the NVFP4
-    KV-cache append. COLS == 16 gives scale bits as a vector [ROWS] (no size-1 tile dimension, see
-    nvfp4_unpack_tile)."""
-    if COLS == 16:
-        x = x.to(tl.float32)
-        axis: tl.constexpr = 1
-    else:
-        x = x.to(tl.float32).reshape(ROWS, COLS // 16, 16)
-        axis: tl.constexpr = 2
+    KV-cache append."""
+    x = x.to(tl.float32).reshape(ROWS, COLS // 16, 16)
     # tl.max may drop NaN (GPU max.f32 returns the other operand): mark NaN blocks explicitly.
-    has_nan = tl.max((x != x).to(tl.int32), axis) > 0
-    amax = tl.where(has_nan, float("nan"), tl.max(tl.abs(x), axis))
+    has_nan = tl.max((x != x).to(tl.int32), 2) > 0
+    amax = tl.where(has_nan, float("nan"), tl.max(tl.abs(x), 2))
     s_bits = e4m3_encode(tl.math.div_rn(tl.math.div_rn(amax, E2M1_MAX), g))
-    denom = tl.expand_dims(e4m3_decode(s_bits) * g, axis)
+    denom = (e4m3_decode(s_bits) * g)[:, :, None]
     v = tl.where(denom == 0.0, 0.0, tl.math.div_rn(x, tl.where(denom == 0.0, 1.0, denom)))
     negative = (x.to(tl.int32, bitcast=True) >> 31) & 1  # the sign bit, so -0.0 keeps its sign
     lo, hi = tl.split(e2m1_encode(v, negative).reshape(ROWS, COLS // 2, 2))
@@ -122,17 +116,13 @@ def nvfp4_unpack_tile(packed, s_bits, ROWS: tl.constexpr, COLS: tl.constexpr):
     bits, m in the top mantissa bit): that fp16 is exactly the e2m1 value / 2^14, subnormal codes included, for 3
     integer ops per code instead of a float rebuild. Times an e4m3 scale the product is a multiple of 2^-24 with at
     most 6 significant bits, so it is exact in fp16 (and in bf16 and fp32 after a cast).
-    COLS == 16 takes one scale per row as a vector: a size-1 tile dimension miscompiles on the GPU (triton 3.6)."""
+    COLS >= 32 (NVFP4 caches refuse head dim 16, see ops/decode.py)."""
     p = packed.to(tl.int32)
     lo = ((p << 9) & 0x0E00) | ((p << 12) & 0x8000)
     hi = ((p << 5) & 0x0E00) | ((p << 8) & 0x8000)
     vals = tl.join(lo, hi).to(tl.int16).to(tl.float16, bitcast=True)
     scale = e4m3_decode(s_bits.to(tl.int32)).to(tl.float16)
-    if COLS == 16:  # one if/else and one return: the compiler visits code after a return inside a static if
-        out = vals.reshape(ROWS, COLS) * scale[:, None]
-    else:
-        out = (vals.reshape(ROWS, COLS // 16, 16) * scale[:, :, None]).reshape(ROWS, COLS)
-    return out
+    return (vals.reshape(ROWS, COLS // 16, 16) * scale[:, :, None]).reshape(ROWS, COLS)
 
 
 @triton.jit
