@@ -35,10 +35,12 @@ BWD_CONFIGS = {
 DECODE_CONFIGS = [(bn, w, st, True) for bn in (64, 128, 256) for w in (4, 8) for st in (2, 3)] + [
     (128, 4, 3, False), (256, 8, 2, False)]
 DECODE_SHAPES = [(1, 32768), (8, 32768), (32, 8192), (256, 2048)]  # (batch, ctx), hq 32 / hkv 8, d 128
-GEMM_CONFIGS = [(16, 64, 128, 4, 4), (16, 32, 128, 4, 4), (16, 32, 256, 4, 3), (16, 16, 256, 4, 4),
-                (16, 64, 256, 8, 3), (16, 128, 128, 4, 4), (16, 32, 128, 2, 4), (64, 64, 128, 4, 3),
-                (64, 128, 128, 4, 3), (128, 128, 64, 8, 3), (128, 64, 128, 4, 3)]
+# (block_m, block_n, block_k, warps, stages, split_k)
+GEMM_CONFIGS = [(16, 32, 128, 4, 4, 1), (16, 32, 128, 4, 4, 2), (16, 32, 128, 4, 4, 3), (16, 32, 128, 4, 4, 4),
+                (16, 64, 128, 4, 4, 4), (16, 16, 128, 4, 4, 2), (16, 32, 256, 4, 3, 2), (16, 64, 256, 8, 3, 4),
+                (64, 64, 128, 4, 3, 1), (128, 64, 128, 4, 3, 1), (128, 128, 64, 8, 3, 1)]
 GEMM_SHAPES = [(1, 4096), (16, 4096), (1, 8192), (16, 8192), (128, 8192), (1024, 8192)]  # (M, N = K)
+SMALL_M_SHAPES = GEMM_SHAPES[:4]
 
 
 def _force(module, name, cfg):
@@ -115,14 +117,17 @@ def sweep_decode(rows):
     decode_ops.decode_config = orig
 
 
-def sweep_gemm(rows):
+def sweep_gemm(rows, shapes=GEMM_SHAPES):
+    """Eager and CUDA-graph times: at decode-sized M an eager call is bound by the host (Python checks and
+    launches), so the graph column is the kernel's own speed."""
     orig = gemm_ops.gemm_config
-    for m, nk in GEMM_SHAPES:
+    for m, nk in shapes:
         a = torch.randn(m, nk, device="cuda", dtype=BF16)
         w = torch.randn(nk, nk, device="cuda", dtype=BF16)
         data, scales, g = tileflash.nvfp4_quantize(w)
         ref = a.float() @ tileflash.nvfp4_dequantize(data, scales, g).T
         bf16_ms = bench_ms(lambda: a @ w.T)
+        bf16_graph_ms = bench_ms(graphed(lambda: a @ w.T))
         for cfg_t in GEMM_CONFIGS:
             if (m <= 16) != (cfg_t[0] == 16):
                 continue
@@ -130,9 +135,10 @@ def sweep_gemm(rows):
             try:
                 call = lambda: tileflash.nvfp4_matmul(a, data, scales, g)  # noqa: E731
                 err = ((call().float() - ref).abs().max() / ref.abs().max()).item()
-                ms = bench_ms(call)
+                ms, graph_ms = bench_ms(call), bench_ms(graphed(call))
                 rows.append(["gemm", f"M={m} N=K={nk}", str(cfg_t),
-                             f"{ms * 1e3:.1f} us ({bf16_ms / ms:.2f}x bf16)", f"{err:.1e}"])
+                             f"{ms * 1e3:.1f} us eager ({bf16_ms / ms:.2f}x bf16), {graph_ms * 1e3:.1f} us graph "
+                             f"({bf16_graph_ms / graph_ms:.2f}x bf16 graph {bf16_graph_ms * 1e3:.1f})", f"{err:.1e}"])
             except Exception as exc:  # noqa: BLE001
                 rows.append(["gemm", f"M={m} N=K={nk}", str(cfg_t), "FAILED", repr(exc)[:60]])
             print(rows[-1], flush=True)
@@ -147,7 +153,8 @@ def main(argv=None):
     rows = []
     for fam in args.families:
         try:
-            {"bwd": sweep_bwd, "decode": sweep_decode, "gemm": sweep_gemm}[fam](rows)
+            {"bwd": sweep_bwd, "decode": sweep_decode, "gemm": sweep_gemm,
+             "gemm-small": lambda r: sweep_gemm(r, SMALL_M_SHAPES)}[fam](rows)
         except Exception:  # noqa: BLE001 - keep the other families' results
             traceback.print_exc()
     print(format_table(["family", "shape", "config", "time", "err"], rows, title="config sweep (bf16, H200)"))
