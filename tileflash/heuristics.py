@@ -149,8 +149,10 @@ def gemm_config(m: int, n: int, k: int, interpret: bool = False, num_sms: int = 
     gemm, 2026-11-30, before split-K): for M <= 16, 32-column tiles were best (M=16 N=K=4096: 27.6 us vs 53.2 with
     64 columns and 131 with 128; N=K=8192: 68 us); for M = 128 (128, 64, 128, 4 warps) 138 us vs 156-250; for
     M = 1024 (128, 128, 64, 8 warps) 649 us vs 1001-1161.
-    Decode-sized M gives only N / 32 programs (128 at N = 4096 on 132 SMs), so K is split until about two programs
-    per SM are in flight, keeping at least 4 K steps per slice."""
+    Decode-sized M gives only N / 32 programs (128 at N = 4096 on 132 SMs), so K is split until about three
+    programs per SM are in flight, keeping at least 4 K steps per slice. CUDA-graph replay (config_sweep.py
+    gemm-small): M=1 N=K=4096 24.8 us unsplit, 19.8-19.9 with 3-4 slices (bf16 matmul 19.0); N=K=8192 58.3 unsplit,
+    49.6 with 3, 52.5 with 2 (bf16 44.6). Eager calls at this size are bound by the host, not the kernel."""
     if interpret:
         # Small tiles: the interpreter's cost is per program and per K step, and tests use M <= 33, N, K <= 96;
         # K >= 64 takes the split-K path so the CPU tests cover it.
@@ -159,7 +161,7 @@ def gemm_config(m: int, n: int, k: int, interpret: bool = False, num_sms: int = 
     if m <= 16:
         block_n, block_k = 32, 128
         tiles = -(-n // block_n)
-        split = max(1, min(-(-2 * num_sms // tiles), k // (4 * block_k)))
+        split = max(1, min(-(-3 * num_sms // tiles), k // (4 * block_k)))
         return GemmConfig(block_m=16, block_n=block_n, block_k=block_k, num_warps=4, num_stages=4, split_k=split)
     if m <= 64:  # not measured at this M: the M = 128 runner-up, with a tile that wastes fewer rows
         return GemmConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3)

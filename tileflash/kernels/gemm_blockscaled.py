@@ -5,7 +5,7 @@ Notation: a [M, K] fp16/bf16; b quantized from [N, K]: b_data [N, K/2] uint8 (tw
 the last tile is a whole number of scale blocks (masked to zero).
 
 Each program owns a [BLOCK_M, BLOCK_N] tile of c (and, for decode-sized M, one of SPLIT_K slices of K: N / BLOCK_N
-tiles alone would leave most SMs idle; fp32 partials are summed by a second small kernel). Per K step it loads the packed nibbles and scales of a
+tiles alone would leave most SMs idle; the caller sums the fp32 partials). Per K step it loads the packed nibbles and scales of a
 [BLOCK_N, BLOCK_K] slice of b, decodes e2m1 * scale in registers with bit arithmetic on the 4-bit codes (no table
 gather; scaled by 2^-14, see quant.nvfp4_unpack_tile), and feeds tl.dot in a's dtype (exact: e2m1 * e4m3 has at
 most 6 significant bits) with an fp32 accumulator. g * 2^14 multiplies the accumulator once at the end instead of
@@ -31,8 +31,8 @@ def nvfp4_matmul_kernel(a_ptr, b_ptr, s_ptr, g_ptr, c_ptr, M, N, K, k_per_split,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                         UPCAST: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] tile of c over K range [split * k_per_split, ...) of program_id(2). SPLIT_K > 1:
-    c_ptr is an fp32 workspace [SPLIT_K, M, N] (stride_cm, stride_cn for M, N; splits are M * N apart) that
-    splitk_sum_kernel reduces in a fixed order, so results are bitwise reproducible."""
+    c_ptr is an fp32 workspace [SPLIT_K, M, N] (stride_cm, stride_cn for M, N; splits are M * N apart) that the
+    caller sums in a fixed order, so results are bitwise reproducible."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
@@ -67,16 +67,3 @@ def nvfp4_matmul_kernel(a_ptr, b_ptr, s_ptr, g_ptr, c_ptr, M, N, K, k_per_split,
         if UPCAST and c_ptr.dtype.element_ty == tl.bfloat16:
             c = _round_bf16(c)
         tl.store(c_ptr + c_off, c.to(c_ptr.dtype.element_ty), mask=c_ok)
-
-
-@triton.jit
-def splitk_sum_kernel(ws_ptr, c_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, UPCAST: tl.constexpr):
-    """c (contiguous [M, N], a's dtype) = sum over splits of the fp32 workspace [SPLIT_K, M, N], in split order."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < numel
-    c = tl.zeros([BLOCK], dtype=tl.float32)
-    for i in tl.static_range(SPLIT_K):
-        c += tl.load(ws_ptr + i * numel + offs, mask=ok, other=0.0)
-    if UPCAST and c_ptr.dtype.element_ty == tl.bfloat16:
-        c = _round_bf16(c)
-    tl.store(c_ptr + offs, c.to(c_ptr.dtype.element_ty), mask=ok)

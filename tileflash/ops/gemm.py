@@ -10,26 +10,24 @@ import torch
 
 from .. import _utils
 from ..heuristics import gemm_config
-from ..kernels.gemm_blockscaled import nvfp4_matmul_kernel, splitk_sum_kernel
+from ..kernels.gemm_blockscaled import nvfp4_matmul_kernel
 from .quant import check_nvfp4
-
-SPLITK_SUM_BLOCK = 1024
 
 
 def _nvfp4_matmul_impl(a: torch.Tensor, b_data: torch.Tensor, b_scales: torch.Tensor,
                        b_global_scale: torch.Tensor) -> torch.Tensor:
     (m, k), n = a.shape, b_data.shape[0]
-    out = _utils.new_output((m, n), a.dtype, a.device)
-    if out.numel() == 0:
-        return out
+    if m == 0 or n == 0:
+        return a.new_empty((m, n))
     cfg = gemm_config(m, n, k, interpret=_utils.is_interpreter(), num_sms=_utils.num_sms(a.device))
-    s_bits = b_scales.view(torch.uint8)
     k_steps = _utils.cdiv(k, cfg.block_k)
-    split = min(cfg.split_k, k_steps)
-    k_per_split = _utils.cdiv(k_steps, split) * cfg.block_k
+    k_per_split = _utils.cdiv(k_steps, min(cfg.split_k, k_steps)) * cfg.block_k
     split = _utils.cdiv(k, k_per_split)  # no empty slice
-    # Partials of a split K go to an fp32 workspace [split, M, N] (contiguous), summed by a second kernel.
-    dest = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=a.device)
+    # A split K writes fp32 partials [split, M, N] that torch sums in a fixed order (bitwise reproducible; two
+    # small kernels with C++ launch costs, less host time than a second Triton launch).
+    dest = (_utils.new_output((m, n), a.dtype, a.device) if split == 1
+            else torch.empty((split, m, n), dtype=torch.float32, device=a.device))
+    s_bits = b_scales.view(torch.uint8)
     grid = (_utils.cdiv(m, cfg.block_m), _utils.cdiv(n, cfg.block_n), split)
     nvfp4_matmul_kernel[grid](
         a, b_data, s_bits, b_global_scale, dest, m, n, k, k_per_split,
@@ -38,11 +36,7 @@ def _nvfp4_matmul_impl(a: torch.Tensor, b_data: torch.Tensor, b_scales: torch.Te
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, UPCAST=_utils.upcast_tiles(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if split > 1:  # out is contiguous (new_output)
-        splitk_sum_kernel[(_utils.cdiv(m * n, SPLITK_SUM_BLOCK),)](dest, out, m * n, SPLIT_K=split,
-                                                                  BLOCK=SPLITK_SUM_BLOCK,
-                                                                  UPCAST=_utils.upcast_tiles(), num_warps=4)
-    return out
+    return dest if split == 1 else dest.sum(0).to(a.dtype)
 
 
 _nvfp4_matmul_op = torch.library.custom_op("tileflash::nvfp4_matmul", mutates_args=())(_nvfp4_matmul_impl)
