@@ -438,6 +438,7 @@ GEMM_TINY = [{"kind": "gemm", "m": m, "n": 64, "k": 64, "label": "gemm-tiny"} fo
 def cpu_timer(monkeypatch):
     monkeypatch.setattr(suites, "DEVICE", "cpu")
     monkeypatch.setattr(suites, "bench_ms", lambda fn: 0.5)
+    monkeypatch.setattr(suites, "graphed", lambda fn: fn)
 
 
 @pytest.mark.skipif(CUDA, reason="runs nvfp4_quantize / nvfp4_matmul through Triton's CPU interpreter")
@@ -450,10 +451,12 @@ def test_run_gemm_real_kernels_cpu(cpu_timer):
         m, n, k = row["m"], row["n"], row["k"]
         assert row["flops"] == formulas.gemm_flops(m, n, k)
         assert row["weight_bytes"] == {"tileflash_nvfp4": formulas.nvfp4_weight_bytes(n, k),
+                                       "tileflash_nvfp4_graph": formulas.nvfp4_weight_bytes(n, k),
                                        "torch_bf16": formulas.gemm_weight_bytes(n, k, 2),
+                                       "torch_bf16_graph": formulas.gemm_weight_bytes(n, k, 2),
                                        "torch_fp8": formulas.gemm_weight_bytes(n, k, 1)}
         assert 0.01 < row["nvfp4_weight_err"] < 0.5  # NVFP4 weights are a visible approximation of bf16 ones
-        for name in ("tileflash_nvfp4", "torch_bf16"):
+        for name in ("tileflash_nvfp4", "tileflash_nvfp4_graph", "torch_bf16", "torch_bf16_graph"):
             rec = row["backends"][name]
             assert rec["ok"] and rec["max_err"] <= suites.GEMM_TOL[name], (name, rec)
             assert rec["us"] == 500.0
@@ -464,7 +467,7 @@ def test_run_gemm_real_kernels_cpu(cpu_timer):
         assert fp8 is None or (fp8["ok"] and 1e-3 < fp8["max_err"] <= 0.1), fp8
         assert row["speedup_bf16"] == pytest.approx(1.0) and row["speedup"] == pytest.approx(1.0)
     table = lines[-1]
-    assert table.startswith("GEMM") and "| tf weight GB/s |" in table
+    assert table.startswith("GEMM") and "| tf-graph weight GB/s |" in table
     assert [c.strip() for c in table.splitlines()[-2].split("|")[1:3]] == ["17", "64"]
 
 
