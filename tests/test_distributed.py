@@ -98,6 +98,42 @@ def _prefill_worker(rank, init_file, causal):
         dist.destroy_process_group()
 
 
+def _ring_backward_worker(rank, init_file, causal):
+    dev = _init(rank, init_file)
+    try:
+        import tileflash.distributed as tfd
+        from helpers import check_2x
+        from tileflash.reference import attention_ref
+
+        g = torch.Generator().manual_seed(2)
+        b, s, hq, hkv, d = 1, 40, 4, 2, 32
+        q, k, v = (torch.randn(b, s, h, d, generator=g).half() for h in (hq, hkv, hkv))
+        dout = torch.randn(b, s, hq, d, generator=g)
+        dlse = torch.randn(b, hq, s, generator=g)  # a gradient through the returned lse too
+
+        def grads(fn, inputs):
+            out, lse = fn(*inputs)
+            loss = (out.float() * dout).sum() + (lse * dlse).sum()
+            return torch.autograd.grad(loss, inputs)
+
+        ref32 = grads(lambda *a: attention_ref(*a, causal=causal), [x.float().requires_grad_() for x in (q, k, v)])
+        ref_lowp = grads(lambda *a: attention_ref(*a, causal=causal, upcast=False),
+                         [x.clone().requires_grad_() for x in (q, k, v)])
+        shard = [tfd.zigzag_shard(x, rank, WORLD).to(dev).requires_grad_() for x in (q, k, v)]
+        out, lse = tfd.ring_attention(*shard, causal=causal, return_lse=True)
+        loss = ((out.float() * tfd.zigzag_shard(dout, rank, WORLD).to(dev)).sum()
+                + (lse * tfd.zigzag_shard(dlse, rank, WORLD, dim=2).to(dev)).sum())
+        mine = torch.autograd.grad(loss, shard)
+        for name, gr, r32, rlow in zip(("dq", "dk", "dv"), mine, ref32, ref_lowp):
+            parts = [torch.empty_like(gr) for _ in range(WORLD)]
+            dist.all_gather(parts, gr.contiguous())
+            full = tfd.zigzag_unshard(parts, WORLD).cpu()
+            assert full.dtype == torch.float16
+            check_2x(full, r32, rlow, name)
+    finally:
+        dist.destroy_process_group()
+
+
 def _spawn(fn, tmp_path, *args):
     init_file = tmp_path / "dist_init"
     here = os.path.dirname(__file__)
@@ -116,3 +152,9 @@ def test_cp_decode_two_ranks(tmp_path, paged, sq):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_ring_attention_two_ranks(tmp_path, causal):
     _spawn(_prefill_worker, tmp_path, causal)
+
+
+@needs_ranks
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_ring_attention_backward_two_ranks(tmp_path, causal):
+    _spawn(_ring_backward_worker, tmp_path, causal)

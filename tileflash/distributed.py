@@ -10,14 +10,16 @@ can be sharded along its length across GPUs with PyTorch's own collectives (NCCL
   2 x world chunks; rank r holds chunks r and 2 x world - 1 - r, so causal work is balanced). K/V chunks travel
   around the ring with point-to-point sends posted before the local attention runs, so transfer overlaps compute.
 
-Both are forward-only (no autograd through the collectives).
+cp_decode is forward-only; ring_attention is differentiable (its backward is a second ring).
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+from . import _utils
 from .ops._launch import launch_combine
+from .ops.backward import _attn_bwd_impl
 from .ops.decode import flash_attn_with_kvcache
 from .ops.merge import merge_attn_states
 from .ops.prefill import flash_attn_func
@@ -79,51 +81,113 @@ def zigzag_unshard(shards, world: int, dim: int = 1):
     return torch.cat(chunks, dim=dim)
 
 
-def _ring_step(q_chunks, q_ids, kv, kv_ids, causal, softmax_scale, softcap, acc):
-    """Fold attention of local query chunks over one (k, v) pair of chunks into acc[(out, lse) per query chunk]."""
-    k, v = kv
-    for i, (q, qi) in enumerate(zip(q_chunks, q_ids)):
-        for kc, vc, ki in zip(k.chunk(2, dim=1), v.chunk(2, dim=1), kv_ids):
-            if causal and ki > qi:
-                continue  # the whole chunk is in this query chunk's future
-            out, lse = flash_attn_func(q, kc, vc, softmax_scale=softmax_scale, causal=causal and ki == qi,
+def _ring_exchange(tensors, group, send_to, recv_from):
+    """Post sends of `tensors` to send_to and receives of same-shaped buffers from recv_from; (buffers, requests)."""
+    nxt = [torch.empty_like(t) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t, send_to, group) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, t, recv_from, group) for t in nxt]
+    return nxt, dist.batch_isend_irecv(ops)
+
+
+def _ring_peers(group):
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    to, frm = (rank + 1) % world, (rank - 1) % world
+    if group is not None:
+        to, frm = dist.get_global_rank(group, to), dist.get_global_rank(group, frm)
+    return world, rank, to, frm
+
+
+def _visible_pairs(q_ids, kv_ids, causal):
+    """(query chunk index, key chunk index, diagonal?) of the chunk pairs with any visible key: an earlier key
+    chunk is seen whole, the same chunk causally, a later one not at all."""
+    for i, qi in enumerate(q_ids):
+        for j, kj in enumerate(kv_ids):
+            if not (causal and kj > qi):
+                yield i, j, causal and kj == qi
+
+
+def _ring_forward(q, k, v, group, causal, softmax_scale, softcap):
+    world, rank, send_to, recv_from = _ring_peers(group)
+    q_chunks = q.chunk(2, dim=1)
+    q_ids = (rank, 2 * world - 1 - rank)
+    acc = [None, None]
+    kv = [k.contiguous(), v.contiguous()]
+    for step in range(world):
+        holder = (rank - step) % world  # whose chunks are held now
+        nxt, reqs = _ring_exchange(kv, group, send_to, recv_from) if step < world - 1 else (None, [])
+        kc, vc = kv[0].chunk(2, dim=1), kv[1].chunk(2, dim=1)
+        for i, j, diagonal in _visible_pairs(q_ids, (holder, 2 * world - 1 - holder), causal):
+            out, lse = flash_attn_func(q_chunks[i], kc[j], vc[j], softmax_scale=softmax_scale, causal=diagonal,
                                        softcap=softcap, return_lse=True)
             acc[i] = (out, lse) if acc[i] is None else merge_attn_states(*acc[i], out, lse)
-    return acc
+        for r in reqs:
+            r.wait()
+        kv = nxt if nxt is not None else kv
+    return torch.cat([a[0] for a in acc], dim=1), torch.cat([a[1] for a in acc], dim=2)
+
+
+def _ring_backward(q, k, v, out, lse, dout, dlse, group, causal, softmax_scale, softcap):
+    """Gradients of the ring forward. Each chunk pair's backward uses the *final* out and lse of its query rows,
+    so its dQ, dK, dV are exactly that pair's share of the whole gradient (P = exp(S - lse), delta =
+    rowsum(dO * O) - dlse are per query row). dQ stays here; the dK/dV of the K/V chunks held now travel with
+    them (fp32) and arrive back at their owner after world hops."""
+    world, rank, send_to, recv_from = _ring_peers(group)
+    scale = _utils.softmax_scale_or_default(softmax_scale, q.shape[-1])
+    two = lambda t, dim=1: [c.contiguous() for c in t.chunk(2, dim=dim)]  # noqa: E731
+    q_c, o_c, do_c, lse_c = two(q), two(out), two(dout), two(lse, 2)
+    dlse_c = two(dlse, 2) if dlse is not None else [None, None]
+    q_ids = (rank, 2 * world - 1 - rank)
+    dq = [torch.zeros(c.shape, dtype=torch.float32, device=q.device) for c in q_c]
+    kv = [k.contiguous(), v.contiguous()]
+    dkv = [torch.zeros(k.shape, dtype=torch.float32, device=k.device),
+           torch.zeros(v.shape, dtype=torch.float32, device=v.device)]
+    for step in range(world):
+        holder = (rank - step) % world
+        nxt, reqs = _ring_exchange(kv, group, send_to, recv_from) if step < world - 1 else (None, [])
+        kc, vc = two(kv[0]), two(kv[1])
+        dkc, dvc = dkv[0].chunk(2, dim=1), dkv[1].chunk(2, dim=1)  # views: the adds below land in dkv
+        for i, j, diagonal in _visible_pairs(q_ids, (holder, 2 * world - 1 - holder), causal):
+            dq_p, dk_p, dv_p = _attn_bwd_impl(q_c[i], kc[j], vc[j], o_c[i], lse_c[i], do_c[i], dlse_c[i], None,
+                                              None, None, 0, 0, scale, -1, 0 if diagonal else -1, softcap)
+            dq[i] += dq_p.float()
+            dkc[j].add_(dk_p.float())
+            dvc[j].add_(dv_p.float())
+        for r in reqs:
+            r.wait()
+        # The accumulators follow their K/V chunks; after the last step this sends them home.
+        dkv, dreqs = _ring_exchange(dkv, group, send_to, recv_from)
+        for r in dreqs:
+            r.wait()
+        kv = nxt if nxt is not None else kv
+    return torch.cat(dq, dim=1).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, softmax_scale, softcap):
+        out, lse = _ring_forward(q, k, v, group, causal, softmax_scale, softcap)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (group, causal, softmax_scale, softcap)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(q, k, v, out, lse, dout, dlse, *ctx.args)
+        return dq, dk, dv, None, None, None, None
 
 
 def ring_attention(q, k, v, group=None, causal=False, softmax_scale=None, softcap=0.0, return_lse=False):
     """Prefill attention with q, k, v [B, S_local, H, D] sharded along the sequence in zigzag order
-    (zigzag_shard); returns this rank's shard of the output (and lse [B, Hq, S_local]).
+    (zigzag_shard); returns this rank's shard of the output (and lse [B, Hq, S_local]). Differentiable: the
+    backward runs a second ring (see _ring_backward), so every rank must call backward.
 
     World steps: at each, the K/V pair of chunks held now is sent to rank + 1 and the next one received from
     rank - 1 (posted before the local attention runs, so the transfer overlaps it); local query chunks attend
     to the held chunks with chunk-level causality (earlier chunk: full, same chunk: causal, later: skipped) and
     partial results merge through merge_attn_states.
     """
-    world = dist.get_world_size(group)
-    rank = dist.get_rank(group)
     if q.shape[1] % 2 or k.shape[1] % 2:
         raise ValueError(f"q, k: zigzag shards hold two equal chunks, got lengths {q.shape[1]} and {k.shape[1]}")
-    q_chunks = q.chunk(2, dim=1)
-    q_ids = (rank, 2 * world - 1 - rank)
-    acc = [None, None]
-    kv = (k.contiguous(), v.contiguous())
-    send_to = dist.get_global_rank(group, (rank + 1) % world) if group is not None else (rank + 1) % world
-    recv_from = dist.get_global_rank(group, (rank - 1) % world) if group is not None else (rank - 1) % world
-    for step in range(world):
-        holder = (rank - step) % world  # whose chunks are held now
-        reqs, nxt = [], None
-        if step < world - 1:
-            nxt = (torch.empty_like(kv[0]), torch.empty_like(kv[1]))
-            ops = [dist.P2POp(dist.isend, t, send_to, group) for t in kv]
-            ops += [dist.P2POp(dist.irecv, t, recv_from, group) for t in nxt]
-            reqs = dist.batch_isend_irecv(ops)
-        acc = _ring_step(q_chunks, q_ids, kv, (holder, 2 * world - 1 - holder), causal, softmax_scale, softcap, acc)
-        for r in reqs:
-            r.wait()
-        if nxt is not None:
-            kv = nxt
-    out = torch.cat([a[0] for a in acc], dim=1)
-    lse = torch.cat([a[1] for a in acc], dim=2)
+    out, lse = _RingAttention.apply(q, k, v, group, causal, softmax_scale, softcap)
     return (out, lse) if return_lse else out
