@@ -4,7 +4,7 @@ Decode at batch 1 (32/8 heads, d=128, bf16) with 256k and 512k context: one GPU 
 group with each rank holding 1/world of it (cp_decode: local decode, all-gather of (out, lse), merge). Both are
 timed as CUDA-graph replays when capture works (how serving engines call decode; NCCL collectives capture), else
 eagerly; the table says which. Ring prefill, causal, s = 32k and 64k: TFLOP/s per GPU of ring_attention vs
-flash_attn_func on one GPU. Rank 0 prints the table.
+flash_attn_func on one GPU, and the same for forward + backward at 64k. Rank 0 prints the table.
 
 Every rank must run a collective the same number of times, so timing uses a fixed iteration count (do_bench picks
 its count from a per-rank estimate and would deadlock).
@@ -109,6 +109,28 @@ def main(argv=None) -> int:
             per_gpu = tflops(flops, ring_ms) / world
             rows.append([f"ring prefill causal s={s // 1024}k", f"{one:.0f} TFLOP/s", f"{per_gpu:.0f} TFLOP/s/GPU",
                          f"{per_gpu / one:.2f}"])
+    # Forward + backward (training): 3.5 x the forward FLOPs (the backward counts 2.5, as in bench backward).
+    s, h = 64 * 1024, 16
+    q, k, v = (torch.randn(1, s // world, h, 128, device=dev, dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    dout = torch.randn(1, s // world, h, 128, device=dev, dtype=torch.bfloat16)
+    ring_ms = fixed_iters_ms(
+        lambda: torch.autograd.grad(tfd.ring_attention(q, k, v, causal=True), (q, k, v), dout), iters=5, warmup=1)
+    flops = 3.5 * attn_fwd_flops(1, h, s, s, 128, True)
+    one = 0.0
+    if rank == 0:
+        from tileflash.bench.timing import bench_ms
+
+        qf, kf, vf = (torch.randn(1, s, h, 128, device=dev, dtype=torch.bfloat16, requires_grad=True)
+                      for _ in range(3))
+        dof = torch.randn(1, s, h, 128, device=dev, dtype=torch.bfloat16)
+        one = tflops(flops, bench_ms(lambda: torch.autograd.grad(
+            tileflash.flash_attn_func(qf, kf, vf, causal=True), (qf, kf, vf), dof)))
+    dist.barrier()
+    if rank == 0:
+        per_gpu = tflops(flops, ring_ms) / world
+        rows.append([f"ring fwd+bwd causal s={s // 1024}k", f"{one:.0f} TFLOP/s", f"{per_gpu:.0f} TFLOP/s/GPU",
+                     f"{per_gpu / one:.2f}"])
     if rank == 0:
         print(format_table(["case", "1 GPU", f"{world} GPUs", "ratio"], rows,
                            title=f"Context parallel ({world} GPUs, bf16, d=128)"), flush=True)
