@@ -115,7 +115,8 @@ def _row_stats(lse_ptr, delta_ptr, b, h, tok, row_ok, stride_lb, stride_lh, stri
 
 @triton.jit
 def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, b, head_q, stride_lb, stride_lh, stride_ls,
-                 stride_qs, stride_dos, q_start, offs_d, offs_n, diag, seqlen_q, seqlen_k, lo, hi, qk_scale, softcap_scale, window_left, window_right,
+                 stride_qs, stride_dos, q_start, offs_d, offs_n, diag, seqlen_q, seqlen_k, lo, hi, qk_scale,
+                 softcap_scale, window_left, window_right,
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr,
                  HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, TILE_DTYPE: tl.constexpr):
     """dV += P^T dO and dK += dS^T Q (dS without softmax_scale) over query blocks [lo, hi) of one head."""

@@ -5,11 +5,11 @@ Notation: a [M, K] fp16/bf16; b quantized from [N, K]: b_data [N, K/2] uint8 (tw
 the last tile is a whole number of scale blocks (masked to zero).
 
 Each program owns a [BLOCK_M, BLOCK_N] tile of c (and, for decode-sized M, one of SPLIT_K slices of K: N / BLOCK_N
-tiles alone would leave most SMs idle; the caller sums the fp32 partials). Per K step it loads the packed nibbles and scales of a
-[BLOCK_N, BLOCK_K] slice of b, decodes e2m1 * scale in registers with bit arithmetic on the 4-bit codes (no table
-gather; scaled by 2^-14, see quant.nvfp4_unpack_tile), and feeds tl.dot in a's dtype (exact: e2m1 * e4m3 has at
-most 6 significant bits) with an fp32 accumulator. g * 2^14 multiplies the accumulator once at the end instead of
-every element of b.
+tiles alone would leave most SMs idle; the caller sums the fp32 partials). Per K step it loads the packed nibbles
+and scales of a [BLOCK_N, BLOCK_K] slice of b, decodes e2m1 * scale in registers with bit arithmetic on the 4-bit
+codes (no table gather; scaled by 2^-14, see quant.nvfp4_unpack_tile), and feeds tl.dot in a's dtype (exact:
+e2m1 * e4m3 has at most 6 significant bits) with an fp32 accumulator. g * 2^14 multiplies the accumulator once at
+the end instead of every element of b.
 """
 import triton
 import triton.language as tl
