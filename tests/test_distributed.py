@@ -98,7 +98,7 @@ def _prefill_worker(rank, init_file, causal):
         dist.destroy_process_group()
 
 
-def _ring_backward_worker(rank, init_file, causal):
+def _ring_backward_worker(rank, init_file, causal, softcap):
     dev = _init(rank, init_file)
     try:
         import tileflash.distributed as tfd
@@ -116,11 +116,12 @@ def _ring_backward_worker(rank, init_file, causal):
             loss = (out.float() * dout).sum() + (lse * dlse).sum()
             return torch.autograd.grad(loss, inputs)
 
-        ref32 = grads(lambda *a: attention_ref(*a, causal=causal), [x.float().requires_grad_() for x in (q, k, v)])
-        ref_lowp = grads(lambda *a: attention_ref(*a, causal=causal, upcast=False),
+        kw = dict(causal=causal, softcap=softcap)
+        ref32 = grads(lambda *a: attention_ref(*a, **kw), [x.float().requires_grad_() for x in (q, k, v)])
+        ref_lowp = grads(lambda *a: attention_ref(*a, upcast=False, **kw),
                          [x.clone().requires_grad_() for x in (q, k, v)])
         shard = [tfd.zigzag_shard(x, rank, WORLD).to(dev).requires_grad_() for x in (q, k, v)]
-        out, lse = tfd.ring_attention(*shard, causal=causal, return_lse=True)
+        out, lse = tfd.ring_attention(*shard, return_lse=True, **kw)
         loss = ((out.float() * tfd.zigzag_shard(dout, rank, WORLD).to(dev)).sum()
                 + (lse * tfd.zigzag_shard(dlse, rank, WORLD, dim=2).to(dev)).sum())
         mine = torch.autograd.grad(loss, shard)
@@ -155,6 +156,7 @@ def test_ring_attention_two_ranks(tmp_path, causal):
 
 
 @needs_ranks
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_ring_attention_backward_two_ranks(tmp_path, causal):
-    _spawn(_ring_backward_worker, tmp_path, causal)
+@pytest.mark.parametrize("causal, softcap", [(False, 0.0), (True, 0.0), (True, 5.0)],
+                         ids=["full", "causal", "causal-softcap"])
+def test_ring_attention_backward_two_ranks(tmp_path, causal, softcap):
+    _spawn(_ring_backward_worker, tmp_path, causal, softcap)
