@@ -5,7 +5,8 @@ compiler, so code the interpreter accepts can still fail to compile for the GPU 
 shapes the layout passes reject). This script installs a stand-in for Triton's CUDA driver that reports an sm_90
 target and turns launches into no-ops, then calls each op on CPU tensors: every kernel goes through the real
 compiler and ptxas (bundled with triton) for sm_90, and nothing runs. Results are garbage; only compilation is
-checked. Usage: `python tests/sm90_compile_check.py` (exit status 1 if any case fails to compile). Run by
+checked. Usage: `python tests/sm90_compile_check.py [--res-usage]` (exit status 1 if any case fails to compile;
+--res-usage prints registers and stack bytes, i.e. spills, of every compiled variant). Run by
 tests/test_sm90_compile.py in a subprocess, since it replaces the process's active Triton driver.
 """
 import os
@@ -119,7 +120,35 @@ def _cases():
     }
 
 
+def _resource_usage():
+    """One line per compiled kernel variant: registers and stack (spills) from cuobjdump -res-usage."""
+    import subprocess
+    import tempfile
+
+    import triton
+
+    from tileflash.kernels import attn_bwd, attn_combine, attn_fwd, gemm_blockscaled, kv_append, quant
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        for mod in (attn_fwd, attn_bwd, attn_combine, kv_append, quant, gemm_blockscaled):
+            for name in sorted(dir(mod)):
+                fn = getattr(mod, name)
+                for caches in getattr(fn, "device_caches", {}).values():
+                    for kernel in caches[0].values():
+                        path = os.path.join(tmp, "k.cubin")
+                        with open(path, "wb") as f:
+                            f.write(kernel.asm["cubin"])
+                        out = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True).stdout
+                        usage = next((ln.strip() for ln in out.splitlines() if "REG:" in ln), "?")
+                        consts = {k[0] if isinstance(k, tuple) else k: v
+                                  for k, v in getattr(kernel.src, "constants", {}).items()}
+                        print(f"{name} warps={kernel.metadata.num_warps} {' '.join(usage.split()[:3])} "
+                              f"constexprs={list(consts.values())}")
+
+
 def main() -> int:
+    """Exit status 1 if any case fails to compile; with --res-usage also print registers and spills."""
     driver.set_active(Sm90CompileOnly())
     failed = []
     for name, fn in _cases().items():
@@ -132,6 +161,8 @@ def main() -> int:
             failed.append(name)
             print(f"FAIL  {name}: {type(exc).__name__}: {str(exc)[-600:]}")
     print(f"{len(failed)} of {len(_cases())} cases failed to compile for sm_90")
+    if "--res-usage" in sys.argv:
+        _resource_usage()
     return 1 if failed else 0
 
 
