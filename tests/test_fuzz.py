@@ -1,4 +1,5 @@
-"""Property-based fuzzing of the four public ops against the pure-PyTorch references (hypothesis).
+"""Property-based fuzzing of the public ops against the pure-PyTorch references (hypothesis): prefill, varlen,
+decode (16-bit, FP8 and NVFP4 caches), merge_attn_states, the NVFP4 quantizer and GEMM.
 
 Hypothesis draws the *structure* of a problem (batch, lengths, heads, head dim, masks, layouts, page tables, splits);
 the values come from a seeded torch generator, so every failing example prints a case that reproduces exactly.
@@ -12,11 +13,12 @@ pages unused block-table entries point to. A load that reaches it and is "masked
 the same problem with finite garbage, to tell a leak from a maths error when shrinking.
 
 Profiles (select with TILEFLASH_FUZZ; the default is "ci"):
-  ci    fixed seed (derandomize), no example database, 450 examples over the four tests, small shapes sized for
-        the Triton interpreter on 2 cores (about 0.2 ms x programs x KV-loop iterations): ~70 s;
+  ci    fixed seed (derandomize), no example database, 540 examples over the six tests, small shapes sized for
+        the Triton interpreter on 2 cores (about 0.2 ms x programs x KV-loop iterations): ~80 s;
   long  TILEFLASH_FUZZ=long: 2500 examples, longer sequences, more heads, more large head dims.
 TILEFLASH_FUZZ_SEED=N explores with seed N instead of the fixed one (either profile); TILEFLASH_FUZZ_EXAMPLES=N
-sets the per-test base count (tests take weighted shares of it: decode 1.2, varlen 0.8, merge 2).
+sets the per-test base count (tests take weighted shares of it: decode 1.2, varlen 0.8, merge 2, quantized-cache
+decode 0.5, NVFP4 quantize/GEMM 0.5).
 """
 from __future__ import annotations
 
@@ -542,3 +544,144 @@ def test_fuzz_merge_attn_states(case: MergeCase):
         check_2x(out, ref32, round_like_kernel(ref32, c.dtype))
     finite = ref_lse[torch.isfinite(ref_lse)]
     check_lse(lse, ref_lse, atol=max(1e-3, 4e-7 * finite.abs().max().item() if finite.numel() else 0.0))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# flash_attn_with_kvcache over FP8 / NVFP4 caches
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LowpDecodeCase:
+    fmt: str  # "fp8" (per-tensor scales), "fp8-head" (per-KV-head scales), "nvfp4"
+    seqlens: tuple
+    sq: int
+    s_new: int
+    hq: int
+    hkv: int
+    d: int
+    dtype: torch.dtype
+    page_size: int | None
+    capacity: int
+    causal: bool
+    window: tuple
+    softcap: float
+    num_splits: int
+    seed: int
+
+
+@st.composite
+def lowp_decode_cases(draw):
+    fmt = draw(st.sampled_from(["fp8", "fp8-head", "nvfp4"]))
+    d = draw(st.sampled_from([32, 64, 128] if fmt == "nvfp4" else [16, 8, 40, 64, 128]))
+    hq, hkv = draw(head_counts())
+    sq = draw(st.sampled_from([1, 1, 2, 5, 16]))
+    s_new = draw(st.sampled_from([0, sq, 1]))
+    page_size = draw(PAGE_SIZES)
+    want = draw(st.integers(max(s_new, 1), max(s_new, 1, LIM["capacity_big_d"] if d > 64 else LIM["capacity"])))
+    capacity = want if page_size is None else math.ceil(want / page_size) * page_size
+    m_tiles = cdiv(sq * hq // hkv, decode_block_m(sq * hq // hkv))
+    b = draw(batches([1, 2, 3], hkv * m_tiles * (cdiv(capacity, 16) + 9) * dim_cost(d)))
+    seqlens = tuple(draw(st.one_of(st.just(0), st.just(capacity - s_new), st.integers(0, capacity - s_new)))
+                    for _ in range(b))
+    causal, window, softcap, _ = draw(masks(capacity))
+    return LowpDecodeCase(fmt, seqlens, sq, s_new, hq, hkv, d, draw(st.sampled_from(DTYPES)), page_size, capacity,
+                          causal or draw(st.booleans()), window, softcap, draw(num_splits(b * hkv * m_tiles)),
+                          draw(_seed()))
+
+
+@fuzz_settings(0.5)
+@given(case=lowp_decode_cases())
+def test_fuzz_flash_attn_with_kvcache_lowp(case: LowpDecodeCase):
+    """Quantized caches (paged or not, appends quantized in the call): output against attention over the
+    dequantized cache with the 2x rule, appended bytes (and NVFP4 block scales) equal to the reference's."""
+    from tileflash.formats import nvfp4_quantize_ref
+    from tileflash.reference import fp8_quantize_ref
+
+    c = case
+    event(f"cache format: {c.fmt}")
+    gen = torch.Generator().manual_seed(c.seed)
+    b = len(c.seqlens)
+    table = None
+    if c.page_size is None:
+        shape = (b, c.capacity, c.hkv, c.d)
+    else:
+        pages = c.capacity // c.page_size
+        shape = (b * pages + 2, c.page_size, c.hkv, c.d)
+        table = torch.randperm(shape[0], generator=gen)[: b * pages].reshape(b, pages).to(DEVICE, torch.int32)
+    k_hi, v_hi = (torch.randn(*shape, generator=gen).to(DEVICE) for _ in range(2))
+    if c.fmt == "nvfp4":
+        (k_cache, k_scale, k_g), (v_cache, v_scale, v_g) = nvfp4_quantize_ref(k_hi), nvfp4_quantize_ref(v_hi)
+        scales = dict(k_scale=k_scale, v_scale=v_scale, k_global_scale=k_g.reshape(1), v_global_scale=v_g.reshape(1))
+    else:
+        n = c.hkv if c.fmt == "fp8-head" else 1
+        k_s, v_s = ((torch.rand(n, generator=gen) * 0.02 + 0.003).to(DEVICE) for _ in range(2))
+        k_cache, v_cache = fp8_quantize_ref(k_hi, k_s), fp8_quantize_ref(v_hi, v_s)
+        scales = dict(k_scale=k_s, v_scale=v_s)
+    q = torch.randn(b, c.sq, c.hq, c.d, generator=gen).to(DEVICE, c.dtype)
+    k = v = None
+    if c.s_new:
+        k, v = (torch.randn(b, c.s_new, c.hkv, c.d, generator=gen).to(DEVICE, c.dtype) for _ in range(2))
+    kw = dict(cache_seqlens=torch.tensor(c.seqlens, dtype=torch.int32, device=DEVICE), block_table=table,
+              causal=c.causal, window_size=c.window, softcap=c.softcap, **scales)
+    ref, ref_lse, ref_k, ref_v = kvcache_ref(q, k_cache, v_cache, k, v, **kw)
+    ref_lowp, _, _, _ = kvcache_ref(q, k_cache, v_cache, k, v, upcast=False, **kw)
+    out, lse = tileflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, num_splits=c.num_splits,
+                                                 return_lse=True, **kw)
+    check_2x(out, ref, ref_lowp)
+    check_lse(lse, ref_lse)
+    bits = lambda t: t.contiguous().view(torch.uint8)  # noqa: E731
+    if c.fmt == "nvfp4":  # the reference returns (data, block scales) pairs
+        assert torch.equal(bits(k_cache), bits(ref_k[0])) and torch.equal(bits(v_cache), bits(ref_v[0]))
+        assert torch.equal(bits(k_scale), bits(ref_k[1])) and torch.equal(bits(v_scale), bits(ref_v[1]))
+    else:
+        assert torch.equal(bits(k_cache), bits(ref_k)) and torch.equal(bits(v_cache), bits(ref_v))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# nvfp4_quantize / nvfp4_dequantize / nvfp4_matmul
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Nvfp4Case:
+    rows: int  # N: rows of the quantized matrix
+    k: int  # a multiple of 16
+    m: int  # rows of the activation for the GEMM
+    x_dtype: torch.dtype
+    a_dtype: torch.dtype
+    octaves: int  # per-row magnitudes spread over 2^-octaves .. 2^octaves
+    zero_blocks: bool
+    seed: int
+
+
+@st.composite
+def nvfp4_cases(draw):
+    return Nvfp4Case(draw(lengths(40)), 16 * draw(st.integers(1, 12)), draw(lengths(33)),
+                     draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16])),
+                     draw(st.sampled_from(DTYPES)), draw(st.sampled_from([0, 3, 12])), draw(st.booleans()),
+                     draw(_seed()))
+
+
+@fuzz_settings(0.5)
+@given(case=nvfp4_cases())
+def test_fuzz_nvfp4_quantize_and_matmul(case: Nvfp4Case):
+    """The Triton quantizer is bit-exact with the reference (data, scales, global scale), dequantize likewise,
+    and nvfp4_matmul meets the 2x rule against a.float() @ dequant(w).T."""
+    from tileflash.formats import nvfp4_dequantize_ref, nvfp4_quantize_ref
+
+    c = case
+    gen = torch.Generator().manual_seed(c.seed)
+    x = torch.randn(c.rows, c.k, generator=gen) * torch.exp2(torch.randint(-c.octaves, c.octaves + 1, (c.rows, 1),
+                                                                            generator=gen).float())
+    if c.zero_blocks and c.rows:
+        x.view(c.rows, c.k // 16, 16)[:, torch.randint(0, c.k // 16, (1,), generator=gen)] = 0.0
+    x = x.to(DEVICE, c.x_dtype)
+    data, scales, g = tileflash.nvfp4_quantize(x)
+    ref_data, ref_scales, ref_g = nvfp4_quantize_ref(x)
+    assert torch.equal(data, ref_data) and torch.equal(scales.view(torch.uint8), ref_scales.view(torch.uint8))
+    assert torch.equal(g.float().reshape(()), ref_g.float().reshape(()))
+    w = tileflash.nvfp4_dequantize(data, scales, g)
+    assert torch.equal(w, nvfp4_dequantize_ref(ref_data, ref_scales, ref_g))
+    # Activations scaled so that outputs stay inside fp16's range whatever the weights' magnitudes.
+    a = (torch.randn(c.m, c.k, generator=gen) / max(1.0, float(w.abs().max()) if w.numel() else 1.0))
+    a = a.to(DEVICE, c.a_dtype)
+    out = tileflash.nvfp4_matmul(a, data, scales, g)
+    assert out.shape == (c.m, c.rows) and out.dtype == c.a_dtype
+    check_2x(out, a.float() @ w.T, a @ w.to(c.a_dtype).T)
