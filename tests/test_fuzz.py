@@ -1,5 +1,5 @@
-"""Property-based fuzzing of the public ops against the pure-PyTorch references (hypothesis): prefill, varlen,
-decode (16-bit, FP8 and NVFP4 caches), merge_attn_states, the NVFP4 quantizer and GEMM.
+"""Property-based fuzzing of the public ops against the pure-PyTorch references (hypothesis): prefill (forward and
+backward), varlen, decode (16-bit, FP8 and NVFP4 caches), merge_attn_states, the NVFP4 quantizer and GEMM.
 
 Hypothesis draws the *structure* of a problem (batch, lengths, heads, head dim, masks, layouts, page tables, splits);
 the values come from a seeded torch generator, so every failing example prints a case that reproduces exactly.
@@ -13,12 +13,12 @@ pages unused block-table entries point to. A load that reaches it and is "masked
 the same problem with finite garbage, to tell a leak from a maths error when shrinking.
 
 Profiles (select with TILEFLASH_FUZZ; the default is "ci"):
-  ci    fixed seed (derandomize), no example database, 540 examples over the six tests, small shapes sized for
-        the Triton interpreter on 2 cores (about 0.2 ms x programs x KV-loop iterations): ~80 s;
+  ci    fixed seed (derandomize), no example database, 558 examples over the seven tests, small shapes sized for
+        the Triton interpreter on 2 cores (about 0.2 ms x programs x KV-loop iterations): ~100 s;
   long  TILEFLASH_FUZZ=long: 2500 examples, longer sequences, more heads, more large head dims.
 TILEFLASH_FUZZ_SEED=N explores with seed N instead of the fixed one (either profile); TILEFLASH_FUZZ_EXAMPLES=N
 sets the per-test base count (tests take weighted shares of it: decode 1.2, varlen 0.8, merge 2, quantized-cache
-decode 0.5, NVFP4 quantize/GEMM 0.5).
+decode 0.5, NVFP4 quantize/GEMM 0.5, backward 0.2).
 """
 from __future__ import annotations
 
@@ -685,3 +685,35 @@ def test_fuzz_nvfp4_quantize_and_matmul(case: Nvfp4Case):
     out = tileflash.nvfp4_matmul(a, data, scales, g)
     assert out.shape == (c.m, c.rows) and out.dtype == c.a_dtype
     check_2x(out, a.float() @ w.T, a @ w.to(c.a_dtype).T)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# flash_attn_func backward
+# ---------------------------------------------------------------------------------------------------------------
+@fuzz_settings(0.2)  # three kernels plus the reference's autograd per example
+@given(case=prefill_cases())
+def test_fuzz_flash_attn_func_backward(case: PrefillCase):
+    """dq, dk, dv (with a gradient through lse too) against autograd of the fp32 reference, 2x rule, on the
+    prefill cases' shapes, masks and strided layouts."""
+    c = case
+    gen = torch.Generator().manual_seed(c.seed)
+    q, _ = rand_view(gen, (c.b, c.sq, c.hq, c.d), c.dtype, c.q_layout, c.value_scale)
+    k, _ = rand_view(gen, (c.b, c.sk, c.hkv, c.d), c.dtype, c.k_layout, c.value_scale)
+    v, _ = rand_view(gen, (c.b, c.sk, c.hkv, c.d), c.dtype, c.v_layout)
+    dout = torch.randn(c.b, c.sq, c.hq, c.d, generator=gen).to(DEVICE)
+    dlse = torch.randn(c.b, c.hq, c.sq, generator=gen).to(DEVICE)
+    kw = dict(softmax_scale=c.scale, causal=c.causal, window_size=c.window, softcap=c.softcap)
+
+    def grads(fn, inputs):
+        inputs = [x.requires_grad_() for x in inputs]
+        out, lse = fn(*inputs)
+        loss = (out.float() * dout).sum() + (torch.where(torch.isinf(lse), 0.0, lse) * dlse).sum()
+        return torch.autograd.grad(loss, inputs)
+
+    got = grads(lambda *a: tileflash.flash_attn_func(*a, return_lse=True, **kw), [q.detach(), k.detach(),
+                                                                                  v.detach()])
+    ref32 = grads(lambda *a: attention_ref(*a, **kw), [x.detach().float() for x in (q, k, v)])
+    ref_lowp = grads(lambda *a: attention_ref(*a, upcast=False, **kw), [x.detach().clone() for x in (q, k, v)])
+    for name, g, r32, rlow in zip(("dq", "dk", "dv"), got, ref32, ref_lowp):
+        assert g.dtype == c.dtype and g.shape == r32.shape
+        check_2x(g, r32, rlow, name)
