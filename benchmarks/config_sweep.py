@@ -1,7 +1,7 @@
 """Tile-config sweep for the backward, the FP8 / NVFP4 decode and the NVFP4 GEMM (GPU only).
 
-`python benchmarks/config_sweep.py [bwd] [decode] [gemm] [--json PATH]`. Each config is forced by replacing the
-heuristic the op reads (tileflash.ops.*.{bwd,decode,gemm}_config), checked against a reference, then timed
+`python benchmarks/config_sweep.py [bwd] [bwd-d256] [bwd-softcap] [decode] [gemm] [gemm-small] [--json PATH]`.
+Each config is forced by replacing the heuristic the op reads (tileflash.ops.*.{bwd,decode,gemm}_config), checked against a reference, then timed
 (decode: CUDA-graph replay). The winners go into tileflash/heuristics.py with the numbers in a comment.
 """
 import argparse
@@ -30,6 +30,9 @@ BWD_CONFIGS = {
     128: [(64, 64, 128, 32, 8, 2, 8, 2), (32, 128, 128, 32, 8, 3, 8, 3), (64, 128, 128, 64, 8, 2, 8, 2),
           (32, 64, 128, 64, 4, 3, 8, 2), (64, 64, 64, 64, 4, 3, 4, 3), (32, 128, 64, 32, 8, 2, 4, 3),
           (16, 128, 128, 32, 4, 4, 8, 3)],
+    # d256 was never swept; the current tile's dQ program spills (tests/sm90_compile_check.py --res-usage).
+    256: [(32, 32, 64, 32, 8, 1, 8, 1), (32, 32, 32, 32, 8, 1, 4, 2), (32, 64, 32, 32, 8, 1, 8, 2),
+          (16, 64, 32, 64, 4, 2, 4, 2), (32, 32, 64, 16, 4, 2, 8, 1)],
 }
 # (block_n, warps, stages, tma)
 DECODE_CONFIGS = [(bn, w, st, True) for bn in (64, 128, 256) for w in (4, 8) for st in (2, 3)] + [
@@ -47,30 +50,37 @@ def _force(module, name, cfg):
     setattr(module, name, lambda *a, **k: cfg)
 
 
-def sweep_bwd(rows):
+def sweep_bwd(rows, dims=(64, 128), softcap=0.0):
+    """TFLOP/s per config at s = 4096. Errors against SDPA's gradients; with softcap (SDPA has none) against the
+    default config's gradients, which the test suite checks against the reference."""
     orig = bwd_ops.bwd_config
-    for d in (64, 128):
+    for d in dims:
         for causal in (False, True):
             s, h = 4096, 2048 // d
             b = 16384 // s
             q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=BF16, requires_grad=True) for _ in range(3))
             do = torch.randn(b, s, h, d, device="cuda", dtype=BF16)
-            ref = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), is_causal=causal)
-            ref_grads = torch.autograd.grad(ref, (q, k, v), do.transpose(1, 2))
+            if softcap:
+                out = tileflash.flash_attn_func(q, k, v, causal=causal, softcap=softcap)
+                ref_grads = torch.autograd.grad(out, (q, k, v), do)
+            else:
+                ref = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), is_causal=causal)
+                ref_grads = torch.autograd.grad(ref, (q, k, v), do.transpose(1, 2))
             for cfg_t in BWD_CONFIGS[d]:
                 cfg = BwdConfig(*cfg_t)
                 _force(bwd_ops, "bwd_config", cfg)
                 try:
-                    out = tileflash.flash_attn_func(q, k, v, causal=causal)
+                    out = tileflash.flash_attn_func(q, k, v, causal=causal, softcap=softcap)
                     grads = torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
                     err = max(((g - r).abs().max() / r.abs().max()).item() for g, r in zip(grads, ref_grads))
                     ms = bench_ms(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True))
                     tf = tflops(2.5 * attn_fwd_flops(b, h, s, s, d, causal), ms)
-                    rows.append(["bwd", f"d{d} {'causal' if causal else 'full'} s={s}", str(cfg_t),
-                                 f"{tf:.1f} TFLOP/s", f"{err:.1e}"])
+                    label = f"d{d} {'causal' if causal else 'full'}{' softcap' if softcap else ''} s={s}"
+                    rows.append(["bwd", label, str(cfg_t), f"{tf:.1f} TFLOP/s", f"{err:.1e}"])
                 except Exception as exc:  # noqa: BLE001 - a config that fails to compile is a result
                     rows.append(["bwd", f"d{d} causal={causal}", str(cfg_t), "FAILED", repr(exc)[:60]])
                 print(rows[-1], flush=True)
+            bwd_ops.bwd_config = orig
     bwd_ops.bwd_config = orig
 
 
@@ -154,6 +164,8 @@ def main(argv=None):
     for fam in args.families:
         try:
             {"bwd": sweep_bwd, "decode": sweep_decode, "gemm": sweep_gemm,
+             "bwd-d256": lambda r: sweep_bwd(r, dims=(256,)),
+             "bwd-softcap": lambda r: sweep_bwd(r, dims=(128,), softcap=10.0),
              "gemm-small": lambda r: sweep_gemm(r, SMALL_M_SHAPES)}[fam](rows)
         except Exception:  # noqa: BLE001 - keep the other families' results
             traceback.print_exc()
