@@ -2,7 +2,8 @@
 
 `python benchmarks/config_sweep.py [bwd] [bwd-d256] [bwd-softcap] [decode] [gemm] [gemm-small] [--json PATH]`.
 Each config is forced by replacing the heuristic the op reads (tileflash.ops.*.{bwd,decode,gemm}_config), checked
-against a reference, then timed (decode: CUDA-graph replay). The winners go into tileflash/heuristics.py with the numbers in a comment.
+against a reference, then timed (decode: CUDA-graph replay). The winners go into tileflash/heuristics.py with the
+numbers in a comment.
 """
 import argparse
 import json
