@@ -1,4 +1,5 @@
-"""Comparison rule shared by the kernel tests (the "2x rule" of the project conventions)."""
+"""Comparison rules shared by the kernel tests (the "2x rule" of the project conventions), for outputs and for
+gradients."""
 import torch
 
 from tileflash.reference import error_and_bound
@@ -25,3 +26,25 @@ def check_lse(lse, ref_lse, atol=1e-3):
     if (~inf_ref).any():
         err = (lse[~inf_ref] - ref_lse[~inf_ref]).abs().max().item()
         assert err <= atol, f"lse: max error {err:.3e} > {atol}"
+
+
+def grads(fn, inputs, dout, dlse):
+    """Gradients of sum(out * dout) + sum(lse * dlse) (rows with lse = -inf, which saw no key, contribute nothing)
+    with respect to inputs, where fn(*inputs) returns (out, lse)."""
+    out, lse = fn(*inputs)
+    loss = (out.float() * dout.float()).sum() + (torch.where(torch.isinf(lse), 0.0, lse) * dlse).sum()
+    return torch.autograd.grad(loss, inputs)
+
+
+def check_grads(run, ref_run, inputs, dout, dlse):
+    """dq, dk, dv of run(q, k, v) -> (out, lse) against ref_run(q, k, v, upcast) with the 2x rule; inputs are
+    leaves that require grad, in the kernel's dtype."""
+    got = grads(run, inputs, dout, dlse)
+    ups = [x.detach().float().requires_grad_() for x in inputs]
+    ref32 = grads(lambda *a: ref_run(*a, upcast=True), ups, dout, dlse)
+    lows = [x.detach().clone().requires_grad_() for x in inputs]
+    ref_lowp = grads(lambda *a: ref_run(*a, upcast=False), lows, dout, dlse)
+    for name, g, r32, rlow in zip(("dq", "dk", "dv"), got, ref32, ref_lowp):
+        assert g.dtype == inputs[0].dtype
+        check_2x(g, r32, rlow, name)
+

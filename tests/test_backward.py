@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import tileflash
-from helpers import DEVICE, ON_GPU, check_2x
+from helpers import DEVICE, ON_GPU, check_grads
 from tileflash.reference import attention_ref, attention_varlen_ref
 
 # (batch, Sq, Sk, Hq, Hkv, D, causal, window, softcap) — why each is here:
@@ -27,23 +27,6 @@ def _leaves(*shapes, dtype, seed):
     return [torch.randn(*s, generator=g).to(DEVICE, dtype).requires_grad_() for s in shapes]
 
 
-def _grads(fn, inputs, dout, dlse):
-    out, lse = fn(*inputs)
-    loss = (out.float() * dout.float()).sum() + (torch.where(torch.isinf(lse), 0.0, lse) * dlse).sum()
-    return torch.autograd.grad(loss, inputs)
-
-
-def _check_grads(run, ref_run, inputs, dout, dlse):
-    got = _grads(run, inputs, dout, dlse)
-    ups = [x.detach().float().requires_grad_() for x in inputs]
-    ref32 = _grads(lambda *a: ref_run(*a, upcast=True), ups, dout, dlse)
-    lows = [x.detach().clone().requires_grad_() for x in inputs]
-    ref_lowp = _grads(lambda *a: ref_run(*a, upcast=False), lows, dout, dlse)
-    for name, g, r32, rlow in zip(("dq", "dk", "dv"), got, ref32, ref_lowp):
-        assert g.dtype == inputs[0].dtype
-        check_2x(g, r32, rlow, name)
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
 def test_flash_attn_func_backward(case, dtype):
@@ -53,7 +36,7 @@ def test_flash_attn_func_backward(case, dtype):
     g = torch.Generator().manual_seed(1)
     dout = torch.randn(b, sq, hq, d, generator=g).to(DEVICE)
     dlse = torch.randn(b, hq, sq, generator=g).to(DEVICE)  # gradient through the returned lse too
-    _check_grads(lambda q, k, v: tileflash.flash_attn_func(q, k, v, return_lse=True, **kw),
+    check_grads(lambda q, k, v: tileflash.flash_attn_func(q, k, v, return_lse=True, **kw),
                  lambda q, k, v, upcast: attention_ref(q, k, v, upcast=upcast, **kw), (q, k, v), dout, dlse)
 
 
@@ -69,7 +52,7 @@ def test_varlen_backward_with_empty_sequences_and_seqused(dtype):
     dout = torch.randn(sum(lens_q), hq, d, generator=g).to(DEVICE)
     dlse = torch.randn(hq, sum(lens_q), generator=g).to(DEVICE)
     kw = dict(causal=True)
-    _check_grads(lambda q, k, v: tileflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 21, 21, seqused_k=used,
+    check_grads(lambda q, k, v: tileflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 21, 21, seqused_k=used,
                                                                   return_lse=True, **kw),
                  lambda q, k, v, upcast: attention_varlen_ref(q, k, v, cu_q, cu_k, used, upcast=upcast, **kw),
                  (q, k, v), dout, dlse)

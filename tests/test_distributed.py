@@ -102,7 +102,7 @@ def _ring_backward_worker(rank, init_file, causal, softcap):
     dev = _init(rank, init_file)
     try:
         import tileflash.distributed as tfd
-        from helpers import check_2x
+        from helpers import check_2x, grads
         from tileflash.reference import attention_ref
 
         g = torch.Generator().manual_seed(2)
@@ -110,21 +110,13 @@ def _ring_backward_worker(rank, init_file, causal, softcap):
         q, k, v = (torch.randn(b, s, h, d, generator=g).half() for h in (hq, hkv, hkv))
         dout = torch.randn(b, s, hq, d, generator=g)
         dlse = torch.randn(b, hq, s, generator=g)  # a gradient through the returned lse too
-
-        def grads(fn, inputs):
-            out, lse = fn(*inputs)
-            loss = (out.float() * dout).sum() + (lse * dlse).sum()
-            return torch.autograd.grad(loss, inputs)
-
         kw = dict(causal=causal, softcap=softcap)
-        ref32 = grads(lambda *a: attention_ref(*a, **kw), [x.float().requires_grad_() for x in (q, k, v)])
+        ref32 = grads(lambda *a: attention_ref(*a, **kw), [x.float().requires_grad_() for x in (q, k, v)], dout, dlse)
         ref_lowp = grads(lambda *a: attention_ref(*a, upcast=False, **kw),
-                         [x.clone().requires_grad_() for x in (q, k, v)])
+                         [x.clone().requires_grad_() for x in (q, k, v)], dout, dlse)
         shard = [tfd.zigzag_shard(x, rank, WORLD).to(dev).requires_grad_() for x in (q, k, v)]
-        out, lse = tfd.ring_attention(*shard, return_lse=True, **kw)
-        loss = ((out.float() * tfd.zigzag_shard(dout, rank, WORLD).to(dev)).sum()
-                + (lse * tfd.zigzag_shard(dlse, rank, WORLD, dim=2).to(dev)).sum())
-        mine = torch.autograd.grad(loss, shard)
+        mine = grads(lambda *a: tfd.ring_attention(*a, return_lse=True, **kw), shard,
+                     tfd.zigzag_shard(dout, rank, WORLD).to(dev), tfd.zigzag_shard(dlse, rank, WORLD, dim=2).to(dev))
         for name, gr, r32, rlow in zip(("dq", "dk", "dv"), mine, ref32, ref_lowp):
             parts = [torch.empty_like(gr) for _ in range(WORLD)]
             dist.all_gather(parts, gr.contiguous())

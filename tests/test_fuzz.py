@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 
 import tileflash
 import tileflash._utils as tf_utils
-from helpers import DEVICE, ON_GPU, check_2x, check_lse
+from helpers import DEVICE, ON_GPU, check_2x, check_grads, check_lse
 from tileflash._utils import cdiv
 from tileflash.heuristics import decode_block_m, padded_head_dim
 from tileflash.reference import attention_ref, attention_varlen_ref, kvcache_ref, merge_ref
@@ -260,15 +260,20 @@ def prefill_cases(draw):
                        draw(_seed()))
 
 
-@fuzz_settings(1.0)
-@given(case=prefill_cases())
-def test_fuzz_flash_attn_func(case: PrefillCase):
-    c = case
+def prefill_inputs(c: PrefillCase):
+    """(generator, q, k, v, mask kwargs): strided views of randn in NaN-filled buffers, as the case says."""
     gen = torch.Generator().manual_seed(c.seed)
     q, _ = rand_view(gen, (c.b, c.sq, c.hq, c.d), c.dtype, c.q_layout, c.value_scale)
     k, _ = rand_view(gen, (c.b, c.sk, c.hkv, c.d), c.dtype, c.k_layout, c.value_scale)
     v, _ = rand_view(gen, (c.b, c.sk, c.hkv, c.d), c.dtype, c.v_layout)
-    kw = dict(softmax_scale=c.scale, causal=c.causal, window_size=c.window, softcap=c.softcap)
+    return gen, q, k, v, dict(softmax_scale=c.scale, causal=c.causal, window_size=c.window, softcap=c.softcap)
+
+
+@fuzz_settings(1.0)
+@given(case=prefill_cases())
+def test_fuzz_flash_attn_func(case: PrefillCase):
+    c = case
+    _, q, k, v, kw = prefill_inputs(c)
     out, lse = tileflash.flash_attn_func(q, k, v, return_lse=True, **kw)
     ref, ref_lse = attention_ref(q, k, v, **kw)
     ref_lowp, _ = attention_ref(q, k, v, upcast=False, **kw)
@@ -695,25 +700,9 @@ def test_fuzz_nvfp4_quantize_and_matmul(case: Nvfp4Case):
 def test_fuzz_flash_attn_func_backward(case: PrefillCase):
     """dq, dk, dv (with a gradient through lse too) against autograd of the fp32 reference, 2x rule, on the
     prefill cases' shapes, masks and strided layouts."""
-    c = case
-    gen = torch.Generator().manual_seed(c.seed)
-    q, _ = rand_view(gen, (c.b, c.sq, c.hq, c.d), c.dtype, c.q_layout, c.value_scale)
-    k, _ = rand_view(gen, (c.b, c.sk, c.hkv, c.d), c.dtype, c.k_layout, c.value_scale)
-    v, _ = rand_view(gen, (c.b, c.sk, c.hkv, c.d), c.dtype, c.v_layout)
-    dout = torch.randn(c.b, c.sq, c.hq, c.d, generator=gen).to(DEVICE)
-    dlse = torch.randn(c.b, c.hq, c.sq, generator=gen).to(DEVICE)
-    kw = dict(softmax_scale=c.scale, causal=c.causal, window_size=c.window, softcap=c.softcap)
-
-    def grads(fn, inputs):
-        inputs = [x.requires_grad_() for x in inputs]
-        out, lse = fn(*inputs)
-        loss = (out.float() * dout).sum() + (torch.where(torch.isinf(lse), 0.0, lse) * dlse).sum()
-        return torch.autograd.grad(loss, inputs)
-
-    got = grads(lambda *a: tileflash.flash_attn_func(*a, return_lse=True, **kw), [q.detach(), k.detach(),
-                                                                                  v.detach()])
-    ref32 = grads(lambda *a: attention_ref(*a, **kw), [x.detach().float() for x in (q, k, v)])
-    ref_lowp = grads(lambda *a: attention_ref(*a, upcast=False, **kw), [x.detach().clone() for x in (q, k, v)])
-    for name, g, r32, rlow in zip(("dq", "dk", "dv"), got, ref32, ref_lowp):
-        assert g.dtype == c.dtype and g.shape == r32.shape
-        check_2x(g, r32, rlow, name)
+    gen, q, k, v, kw = prefill_inputs(case)
+    dout = torch.randn(case.b, case.sq, case.hq, case.d, generator=gen).to(DEVICE)
+    dlse = torch.randn(case.b, case.hq, case.sq, generator=gen).to(DEVICE)
+    check_grads(lambda *a: tileflash.flash_attn_func(*a, return_lse=True, **kw),
+                lambda *a, upcast: attention_ref(*a, upcast=upcast, **kw),
+                [x.detach().requires_grad_() for x in (q, k, v)], dout, dlse)

@@ -20,12 +20,14 @@ from tileflash.bench.formulas import attn_fwd_flops, tflops
 from tileflash.bench.table import format_table
 
 
-def fixed_iters_ms(fn, iters=30, warmup=5):
-    """Mean milliseconds of fn() over `iters` back-to-back calls after `warmup`, the same count on every rank."""
+def fixed_iters_ms(fn, iters=30, warmup=5, all_ranks=True):
+    """Mean milliseconds of fn() over `iters` back-to-back calls after `warmup`, the same count on every rank
+    (all_ranks=False: a single-GPU baseline timed on one rank, no barrier)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    dist.barrier()
+    if all_ranks:
+        dist.barrier()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(iters):
@@ -77,16 +79,7 @@ def main(argv=None) -> int:
                 from tileflash.bench.timing import graphed
 
                 one = graphed(one)
-            for _ in range(5):
-                one()
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(30):
-                one()
-            end.record()
-            torch.cuda.synchronize()
-            one_ms = start.elapsed_time(end) / 30
+            one_ms = fixed_iters_ms(one, all_ranks=False)
             del kf, vf
         dist.barrier()
         if rank == 0:

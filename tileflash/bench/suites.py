@@ -333,11 +333,15 @@ def run_backward(shapes=None, out=print):
 def _decode_one(shape, tf, note):
     b, ctx, hq, hkv, d, ps = (shape[k] for k in ("batch", "ctx", "hq", "hkv", "d", "page_size"))
     q = _randn(b, 1, hq, d)
+
+    def logical(x):
+        """The logical [B, ctx, Hkv, D] cache, for the reference and for SDPA (which has no paging)."""
+        return x if block_table is None else x[block_table.long()].view(b, ctx, hkv, d)
+
     seqlens = torch.full((b,), ctx, dtype=torch.int32, device=DEVICE)
     if ps is None:
         k_cache, v_cache = _randn(b, ctx, hkv, d), _randn(b, ctx, hkv, d)
         block_table = None
-        k_seq, v_seq = k_cache, v_cache
         # FlashInfer takes only paged caches; a contiguous cache is already one with 16-token
         # pages in order, so it gets a view and an identity table, not a copy.
         fi_k, fi_v = (x.view(b * ctx // 16, 16, hkv, d) for x in (k_cache, v_cache))
@@ -347,8 +351,6 @@ def _decode_one(shape, tf, note):
         k_cache, v_cache = _randn(num_pages, ps, hkv, d), _randn(num_pages, ps, hkv, d)
         # Pages in random order, as an allocator hands them out after some churn.
         block_table = torch.randperm(num_pages, device=DEVICE).to(torch.int32).view(b, ctx // ps)
-        # The logical [B, ctx, Hkv, D] cache, for the reference and for SDPA (which has no paging).
-        k_seq, v_seq = (x[block_table.long()].view(b, ctx, hkv, d) for x in (k_cache, v_cache))
         fi_k, fi_v, fi_table = k_cache, v_cache, block_table
 
     tf_k, tf_v, scales = k_cache, v_cache, {}
@@ -357,16 +359,13 @@ def _decode_one(shape, tf, note):
         ks, vs = (x.float().abs().amax(dim=(0, 1, 3)) / 448.0 for x in (k_cache, v_cache))
         tf_k, tf_v = ((x.float() / s_[:, None]).to(torch.float8_e4m3fn) for x, s_ in ((k_cache, ks), (v_cache, vs)))
         k_cache, v_cache = ((x.float() * s_[:, None]).to(DTYPE) for x, s_ in ((tf_k, ks), (tf_v, vs)))
-        k_seq, v_seq = ((x[block_table.long()].view(b, ctx, hkv, d) if block_table is not None else x)
-                        for x in (k_cache, v_cache))
         scales = dict(k_scale=ks, v_scale=vs)
     elif shape.get("kv") == "nvfp4":
         # One global scale per tensor, e4m3 scales per 16 elements; peers see the dequantized values in bf16.
         (tf_k, ks, kg), (tf_v, vs, vg) = tf.nvfp4_quantize(k_cache), tf.nvfp4_quantize(v_cache)
         k_cache, v_cache = (tf.nvfp4_dequantize(x, s_, g_).to(DTYPE) for x, s_, g_ in ((tf_k, ks, kg), (tf_v, vs, vg)))
-        k_seq, v_seq = ((x[block_table.long()].view(b, ctx, hkv, d) if block_table is not None else x)
-                        for x in (k_cache, v_cache))
         scales = dict(k_scale=ks, v_scale=vs, k_global_scale=kg.reshape(1), v_global_scale=vg.reshape(1))
+    k_seq, v_seq = logical(k_cache), logical(v_cache)  # peers see the (dequantized) values in DTYPE
 
     n = min(b, CHECK_BATCH)
     ref = reference_fp32(q[:n], k_seq[:n], v_seq[:n], causal=False)  # Sq = 1 sees the whole cache
