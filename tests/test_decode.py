@@ -120,6 +120,26 @@ def test_cuda_graph_replay_follows_new_seqlens_and_table():
         check_2x(out, ref, ref_lowp)
 
 
+def _check_quantized_decode(g, seqlens, sq, s_new, hq, hkv, d, dtype, table, k_cache, v_cache, num_splits, scales):
+    """Draw q (and k, v when s_new) from g, run flash_attn_with_kvcache on the quantized caches (appending in
+    place) and check out and lse against kvcache_ref with the 2x rule; returns the reference's appended caches."""
+    b = len(seqlens)
+    q = torch.randn(b, sq, hq, d, generator=g).to(DEVICE, dtype)
+    k = v = None
+    if s_new:
+        k = torch.randn(b, s_new, hkv, d, generator=g).to(DEVICE, dtype)
+        v = torch.randn(b, s_new, hkv, d, generator=g).to(DEVICE, dtype)
+    cache_seqlens = torch.tensor(seqlens, dtype=torch.int32, device=DEVICE)
+    kw = dict(cache_seqlens=cache_seqlens, block_table=table, **scales)
+    ref, ref_lse, ref_k, ref_v = kvcache_ref(q, k_cache, v_cache, k, v, **kw)
+    ref_lowp, _, _, _ = kvcache_ref(q, k_cache, v_cache, k, v, upcast=False, **kw)
+    out, lse = tileflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, num_splits=num_splits, return_lse=True,
+                                                 **kw)
+    check_2x(out, ref, ref_lowp)
+    check_lse(lse, ref_lse)
+    return ref_k, ref_v
+
+
 # (seqlens, Sq, Snew, Hq, Hkv, D, page_size, capacity, num_splits, per_head_scale) — FP8 (e4m3) caches:
 FP8_CASES = [
     ([0, 29, 50], 1, 1, 8, 2, 64, 16, 64, 0, False),  # per-tensor scales, paged, empty cache, append
@@ -141,19 +161,8 @@ def test_kvcache_fp8(case, dtype):
     k_scale = (torch.rand(n_scales, generator=g) * 0.02 + 0.005).to(DEVICE)
     v_scale = (torch.rand(n_scales, generator=g) * 0.02 + 0.005).to(DEVICE)
     k_cache, v_cache = fp8_quantize_ref(k_hi, k_scale), fp8_quantize_ref(v_hi, v_scale)
-    q = torch.randn(b, sq, hq, d, generator=g).to(DEVICE, dtype)
-    k = v = None
-    if s_new:
-        k = torch.randn(b, s_new, hkv, d, generator=g).to(DEVICE, dtype)
-        v = torch.randn(b, s_new, hkv, d, generator=g).to(DEVICE, dtype)
-    cache_seqlens = torch.tensor(seqlens, dtype=torch.int32, device=DEVICE)
-    kw = dict(cache_seqlens=cache_seqlens, block_table=table, k_scale=k_scale, v_scale=v_scale)
-    ref, ref_lse, ref_k, ref_v = kvcache_ref(q, k_cache, v_cache, k, v, **kw)
-    ref_lowp, _, _, _ = kvcache_ref(q, k_cache, v_cache, k, v, upcast=False, **kw)
-    out, lse = tileflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, num_splits=num_splits, return_lse=True,
-                                                 **kw)
-    check_2x(out, ref, ref_lowp)
-    check_lse(lse, ref_lse)
+    ref_k, ref_v = _check_quantized_decode(g, seqlens, sq, s_new, hq, hkv, d, dtype, table, k_cache, v_cache,
+                                           num_splits, dict(k_scale=k_scale, v_scale=v_scale))
     # Appended tokens are quantized exactly like the reference (x / scale, saturated, round to nearest even).
     assert torch.equal(k_cache.view(torch.uint8), ref_k.view(torch.uint8))
     assert torch.equal(v_cache.view(torch.uint8), ref_v.view(torch.uint8))
@@ -207,21 +216,9 @@ def test_kvcache_nvfp4(case, dtype):
     g = torch.Generator().manual_seed(31)
     k_hi, v_hi, table = make_cache(b, capacity, hkv, d, torch.float32, page_size, g)
     (k_cache, k_scale, k_g), (v_cache, v_scale, v_g) = nvfp4_quantize_ref(k_hi), nvfp4_quantize_ref(v_hi)
-    k_g, v_g = k_g.reshape(1), v_g.reshape(1)
-    q = torch.randn(b, sq, hq, d, generator=g).to(DEVICE, dtype)
-    k = v = None
-    if s_new:
-        k = torch.randn(b, s_new, hkv, d, generator=g).to(DEVICE, dtype)
-        v = torch.randn(b, s_new, hkv, d, generator=g).to(DEVICE, dtype)
-    cache_seqlens = torch.tensor(seqlens, dtype=torch.int32, device=DEVICE)
-    kw = dict(cache_seqlens=cache_seqlens, block_table=table, k_global_scale=k_g, v_global_scale=v_g)
-    ref, ref_lse, (ref_k, ref_ks), (ref_v, ref_vs) = kvcache_ref(q, k_cache, v_cache, k, v, k_scale=k_scale,
-                                                                 v_scale=v_scale, **kw)
-    ref_lowp, _, _, _ = kvcache_ref(q, k_cache, v_cache, k, v, k_scale=k_scale, v_scale=v_scale, upcast=False, **kw)
-    out, lse = tileflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, num_splits=num_splits, return_lse=True,
-                                                 k_scale=k_scale, v_scale=v_scale, **kw)
-    check_2x(out, ref, ref_lowp)
-    check_lse(lse, ref_lse)
+    scales = dict(k_scale=k_scale, v_scale=v_scale, k_global_scale=k_g.reshape(1), v_global_scale=v_g.reshape(1))
+    (ref_k, ref_ks), (ref_v, ref_vs) = _check_quantized_decode(g, seqlens, sq, s_new, hq, hkv, d, dtype, table,
+                                                               k_cache, v_cache, num_splits, scales)
     # Appended tokens are quantized exactly like nvfp4_quantize (data nibbles and e4m3 block scales).
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
     assert torch.equal(k_scale.view(torch.uint8), ref_ks.view(torch.uint8))
