@@ -35,10 +35,11 @@ BWD_CONFIGS = {
     256: [(32, 32, 64, 32, 8, 1, 8, 1), (32, 32, 32, 32, 8, 1, 4, 2), (32, 64, 32, 32, 8, 1, 8, 2),
           (16, 64, 32, 64, 4, 2, 4, 2), (32, 32, 64, 16, 4, 2, 8, 1)],
 }
-# (block_n, warps, stages, tma)
-DECODE_CONFIGS = [(bn, w, st, True) for bn in (64, 128, 256) for w in (4, 8) for st in (2, 3)] + [
-    (128, 4, 3, False), (256, 8, 2, False)]
-DECODE_SHAPES = [(1, 32768), (8, 32768), (32, 8192), (256, 2048)]  # (batch, ctx), hq 32 / hkv 8, d 128
+# (block_n, warps, stages, tma, trans); earlier sweeps (RESULTS.md) settled tokens, warps and stages for the plain
+# products, so this one weighs the transposed products (trans) against them.
+DECODE_CONFIGS = [(64, 4, 2, True, False), (64, 4, 3, True, False), (64, 4, 2, True, True), (64, 4, 3, True, True),
+                  (128, 4, 2, True, True), (64, 8, 3, True, True)]
+DECODE_SHAPES = [(1, 8192), (1, 32768), (8, 32768), (32, 8192), (256, 2048)]  # (batch, ctx), 32 / 8 heads, d 128
 # (block_m, block_n, block_k, warps, stages, split_k)
 GEMM_CONFIGS = [(16, 32, 128, 4, 4, 1), (16, 32, 128, 4, 4, 2), (16, 32, 128, 4, 4, 3), (16, 32, 128, 4, 4, 4),
                 (16, 64, 128, 4, 4, 4), (16, 16, 128, 4, 4, 2), (16, 32, 256, 4, 3, 2), (16, 64, 256, 8, 3, 4),
@@ -90,7 +91,10 @@ def _decode_inputs(b, ctx, fmt):
     q = torch.randn(b, 1, hq, d, device="cuda", dtype=BF16)
     kh, vh = (torch.randn(b, ctx, hkv, d, device="cuda", dtype=BF16) for _ in range(2))
     lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
-    if fmt == "fp8":
+    if fmt == "16bit":
+        kc, vc, kw, kd, vd = kh, vh, {}, kh.float(), vh.float()
+        nbytes = kc.numel() * 4
+    elif fmt == "fp8":
         ks, vs = (x.float().abs().amax(dim=(0, 1, 3)) / 448.0 for x in (kh, vh))
         kc, vc = ((x.float() / s_[:, None]).to(torch.float8_e4m3fn) for x, s_ in ((kh, ks), (vh, vs)))
         kw = dict(k_scale=ks, v_scale=vs)
@@ -108,20 +112,21 @@ def _decode_inputs(b, ctx, fmt):
 
 def sweep_decode(rows):
     orig = decode_ops.decode_config
-    for fmt in ("fp8", "nvfp4"):
+    for fmt in ("16bit", "fp8", "nvfp4"):
         for b, ctx in DECODE_SHAPES:
             q, kc, vc, lens, kw, ref, nbytes = _decode_inputs(b, ctx, fmt)
-            for bn, w, st, tma in DECODE_CONFIGS:
-                cfg = DecodeConfig(block_m=decode_block_m(4), block_n=bn, num_warps=w, num_stages=st, tma=tma)
+            for bn, w, st, tma, trans in DECODE_CONFIGS:
+                cfg = DecodeConfig(block_m=decode_block_m(4), block_n=bn, num_warps=w, num_stages=st, tma=tma,
+                                   trans=trans)
                 _force(decode_ops, "decode_config", cfg)
                 try:
                     call = lambda: tileflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, **kw)  # noqa
                     err = (call().float() - ref).abs().max().item()
                     ms = bench_ms(graphed(call))
-                    rows.append([f"decode-{fmt}", f"b={b} ctx={ctx}", str((bn, w, st, tma)),
+                    rows.append([f"decode-{fmt}", f"b={b} ctx={ctx}", str((bn, w, st, tma, trans)),
                                  f"{ms * 1e3:.1f} us {nbytes / ms / 1e9:.2f} TB/s", f"{err:.1e}"])
                 except Exception as exc:  # noqa: BLE001
-                    rows.append([f"decode-{fmt}", f"b={b} ctx={ctx}", str((bn, w, st, tma)), "FAILED",
+                    rows.append([f"decode-{fmt}", f"b={b} ctx={ctx}", str((bn, w, st, tma, trans)), "FAILED",
                                  repr(exc)[:60]])
                 print(rows[-1], flush=True)
             del kc, vc

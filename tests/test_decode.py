@@ -1,10 +1,20 @@
 """flash_attn_with_kvcache against a reference that gathers the pages into a contiguous cache."""
+import dataclasses
+
 import pytest
 import torch
 
 import tileflash
 from helpers import DEVICE, ON_GPU, check_2x, check_lse
+from tileflash.ops import decode as decode_ops
 from tileflash.reference import kvcache_ref
+
+
+def force_trans(monkeypatch, trans: bool):
+    """Run decode with the transposed products (attn_inner's TRANS) on or off, whatever the heuristic picks."""
+    picked = decode_ops.decode_config
+    monkeypatch.setattr(decode_ops, "decode_config",
+                        lambda *a, **k: dataclasses.replace(picked(*a, **k), trans=trans))
 
 
 def make_cache(batch, capacity, hkv, d, dtype, page_size, gen, spare_pages=3):
@@ -38,10 +48,12 @@ if ON_GPU:
     ]
 
 
-@pytest.mark.parametrize("sp_overlap", [True, False], ids=["overlap", "plain"])
+@pytest.mark.parametrize("loop", ["plain", "overlap", "trans", "trans-overlap"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
-def test_kvcache(case, dtype, sp_overlap):
+def test_kvcache(case, dtype, loop, monkeypatch):
+    force_trans(monkeypatch, loop.startswith("trans"))
+    sp_overlap = loop.endswith("overlap")
     seqlens, sq, s_new, hq, hkv, d, page_size, capacity, num_splits = case
     b = len(seqlens)
     g = torch.Generator().manual_seed(11)
@@ -148,9 +160,11 @@ FP8_CASES = [
 ]
 
 
+@pytest.mark.parametrize("trans", [False, True], ids=["plain", "trans"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("case", FP8_CASES, ids=[f"fp8case{i}" for i in range(len(FP8_CASES))])
-def test_kvcache_fp8(case, dtype):
+def test_kvcache_fp8(case, dtype, trans, monkeypatch):
+    force_trans(monkeypatch, trans)
     from tileflash.reference import fp8_quantize_ref
 
     seqlens, sq, s_new, hq, hkv, d, page_size, capacity, num_splits, per_head = case
@@ -206,9 +220,11 @@ NVFP4_CASES = [
 ]
 
 
+@pytest.mark.parametrize("trans", [False, True], ids=["plain", "trans"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("case", NVFP4_CASES, ids=[f"nvfp4case{i}" for i in range(len(NVFP4_CASES))])
-def test_kvcache_nvfp4(case, dtype):
+def test_kvcache_nvfp4(case, dtype, trans, monkeypatch):
+    force_trans(monkeypatch, trans)
     from tileflash.formats import nvfp4_quantize_ref
 
     seqlens, sq, s_new, hq, hkv, d, page_size, capacity, num_splits = case

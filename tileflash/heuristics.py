@@ -18,6 +18,7 @@ class FwdConfig:
     num_stages: int
     tma: bool = False  # K/V through TMA tensor descriptors (when strides allow; else pointers)
     warp_spec: bool = False  # Triton warp specialisation of the KV loop
+    trans: bool = False  # transposed products: decode only (DecodeConfig)
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class DecodeConfig:
     num_stages: int
     tma: bool = False  # contiguous caches only: K/V through TMA tensor descriptors
     warp_spec: bool = False  # always off for decode (no gain measured); the launcher reads it for both configs
+    trans: bool = False  # s^T = K q^T, acc^T += V^T P^T: KV tokens and head dim on the MMA's M side
 
 
 @dataclass(frozen=True)
@@ -90,11 +92,12 @@ def decode_block_m(group_rows: int) -> int:
     return min(64, max(16, next_pow2(group_rows)))
 
 
-# (KV tokens per step at head dim 128, pipeline stages) by cache format. FP8 / NVFP4, measured on the H200
+# (KV tokens per step at head dim 128, pipeline stages, trans) by cache format. FP8 / NVFP4, measured on the H200
 # (benchmarks/config_sweep.py decode, graph replay, 32/8 heads, 2026-11-30): 64 tokens, 4 warps, 3 stages was best
 # or within 5% on 3 of 4 shapes for fp8 (b=32 ctx 8k: 240 us vs 252 with 2 stages; b=256 ctx 2k 457 vs 452 best) and
 # within 4% for nvfp4 (b=8 ctx 32k: 594 us vs 794 with 2 stages); 8 warps and 256 tokens lost everywhere.
-DECODE_TILES = {"16bit": (64, 2), "fp8": (64, 3), "nvfp4": (64, 3)}
+# trans: transposed products (attn_inner's TRANS), swept with benchmarks/config_sweep.py decode.
+DECODE_TILES = {"16bit": (64, 2, False), "fp8": (64, 3, False), "nvfp4": (64, 3, False)}
 
 
 def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_format: str = "16bit") -> DecodeConfig:
@@ -106,10 +109,10 @@ def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_fo
     if interpret:
         return DecodeConfig(block_m=block_m, block_n=16, num_warps=4, num_stages=1)
     d = padded_head_dim(head_dim)
-    tokens, stages = DECODE_TILES[kv_format]
+    tokens, stages, trans = DECODE_TILES[kv_format]
     # K+V bytes per step held constant across head dims (d=64 at 64 tokens per step ran 0.71-0.93x the peer).
     block_n = tokens * 128 // d if d >= 64 else 2 * tokens
-    return DecodeConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=stages, tma=True)
+    return DecodeConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=stages, tma=True, trans=trans)
 
 
 MAX_SPLITS = 256

@@ -80,32 +80,52 @@ def tanh(y):
 
 
 @triton.jit
+def _per_row(x, TRANS: tl.constexpr):
+    """A per-row vector broadcast against scores: [M, 1], or [1, M] when the tiles are transposed."""
+    if TRANS:
+        return x[None, :]
+    else:
+        return x[:, None]
+
+
+@triton.jit
 def _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right,
-            SOFTCAP: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
-    """s = mask(softcap(q k^T * scale)) in log2 units."""
-    s = tl.dot(q, tl.trans(k))
+            SOFTCAP: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+            TRANS: tl.constexpr):
+    """s = mask(softcap(q k^T * scale)) in log2 units; TRANS: q holds q^T and s comes out as s^T [N, M]."""
+    if TRANS:
+        s = tl.dot(k, q)
+    else:
+        s = tl.dot(q, tl.trans(k))
     if SOFTCAP:
         # softcap * tanh(x / softcap); qk_scale already holds softcap * log2(e).
         s = qk_scale * tanh(s * softcap_scale)
     else:
         s = s * qk_scale
     if MASK:
-        ok = visible(q_pos[:, None], offs_n[None, :], seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT)
+        if TRANS:
+            ok = visible(q_pos[None, :], offs_n[:, None], seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT)
+        else:
+            ok = visible(q_pos[:, None], offs_n[None, :], seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT)
         s = tl.where(ok, s, float("-inf"))
     return s
 
 
 @triton.jit
-def _softmax_pv(acc, m_i, l_i, s, v):
-    """Online-softmax update with one block of scores s and values v."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+def _softmax_pv(acc, m_i, l_i, s, v, TRANS: tl.constexpr):
+    """Online-softmax update with one block of scores s and values v (TRANS: s^T and acc^T [DP, M])."""
+    key_axis: tl.constexpr = 0 if TRANS else 1
+    m_new = tl.maximum(m_i, tl.max(s, key_axis))
     # A row that has seen only masked keys keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - m_safe[:, None])
+    p = tl.math.exp2(s - _per_row(m_safe, TRANS))
     alpha = tl.math.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc)
+    l_i = l_i * alpha + tl.sum(p, key_axis)
+    acc = acc * _per_row(alpha, TRANS)
+    if TRANS:
+        acc = tl.dot(tl.trans(v), p.to(v.dtype), acc)
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
     return acc, m_new, l_i
 
 
@@ -115,13 +135,15 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
                qk_scale, softcap_scale, window_left, window_right, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                MASK: tl.constexpr, PAGE_SIZE: tl.constexpr, USE_DESC: tl.constexpr, KV_NVFP4: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, SP_OVERLAP: tl.constexpr,
-               WARP_SPEC: tl.constexpr, TILE_DTYPE: tl.constexpr):
+               WARP_SPEC: tl.constexpr, TILE_DTYPE: tl.constexpr, TRANS: tl.constexpr):
     """Accumulate KV tokens [lo, hi) (lo, hi multiples of BLOCK_N) into (acc, m_i, l_i).
 
     MASK=False is the fast path for blocks that are fully visible to every row (no per-element masks).
     SP_OVERLAP=True issues QK^T of block j+1 before the softmax of block j (FA4's S/P ping-pong), so the MMA
     and the next loads overlap the exp2 work; False is the plain loop, which WARP_SPEC hands to Triton's warp
     specialisation (producer warps for loads, consumer warps for MMA and softmax).
+    TRANS=True computes the transposed products s^T = K q^T and acc^T += V^T P^T (q holds q^T [DP, M], acc holds
+    acc^T): with decode's few query rows the KV tokens and the head dim fill the MMA's M side instead of padding.
     """
     if SP_OVERLAP:
         if lo < hi:
@@ -129,7 +151,7 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
                                  sstride_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC,
                                  KV_NVFP4, MASK, TILE_DTYPE)
             s = _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right,
-                        SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT)
+                        SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS)
             for start_n in range(lo, hi, BLOCK_N):
                 v, _ = _kv_tile(v_base, v_sbase, start_n, seqlen_k, bt_ptr, stride_v_page, stride_v_tok,
                                 sstride_page, sstride_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE,
@@ -140,8 +162,8 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
                                           stride_k_tok, sstride_page, sstride_tok, desc_row0, head_kv, offs_d,
                                           HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4, MASK, TILE_DTYPE)
                 s_next = _scores(q, k_next, qk_scale, softcap_scale, q_pos, next_n, seqlen_k, window_left,
-                                 window_right, SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT)
-                acc, m_i, l_i = _softmax_pv(acc, m_i, l_i, s, v)
+                                 window_right, SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS)
+                acc, m_i, l_i = _softmax_pv(acc, m_i, l_i, s, v, TRANS)
                 s = s_next
     else:
         for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
@@ -149,7 +171,8 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
                                         stride_k_page, stride_k_tok, stride_v_page, stride_v_tok, sstride_page,
                                         sstride_tok, desc_row0, head_kv, offs_d, seqlen_k, start_n, qk_scale,
                                         softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_N, MASK,
-                                        PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE)
+                                        PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE,
+                                        TRANS)
     return acc, m_i, l_i
 
 
@@ -158,14 +181,15 @@ def _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_pt
                 stride_v_page, stride_v_tok, sstride_page, sstride_tok, desc_row0, head_kv, offs_d, seqlen_k, start_n,
                 qk_scale, softcap_scale, window_left, window_right, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                 MASK: tl.constexpr, PAGE_SIZE: tl.constexpr, USE_DESC: tl.constexpr, KV_NVFP4: tl.constexpr,
-                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, TILE_DTYPE: tl.constexpr):
+                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, TILE_DTYPE: tl.constexpr,
+                TRANS: tl.constexpr):
     """One block of the plain loop: load K, scores, load V, online softmax and PV."""
     k, offs_n = _kv_tile(k_base, k_sbase, start_n, seqlen_k, bt_ptr, stride_k_page, stride_k_tok, sstride_page,
                          sstride_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4,
                          MASK, TILE_DTYPE)
     s = _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right, SOFTCAP, MASK,
-                HAS_LEFT, HAS_RIGHT)
+                HAS_LEFT, HAS_RIGHT, TRANS)
     v, _ = _kv_tile(v_base, v_sbase, start_n, seqlen_k, bt_ptr, stride_v_page, stride_v_tok, sstride_page,
                     sstride_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4, MASK,
                     TILE_DTYPE)
-    return _softmax_pv(acc, m_i, l_i, s, v)
+    return _softmax_pv(acc, m_i, l_i, s, v, TRANS)

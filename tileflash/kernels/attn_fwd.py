@@ -25,6 +25,16 @@ from .quant import E2M1_UNIT
 
 
 @triton.jit
+def _fp16_range(x):
+    """(x * 2^k, 2^-k) with k chosen so max|x| lands in [2^8, 2^9) (k = 0 for an all-zero x; NaN/inf pass)."""
+    amax = tl.max(tl.max(tl.abs(x.to(tl.float32)), 1), 0)
+    e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent of max|x|
+    k = tl.where(e == 0, 0, tl.minimum(tl.maximum(135 - e, -100), 100))
+    scale = ((127 + k) << 23).to(tl.float32, bitcast=True)
+    return x.to(tl.float32) * scale, ((127 - k) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, o_part_ptr, lse_part_ptr,
     cu_seqlens_q_ptr, cu_seqlens_k_ptr, seqlens_k_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr, stride_kv_scale,
@@ -44,6 +54,7 @@ def attn_fwd_kernel(
     PACK_GQA: tl.constexpr, SPLIT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     USE_DESC: tl.constexpr, SP_OVERLAP: tl.constexpr, WARP_SPEC: tl.constexpr, TILE_DTYPE: tl.constexpr,
+    TRANS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -82,7 +93,19 @@ def attn_fwd_kernel(
 
     q_rows = (q_start + tok).to(tl.int64) * stride_qs + head_q.to(tl.int64) * stride_qh
     q_ptrs = q_ptr + b.to(tl.int64) * stride_qb + q_rows[:, None] + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0).to(TILE_DTYPE)
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    q_unscale = 1.0
+    if KV_SCALED:
+        # Quantized caches widen exactly to fp16 (one conversion per pair; bf16 would take three), so the tiles
+        # are fp16: q is scaled by a power of two that puts max|q| in [2^8, 2^9) (no overflow, full precision
+        # down to 2^-22 of the max), undone in the logit scale.
+        q, q_unscale = _fp16_range(q)
+    q = q.to(TILE_DTYPE)
+    if TRANS:  # transposed products (see attn_inner): q^T and acc^T
+        q = tl.trans(q)
+        acc = tl.zeros([HEAD_DIM_PAD, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
 
     # ---- KV block range: [n_lo, n_hi) needed at all, [full_lo, full_hi) visible to every row --------------
     n_lo, full_lo, full_hi, n_hi = kv_block_range(tok_min, tok_max, diag, seqlen_k, window_left, window_right,
@@ -122,12 +145,11 @@ def attn_fwd_kernel(
         # FP8 cache: K = k_scale * K8, V = v_scale * V8 (NVFP4: the per-tensor global scales). Both factor out of
         # the dots, so tiles are only widened (exactly) and the scales fold into the logit scale and the final
         # normalisation.
-        softmax_scale = softmax_scale * tl.load(k_scale_ptr + head_kv * stride_kv_scale)
+        softmax_scale = softmax_scale * q_unscale * tl.load(k_scale_ptr + head_kv * stride_kv_scale)
         if KV_NVFP4:  # unpacked NVFP4 tiles are e2m1 * scale / E2M1_UNIT
             softmax_scale = softmax_scale * E2M1_UNIT
     qk_scale, softcap_scale = logit_scales(softmax_scale, softcap, SOFTCAP)
 
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     # Three phases: masked blocks at the window's left edge, unmasked blocks, masked blocks at the diagonal/end.
@@ -138,19 +160,19 @@ def attn_fwd_kernel(
             stride_vs, stride_bs_page, stride_bs_tok, desc_row0, head_kv, offs_d, seqlen_k,
             tl.maximum(s_lo, n_lo) * BLOCK_N, tl.minimum(s_hi, full_lo) * BLOCK_N, qk_scale, softcap_scale,
             window_left, window_right, HEAD_DIM, BLOCK_N, True, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT, HAS_RIGHT,
-            SOFTCAP, SP_OVERLAP, WARP_SPEC, TILE_DTYPE)
+            SOFTCAP, SP_OVERLAP, WARP_SPEC, TILE_DTYPE, TRANS)
     acc, m_i, l_i = attn_inner(
         acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr, stride_kb, stride_ks, stride_vb,
         stride_vs, stride_bs_page, stride_bs_tok, desc_row0, head_kv, offs_d, seqlen_k,
         tl.maximum(s_lo, full_lo) * BLOCK_N, tl.minimum(s_hi, full_hi) * BLOCK_N, qk_scale, softcap_scale,
         window_left, window_right, HEAD_DIM, BLOCK_N, False, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT, HAS_RIGHT,
-        SOFTCAP, SP_OVERLAP, WARP_SPEC, TILE_DTYPE)
+        SOFTCAP, SP_OVERLAP, WARP_SPEC, TILE_DTYPE, TRANS)
     acc, m_i, l_i = attn_inner(
         acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr, stride_kb, stride_ks, stride_vb,
         stride_vs, stride_bs_page, stride_bs_tok, desc_row0, head_kv, offs_d, seqlen_k,
         tl.maximum(s_lo, full_hi) * BLOCK_N, tl.minimum(s_hi, n_hi) * BLOCK_N, qk_scale, softcap_scale,
         window_left, window_right, HEAD_DIM, BLOCK_N, True, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT, HAS_RIGHT,
-        SOFTCAP, SP_OVERLAP, WARP_SPEC, TILE_DTYPE)
+        SOFTCAP, SP_OVERLAP, WARP_SPEC, TILE_DTYPE, TRANS)
 
     # ---- epilogue: normalise; rows that saw no key give out = 0 and lse = -inf ---------------------------
     seen = l_i > 0.0
@@ -159,6 +181,8 @@ def attn_fwd_kernel(
         inv_l = inv_l * tl.load(v_scale_ptr + head_kv * stride_kv_scale)
         if KV_NVFP4:
             inv_l = inv_l * E2M1_UNIT
+    if TRANS:
+        acc = tl.trans(acc)
     o = acc * inv_l[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) / LOG2E, float("-inf"))
     d_ok = offs_d[None, :] < HEAD_DIM
