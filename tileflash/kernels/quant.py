@@ -139,7 +139,7 @@ def _e2m1_pairs_fp16(packed):
         cvt.rn.f16x2.e4m3x2 $2, h0;
         cvt.rn.f16x2.e4m3x2 $3, h1;
         }""",
-        constraints="=r,=r,=r,=r,r", args=[packed], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+        constraints="=r,=r,=r,=r,r", args=[packed], dtype=(tl.float16, tl.float16), is_pure=False, pack=4)
 
 
 @triton.jit
