@@ -2,6 +2,7 @@
 # GPU session steps, each bounded, logs under $OUT (or ./out). Usage on the H200 machine:
 #   PYTHONPATH=$PWD bash benchmarks/gpu_session.sh PHASE [PHASE ...]
 # Phases: tests (every test file in its own process, in parallel, on GPU $TEST_GPU; TEST_SKIP=fuzz leaves one out),
+#         test-sets (TEST_SETS="tests/x.py:k expression|...": one process per set, in parallel),
 #         memcheck, leak,
 #         bench-SUITE (decode, prefill, backward, lowp; on GPU $BENCH_GPU), cp (torchrun over 2 GPUs), demo.
 # On a 2-GPU machine run `tests` and the benchmarks at the same time: TEST_GPU=0 BENCH_GPU=1.
@@ -25,9 +26,24 @@ run_tests() {  # one process per file: compiling dominates, and it is CPU-bound
   cat "$OUT"/pytest_*.log > "$OUT/pytest.log"; rm -f "$OUT"/pytest_*.log
 }
 
+run_test_sets() {  # TEST_SETS="tests/a.py:k expr|tests/b.py:..." -> one pytest process per set, in parallel
+  local pids=() i=0 set
+  IFS='|' read -ra sets <<< "$TEST_SETS"
+  for set in "${sets[@]}"; do
+    i=$((i + 1))
+    CUDA_VISIBLE_DEVICES=$TEST_GPU timeout "${TEST_LIMIT:-330}" python3 -m pytest "${set%%:*}" -k "${set#*:}" -q \
+      -p no:cacheprovider > "$OUT/pytest_set$i.log" 2>&1 &
+    pids+=($!)
+  done
+  wait "${pids[@]}"
+  for f in "$OUT"/pytest_set*.log; do echo "$(basename "$f"): $(tail -n 1 "$f")"; done
+  cat "$OUT"/pytest_set*.log > "$OUT/pytest.log"; rm -f "$OUT"/pytest_set*.log
+}
+
 for phase in "$@"; do
   case $phase in
     tests) run_tests ;;
+    test-sets) run_test_sets ;;
     memcheck)  # graph capture needs the caching allocator, which memcheck needs off: the graph test is excluded
       CUDA_VISIBLE_DEVICES=$TEST_GPU PYTORCH_NO_CUDA_MEMORY_CACHING=1 step 300 compute-sanitizer --tool memcheck \
         --error-exitcode 9 python3 -m pytest tests/test_decode.py tests/test_merge.py tests/test_backward.py \

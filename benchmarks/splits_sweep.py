@@ -1,5 +1,9 @@
 """How many KV splits should a decode call use? CUDA-graph replay time for forced num_splits on the shapes where
-the heuristic matters (few sequences x KV heads). Run on the GPU: `python benchmarks/splits_sweep.py`."""
+the heuristic matters (few sequences x KV heads). Run on the GPU: `python benchmarks/splits_sweep.py`.
+`--parts`: graph-replay time of a split call and of its two kernels alone (attention with fp32 partials, combine),
+to see what the combine costs at small batch."""
+import sys
+
 import torch
 
 import tileflash
@@ -31,5 +35,34 @@ def main():
                        title="decode graph-replay time vs num_splits (bf16, d=128)"))
 
 
+def parts():
+    from tileflash.ops import _launch, decode as decode_ops
+
+    rows = []
+    for b, ctx, hq, hkv in SHAPES[:2] + [(32, 2048, 32, 8)]:
+        q = torch.randn(b, 1, hq, 128, device="cuda", dtype=torch.bfloat16)
+        kc, vc = (torch.randn(b, ctx, hkv, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+        cfg, splits, capacity = decode_ops._plan(q, kc, None, 0)
+        out, lse = torch.empty_like(q), torch.empty(b, hq, 1, device="cuda")
+        o_part = torch.empty(splits, b * hq, 128, device="cuda")
+        lse_part = torch.empty(splits, b * hq, device="cuda")
+
+        def attn():
+            _launch.launch_attn_fwd(q, kc, vc, out, lse, q_batch_stride0=False, k_batch_stride0=False,
+                                    num_batches=b, seqlen_q=1, seqlen_k=capacity, m_rows=hq // hkv,
+                                    softmax_scale=128 ** -0.5, mask=_launch.Mask(-1, 0, 0.0), config=cfg,
+                                    seqlens_k=lens, pack_gqa=True, num_splits=splits, o_part=o_part,
+                                    lse_part=lse_part)
+
+        full = lambda: tileflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens)  # noqa: E731
+        t = [bench_ms(graphed(f)) * 1e3 for f in (full, attn, lambda: _launch.launch_combine(o_part, lse_part,
+                                                                                              out, lse))]
+        rows.append([b, ctx, splits, *(f"{x:.1f}" for x in t)])
+        print(rows[-1], flush=True)
+    print(format_table(["B", "ctx", "splits", "call us", "attention us", "combine us"], rows,
+                       title="decode parts, CUDA-graph replay (bf16, d=128, 32/8 heads)"))
+
+
 if __name__ == "__main__":
-    main()
+    parts() if "--parts" in sys.argv else main()
