@@ -54,6 +54,20 @@ def test_strided_operands():
     _check(a, (data, scales, gs), out)
 
 
+@pytest.mark.parametrize("scale_row_bytes", [8, 10], ids=["words", "bytes"])
+def test_scale_words_and_byte_fallback(monkeypatch, scale_row_bytes):
+    """64-wide K steps read the block scales as int32 words of four when their rows are 4-byte aligned (here with
+    split K and a masked last N tile); a 10-byte row stride falls back to byte loads. Both decode the same."""
+    from tileflash.ops import gemm as gemm_ops
+
+    monkeypatch.setattr(gemm_ops, "gemm_config", lambda *a, **k: GemmConfig(16, 32, 64, 4, 1, split_k=2))
+    a, (data, scales, gs) = _inputs(3, 40, 128, torch.bfloat16, seed=6)
+    wide = torch.zeros(40, scale_row_bytes, dtype=torch.uint8, device=DEVICE)
+    wide[:, :8] = scales.view(torch.uint8)
+    out = nvfp4_matmul(a, data, wide[:, :8].view(E4M3.dtype), gs)
+    _check(a, (data, scales, gs), out)
+
+
 def test_nan_scale_poisons_its_output_column():
     a, (data, scales, gs) = _inputs(5, 32, 32, torch.float16, seed=4)
     scales = scales.clone()

@@ -37,13 +37,16 @@ def test_decode_block_m(rows, expected):
     assert decode_block_m(rows) == expected
 
 
-@pytest.mark.parametrize("d, fmt, block_n, stages", [
-    (32, "16bit", 128, 2), (64, "16bit", 128, 2), (128, "16bit", 64, 2), (256, "16bit", 32, 2),
-    (128, "fp8", 64, 3), (128, "nvfp4", 64, 3), (64, "fp8", 128, 3),  # quantized caches: one more stage
+@pytest.mark.parametrize("d, fmt, paged, block_n, stages, trans", [
+    (32, "16bit", False, 128, 2, False), (64, "16bit", False, 128, 2, False), (128, "16bit", False, 64, 2, False),
+    (256, "16bit", False, 32, 2, False),
+    (128, "16bit", True, 128, 2, False), (64, "16bit", True, 256, 2, False),  # paged: twice the tokens per step
+    # quantized caches: one more stage and the transposed products, paged or not
+    (128, "fp8", False, 64, 3, True), (128, "nvfp4", True, 64, 3, True), (64, "fp8", False, 128, 3, True),
 ])
-def test_decode_config(d, fmt, block_n, stages):
-    c = decode_config(d, 4, kv_format=fmt)
-    assert (c.block_n, c.num_warps, c.num_stages, c.tma) == (block_n, 4, stages, True)
+def test_decode_config(d, fmt, paged, block_n, stages, trans):
+    c = decode_config(d, 4, kv_format=fmt, paged=paged)
+    assert (c.block_n, c.num_warps, c.num_stages, c.tma, c.trans) == (block_n, 4, stages, True, trans)
 
 
 # (batch, Hkv, m_tiles, max_seqlen_k, block_n, sms) -> splits

@@ -92,24 +92,27 @@ def decode_block_m(group_rows: int) -> int:
     return min(64, max(16, next_pow2(group_rows)))
 
 
-# (KV tokens per step at head dim 128, pipeline stages, trans) by cache format. FP8 / NVFP4, measured on the H200
-# (benchmarks/config_sweep.py decode, graph replay, 32/8 heads, 2026-11-30): 64 tokens, 4 warps, 3 stages was best
-# or within 5% on 3 of 4 shapes for fp8 (b=32 ctx 8k: 240 us vs 252 with 2 stages; b=256 ctx 2k 457 vs 452 best) and
-# within 4% for nvfp4 (b=8 ctx 32k: 594 us vs 794 with 2 stages); 8 warps and 256 tokens lost everywhere.
-# trans: transposed products (attn_inner's TRANS), swept with benchmarks/config_sweep.py decode.
-DECODE_TILES = {"16bit": (64, 2, False), "fp8": (64, 3, False), "nvfp4": (64, 3, False)}
+# (KV tokens per step at head dim 128, pipeline stages, trans) by cache format, measured on the H200
+# (benchmarks/config_sweep.py decode / decode-paged, CUDA-graph replay, 32/8 heads, d=128, 2026-11-30, session 3):
+# - 16-bit contiguous: 64 tokens, 2 stages, plain products (b=8 ctx 32k 258 us; 3 stages 303, trans 261).
+# - 16-bit paged (pointer gathers): 128 tokens, 2 stages: page 16 b=32 ctx 8k 262 us vs 322 with 64 tokens,
+#   b=64 ctx 4k 255 vs 315 (the contiguous cache: 255, 256).
+# - fp8 and nvfp4: transposed products (s^T = K q^T on wgmma, the dequantized tile as the register operand) with
+#   3 stages: fp8 b=32 ctx 8k 154 us vs 206 plain, b=256 ctx 2k 306 vs 366; nvfp4 b=256 ctx 2k 555 vs 749.
+DECODE_TILES = {"16bit": (64, 2, False), "16bit-paged": (128, 2, False), "fp8": (64, 3, True),
+                "nvfp4": (64, 3, True)}
 
 
-def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_format: str = "16bit") -> DecodeConfig:
-    """Measured on the H200 (benchmarks/sweep.py, CUDA-graph replay, 2026-11-30): 64-token blocks, 2 stages and TMA
-    loads of contiguous caches were best or within noise of best on 8 of 10 shapes (b=1 ctx 32k: 51.8 us vs 53.2 with
-    pointers, 55.2 with 4 stages; b=8 ctx 32k: 262 us). Paged caches use pointer gathers (TMA needs one tensor).
-    kv_format ("16bit", "fp8", "nvfp4") picks tokens per step and stages (DECODE_TILES)."""
+def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_format: str = "16bit",
+                  paged: bool = False) -> DecodeConfig:
+    """Tiles by cache format (DECODE_TILES; "16bit", "fp8", "nvfp4") and layout: contiguous caches are read through
+    TMA descriptors, paged ones by pointer gathers (a TMA descriptor covers one strided box, not a page list)."""
     block_m = decode_block_m(group_rows)
     if interpret:
         return DecodeConfig(block_m=block_m, block_n=16, num_warps=4, num_stages=1)
     d = padded_head_dim(head_dim)
-    tokens, stages, trans = DECODE_TILES[kv_format]
+    key = f"{kv_format}-paged" if paged and f"{kv_format}-paged" in DECODE_TILES else kv_format
+    tokens, stages, trans = DECODE_TILES[key]
     # K+V bytes per step held constant across head dims (d=64 at 64 tokens per step ran 0.71-0.93x the peer).
     block_n = tokens * 128 // d if d >= 64 else 2 * tokens
     return DecodeConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=stages, tma=True, trans=trans)

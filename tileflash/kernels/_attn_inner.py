@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ._masks import LOG2E, visible
-from .quant import nvfp4_unpack_tile
+from .quant import NVFP4_SCALE_WORDS, nvfp4_unpack_tile
 
 
 @triton.jit
@@ -39,16 +39,19 @@ def _kv_tile(base, sbase, start_n, seqlen_k, bt_ptr, stride_page, stride_tok, ss
     """The [BLOCK_N, DP] K or V tile of tokens start_n.. : through a TMA tensor descriptor (base is a descriptor over
     [rows, Hkv, D]; columns past D arrive as zeros), or by pointers (contiguous or paged). Rows at or past seqlen_k
     are zero when MASK_N (with a descriptor they belong to the next sequence: never let them reach P @ V).
-    KV_NVFP4: base holds packed e2m1 pairs [.., D/2] and sbase the e4m3 scale of each 16 elements [.., D/16]
-    (strides sstride_*); the tile is decoded in registers (e2m1 x e4m3 is exact in fp16/bf16) and the per-tensor
-    global scale is folded in by the caller."""
+    KV_NVFP4 (NVFP4_SCALE_BYTES or _WORDS): base holds packed e2m1 pairs [.., D/2] and sbase the e4m3 scale of each
+    16 elements [.., D/16] (strides sstride_*); the tile is decoded in registers (e2m1 x e4m3 is exact in fp16/bf16)
+    and the per-tensor global scale is folded in by the caller."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     if KV_NVFP4:
         row_ok = offs_n[:, None] < seqlen_k
         row_off = _kv_row_offsets(offs_n, seqlen_k, bt_ptr, stride_page, stride_tok, PAGE_SIZE, MASK_N)
         offs_b = tl.arange(0, HEAD_DIM // 2)
         s_off = _kv_row_offsets(offs_n, seqlen_k, bt_ptr, sstride_page, sstride_tok, PAGE_SIZE, MASK_N)
-        s_ptrs = sbase + s_off[:, None] + tl.arange(0, HEAD_DIM // 16)[None, :]
+        if KV_NVFP4 == NVFP4_SCALE_WORDS:  # rows of scales 4-byte aligned: four scales per int32
+            s_ptrs = (sbase + s_off[:, None]).to(tl.pointer_type(tl.int32)) + tl.arange(0, HEAD_DIM // 64)[None, :]
+        else:
+            s_ptrs = sbase + s_off[:, None] + tl.arange(0, HEAD_DIM // 16)[None, :]
         if MASK_N:
             packed = tl.load(base + row_off[:, None] + offs_b[None, :], mask=row_ok, other=0)
             s_bits = tl.load(s_ptrs, mask=row_ok, other=0)

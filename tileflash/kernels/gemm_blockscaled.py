@@ -29,10 +29,11 @@ def _round_bf16(x):
 def nvfp4_matmul_kernel(a_ptr, b_ptr, s_ptr, g_ptr, c_ptr, M, N, K, k_per_split,
                         stride_am, stride_ak, stride_bn, stride_bk, stride_sn, stride_sk, stride_cm, stride_cn,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                        UPCAST: tl.constexpr):
+                        UPCAST: tl.constexpr, SCALE_WORDS: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] tile of c over K range [split * k_per_split, ...) of program_id(2). SPLIT_K > 1:
     c_ptr is an fp32 workspace [SPLIT_K, M, N] (stride_cm, stride_cn for M, N; splits are M * N apart) that the
-    caller sums in a fixed order, so results are bitwise reproducible."""
+    caller sums in a fixed order, so results are bitwise reproducible. SCALE_WORDS: scale rows are 4-byte aligned
+    and K, BLOCK_K multiples of 64, so the scales load as int32 words of four (through the copy pipeline)."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
@@ -49,8 +50,13 @@ def nvfp4_matmul_kernel(a_ptr, b_ptr, s_ptr, g_ptr, c_ptr, M, N, K, k_per_split,
                     mask=m_ok[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
         packed = tl.load(b_ptr + n64[:, None] * stride_bn + (k0 // 2 + offs_b)[None, :] * stride_bk,
                          mask=n_ok[:, None] & (k0 // 2 + offs_b < K // 2)[None, :], other=0)
-        s_bits = tl.load(s_ptr + n64[:, None] * stride_sn + (k0 // 16 + offs_s)[None, :] * stride_sk,
-                         mask=n_ok[:, None] & (k0 // 16 + offs_s < K // 16)[None, :], other=0)
+        if SCALE_WORDS:
+            offs_w = k0 // 64 + tl.arange(0, BLOCK_K // 64)
+            s_bits = tl.load((s_ptr + n64[:, None] * stride_sn).to(tl.pointer_type(tl.int32)) + offs_w[None, :],
+                             mask=n_ok[:, None] & (offs_w < K // 64)[None, :], other=0)
+        else:
+            s_bits = tl.load(s_ptr + n64[:, None] * stride_sn + (k0 // 16 + offs_s)[None, :] * stride_sk,
+                             mask=n_ok[:, None] & (k0 // 16 + offs_s < K // 16)[None, :], other=0)
         w = nvfp4_unpack_tile(packed, s_bits, BLOCK_N, BLOCK_K)
         if UPCAST:  # interpreter: bf16 dots would run on raw bits, so both operands go to fp32
             a = a.to(tl.float32)

@@ -23,6 +23,9 @@ E2M1_MAX = tl.constexpr(_E2M1_MAX)
 E4M3_MAX = tl.constexpr(_E4M3.max)
 E4M3_NAN = tl.constexpr(0x7F)
 E2M1_UNIT = tl.constexpr(16384.0)  # nvfp4_unpack_tile returns e2m1 * scale / E2M1_UNIT
+# KV_NVFP4 values of the attention kernel: block scales read as bytes, or as int32 words of four (aligned rows).
+NVFP4_SCALE_BYTES = tl.constexpr(1)
+NVFP4_SCALE_WORDS = tl.constexpr(2)
 # Inline PTX where a GPU compiles the kernels; the interpreter (fixed before any @triton.jit runs) cannot run it.
 GPU_ASM = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 
@@ -143,25 +146,62 @@ def _e2m1_pairs_fp16(packed):
 
 
 @triton.jit
+def _e4m3x4_fp16(words):
+    """GPU only. int32 words holding 4 e4m3 bytes -> the 4 values as fp16 (byte 0 first), two hardware
+    e4m3x2 -> f16x2 conversions per word."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b16 lo, hi;
+        .reg .b32 a, b;
+        mov.b32 {lo, hi}, $4;
+        cvt.rn.f16x2.e4m3x2 a, lo;
+        cvt.rn.f16x2.e4m3x2 b, hi;
+        mov.b32 {$0, $1}, a;
+        mov.b32 {$2, $3}, b;
+        }""",
+        constraints="=h,=h,=h,=h,r", args=[words], dtype=(tl.float16,) * 4, is_pure=False, pack=1)
+
+
+@triton.jit
+def nvfp4_block_scales(s, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Block scales of a [ROWS, COLS] tile as fp16 [ROWS, COLS/16] ([ROWS] when COLS == 16), from e4m3 bytes
+    (uint8 [ROWS, COLS/16]) or from int32 words of 4 scales each ([ROWS, COLS/64]): four scales per load let the
+    loads go through the asynchronous-copy pipeline (byte loads stayed synchronous in the NVFP4 decode loop)."""
+    if s.dtype == tl.int32:
+        if GPU_ASM:
+            b0, b1, b2, b3 = _e4m3x4_fp16(s)
+        else:
+            b0 = e4m3_decode(s & 0xFF).to(tl.float16)
+            b1 = e4m3_decode((s >> 8) & 0xFF).to(tl.float16)
+            b2 = e4m3_decode((s >> 16) & 0xFF).to(tl.float16)
+            b3 = e4m3_decode((s >> 24) & 0xFF).to(tl.float16)
+        return tl.join(tl.join(b0, b2), tl.join(b1, b3)).reshape(ROWS, COLS // 16)  # [.., j, i] = b(2i + j)
+    elif GPU_ASM:
+        return s.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    else:
+        return e4m3_decode(s.to(tl.int32)).to(tl.float16)
+
+
+@triton.jit
 def nvfp4_unpack_tile(packed, s_bits, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """packed [ROWS, COLS/2] bytes and s_bits [ROWS, COLS/16] scale bits ([ROWS] when COLS == 16) -> [ROWS, COLS]
-    float16 holding e2m1 * scale / E2M1_UNIT; callers fold E2M1_UNIT into the global scale.
+    """packed [ROWS, COLS/2] bytes and block scales s_bits (see nvfp4_block_scales: bytes or int32 words) ->
+    [ROWS, COLS] float16 holding e2m1 * scale / E2M1_UNIT; callers fold E2M1_UNIT into the global scale.
 
     GPU: _e2m1_pairs_fp16 (e2m1 / 2^6) times the hardware-decoded scale / 2^8. Interpreter (no inline PTX): each
     4-bit code s|e1 e0|m is placed straight into fp16 bits (sign at bit 15, e1 e0 in the exponent field's low bits,
     m in the top mantissa bit), exactly the e2m1 value / 2^14, subnormal codes included. Either way the product
     with an e4m3 scale is a multiple of 2^-24 with at most 6 significant bits: exact in fp16 (and in bf16 and fp32
     after a cast), so both paths give the same bits. COLS >= 32 (NVFP4 caches refuse head dim 16, ops/decode.py)."""
+    scale = nvfp4_block_scales(s_bits, ROWS, COLS)
     if GPU_ASM:
         lo, hi = _e2m1_pairs_fp16(packed)
         vals = tl.join(lo, hi)
-        scale = s_bits.to(tl.float8e4nv, bitcast=True).to(tl.float16) * 0.00390625  # / 2^8, exact
+        scale = scale * 0.00390625  # / 2^8 (exact): the pairs are e2m1 / 2^6
     else:
         p = packed.to(tl.int32)
         lo = ((p << 9) & 0x0E00) | ((p << 12) & 0x8000)
         hi = ((p << 5) & 0x0E00) | ((p << 8) & 0x8000)
         vals = tl.join(lo, hi).to(tl.int16).to(tl.float16, bitcast=True)
-        scale = e4m3_decode(s_bits.to(tl.int32)).to(tl.float16)
     return (vals.reshape(ROWS, COLS // 16, 16) * scale[:, :, None]).reshape(ROWS, COLS)
 
 

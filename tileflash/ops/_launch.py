@@ -11,6 +11,7 @@ from ..heuristics import padded_head_dim
 from ..kernels.attn_combine import attn_combine_kernel, merge_states_kernel
 from ..kernels.attn_fwd import attn_fwd_kernel
 from ..kernels.kv_append import kv_append_kernel
+from ..kernels.quant import NVFP4_SCALE_BYTES, NVFP4_SCALE_WORDS
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 COMBINE_BLOCK_ROWS = 16
@@ -73,6 +74,11 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
     split = num_splits > 1
     nvfp4 = k_block_scale is not None
     grid = (m_tiles * num_batches * heads_prog, num_splits)
+    kv_nvfp4 = 0
+    if nvfp4:  # int32 scale words need 4-byte aligned scale rows (d >= 64 is a whole number of words per row)
+        aligned = d >= 64 and all(t.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in t.stride()[:3])
+                                  for t in (k_block_scale, v_block_scale))
+        kv_nvfp4 = NVFP4_SCALE_WORDS if aligned else NVFP4_SCALE_BYTES
     descs = None
     if config.tma and not paged and not nvfp4:  # NVFP4 tiles are decoded from bytes, not loaded as values
         descs = _kv_descriptors(k4, v4, k4.shape[0] * k4.shape[1], config.block_n)
@@ -99,7 +105,7 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         softmax_scale, mask.softcap, mask.window_left, mask.window_right,
         HEAD_DIM=d, HEAD_DIM_PAD=padded_head_dim(d), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         VARLEN_Q=cu_seqlens_q is not None, VARLEN_K=cu_seqlens_k is not None, HAS_SEQLENS_K=seqlens_k is not None,
-        PAGE_SIZE=k4.shape[1] if paged else 0, KV_SCALED=k_scale is not None, KV_NVFP4=nvfp4, PACK_GQA=pack_gqa,
+        PAGE_SIZE=k4.shape[1] if paged else 0, KV_SCALED=k_scale is not None, KV_NVFP4=kv_nvfp4, PACK_GQA=pack_gqa,
         SPLIT=split,
         HAS_LEFT=mask.window_left >= 0, HAS_RIGHT=mask.window_right >= 0, SOFTCAP=mask.softcap > 0.0,
         USE_DESC=descs is not None, SP_OVERLAP=sp_overlap, WARP_SPEC=config.warp_spec and not sp_overlap,
