@@ -1,6 +1,7 @@
 """Tile-config sweep for the backward, the FP8 / NVFP4 decode and the NVFP4 GEMM (GPU only).
 
-`python benchmarks/config_sweep.py [bwd] [bwd-d256] [bwd-softcap] [decode] [decode-paged] [gemm] [gemm-small]
+`python benchmarks/config_sweep.py [bwd] [bwd-d256] [bwd-softcap] [decode] [decode-quant] [decode-paged] [gemm]
+[gemm-small]
 [--json PATH]`.
 Each config is forced by replacing the heuristic the op reads (tileflash.ops.*.{bwd,decode,gemm}_config), checked
 against a reference, then timed (decode: CUDA-graph replay). The winners go into tileflash/heuristics.py with the
@@ -40,14 +41,19 @@ BWD_CONFIGS = {
 # products, so this one weighs the transposed products (trans) against them.
 DECODE_CONFIGS = [(64, 4, 2, True, False), (64, 4, 3, True, False), (64, 4, 2, True, True), (64, 4, 3, True, True),
                   (128, 4, 2, True, True), (64, 8, 3, True, True)]
+# Quantized caches, around this session's pick (64, 4, 3, trans): deeper pipelines, larger steps.
+QUANT_CONFIGS = [(64, 4, 3, True, True), (64, 4, 4, True, True), (128, 4, 3, True, True), (32, 4, 4, True, True),
+                 (64, 4, 5, True, True)]
 DECODE_SHAPES = [(1, 8192), (1, 32768), (8, 32768), (32, 8192), (256, 2048)]  # (batch, ctx), 32 / 8 heads, d 128
 # Paged 16-bit caches (pointer gathers; 0.76-0.95x the contiguous speed in run 7): deeper pipelines and tile sizes.
 PAGED_CONFIGS = [(64, 4, 2, False, False), (64, 4, 3, False, False), (64, 4, 4, False, False),
                  (128, 4, 2, False, False), (128, 4, 3, False, False), (64, 4, 3, False, True), (32, 4, 4, False, False)]
 PAGED_SHAPES = [(1, 32768), (32, 8192), (64, 4096)]
-# (block_m, block_n, block_k, warps, stages, split_k)
-GEMM_CONFIGS = [(16, 32, 128, 4, 4, 1), (16, 32, 128, 4, 4, 2), (16, 32, 128, 4, 4, 3), (16, 32, 128, 4, 4, 4),
-                (16, 64, 128, 4, 4, 4), (16, 16, 128, 4, 4, 2), (16, 32, 256, 4, 3, 2), (16, 64, 256, 8, 3, 4),
+# (block_m, block_n, block_k, warps, stages, split_k[, swap_ab])
+GEMM_CONFIGS = [(16, 32, 128, 4, 4, 4), (16, 32, 128, 4, 4, 3),  # plain products (the current M <= 16 pick first)
+                # swapped products (c^T = w a^T, the weight tile on the MMA's M side), tuple's last entry True
+                (16, 64, 128, 4, 4, 4, True), (16, 64, 128, 4, 4, 2, True), (16, 128, 128, 4, 3, 2, True),
+                (16, 128, 64, 4, 4, 2, True), (16, 64, 256, 4, 3, 2, True), (16, 128, 128, 8, 3, 1, True),
                 (64, 64, 128, 4, 3, 1), (128, 64, 128, 4, 3, 1), (128, 128, 64, 8, 3, 1)]
 GEMM_SHAPES = [(1, 4096), (16, 4096), (1, 8192), (16, 8192), (128, 8192), (1024, 8192)]  # (M, N = K)
 SMALL_M_SHAPES = GEMM_SHAPES[:4]
@@ -194,6 +200,7 @@ def main(argv=None):
              "bwd-d256": lambda r: sweep_bwd(r, dims=(256,)),
              "bwd-softcap": lambda r: sweep_bwd(r, dims=(128,), softcap=10.0),
              "gemm-small": lambda r: sweep_gemm(r, SMALL_M_SHAPES),
+             "decode-quant": lambda r: sweep_decode(r, ("fp8", "nvfp4"), DECODE_SHAPES, QUANT_CONFIGS),
              "decode-paged": lambda r: [sweep_decode(r, ("16bit",), PAGED_SHAPES, PAGED_CONFIGS, page)
                                         for page in (16, 64)]}[fam](rows)
         except Exception:  # noqa: BLE001 - keep the other families' results

@@ -54,13 +54,16 @@ def test_strided_operands():
     _check(a, (data, scales, gs), out)
 
 
+@pytest.mark.parametrize("swap_ab", [False, True], ids=["plain", "swapped"])
 @pytest.mark.parametrize("scale_row_bytes", [8, 10], ids=["words", "bytes"])
-def test_scale_words_and_byte_fallback(monkeypatch, scale_row_bytes):
+def test_scale_words_and_byte_fallback(monkeypatch, scale_row_bytes, swap_ab):
     """64-wide K steps read the block scales as int32 words of four when their rows are 4-byte aligned (here with
-    split K and a masked last N tile); a 10-byte row stride falls back to byte loads. Both decode the same."""
+    split K and a masked last N tile); a 10-byte row stride falls back to byte loads. Both decode the same, with
+    plain (c = a w^T) and swapped (c^T = w a^T) products."""
     from tileflash.ops import gemm as gemm_ops
 
-    monkeypatch.setattr(gemm_ops, "gemm_config", lambda *a, **k: GemmConfig(16, 32, 64, 4, 1, split_k=2))
+    monkeypatch.setattr(gemm_ops, "gemm_config",
+                        lambda *a, **k: GemmConfig(16, 32, 64, 4, 1, split_k=2, swap_ab=swap_ab))
     a, (data, scales, gs) = _inputs(3, 40, 128, torch.bfloat16, seed=6)
     wide = torch.zeros(40, scale_row_bytes, dtype=torch.uint8, device=DEVICE)
     wide[:, :8] = scales.view(torch.uint8)

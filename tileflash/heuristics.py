@@ -148,6 +148,7 @@ class GemmConfig:
     num_warps: int
     num_stages: int
     split_k: int = 1  # slices of K per output tile (decode-sized M); fp32 partials, summed in a fixed order
+    swap_ab: bool = False  # c^T = w a^T: the weight tile on the MMA's M side (decode-sized M)
 
 
 def gemm_config(m: int, n: int, k: int, interpret: bool = False, num_sms: int = 132) -> GemmConfig:

@@ -29,11 +29,13 @@ def _round_bf16(x):
 def nvfp4_matmul_kernel(a_ptr, b_ptr, s_ptr, g_ptr, c_ptr, M, N, K, k_per_split,
                         stride_am, stride_ak, stride_bn, stride_bk, stride_sn, stride_sk, stride_cm, stride_cn,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                        UPCAST: tl.constexpr, SCALE_WORDS: tl.constexpr):
+                        UPCAST: tl.constexpr, SCALE_WORDS: tl.constexpr, SWAP_AB: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] tile of c over K range [split * k_per_split, ...) of program_id(2). SPLIT_K > 1:
     c_ptr is an fp32 workspace [SPLIT_K, M, N] (stride_cm, stride_cn for M, N; splits are M * N apart) that the
     caller sums in a fixed order, so results are bitwise reproducible. SCALE_WORDS: scale rows are 4-byte aligned
-    and K, BLOCK_K multiples of 64, so the scales load as int32 words of four (through the copy pipeline)."""
+    and K, BLOCK_K multiples of 64, so the scales load as int32 words of four (through the copy pipeline).
+    SWAP_AB computes c^T = w a^T: for decode-sized M the dequantized weight tile fills the MMA's M side (wgmma with
+    the weights as its register operand) instead of a 16-row tile of a."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
@@ -42,7 +44,7 @@ def nvfp4_matmul_kernel(a_ptr, b_ptr, s_ptr, g_ptr, c_ptr, M, N, K, k_per_split,
     offs_k = tl.arange(0, BLOCK_K)
     offs_b = tl.arange(0, BLOCK_K // 2)
     offs_s = tl.arange(0, BLOCK_K // 16)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_lo = split * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -63,7 +65,12 @@ def nvfp4_matmul_kernel(a_ptr, b_ptr, s_ptr, g_ptr, c_ptr, M, N, K, k_per_split,
             w = w.to(tl.float32)
         else:
             w = w.to(a.dtype)
-        acc = tl.dot(a, tl.trans(w), acc)
+        if SWAP_AB:
+            acc = tl.dot(w, tl.trans(a), acc)
+        else:
+            acc = tl.dot(a, tl.trans(w), acc)
+    if SWAP_AB:
+        acc = tl.trans(acc)
     c = acc * (tl.load(g_ptr) * E2M1_UNIT)
     c_off = m64[:, None] * stride_cm + n64[None, :] * stride_cn
     c_ok = m_ok[:, None] & n_ok[None, :]
