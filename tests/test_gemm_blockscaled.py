@@ -101,9 +101,10 @@ def test_bf16_check_can_fail(monkeypatch):
 
 
 @pytest.mark.parametrize("m, n, expected", [
-    (1, 4096, GemmConfig(16, 32, 128, 4, 4, split_k=4)),  # 128 N tiles: 4 K slices give 3 x 132 programs
-    (16, 8192, GemmConfig(16, 32, 128, 4, 4, split_k=2)),
-    (16, 65536, GemmConfig(16, 32, 128, 4, 4, split_k=1)),  # enough N tiles alone
+    # decode-sized M: swapped products over 64-column weight tiles, K split until ~3 programs per SM
+    (1, 4096, GemmConfig(16, 64, 128, 4, 4, split_k=7, swap_ab=True)),  # 64 N tiles x 7 slices
+    (16, 8192, GemmConfig(16, 64, 128, 4, 4, split_k=4, swap_ab=True)),
+    (16, 65536, GemmConfig(16, 64, 128, 4, 4, split_k=1, swap_ab=True)),  # enough N tiles alone
     (17, 4096, GemmConfig(64, 64, 128, 4, 3)),
     (128, 4096, GemmConfig(128, 64, 128, 4, 3)),
     (257, 4096, GemmConfig(128, 128, 64, 8, 3)),
@@ -114,7 +115,7 @@ def test_gemm_config_table(m, n, expected):
 
 
 def test_gemm_config_split_k_keeps_four_k_steps_per_slice():
-    assert gemm_config(1, 32, 1024).split_k == 2  # 8 K steps of 128: at most 2 slices
+    assert gemm_config(1, 64, 1024).split_k == 2  # 8 K steps of 128: at most 2 slices
     assert gemm_config(1, 32, 256).split_k == 1
 
 

@@ -159,17 +159,21 @@ def gemm_config(m: int, n: int, k: int, interpret: bool = False, num_sms: int = 
     Decode-sized M gives only N / 32 programs (128 at N = 4096 on 132 SMs), so K is split until about three
     programs per SM are in flight, keeping at least 4 K steps per slice. CUDA-graph replay (config_sweep.py
     gemm-small): M=1 N=K=4096 24.8 us unsplit, 19.8-19.9 with 3-4 slices (bf16 matmul 19.0); N=K=8192 58.3 unsplit,
-    49.6 with 3, 52.5 with 2 (bf16 44.6). Eager calls at this size are bound by the host, not the kernel."""
+    49.6 with 3, 52.5 with 2 (bf16 44.6). Eager calls at this size are bound by the host, not the kernel.
+    Session 3 (config_sweep.py gemm-small, graph replay): the swapped products (c^T = w a^T) with 64-column weight
+    tiles and 4 K slices took M=1 N=K=4096 from 22.1 to 19.8 us and N=K=8192 from 54.0 to 40.1 us (bf16 matmul 19.6,
+    44.8); 128-column tiles ran 31-49 us."""
     if interpret:
         # Small tiles: the interpreter's cost is per program and per K step, and tests use M <= 33, N, K <= 96;
         # K >= 64 takes the split-K path so the CPU tests cover it.
         return GemmConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1,
                           split_k=2 if m <= 16 and k >= 64 else 1)
     if m <= 16:
-        block_n, block_k = 32, 128
+        block_n, block_k = 64, 128
         tiles = -(-n // block_n)
         split = max(1, min(-(-3 * num_sms // tiles), k // (4 * block_k)))
-        return GemmConfig(block_m=16, block_n=block_n, block_k=block_k, num_warps=4, num_stages=4, split_k=split)
+        return GemmConfig(block_m=16, block_n=block_n, block_k=block_k, num_warps=4, num_stages=4, split_k=split,
+                          swap_ab=True)
     if m <= 64:  # not measured at this M: the M = 128 runner-up, with a tile that wastes fewer rows
         return GemmConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3)
     if m <= 256:
