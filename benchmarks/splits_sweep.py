@@ -1,6 +1,6 @@
 """How many KV splits should a decode call use? CUDA-graph replay time for forced num_splits on the shapes where
 the heuristic matters (few sequences x KV heads). Run on the GPU: `python benchmarks/splits_sweep.py`.
-`--parts`: graph-replay time of a split call and of its two kernels alone (attention with fp32 partials, combine),
+`--quant`: the same for fp8 and nvfp4 caches. `--parts`: graph-replay time of a split call and of its two kernels alone (attention with fp32 partials, combine),
 to see what the combine costs at small batch."""
 import sys
 
@@ -15,24 +15,38 @@ SHAPES = [(1, 8192, 32, 8), (1, 32768, 32, 8), (1, 131072, 32, 8), (8, 32768, 32
 SPLITS = [1, 2, 4, 8, 16, 33, 50, 66, 99, 132, 198, 256]
 
 
-def main():
+def _caches(kc, vc, fmt):
+    """bf16 caches as they are, or quantized to fp8 (per-head scales) / nvfp4, with the scale arguments."""
+    if fmt == "fp8":
+        ks, vs = (x.float().abs().amax(dim=(0, 1, 3)) / 448.0 for x in (kc, vc))
+        return (*((x.float() / s_[:, None]).to(torch.float8_e4m3fn) for x, s_ in ((kc, ks), (vc, vs))),
+                dict(k_scale=ks, v_scale=vs))
+    if fmt == "nvfp4":
+        (kd, ks, kg), (vd, vs, vg) = tileflash.nvfp4_quantize(kc), tileflash.nvfp4_quantize(vc)
+        return kd, vd, dict(k_scale=ks, v_scale=vs, k_global_scale=kg.reshape(1), v_global_scale=vg.reshape(1))
+    return kc, vc, {}
+
+
+def main(fmt="bf16", shapes=SHAPES):
     rows = []
-    for b, ctx, hq, hkv in SHAPES:
+    for b, ctx, hq, hkv in shapes:
         q = torch.randn(b, 1, hq, 128, device="cuda", dtype=torch.bfloat16)
-        kc, vc = (torch.randn(b, ctx, hkv, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        kc, vc, kw = _caches(*(torch.randn(b, ctx, hkv, 128, device="cuda", dtype=torch.bfloat16)
+                               for _ in range(2)), fmt)
         lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
         times = {}
         for n in [0] + SPLITS:
             if b * hkv * n > 8 * 132 * 4:
                 continue
-            fn = lambda: tileflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=n)  # noqa: E731
+            fn = lambda: tileflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=n,  # noqa: E731
+                                                           **kw)
             times[n] = bench_ms(graphed(fn)) * 1e3
         best = min((t, n) for n, t in times.items() if n)
         rows.append([b, ctx, hkv, f"{times[0]:.1f}", f"{best[0]:.1f} @ {best[1]}",
                      " ".join(f"{n}:{t:.1f}" for n, t in times.items() if n)])
         print(rows[-1], flush=True)
     print(format_table(["B", "ctx", "Hkv", "heuristic us", "best us @ splits", "all"], rows,
-                       title="decode graph-replay time vs num_splits (bf16, d=128)"))
+                       title=f"decode graph-replay time vs num_splits ({fmt} cache, d=128)"))
 
 
 def parts():
@@ -65,4 +79,10 @@ def parts():
 
 
 if __name__ == "__main__":
-    parts() if "--parts" in sys.argv else main()
+    if "--parts" in sys.argv:
+        parts()
+    elif "--quant" in sys.argv:  # the quantized caches on the shapes where splits matter
+        for fmt in ("fp8", "nvfp4"):
+            main(fmt, [(1, 32768, 32, 8), (8, 32768, 32, 8), (8, 8192, 32, 8), (32, 8192, 32, 8)])
+    else:
+        main()
