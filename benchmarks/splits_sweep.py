@@ -1,9 +1,7 @@
 """How many KV splits should a decode call use? CUDA-graph replay time for forced num_splits on the shapes where
 the heuristic matters (few sequences x KV heads). Run on the GPU: `python benchmarks/splits_sweep.py`.
-`--quant`: the same for fp8 and nvfp4 caches. `--parts`: graph-replay time of a split call, of its one kernel
-launched alone (attention with fp32 partials and the fused last-split merge) and of the separate combine kernel that
-decode used to launch after it (attn_combine, now only context-parallel decode's merge), to see what the merge costs
-at small batch."""
+`--quant`: the same for fp8 and nvfp4 caches. `--parts`: graph-replay time of a split call and of its two kernels alone (attention with fp32 partials, combine),
+to see what the combine costs at small batch."""
 import sys
 
 import torch
@@ -76,7 +74,7 @@ def parts():
                                                                                               out, lse))]
         rows.append([b, ctx, splits, *(f"{x:.1f}" for x in t)])
         print(rows[-1], flush=True)
-    print(format_table(["B", "ctx", "splits", "call us", "attention+merge us", "separate combine us"], rows,
+    print(format_table(["B", "ctx", "splits", "call us", "attention us", "combine us"], rows,
                        title="decode parts, CUDA-graph replay (bf16, d=128, 32/8 heads)"))
 
 

@@ -66,9 +66,9 @@ def _cases():
     def grad_leaves(*shape, dtype=bf):
         return [torch.randn(*shape, dtype=dtype, requires_grad=True) for _ in range(3)]
 
-    def decode(fmt, d=128, append=False, paged=False, sq=1, num_splits=0):
+    def decode(fmt, d=128, append=False, paged=False):
         b, ctx, hq, hkv = 2, 512, 32, 8
-        q = torch.randn(b, sq, hq, d, dtype=bf)
+        q = torch.randn(b, 1, hq, d, dtype=bf)
         lens = torch.full((b,), ctx - 1, dtype=torch.int32)
         table = None
         shape = (b, ctx, hkv) if not paged else (b * ctx // 16, 16, hkv)
@@ -87,15 +87,8 @@ def _cases():
             vc = kc.clone()
             sc = torch.zeros(*shape, d // 16, dtype=torch.float8_e4m3fn)
             kw = dict(k_scale=sc, v_scale=sc.clone(), k_global_scale=torch.ones(1), v_global_scale=torch.ones(1))
-        new = torch.randn(b, sq, hkv, d, dtype=bf) if append else None
-        tileflash.flash_attn_with_kvcache(q, kc, vc, new, new, cache_seqlens=lens - sq + 1, block_table=table,
-                                          num_splits=num_splits, **kw)
-
-    def combine():  # context-parallel decode's merge of per-rank results (attn_combine_kernel)
-        from tileflash.distributed import _merge_gathered
-
-        outs = [torch.randn(2, 1, 32, 128, dtype=bf) for _ in range(3)]
-        _merge_gathered(outs, [torch.randn(2, 32, 1) for _ in outs], outs[0])
+        new = torch.randn(b, 1, hkv, d, dtype=bf) if append else None
+        tileflash.flash_attn_with_kvcache(q, kc, vc, new, new, cache_seqlens=lens, block_table=table, **kw)
 
     def varlen():
         cu = torch.tensor([0, 100, 100, 250], dtype=torch.int32)
@@ -119,10 +112,6 @@ def _cases():
         "decode nvfp4 append": lambda: decode("nvfp4", append=True),
         "decode nvfp4 d32 append": lambda: decode("nvfp4", d=32, append=True),
         "decode nvfp4 paged": lambda: decode("nvfp4", paged=True),
-        "decode 16-bit 16 tokens, 40 splits": lambda: decode("16bit", append=True, sq=16, num_splits=40),
-        "merge_attn_states": lambda: tileflash.merge_attn_states(*(torch.randn(2, 3, 4, 128, dtype=bf),
-                                                                   torch.randn(2, 4, 3)) * 2),
-        "split-KV combine (context-parallel decode)": combine,
         "nvfp4_dequantize": lambda: tileflash.nvfp4_dequantize(*tileflash.nvfp4_quantize(torch.randn(64, 128))),
         "fp8_quantize": lambda: tileflash.fp8_quantize(torch.randn(64, 128, dtype=bf)),
         "gemm M=1 (split-K)": lambda: gemm(1, 4096, 4096),

@@ -6,7 +6,6 @@ import torch
 
 import tileflash
 from helpers import DEVICE, ON_GPU, check_2x, check_lse
-from tileflash import _utils
 from tileflash.ops import decode as decode_ops
 from tileflash.reference import kvcache_ref
 
@@ -90,61 +89,6 @@ def test_num_splits_agree(page_size):
         assert (lse - outs[0][1]).abs().max().item() <= 1e-4
 
 
-def _counters_zero(device) -> bool:
-    """Every split-KV arrival counter buffer of the device is back to zero (what the next call relies on)."""
-    bufs = [c for (dev, _), c in _utils._SPLIT_COUNTERS.items() if dev.type == torch.device(device).type]
-    return bool(bufs) and all(torch.count_nonzero(c).item() == 0 for c in bufs)
-
-
-def test_split_counters_return_to_zero():
-    """The fused merge leaves its arrival counters zeroed, so calls (and graph replays) reuse them with no memset,
-    also when consecutive calls use different split counts and tile counts."""
-    g = torch.Generator().manual_seed(6)
-    b, sq, hq, hkv, d, cap = 3, 3, 32, 1, 32, 80  # MQA: 96 packed rows per sequence, 2 M tiles
-    k_cache, v_cache, table = make_cache(b, cap, hkv, d, torch.float16, 16, g)
-    q = torch.randn(b, sq, hq, d, generator=g).to(DEVICE, torch.float16)
-    seqlens = torch.tensor([77, 33, 1], dtype=torch.int32, device=DEVICE)
-    call = lambda n, bb=b: tileflash.flash_attn_with_kvcache(  # noqa: E731
-        q[:bb], k_cache, v_cache, cache_seqlens=seqlens[:bb], block_table=table[:bb], num_splits=n, return_lse=True)
-    want, want_lse = call(1)
-    m_tiles = -(-sq * hq // decode_ops._plan(q, k_cache, table, 1)[0].block_m)
-    assert m_tiles == 2
-    for n, bb in ((5, b), (3, b), (7, 1)):
-        out, lse = call(n, bb)
-        assert _utils.split_counters(q.device, bb * hkv * m_tiles).numel() >= bb * hkv * m_tiles
-        assert _counters_zero(DEVICE), f"counters left nonzero after num_splits={n}"
-        assert (out.float() - want[:bb].float()).abs().max().item() <= 2e-3
-        check_lse(lse, want_lse[:bb], atol=1e-4)
-
-
-def test_more_splits_than_kv_blocks():
-    """Splits past the end of a sequence's blocks are empty (o = 0, lse = -inf) and add nothing to the merge."""
-    g = torch.Generator().manual_seed(12)
-    k_cache, v_cache, table = make_cache(2, 64, 2, 64, torch.bfloat16, None, g)
-    q = torch.randn(2, 2, 8, 64, generator=g).to(DEVICE, torch.bfloat16)
-    seqlens = torch.tensor([20, 3], dtype=torch.int32, device=DEVICE)  # 2 and 1 KV blocks (16 tokens in the CPU tests)
-    out, lse = tileflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=9,
-                                                 return_lse=True)
-    ref, ref_lse, _, _ = kvcache_ref(q, k_cache, v_cache, cache_seqlens=seqlens)
-    ref_lowp, _, _, _ = kvcache_ref(q, k_cache, v_cache, cache_seqlens=seqlens, upcast=False)
-    check_2x(out, ref, ref_lowp)
-    check_lse(lse, ref_lse)
-    assert _counters_zero(DEVICE)
-
-
-@pytest.mark.parametrize("num_splits", [1, 4])
-def test_empty_caches_give_zero_and_minus_inf(num_splits):
-    """Every split empty (cache_seqlens 0, nothing appended): out 0, lse -inf, as without splitting."""
-    k_cache, v_cache, _ = make_cache(2, 48, 2, 32, torch.float16, None, torch.Generator().manual_seed(3))
-    q = torch.randn(2, 3, 4, 32).to(DEVICE, torch.float16)
-    out, lse = tileflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.zeros(
-        2, dtype=torch.int32, device=DEVICE), num_splits=num_splits, return_lse=True)
-    assert torch.equal(out, torch.zeros_like(out))
-    assert torch.equal(lse, torch.full_like(lse, float("-inf")))
-    if num_splits > 1:
-        assert _counters_zero(DEVICE)
-
-
 def test_window_and_softcap_in_decode():
     g = torch.Generator().manual_seed(9)
     k_cache, v_cache, table = make_cache(2, 80, 2, 64, torch.bfloat16, 16, g)
@@ -186,41 +130,6 @@ def test_cuda_graph_replay_follows_new_seqlens_and_table():
         ref_lowp, _, _, _ = kvcache_ref(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table,
                                         upcast=False)
         check_2x(out, ref, ref_lowp)
-
-
-
-@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
-def test_cuda_graphs_share_or_own_split_counters(monkeypatch):
-    """Under capture, a graph reuses the per-device counter buffer an eager warm-up zeroed; a graph that needs more
-    counters than that zeroes its own inside the graph. Both stay correct whatever order they replay in."""
-    monkeypatch.setattr(_utils, "_SPLIT_COUNTERS", {})  # no buffer from earlier tests
-    g = torch.Generator().manual_seed(4)
-    b, hq, hkv, d, cap = 4, 32, 8, 128, 2048
-    k_cache, v_cache, _ = make_cache(b, cap, hkv, d, torch.bfloat16, None, g)
-    q = torch.randn(b, 1, hq, d, generator=g).to(DEVICE, torch.bfloat16)
-    seqlens = torch.tensor([2000, 5, 1024, 0], dtype=torch.int32, device=DEVICE)
-    call = lambda bb: tileflash.flash_attn_with_kvcache(  # noqa: E731
-        q[:bb], k_cache[:bb], v_cache[:bb], cache_seqlens=seqlens[:bb], num_splits=8)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        call(1)  # compiles; counters for batch 1 (8 programs) only
-    torch.cuda.current_stream().wait_stream(s)
-    graphs = {}
-    for bb in (4, 1):  # batch 4 needs 32 counters: its own; batch 1 fits the warmed-up buffer
-        graphs[bb] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graphs[bb]):
-            out = call(bb)
-        graphs[bb] = (graphs[bb], out)
-    for bb, new_lens in ((1, [7, 2048, 3, 100]), (4, [2048, 1, 0, 999]), (1, [0, 1, 2, 3]), (4, [5, 6, 7, 8])):
-        seqlens.copy_(torch.tensor(new_lens, dtype=torch.int32))
-        graph, out = graphs[bb]
-        graph.replay()
-        torch.cuda.synchronize()
-        ref, _, _, _ = kvcache_ref(q[:bb], k_cache[:bb], v_cache[:bb], cache_seqlens=seqlens[:bb])
-        ref_lowp, _, _, _ = kvcache_ref(q[:bb], k_cache[:bb], v_cache[:bb], cache_seqlens=seqlens[:bb], upcast=False)
-        check_2x(out, ref, ref_lowp)
-    assert _counters_zero(DEVICE)
 
 
 def _check_quantized_decode(g, seqlens, sq, s_new, hq, hkv, d, dtype, table, k_cache, v_cache, num_splits, scales):

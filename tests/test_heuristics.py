@@ -3,7 +3,7 @@ import dataclasses
 
 import pytest
 
-from tileflash.heuristics import (MAX_SPLITS, bwd_config, decode_block_m, decode_config, fwd_config, merge_chunk,
+from tileflash.heuristics import (MAX_SPLITS, bwd_config, decode_block_m, decode_config, fwd_config,
                                   num_splits_heuristic, padded_head_dim)
 
 
@@ -64,19 +64,6 @@ def test_decode_config(d, fmt, paged, block_n, stages, trans):
 ])
 def test_num_splits_heuristic(args, expected):
     assert num_splits_heuristic(*args) == expected
-
-
-# (rows, head dim, warps) -> parts per merge step: [parts, rows, padded D] fp32 within 64 registers per thread
-@pytest.mark.parametrize("args, expected", [
-    ((4, 128, 4), 16),  # decode GQA 4, Sq 1: the fused split-KV merge reads 16 splits per round trip
-    ((16, 128, 4), 4),
-    ((8, 80, 4), 8),  # d 80 pads to 128
-    ((64, 128, 4), 1),  # 16 tokens x GQA 4: one split per step
-    ((64, 256, 4), 1),  # never below one
-    ((1, 128, 4), 64),  # the context-parallel combine (one row per program; capped by the part count there)
-])
-def test_merge_chunk(args, expected):
-    assert merge_chunk(*args) == expected
 
 
 @pytest.mark.parametrize("d, expected", [

@@ -53,35 +53,6 @@ def new_output(shape, dtype, device) -> torch.Tensor:
     return t.fill_(float("nan")) if POISON_OUTPUTS else t
 
 
-# Split-KV arrival counters (attn_fwd's last-split merge): int32, one per program of grid axis 0. Invariant: all zero
-# whenever no kernel is running on them (zeroed at allocation; the merging program of each tile resets its own), so
-# calls reuse a buffer with no memset. Eager calls get one buffer per stream, since kernels on different streams may
-# overlap. CUDA graphs share one per device that eager (warm-up) calls allocate: memory first allocated during a
-# capture is zeroed only when that graph replays, and another graph could replay first. A capture that needs more
-# counters than any warm-up gave gets a fresh zeroed buffer per call (a memset node in the graph). Graphs replayed
-# concurrently on different streams would race on the shared one. Buffers are never freed: graphs keep addresses.
-_SPLIT_COUNTERS: dict = {}
-_RETIRED_COUNTERS: list = []
-
-
-def split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """At least n zeroed int32 arrival counters, which the caller's split-KV kernel leaves zeroed."""
-    if device.type != "cuda":
-        keys = [(device, None)]
-    elif torch.cuda.is_current_stream_capturing():
-        buf = _SPLIT_COUNTERS.get((device, "graph"))
-        return buf if buf is not None and buf.numel() >= n else torch.zeros(n, dtype=torch.int32, device=device)
-    else:
-        keys = [(device, "graph"), (device, torch.cuda.current_stream(device).cuda_stream)]
-    for key in keys:
-        buf = _SPLIT_COUNTERS.get(key)
-        if buf is None or buf.numel() < n:
-            if buf is not None:
-                _RETIRED_COUNTERS.append(buf)
-            _SPLIT_COUNTERS[key] = torch.zeros(next_pow2(n), dtype=torch.int32, device=device)
-    return _SPLIT_COUNTERS[keys[-1]]
-
-
 def eager_or_op(op, impl, grad: bool = False):
     """The torch.library custom op while torch.compile traces or when autograd must record the call (the op
     carries the registered backward); otherwise the plain implementation, because the op's dispatch adds tens of

@@ -119,15 +119,6 @@ def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_fo
 
 
 MAX_SPLITS = 256
-MERGE_REGS = 64  # fp32 registers per thread for the chunk of partial outputs a merge holds at once (not yet swept)
-
-
-def merge_chunk(rows: int, head_dim: int, num_warps: int) -> int:
-    """Parts a merge of `rows` rows reads per memory round trip: the largest power of two whose
-    [parts, rows, padded head dim] fp32 tile fits MERGE_REGS registers per thread. Independent of the number of
-    parts, so the split count never adds a compiled variant (masked parts cost registers, not memory traffic)."""
-    fit = max(1, MERGE_REGS * 32 * num_warps // (rows * padded_head_dim(head_dim)))
-    return 1 << (fit.bit_length() - 1)
 
 
 def num_splits_heuristic(batch: int, nheads_kv: int, m_tiles: int, max_seqlen_k: int, block_n: int,

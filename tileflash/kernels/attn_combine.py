@@ -1,5 +1,4 @@
-"""Merging partial attention results: merge_attn_states, the split-KV combine, and the helpers attn_fwd's fused
-split-KV merge shares with them.
+"""Merging partial attention results: split-KV combine and merge_attn_states.
 
 A part is (o, lse): o [rows, D] normalised over its own keys, lse [rows] natural log (-inf = the part saw no key).
 Merged: lse = log(sum_i exp(lse_i)), o = sum_i exp(lse_i - lse) * o_i; when every part is empty, o = 0, lse = -inf.
@@ -11,55 +10,23 @@ import triton.language as tl
 
 
 @triton.jit
-def _merge_step(acc, m, l, o_part, lse_part, l_part):
-    """Fold a part into the running (acc, m, l): m is the largest LSE so far and acc, l are scaled by exp(-m), so
-    every weight is exp(<= 0) and empty parts weigh 0. A part is one (o, lse) with l_part = 1, or a chunk of parts
-    summed the same way (o_part = sum_i exp(lse_i - lse_part) o_i, l_part = sum_i exp(lse_i - lse_part))."""
+def _merge_step(acc, m, l, o_part, lse_part):
+    """Fold one part into the running (acc, m, l); m is the running max LSE and acc/l are scaled by exp(-m)."""
     m_new = tl.maximum(m, lse_part)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     a = tl.exp(m - m_safe)
     w = tl.exp(lse_part - m_safe)
-    return acc * a[:, None] + w[:, None] * o_part, m_new, l * a + w * l_part
+    return acc * a[:, None] + w[:, None] * o_part, m_new, l * a + w
 
 
 @triton.jit
-def _finish(acc, m, l):
-    """(o, lse) of merged rows; a row no part saw gives o = 0, lse = -inf."""
+def _store_merged(acc, m, l, out_ptr, lse_ptr, b, s, h, row_ok, offs_d, stride_ob, stride_os, stride_oh,
+                  stride_lb, stride_lh, stride_ls, HEAD_DIM: tl.constexpr):
     seen = l > 0.0
     o = acc * tl.where(seen, 1.0 / tl.where(seen, l, 1.0), 0.0)[:, None]
-    return o, tl.where(seen, m + tl.log(tl.where(seen, l, 1.0)), float("-inf"))
-
-
-@triton.jit
-def merge_parts(o_part_ptr, lse_part_ptr, rows, row_ok, num_parts, num_rows, offs_d, HEAD_DIM: tl.constexpr,
-                CHUNK: tl.constexpr):
-    """(o, lse) of `rows` [R] (int64) merged over o_part [num_parts, num_rows, HEAD_DIM] and lse_part
-    [num_parts, num_rows] (contiguous fp32), CHUNK parts per memory round trip (one loop step per part was
-    latency-bound: ~17 us for 32 splits at batch 1). Loads bypass L1 (.cg): in attn_fwd's fused merge the parts were
-    written by other SMs during the same kernel."""
-    offs_c = tl.arange(0, CHUNK)
-    d_ok = offs_d < HEAD_DIM
-    acc = tl.zeros([rows.shape[0], offs_d.shape[0]], dtype=tl.float32)
-    m = tl.full([rows.shape[0]], float("-inf"), dtype=tl.float32)
-    l = tl.zeros([rows.shape[0]], dtype=tl.float32)
-    for c in range(0, num_parts, CHUNK):
-        idx = (c + offs_c).to(tl.int64)[:, None] * num_rows + rows[None, :]
-        ok = ((c + offs_c) < num_parts)[:, None] & row_ok[None, :]
-        lse_c = tl.load(lse_part_ptr + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        o_c = tl.load(o_part_ptr + idx[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-                      mask=ok[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")
-        m_c = tl.max(lse_c, 0)
-        w = tl.exp(lse_c - tl.where(m_c == float("-inf"), 0.0, m_c)[None, :])
-        acc, m, l = _merge_step(acc, m, l, tl.sum(w[:, :, None] * o_c, 0), m_c, tl.sum(w, 0))
-    return _finish(acc, m, l)
-
-
-@triton.jit
-def store_rows(o, lse, out_ptr, lse_ptr, b, s, h, row_ok, offs_d, stride_ob, stride_os, stride_oh,
-               stride_lb, stride_lh, stride_ls, HEAD_DIM: tl.constexpr):
-    """Write rows (b, s, h) (int64; b may be a scalar) of out (in its dtype) and lse."""
     o_ptrs = out_ptr + (b * stride_ob + s * stride_os + h * stride_oh)[:, None] + offs_d[None, :]
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+    lse = tl.where(seen, m + tl.log(tl.where(seen, l, 1.0)), float("-inf"))
     tl.store(lse_ptr + b * stride_lb + h * stride_lh + s * stride_ls, lse, mask=row_ok)
 
 
@@ -74,15 +41,42 @@ def _rows(seqlen, num_heads, num_rows, BLOCK_R: tl.constexpr):
 @triton.jit
 def attn_combine_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, num_splits, seqlen, num_heads, num_rows,
                         stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-                        HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
-                        SPLIT_CHUNK: tl.constexpr):
-    """Merge o_part [num_splits, num_rows, HEAD_DIM], lse_part [num_splits, num_rows] (contiguous fp32) into out /
-    lse, BLOCK_R rows per program (context-parallel decode's merge of the ranks' results)."""
-    r, b, s, h, row_ok = _rows(seqlen, num_heads, num_rows, BLOCK_R)
+                        HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
+    """One program per row. o_part [num_splits, num_rows, HEAD_DIM], lse_part [num_splits, num_rows], contiguous
+    fp32. Splits are read SPLIT_CHUNK at a time as one tile, so the partials of a row arrive in one memory round
+    trip instead of one per split (a loop over splits was latency-bound: ~17 us for 32 splits at batch 1)."""
+    row = tl.program_id(0).to(tl.int64)
+    b = row // (seqlen * num_heads)
+    s = (row // num_heads) % seqlen
+    h = row % num_heads
+    offs_s = tl.arange(0, SPLIT_CHUNK)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    o, lse = merge_parts(o_part_ptr, lse_part_ptr, r, row_ok, num_splits, num_rows, offs_d, HEAD_DIM, SPLIT_CHUNK)
-    store_rows(o, lse, out_ptr, lse_ptr, b, s, h, row_ok, offs_d, stride_ob, stride_os, stride_oh,
-               stride_lb, stride_lh, stride_ls, HEAD_DIM)
+    # Pass 1: the largest split LSE, so every weight below is exp(<= 0).
+    m = tl.full([SPLIT_CHUNK], float("-inf"), dtype=tl.float32)
+    for c in range(0, num_splits, SPLIT_CHUNK):
+        lse_c = tl.load(lse_part_ptr + (c + offs_s) * num_rows + row, mask=c + offs_s < num_splits,
+                        other=float("-inf"))
+        m = tl.maximum(m, lse_c)
+    m_max = tl.max(m, 0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    # Pass 2: weighted sum of the split outputs.
+    acc = tl.zeros([HEAD_DIM_PAD], dtype=tl.float32)
+    l = tl.zeros([SPLIT_CHUNK], dtype=tl.float32)
+    for c in range(0, num_splits, SPLIT_CHUNK):
+        split_ok = c + offs_s < num_splits
+        lse_c = tl.load(lse_part_ptr + (c + offs_s) * num_rows + row, mask=split_ok, other=float("-inf"))
+        w = tl.exp(lse_c - m_safe)
+        o_ptrs = o_part_ptr + ((c + offs_s) * num_rows + row)[:, None] * HEAD_DIM + offs_d[None, :]
+        o_c = tl.load(o_ptrs, mask=split_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        acc += tl.sum(w[:, None] * o_c, 0)
+        l += w
+    l_sum = tl.sum(l, 0)
+    seen = l_sum > 0.0
+    o = acc * tl.where(seen, 1.0 / tl.where(seen, l_sum, 1.0), 0.0)
+    tl.store(out_ptr + b * stride_ob + s * stride_os + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+    tl.store(lse_ptr + b * stride_lb + h * stride_lh + s * stride_ls,
+             tl.where(seen, m_max + tl.log(tl.where(seen, l_sum, 1.0)), float("-inf")))
 
 
 @triton.jit
@@ -100,10 +94,9 @@ def merge_states_kernel(oa_ptr, la_ptr, ob_ptr, lb_ptr, out_ptr, lse_ptr, seqlen
     l = tl.zeros([BLOCK_R], dtype=tl.float32)
     lse_a = tl.load(la_ptr + b * s_lab + h * s_lah + s * s_las, mask=row_ok, other=float("-inf"))
     o_a = tl.load(oa_ptr + (b * s_oab + s * s_oas + h * s_oah)[:, None] + offs_d[None, :], mask=mask, other=0.0)
-    acc, m, l = _merge_step(acc, m, l, o_a.to(tl.float32), lse_a, 1.0)
+    acc, m, l = _merge_step(acc, m, l, o_a.to(tl.float32), lse_a)
     lse_b = tl.load(lb_ptr + b * s_lbb + h * s_lbh + s * s_lbs, mask=row_ok, other=float("-inf"))
     o_b = tl.load(ob_ptr + (b * s_obb + s * s_obs + h * s_obh)[:, None] + offs_d[None, :], mask=mask, other=0.0)
-    acc, m, l = _merge_step(acc, m, l, o_b.to(tl.float32), lse_b, 1.0)
-    o, lse = _finish(acc, m, l)
-    store_rows(o, lse, out_ptr, lse_ptr, b, s, h, row_ok, offs_d, stride_ob, stride_os, stride_oh,
-               stride_lb, stride_lh, stride_ls, HEAD_DIM)
+    acc, m, l = _merge_step(acc, m, l, o_b.to(tl.float32), lse_b)
+    _store_merged(acc, m, l, out_ptr, lse_ptr, b, s, h, row_ok, offs_d, stride_ob, stride_os, stride_oh,
+                  stride_lb, stride_lh, stride_ls, HEAD_DIM)

@@ -8,10 +8,8 @@ Shapes (element strides are passed explicitly; the head dim must be contiguous):
   FP8 caches (decode): k/v in float8_e4m3fn with fp32 scales per tensor or per KV head (KV_SCALED).
   NVFP4 caches (decode, KV_NVFP4): k/v uint8 [.., D/2] packed e2m1 pairs, block scales e4m3 [.., D/16] at
   k/v_bscale_ptr, and the per-tensor global scales at k/v_scale_ptr (KV_SCALED too).
-  Split-KV (decode): o_part [num_splits, B, Sq, Hq, D] and lse_part [num_splits, B, Sq, Hq], fp32; each split
-  holds its own normalised output and LSE (an empty split: o = 0, lse = -inf). The last split of a tile to finish
-  merges them (attn_combine.merge_parts) into out / lse, so a split call is one launch. counter: int32 [grid axis 0],
-  all zero on entry and left zero (each tile's merging program resets its own).
+  Split-KV (decode): o_part [num_splits, B, Sq, Hq, D] and lse_part [num_splits, B, Sq, Hq], fp32, merged by
+  attn_combine; each split holds its own normalised output and LSE (an empty split: o = 0, lse = -inf).
 
 Program grid: axis 0 = (batch x head) x M tiles, flattened (axis 1 is capped at 65535), heaviest causal tiles first;
 axis 1 = KV split. A program's rows are either BLOCK_M consecutive query tokens of one query head (prefill) or, with
@@ -23,7 +21,6 @@ import triton.language as tl
 
 from ._attn_inner import attn_inner
 from ._masks import LOG2E, kv_block_range, logit_scales, seq_extents
-from .attn_combine import merge_parts, store_rows
 from .quant import E2M1_UNIT
 
 
@@ -38,21 +35,8 @@ def _fp16_range(x):
 
 
 @triton.jit
-def _tile_rows(offs_m, head, group_size, PACK_GQA: tl.constexpr):
-    """(query token, query head) of tile rows: r = token * G + g over the G query heads of KV head `head`
-    (PACK_GQA), else tokens of query head `head`."""
-    if PACK_GQA:
-        tok = offs_m // group_size
-        head_q = head * group_size + offs_m % group_size
-    else:
-        tok = offs_m
-        head_q = head + tl.zeros_like(offs_m)
-    return tok, head_q
-
-
-@triton.jit
 def attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, o_part_ptr, lse_part_ptr, counter_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, o_part_ptr, lse_part_ptr,
     cu_seqlens_q_ptr, cu_seqlens_k_ptr, seqlens_k_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr, stride_kv_scale,
     k_bscale_ptr, v_bscale_ptr, stride_bs_page, stride_bs_tok, stride_bs_h,
     stride_qb, stride_qs, stride_qh,
@@ -70,7 +54,7 @@ def attn_fwd_kernel(
     PACK_GQA: tl.constexpr, SPLIT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     USE_DESC: tl.constexpr, SP_OVERLAP: tl.constexpr, WARP_SPEC: tl.constexpr, TILE_DTYPE: tl.constexpr,
-    TRANS: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+    TRANS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -93,12 +77,15 @@ def attn_fwd_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     row_ok = offs_m < rows_total
-    tok, head_q = _tile_rows(offs_m, head, group_size, PACK_GQA)
     if PACK_GQA:
+        tok = offs_m // group_size
+        head_q = head * group_size + offs_m % group_size
         last_row = tl.minimum(start_m + BLOCK_M, rows_total) - 1
         tok_min = start_m // group_size
         tok_max = last_row // group_size
     else:
+        tok = offs_m
+        head_q = head + tl.zeros([BLOCK_M], dtype=tl.int32)
         tok_min = start_m
         tok_max = tl.minimum(start_m + BLOCK_M, rows_total) - 1
     diag = seqlen_k - seqlen_q  # bottom-right alignment
@@ -198,31 +185,16 @@ def attn_fwd_kernel(
         acc = tl.trans(acc)
     o = acc * inv_l[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) / LOG2E, float("-inf"))
-    b64 = b.to(tl.int64)
+    d_ok = offs_d[None, :] < HEAD_DIM
     if SPLIT:
         # o_part [splits, B, Sq, Hq, D] and lse_part [splits, B, Sq, Hq], contiguous fp32; rows_per_split = B*Sq*Hq.
         part = split.to(tl.int64) * rows_per_split + ((b * seqlen_q_static + tok) * num_heads_q + head_q).to(tl.int64)
-        tl.store(o_part_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], o,
-                 mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+        tl.store(o_part_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None] & d_ok)
         tl.store(lse_part_ptr + part, lse, mask=row_ok)
-        # Count this split in. A scalar atomic is issued by one thread, so the barrier first orders every thread's
-        # stores before it; its gpu-scope release publishes them, its acquire (result broadcast to all threads)
-        # makes the other splits' stores visible to the last arrival, which merges all of them.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if arrived == tl.num_programs(1) - 1:
-            # MERGE_ROWS rows at a time: the tile's valid rows only (decode: Hq/Hkv x Sq, often < BLOCK_M), so
-            # more splits fit one round trip.
-            for r0 in range(start_m, tl.minimum(start_m + BLOCK_M, rows_total), MERGE_ROWS):
-                rows = r0 + tl.arange(0, MERGE_ROWS)
-                ok = rows < rows_total
-                tok_r, head_r = _tile_rows(rows, head, group_size, PACK_GQA)
-                o_r, lse_r = merge_parts(o_part_ptr, lse_part_ptr,
-                                         ((b * seqlen_q_static + tok_r) * num_heads_q + head_r).to(tl.int64), ok,
-                                         tl.num_programs(1), rows_per_split, offs_d, HEAD_DIM, MERGE_CHUNK)
-                store_rows(o_r, lse_r, out_ptr, lse_ptr, b64, (q_start + tok_r).to(tl.int64), head_r.to(tl.int64),
-                           ok, offs_d, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls, HEAD_DIM)
-            tl.store(counter_ptr + pid, 0)  # every split has arrived: ready for the next launch, no memset
     else:
-        store_rows(o, lse, out_ptr, lse_ptr, b64, (q_start + tok).to(tl.int64), head_q.to(tl.int64), row_ok, offs_d,
-                   stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls, HEAD_DIM)
+        o_rows = (q_start + tok).to(tl.int64) * stride_os + head_q.to(tl.int64) * stride_oh
+        o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + o_rows[:, None] + offs_d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok)
+        l_ptrs = lse_ptr + b.to(tl.int64) * stride_lb + head_q.to(tl.int64) * stride_lh \
+            + (q_start + tok).to(tl.int64) * stride_ls
+        tl.store(l_ptrs, lse, mask=row_ok)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import _utils
-from ..heuristics import merge_chunk, padded_head_dim
+from ..heuristics import padded_head_dim
 from ..kernels.attn_combine import attn_combine_kernel, merge_states_kernel
 from ..kernels.attn_fwd import attn_fwd_kernel
 from ..kernels.kv_append import kv_append_kernel
@@ -62,8 +62,6 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
     """q4/out4 [Bq, Sq, Hq, D]; k4/v4 [Bk, Sk, Hkv, D] (paged: [pages, page_size, Hkv, D]); lse3 [Bq, Hq, Sq].
 
     m_rows: rows per (batch, head program) = max query tokens (x group size when packing).
-    num_splits > 1: o_part [splits, Bq*Sq*Hq, D], lse_part [splits, Bq*Sq*Hq] (fp32) are scratch for the partials;
-    the kernel merges them into out4 / lse3 itself (the last split of each tile to finish).
     """
     dev = q4.device
     hq, d = q4.shape[2], q4.shape[3]  # q's head dim (an NVFP4 cache stores d / 2 bytes per head)
@@ -81,7 +79,6 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         aligned = d >= 64 and all(t.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in t.stride()[:3])
                                   for t in (k_block_scale, v_block_scale))
         kv_nvfp4 = NVFP4_SCALE_WORDS if aligned else NVFP4_SCALE_BYTES
-    merge_rows = min(config.block_m, _utils.next_pow2(max(m_rows, 1))) if split else 1
     descs = None
     if config.tma and not paged and not nvfp4:  # NVFP4 tiles are decoded from bytes, not loaded as values
         descs = _kv_descriptors(k4, v4, k4.shape[0] * k4.shape[1], config.block_n)
@@ -89,7 +86,6 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
     return attn_fwd_kernel[grid](
         q4, k_arg, v_arg, out4, lse3,
         o_part if split else dummy, lse_part if split else dummy,
-        _utils.split_counters(dev, grid[0]) if split else dummy,
         cu_seqlens_q if cu_seqlens_q is not None else dummy,
         cu_seqlens_k if cu_seqlens_k is not None else dummy,
         seqlens_k if seqlens_k is not None else dummy,
@@ -114,22 +110,20 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         HAS_LEFT=mask.window_left >= 0, HAS_RIGHT=mask.window_right >= 0, SOFTCAP=mask.softcap > 0.0,
         USE_DESC=descs is not None, SP_OVERLAP=sp_overlap, WARP_SPEC=config.warp_spec and not sp_overlap,
         TILE_DTYPE=_utils.tile_dtype(torch.float16 if k_scale is not None else q4.dtype),
-        TRANS=config.trans, MERGE_ROWS=merge_rows,
-        MERGE_CHUNK=merge_chunk(merge_rows, d, config.num_warps) if split else 1,
+        TRANS=config.trans,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
 
 def launch_combine(o_part, lse_part, out4, lse3) -> None:
-    """Merge parts o_part [parts, B*Sq*Hq, D], lse_part [parts, B*Sq*Hq] (fp32) into out4 / lse3: context-parallel
-    decode's per-rank results (split-KV decode merges inside launch_attn_fwd's kernel)."""
+    """Merge split partials o_part [splits, B*Sq*Hq, D], lse_part [splits, B*Sq*Hq] into out4 / lse3."""
     num_splits, num_rows, d = o_part.shape
     b, sq, hq, _ = out4.shape
     attn_combine_kernel[(num_rows,)](
         o_part, lse_part, out4, lse3, num_splits, sq, hq, num_rows,
         out4.stride(0), out4.stride(1), out4.stride(2), lse3.stride(0), lse3.stride(1), lse3.stride(2),
-        HEAD_DIM=d, HEAD_DIM_PAD=padded_head_dim(d), BLOCK_R=1,
-        SPLIT_CHUNK=min(_utils.next_pow2(num_splits), merge_chunk(1, d, 4)), num_warps=4,
+        HEAD_DIM=d, HEAD_DIM_PAD=padded_head_dim(d), SPLIT_CHUNK=min(32, _utils.next_pow2(num_splits)),
+        num_warps=4,
     )
 
 

@@ -1,12 +1,9 @@
 """flash_attn_with_kvcache: decode / speculative verify over a contiguous or paged KV cache.
 
-Split-KV: num_splits programs share one (sequence, KV head); each writes fp32 partial (o, lse) and the last of them
-to finish merges them, in the same launch. Pack-GQA: the Hq/Hkv query heads of one KV head x the Sq new tokens form
-one tile of rows.
+Split-KV: num_splits programs share one (sequence, KV head); each writes fp32 partial (o, lse) and attn_combine
+merges them. Pack-GQA: the Hq/Hkv query heads of one KV head x the Sq new tokens form one tile of rows.
 No host-device synchronisation and no value-dependent allocation, so the call can be captured in a CUDA graph
-(validate=True is the exception: it reads device values to check them). Split calls count arrivals in a zeroed
-counter buffer (_utils.split_counters): warm up eagerly before capturing, as torch's recipe says, and graphs reuse
-the warm-up's buffer; otherwise each captured split call also zeroes its own (a memset in the graph).
+(validate=True is the exception: it reads device values to check them).
 """
 from __future__ import annotations
 
@@ -16,7 +13,7 @@ import torch
 
 from .. import _utils
 from ..heuristics import decode_config, num_splits_heuristic
-from ._launch import Mask, launch_attn_fwd, launch_kv_append
+from ._launch import Mask, launch_attn_fwd, launch_combine, launch_kv_append
 from .prefill import _check_softcap
 
 MAX_QUERY_TOKENS = 16
@@ -70,6 +67,8 @@ def _attn_kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                     softmax_scale=softmax_scale, mask=Mask(window_left, window_right, softcap), config=cfg,
                     seqlens_k=cache_seqlens, seqlen_k_add=s_new, block_table=block_table, pack_gqa=True,
                     num_splits=num_splits, sp_overlap=sp_overlap, o_part=o_part, lse_part=lse_part, **scales)
+    if num_splits > 1:
+        launch_combine(o_part, lse_part, out, lse)
     return out, lse
 
 
