@@ -1,7 +1,7 @@
 """How many KV splits should a decode call use? CUDA-graph replay time for forced num_splits on the shapes where
 the heuristic matters (few sequences x KV heads). Run on the GPU: `python benchmarks/splits_sweep.py`.
-`--quant`: the same for fp8 and nvfp4 caches. `--parts`: graph-replay time of a split call and of its two kernels alone (attention with fp32 partials, combine),
-to see what the combine costs at small batch."""
+`--quant`: the same for fp8 and nvfp4 caches. `--parts`: graph-replay time of a split call and of its two kernels
+alone (attention with fp32 partials, combine), to see what the combine costs at small batch."""
 import sys
 
 import torch
