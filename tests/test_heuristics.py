@@ -3,7 +3,7 @@ import dataclasses
 
 import pytest
 
-from tileflash.heuristics import (MAX_SPLITS, bwd_config, decode_block_m, decode_config, fwd_config,
+from tileflash.heuristics import (MAX_SPLITS, bwd_config, combine_tiles, decode_block_m, decode_config, fwd_config,
                                   num_splits_heuristic, padded_head_dim)
 
 
@@ -76,3 +76,16 @@ def test_bwd_config(d, expected):
     c = bwd_config(d)
     assert dataclasses.astuple(c) == expected
     assert c.dkdv_block_n * padded_head_dim(d) <= 128 * 128  # K, V, dK, dV of one program fit 8 warps' registers
+
+
+# (num_splits, padded head dim) -> (splits per load, columns per program): every split in one load, 4096 values
+@pytest.mark.parametrize("args, expected", [
+    ((2, 128), (2, 128)),  # two splits: whole rows
+    ((33, 128), (64, 64)),  # batch 1, 8 KV heads: 33 splits -> two programs per row
+    ((128, 128), (128, 32)),  # MQA at batch 1
+    ((256, 256), (256, 16)),  # MAX_SPLITS: still one load
+    ((3, 32), (4, 32)),
+])
+def test_combine_tiles(args, expected):
+    assert combine_tiles(*args) == expected
+    assert combine_tiles(MAX_SPLITS, 512)[0] >= MAX_SPLITS

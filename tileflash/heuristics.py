@@ -119,6 +119,16 @@ def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_fo
 
 
 MAX_SPLITS = 256
+COMBINE_TILE = 4096  # fp32 partials per combine program: 32 registers per thread at 4 warps
+
+
+def combine_tiles(num_splits: int, head_dim_pad: int) -> tuple[int, int]:
+    """(splits per load, head-dim columns per program) of the split-KV combine: every split of a row in one load
+    (one memory round trip), the head dim cut so the [splits, columns] tile stays at COMBINE_TILE values."""
+    split_chunk = max(2, min(next_pow2(num_splits), COMBINE_TILE // 16))
+    return split_chunk, max(16, min(head_dim_pad, COMBINE_TILE // split_chunk))
+
+
 
 
 def num_splits_heuristic(batch: int, nheads_kv: int, m_tiles: int, max_seqlen_k: int, block_n: int,

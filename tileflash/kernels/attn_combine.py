@@ -41,42 +41,41 @@ def _rows(seqlen, num_heads, num_rows, BLOCK_R: tl.constexpr):
 @triton.jit
 def attn_combine_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, num_splits, seqlen, num_heads, num_rows,
                         stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-                        HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
-    """One program per row. o_part [num_splits, num_rows, HEAD_DIM], lse_part [num_splits, num_rows], contiguous
-    fp32. Splits are read SPLIT_CHUNK at a time as one tile, so the partials of a row arrive in one memory round
-    trip instead of one per split (a loop over splits was latency-bound: ~17 us for 32 splits at batch 1)."""
+                        HEAD_DIM: tl.constexpr, D_CHUNK: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
+    """Grid (rows, HEAD_DIM / D_CHUNK): one program per row and D_CHUNK of its columns. o_part [num_splits,
+    num_rows, HEAD_DIM], lse_part [num_splits, num_rows], contiguous fp32. SPLIT_CHUNK splits are read as one tile
+    and their LSEs and outputs are loaded together, so with up to SPLIT_CHUNK splits a program makes one memory
+    round trip (the program per whole row read its splits in two passes of 32: ~4 dependent round trips at batch 1,
+    where the combine is latency, not bandwidth)."""
     row = tl.program_id(0).to(tl.int64)
     b = row // (seqlen * num_heads)
     s = (row // num_heads) % seqlen
     h = row % num_heads
     offs_s = tl.arange(0, SPLIT_CHUNK)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    # Pass 1: the largest split LSE, so every weight below is exp(<= 0).
-    m = tl.full([SPLIT_CHUNK], float("-inf"), dtype=tl.float32)
-    for c in range(0, num_splits, SPLIT_CHUNK):
-        lse_c = tl.load(lse_part_ptr + (c + offs_s) * num_rows + row, mask=c + offs_s < num_splits,
-                        other=float("-inf"))
-        m = tl.maximum(m, lse_c)
-    m_max = tl.max(m, 0)
-    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-    # Pass 2: weighted sum of the split outputs.
-    acc = tl.zeros([HEAD_DIM_PAD], dtype=tl.float32)
-    l = tl.zeros([SPLIT_CHUNK], dtype=tl.float32)
+    offs_d = tl.program_id(1) * D_CHUNK + tl.arange(0, D_CHUNK)
+    d_ok = offs_d < HEAD_DIM
+    acc = tl.zeros([D_CHUNK], dtype=tl.float32)
+    m = tl.full([], float("-inf"), dtype=tl.float32)  # running max LSE: every weight is exp(<= 0)
+    l = tl.zeros([], dtype=tl.float32)
     for c in range(0, num_splits, SPLIT_CHUNK):
         split_ok = c + offs_s < num_splits
         lse_c = tl.load(lse_part_ptr + (c + offs_s) * num_rows + row, mask=split_ok, other=float("-inf"))
+        o_c = tl.load(o_part_ptr + ((c + offs_s) * num_rows + row)[:, None] * HEAD_DIM + offs_d[None, :],
+                      mask=split_ok[:, None] & d_ok[None, :], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse_c, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
         w = tl.exp(lse_c - m_safe)
-        o_ptrs = o_part_ptr + ((c + offs_s) * num_rows + row)[:, None] * HEAD_DIM + offs_d[None, :]
-        o_c = tl.load(o_ptrs, mask=split_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-        acc += tl.sum(w[:, None] * o_c, 0)
-        l += w
-    l_sum = tl.sum(l, 0)
-    seen = l_sum > 0.0
-    o = acc * tl.where(seen, 1.0 / tl.where(seen, l_sum, 1.0), 0.0)
+        acc = acc * alpha + tl.sum(w[:, None] * o_c, 0)
+        l = l * alpha + tl.sum(w, 0)
+        m = m_new
+    seen = l > 0.0
+    o = acc * tl.where(seen, 1.0 / tl.where(seen, l, 1.0), 0.0)
     tl.store(out_ptr + b * stride_ob + s * stride_os + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
-             mask=offs_d < HEAD_DIM)
-    tl.store(lse_ptr + b * stride_lb + h * stride_lh + s * stride_ls,
-             tl.where(seen, m_max + tl.log(tl.where(seen, l_sum, 1.0)), float("-inf")))
+             mask=d_ok)
+    if tl.program_id(1) == 0:
+        tl.store(lse_ptr + b * stride_lb + h * stride_lh + s * stride_ls,
+                 tl.where(seen, m + tl.log(tl.where(seen, l, 1.0)), float("-inf")))
 
 
 @triton.jit

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import _utils
-from ..heuristics import padded_head_dim
+from ..heuristics import combine_tiles, padded_head_dim
 from ..kernels.attn_combine import attn_combine_kernel, merge_states_kernel
 from ..kernels.attn_fwd import attn_fwd_kernel
 from ..kernels.kv_append import kv_append_kernel
@@ -119,11 +119,11 @@ def launch_combine(o_part, lse_part, out4, lse3) -> None:
     """Merge split partials o_part [splits, B*Sq*Hq, D], lse_part [splits, B*Sq*Hq] into out4 / lse3."""
     num_splits, num_rows, d = o_part.shape
     b, sq, hq, _ = out4.shape
-    attn_combine_kernel[(num_rows,)](
+    split_chunk, d_chunk = combine_tiles(num_splits, padded_head_dim(d))
+    attn_combine_kernel[(num_rows, _utils.cdiv(d, d_chunk))](
         o_part, lse_part, out4, lse3, num_splits, sq, hq, num_rows,
         out4.stride(0), out4.stride(1), out4.stride(2), lse3.stride(0), lse3.stride(1), lse3.stride(2),
-        HEAD_DIM=d, HEAD_DIM_PAD=padded_head_dim(d), SPLIT_CHUNK=min(32, _utils.next_pow2(num_splits)),
-        num_warps=4,
+        HEAD_DIM=d, D_CHUNK=d_chunk, SPLIT_CHUNK=split_chunk, num_warps=4,
     )
 
 
