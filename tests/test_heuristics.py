@@ -61,9 +61,20 @@ def test_decode_config(d, fmt, paged, block_n, stages, trans):
     ((1, 1, 1, 32768, 64, 132), 128),  # measured best ~132
     ((1, 8, 1, 100, 64, 132), 1),  # 2 blocks: too short to split
     ((1, 1, 1, 10 ** 7, 64, 132), MAX_SPLITS),  # capped
+    # one program per SM (paged 128-token tiles): programs fill >= 90% of whole waves of 132
+    ((8, 8, 1, 32768, 128, 132, True), 4),  # 5 splits = 320 programs = 2.4 waves -> 4 = 256 = 1.94 waves
+    ((1, 8, 1, 8192, 128, 132, True), 16),  # 128 programs in one wave
+    ((1, 8, 1, 32768, 128, 132, True), 33),  # 264 = two full waves
+    ((32, 8, 1, 8192, 128, 132, True), 2),  # 512 programs: 3.9 waves
 ])
 def test_num_splits_heuristic(args, expected):
     assert num_splits_heuristic(*args) == expected
+
+
+@pytest.mark.parametrize("fmt, paged, one_per_sm", [("16bit", False, False), ("16bit", True, True),
+                                                     ("fp8", False, False), ("nvfp4", True, False)])
+def test_decode_config_marks_tiles_that_fill_an_sm(fmt, paged, one_per_sm):
+    assert decode_config(128, 4, kv_format=fmt, paged=paged).one_per_sm == one_per_sm
 
 
 @pytest.mark.parametrize("d, expected", [

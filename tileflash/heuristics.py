@@ -30,6 +30,7 @@ class DecodeConfig:
     tma: bool = False  # contiguous caches only: K/V through TMA tensor descriptors
     warp_spec: bool = False  # always off for decode (no gain measured); the launcher reads it for both configs
     trans: bool = False  # s^T = K q^T, acc^T += V^T P^T: KV tokens and head dim on the MMA's M side
+    one_per_sm: bool = False  # tiles so large that one program fills an SM: splits then fill whole waves
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,12 @@ def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_fo
     tokens, stages, trans = DECODE_TILES[key]
     # K+V bytes per step held constant across head dims (d=64 at 64 tokens per step ran 0.71-0.93x the peer).
     block_n = tokens * 128 // d if d >= 64 else 2 * tokens
-    return DecodeConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=stages, tma=True, trans=trans)
+    # Shared memory of the K+V stages: over half an SM's 228 KiB (2 stages of 128 16-bit tokens at d=128 take
+    # 128 KiB), one program per SM.
+    bytes_per_value = {"16bit": 2, "fp8": 1, "nvfp4": 9 / 16}[kv_format]
+    one_per_sm = stages * block_n * d * bytes_per_value * 2 > 114 * 1024
+    return DecodeConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=stages, tma=True, trans=trans,
+                        one_per_sm=one_per_sm)
 
 
 MAX_SPLITS = 256
@@ -132,7 +138,7 @@ def combine_tiles(num_splits: int, head_dim_pad: int) -> tuple[int, int]:
 
 
 def num_splits_heuristic(batch: int, nheads_kv: int, m_tiles: int, max_seqlen_k: int, block_n: int,
-                         num_sms: int) -> int:
+                         num_sms: int, one_per_sm: bool = False) -> int:
     """How many programs share one sequence's KV.
 
     Without splitting there are batch*Hkv*m_tiles programs; at batch 1 that is 8 on a 132-SM GPU, which is how the
@@ -140,6 +146,9 @@ def num_splits_heuristic(batch: int, nheads_kv: int, m_tiles: int, max_seqlen_k:
     least 4 KV blocks long. Measured (benchmarks/splits_sweep.py, graph replay, H200): b=1 ctx 8k/32k/128k with
     8 KV heads are within 2% of the best forced count (33 / 33 / 50 splits); MQA b=1 ctx 32k is best at ~128
     splits (25.0 us) and loses 24% at 256 splits of 2 blocks (30.9 us), where the combine dominates.
+    one_per_sm (tiles that fill an SM alone): the split count is lowered until the programs fill whole waves of
+    num_sms (at least 90%): paged b=8 ctx 32k ran 5 splits = 320 programs in 2.4 waves at 332 us against the
+    contiguous cache's 259 us (run 11).
     """
     base = batch * nheads_kv * m_tiles
     target = 2 * num_sms
@@ -147,7 +156,12 @@ def num_splits_heuristic(batch: int, nheads_kv: int, m_tiles: int, max_seqlen_k:
         return 1
     n_blocks = cdiv(max(max_seqlen_k, 1), block_n)
     by_length = max(1, n_blocks // 4)
-    return max(1, min(cdiv(target, base), by_length, MAX_SPLITS))
+    splits = max(1, min(cdiv(target, base), by_length, MAX_SPLITS))
+    if one_per_sm:
+        for n in range(splits, 0, -1):
+            if base * n >= 0.9 * cdiv(base * n, num_sms) * num_sms:
+                return n
+    return splits
 
 
 @dataclass(frozen=True)

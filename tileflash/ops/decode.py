@@ -32,7 +32,8 @@ def _plan(q, k_cache, block_table, num_splits: int):
     m_tiles = _utils.cdiv(rows, cfg.block_m)
     capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
     if num_splits == 0:
-        num_splits = num_splits_heuristic(b, hkv, m_tiles, capacity, cfg.block_n, _utils.num_sms(q.device))
+        num_splits = num_splits_heuristic(b, hkv, m_tiles, capacity, cfg.block_n, _utils.num_sms(q.device),
+                                          cfg.one_per_sm)
     return cfg, num_splits, capacity
 
 
