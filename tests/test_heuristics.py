@@ -77,6 +77,11 @@ def test_decode_config_marks_tiles_that_fill_an_sm(fmt, paged, one_per_sm):
     assert decode_config(128, 4, kv_format=fmt, paged=paged).one_per_sm == one_per_sm
 
 
+@pytest.mark.parametrize("kv_tokens, block_n", [(8192 * 8, 64), (32768 * 8, 128), (32 * 2048 * 8, 128)])
+def test_small_paged_caches_keep_the_contiguous_tiles(kv_tokens, block_n):
+    assert decode_config(128, 4, paged=True, kv_tokens=kv_tokens).block_n == block_n
+
+
 @pytest.mark.parametrize("d, expected", [
     (64, (64, 64, 128, 32, 4, 3, 8, 3)),  # d64: 4-warp dK/dV programs, 3 stages (measured, see bwd_config)
     (128, (64, 128, 128, 64, 8, 2, 8, 2)),

@@ -104,15 +104,22 @@ DECODE_TILES = {"16bit": (64, 2, False), "16bit-paged": (128, 2, False), "fp8": 
                 "nvfp4": (64, 3, True)}
 
 
+PAGED_LARGE_TILES_MIN_KV = 2 ** 18  # tokens x KV heads (at d=128) before paged caches take the larger tiles
+
+
 def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_format: str = "16bit",
-                  paged: bool = False) -> DecodeConfig:
+                  paged: bool = False, kv_tokens: int = 2 ** 30) -> DecodeConfig:
     """Tiles by cache format (DECODE_TILES; "16bit", "fp8", "nvfp4") and layout: contiguous caches are read through
-    TMA descriptors, paged ones by pointer gathers (a TMA descriptor covers one strided box, not a page list)."""
+    TMA descriptors, paged ones by pointer gathers (a TMA descriptor covers one strided box, not a page list).
+    kv_tokens = batch x cache capacity x KV heads: paged caches smaller than PAGED_LARGE_TILES_MIN_KV keep the
+    contiguous tiles (b=1 ctx 8k, 65k token-heads: 24.7 us with 64-token steps, 26.1 with 128; from b=1 ctx 32k,
+    262k, the 128-token steps win: 51.7 vs 55.7 us, run 11)."""
     block_m = decode_block_m(group_rows)
     if interpret:
         return DecodeConfig(block_m=block_m, block_n=16, num_warps=4, num_stages=1)
     d = padded_head_dim(head_dim)
-    key = f"{kv_format}-paged" if paged and f"{kv_format}-paged" in DECODE_TILES else kv_format
+    large = kv_tokens * d >= PAGED_LARGE_TILES_MIN_KV * 128
+    key = f"{kv_format}-paged" if paged and large and f"{kv_format}-paged" in DECODE_TILES else kv_format
     tokens, stages, trans = DECODE_TILES[key]
     # K+V bytes per step held constant across head dims (d=64 at 64 tokens per step ran 0.71-0.93x the peer).
     block_n = tokens * 128 // d if d >= 64 else 2 * tokens

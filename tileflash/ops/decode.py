@@ -27,10 +27,10 @@ def _plan(q, k_cache, block_table, num_splits: int):
     b, sq, hq, d = q.shape
     hkv = k_cache.shape[2]
     rows = sq * (hq // hkv)
-    cfg = decode_config(d, rows, _utils.is_interpreter(), kv_format=KV_FORMATS.get(k_cache.dtype, "16bit"),
-                        paged=block_table is not None)
-    m_tiles = _utils.cdiv(rows, cfg.block_m)
     capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
+    cfg = decode_config(d, rows, _utils.is_interpreter(), kv_format=KV_FORMATS.get(k_cache.dtype, "16bit"),
+                        paged=block_table is not None, kv_tokens=b * capacity * hkv)
+    m_tiles = _utils.cdiv(rows, cfg.block_m)
     if num_splits == 0:
         num_splits = num_splits_heuristic(b, hkv, m_tiles, capacity, cfg.block_n, _utils.num_sms(q.device),
                                           cfg.one_per_sm)
