@@ -113,7 +113,7 @@ def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_fo
     TMA descriptors, paged ones by pointer gathers (a TMA descriptor covers one strided box, not a page list).
     kv_tokens = batch x cache capacity x KV heads: paged caches smaller than PAGED_LARGE_TILES_MIN_KV keep the
     contiguous tiles (b=1 ctx 8k, 65k token-heads: 24.7 us with 64-token steps, 26.1 with 128; from b=1 ctx 32k,
-    262k, the 128-token steps win: 51.7 vs 55.7 us, run 11)."""
+    262k, the 128-token steps win: 51.7 vs 55.7 us; runs 7, 12, 13)."""
     block_m = decode_block_m(group_rows)
     if interpret:
         return DecodeConfig(block_m=block_m, block_n=16, num_warps=4, num_stages=1)
@@ -155,7 +155,7 @@ def num_splits_heuristic(batch: int, nheads_kv: int, m_tiles: int, max_seqlen_k:
     splits (25.0 us) and loses 24% at 256 splits of 2 blocks (30.9 us), where the combine dominates.
     one_per_sm (tiles that fill an SM alone): the split count is lowered until the programs fill whole waves of
     num_sms (at least 90%): paged b=8 ctx 32k ran 5 splits = 320 programs in 2.4 waves at 332 us against the
-    contiguous cache's 259 us (run 11).
+    contiguous cache's 259 us (run 12; 4 splits: 260 us in run 13).
     """
     base = batch * nheads_kv * m_tiles
     target = 2 * num_sms
