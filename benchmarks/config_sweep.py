@@ -1,7 +1,7 @@
 """Tile-config sweep for the backward, the FP8 / NVFP4 decode and the NVFP4 GEMM (GPU only).
 
-`python benchmarks/config_sweep.py [bwd] [bwd-d256] [bwd-softcap] [decode] [decode-quant] [decode-fp8] [decode-paged]
-[gemm] [gemm-small]
+`python benchmarks/config_sweep.py [bwd] [bwd-d256] [bwd-softcap] [decode] [decode-quant] [decode-paged] [gemm]
+[gemm-small]
 [--json PATH]`.
 Each config is forced by replacing the heuristic the op reads (tileflash.ops.*.{bwd,decode,gemm}_config), checked
 against a reference, then timed (decode: CUDA-graph replay). The winners go into tileflash/heuristics.py with the
@@ -44,9 +44,6 @@ DECODE_CONFIGS = [(64, 4, 2, True, False), (64, 4, 3, True, False), (64, 4, 2, T
 # Quantized caches, around this session's pick (64, 4, 3, trans): deeper pipelines, larger steps.
 QUANT_CONFIGS = [(64, 4, 3, True, True), (64, 4, 4, True, True), (128, 4, 3, True, True), (32, 4, 4, True, True),
                  (64, 4, 5, True, True)]
-# FP8 once its tiles widen before the layout change (plain products no longer gather bytes): plain against trans.
-FP8_CONFIGS = [(64, 4, 3, True, False), (64, 4, 3, True, True), (64, 4, 2, True, False), (128, 4, 3, True, False),
-               (64, 4, 4, True, False)]
 DECODE_SHAPES = [(1, 8192), (1, 32768), (8, 32768), (32, 8192), (256, 2048)]  # (batch, ctx), 32 / 8 heads, d 128
 # Paged 16-bit caches (pointer gathers; 0.76-0.95x the contiguous speed in run 7): deeper pipelines and tile sizes.
 PAGED_CONFIGS = [(64, 4, 2, False, False), (64, 4, 3, False, False), (64, 4, 4, False, False),
@@ -204,7 +201,6 @@ def main(argv=None):
              "bwd-softcap": lambda r: sweep_bwd(r, dims=(128,), softcap=10.0),
              "gemm-small": lambda r: sweep_gemm(r, SMALL_M_SHAPES),
              "decode-quant": lambda r: sweep_decode(r, ("fp8", "nvfp4"), DECODE_SHAPES, QUANT_CONFIGS),
-             "decode-fp8": lambda r: sweep_decode(r, ("fp8",), DECODE_SHAPES, FP8_CONFIGS),
              "decode-paged": lambda r: [sweep_decode(r, ("16bit",), PAGED_SHAPES, PAGED_CONFIGS, page)
                                         for page in (16, 64)]}[fam](rows)
         except Exception:  # noqa: BLE001 - keep the other families' results

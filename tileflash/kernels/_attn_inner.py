@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ._masks import LOG2E, visible
-from .quant import GPU_ASM, NVFP4_SCALE_WORDS, e4m3_to_fp16, nvfp4_unpack_tile
+from .quant import NVFP4_SCALE_WORDS, nvfp4_unpack_tile
 
 
 @triton.jit
@@ -72,8 +72,6 @@ def _kv_tile(base, sbase, start_n, seqlen_k, bt_ptr, stride_page, stride_tok, ss
             t = tl.load(ptrs)
         else:
             t = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-    if GPU_ASM and t.dtype == tl.float8e4nv:
-        t = e4m3_to_fp16(t)
     # TILE_DTYPE: q's dtype on the GPU (fp8 caches widen here, exactly), fp32 in the interpreter (its bf16 is wrong).
     return t.to(TILE_DTYPE), offs_n
 

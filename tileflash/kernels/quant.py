@@ -146,21 +146,6 @@ def _e2m1_pairs_fp16(packed):
 
 
 @triton.jit
-def e4m3_to_fp16(x):
-    """GPU only. float8e4nv tile -> fp16 through the hardware e4m3x2 -> f16x2 conversion, four values per register.
-    Impure inline PTX on purpose: Triton then converts before it changes the tile's layout; its own cast ran after
-    the change, gathering single bytes from shared memory into the MMA operand layout."""
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b16 lo, hi;
-        mov.b32 {lo, hi}, $2;
-        cvt.rn.f16x2.e4m3x2 $0, lo;
-        cvt.rn.f16x2.e4m3x2 $1, hi;
-        }""",
-        constraints="=r,=r,r", args=[x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
-
-
-@triton.jit
 def _e4m3x4_fp16(words):
     """GPU only. int32 words holding 4 e4m3 bytes -> the 4 values as fp16 (byte 0 first), two hardware
     e4m3x2 -> f16x2 conversions per word."""
