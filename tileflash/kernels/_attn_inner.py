@@ -92,6 +92,15 @@ def _per_row(x, TRANS: tl.constexpr):
 
 
 @triton.jit
+def _per_key(x, TRANS: tl.constexpr):
+    """A per-key vector broadcast against scores: [1, N], or [N, 1] when the tiles are transposed."""
+    if TRANS:
+        return x[:, None]
+    else:
+        return x[None, :]
+
+
+@triton.jit
 def _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right,
             SOFTCAP: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
             TRANS: tl.constexpr):
@@ -106,10 +115,8 @@ def _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left,
     else:
         s = s * qk_scale
     if MASK:
-        if TRANS:
-            ok = visible(q_pos[None, :], offs_n[:, None], seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT)
-        else:
-            ok = visible(q_pos[:, None], offs_n[None, :], seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT)
+        ok = visible(_per_row(q_pos, TRANS), _per_key(offs_n, TRANS), seqlen_k, window_left, window_right, HAS_LEFT,
+                     HAS_RIGHT)
         s = tl.where(ok, s, float("-inf"))
     return s
 
