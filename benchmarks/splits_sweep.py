@@ -83,6 +83,7 @@ if __name__ == "__main__":
         parts()
     elif "--quant" in sys.argv:  # the quantized caches on the shapes where splits matter
         for fmt in ("fp8", "nvfp4"):
-            main(fmt, [(1, 32768, 32, 8), (8, 32768, 32, 8), (8, 8192, 32, 8), (32, 8192, 32, 8)])
+            main(fmt, [(1, 32768, 32, 8), (8, 32768, 32, 8), (32, 8192, 32, 8), (64, 4096, 32, 8),
+                       (256, 2048, 32, 8)])
     else:
         main()
