@@ -66,6 +66,12 @@ def test_decode_config(d, fmt, paged, block_n, stages, trans):
     ((1, 8, 1, 8192, 128, 132, True), 16),  # 128 programs in one wave
     ((1, 8, 1, 32768, 128, 132, True), 33),  # 264 = two full waves
     ((32, 8, 1, 8192, 128, 132, True), 2),  # 512 programs: 3.9 waves
+    # quantized caches: toward 4 programs per SM, at least 2 splits when the cache is long enough
+    ((1, 8, 1, 32768, 64, 132, False, 4, 2), 66),
+    ((8, 8, 1, 32768, 64, 132, False, 4, 2), 9),
+    ((64, 8, 1, 4096, 64, 132, False, 4, 2), 2),
+    ((256, 8, 1, 2048, 64, 132, False, 4, 2), 2),
+    ((256, 8, 1, 256, 64, 132, False, 4, 2), 1),  # 4 blocks: too short to split
 ])
 def test_num_splits_heuristic(args, expected):
     assert num_splits_heuristic(*args) == expected
@@ -75,6 +81,12 @@ def test_num_splits_heuristic(args, expected):
                                                      ("fp8", False, False), ("nvfp4", True, False)])
 def test_decode_config_marks_tiles_that_fill_an_sm(fmt, paged, one_per_sm):
     assert decode_config(128, 4, kv_format=fmt, paged=paged).one_per_sm == one_per_sm
+
+
+@pytest.mark.parametrize("fmt, split_target, min_splits", [("16bit", 2, 1), ("fp8", 4, 2), ("nvfp4", 4, 2)])
+def test_quantized_decode_splits_harder(fmt, split_target, min_splits):
+    c = decode_config(128, 4, kv_format=fmt)
+    assert (c.split_target, c.min_splits) == (split_target, min_splits)
 
 
 @pytest.mark.parametrize("kv_tokens, block_n", [(8192 * 8, 64), (32768 * 8, 128), (32 * 2048 * 8, 128)])
