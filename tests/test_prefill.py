@@ -69,6 +69,19 @@ def test_strided_inputs_from_packed_qkv():
     check_2x(out, ref, ref_lowp)
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.3, 0.3])
+def test_any_softmax_scale_sign(scale):
+    """A positive scale is applied inside exp2's argument (one FMA); zero and negative scales take the scale-first
+    path (exp2(s * scale - max) needs scale > 0 for the max to commute): all match the reference, masks included."""
+    q, k, v = _inputs(2, 37, 53, 4, 2, 64, torch.float16, seed=9)
+    out, lse = tileflash.flash_attn_func(q, k, v, causal=True, window_size=(20, -1), softmax_scale=scale,
+                                         return_lse=True)
+    ref, ref_lse = attention_ref(q, k, v, causal=True, window_size=(20, -1), softmax_scale=scale)
+    ref_lowp, _ = attention_ref(q, k, v, causal=True, window_size=(20, -1), softmax_scale=scale, upcast=False)
+    check_2x(out, ref, ref_lowp)
+    check_lse(lse, ref_lse)
+
+
 @pytest.mark.skipif(ON_GPU, reason="interpreter-only: shows the bf16 interpreter hazard is caught")
 def test_bf16_check_can_fail(monkeypatch):
     """Without the interpreter's fp32 widening, bf16 tiles are computed on raw bits; the 2x check must catch it."""

@@ -103,8 +103,9 @@ def _per_key(x, TRANS: tl.constexpr):
 @triton.jit
 def _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right,
             SOFTCAP: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-            TRANS: tl.constexpr):
-    """s = mask(softcap(q k^T * scale)) in log2 units; TRANS: q holds q^T and s comes out as s^T [N, M]."""
+            TRANS: tl.constexpr, RAW_SCORES: tl.constexpr):
+    """s = mask(softcap(q k^T * scale)) in log2 units; TRANS: q holds q^T and s comes out as s^T [N, M].
+    RAW_SCORES (scale > 0, no softcap): s stays q k^T; _softmax_pv applies the scale inside exp2's argument."""
     if TRANS:
         s = tl.dot(k, q)
     else:
@@ -112,7 +113,7 @@ def _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left,
     if SOFTCAP:
         # softcap * tanh(x / softcap); qk_scale already holds softcap * log2(e).
         s = qk_scale * tanh(s * softcap_scale)
-    else:
+    elif not RAW_SCORES:
         s = s * qk_scale
     if MASK:
         ok = visible(_per_row(q_pos, TRANS), _per_key(offs_n, TRANS), seqlen_k, window_left, window_right, HAS_LEFT,
@@ -122,13 +123,21 @@ def _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left,
 
 
 @triton.jit
-def _softmax_pv(acc, m_i, l_i, s, v, TRANS: tl.constexpr):
-    """Online-softmax update with one block of scores s and values v (TRANS: s^T and acc^T [DP, M])."""
+def _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS: tl.constexpr, RAW_SCORES: tl.constexpr):
+    """Online-softmax update with one block of scores s and values v (TRANS: s^T and acc^T [DP, M]).
+    RAW_SCORES: s is unscaled and qk_scale > 0, so the row max scales after the reduction and the scale and the
+    max subtraction are one FMA per score (FA's exp2(s * scale - m)) instead of a multiply and a subtract."""
     key_axis: tl.constexpr = 0 if TRANS else 1
-    m_new = tl.maximum(m_i, tl.max(s, key_axis))
+    if RAW_SCORES:
+        m_new = tl.maximum(m_i, tl.max(s, key_axis) * qk_scale)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, key_axis))
     # A row that has seen only masked keys keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - _per_row(m_safe, TRANS))
+    if RAW_SCORES:
+        p = tl.math.exp2(tl.fma(s, qk_scale, -_per_row(m_safe, TRANS)))
+    else:
+        p = tl.math.exp2(s - _per_row(m_safe, TRANS))
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, key_axis)
     acc = acc * _per_row(alpha, TRANS)
@@ -145,7 +154,8 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
                qk_scale, softcap_scale, window_left, window_right, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                MASK: tl.constexpr, PAGE_SIZE: tl.constexpr, USE_DESC: tl.constexpr, KV_NVFP4: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, SP_OVERLAP: tl.constexpr,
-               WARP_SPEC: tl.constexpr, TILE_DTYPE: tl.constexpr, TRANS: tl.constexpr):
+               WARP_SPEC: tl.constexpr, TILE_DTYPE: tl.constexpr, TRANS: tl.constexpr,
+               RAW_SCORES: tl.constexpr):
     """Accumulate KV tokens [lo, hi) (lo, hi multiples of BLOCK_N) into (acc, m_i, l_i).
 
     MASK=False is the fast path for blocks that are fully visible to every row (no per-element masks).
@@ -161,7 +171,7 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
                                  sstride_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC,
                                  KV_NVFP4, MASK, TILE_DTYPE)
             s = _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right,
-                        SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS)
+                        SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES)
             for start_n in range(lo, hi, BLOCK_N):
                 v, _ = _kv_tile(v_base, v_sbase, start_n, seqlen_k, bt_ptr, stride_v_page, stride_v_tok,
                                 sstride_page, sstride_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE,
@@ -172,8 +182,8 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
                                           stride_k_tok, sstride_page, sstride_tok, desc_row0, head_kv, offs_d,
                                           HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4, MASK, TILE_DTYPE)
                 s_next = _scores(q, k_next, qk_scale, softcap_scale, q_pos, next_n, seqlen_k, window_left,
-                                 window_right, SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS)
-                acc, m_i, l_i = _softmax_pv(acc, m_i, l_i, s, v, TRANS)
+                                 window_right, SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES)
+                acc, m_i, l_i = _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS, RAW_SCORES)
                 s = s_next
     else:
         for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
@@ -182,7 +192,7 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
                                         sstride_tok, desc_row0, head_kv, offs_d, seqlen_k, start_n, qk_scale,
                                         softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_N, MASK,
                                         PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE,
-                                        TRANS)
+                                        TRANS, RAW_SCORES)
     return acc, m_i, l_i
 
 
@@ -192,14 +202,14 @@ def _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_pt
                 qk_scale, softcap_scale, window_left, window_right, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                 MASK: tl.constexpr, PAGE_SIZE: tl.constexpr, USE_DESC: tl.constexpr, KV_NVFP4: tl.constexpr,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, TILE_DTYPE: tl.constexpr,
-                TRANS: tl.constexpr):
+                TRANS: tl.constexpr, RAW_SCORES: tl.constexpr):
     """One block of the plain loop: load K, scores, load V, online softmax and PV."""
     k, offs_n = _kv_tile(k_base, k_sbase, start_n, seqlen_k, bt_ptr, stride_k_page, stride_k_tok, sstride_page,
                          sstride_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4,
                          MASK, TILE_DTYPE)
     s = _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right, SOFTCAP, MASK,
-                HAS_LEFT, HAS_RIGHT, TRANS)
+                HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES)
     v, _ = _kv_tile(v_base, v_sbase, start_n, seqlen_k, bt_ptr, stride_v_page, stride_v_tok, sstride_page,
                     sstride_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4, MASK,
                     TILE_DTYPE)
-    return _softmax_pv(acc, m_i, l_i, s, v, TRANS)
+    return _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS, RAW_SCORES)
