@@ -182,6 +182,27 @@ def test_kvcache_fp8(case, dtype, trans, monkeypatch):
     assert torch.equal(v_cache.view(torch.uint8), ref_v.view(torch.uint8))
 
 
+@pytest.mark.parametrize("q_magnitude", [1e5, 1e-6], ids=["huge", "tiny"])
+def test_fp8_cache_with_queries_outside_fp16_range(q_magnitude):
+    """FP8 caches compute in fp16 tiles: q is scaled by a power of two into fp16's range first, so bf16 queries
+    far above fp16's max (65504) or near its subnormals still give the reference's answer. (The interpreter
+    computes in fp32, so only the GPU run can fail without the scaling.)"""
+    from tileflash.reference import fp8_quantize_ref
+
+    g = torch.Generator().manual_seed(41)
+    k_hi, v_hi, _ = make_cache(2, 40, 2, 64, torch.float32, None, g)
+    scale = torch.full((1,), 0.01, device=DEVICE)
+    k_cache, v_cache = fp8_quantize_ref(k_hi, scale), fp8_quantize_ref(v_hi, scale)
+    q = (torch.randn(2, 2, 8, 64, generator=g) * q_magnitude).to(DEVICE, torch.bfloat16)
+    kw = dict(cache_seqlens=torch.tensor([40, 17], dtype=torch.int32, device=DEVICE), k_scale=scale, v_scale=scale)
+    ref, ref_lse, _, _ = kvcache_ref(q, k_cache, v_cache, None, None, **kw)
+    ref_lowp, _, _, _ = kvcache_ref(q, k_cache, v_cache, None, None, upcast=False, **kw)
+    out, lse = tileflash.flash_attn_with_kvcache(q, k_cache, v_cache, return_lse=True, **kw)
+    check_2x(out, ref, ref_lowp)
+    # lse grows with q (~1e5 here): compare it relative to its size, fp32 has ~1e-7 of it
+    torch.testing.assert_close(lse, ref_lse.to(lse.device), rtol=2e-5, atol=1e-3)
+
+
 def test_fp8_append_saturates():
     k_cache = torch.zeros(1, 4, 1, 16, dtype=torch.float8_e4m3fn, device=DEVICE)
     v_cache = torch.zeros_like(k_cache)
