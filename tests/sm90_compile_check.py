@@ -66,8 +66,8 @@ def _cases():
     def grad_leaves(*shape, dtype=bf):
         return [torch.randn(*shape, dtype=dtype, requires_grad=True) for _ in range(3)]
 
-    def decode(fmt, d=128, append=False, paged=False):
-        b, ctx, hq, hkv = 2, 512, 32, 8
+    def decode(fmt, d=128, append=False, paged=False, ctx=512):
+        b, hq, hkv = 2, 32, 8
         q = torch.randn(b, 1, hq, d, dtype=bf)
         lens = torch.full((b,), ctx - 1, dtype=torch.int32)
         table = None
@@ -76,7 +76,7 @@ def _cases():
             table = torch.arange(b * ctx // 16, dtype=torch.int32).view(b, -1)
         kw = {}
         if fmt == "16bit":
-            kc = torch.randn(*shape, d, dtype=bf)
+            kc = torch.zeros(*shape, d, dtype=bf)
             vc = kc.clone()
         elif fmt == "fp8":
             kc = torch.zeros(*shape, d, dtype=torch.float8_e4m3fn)
@@ -108,6 +108,7 @@ def _cases():
         "varlen fwd+bwd": varlen,
         "decode 16-bit contiguous": lambda: decode("16bit"),
         "decode 16-bit paged append": lambda: decode("16bit", append=True, paged=True),
+        "decode 16-bit paged, large cache (128-token steps)": lambda: decode("16bit", paged=True, ctx=16384),
         "decode fp8 append": lambda: decode("fp8", append=True),
         "decode nvfp4 append": lambda: decode("nvfp4", append=True),
         "decode nvfp4 d32 append": lambda: decode("nvfp4", d=32, append=True),
