@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import tileflash
+import tileflash._utils as tf_utils
 from helpers import DEVICE, ON_GPU, check_2x, check_lse
 from tileflash.ops import decode as decode_ops
 from tileflash.reference import kvcache_ref
@@ -182,25 +183,57 @@ def test_kvcache_fp8(case, dtype, trans, monkeypatch):
     assert torch.equal(v_cache.view(torch.uint8), ref_v.view(torch.uint8))
 
 
-@pytest.mark.parametrize("q_magnitude", [1e5, 1e-6], ids=["huge", "tiny"])
-def test_fp8_cache_with_queries_outside_fp16_range(q_magnitude):
-    """FP8 caches compute in fp16 tiles: q is scaled by a power of two into fp16's range first, so bf16 queries
-    far above fp16's max (65504) or near its subnormals still give the reference's answer. (The interpreter
-    computes in fp32, so only the GPU run can fail without the scaling.)"""
+def _fp8_decode_case(q_fill, k_scale_value=0.01, seed=41):
+    """A small fp8-cache decode (2 sequences, 2 tokens x 8 query heads over 2 KV heads): q from q_fill(q) of a
+    standard normal bf16 q; returns (out, lse, ref, ref_lse, ref_lowp)."""
     from tileflash.reference import fp8_quantize_ref
 
-    g = torch.Generator().manual_seed(41)
+    g = torch.Generator().manual_seed(seed)
     k_hi, v_hi, _ = make_cache(2, 40, 2, 64, torch.float32, None, g)
-    scale = torch.full((1,), 0.01, device=DEVICE)
-    k_cache, v_cache = fp8_quantize_ref(k_hi, scale), fp8_quantize_ref(v_hi, scale)
-    q = (torch.randn(2, 2, 8, 64, generator=g) * q_magnitude).to(DEVICE, torch.bfloat16)
-    kw = dict(cache_seqlens=torch.tensor([40, 17], dtype=torch.int32, device=DEVICE), k_scale=scale, v_scale=scale)
+    v_scale = torch.full((1,), 0.01, device=DEVICE)
+    k_scale = torch.full((1,), k_scale_value, device=DEVICE)
+    k_cache, v_cache = fp8_quantize_ref(k_hi, v_scale), fp8_quantize_ref(v_hi, v_scale)
+    q = q_fill(torch.randn(2, 2, 8, 64, generator=g)).to(DEVICE, torch.bfloat16)
+    kw = dict(cache_seqlens=torch.tensor([40, 17], dtype=torch.int32, device=DEVICE), k_scale=k_scale,
+              v_scale=v_scale)
     ref, ref_lse, _, _ = kvcache_ref(q, k_cache, v_cache, None, None, **kw)
     ref_lowp, _, _, _ = kvcache_ref(q, k_cache, v_cache, None, None, upcast=False, **kw)
     out, lse = tileflash.flash_attn_with_kvcache(q, k_cache, v_cache, return_lse=True, **kw)
+    return out, lse, ref, ref_lse, ref_lowp
+
+
+@pytest.mark.parametrize("q_magnitude", [1e5, 1e-6], ids=["huge", "tiny"])
+def test_fp8_cache_with_queries_outside_fp16_range(q_magnitude, monkeypatch):
+    """FP8 caches compute in fp16 tiles: q is scaled by a power of two into fp16's range first, so bf16 queries
+    far above fp16's max (65504) or near its subnormals still give the reference's answer. On the CPU the tiles
+    are widened to fp32 unless INTERPRETER_UPCAST is off, so it is off here (fp16 needs no widening)."""
+    monkeypatch.setattr(tf_utils, "INTERPRETER_UPCAST", False)
+    out, lse, ref, ref_lse, ref_lowp = _fp8_decode_case(lambda q: q * q_magnitude)
     check_2x(out, ref, ref_lowp)
     # lse grows with q (~1e5 here): compare it relative to its size, fp32 has ~1e-7 of it
     torch.testing.assert_close(lse, ref_lse.to(lse.device), rtol=2e-5, atol=1e-3)
+
+
+def test_fp8_cache_inf_query_stays_in_its_row(monkeypatch):
+    """An inf in one query head must not change the q scaling of the other heads packed in the same tile."""
+    monkeypatch.setattr(tf_utils, "INTERPRETER_UPCAST", False)
+
+    def with_inf(q):
+        q[0, 0, 0, 5] = float("inf")
+        return q
+
+    out, _, ref, _, ref_lowp = _fp8_decode_case(with_inf)
+    keep = torch.ones(out.shape[:3], dtype=torch.bool, device=out.device)
+    keep[0, 0, 0] = False  # the row holding the inf (NaN there, as in the reference)
+    check_2x(out[keep], ref.to(out.device)[keep], ref_lowp.to(out.device)[keep])
+
+
+@pytest.mark.parametrize("k_scale_value", [0.0, -0.02], ids=["zero", "negative"])
+def test_fp8_cache_zero_and_negative_k_scale(k_scale_value):
+    """The logit scale of a quantized cache includes k_scale, a device value: any sign must work."""
+    out, lse, ref, ref_lse, ref_lowp = _fp8_decode_case(lambda q: q, k_scale_value)
+    check_2x(out, ref, ref_lowp)
+    check_lse(lse, ref_lse)
 
 
 def test_fp8_append_saturates():

@@ -94,10 +94,7 @@ def _per_row(x, TRANS: tl.constexpr):
 @triton.jit
 def _per_key(x, TRANS: tl.constexpr):
     """A per-key vector broadcast against scores: [1, N], or [N, 1] when the tiles are transposed."""
-    if TRANS:
-        return x[:, None]
-    else:
-        return x[None, :]
+    return _per_row(x, not TRANS)
 
 
 @triton.jit
@@ -105,7 +102,8 @@ def _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left,
             SOFTCAP: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
             TRANS: tl.constexpr, RAW_SCORES: tl.constexpr):
     """s = mask(softcap(q k^T * scale)) in log2 units; TRANS: q holds q^T and s comes out as s^T [N, M].
-    RAW_SCORES (scale > 0, no softcap): s stays q k^T; _softmax_pv applies the scale inside exp2's argument."""
+    RAW_SCORES (a positive scale known on the host, no softcap; not with quantized caches, whose scales live on the
+    device): s stays q k^T and _softmax_pv applies the scale inside exp2's argument."""
     if TRANS:
         s = tl.dot(k, q)
     else:

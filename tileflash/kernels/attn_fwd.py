@@ -26,12 +26,15 @@ from .quant import E2M1_UNIT
 
 @triton.jit
 def _fp16_range(x):
-    """(x * 2^k, 2^-k) with k chosen so max|x| lands in [2^8, 2^9) (k = 0 for an all-zero x; NaN/inf pass)."""
-    amax = tl.max(tl.max(tl.abs(x.to(tl.float32)), 1), 0)
+    """(x * 2^k, 2^-k) with k chosen so the largest finite |x| lands in [2^8, 2^9) (k = 0 when there is none).
+    inf and NaN pass through without moving k, so they stay in their own rows. One k per tile: a row more than 2^22
+    times smaller than the tile's largest value reaches fp16's subnormals (pack-GQA rows are heads of one group)."""
+    xf = x.to(tl.float32)
+    amax = tl.max(tl.max(tl.where(tl.abs(xf) < float("inf"), tl.abs(xf), 0.0), 1), 0)
     e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent of max|x|
-    k = tl.where(e == 0, 0, tl.minimum(tl.maximum(135 - e, -100), 100))
+    k = tl.where(e == 0, 0, tl.minimum(tl.maximum(135 - e, -126), 126))  # 2^k and 2^-k stay normal fp32
     scale = ((127 + k) << 23).to(tl.float32, bitcast=True)
-    return x.to(tl.float32) * scale, ((127 - k) << 23).to(tl.float32, bitcast=True)
+    return xf * scale, ((127 - k) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
