@@ -169,3 +169,18 @@ def test_varlen_paged_errors():
     with pytest.raises(ValueError, match="block_table: paged keys are forward-only"):
         tileflash.flash_attn_varlen_func(q.requires_grad_(), pool, pool, cu, None, 6, 30, seqused_k=used,
                                          block_table=table)
+
+
+def test_fp8_and_nvfp4_refuse_gpus_older_than_sm89(monkeypatch):
+    """e4m3 conversions need compute capability 8.9+: an A100 gets a named error, not a GPU-compiler failure."""
+    import tileflash._utils as tf_utils
+
+    class FakeCudaTensor:
+        is_cuda = True
+        device = torch.device("cuda", 0)
+
+    monkeypatch.setattr(tf_utils, "_capability", lambda index: (8, 0))
+    with pytest.raises(ValueError, match=r"k_cache: .*8\.9 or newer.*got 8\.0"):
+        tf_utils.check_fp8_hardware("k_cache", FakeCudaTensor())
+    monkeypatch.setattr(tf_utils, "_capability", lambda index: (9, 0))
+    tf_utils.check_fp8_hardware("k_cache", FakeCudaTensor())  # Hopper: fine

@@ -90,6 +90,8 @@ def _check_kv_scales(k_cache, v_cache, k_scale, v_scale, k_global_scale, v_globa
     scales shaped like the cache with D/16 in the last dim, sharing strides, and fp32 global scales; bf16/fp16
     caches take none."""
     fmt = KV_FORMATS.get(k_cache.dtype)
+    if fmt is not None:
+        _utils.check_fp8_hardware("k_cache", k_cache)
     names = (("k_scale", k_scale), ("v_scale", v_scale), ("k_global_scale", k_global_scale),
              ("v_global_scale", v_global_scale))
     needed = {None: (), "fp8": ("k_scale", "v_scale"), "nvfp4": tuple(n for n, _ in names)}[fmt]

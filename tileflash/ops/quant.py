@@ -100,6 +100,7 @@ def check_nvfp4(data, scales, global_scale, names=("data", "scales", "global_sca
         raise ValueError(f"{s_name}: expected shape {expected} (one scale per {NVFP4_BLOCK} elements of "
                          f"{d_name}'s K={k}), got {tuple(scales.shape)}")
     check_global_scale(g_name, global_scale, data.device)
+    _utils.check_fp8_hardware(d_name, data)
 
 
 def nvfp4_quantize(x: torch.Tensor, global_scale: Optional[torch.Tensor] = None):
