@@ -47,7 +47,8 @@ QUANT_CONFIGS = [(64, 4, 3, True, True), (64, 4, 4, True, True), (128, 4, 3, Tru
 DECODE_SHAPES = [(1, 8192), (1, 32768), (8, 32768), (32, 8192), (256, 2048)]  # (batch, ctx), 32 / 8 heads, d 128
 # Paged 16-bit caches (pointer gathers; 0.76-0.95x the contiguous speed in run 7): deeper pipelines and tile sizes.
 PAGED_CONFIGS = [(64, 4, 2, False, False), (64, 4, 3, False, False), (64, 4, 4, False, False),
-                 (128, 4, 2, False, False), (128, 4, 3, False, False), (64, 4, 3, False, True), (32, 4, 4, False, False)]
+                 (128, 4, 2, False, False), (128, 4, 3, False, False), (64, 4, 3, False, True),
+                 (32, 4, 4, False, False)]
 PAGED_SHAPES = [(1, 32768), (32, 8192), (64, 4096)]
 # (block_m, block_n, block_k, warps, stages, split_k[, swap_ab])
 GEMM_CONFIGS = [(16, 32, 128, 4, 4, 4), (16, 32, 128, 4, 4, 3),  # plain products (the current M <= 16 pick first)
@@ -97,25 +98,28 @@ def sweep_bwd(rows, dims=(64, 128), softcap=0.0):
     bwd_ops.bwd_config = orig
 
 
+def quantized_caches(kh, vh, fmt):
+    """bf16 caches [B, S, Hkv, D] as stored for fmt ("16bit", "fp8" with per-KV-head scales, "nvfp4"): (k_cache,
+    v_cache, the scale keyword arguments of flash_attn_with_kvcache, dequantized K and V in fp32, bytes stored)."""
+    if fmt == "16bit":
+        return kh, vh, {}, kh.float(), vh.float(), kh.numel() * 4
+    if fmt == "fp8":
+        ks, vs = (x.float().abs().amax(dim=(0, 1, 3)) / 448.0 for x in (kh, vh))
+        kc, vc = ((x.float() / s_[:, None]).to(torch.float8_e4m3fn) for x, s_ in ((kh, ks), (vh, vs)))
+        kd, vd = ((x.float() * s_[:, None]) for x, s_ in ((kc, ks), (vc, vs)))
+        return kc, vc, dict(k_scale=ks, v_scale=vs), kd, vd, kc.numel() * 2
+    (kc, ks, kg), (vc, vs, vg) = tileflash.nvfp4_quantize(kh), tileflash.nvfp4_quantize(vh)
+    kw = dict(k_scale=ks, v_scale=vs, k_global_scale=kg.reshape(1), v_global_scale=vg.reshape(1))
+    kd, vd = tileflash.nvfp4_dequantize(kc, ks, kg), tileflash.nvfp4_dequantize(vc, vs, vg)
+    return kc, vc, kw, kd, vd, 2 * (kc.numel() + ks.numel())
+
+
 def _decode_inputs(b, ctx, fmt):
     hq, hkv, d = 32, 8, 128
     q = torch.randn(b, 1, hq, d, device="cuda", dtype=BF16)
     kh, vh = (torch.randn(b, ctx, hkv, d, device="cuda", dtype=BF16) for _ in range(2))
     lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
-    if fmt == "16bit":
-        kc, vc, kw, kd, vd = kh, vh, {}, kh.float(), vh.float()
-        nbytes = kc.numel() * 4
-    elif fmt == "fp8":
-        ks, vs = (x.float().abs().amax(dim=(0, 1, 3)) / 448.0 for x in (kh, vh))
-        kc, vc = ((x.float() / s_[:, None]).to(torch.float8_e4m3fn) for x, s_ in ((kh, ks), (vh, vs)))
-        kw = dict(k_scale=ks, v_scale=vs)
-        kd, vd = ((x.float() * s_[:, None]) for x, s_ in ((kc, ks), (vc, vs)))
-        nbytes = kc.numel() * 2
-    else:
-        (kc, ks, kg), (vc, vs, vg) = tileflash.nvfp4_quantize(kh), tileflash.nvfp4_quantize(vh)
-        kw = dict(k_scale=ks, v_scale=vs, k_global_scale=kg.reshape(1), v_global_scale=vg.reshape(1))
-        kd, vd = tileflash.nvfp4_dequantize(kc, ks, kg), tileflash.nvfp4_dequantize(vc, vs, vg)
-        nbytes = 2 * (kc.numel() + ks.numel())
+    kc, vc, kw, kd, vd, nbytes = quantized_caches(kh, vh, fmt)
     ref = F.scaled_dot_product_attention(q.float().transpose(1, 2), kd.transpose(1, 2), vd.transpose(1, 2),
                                          enable_gqa=True).transpose(1, 2)
     return q, kc, vc, lens, kw, ref, nbytes

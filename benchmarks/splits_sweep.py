@@ -10,29 +10,19 @@ import tileflash
 from tileflash.bench.table import format_table
 from tileflash.bench.timing import bench_ms, graphed
 
+from config_sweep import quantized_caches  # benchmarks/ is the script's directory
+
 SHAPES = [(1, 8192, 32, 8), (1, 32768, 32, 8), (1, 131072, 32, 8), (8, 32768, 32, 8), (1, 32768, 8, 1),
           (1, 131072, 8, 1), (32, 8192, 32, 8)]
 SPLITS = [1, 2, 4, 8, 16, 33, 50, 66, 99, 132, 198, 256]
-
-
-def _caches(kc, vc, fmt):
-    """bf16 caches as they are, or quantized to fp8 (per-head scales) / nvfp4, with the scale arguments."""
-    if fmt == "fp8":
-        ks, vs = (x.float().abs().amax(dim=(0, 1, 3)) / 448.0 for x in (kc, vc))
-        return (*((x.float() / s_[:, None]).to(torch.float8_e4m3fn) for x, s_ in ((kc, ks), (vc, vs))),
-                dict(k_scale=ks, v_scale=vs))
-    if fmt == "nvfp4":
-        (kd, ks, kg), (vd, vs, vg) = tileflash.nvfp4_quantize(kc), tileflash.nvfp4_quantize(vc)
-        return kd, vd, dict(k_scale=ks, v_scale=vs, k_global_scale=kg.reshape(1), v_global_scale=vg.reshape(1))
-    return kc, vc, {}
 
 
 def main(fmt="bf16", shapes=SHAPES):
     rows = []
     for b, ctx, hq, hkv in shapes:
         q = torch.randn(b, 1, hq, 128, device="cuda", dtype=torch.bfloat16)
-        kc, vc, kw = _caches(*(torch.randn(b, ctx, hkv, 128, device="cuda", dtype=torch.bfloat16)
-                               for _ in range(2)), fmt)
+        kh, vh = (torch.randn(b, ctx, hkv, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        kc, vc, kw, _, _, _ = quantized_caches(kh, vh, {"bf16": "16bit"}.get(fmt, fmt))
         lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
         times = {}
         for n in [0] + SPLITS:

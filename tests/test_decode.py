@@ -76,10 +76,12 @@ def test_kvcache(case, dtype, loop, monkeypatch):
 
 
 @pytest.mark.parametrize("page_size", [None, 1, 16])
-def test_num_splits_agree(page_size):
-    """No split, the heuristic and many forced splits give the same result within rounding."""
+@pytest.mark.parametrize("d", [64, 128])
+def test_num_splits_agree(page_size, d):
+    """No split, the heuristic and many forced splits give the same result within rounding (at d=128, 40 splits
+    make the combine cut the head dim into two programs per row)."""
     g = torch.Generator().manual_seed(5)
-    b, hq, hkv, d, cap = 2, 8, 2, 64, 96
+    b, hq, hkv, cap = 2, 8, 2, 96
     k_cache, v_cache, table = make_cache(b, cap, hkv, d, torch.float16, page_size, g)
     q = torch.randn(b, 1, hq, d, generator=g).to(DEVICE, torch.float16)
     seqlens = torch.tensor([96, 41], dtype=torch.int32, device=DEVICE)
@@ -90,7 +92,9 @@ def test_num_splits_agree(page_size):
         assert (lse - outs[0][1]).abs().max().item() <= 1e-4
 
 
-def test_window_and_softcap_in_decode():
+@pytest.mark.parametrize("trans", [False, True], ids=["plain", "trans"])
+def test_window_and_softcap_in_decode(trans, monkeypatch):
+    force_trans(monkeypatch, trans)
     g = torch.Generator().manual_seed(9)
     k_cache, v_cache, table = make_cache(2, 80, 2, 64, torch.bfloat16, 16, g)
     q = torch.randn(2, 4, 8, 64, generator=g).to(DEVICE, torch.bfloat16)

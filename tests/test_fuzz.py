@@ -94,9 +94,9 @@ PAGE_SIZES = st.one_of(st.just(None), st.sampled_from([1, 16, 32]),
 
 
 def num_splits(programs_per_split: int):
-    """0 = heuristic, 1 = no split, forced 2..9, and > 32 (the combine then reads its partials in two chunks; in
-    the CI profile only when there are few (batch, KV head) programs per split: each one costs ~1 ms to interpret,
-    even when its split is empty)."""
+    """0 = heuristic, 1 = no split, forced 2..9, and > 32 (the combine then cuts the head dim into several programs
+    per row; in the CI profile only when there are few (batch, KV head) programs per split: each one costs ~1 ms to
+    interpret, even when its split is empty)."""
     options = [st.just(0), st.just(1), st.integers(2, 9)]
     if LONG or ON_GPU or programs_per_split <= 2:
         options.append(st.sampled_from([33, 40]))

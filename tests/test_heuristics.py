@@ -3,7 +3,7 @@ import dataclasses
 
 import pytest
 
-from tileflash.heuristics import (MAX_SPLITS, bwd_config, combine_tiles, decode_block_m, decode_config, fwd_config,
+from tileflash.heuristics import (COMBINE_TILE, MAX_SPLITS, bwd_config, combine_tiles, decode_block_m, decode_config, fwd_config,
                                   num_splits_heuristic, padded_head_dim)
 
 
@@ -116,4 +116,10 @@ def test_bwd_config(d, expected):
 ])
 def test_combine_tiles(args, expected):
     assert combine_tiles(*args) == expected
-    assert combine_tiles(MAX_SPLITS, 512)[0] >= MAX_SPLITS
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 33, 100, MAX_SPLITS])
+@pytest.mark.parametrize("d", [16, 64, 128, 256])
+def test_combine_tiles_load_every_split_at_once_within_the_tile_budget(splits, d):
+    split_chunk, d_chunk = combine_tiles(splits, d)
+    assert split_chunk >= splits and split_chunk * d_chunk <= max(COMBINE_TILE, split_chunk * 16)

@@ -56,6 +56,11 @@ def check_fp8_hardware(name: str, t: torch.Tensor) -> None:
                              f"(e4m3 conversions), got {cap[0]}.{cap[1]}")
 
 
+def words_aligned(t: torch.Tensor, dims: int) -> bool:
+    """A byte tensor can be read as int32 words along its last dim: 4-byte aligned base and leading strides."""
+    return t.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in t.stride()[:dims])
+
+
 def num_sms(device: torch.device) -> int:
     """Multiprocessor count; on the CPU (interpreter) a fixed H200-like 132 keeps heuristics deterministic."""
     if device.type == "cuda":

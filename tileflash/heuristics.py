@@ -115,7 +115,7 @@ def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_fo
     TMA descriptors, paged ones by pointer gathers (a TMA descriptor covers one strided box, not a page list).
     kv_tokens = batch x cache capacity x KV heads: paged caches smaller than PAGED_LARGE_TILES_MIN_KV keep the
     contiguous tiles (b=1 ctx 8k, 65k token-heads: 24.7 us with 64-token steps, 26.1 with 128; from b=1 ctx 32k,
-    262k, the 128-token steps win: 51.7 vs 55.7 us; runs 7, 12, 13)."""
+    262k, the 128-token steps win: page 16 54.0 vs 55.7 us; runs 7, 9, 13)."""
     block_m = decode_block_m(group_rows)
     if interpret:
         return DecodeConfig(block_m=block_m, block_n=16, num_warps=4, num_stages=1)
@@ -130,8 +130,9 @@ def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_fo
     bytes_per_value = {"16bit": 2, "fp8": 1, "nvfp4": 9 / 16}[kv_format]
     one_per_sm = stages * block_n * d * bytes_per_value * 2 > 114 * 1024
     # Quantized caches: splits toward 4 programs per SM and at least 2 (the split kernel variant ran faster at equal
-    # program counts: fp8 b=64 ctx 4k 157 us with 2 splits vs 196 without, b=8 ctx 32k 156 us with 8 vs 182 with 5;
-    # nvfp4 241 vs 329 and 238 vs 294; benchmarks/splits_sweep.py --quant, run 16).
+    # program counts: fp8 b=64 ctx 4k 157 us with 2 splits vs 196 without; b=8 ctx 32k 156 us with 8 or 157 with 16
+    # vs 182 with 5 (the heuristic now picks 9, between them, not measured); nvfp4 241 vs 329 and 238 vs 294;
+    # benchmarks/splits_sweep.py --quant, run 16).
     quantized = kv_format != "16bit"
     return DecodeConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=stages, tma=True, trans=trans,
                         one_per_sm=one_per_sm, split_target=4 if quantized else 2, min_splits=2 if quantized else 1)
@@ -148,8 +149,6 @@ def combine_tiles(num_splits: int, head_dim_pad: int) -> tuple[int, int]:
     return split_chunk, max(16, min(head_dim_pad, COMBINE_TILE // split_chunk))
 
 
-
-
 def num_splits_heuristic(batch: int, nheads_kv: int, m_tiles: int, max_seqlen_k: int, block_n: int,
                          num_sms: int, one_per_sm: bool = False, per_sm: int = 2, min_splits: int = 1) -> int:
     """How many programs share one sequence's KV.
@@ -160,10 +159,10 @@ def num_splits_heuristic(batch: int, nheads_kv: int, m_tiles: int, max_seqlen_k:
     H200): b=1 ctx 8k/32k/128k with 8 KV heads are within 2% of the best forced count (33 / 33 / 50 splits); MQA
     b=1 ctx 32k is best at ~128 splits (25.0 us) and loses 24% at 256 splits of 2 blocks (30.9 us), where the
     combine dominates. Quantized caches (per_sm 4, min_splits 2, see decode_config): fp8 b=1 ctx 32k 35.1 us at 66
-    splits (35.2 at 33), b=8 ctx 32k 155.8 at 8, b=256 ctx 2k 299.0 at 2 (306.5 unsplit).
-    one_per_sm (tiles that fill an SM alone): the split count is lowered until the programs fill whole waves of
-    num_sms (at least 90%): paged b=8 ctx 32k ran 5 splits = 320 programs in 2.4 waves at 332 us against the
-    contiguous cache's 259 us (run 12; 4 splits: 260 us in run 13).
+    splits (35.2 at 33), b=8 ctx 32k 155.8 at 8 (the rule gives 9), b=256 ctx 2k 299.0 at 2 (306.5 unsplit).
+    one_per_sm (tiles that fill an SM alone): the split count is lowered until the programs fill at least 90% of
+    whole waves of num_sms, or kept when no count does: paged b=8 ctx 32k ran 5 splits = 320 programs in 2.4
+    waves at 332 us against the contiguous cache's 259 us (run 12; 4 splits: 260 us in run 13).
     """
     base = batch * nheads_kv * m_tiles
     n_blocks = cdiv(max(max_seqlen_k, 1), block_n)
@@ -189,16 +188,12 @@ class GemmConfig:
 
 def gemm_config(m: int, n: int, k: int, interpret: bool = False, num_sms: int = 132) -> GemmConfig:
     """Tile shape from the problem shape only (CUDA-graph safe). Measured on the H200 (benchmarks/config_sweep.py
-    gemm, 2026-11-30, before split-K): for M <= 16, 32-column tiles were best (M=16 N=K=4096: 27.6 us vs 53.2 with
-    64 columns and 131 with 128; N=K=8192: 68 us); for M = 128 (128, 64, 128, 4 warps) 138 us vs 156-250; for
-    M = 1024 (128, 128, 64, 8 warps) 649 us vs 1001-1161.
-    Decode-sized M gives only N / 32 programs (128 at N = 4096 on 132 SMs), so K is split until about three
-    programs per SM are in flight, keeping at least 4 K steps per slice. CUDA-graph replay (config_sweep.py
-    gemm-small): M=1 N=K=4096 24.8 us unsplit, 19.8-19.9 with 3-4 slices (bf16 matmul 19.0); N=K=8192 58.3 unsplit,
-    49.6 with 3, 52.5 with 2 (bf16 44.6). Eager calls at this size are bound by the host, not the kernel.
-    Session 3 (config_sweep.py gemm-small, graph replay): the swapped products (c^T = w a^T) with 64-column weight
-    tiles and 4 K slices took M=1 N=K=4096 from 22.1 to 19.8 us and N=K=8192 from 54.0 to 40.1 us (bf16 matmul 19.6,
-    44.8); 128-column tiles ran 31-49 us."""
+    gemm / gemm-small, graph replay). M <= 16: swapped products (c^T = w a^T, the weight tile on wgmma's M side)
+    over 64-column weight tiles, K split into up to 4 slices until ~3 programs per SM are in flight (4 K steps per
+    slice at least): M=1 N=K=4096 19.8 us with 4 slices, 23.5 with 2 (bf16 matmul 19.6); N=K=8192 40.1 us (bf16
+    44.8); 128-column tiles ran 31-49 us; the earlier plain 32-column tiles 22.1 / 54.0 us. Eager calls at this
+    size are bound by the host, not the kernel. M = 128: (128, 64, 128, 4 warps) 138 us vs 156-250; M = 1024:
+    (128, 128, 64, 8 warps) 649 us vs 1001-1161 (session 1 sweep)."""
     if interpret:
         # Small tiles: the interpreter's cost is per program and per K step, and tests use M <= 33, N, K <= 96;
         # K >= 64 takes the split-K path so the CPU tests cover it.
@@ -207,7 +202,7 @@ def gemm_config(m: int, n: int, k: int, interpret: bool = False, num_sms: int = 
     if m <= 16:
         block_n, block_k = 64, 128
         tiles = -(-n // block_n)
-        split = max(1, min(-(-3 * num_sms // tiles), k // (4 * block_k)))
+        split = max(1, min(-(-3 * num_sms // tiles), k // (4 * block_k), 4))  # 4: the most measured
         return GemmConfig(block_m=16, block_n=block_n, block_k=block_k, num_warps=4, num_stages=4, split_k=split,
                           swap_ab=True)
     if m <= 64:  # not measured at this M: the M = 128 runner-up, with a tile that wastes fewer rows

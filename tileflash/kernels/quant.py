@@ -7,9 +7,10 @@ Notation: rows of x viewed as [R, K] (leading dims flattened), K a multiple of 1
   scales: [R, K/16] e4m3fn, handled as raw uint8 bits
   g:      the global scale, a float32 scalar read from memory (no host sync)
 
-e4m3 is encoded and decoded here with integer arithmetic rather than `.to(tl.float8e4nv)`: the interpreter's fp8
-cast rounds half-up, truncates subnormals and reads 0x7F as 480 instead of NaN, so only explicit bit maths gives the
-same bits on the CPU and the GPU. Divisions are `div_rn` (IEEE): Triton's `/` on fp32 is an approximate division on
+e4m3 is encoded with integer arithmetic rather than `.to(tl.float8e4nv)`: the interpreter's fp8 cast rounds half-up,
+truncates subnormals and reads 0x7F as 480 instead of NaN, so only explicit bit maths gives the same bits on the CPU
+and the GPU. Decoding uses the hardware conversion on the GPU (GPU_ASM: inline PTX, sm_89+) and the same bit maths
+in the interpreter; both give the same bits. Divisions are `div_rn` (IEEE): Triton's `/` on fp32 is an approximate division on
 NVIDIA GPUs, which would move ties by an ulp away from the PyTorch reference.
 """
 import os
@@ -175,7 +176,7 @@ def nvfp4_block_scales(s, ROWS: tl.constexpr, COLS: tl.constexpr):
             b1 = e4m3_decode((s >> 8) & 0xFF).to(tl.float16)
             b2 = e4m3_decode((s >> 16) & 0xFF).to(tl.float16)
             b3 = e4m3_decode((s >> 24) & 0xFF).to(tl.float16)
-        return tl.join(tl.join(b0, b2), tl.join(b1, b3)).reshape(ROWS, COLS // 16)  # [.., j, i] = b(2i + j)
+        return tl.join(tl.join(b0, b2), tl.join(b1, b3)).reshape(ROWS, COLS // 16)  # [.., j, i] = b(2j + i)
     elif GPU_ASM:
         return s.to(tl.float8e4nv, bitcast=True).to(tl.float16)
     else:

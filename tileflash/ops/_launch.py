@@ -76,8 +76,7 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
     grid = (m_tiles * num_batches * heads_prog, num_splits)
     kv_nvfp4 = 0
     if nvfp4:  # int32 scale words need 4-byte aligned scale rows (d >= 64 is a whole number of words per row)
-        aligned = d >= 64 and all(t.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in t.stride()[:3])
-                                  for t in (k_block_scale, v_block_scale))
+        aligned = d >= 64 and all(_utils.words_aligned(t, 3) for t in (k_block_scale, v_block_scale))
         kv_nvfp4 = NVFP4_SCALE_WORDS if aligned else NVFP4_SCALE_BYTES
     descs = None
     if config.tma and not paged and not nvfp4:  # NVFP4 tiles are decoded from bytes, not loaded as values
