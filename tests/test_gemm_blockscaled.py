@@ -71,6 +71,25 @@ def test_scale_words_and_byte_fallback(monkeypatch, scale_row_bytes, swap_ab):
     _check(a, (data, scales, gs), out)
 
 
+def test_scale_words_decode_every_e4m3_byte_like_bytes(monkeypatch):
+    """Every e4m3 scale byte (incl. negatives, subnormals and the NaN codes 0x7F / 0xFF) decodes the same from int32
+    words (inline PTX on the GPU) as from bytes: column n of the GEMM uses scale byte n for its first block."""
+    from tileflash.ops import gemm as gemm_ops
+
+    monkeypatch.setattr(gemm_ops, "gemm_config", lambda *a, **k: GemmConfig(16, 32, 64, 4, 1, split_k=1))
+    a, (data, scales, gs) = _inputs(4, 256, 128, torch.float16, seed=8)
+    s_bytes = scales.view(torch.uint8).clone()
+    s_bytes[:, 0] = torch.arange(256, dtype=torch.uint8, device=DEVICE)
+    outs = []
+    for row_bytes in (8, 12, 10):  # row strides 8 and 12 are 4-byte aligned (words); 10 is not (bytes)
+        wide = torch.zeros(256, row_bytes, dtype=torch.uint8, device=DEVICE)
+        wide[:, :8] = s_bytes
+        outs.append(nvfp4_matmul(a, data, wide[:, :8].view(E4M3.dtype), gs))
+    for out in outs[:2]:
+        torch.testing.assert_close(out, outs[2], rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(outs[2][:, 0x7F]).all() and torch.isnan(outs[2][:, 0xFF]).all()
+
+
 def test_nan_scale_poisons_its_output_column():
     a, (data, scales, gs) = _inputs(5, 32, 32, torch.float16, seed=4)
     scales = scales.clone()
