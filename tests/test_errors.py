@@ -173,14 +173,16 @@ def test_varlen_paged_errors():
 
 def test_fp8_and_nvfp4_refuse_gpus_older_than_sm89(monkeypatch):
     """e4m3 conversions need compute capability 8.9+: an A100 gets a named error, not a GPU-compiler failure."""
+    from types import SimpleNamespace
+
     import tileflash._utils as tf_utils
 
     class FakeCudaTensor:
         is_cuda = True
         device = torch.device("cuda", 0)
 
-    monkeypatch.setattr(tf_utils, "_capability", lambda index: (8, 0))
+    monkeypatch.setattr(tf_utils, "_cuda_properties", lambda device: SimpleNamespace(major=8, minor=0))
     with pytest.raises(ValueError, match=r"k_cache: .*8\.9 or newer.*got 8\.0"):
         tf_utils.check_fp8_hardware("k_cache", FakeCudaTensor())
-    monkeypatch.setattr(tf_utils, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(tf_utils, "_cuda_properties", lambda device: SimpleNamespace(major=9, minor=0))
     tf_utils.check_fp8_hardware("k_cache", FakeCudaTensor())  # Hopper: fine

@@ -37,23 +37,23 @@ def tile_dtype(dtype: torch.dtype):
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms_cuda(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _cuda_properties_of(index: int):
+    return torch.cuda.get_device_properties(index)
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple:
-    return torch.cuda.get_device_capability(index)
+def _cuda_properties(device: torch.device):
+    """The (cached) properties of a CUDA device; an index-less device means the current one."""
+    return _cuda_properties_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def check_fp8_hardware(name: str, t: torch.Tensor) -> None:
     """FP8 / NVFP4 kernels convert e4m3 with sm_89+ instructions (Ada, Hopper and newer): refuse older GPUs here
     rather than fail in the GPU compiler."""
     if t.is_cuda:
-        cap = _capability(t.device.index if t.device.index is not None else torch.cuda.current_device())
-        if cap < (8, 9):
+        props = _cuda_properties(t.device)
+        if (props.major, props.minor) < (8, 9):
             raise ValueError(f"{name}: FP8 and NVFP4 kernels need a GPU with compute capability 8.9 or newer "
-                             f"(e4m3 conversions), got {cap[0]}.{cap[1]}")
+                             f"(e4m3 conversions), got {props.major}.{props.minor}")
 
 
 def words_aligned(t: torch.Tensor, dims: int) -> bool:
@@ -64,7 +64,7 @@ def words_aligned(t: torch.Tensor, dims: int) -> bool:
 def num_sms(device: torch.device) -> int:
     """Multiprocessor count; on the CPU (interpreter) a fixed H200-like 132 keeps heuristics deterministic."""
     if device.type == "cuda":
-        return _num_sms_cuda(device.index if device.index is not None else torch.cuda.current_device())
+        return _cuda_properties(device).multi_processor_count
     return 132
 
 
