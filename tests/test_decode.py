@@ -32,6 +32,15 @@ def make_cache(batch, capacity, hkv, d, dtype, page_size, gen, spare_pages=3):
     return k.to(DEVICE, dtype), v.to(DEVICE, dtype), table.to(DEVICE)
 
 
+
+def draw_queries_and_new_kv(g, b, sq, s_new, hq, hkv, d, dtype):
+    """q [B, Sq, Hq, D] and, when s_new > 0, the new k, v [B, Snew, Hkv, D] to append (else None, None)."""
+    q = torch.randn(b, sq, hq, d, generator=g).to(DEVICE, dtype)
+    if not s_new:
+        return q, None, None
+    k = torch.randn(b, s_new, hkv, d, generator=g).to(DEVICE, dtype)
+    return q, k, torch.randn(b, s_new, hkv, d, generator=g).to(DEVICE, dtype)
+
 # (seqlens, Sq, Snew, Hq, Hkv, D, page_size, capacity, num_splits) — why each is here:
 CASES = [
     ([0, 37, 63], 1, 1, 8, 2, 64, 16, 64, 0),  # GQA 4, page 16; empty cache; a full cache after the append
@@ -59,11 +68,7 @@ def test_kvcache(case, dtype, loop, monkeypatch):
     b = len(seqlens)
     g = torch.Generator().manual_seed(11)
     k_cache, v_cache, table = make_cache(b, capacity, hkv, d, dtype, page_size, g)
-    q = torch.randn(b, sq, hq, d, generator=g).to(DEVICE, dtype)
-    k = v = None
-    if s_new:
-        k = torch.randn(b, s_new, hkv, d, generator=g).to(DEVICE, dtype)
-        v = torch.randn(b, s_new, hkv, d, generator=g).to(DEVICE, dtype)
+    q, k, v = draw_queries_and_new_kv(g, b, sq, s_new, hq, hkv, d, dtype)
     cache_seqlens = torch.tensor(seqlens, dtype=torch.int32, device=DEVICE)
     ref, ref_lse, ref_k, ref_v = kvcache_ref(q, k_cache, v_cache, k, v, cache_seqlens, table)
     ref_lowp, _, _, _ = kvcache_ref(q, k_cache, v_cache, k, v, cache_seqlens, table, upcast=False)
@@ -141,11 +146,7 @@ def _check_quantized_decode(g, seqlens, sq, s_new, hq, hkv, d, dtype, table, k_c
     """Draw q (and k, v when s_new) from g, run flash_attn_with_kvcache on the quantized caches (appending in
     place) and check out and lse against kvcache_ref with the 2x rule; returns the reference's appended caches."""
     b = len(seqlens)
-    q = torch.randn(b, sq, hq, d, generator=g).to(DEVICE, dtype)
-    k = v = None
-    if s_new:
-        k = torch.randn(b, s_new, hkv, d, generator=g).to(DEVICE, dtype)
-        v = torch.randn(b, s_new, hkv, d, generator=g).to(DEVICE, dtype)
+    q, k, v = draw_queries_and_new_kv(g, b, sq, s_new, hq, hkv, d, dtype)
     cache_seqlens = torch.tensor(seqlens, dtype=torch.int32, device=DEVICE)
     kw = dict(cache_seqlens=cache_seqlens, block_table=table, **scales)
     ref, ref_lse, ref_k, ref_v = kvcache_ref(q, k_cache, v_cache, k, v, **kw)
