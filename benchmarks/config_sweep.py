@@ -1,7 +1,7 @@
 """Tile-config sweep for the backward, the FP8 / NVFP4 decode and the NVFP4 GEMM (GPU only).
 
-`python benchmarks/config_sweep.py [bwd] [bwd-d256] [bwd-softcap] [decode] [decode-quant] [decode-paged] [gemm]
-[gemm-small]
+`python benchmarks/config_sweep.py [bwd] [bwd-d256] [bwd-softcap] [decode] [decode-quant] [decode-paged]
+[decode-small] [gemm] [gemm-small]
 [--json PATH]`.
 Each config is forced by replacing the heuristic the op reads (tileflash.ops.*.{bwd,decode,gemm}_config), checked
 against a reference, then timed (decode: CUDA-graph replay). The winners go into tileflash/heuristics.py with the
@@ -50,6 +50,17 @@ PAGED_CONFIGS = [(64, 4, 2, False, False), (64, 4, 3, False, False), (64, 4, 4, 
                  (128, 4, 2, False, False), (128, 4, 3, False, False), (64, 4, 3, False, True),
                  (32, 4, 4, False, False)]
 PAGED_SHAPES = [(1, 32768), (32, 8192), (64, 4096)]
+# Small batches (few programs per SM after splitting): deeper pipelines and longer steps keep more bytes in flight
+# per program; each config at several forced split counts (0 = the heuristic). (b, ctx, Hq, Hkv, format)
+SMALL_SHAPES = [(1, 8192, 32, 8, "16bit"), (1, 32768, 32, 8, "16bit"), (1, 131072, 32, 8, "16bit"),
+                (1, 32768, 8, 1, "16bit"), (8, 8192, 32, 8, "16bit"), (1, 32768, 32, 8, "fp8"),
+                (8, 8192, 32, 8, "fp8"), (1, 32768, 32, 8, "nvfp4")]
+SMALL_CONFIGS = {"16bit": [(64, 4, 2, True, False), (64, 4, 3, True, False), (64, 4, 4, True, False),
+                           (128, 4, 2, True, False), (128, 4, 3, True, False), (64, 4, 4, True, True)],
+                 "fp8": [(64, 4, 3, True, True), (64, 4, 4, True, True), (64, 4, 6, True, True),
+                         (128, 4, 3, True, True), (128, 4, 4, True, True)]}
+SMALL_CONFIGS["nvfp4"] = SMALL_CONFIGS["fp8"]
+SMALL_SPLITS = (0, 16, 33, 66, 132)
 # (block_m, block_n, block_k, warps, stages, split_k[, swap_ab])
 GEMM_CONFIGS = [(16, 32, 128, 4, 4, 4), (16, 32, 128, 4, 4, 3),  # plain products (the current M <= 16 pick first)
                 # swapped products (c^T = w a^T, the weight tile on the MMA's M side), tuple's last entry True
@@ -164,6 +175,39 @@ def sweep_decode(rows, fmts=("16bit", "fp8", "nvfp4"), shapes=DECODE_SHAPES, con
     decode_ops.decode_config = orig
 
 
+def sweep_decode_small(rows):
+    """Graph-replay time of each (config, forced split count) at small batch; the row keeps the best count."""
+    orig = decode_ops.decode_config
+    for b, ctx, hq, hkv, fmt in SMALL_SHAPES:
+        q = torch.randn(b, 1, hq, 128, device="cuda", dtype=BF16)
+        kh, vh = (torch.randn(b, ctx, hkv, 128, device="cuda", dtype=BF16) for _ in range(2))
+        lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+        kc, vc, kw, kd, vd, nbytes = quantized_caches(kh, vh, fmt)
+        ref = F.scaled_dot_product_attention(q.float().transpose(1, 2), kd.transpose(1, 2), vd.transpose(1, 2),
+                                             enable_gqa=True).transpose(1, 2)
+        for bn, w, st, tma, trans in SMALL_CONFIGS[fmt]:
+            cfg = DecodeConfig(block_m=decode_block_m(hq // hkv), block_n=bn, num_warps=w, num_stages=st, tma=tma,
+                               trans=trans)
+            _force(decode_ops, "decode_config", cfg)
+            times, err = {}, 0.0
+            try:
+                for n in SMALL_SPLITS:
+                    call = lambda: tileflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens,  # noqa: E731
+                                                                     num_splits=n, **kw)
+                    err = max(err, (call().float() - ref).abs().max().item())
+                    times[n] = bench_ms(graphed(call)) * 1e3
+                best = min((t, n) for n, t in times.items())
+                rows.append([f"small-{fmt}", f"b={b} ctx={ctx} {hq}/{hkv}", str((bn, w, st, tma, trans)),
+                             f"best {best[0]:.1f} us @ {best[1]} ({nbytes / best[0] / 1e6:.2f} TB/s); "
+                             + " ".join(f"{n}:{t:.1f}" for n, t in times.items()), f"{err:.1e}"])
+            except Exception as exc:  # noqa: BLE001
+                rows.append([f"small-{fmt}", f"b={b} ctx={ctx} {hq}/{hkv}", str((bn, w, st, tma, trans)), "FAILED",
+                             repr(exc)[:60]])
+            print(rows[-1], flush=True)
+        del kc, vc, kh, vh
+    decode_ops.decode_config = orig
+
+
 def sweep_gemm(rows, shapes=GEMM_SHAPES):
     """Eager and CUDA-graph times: at decode-sized M an eager call is bound by the host (Python checks and
     launches), so the graph column is the kernel's own speed."""
@@ -204,6 +248,7 @@ def main(argv=None):
              "bwd-d256": lambda r: sweep_bwd(r, dims=(256,)),
              "bwd-softcap": lambda r: sweep_bwd(r, dims=(128,), softcap=10.0),
              "gemm-small": lambda r: sweep_gemm(r, SMALL_M_SHAPES),
+             "decode-small": sweep_decode_small,
              "decode-quant": lambda r: sweep_decode(r, ("fp8", "nvfp4"), DECODE_SHAPES, QUANT_CONFIGS),
              "decode-paged": lambda r: [sweep_decode(r, ("16bit",), PAGED_SHAPES, PAGED_CONFIGS, page)
                                         for page in (16, 64)]}[fam](rows)

@@ -122,3 +122,24 @@ def test_tma_descriptor_path(monkeypatch, varlen):
         ref_lowp, _ = attention_ref(q, k, v, causal=True, upcast=False)
         out, ref, ref_lowp = out[:1], ref[:1], ref_lowp[:1]
     check_2x(out, ref, ref_lowp)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", [CASES[1], CASES[4], CASES[6], CASES[7]],
+                         ids=["causal", "window-left", "window-two-sided", "softcap"])
+def test_sp_overlap_loop(case, dtype, monkeypatch):
+    """The S/P-overlapped loop (a tile config switch for prefill) against the reference: every mask phase."""
+    import dataclasses
+
+    from tileflash.ops import prefill as prefill_ops
+
+    orig = prefill_ops.fwd_config
+    monkeypatch.setattr(prefill_ops, "fwd_config", lambda *a, **kw: dataclasses.replace(orig(*a, **kw),
+                                                                                         sp_overlap=True))
+    b, sq, sk, hq, hkv, d, causal, window, softcap = case
+    q, k, v = _inputs(b, sq, sk, hq, hkv, d, dtype, seed=5)
+    kw = dict(causal=causal, window_size=window, softcap=softcap)
+    out, lse = tileflash.flash_attn_func(q, k, v, return_lse=True, **kw)
+    ref, ref_lse = attention_ref(q, k, v, **kw)
+    check_2x(out, ref, attention_ref(q, k, v, upcast=False, **kw)[0])
+    check_lse(lse, ref_lse)

@@ -19,6 +19,7 @@ class FwdConfig:
     tma: bool = False  # K/V through TMA tensor descriptors (when strides allow; else pointers)
     warp_spec: bool = False  # Triton warp specialisation of the KV loop
     trans: bool = False  # transposed products: decode only (DecodeConfig)
+    sp_overlap: bool = False  # QK^T of block j+1 issued before the softmax of block j (attn_inner's SP_OVERLAP)
 
 
 @dataclass(frozen=True)

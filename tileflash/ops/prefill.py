@@ -45,10 +45,10 @@ def _attn_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sc
     lse = _utils.new_output((b, hq, sq), torch.float32, q.device)
     if out.numel() == 0:
         return out, lse.fill_(float("-inf"))
+    cfg = fwd_config(d, causal=window_right >= 0, interpret=_utils.is_interpreter())
     launch_attn_fwd(q, k, v, out, lse, q_batch_stride0=False, k_batch_stride0=False, num_batches=b,
                     seqlen_q=sq, seqlen_k=sk, m_rows=sq, softmax_scale=softmax_scale,
-                    mask=Mask(window_left, window_right, softcap),
-                    config=fwd_config(d, causal=window_right >= 0, interpret=_utils.is_interpreter()))
+                    mask=Mask(window_left, window_right, softcap), config=cfg, sp_overlap=cfg.sp_overlap)
     return out, lse
 
 
@@ -74,10 +74,10 @@ def _varlen_forward(q, k4, v4, cu_seqlens_q, max_seqlen_q, softmax_scale, window
     num_seqs = cu_seqlens_q.shape[0] - 1
     if total_q == 0 or num_seqs == 0 or max_seqlen_q == 0:
         return out, lse.fill_(float("-inf"))
+    cfg = fwd_config(d, causal=window_right >= 0, interpret=_utils.is_interpreter())
     launch_attn_fwd(q.unsqueeze(0), k4, v4, out.unsqueeze(0), lse.unsqueeze(0), q_batch_stride0=True,
                     num_batches=num_seqs, seqlen_q=0, m_rows=max_seqlen_q, softmax_scale=softmax_scale,
-                    mask=Mask(window_left, window_right, softcap),
-                    config=fwd_config(d, causal=window_right >= 0, interpret=_utils.is_interpreter()),
+                    mask=Mask(window_left, window_right, softcap), config=cfg, sp_overlap=cfg.sp_overlap,
                     cu_seqlens_q=cu_seqlens_q, **launch_kw)
     return out, lse
 
