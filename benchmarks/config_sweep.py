@@ -1,13 +1,14 @@
 """Tile-config sweep for the backward, the FP8 / NVFP4 decode and the NVFP4 GEMM (GPU only).
 
 `python benchmarks/config_sweep.py [bwd] [bwd-d256] [bwd-softcap] [decode] [decode-quant] [decode-paged]
-[decode-small] [gemm] [gemm-small]
+[decode-small] [decode-quant-wide] [gemm] [gemm-small]
 [--json PATH]`.
 Each config is forced by replacing the heuristic the op reads (tileflash.ops.*.{bwd,decode,gemm}_config), checked
 against a reference, then timed (decode: CUDA-graph replay). The winners go into tileflash/heuristics.py with the
 numbers in a comment.
 """
 import argparse
+import dataclasses
 import json
 import sys
 import traceback
@@ -61,6 +62,11 @@ SMALL_CONFIGS = {"16bit": [(64, 4, 2, True, False), (64, 4, 3, True, False), (64
                          (128, 4, 3, True, True), (128, 4, 4, True, True)]}
 SMALL_CONFIGS["nvfp4"] = SMALL_CONFIGS["fp8"]
 SMALL_SPLITS = (0, 16, 33, 66, 132)
+# Quantized caches at larger batch: 8 warps (two warpgroups share a 128-token step) against the 4-warp pick.
+QUANT_WIDE_SHAPES = [(b, ctx, 32, 8, fmt) for fmt in ("fp8", "nvfp4") for b, ctx in ((8, 32768), (32, 8192),
+                                                                                       (256, 2048), (1, 32768))]
+QUANT_WIDE_CONFIGS = {fmt: [(64, 4, 3, True, True), (128, 8, 3, True, True), (64, 8, 3, True, True),
+                            (128, 8, 2, True, True), (128, 4, 3, True, True)] for fmt in ("fp8", "nvfp4")}
 # (block_m, block_n, block_k, warps, stages, split_k[, swap_ab])
 GEMM_CONFIGS = [(16, 32, 128, 4, 4, 4), (16, 32, 128, 4, 4, 3),  # plain products (the current M <= 16 pick first)
                 # swapped products (c^T = w a^T, the weight tile on the MMA's M side), tuple's last entry True
@@ -175,33 +181,36 @@ def sweep_decode(rows, fmts=("16bit", "fp8", "nvfp4"), shapes=DECODE_SHAPES, con
     decode_ops.decode_config = orig
 
 
-def sweep_decode_small(rows):
-    """Graph-replay time of each (config, forced split count) at small batch; the row keeps the best count."""
+def sweep_decode_small(rows, shapes=SMALL_SHAPES, configs=SMALL_CONFIGS, splits=SMALL_SPLITS):
+    """Graph-replay time of each (config, forced split count); the row keeps the best count. A forced config keeps
+    its format's split rule (decode_config's split_target, min_splits, resident_per_sm) for count 0."""
     orig = decode_ops.decode_config
-    for b, ctx, hq, hkv, fmt in SMALL_SHAPES:
+    for b, ctx, hq, hkv, fmt in shapes:
         q = torch.randn(b, 1, hq, 128, device="cuda", dtype=BF16)
         kh, vh = (torch.randn(b, ctx, hkv, 128, device="cuda", dtype=BF16) for _ in range(2))
         lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
         kc, vc, kw, kd, vd, nbytes = quantized_caches(kh, vh, fmt)
         ref = F.scaled_dot_product_attention(q.float().transpose(1, 2), kd.transpose(1, 2), vd.transpose(1, 2),
                                              enable_gqa=True).transpose(1, 2)
-        for bn, w, st, tma, trans in SMALL_CONFIGS[fmt]:
-            cfg = DecodeConfig(block_m=decode_block_m(hq // hkv), block_n=bn, num_warps=w, num_stages=st, tma=tma,
-                               trans=trans)
+        for bn, w, st, tma, trans in configs[fmt]:
+            cfg = dataclasses.replace(orig(128, hq // hkv, kv_format=fmt), block_n=bn, num_warps=w, num_stages=st,
+                                      tma=tma, trans=trans)
             _force(decode_ops, "decode_config", cfg)
             times, err = {}, 0.0
             try:
-                for n in SMALL_SPLITS:
+                for n in splits:
+                    if b * hkv * n > 8 * 132 * 4:
+                        continue
                     call = lambda: tileflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens,  # noqa: E731
                                                                      num_splits=n, **kw)
                     err = max(err, (call().float() - ref).abs().max().item())
                     times[n] = bench_ms(graphed(call)) * 1e3
                 best = min((t, n) for n, t in times.items())
-                rows.append([f"small-{fmt}", f"b={b} ctx={ctx} {hq}/{hkv}", str((bn, w, st, tma, trans)),
+                rows.append([f"{fmt}", f"b={b} ctx={ctx} {hq}/{hkv}", str((bn, w, st, tma, trans)),
                              f"best {best[0]:.1f} us @ {best[1]} ({nbytes / best[0] / 1e6:.2f} TB/s); "
                              + " ".join(f"{n}:{t:.1f}" for n, t in times.items()), f"{err:.1e}"])
             except Exception as exc:  # noqa: BLE001
-                rows.append([f"small-{fmt}", f"b={b} ctx={ctx} {hq}/{hkv}", str((bn, w, st, tma, trans)), "FAILED",
+                rows.append([f"{fmt}", f"b={b} ctx={ctx} {hq}/{hkv}", str((bn, w, st, tma, trans)), "FAILED",
                              repr(exc)[:60]])
             print(rows[-1], flush=True)
         del kc, vc, kh, vh
@@ -249,6 +258,8 @@ def main(argv=None):
              "bwd-softcap": lambda r: sweep_bwd(r, dims=(128,), softcap=10.0),
              "gemm-small": lambda r: sweep_gemm(r, SMALL_M_SHAPES),
              "decode-small": sweep_decode_small,
+             "decode-quant-wide": lambda r: sweep_decode_small(r, QUANT_WIDE_SHAPES, QUANT_WIDE_CONFIGS,
+                                                               (0, 1, 2, 4, 8, 16, 33, 66)),
              "decode-quant": lambda r: sweep_decode(r, ("fp8", "nvfp4"), DECODE_SHAPES, QUANT_CONFIGS),
              "decode-paged": lambda r: [sweep_decode(r, ("16bit",), PAGED_SHAPES, PAGED_CONFIGS, page)
                                         for page in (16, 64)]}[fam](rows)

@@ -62,25 +62,27 @@ def test_decode_config(d, fmt, paged, block_n, stages, trans):
     ((1, 8, 1, 100, 64, 132), 1),  # 2 blocks: too short to split
     ((1, 1, 1, 10 ** 7, 64, 132), MAX_SPLITS),  # capped
     # one program per SM (paged 128-token tiles): programs fill >= 90% of whole waves of 132
-    ((8, 8, 1, 32768, 128, 132, True), 4),  # 5 splits = 320 programs = 2.4 waves -> 4 = 256 = 1.94 waves
-    ((1, 8, 1, 8192, 128, 132, True), 16),  # 128 programs in one wave
-    ((1, 8, 1, 32768, 128, 132, True), 33),  # 264 = two full waves
-    ((32, 8, 1, 8192, 128, 132, True), 2),  # 512 programs: 3.9 waves
-    # quantized caches: toward 4 programs per SM, at least 2 splits when the cache is long enough
-    ((1, 8, 1, 32768, 64, 132, False, 4, 2), 66),
-    ((8, 8, 1, 32768, 64, 132, False, 4, 2), 9),
-    ((64, 8, 1, 4096, 64, 132, False, 4, 2), 2),
-    ((256, 8, 1, 2048, 64, 132, False, 4, 2), 2),
-    ((256, 8, 1, 256, 64, 132, False, 4, 2), 1),  # 4 blocks: too short to split
+    ((8, 8, 1, 32768, 128, 132, 1), 4),  # 5 splits = 320 programs = 2.4 waves -> 4 = 256 = 1.94 waves
+    ((1, 8, 1, 8192, 128, 132, 1), 16),  # 128 programs in one wave
+    ((1, 8, 1, 32768, 128, 132, 1), 33),  # 264 = two full waves
+    ((32, 8, 1, 8192, 128, 132, 1), 2),  # 512 programs: 3.9 waves
+    # quantized caches: 4 programs per SM (also the residency), whole waves of 528, at least 2 splits
+    ((1, 8, 1, 32768, 64, 132, 4, 4, 2), 66),  # 528 programs: one full wave
+    ((8, 8, 1, 32768, 64, 132, 4, 4, 2), 8),  # 9 = 576 programs spills 48 into a second wave -> 8 = 512
+    ((32, 8, 1, 8192, 64, 132, 4, 4, 2), 2),  # 3 = 768 programs = 1.45 waves -> 2 = 512
+    ((64, 8, 1, 4096, 64, 132, 4, 4, 2), 2),  # 1024 programs = 1.94 waves
+    ((256, 8, 1, 2048, 64, 132, 4, 4, 2), 2),
+    ((1, 8, 1, 8192, 64, 132, 4, 4, 2), 32),  # no count fills 90% of a wave: kept (128 blocks / 4)
+    ((256, 8, 1, 256, 64, 132, 4, 4, 2), 1),  # 4 blocks: too short to split
 ])
 def test_num_splits_heuristic(args, expected):
     assert num_splits_heuristic(*args) == expected
 
 
-@pytest.mark.parametrize("fmt, paged, one_per_sm", [("16bit", False, False), ("16bit", True, True),
-                                                     ("fp8", False, False), ("nvfp4", True, False)])
-def test_decode_config_marks_tiles_that_fill_an_sm(fmt, paged, one_per_sm):
-    assert decode_config(128, 4, kv_format=fmt, paged=paged).one_per_sm == one_per_sm
+@pytest.mark.parametrize("fmt, paged, resident", [("16bit", False, 0), ("16bit", True, 1), ("fp8", False, 4),
+                                                   ("nvfp4", True, 4)])
+def test_decode_config_says_when_residency_limits_splits(fmt, paged, resident):
+    assert decode_config(128, 4, kv_format=fmt, paged=paged).resident_per_sm == resident
 
 
 @pytest.mark.parametrize("fmt, split_target, min_splits", [("16bit", 2, 1), ("fp8", 4, 2), ("nvfp4", 4, 2)])

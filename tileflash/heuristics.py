@@ -31,7 +31,8 @@ class DecodeConfig:
     tma: bool = False  # contiguous caches only: K/V through TMA tensor descriptors
     warp_spec: bool = False  # always off for decode (no gain measured); the launcher reads it for both configs
     trans: bool = False  # s^T = K q^T, acc^T += V^T P^T: KV tokens and head dim on the MMA's M side
-    one_per_sm: bool = False  # tiles so large that one program fills an SM: splits then fill whole waves
+    resident_per_sm: int = 0  # programs an SM holds at once when that limits splitting (0: it does not); splits
+    # then fill whole waves of resident_per_sm x SMs programs
     split_target: int = 2  # programs per SM that split-KV aims for
     min_splits: int = 1  # splits even when the batch alone fills the GPU (when the cache is long enough)
 
@@ -130,13 +131,15 @@ def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_fo
     # 128 KiB), one program per SM.
     bytes_per_value = {"16bit": 2, "fp8": 1, "nvfp4": 9 / 16}[kv_format]
     one_per_sm = stages * block_n * d * bytes_per_value * 2 > 114 * 1024
-    # Quantized caches: splits toward 4 programs per SM and at least 2 (the split kernel variant ran faster at equal
-    # program counts: fp8 b=64 ctx 4k 157 us with 2 splits vs 196 without; b=8 ctx 32k 156 us with 8 or 157 with 16
-    # vs 182 with 5 (the heuristic now picks 9, between them, not measured); nvfp4 241 vs 329 and 238 vs 294;
-    # benchmarks/splits_sweep.py --quant, run 16).
+    # Quantized caches: splits toward 4 programs per SM, which is also how many an SM holds (127 registers per
+    # thread, ~56 KiB of shared memory), and at least 2 (the split kernel variant ran faster at equal program counts:
+    # fp8 b=64 ctx 4k 157 us with 2 splits vs 196 without; nvfp4 241 vs 329; benchmarks/splits_sweep.py --quant,
+    # run 16). Whole waves: fp8 b=8 ctx 32k ran 155.8 us at 8 splits = 512 programs (run 16) but 191.4 at 9 = 576,
+    # one wave of 528 and 48 programs more (run 17).
     quantized = kv_format != "16bit"
     return DecodeConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=stages, tma=True, trans=trans,
-                        one_per_sm=one_per_sm, split_target=4 if quantized else 2, min_splits=2 if quantized else 1)
+                        resident_per_sm=1 if one_per_sm else 4 if quantized else 0,
+                        split_target=4 if quantized else 2, min_splits=2 if quantized else 1)
 
 
 MAX_SPLITS = 256
@@ -151,7 +154,7 @@ def combine_tiles(num_splits: int, head_dim_pad: int) -> tuple[int, int]:
 
 
 def num_splits_heuristic(batch: int, nheads_kv: int, m_tiles: int, max_seqlen_k: int, block_n: int,
-                         num_sms: int, one_per_sm: bool = False, per_sm: int = 2, min_splits: int = 1) -> int:
+                         num_sms: int, resident_per_sm: int = 0, per_sm: int = 2, min_splits: int = 1) -> int:
     """How many programs share one sequence's KV.
 
     Without splitting there are batch*Hkv*m_tiles programs; at batch 1 that is 8 on a 132-SM GPU, which is how the
@@ -160,18 +163,20 @@ def num_splits_heuristic(batch: int, nheads_kv: int, m_tiles: int, max_seqlen_k:
     H200): b=1 ctx 8k/32k/128k with 8 KV heads are within 2% of the best forced count (33 / 33 / 50 splits); MQA
     b=1 ctx 32k is best at ~128 splits (25.0 us) and loses 24% at 256 splits of 2 blocks (30.9 us), where the
     combine dominates. Quantized caches (per_sm 4, min_splits 2, see decode_config): fp8 b=1 ctx 32k 35.1 us at 66
-    splits (35.2 at 33), b=8 ctx 32k 155.8 at 8 (the rule gives 9), b=256 ctx 2k 299.0 at 2 (306.5 unsplit).
-    one_per_sm (tiles that fill an SM alone): the split count is lowered until the programs fill at least 90% of
-    whole waves of num_sms, or kept when no count does: paged b=8 ctx 32k ran 5 splits = 320 programs in 2.4
-    waves at 332 us against the contiguous cache's 259 us (run 12; 4 splits: 260 us in run 13).
+    splits (35.2 at 33), b=8 ctx 32k 155.8 at 8, b=256 ctx 2k 299.0 at 2 (306.5 unsplit).
+    resident_per_sm (how many programs an SM holds, when splitting can exceed it): the split count is lowered until
+    the programs fill at least 90% of whole waves of resident_per_sm x num_sms, or kept when no count does: paged
+    128-token tiles (one per SM) at b=8 ctx 32k ran 5 splits = 320 programs in 2.4 waves at 332 us against the
+    contiguous cache's 259 us (run 12; 4 splits: 260 us in run 13).
     """
     base = batch * nheads_kv * m_tiles
     n_blocks = cdiv(max(max_seqlen_k, 1), block_n)
     by_length = max(1, n_blocks // 4)
     splits = max(1, min(max(cdiv(per_sm * num_sms, base), min_splits), by_length, MAX_SPLITS))
-    if one_per_sm:
-        for n in range(splits, 0, -1):
-            if base * n >= 0.9 * cdiv(base * n, num_sms) * num_sms:
+    if resident_per_sm:
+        wave = resident_per_sm * num_sms
+        for n in range(splits, max(min_splits, 1) - 1, -1):
+            if base * n >= 0.9 * cdiv(base * n, wave) * wave:
                 return n
     return splits
 
