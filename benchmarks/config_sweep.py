@@ -183,7 +183,7 @@ def sweep_decode(rows, fmts=("16bit", "fp8", "nvfp4"), shapes=DECODE_SHAPES, con
 
 def sweep_decode_small(rows, shapes=SMALL_SHAPES, configs=SMALL_CONFIGS, splits=SMALL_SPLITS):
     """Graph-replay time of each (config, forced split count); the row keeps the best count. A forced config keeps
-    its format's split rule (decode_config's split_target, min_splits, resident_per_sm) for count 0."""
+    its format's split rule (decode_config's resident_per_sm) for count 0."""
     orig = decode_ops.decode_config
     for b, ctx, hq, hkv, fmt in shapes:
         q = torch.randn(b, 1, hq, 128, device="cuda", dtype=BF16)

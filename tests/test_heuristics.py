@@ -17,7 +17,7 @@ def test_padded_head_dim(d, expected):
     (64, False, 128, 64, 8, 3, False),
     (64, True, 128, 64, 8, 3, False),
     (128, False, 128, 128, 8, 3, True),
-    (128, True, 128, 128, 8, 3, False),
+    (128, True, 64, 64, 4, 3, True),  # one warpgroup per program
     (256, False, 128, 64, 8, 2, True),
     (40, False, 128, 64, 8, 3, False),  # padded to 64
 ])
@@ -37,16 +37,22 @@ def test_decode_block_m(rows, expected):
     assert decode_block_m(rows) == expected
 
 
-@pytest.mark.parametrize("d, fmt, paged, block_n, stages, trans", [
-    (32, "16bit", False, 128, 2, False), (64, "16bit", False, 128, 2, False), (128, "16bit", False, 64, 2, False),
-    (256, "16bit", False, 32, 2, False),
-    (128, "16bit", True, 128, 2, False), (64, "16bit", True, 256, 2, False),  # paged: twice the tokens per step
-    # quantized caches: one more stage and the transposed products, paged or not
-    (128, "fp8", False, 64, 3, True), (128, "nvfp4", True, 64, 3, True), (64, "fp8", False, 128, 3, True),
+@pytest.mark.parametrize("d, fmt, paged, kv_tokens, block_n, stages, trans, resident", [
+    (32, "16bit", False, 2 ** 30, 128, 2, False, 0), (64, "16bit", False, 2 ** 30, 128, 2, False, 0),
+    (128, "16bit", False, 2 ** 30, 64, 2, False, 0), (256, "16bit", False, 2 ** 30, 32, 2, False, 0),
+    # paged, large: twice the tokens per step, one program per SM; small paged caches keep the contiguous tiles
+    (128, "16bit", True, 2 ** 30, 128, 2, False, 1), (64, "16bit", True, 2 ** 30, 256, 2, False, 1),
+    (128, "16bit", True, 8192 * 8, 64, 2, False, 0), (128, "16bit", True, 32768 * 8, 128, 2, False, 1),
+    (128, "16bit", True, 32 * 2048 * 8, 128, 2, False, 1),
+    # quantized caches: one more stage and the transposed products, paged or not; large ones step 128 tokens
+    (128, "fp8", False, 2 ** 30, 128, 3, True, 2), (128, "nvfp4", True, 2 ** 30, 128, 3, True, 2),
+    (64, "fp8", False, 2 ** 30, 256, 3, True, 2), (128, "fp8", False, 8192 * 8, 64, 3, True, 4),
+    (128, "nvfp4", True, 8192 * 8, 64, 3, True, 4),
 ])
-def test_decode_config(d, fmt, paged, block_n, stages, trans):
-    c = decode_config(d, 4, kv_format=fmt, paged=paged)
-    assert (c.block_n, c.num_warps, c.num_stages, c.tma, c.trans) == (block_n, 4, stages, True, trans)
+def test_decode_config(d, fmt, paged, kv_tokens, block_n, stages, trans, resident):
+    c = decode_config(d, 4, kv_format=fmt, paged=paged, kv_tokens=kv_tokens)
+    assert (c.block_n, c.num_warps, c.num_stages, c.tma, c.trans, c.resident_per_sm) == \
+        (block_n, 4, stages, True, trans, resident)
 
 
 # (batch, Hkv, m_tiles, max_seqlen_k, block_n, sms) -> splits
@@ -62,38 +68,24 @@ def test_decode_config(d, fmt, paged, block_n, stages, trans):
     ((1, 8, 1, 100, 64, 132), 1),  # 2 blocks: too short to split
     ((1, 1, 1, 10 ** 7, 64, 132), MAX_SPLITS),  # capped
     # one program per SM (paged 128-token tiles): programs fill >= 90% of whole waves of 132
-    ((8, 8, 1, 32768, 128, 132, 1), 4),  # 5 splits = 320 programs = 2.4 waves -> 4 = 256 = 1.94 waves
-    ((1, 8, 1, 8192, 128, 132, 1), 16),  # 128 programs in one wave
+    ((8, 8, 1, 32768, 128, 132, 1), 4),  # 4 = 256 programs = 1.94 waves (5 = 320 = 2.4 waves was 28% slower)
+    ((1, 8, 1, 8192, 128, 132, 1), 32),  # 64 blocks of 128 tokens: 32 splits of 256 tokens = 256 programs
     ((1, 8, 1, 32768, 128, 132, 1), 33),  # 264 = two full waves
-    ((32, 8, 1, 8192, 128, 132, 1), 2),  # 512 programs: 3.9 waves
-    # quantized caches: 4 programs per SM (also the residency), whole waves of 528, at least 2 splits
-    ((1, 8, 1, 32768, 64, 132, 4, 4, 2), 66),  # 528 programs: one full wave
-    ((8, 8, 1, 32768, 64, 132, 4, 4, 2), 8),  # 9 = 576 programs spills 48 into a second wave -> 8 = 512
-    ((32, 8, 1, 8192, 64, 132, 4, 4, 2), 2),  # 3 = 768 programs = 1.45 waves -> 2 = 512
-    ((64, 8, 1, 4096, 64, 132, 4, 4, 2), 2),  # 1024 programs = 1.94 waves
-    ((256, 8, 1, 2048, 64, 132, 4, 4, 2), 2),
-    ((1, 8, 1, 8192, 64, 132, 4, 4, 2), 32),  # no count fills 90% of a wave: kept (128 blocks / 4)
-    ((256, 8, 1, 256, 64, 132, 4, 4, 2), 1),  # 4 blocks: too short to split
+    ((32, 8, 1, 8192, 128, 132, 1), 1),  # 256 programs: 1.94 waves, no combine
+    ((1, 1, 1, 2 ** 20, 128, 132, 1), MAX_SPLITS),  # capped: 256 programs, 1.94 waves
+    # 128-token quantized tiles (two per SM): at most 2 per SM, whole waves of 264 (run 18's best counts)
+    ((8, 8, 1, 32768, 128, 132, 2), 4),
+    ((32, 8, 1, 8192, 128, 132, 2), 1),
+    ((256, 8, 1, 2048, 128, 132, 2), 1),
+    ((1, 8, 1, 32768, 128, 132, 2), 33),
+    ((8, 8, 1, 8192, 128, 132, 2), 4),
+    ((1, 8, 1, 8192, 128, 132, 2), 32),  # 256 programs, 97% of a wave
+    ((3, 8, 1, 8192, 128, 132, 2), 11),  # 264 // 24 = 11: 264 programs, one full wave
+    ((5, 8, 1, 8192, 128, 132, 2), 6),  # 264 // 40 = 6: 240 programs, 91% of a wave
+    ((7, 8, 1, 8192, 128, 132, 2), 4),  # 224 programs, 85% of a wave: no count fills 90%, so kept
 ])
 def test_num_splits_heuristic(args, expected):
     assert num_splits_heuristic(*args) == expected
-
-
-@pytest.mark.parametrize("fmt, paged, resident", [("16bit", False, 0), ("16bit", True, 1), ("fp8", False, 4),
-                                                   ("nvfp4", True, 4)])
-def test_decode_config_says_when_residency_limits_splits(fmt, paged, resident):
-    assert decode_config(128, 4, kv_format=fmt, paged=paged).resident_per_sm == resident
-
-
-@pytest.mark.parametrize("fmt, split_target, min_splits", [("16bit", 2, 1), ("fp8", 4, 2), ("nvfp4", 4, 2)])
-def test_quantized_decode_splits_harder(fmt, split_target, min_splits):
-    c = decode_config(128, 4, kv_format=fmt)
-    assert (c.split_target, c.min_splits) == (split_target, min_splits)
-
-
-@pytest.mark.parametrize("kv_tokens, block_n", [(8192 * 8, 64), (32768 * 8, 128), (32 * 2048 * 8, 128)])
-def test_small_paged_caches_keep_the_contiguous_tiles(kv_tokens, block_n):
-    assert decode_config(128, 4, paged=True, kv_tokens=kv_tokens).block_n == block_n
 
 
 @pytest.mark.parametrize("d, expected", [

@@ -33,8 +33,6 @@ class DecodeConfig:
     trans: bool = False  # s^T = K q^T, acc^T += V^T P^T: KV tokens and head dim on the MMA's M side
     resident_per_sm: int = 0  # programs an SM holds at once when that limits splitting (0: it does not); splits
     # then fill whole waves of resident_per_sm x SMs programs
-    split_target: int = 2  # programs per SM that split-KV aims for
-    min_splits: int = 1  # splits even when the batch alone fills the GPU (when the cache is long enough)
 
 
 @dataclass(frozen=True)
@@ -65,8 +63,12 @@ def fwd_config(head_dim: int, causal: bool = False, interpret: bool = False) -> 
         # 128x64 tiles: 419 full / 370 causal; 128x128 fell to 331 / 292 and TMA did not help (345 / 299).
         return FwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
     if d <= 128:
-        # TMA K/V: 485 vs 462 with pointers (full); causal prefers pointers: 427 vs 415.
-        return FwdConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, tma=not causal)
+        if causal:
+            # One warpgroup per program (64 rows, 64 keys per step, ~2 programs per SM: one program's softmax runs
+            # while another's MMAs do): 448 vs 418 (128x128, TMA) and 399 (pointers) (run 18, one-FMA softmax).
+            return FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, tma=True)
+        # TMA K/V: 485 vs 462 with pointers; 64x64 one-warpgroup tiles 479 (run 18).
+        return FwdConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, tma=True)
     # d = 256: a 128x128 S tile plus a 128x256 accumulator exceeds the register file; 3 stages exceed shared
     # memory. TMA: 524 vs 489.
     return FwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, tma=True)
@@ -97,49 +99,43 @@ def decode_block_m(group_rows: int) -> int:
     return min(64, max(16, next_pow2(group_rows)))
 
 
-# (KV tokens per step at head dim 128, pipeline stages, trans) by cache format, measured on the H200
-# (benchmarks/config_sweep.py decode / decode-paged, CUDA-graph replay, 32/8 heads, d=128, 2026-11-30, session 3):
-# - 16-bit contiguous: 64 tokens, 2 stages, plain products (b=8 ctx 32k 258 us; 3 stages 303, trans 261).
-# - 16-bit paged (pointer gathers): 128 tokens, 2 stages: page 16 b=32 ctx 8k 262 us vs 322 with 64 tokens,
-#   b=64 ctx 4k 255 vs 315 (the contiguous cache: 255, 256).
-# - fp8 and nvfp4: transposed products (s^T = K q^T on wgmma, the dequantized tile as the register operand) with
-#   3 stages: fp8 b=32 ctx 8k 154 us vs 206 plain, b=256 ctx 2k 306 vs 366; nvfp4 b=256 ctx 2k 555 vs 749.
-DECODE_TILES = {"16bit": (64, 2, False), "16bit-paged": (128, 2, False), "fp8": (64, 3, True),
-                "nvfp4": (64, 3, True)}
-
-
-PAGED_LARGE_TILES_MIN_KV = 2 ** 18  # tokens x KV heads (at d=128) before paged caches take the larger tiles
+# (KV tokens per step at head dim 128, pipeline stages, trans, programs an SM holds when that limits splitting)
+# by cache format; "-large" from LARGE_TILES_MIN_KV token-heads on. Measured on the H200 (benchmarks/config_sweep.py,
+# CUDA-graph replay, 32/8 heads, d=128, 2026-11-30; RESULTS.md runs 7-18):
+# - 16-bit contiguous: 64 tokens, 2 stages, plain products (b=8 ctx 32k 258 us; 3 stages 303, trans 261); b=1 ctx
+#   8k/32k/128k within 2-4% of the best of 64/128 tokens x 2/3/4 stages at their best split counts (run 17).
+# - 16-bit paged (pointer gathers), large: 128 tokens, 2 stages, one program per SM (128 KiB of stages): page 16
+#   b=32 ctx 8k 262 us vs 322 with 64 tokens, b=64 ctx 4k 255 vs 315 (the contiguous cache: 255, 256). Small paged
+#   caches keep the contiguous tiles (b=1 ctx 8k: 24.7 us with 64-token steps, 26.1 with 128; runs 7, 9, 13).
+# - fp8 and nvfp4: transposed products (s^T = K q^T on wgmma, the dequantized tile as the register operand), 3 stages:
+#   fp8 b=32 ctx 8k 154 us vs 206 plain, b=256 ctx 2k 306 vs 366; nvfp4 b=256 ctx 2k 555 vs 749. Large caches step
+#   128 tokens (two programs per SM: ~200 registers per thread), run 18 at each tile's best split count: fp8 b=8 ctx
+#   32k 150.6 us vs 155.2 with 64 tokens, b=32 ctx 8k 145.9 vs 154.7, b=256 ctx 2k 288.4 vs 300.9; nvfp4 239.0 vs
+#   263.6, 239.1 vs 264.9, 489.8 vs 499.6; 8 warps (two warpgroups per step) lost everywhere (165-992 us).
+DECODE_TILES = {"16bit": (64, 2, False, 0), "16bit-paged-large": (128, 2, False, 1),
+                "fp8": (64, 3, True, 4), "fp8-large": (128, 3, True, 2),
+                "nvfp4": (64, 3, True, 4), "nvfp4-large": (128, 3, True, 2)}
+LARGE_TILES_MIN_KV = 2 ** 18  # tokens x KV heads (at d=128): b=1 ctx 32k and up
 
 
 def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_format: str = "16bit",
                   paged: bool = False, kv_tokens: int = 2 ** 30) -> DecodeConfig:
-    """Tiles by cache format (DECODE_TILES; "16bit", "fp8", "nvfp4") and layout: contiguous caches are read through
-    TMA descriptors, paged ones by pointer gathers (a TMA descriptor covers one strided box, not a page list).
-    kv_tokens = batch x cache capacity x KV heads: paged caches smaller than PAGED_LARGE_TILES_MIN_KV keep the
-    contiguous tiles (b=1 ctx 8k, 65k token-heads: 24.7 us with 64-token steps, 26.1 with 128; from b=1 ctx 32k,
-    262k, the 128-token steps win: page 16 54.0 vs 55.7 us; runs 7, 9, 13)."""
+    """Tiles by cache format (DECODE_TILES; "16bit", "fp8", "nvfp4"), layout and size: contiguous caches are read
+    through TMA descriptors, paged ones by pointer gathers (a TMA descriptor covers one strided box, not a page list).
+    kv_tokens = batch x cache capacity x KV heads; caches of LARGE_TILES_MIN_KV or more take the "-large" tiles."""
     block_m = decode_block_m(group_rows)
     if interpret:
         return DecodeConfig(block_m=block_m, block_n=16, num_warps=4, num_stages=1)
     d = padded_head_dim(head_dim)
-    large = kv_tokens * d >= PAGED_LARGE_TILES_MIN_KV * 128
-    key = f"{kv_format}-paged" if paged and large and f"{kv_format}-paged" in DECODE_TILES else kv_format
-    tokens, stages, trans = DECODE_TILES[key]
+    key = kv_format
+    if kv_tokens * d >= LARGE_TILES_MIN_KV * 128:
+        key = next((k for k in (f"{kv_format}-paged-large" if paged else "", f"{kv_format}-large")
+                    if k in DECODE_TILES), kv_format)
+    tokens, stages, trans, resident = DECODE_TILES[key]
     # K+V bytes per step held constant across head dims (d=64 at 64 tokens per step ran 0.71-0.93x the peer).
     block_n = tokens * 128 // d if d >= 64 else 2 * tokens
-    # Shared memory of the K+V stages: over half an SM's 228 KiB (2 stages of 128 16-bit tokens at d=128 take
-    # 128 KiB), one program per SM.
-    bytes_per_value = {"16bit": 2, "fp8": 1, "nvfp4": 9 / 16}[kv_format]
-    one_per_sm = stages * block_n * d * bytes_per_value * 2 > 114 * 1024
-    # Quantized caches: splits toward 4 programs per SM, which is also how many an SM holds (127 registers per
-    # thread, ~56 KiB of shared memory), and at least 2 (the split kernel variant ran faster at equal program counts:
-    # fp8 b=64 ctx 4k 157 us with 2 splits vs 196 without; nvfp4 241 vs 329; benchmarks/splits_sweep.py --quant,
-    # run 16). Whole waves: fp8 b=8 ctx 32k ran 155.8 us at 8 splits = 512 programs (run 16) but 191.4 at 9 = 576,
-    # one wave of 528 and 48 programs more (run 17).
-    quantized = kv_format != "16bit"
     return DecodeConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=stages, tma=True, trans=trans,
-                        resident_per_sm=1 if one_per_sm else 4 if quantized else 0,
-                        split_target=4 if quantized else 2, min_splits=2 if quantized else 1)
+                        resident_per_sm=resident)
 
 
 MAX_SPLITS = 256
@@ -154,30 +150,29 @@ def combine_tiles(num_splits: int, head_dim_pad: int) -> tuple[int, int]:
 
 
 def num_splits_heuristic(batch: int, nheads_kv: int, m_tiles: int, max_seqlen_k: int, block_n: int,
-                         num_sms: int, resident_per_sm: int = 0, per_sm: int = 2, min_splits: int = 1) -> int:
+                         num_sms: int, resident_per_sm: int = 0, per_sm: int = 2) -> int:
     """How many programs share one sequence's KV.
 
     Without splitting there are batch*Hkv*m_tiles programs; at batch 1 that is 8 on a 132-SM GPU, which is how the
-    sm_90 peer ends up at 0.4 TB/s. Split until about per_sm programs per SM are in flight (and into at least
-    min_splits), keeping each split at least 4 KV blocks long. Measured (benchmarks/splits_sweep.py, graph replay,
-    H200): b=1 ctx 8k/32k/128k with 8 KV heads are within 2% of the best forced count (33 / 33 / 50 splits); MQA
-    b=1 ctx 32k is best at ~128 splits (25.0 us) and loses 24% at 256 splits of 2 blocks (30.9 us), where the
-    combine dominates. Quantized caches (per_sm 4, min_splits 2, see decode_config): fp8 b=1 ctx 32k 35.1 us at 66
-    splits (35.2 at 33), b=8 ctx 32k 155.8 at 8, b=256 ctx 2k 299.0 at 2 (306.5 unsplit).
-    resident_per_sm (how many programs an SM holds, when splitting can exceed it): the split count is lowered until
-    the programs fill at least 90% of whole waves of resident_per_sm x num_sms, or kept when no count does: paged
-    128-token tiles (one per SM) at b=8 ctx 32k ran 5 splits = 320 programs in 2.4 waves at 332 us against the
-    contiguous cache's 259 us (run 12; 4 splits: 260 us in run 13).
+    sm_90 peer ends up at 0.4 TB/s. Split until about per_sm programs per SM are in flight, keeping each split at
+    least 256 tokens long. Measured (benchmarks/splits_sweep.py, graph replay, H200): b=1 ctx 8k/32k/128k with 8
+    KV heads are within 2% of the best forced count (33 / 33 / 50 splits); MQA b=1 ctx 32k is best at ~128 splits
+    (25.0 us) and loses 24% at 256 splits of 2 blocks (30.9 us), where the combine dominates.
+    resident_per_sm (how many programs an SM holds, when splitting can exceed it): at most per_sm programs per SM,
+    lowered until the programs fill at least 90% of whole waves of resident_per_sm x num_sms (or kept when no count
+    does). Paged 128-token tiles (one per SM) at b=8 ctx 32k: 5 splits = 320 programs in 2.4 waves ran 332 us
+    against the contiguous cache's 259 (run 12), 4 splits 260 (run 13). 128-token fp8 tiles (two per SM), run 18:
+    b=8 ctx 32k 150.6 us at 4 splits (5 not measured, 8: 154.4), b=32 ctx 8k 145.9 at 1 (2: 153.7).
     """
     base = batch * nheads_kv * m_tiles
-    n_blocks = cdiv(max(max_seqlen_k, 1), block_n)
-    by_length = max(1, n_blocks // 4)
-    splits = max(1, min(max(cdiv(per_sm * num_sms, base), min_splits), by_length, MAX_SPLITS))
-    if resident_per_sm:
-        wave = resident_per_sm * num_sms
-        for n in range(splits, max(min_splits, 1) - 1, -1):
-            if base * n >= 0.9 * cdiv(base * n, wave) * wave:
-                return n
+    by_length = max(1, cdiv(max(max_seqlen_k, 1), block_n) * block_n // 256)
+    if not resident_per_sm:
+        return max(1, min(cdiv(per_sm * num_sms, base), by_length, MAX_SPLITS))
+    splits = max(1, min(per_sm * num_sms // base, by_length, MAX_SPLITS))
+    wave = resident_per_sm * num_sms
+    for n in range(splits, 0, -1):
+        if base * n >= 0.9 * cdiv(base * n, wave) * wave:
+            return n
     return splits
 
 

@@ -33,7 +33,7 @@ def _plan(q, k_cache, block_table, num_splits: int):
     m_tiles = _utils.cdiv(rows, cfg.block_m)
     if num_splits == 0:
         num_splits = num_splits_heuristic(b, hkv, m_tiles, capacity, cfg.block_n, _utils.num_sms(q.device),
-                                          cfg.resident_per_sm, cfg.split_target, cfg.min_splits)
+                                          cfg.resident_per_sm)
     return cfg, num_splits, capacity
 
 
