@@ -1,7 +1,8 @@
 """Tile-config sweep for the backward, the FP8 / NVFP4 decode and the NVFP4 GEMM (GPU only).
 
 `python benchmarks/config_sweep.py [bwd] [bwd-d256] [bwd-softcap] [decode] [decode-quant] [decode-paged]
-[decode-small] [decode-quant-wide] [gemm] [gemm-small]
+[decode-small] [decode-quant-wide] [decode-quant-overlap] [decode-large] [gemm]
+[gemm-small]
 [--json PATH]`.
 Each config is forced by replacing the heuristic the op reads (tileflash.ops.*.{bwd,decode,gemm}_config), checked
 against a reference, then timed (decode: CUDA-graph replay). The winners go into tileflash/heuristics.py with the
@@ -67,6 +68,15 @@ QUANT_WIDE_SHAPES = [(b, ctx, 32, 8, fmt) for fmt in ("fp8", "nvfp4") for b, ctx
                                                                                        (256, 2048), (1, 32768))]
 QUANT_WIDE_CONFIGS = {fmt: [(64, 4, 3, True, True), (128, 8, 3, True, True), (64, 8, 3, True, True),
                             (128, 8, 2, True, True), (128, 4, 3, True, True)] for fmt in ("fp8", "nvfp4")}
+# The quantized loops are bound by dependent ALU chains at two programs per SM: the S/P-overlapped loop gives the
+# schedulers the next block's dequantization and QK^T during this block's softmax.
+QUANT_OVERLAP_CONFIGS = {fmt: [(128, 4, 3, True, True), (128, 4, 3, True, True, True), (64, 4, 3, True, True, True),
+                               (128, 4, 2, True, True, True)] for fmt in ("fp8", "nvfp4")}
+# 16-bit caches at larger batch (0.96-0.99x SDPA in run 17): longer steps, deeper pipelines, split counts.
+LARGE_SHAPES = [(b, ctx, 32, 8, "16bit") for b, ctx in ((8, 8192), (8, 32768), (32, 2048), (32, 8192), (64, 4096),
+                                                        (128, 1024), (256, 2048))]
+LARGE_CONFIGS = {"16bit": [(64, 4, 2, True, False), (128, 4, 2, True, False), (64, 4, 3, True, False),
+                           (32, 4, 4, True, False), (64, 4, 2, True, False, True)]}
 # (block_m, block_n, block_k, warps, stages, split_k[, swap_ab])
 GEMM_CONFIGS = [(16, 32, 128, 4, 4, 4), (16, 32, 128, 4, 4, 3),  # plain products (the current M <= 16 pick first)
                 # swapped products (c^T = w a^T, the weight tile on the MMA's M side), tuple's last entry True
@@ -192,9 +202,11 @@ def sweep_decode_small(rows, shapes=SMALL_SHAPES, configs=SMALL_CONFIGS, splits=
         kc, vc, kw, kd, vd, nbytes = quantized_caches(kh, vh, fmt)
         ref = F.scaled_dot_product_attention(q.float().transpose(1, 2), kd.transpose(1, 2), vd.transpose(1, 2),
                                              enable_gqa=True).transpose(1, 2)
-        for bn, w, st, tma, trans in configs[fmt]:
-            cfg = dataclasses.replace(orig(128, hq // hkv, kv_format=fmt), block_n=bn, num_warps=w, num_stages=st,
-                                      tma=tma, trans=trans)
+        for cfg_t in configs[fmt]:
+            bn, w, st, tma, trans, *more = cfg_t  # an optional sixth entry: the S/P-overlapped loop
+            overlap = bool(more and more[0])
+            cfg = dataclasses.replace(orig(128, hq // hkv, kv_format=fmt, kv_tokens=b * ctx * hkv), block_n=bn,
+                                      num_warps=w, num_stages=st, tma=tma, trans=trans)
             _force(decode_ops, "decode_config", cfg)
             times, err = {}, 0.0
             try:
@@ -202,15 +214,15 @@ def sweep_decode_small(rows, shapes=SMALL_SHAPES, configs=SMALL_CONFIGS, splits=
                     if b * hkv * n > 8 * 132 * 4:
                         continue
                     call = lambda: tileflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens,  # noqa: E731
-                                                                     num_splits=n, **kw)
+                                                                     num_splits=n, sp_overlap=overlap, **kw)
                     err = max(err, (call().float() - ref).abs().max().item())
                     times[n] = bench_ms(graphed(call)) * 1e3
                 best = min((t, n) for n, t in times.items())
-                rows.append([f"{fmt}", f"b={b} ctx={ctx} {hq}/{hkv}", str((bn, w, st, tma, trans)),
+                rows.append([f"{fmt}", f"b={b} ctx={ctx} {hq}/{hkv}", str(cfg_t),
                              f"best {best[0]:.1f} us @ {best[1]} ({nbytes / best[0] / 1e6:.2f} TB/s); "
                              + " ".join(f"{n}:{t:.1f}" for n, t in times.items()), f"{err:.1e}"])
             except Exception as exc:  # noqa: BLE001
-                rows.append([f"{fmt}", f"b={b} ctx={ctx} {hq}/{hkv}", str((bn, w, st, tma, trans)), "FAILED",
+                rows.append([f"{fmt}", f"b={b} ctx={ctx} {hq}/{hkv}", str(cfg_t), "FAILED",
                              repr(exc)[:60]])
             print(rows[-1], flush=True)
         del kc, vc, kh, vh
@@ -258,6 +270,9 @@ def main(argv=None):
              "bwd-softcap": lambda r: sweep_bwd(r, dims=(128,), softcap=10.0),
              "gemm-small": lambda r: sweep_gemm(r, SMALL_M_SHAPES),
              "decode-small": sweep_decode_small,
+             "decode-large": lambda r: sweep_decode_small(r, LARGE_SHAPES, LARGE_CONFIGS, (0, 1, 2, 4, 8)),
+             "decode-quant-overlap": lambda r: sweep_decode_small(r, QUANT_WIDE_SHAPES, QUANT_OVERLAP_CONFIGS,
+                                                                  (0, 1, 2, 4, 8, 33)),
              "decode-quant-wide": lambda r: sweep_decode_small(r, QUANT_WIDE_SHAPES, QUANT_WIDE_CONFIGS,
                                                                (0, 1, 2, 4, 8, 16, 33, 66)),
              "decode-quant": lambda r: sweep_decode(r, ("fp8", "nvfp4"), DECODE_SHAPES, QUANT_CONFIGS),

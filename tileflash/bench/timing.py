@@ -31,6 +31,7 @@ def graphed(fn, warmup_iters=3):
         graph.replay()
         return out
 
+    replay.captured_fn = fn  # the graph reads fn's tensors: they live as long as the replay callable
     return replay
 
 
