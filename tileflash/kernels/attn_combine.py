@@ -8,8 +8,6 @@ a 3-D [T, H, D] / [H, T] pair is the case B = 1).
 import triton
 import triton.language as tl
 
-from ._pdl import gdc_wait
-
 
 @triton.jit
 def _merge_step(acc, m, l, o_part, lse_part):
@@ -49,7 +47,6 @@ def attn_combine_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, num_splits, 
     and their LSEs and outputs are loaded together, so with up to SPLIT_CHUNK splits a program makes one memory
     round trip (the program per whole row read its splits in two passes of 32: ~4 dependent round trips at batch 1,
     where the combine is latency, not bandwidth)."""
-    gdc_wait()  # launched with PDL after the attention kernel: its partials are complete and visible past here
     row = tl.program_id(0).to(tl.int64)
     b = row // (seqlen * num_heads)
     s = (row // num_heads) % seqlen

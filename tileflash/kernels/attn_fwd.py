@@ -20,7 +20,6 @@ import triton
 import triton.language as tl
 
 from ._attn_inner import attn_inner
-from ._pdl import gdc_launch_dependents
 from ._masks import LOG2E, kv_block_range, logit_scales, seq_extents
 from .quant import E2M1_UNIT
 
@@ -60,8 +59,6 @@ def attn_fwd_kernel(
     USE_DESC: tl.constexpr, SP_OVERLAP: tl.constexpr, WARP_SPEC: tl.constexpr, TILE_DTYPE: tl.constexpr,
     TRANS: tl.constexpr, RAW_SCORES: tl.constexpr,
 ):
-    if SPLIT:
-        gdc_launch_dependents()  # the combine may become resident now; it waits for this grid before reading
     pid = tl.program_id(0)
     split = tl.program_id(1)
     pid_m = m_tiles - 1 - pid % m_tiles  # reverse order: causal tiles with the most work start first

@@ -8,7 +8,6 @@ import torch
 
 from .. import _utils
 from ..heuristics import combine_tiles, padded_head_dim
-from ..kernels._pdl import PDL
 from ..kernels.attn_combine import attn_combine_kernel, merge_states_kernel
 from ..kernels.attn_fwd import attn_fwd_kernel
 from ..kernels.kv_append import kv_append_kernel
@@ -115,9 +114,6 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
     )
 
 
-PDL_LAUNCH = {"launch_pdl": True} if PDL else {}  # the combine overlaps the attention kernel's tail (kernels/_pdl.py)
-
-
 def launch_combine(o_part, lse_part, out4, lse3) -> None:
     """Merge split partials o_part [splits, B*Sq*Hq, D], lse_part [splits, B*Sq*Hq] into out4 / lse3."""
     num_splits, num_rows, d = o_part.shape
@@ -126,7 +122,7 @@ def launch_combine(o_part, lse_part, out4, lse3) -> None:
     attn_combine_kernel[(num_rows, _utils.cdiv(d, d_chunk))](
         o_part, lse_part, out4, lse3, num_splits, sq, hq, num_rows,
         out4.stride(0), out4.stride(1), out4.stride(2), lse3.stride(0), lse3.stride(1), lse3.stride(2),
-        HEAD_DIM=d, D_CHUNK=d_chunk, SPLIT_CHUNK=split_chunk, num_warps=4, **PDL_LAUNCH,
+        HEAD_DIM=d, D_CHUNK=d_chunk, SPLIT_CHUNK=split_chunk, num_warps=4,
     )
 
 
