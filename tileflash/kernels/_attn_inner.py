@@ -58,7 +58,7 @@ def _kv_tile(base, sbase, start_n, seqlen_k, bt_ptr, stride_page, stride_tok, ss
         else:
             packed = tl.load(base + row_off[:, None] + offs_b[None, :])
             s_bits = tl.load(s_ptrs)
-        t = nvfp4_unpack_tile(packed, s_bits, BLOCK_N, HEAD_DIM)
+        t = nvfp4_unpack_tile(packed, s_bits, BLOCK_N, HEAD_DIM, False)  # side effects: see nvfp4_unpack_tile
     elif USE_DESC:
         t = base.load([desc_row0 + start_n, head_kv, 0]).reshape(BLOCK_N, offs_d.shape[0])
         if MASK_N:

@@ -59,7 +59,7 @@ def nvfp4_matmul_kernel(a_ptr, b_ptr, s_ptr, g_ptr, c_ptr, M, N, K, k_per_split,
         else:
             s_bits = tl.load(s_ptr + n64[:, None] * stride_sn + (k0 // 16 + offs_s)[None, :] * stride_sk,
                              mask=n_ok[:, None] & (k0 // 16 + offs_s < K // 16)[None, :], other=0)
-        w = nvfp4_unpack_tile(packed, s_bits, BLOCK_N, BLOCK_K)
+        w = nvfp4_unpack_tile(packed, s_bits, BLOCK_N, BLOCK_K, True)  # pure PTX: see nvfp4_unpack_tile
         if UPCAST:  # interpreter: bf16 dots would run on raw bits, so both operands go to fp32
             a = a.to(tl.float32)
             w = w.to(tl.float32)
