@@ -108,3 +108,24 @@ def test_merge_head_dim_zero_still_merges_lse():
     out, lse = tileflash.merge_attn_states(oa, la, oa.clone(), lb)
     assert out.shape == oa.shape
     check_lse(lse, torch.logaddexp(la, lb), atol=1e-5)
+
+
+# --- Empty K/V on the TMA path ------------------------------------------------------------------------------------
+# test_fuzz on the H200 (2026-11-30, session 4): flash_attn_func with Sk = 0 at a power-of-two head dim, where the
+# tile config reads K/V through TMA descriptors (d128 non-causal), built a descriptor with a zero dim and triton's
+# TensorDescriptor asserted ("shape must be positive") instead of returning out = 0, lse = -inf. The interpreter's
+# tiles never use TMA, so the CPU suite could not see it; the descriptor builder is checked directly here too.
+
+@pytest.mark.parametrize("d, causal", [(128, False), (128, True), (64, False), (256, False)])
+def test_empty_keys_at_power_of_two_head_dims(d, causal):
+    q = torch.randn(1, 3, 2, d, device=DEVICE, dtype=torch.float16)
+    k = torch.empty(1, 0, 2, d, device=DEVICE, dtype=torch.float16)
+    out, lse = tileflash.flash_attn_func(q, k, k.clone(), causal=causal, return_lse=True)
+    assert torch.all(out == 0) and torch.all(torch.isneginf(lse))
+
+
+def test_no_tma_descriptor_over_zero_rows():
+    from tileflash.ops._launch import _kv_descriptors
+
+    k = torch.empty(1, 0, 2, 128, dtype=torch.float16)
+    assert _kv_descriptors(k, k.clone(), 0, 128) is None

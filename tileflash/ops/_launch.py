@@ -39,9 +39,10 @@ def _dummy(device) -> torch.Tensor:
 def _kv_descriptors(k4, v4, rows: int, block_n: int):
     """TMA descriptors over K/V viewed as [rows, Hkv, D] (batch and sequence merged), or None when the layout does
     not allow it: merged dims need stride(0) == S * stride(1), and TMA needs 16-byte aligned bases and strides.
-    Only for head dims that are powers of two, so a tile never reaches past D."""
+    Only for head dims that are powers of two, so a tile never reaches past D, and for at least one row (a
+    descriptor's dims must be positive; an empty K/V, Sk = 0, takes the pointer path)."""
     d = k4.shape[3]
-    if d != padded_head_dim(d):
+    if d != padded_head_dim(d) or rows == 0:
         return None
     descs = []
     for t in (k4, v4):
