@@ -72,7 +72,7 @@ QUANT_WIDE_CONFIGS = {fmt: [(64, 4, 3, True, True), (128, 8, 3, True, True), (64
 # schedulers the next block's dequantization and QK^T during this block's softmax.
 QUANT_OVERLAP_CONFIGS = {fmt: [(128, 4, 3, True, True), (128, 4, 3, True, True, True), (64, 4, 3, True, True, True),
                                (128, 4, 2, True, True, True)] for fmt in ("fp8", "nvfp4")}
-# 16-bit caches at larger batch (0.96-0.99x SDPA in run 17): longer steps, deeper pipelines, split counts.
+# 16-bit caches at larger batch (0.96-0.99x SDPA in run 19): longer steps, deeper pipelines, split counts.
 LARGE_SHAPES = [(b, ctx, 32, 8, "16bit") for b, ctx in ((8, 8192), (8, 32768), (32, 2048), (32, 8192), (64, 4096),
                                                         (128, 1024), (256, 2048))]
 LARGE_CONFIGS = {"16bit": [(64, 4, 2, True, False), (128, 4, 2, True, False), (64, 4, 3, True, False),

@@ -195,7 +195,7 @@ def nvfp4_unpack_tile(packed, s_bits, ROWS: tl.constexpr, COLS: tl.constexpr, PU
     with an e4m3 scale is a multiple of 2^-24 with at most 6 significant bits: exact in fp16 (and in bf16 and fp32
     after a cast), so both paths give the same bits. COLS >= 32 (NVFP4 caches refuse head dim 16, ops/decode.py).
     PURE marks the inline PTX side-effect free, so the compiler may move, merge and re-layout around it. Measured
-    both ways on the H200 (run 20, graph replay): the GEMM at M <= 16 gains (N=K=8192 36.8 vs 40.4 us, 4096 18.4
+    both ways on the H200 (run 21, graph replay): the GEMM at M <= 16 gains (N=K=8192 36.8 vs 40.4 us, 4096 18.4
     vs 19.6), the decode loop loses (b=8 ctx 32k 265 vs 240 us; its SASS step grows, 772 vs 661 instructions in
     session 3's 64-token loop), so the GEMM passes True and decode False."""
     scale = nvfp4_block_scales(s_bits, ROWS, COLS, PURE)
