@@ -128,9 +128,9 @@ def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_fo
         return DecodeConfig(block_m=block_m, block_n=16, num_warps=4, num_stages=1)
     d = padded_head_dim(head_dim)
     key = kv_format
-    if kv_tokens * d >= LARGE_TILES_MIN_KV * 128:
-        key = next((k for k in (f"{kv_format}-paged-large" if paged else "", f"{kv_format}-large")
-                    if k in DECODE_TILES), kv_format)
+    if kv_tokens * d >= LARGE_TILES_MIN_KV * 128:  # the "-paged-large" tiles where a format has them, else "-large"
+        large = [f"{kv_format}-paged-large"] * paged + [f"{kv_format}-large"]
+        key = next((k for k in large if k in DECODE_TILES), kv_format)
     tokens, stages, trans, resident = DECODE_TILES[key]
     # K+V bytes per step held constant across head dims (d=64 at 64 tokens per step ran 0.71-0.93x the peer).
     block_n = tokens * 128 // d if d >= 64 else 2 * tokens
