@@ -4,6 +4,7 @@ Run on the GPU machine: `python benchmarks/sweep.py [--json PATH]`. The winners 
 with the measurement in a comment; this script is how they were chosen.
 """
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from tileflash.bench.formulas import attn_fwd_flops, decode_kv_bytes, gbps, tflops
 from tileflash.bench.table import format_table
 from tileflash.bench.timing import bench_ms
-from tileflash.heuristics import DecodeConfig, FwdConfig
+from tileflash.heuristics import FwdConfig
 from tileflash.ops import decode as decode_ops
 from tileflash.ops._launch import Mask, launch_attn_fwd
 
@@ -98,8 +99,8 @@ def sweep_decode(rows, out):
             if tma and ps is not None:
                 continue
             for overlap in (True, False):
-                decode_ops.decode_config = lambda dd, rows_, interpret=False: DecodeConfig(  # noqa: E731
-                    original(dd, rows_).block_m, bn, w, st, tma=tma)
+                decode_ops.decode_config = lambda *a, **kw: dataclasses.replace(  # noqa: E731
+                    original(*a, **kw), block_n=bn, num_warps=w, num_stages=st, tma=tma)
                 try:
                     fn = lambda: tileflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens,  # noqa: E731
                                                                    block_table=table, sp_overlap=overlap)

@@ -48,6 +48,8 @@ def test_decode_block_m(rows, expected):
     (128, "fp8", False, 2 ** 30, 128, 3, True, 2), (128, "nvfp4", True, 2 ** 30, 128, 3, True, 2),
     (64, "fp8", False, 2 ** 30, 256, 3, True, 2), (128, "fp8", False, 8192 * 8, 64, 3, True, 4),
     (128, "nvfp4", True, 8192 * 8, 64, 3, True, 4),
+    # below d=64 a step holds half the bytes (twice the tokens at a quarter or half the width): twice the programs
+    (32, "16bit", True, 2 ** 30, 256, 2, False, 2), (32, "fp8", False, 2 ** 30, 256, 3, True, 4),
 ])
 def test_decode_config(d, fmt, paged, kv_tokens, block_n, stages, trans, resident):
     c = decode_config(d, 4, kv_format=fmt, paged=paged, kv_tokens=kv_tokens)
@@ -73,16 +75,13 @@ def test_decode_config(d, fmt, paged, kv_tokens, block_n, stages, trans, residen
     ((1, 8, 1, 32768, 128, 132, 1), 33),  # 264 = two full waves
     ((32, 8, 1, 8192, 128, 132, 1), 1),  # 256 programs: 1.94 waves, no combine
     ((1, 1, 1, 2 ** 20, 128, 132, 1), MAX_SPLITS),  # capped: 256 programs, 1.94 waves
-    # 128-token quantized tiles (two per SM): at most 2 per SM, whole waves of 264 (run 18's best counts)
-    ((8, 8, 1, 32768, 128, 132, 2), 4),
-    ((32, 8, 1, 8192, 128, 132, 2), 1),
-    ((256, 8, 1, 2048, 128, 132, 2), 1),
-    ((1, 8, 1, 32768, 128, 132, 2), 33),
-    ((8, 8, 1, 8192, 128, 132, 2), 4),
-    ((1, 8, 1, 8192, 128, 132, 2), 32),  # 256 programs, 97% of a wave
-    ((3, 8, 1, 8192, 128, 132, 2), 11),  # 264 // 24 = 11: 264 programs, one full wave
-    ((5, 8, 1, 8192, 128, 132, 2), 6),  # 264 // 40 = 6: 240 programs, 91% of a wave
-    ((7, 8, 1, 8192, 128, 132, 2), 4),  # 224 programs, 85% of a wave: no count fills 90%, so kept
+    # 128-token quantized tiles (two per SM): never more than 2 programs per SM (the count rounded down)
+    ((8, 8, 1, 32768, 128, 132, 2), 4),  # run 18's best count (150.6 us; 8: 154.4)
+    ((32, 8, 1, 8192, 128, 132, 2), 1),  # run 18's best (145.9 us; 2: 153.7)
+    ((256, 8, 1, 2048, 128, 132, 2), 1),  # run 18's best (288.4 us; 2: 320.5)
+    ((1, 8, 1, 32768, 128, 132, 2), 33),  # run 18's best (35.1 us; 66: 39.4)
+    ((5, 8, 1, 32768, 128, 132, 2), 6),  # 40 programs a split: 6 = 240 programs; 7 = 280 would spill past 264
+    ((8, 8, 1, 32768, 64, 132, 4), 4),  # 64-token tiles hold 4 per SM: not limiting at 2 per SM, same floor
 ])
 def test_num_splits_heuristic(args, expected):
     assert num_splits_heuristic(*args) == expected

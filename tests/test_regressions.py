@@ -124,6 +124,14 @@ def test_empty_keys_at_power_of_two_head_dims(d, causal):
     assert torch.all(out == 0) and torch.all(torch.isneginf(lse))
 
 
+def test_empty_keys_backward():
+    # The fuzz case's backward twin: gradients through an attention over no keys are zero for q, empty for k, v.
+    q = torch.randn(1, 3, 2, 128, device=DEVICE, dtype=torch.float16, requires_grad=True)
+    k, v = (torch.empty(1, 0, 2, 128, device=DEVICE, dtype=torch.float16, requires_grad=True) for _ in range(2))
+    tileflash.flash_attn_func(q, k, v).float().sum().backward()
+    assert torch.all(q.grad == 0) and k.grad.shape == k.shape and v.grad.shape == v.shape
+
+
 def test_no_tma_descriptor_over_zero_rows():
     from tileflash.ops._launch import _kv_descriptors
 

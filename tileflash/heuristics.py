@@ -67,7 +67,7 @@ def fwd_config(head_dim: int, causal: bool = False, interpret: bool = False) -> 
             # One warpgroup per program (64 rows, 64 keys per step, ~2 programs per SM: one program's softmax runs
             # while another's MMAs do): 448 vs 418 (128x128, TMA) and 399 (pointers) (run 18, one-FMA softmax).
             return FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, tma=True)
-        # TMA K/V: 485 vs 462 with pointers; 64x64 one-warpgroup tiles 479 (run 18).
+        # TMA K/V: 490 vs 458 with pointers; 64x64 one-warpgroup tiles 479 (run 18).
         return FwdConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, tma=True)
     # d = 256: a 128x128 S tile plus a 128x256 accumulator exceeds the register file; 3 stages exceed shared
     # memory. TMA: 524 vs 489.
@@ -103,7 +103,9 @@ def decode_block_m(group_rows: int) -> int:
 # by cache format; "-large" from LARGE_TILES_MIN_KV token-heads on. Measured on the H200 (benchmarks/config_sweep.py,
 # CUDA-graph replay, 32/8 heads, d=128, 2026-11-30; RESULTS.md runs 7-18):
 # - 16-bit contiguous: 64 tokens, 2 stages, plain products (b=8 ctx 32k 258 us; 3 stages 303, trans 261); b=1 ctx
-#   8k/32k/128k within 2-4% of the best of 64/128 tokens x 2/3/4 stages at their best split counts (run 17).
+#   8k/32k/128k within 1-4% of the best of 64/128 tokens x 2/3/4 stages at their best split counts (run 17; MQA
+#   b=1 ctx 32k ran 11% faster with 3 stages, 15.9 vs 17.7 us; not taken: GQA b=8 ctx 8k ran 92.2 vs 79.9 us with
+#   3 stages at the split rule's count).
 # - 16-bit paged (pointer gathers), large: 128 tokens, 2 stages, one program per SM (128 KiB of stages): page 16
 #   b=32 ctx 8k 262 us vs 322 with 64 tokens, b=64 ctx 4k 255 vs 315 (the contiguous cache: 255, 256). Small paged
 #   caches keep the contiguous tiles (b=1 ctx 8k: 24.7 us with 64-token steps, 26.1 with 128; runs 7, 9, 13).
@@ -132,8 +134,10 @@ def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_fo
         large = [f"{kv_format}-paged-large"] * paged + [f"{kv_format}-large"]
         key = next((k for k in large if k in DECODE_TILES), kv_format)
     tokens, stages, trans, resident = DECODE_TILES[key]
-    # K+V bytes per step held constant across head dims (d=64 at 64 tokens per step ran 0.71-0.93x the peer).
+    # K+V bytes per step held constant across head dims (d=64 at 64 tokens per step ran 0.71-0.93x the peer);
+    # below 64 a step holds fewer bytes and registers, and an SM proportionally more programs.
     block_n = tokens * 128 // d if d >= 64 else 2 * tokens
+    resident *= tokens * 128 // (block_n * d)
     return DecodeConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=stages, tma=True, trans=trans,
                         resident_per_sm=resident)
 
@@ -158,21 +162,25 @@ def num_splits_heuristic(batch: int, nheads_kv: int, m_tiles: int, max_seqlen_k:
     least 256 tokens long. Measured (benchmarks/splits_sweep.py, graph replay, H200): b=1 ctx 8k/32k/128k with 8
     KV heads are within 2% of the best forced count (33 / 33 / 50 splits); MQA b=1 ctx 32k is best at ~128 splits
     (25.0 us) and loses 24% at 256 splits of 2 blocks (30.9 us), where the combine dominates.
-    resident_per_sm (how many programs an SM holds, when splitting can exceed it): at most per_sm programs per SM,
-    lowered until the programs fill at least 90% of whole waves of resident_per_sm x num_sms (or kept when no count
-    does). Paged 128-token tiles (one per SM) at b=8 ctx 32k: 5 splits = 320 programs in 2.4 waves ran 332 us
-    against the contiguous cache's 259 (run 12), 4 splits 260 (run 13). 128-token fp8 tiles (two per SM), run 18:
-    b=8 ctx 32k 150.6 us at 4 splits (5 not measured, 8: 154.4), b=32 ctx 8k 145.9 at 1 (2: 153.7).
+    resident_per_sm (how many programs of the tile an SM holds; 0: more than per_sm, so not limiting): never more
+    than per_sm programs per SM (rounding the count up would put a few programs into one more wave, each costing a
+    whole program's time: fp8 64-token tiles at b=8 ctx 32k ran 9 splits = 576 programs for 528 slots in 191.4 us,
+    8 splits in 155.5, runs 17-18); 128-token fp8 tiles (two per SM), run 18: b=8 ctx 32k 150.6 us at 4 splits
+    (8: 154.4), b=32 ctx 8k 145.9 at 1 (2: 153.7). When an SM holds fewer than per_sm (one program per SM: the
+    paged 128-token tiles), the count is lowered until the programs fill at least 90% of whole waves (or kept when
+    no count does): b=8 ctx 32k ran 5 splits = 320 programs in 2.4 waves at 332 us against the contiguous cache's
+    259 (run 12), 4 splits 260 (run 13).
     """
     base = batch * nheads_kv * m_tiles
     by_length = max(1, cdiv(max(max_seqlen_k, 1), block_n) * block_n // 256)
     if not resident_per_sm:
         return max(1, min(cdiv(per_sm * num_sms, base), by_length, MAX_SPLITS))
     splits = max(1, min(per_sm * num_sms // base, by_length, MAX_SPLITS))
-    wave = resident_per_sm * num_sms
-    for n in range(splits, 0, -1):
-        if base * n >= 0.9 * cdiv(base * n, wave) * wave:
-            return n
+    if resident_per_sm < per_sm:
+        wave = resident_per_sm * num_sms
+        for n in range(splits, 0, -1):
+            if base * n >= 0.9 * cdiv(base * n, wave) * wave:
+                return n
     return splits
 
 

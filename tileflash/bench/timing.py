@@ -3,7 +3,7 @@
 
 def bench_ms(fn, warmup=25, rep=100):
     """Median milliseconds of ``fn()``. do_bench zeroes a 256 MB buffer before every timed call,
-    which evicts the 60 MB L2, so each call reads its inputs from HBM."""
+    which evicts the 50 MB L2, so each call reads its inputs from HBM."""
     from triton.testing import do_bench
 
     return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
