@@ -27,9 +27,11 @@ def test_fwd_config(d, causal, block_m, block_n, warps, stages, tma):
         (block_m, block_n, warps, stages, tma, False)
 
 
-def test_fwd_config_interpreter_uses_small_tiles():
-    assert fwd_config(128, interpret=True).block_n == 16
-    assert not fwd_config(128, interpret=True).tma
+@pytest.mark.parametrize("d, causal", [(64, False), (128, False), (128, True), (256, True), (40, False)])
+def test_fwd_config_interpreter_uses_small_tiles_and_the_gpu_load_path(d, causal):
+    c = fwd_config(d, causal, interpret=True)
+    assert (c.block_m, c.block_n, c.num_stages) == (32, 16, 1)
+    assert c.tma == fwd_config(d, causal).tma  # the CPU suite runs the GPU's K/V load path (descriptors or pointers)
 
 
 @pytest.mark.parametrize("rows, expected", [(1, 16), (4, 16), (17, 32), (64, 64), (128, 64), (512, 64)])

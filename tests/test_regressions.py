@@ -114,7 +114,8 @@ def test_merge_head_dim_zero_still_merges_lse():
 # test_fuzz on the H200 (2026-11-30, session 4): flash_attn_func with Sk = 0 at a power-of-two head dim, where the
 # tile config reads K/V through TMA descriptors (d128 non-causal), built a descriptor with a zero dim and triton's
 # TensorDescriptor asserted ("shape must be positive") instead of returning out = 0, lse = -inf. The interpreter's
-# tiles never use TMA, so the CPU suite could not see it; the descriptor builder is checked directly here too.
+# tiles did not use TMA then, so the CPU suite could not see it; they now load K/V the GPU's way (heuristics), and
+# the descriptor builder is checked directly here too.
 
 @pytest.mark.parametrize("d, causal", [(128, False), (128, True), (64, False), (256, False)])
 def test_empty_keys_at_power_of_two_head_dims(d, causal):

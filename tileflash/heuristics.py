@@ -55,23 +55,27 @@ def padded_head_dim(d: int) -> int:
 def fwd_config(head_dim: int, causal: bool = False, interpret: bool = False) -> FwdConfig:
     """Measured on the H200 (benchmarks/sweep.py, s=4096, bf16, 2026-11-30; TFLOP/s in brackets).
     Warp specialisation measured no gain on sm_90 with triton 3.6 (within 1%), so it stays off."""
-    if interpret:
-        # Small tiles keep the interpreter fast and put several KV blocks in short test sequences.
-        return FwdConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
     d = padded_head_dim(head_dim)
     if d <= 64:
         # 128x64 tiles: 419 full / 370 causal; 128x128 fell to 331 / 292 and TMA did not help (345 / 299).
-        return FwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
-    if d <= 128:
-        if causal:
-            # One warpgroup per program (64 rows, 64 keys per step, ~2 programs per SM: one program's softmax runs
-            # while another's MMAs do): 448 vs 418 (128x128, TMA) and 399 (pointers) (run 18, one-FMA softmax).
-            return FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, tma=True)
+        cfg = FwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    elif d <= 128 and causal:
+        # One warpgroup per program (64 rows, 64 keys per step, ~2 programs per SM: one program's softmax runs
+        # while another's MMAs do): 448 vs 418 (128x128, TMA) and 399 (pointers) (run 18, one-FMA softmax).
+        cfg = FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, tma=True)
+    elif d <= 128:
         # TMA K/V: 490 vs 458 with pointers; 64x64 one-warpgroup tiles 479 (run 18).
-        return FwdConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, tma=True)
-    # d = 256: a 128x128 S tile plus a 128x256 accumulator exceeds the register file; 3 stages exceed shared
-    # memory. TMA: 524 vs 489.
-    return FwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, tma=True)
+        cfg = FwdConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, tma=True)
+    else:
+        # d = 256: a 128x128 S tile plus a 128x256 accumulator exceeds the register file; 3 stages exceed shared
+        # memory. TMA: 524 vs 489.
+        cfg = FwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, tma=True)
+    if interpret:
+        # Small tiles keep the interpreter fast and put several KV blocks in short test sequences; K/V arrive the
+        # GPU's way (TMA descriptors or pointers), so the CPU suite runs that load path too (a zero-row descriptor
+        # once failed on the GPU only: tests/test_regressions.py).
+        return FwdConfig(block_m=32, block_n=16, num_warps=4, num_stages=1, tma=cfg.tma)
+    return cfg
 
 
 def bwd_config(head_dim: int, interpret: bool = False) -> BwdConfig:
@@ -126,8 +130,8 @@ def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_fo
     through TMA descriptors, paged ones by pointer gathers (a TMA descriptor covers one strided box, not a page list).
     kv_tokens = batch x cache capacity x KV heads; caches of LARGE_TILES_MIN_KV or more take the "-large" tiles."""
     block_m = decode_block_m(group_rows)
-    if interpret:
-        return DecodeConfig(block_m=block_m, block_n=16, num_warps=4, num_stages=1)
+    if interpret:  # small steps; K/V through TMA descriptors as on the GPU (paged and NVFP4 caches take pointers)
+        return DecodeConfig(block_m=block_m, block_n=16, num_warps=4, num_stages=1, tma=True)
     d = padded_head_dim(head_dim)
     key = kv_format
     if kv_tokens * d >= LARGE_TILES_MIN_KV * 128:  # the "-paged-large" tiles where a format has them, else "-large"
