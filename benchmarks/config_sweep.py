@@ -34,7 +34,10 @@ BWD_CONFIGS = {
          (64, 128, 64, 64, 4, 2, 4, 2)],
     128: [(64, 64, 128, 32, 8, 2, 8, 2), (32, 128, 128, 32, 8, 3, 8, 3), (64, 128, 128, 64, 8, 2, 8, 2),
           (32, 64, 128, 64, 4, 3, 8, 2), (64, 64, 64, 64, 4, 3, 4, 3), (32, 128, 64, 32, 8, 2, 4, 3),
-          (16, 128, 128, 32, 4, 4, 8, 3)],
+          (16, 128, 128, 32, 4, 4, 8, 3),
+          # the current pick's dK/dV program spills with triton 3.7 (sm_90 build on the CPU: 255 registers + 64 B
+          # of stack, 104 B causal); 32 or 16 query rows per step do not (236-243 / 209-211 registers)
+          (32, 128, 128, 64, 8, 2, 8, 2), (32, 128, 128, 64, 8, 3, 8, 2), (16, 128, 128, 64, 8, 3, 8, 2)],
     # d256 was never swept; the current tile's dQ program spills (tests/sm90_compile_check.py --res-usage).
     256: [(32, 32, 64, 32, 8, 1, 8, 1), (32, 32, 32, 32, 8, 1, 4, 2), (32, 64, 32, 32, 8, 1, 8, 2),
           (16, 64, 32, 64, 4, 2, 4, 2), (32, 32, 64, 16, 4, 2, 8, 1)],
@@ -87,6 +90,18 @@ GEMM_SHAPES = [(1, 4096), (16, 4096), (1, 8192), (16, 8192), (128, 8192), (1024,
 SMALL_M_SHAPES = GEMM_SHAPES[:4]
 
 
+def _regs_and_spills():
+    """Registers and spilled bytes of the newest compiled dK/dV and dQ programs, as the driver reports them."""
+    from tileflash.kernels import attn_bwd
+
+    out = []
+    for fn in (attn_bwd.attn_bwd_dkdv_kernel, attn_bwd.attn_bwd_dq_kernel):
+        kernels = [k for caches in fn.device_caches.values() for k in caches[0].values()]
+        if kernels:
+            out.append(f"{getattr(kernels[-1], 'n_regs', '?')}r/{getattr(kernels[-1], 'n_spills', '?')}s")
+    return " ".join(out)
+
+
 def _force(module, name, cfg):
     setattr(module, name, lambda *a, **k: cfg)
 
@@ -117,7 +132,7 @@ def sweep_bwd(rows, dims=(64, 128), softcap=0.0):
                     ms = bench_ms(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True))
                     tf = tflops(2.5 * attn_fwd_flops(b, h, s, s, d, causal), ms)
                     label = f"d{d} {'causal' if causal else 'full'}{' softcap' if softcap else ''} s={s}"
-                    rows.append(["bwd", label, str(cfg_t), f"{tf:.1f} TFLOP/s", f"{err:.1e}"])
+                    rows.append(["bwd", label, str(cfg_t), f"{tf:.1f} TFLOP/s ({_regs_and_spills()})", f"{err:.1e}"])
                 except Exception as exc:  # noqa: BLE001 - a config that fails to compile is a result
                     rows.append(["bwd", f"d{d} causal={causal}", str(cfg_t), "FAILED", repr(exc)[:60]])
                 print(rows[-1], flush=True)
