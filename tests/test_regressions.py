@@ -138,3 +138,24 @@ def test_no_tma_descriptor_over_zero_rows():
 
     k = torch.empty(1, 0, 2, 128, dtype=torch.float16)
     assert _kv_descriptors(k, k.clone(), 0, 128) is None
+
+
+# --- cu_seqlens past the packed rows -------------------------------------------------------------------------------
+# Probe (session 4): q of 12 packed rows with cu_seqlens_q = [0, 5, 20] wrote sequence 1's rows 12..19 past the end
+# of out (the process then died in free(): "invalid next size"). cu_seqlens are device values (no check without a
+# sync), so the kernels clamp them to the packed row counts: no read or write leaves the tensors, forward or backward.
+
+def test_cu_seqlens_past_the_packed_rows_stay_in_bounds():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(12, 2, 32, generator=g).to(DEVICE, torch.float16).requires_grad_()
+    k = torch.randn(10, 2, 32, generator=g).to(DEVICE, torch.float16).requires_grad_()
+    v = torch.randn(10, 2, 32, generator=g).to(DEVICE, torch.float16).requires_grad_()
+    cu_q = torch.tensor([0, 5, 20], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 6, 16], dtype=torch.int32, device=DEVICE)
+    out = tileflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 15, 10, causal=True)
+    out.float().sum().backward()
+    # Sequence 0 lies inside both tensors: its rows are exact; the clamped sequence 1 only has to stay finite.
+    ref, _ = attention_varlen_ref(q.detach(), k.detach(), v.detach(), cu_q[:2], cu_k[:2], causal=True)
+    check_2x(out[:5].detach(), ref[:5], attention_varlen_ref(q.detach(), k.detach(), v.detach(), cu_q[:2], cu_k[:2],
+                                                             causal=True, upcast=False)[0][:5])
+    assert torch.isfinite(out).all() and torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()

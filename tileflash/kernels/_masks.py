@@ -28,16 +28,18 @@ def visible(q_pos, k_pos, seqlen_k, window_left, window_right, HAS_LEFT: tl.cons
 def seq_extents(b, cu_seqlens_q_ptr, cu_seqlens_k_ptr, seqlens_k_ptr, seqlen_q_static, seqlen_k_static,
                 seqlen_k_add, VARLEN_Q: tl.constexpr, VARLEN_K: tl.constexpr, HAS_SEQLENS_K: tl.constexpr):
     """(q_start, seqlen_q, k_start, seqlen_k) of sequence b: packed (cu_seqlens) or padded (static lengths);
-    seqlens_k (seqused_k / cache_seqlens) + seqlen_k_add overrides the key count, never past the stored keys."""
+    seqlens_k (seqused_k / cache_seqlens) + seqlen_k_add overrides the key count, never past the stored keys.
+    Packed: the static lengths are the packed row counts, and cu_seqlens entries past them (a caller's error) are
+    clamped to them, so no read or write leaves the tensors."""
     if VARLEN_Q:
-        q_start = tl.load(cu_seqlens_q_ptr + b)
-        seqlen_q = tl.load(cu_seqlens_q_ptr + b + 1) - q_start
+        q_start = tl.minimum(tl.load(cu_seqlens_q_ptr + b), seqlen_q_static)
+        seqlen_q = tl.minimum(tl.load(cu_seqlens_q_ptr + b + 1), seqlen_q_static) - q_start
     else:
         q_start = 0
         seqlen_q = seqlen_q_static
     if VARLEN_K:
-        k_start = tl.load(cu_seqlens_k_ptr + b)
-        seqlen_k = tl.load(cu_seqlens_k_ptr + b + 1) - k_start
+        k_start = tl.minimum(tl.load(cu_seqlens_k_ptr + b), seqlen_k_static)
+        seqlen_k = tl.minimum(tl.load(cu_seqlens_k_ptr + b + 1), seqlen_k_static) - k_start
     else:
         k_start = 0
         seqlen_k = seqlen_k_static

@@ -157,7 +157,7 @@ def attn_bwd_dkdv_kernel(
         b, cu_seqlens_q_ptr, cu_seqlens_k_ptr, seqused_k_ptr, seqlen_q_static, seqlen_k_static, 0,
         VARLEN_Q, VARLEN_K, HAS_SEQUSED_K)
     if VARLEN_K:  # keys stored for this sequence (seqused_k may use fewer; the rest get zero gradients)
-        stored_k = tl.load(cu_seqlens_k_ptr + b + 1) - k_start
+        stored_k = tl.minimum(tl.load(cu_seqlens_k_ptr + b + 1), seqlen_k_static) - k_start
     else:
         stored_k = seqlen_k_static
     if start_n >= stored_k:

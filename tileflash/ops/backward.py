@@ -74,7 +74,7 @@ def _attn_bwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     if varlen:
         views = [t.unsqueeze(0) for t in (q, k, v, out, dout, dq, dk, dv)]
         lse3, dlse3 = lse.unsqueeze(0), (dlse.unsqueeze(0) if dlse is not None else None)
-        num_batches, seqlen_q, seqlen_k = cu_seqlens_q.shape[0] - 1, 0, 0
+        num_batches, seqlen_q, seqlen_k = cu_seqlens_q.shape[0] - 1, q.shape[0], k.shape[0]  # packed row counts
     else:
         views = [q, k, v, out, dout, dq, dk, dv]
         lse3, dlse3 = lse, dlse

@@ -76,7 +76,7 @@ def _varlen_forward(q, k4, v4, cu_seqlens_q, max_seqlen_q, softmax_scale, window
         return out, lse.fill_(float("-inf"))
     cfg = fwd_config(d, causal=window_right >= 0, interpret=_utils.is_interpreter())
     launch_attn_fwd(q.unsqueeze(0), k4, v4, out.unsqueeze(0), lse.unsqueeze(0), q_batch_stride0=True,
-                    num_batches=num_seqs, seqlen_q=0, m_rows=max_seqlen_q, softmax_scale=softmax_scale,
+                    num_batches=num_seqs, seqlen_q=total_q, m_rows=max_seqlen_q, softmax_scale=softmax_scale,
                     mask=Mask(window_left, window_right, softcap), config=cfg, sp_overlap=cfg.sp_overlap,
                     cu_seqlens_q=cu_seqlens_q, **launch_kw)
     return out, lse
@@ -87,7 +87,7 @@ def _attn_varlen_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
                           max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
                           softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
     return _varlen_forward(q, k.unsqueeze(0), v.unsqueeze(0), cu_seqlens_q, max_seqlen_q, softmax_scale, window_left,
-                           window_right, softcap, k_batch_stride0=True, seqlen_k=0, cu_seqlens_k=cu_seqlens_k,
+                           window_right, softcap, k_batch_stride0=True, seqlen_k=k.shape[0], cu_seqlens_k=cu_seqlens_k,
                            seqlens_k=seqused_k)
 
 
