@@ -159,3 +159,24 @@ def test_cu_seqlens_past_the_packed_rows_stay_in_bounds():
     check_2x(out[:5].detach(), ref[:5], attention_varlen_ref(q.detach(), k.detach(), v.detach(), cu_q[:2], cu_k[:2],
                                                              causal=True, upcast=False)[0][:5])
     assert torch.isfinite(out).all() and torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
+
+
+# --- Windows wider than any sequence ---------------------------------------------------------------------------------
+# Probe (session 4): window_size=(-1, 2**31 - 1) masked every key (out 0, lse -inf): the kernels add the window to
+# int32 positions and it wrapped. A window of 2**30 or more covers any sequence and is now unbounded; non-int
+# windows (1.7) are refused instead of truncated.
+
+@pytest.mark.parametrize("window", [(-1, 2 ** 31 - 1), (2 ** 31 - 1, -1), (2 ** 64, 2 ** 40)])
+def test_huge_windows_are_unbounded(window):
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 9, 2, 32, generator=g).to(DEVICE, torch.float16)
+    k, v = (torch.randn(1, 6, 2, 32, generator=g).to(DEVICE, torch.float16) for _ in range(2))
+    for causal in (False, True):
+        out = tileflash.flash_attn_func(q, k, v, causal=causal, window_size=window)
+        assert torch.equal(out, tileflash.flash_attn_func(q, k, v, causal=causal))
+
+
+def test_non_int_windows_are_refused():
+    q = torch.randn(1, 4, 2, 32, device=DEVICE, dtype=torch.float16)
+    with pytest.raises(TypeError, match="window_size"):
+        tileflash.flash_attn_func(q, q, q, window_size=(1.7, 2))

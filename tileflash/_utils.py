@@ -5,6 +5,7 @@ Every check raises before any kernel launch and names the argument, what was exp
 from __future__ import annotations
 
 import functools
+import operator
 import os
 
 import torch
@@ -114,14 +115,19 @@ def check_head_dim(d: int) -> None:
         raise ValueError(f"head dim: expected a multiple of 8 in [8, {MAX_HEAD_DIM}], got {d}")
 
 
+WINDOW_UNBOUNDED_FROM = 2 ** 30  # a window this wide covers any sequence int32 positions can index
+
+
 def check_window(window_size) -> tuple[int, int]:
+    """(left, right) as ints >= -1. A bound of WINDOW_UNBOUNDED_FROM or more is unbounded (-1): the kernels add
+    windows to int32 positions, and 2**31 - 1 there wrapped around and masked every key."""
     try:
-        left, right = (int(w) for w in window_size)
+        left, right = (operator.index(w) for w in window_size)  # ints and int-likes; floats are refused
     except (TypeError, ValueError):
         raise TypeError(f"window_size: expected a pair of ints (left, right), got {window_size!r}") from None
     if left < -1 or right < -1:
         raise ValueError(f"window_size: expected values >= -1 (-1 = unbounded), got {window_size!r}")
-    return left, right
+    return tuple(-1 if w >= WINDOW_UNBOUNDED_FROM else w for w in (left, right))
 
 
 def check_int32(name: str, t, ndim: int, device) -> None:
