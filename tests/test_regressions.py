@@ -9,7 +9,7 @@ import torch
 
 import tileflash
 from helpers import DEVICE, check_2x, check_lse
-from tileflash.reference import attention_varlen_ref, kvcache_ref
+from tileflash.reference import attention_ref, attention_varlen_ref, kvcache_ref
 
 
 def _strided_int32(values, fillers):
@@ -180,3 +180,72 @@ def test_non_int_windows_are_refused():
     q = torch.randn(1, 4, 2, 32, device=DEVICE, dtype=torch.float16)
     with pytest.raises(TypeError, match="window_size"):
         tileflash.flash_attn_func(q, q, q, window_size=(1.7, 2))
+
+
+# --- Probe findings on scalar arguments (session 4) -----------------------------------------------------------------
+# softcap 1e7 gave logits off by 0.4 (tanh's 1 - 2/(exp(2y) + 1) cancels for small y) and softcap=inf returned NaN;
+# softmax_scale="a", softcap=None and num_splits=None raised Python's own errors that do not name the argument;
+# num_splits had no upper bound; decode with zero query heads divided by zero in the split heuristic; paged varlen
+# accepted a seqused_k of the wrong length, max_seqlen_q=-1 and (on the CPU) page indices outside the pool.
+
+@pytest.mark.parametrize("softcap", [1e4, 1e7, 1e20])
+def test_huge_softcaps_match_the_reference(softcap):
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 7, 2, 32, generator=g).to(DEVICE, torch.float16) for _ in range(3))
+    out = tileflash.flash_attn_func(q, k, v, softcap=softcap)
+    check_2x(out, attention_ref(q, k, v, softcap=softcap)[0], attention_ref(q, k, v, softcap=softcap, upcast=False)[0])
+
+
+@pytest.mark.parametrize("kw, name", [(dict(softcap=float("inf")), "softcap"), (dict(softcap=None), "softcap"),
+                                      (dict(softmax_scale="a"), "softmax_scale"),
+                                      (dict(softmax_scale=float("nan")), "softmax_scale")])
+def test_bad_scalars_name_the_argument(kw, name):
+    q = torch.randn(1, 4, 2, 32, device=DEVICE, dtype=torch.float16)
+    with pytest.raises((TypeError, ValueError), match=name):
+        tileflash.flash_attn_func(q, q, q, **kw)
+
+
+@pytest.mark.parametrize("num_splits", [None, 1.5, -1, 257])
+def test_bad_num_splits_name_the_argument(num_splits):
+    q = torch.randn(1, 1, 2, 32, device=DEVICE, dtype=torch.float16)
+    cache = torch.randn(1, 8, 2, 32, device=DEVICE, dtype=torch.float16)
+    lens = torch.full((1,), 8, dtype=torch.int32, device=DEVICE)
+    with pytest.raises((TypeError, ValueError), match="num_splits"):
+        tileflash.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=lens, num_splits=num_splits)
+
+
+def test_decode_with_zero_query_heads_still_appends():
+    q = torch.randn(2, 1, 0, 32, device=DEVICE, dtype=torch.float16)
+    k_cache = torch.zeros(2, 8, 2, 32, device=DEVICE, dtype=torch.float16)
+    v_cache = k_cache.clone()
+    new = torch.randn(2, 1, 2, 32, device=DEVICE, dtype=torch.float16)
+    lens = torch.tensor([3, 5], dtype=torch.int32, device=DEVICE)
+    out = tileflash.flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=lens)
+    assert out.shape == q.shape
+    assert torch.equal(k_cache[0, 3], new[0, 0]) and torch.equal(v_cache[1, 5], new[1, 0])
+
+
+def _paged_varlen_inputs():
+    q = torch.randn(9, 2, 32, device=DEVICE, dtype=torch.float16)
+    pool = torch.randn(6, 4, 2, 32, device=DEVICE, dtype=torch.float16)
+    cu_q = torch.tensor([0, 4, 9], dtype=torch.int32, device=DEVICE)
+    table = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32, device=DEVICE)
+    used = torch.tensor([10, 12], dtype=torch.int32, device=DEVICE)
+    return q, pool, cu_q, table, used
+
+
+def test_paged_varlen_checks_seqused_k_and_max_seqlen_q():
+    q, pool, cu_q, table, used = _paged_varlen_inputs()
+    with pytest.raises(ValueError, match="seqused_k"):
+        tileflash.flash_attn_varlen_func(q, pool, pool, cu_q, None, 5, 0, seqused_k=used[:1], block_table=table)
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        tileflash.flash_attn_varlen_func(q, pool, pool, cu_q, None, -1, 0, seqused_k=used, block_table=table)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="page indices are checked where it costs no device sync (CPU tensors)")
+@pytest.mark.parametrize("bad", [-1, 1000])
+def test_paged_varlen_checks_page_indices_on_the_cpu(bad):
+    q, pool, cu_q, table, used = _paged_varlen_inputs()
+    table[1, 2] = bad
+    with pytest.raises(ValueError, match="block_table"):
+        tileflash.flash_attn_varlen_func(q, pool, pool, cu_q, None, 5, 0, seqused_k=used, block_table=table)

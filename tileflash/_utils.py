@@ -5,6 +5,7 @@ Every check raises before any kernel launch and names the argument, what was exp
 from __future__ import annotations
 
 import functools
+import math
 import operator
 import os
 
@@ -134,5 +135,26 @@ def check_int32(name: str, t, ndim: int, device) -> None:
     check_tensor(name, t, ndim=ndim, dtypes=(torch.int32,), device=device)
 
 
+def finite_float(name: str, x) -> float:
+    try:
+        x = float(x)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: expected a number, got {x!r}") from None
+    if not math.isfinite(x):
+        raise ValueError(f"{name}: expected a finite number, got {x}")
+    return x
+
+
 def softmax_scale_or_default(softmax_scale, head_dim: int) -> float:
-    return head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
+    return head_dim ** -0.5 if softmax_scale is None else finite_float("softmax_scale", softmax_scale)
+
+
+def check_block_table_values(block_table: torch.Tensor, used_tokens, page_size: int, num_pages: int) -> None:
+    """The pages each sequence uses (its first cdiv(used_tokens[i], page_size) entries) lie in [0, num_pages).
+    Reads device values: callers run it on request (validate=True) or where it costs no sync (CPU tensors)."""
+    table = block_table.cpu()
+    for i, n in enumerate(used_tokens):
+        used = table[i, : cdiv(max(int(n), 0), page_size)]
+        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_pages):
+            raise ValueError(f"block_table: row {i} must use page indices in [0, {num_pages}), got min "
+                             f"{int(used.min())}, max {int(used.max())}")

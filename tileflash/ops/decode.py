@@ -7,12 +7,13 @@ No host-device synchronisation and no value-dependent allocation, so the call ca
 """
 from __future__ import annotations
 
+import operator
 from typing import Optional
 
 import torch
 
 from .. import _utils
-from ..heuristics import decode_config, num_splits_heuristic
+from ..heuristics import MAX_SPLITS, decode_config, num_splits_heuristic
 from ._launch import Mask, launch_attn_fwd, launch_combine, launch_kv_append
 from .prefill import _check_softcap
 
@@ -57,6 +58,8 @@ def _attn_kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     if k is not None and k.shape[1] > 0:
         s_new = k.shape[1]
         launch_kv_append(k, v, k_cache, v_cache, cache_seqlens, block_table, **scales)
+    if hq == 0:  # nothing to attend with; the append above still happened
+        return out, lse
     cfg, num_splits, capacity = _plan(q, k_cache, block_table, num_splits)
     o_part = lse_part = None
     if num_splits > 1:
@@ -190,8 +193,12 @@ def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_sp
         s_new = k.shape[1]
         if s_new > capacity:
             raise ValueError(f"k: {s_new} new tokens exceed the cache capacity of {capacity} tokens")
-    if int(num_splits) < 0:
-        raise ValueError(f"num_splits: expected 0 (heuristic), 1 (no split) or n > 1, got {num_splits}")
+    try:
+        num_splits = operator.index(num_splits)
+    except TypeError:
+        raise TypeError(f"num_splits: expected an int, got {num_splits!r}") from None
+    if not 0 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits: expected 0 (heuristic), 1 (no split) or 2..{MAX_SPLITS}, got {num_splits}")
     return capacity, s_new
 
 
@@ -204,14 +211,7 @@ def _validate_values(k_cache, cache_seqlens, block_table, capacity: int, s_new: 
         raise ValueError(f"cache_seqlens + Snew: {int(seqlens.max())} + {s_new} exceeds the cache capacity of "
                          f"{capacity} tokens")
     if block_table is not None:
-        page_size = k_cache.shape[1]
-        num_pages = k_cache.shape[0]
-        table = block_table.cpu()
-        for i, n in enumerate((seqlens + s_new).tolist()):
-            used = table[i, : _utils.cdiv(n, page_size)]
-            if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_pages):
-                raise ValueError(f"block_table: row {i} must use page indices in [0, {num_pages}), got min "
-                                 f"{int(used.min())}, max {int(used.max())}")
+        _utils.check_block_table_values(block_table, (seqlens + s_new).tolist(), k_cache.shape[1], k_cache.shape[0])
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,

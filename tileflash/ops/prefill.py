@@ -1,6 +1,7 @@
 """flash_attn_func / flash_attn_varlen_func: checks, custom ops, public functions (flash-attn's names and order)."""
 from __future__ import annotations
 
+import operator
 from typing import Optional
 
 import torch
@@ -31,7 +32,7 @@ def _check_qkv(q, k, v, ndim: int, kv_ndim: int | None = None) -> None:
 
 
 def _check_softcap(softcap) -> float:
-    softcap = float(softcap)
+    softcap = _utils.finite_float("softcap", softcap)
     if softcap < 0:
         raise ValueError(f"softcap: expected >= 0 (0 disables it), got {softcap}")
     return softcap
@@ -138,6 +139,21 @@ def _check_paged_kv(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table) -
                          f"got shape {tuple(block_table.shape)}, strides {block_table.stride()}")
     if seqused_k is None:
         raise ValueError("seqused_k: required with block_table (keys per sequence in its pages), got None")
+    _utils.check_int32("seqused_k", seqused_k, 1, q.device)
+    if seqused_k.shape[0] != num_seqs:
+        raise ValueError(f"seqused_k: expected {num_seqs} elements, got {seqused_k.shape[0]}")
+    if q.device.type == "cpu" and not torch.compiler.is_compiling():  # page indices: free to check on the CPU
+        _utils.check_block_table_values(block_table, seqused_k.tolist(), k_cache.shape[1], k_cache.shape[0])
+
+
+def _check_max_seqlens(**max_seqlens) -> None:
+    for name, val in max_seqlens.items():
+        try:
+            val = operator.index(val)
+        except TypeError:
+            raise TypeError(f"{name}: expected an int, got {val!r}") from None
+        if val < 0:
+            raise ValueError(f"{name}: expected >= 0, got {val}")
 
 
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -184,7 +200,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if block_table is not None:
         _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
         _check_paged_kv(q, k, v, cu_seqlens_q, seqused_k, block_table)
-        _utils.check_int32("seqused_k", seqused_k, 1, q.device)
+        _check_max_seqlens(max_seqlen_q=max_seqlen_q)
         if _utils.needs_grad(q, k, v):
             raise ValueError("block_table: paged keys are forward-only; got inputs that require grad")
         left, right = _utils.check_window(window_size)
@@ -204,9 +220,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         _utils.check_int32("seqused_k", seqused_k, 1, q.device)
         if seqused_k.shape[0] != cu_seqlens_q.shape[0] - 1:
             raise ValueError(f"seqused_k: expected {cu_seqlens_q.shape[0] - 1} elements, got {seqused_k.shape[0]}")
-    for name, val in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if int(val) < 0:
-            raise ValueError(f"{name}: expected >= 0, got {val}")
+    _check_max_seqlens(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     left, right = _utils.check_window(window_size)
     mask = Mask.make(causal, (left, right), _check_softcap(softcap))
     # The kernels index these with unit stride; a strided view (e.g. every other element) becomes a small copy.
