@@ -249,3 +249,9 @@ def test_paged_varlen_checks_page_indices_on_the_cpu(bad):
     table[1, 2] = bad
     with pytest.raises(ValueError, match="block_table"):
         tileflash.flash_attn_varlen_func(q, pool, pool, cu_q, None, 5, 0, seqused_k=used, block_table=table)
+
+
+def test_fp8_quantize_keeps_a_scalar_a_scalar():
+    data, scale = tileflash.fp8_quantize(torch.tensor(500.0, device=DEVICE))
+    assert data.shape == () and scale.shape == (1,) and tileflash.fp8_dequantize(data, scale).shape == ()
+    assert float(tileflash.fp8_dequantize(data, scale)) == 500.0  # amax / 448 scale: 500 -> 448 -> 500

@@ -138,8 +138,10 @@ def _head_dim(x: torch.Tensor, per_head_dim) -> Optional[int]:
 
 
 def _scale_view(scale: torch.Tensor, ndim: int, dim: Optional[int]) -> torch.Tensor:
-    """scale [1] or [H] shaped to broadcast against x (H along dim)."""
-    return scale if dim is None else scale.reshape([-1 if i == dim else 1 for i in range(ndim)])
+    """scale [1] or [H] shaped to broadcast against x (H along dim) without changing x's shape (a 0-dim x too)."""
+    if dim is None:
+        return scale.reshape(()) if ndim == 0 else scale
+    return scale.reshape([-1 if i == dim else 1 for i in range(ndim)])
 
 
 def _check_fp8_scale(scale, x: torch.Tensor, dim: Optional[int]) -> None:
