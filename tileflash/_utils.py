@@ -135,6 +135,14 @@ def check_int32(name: str, t, ndim: int, device) -> None:
     check_tensor(name, t, ndim=ndim, dtypes=(torch.int32,), device=device)
 
 
+def as_int(name: str, x) -> int:
+    """x as a Python int (ints and int-likes such as numpy ints or 0-dim integer tensors; floats are refused)."""
+    try:
+        return operator.index(x)
+    except TypeError:
+        raise TypeError(f"{name}: expected an int, got {x!r}") from None
+
+
 def finite_float(name: str, x) -> float:
     try:
         x = float(x)

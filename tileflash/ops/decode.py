@@ -7,7 +7,6 @@ No host-device synchronisation and no value-dependent allocation, so the call ca
 """
 from __future__ import annotations
 
-import operator
 from typing import Optional
 
 import torch
@@ -193,10 +192,7 @@ def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_sp
         s_new = k.shape[1]
         if s_new > capacity:
             raise ValueError(f"k: {s_new} new tokens exceed the cache capacity of {capacity} tokens")
-    try:
-        num_splits = operator.index(num_splits)
-    except TypeError:
-        raise TypeError(f"num_splits: expected an int, got {num_splits!r}") from None
+    num_splits = _utils.as_int("num_splits", num_splits)
     if not 0 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits: expected 0 (heuristic), 1 (no split) or 2..{MAX_SPLITS}, got {num_splits}")
     return capacity, s_new

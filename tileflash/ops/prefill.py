@@ -1,7 +1,6 @@
 """flash_attn_func / flash_attn_varlen_func: checks, custom ops, public functions (flash-attn's names and order)."""
 from __future__ import annotations
 
-import operator
 from typing import Optional
 
 import torch
@@ -148,11 +147,7 @@ def _check_paged_kv(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table) -
 
 def _check_max_seqlens(**max_seqlens) -> None:
     for name, val in max_seqlens.items():
-        try:
-            val = operator.index(val)
-        except TypeError:
-            raise TypeError(f"{name}: expected an int, got {val!r}") from None
-        if val < 0:
+        if _utils.as_int(name, val) < 0:
             raise ValueError(f"{name}: expected >= 0, got {val}")
 
 
