@@ -1,6 +1,6 @@
 """Tile-config sweep for the backward, the FP8 / NVFP4 decode and the NVFP4 GEMM (GPU only).
 
-`python benchmarks/config_sweep.py [bwd] [bwd-d256] [bwd-softcap] [decode] [decode-quant] [decode-paged]
+`python benchmarks/config_sweep.py [bwd] [bwd-d64] [bwd-d128] [bwd-d256] [bwd-softcap] [bwd-det] [bwd-16k] [decode] [decode-quant] [decode-paged]
 [decode-small] [decode-quant-wide] [decode-quant-overlap] [decode-large] [gemm]
 [gemm-small]
 [--json PATH]`.
@@ -27,20 +27,25 @@ from tileflash.ops import decode as decode_ops
 from tileflash.ops import gemm as gemm_ops
 
 BF16 = torch.bfloat16
-# (dkdv_block_m, dkdv_block_n, dq_block_m, dq_block_n, dkdv_warps, dkdv_stages, dq_warps, dq_stages)
+# (dkdv_block_m, dkdv_block_n, dq_block_m, dq_block_n, dkdv_warps, dkdv_stages, dq_warps, dq_stages). The default
+# backward adds dQ up with atomics inside the dK/dV program (the dQ fields only matter with deterministic=True,
+# family bwd-det). Registers for the atomic-dQ dK/dV program from an sm_90 build with triton 3.7 on the CPU (full /
+# causal): none of these spill unless noted.
 BWD_CONFIGS = {
-    64: [(64, 128, 128, 64, 8, 2, 8, 2), (32, 128, 128, 64, 4, 3, 8, 2), (64, 128, 128, 64, 8, 3, 4, 3),
-         (32, 128, 64, 64, 8, 3, 4, 3), (64, 64, 128, 32, 4, 3, 8, 3), (32, 64, 64, 128, 4, 4, 8, 2),
-         (64, 128, 64, 64, 4, 2, 4, 2)],
-    128: [(64, 64, 128, 32, 8, 2, 8, 2), (32, 128, 128, 32, 8, 3, 8, 3), (64, 128, 128, 64, 8, 2, 8, 2),
-          (32, 64, 128, 64, 4, 3, 8, 2), (64, 64, 64, 64, 4, 3, 4, 3), (32, 128, 64, 32, 8, 2, 4, 3),
-          (16, 128, 128, 32, 4, 4, 8, 3),
-          # the current pick's dK/dV program spills with triton 3.7 (sm_90 build on the CPU: 255 registers + 64 B
-          # of stack, 104 B causal); 32 or 16 query rows per step do not (236-243 / 209-211 registers)
-          (32, 128, 128, 64, 8, 2, 8, 2), (32, 128, 128, 64, 8, 3, 8, 2), (16, 128, 128, 64, 8, 3, 8, 2)],
-    # d256 was never swept; the current tile's dQ program spills (tests/sm90_compile_check.py --res-usage).
-    256: [(32, 32, 64, 32, 8, 1, 8, 1), (32, 32, 32, 32, 8, 1, 4, 2), (32, 64, 32, 32, 8, 1, 8, 2),
-          (16, 64, 32, 64, 4, 2, 4, 2), (32, 32, 64, 16, 4, 2, 8, 1)],
+    64: [(64, 64, 128, 32, 4, 3, 8, 3),  # 255 / 255 registers (the deterministic pick)
+         (64, 128, 128, 64, 8, 2, 8, 2), (32, 128, 128, 64, 8, 2, 8, 2), (32, 64, 128, 64, 4, 3, 8, 2),
+         (64, 128, 128, 64, 8, 3, 8, 2), (64, 64, 128, 64, 4, 2, 8, 2), (32, 64, 128, 64, 4, 2, 8, 2)],
+    128: [(64, 128, 128, 64, 8, 2, 8, 2),  # the deterministic pick: spills 160 / 216 B with atomics
+          (32, 128, 128, 64, 8, 2, 8, 2), (32, 128, 128, 64, 8, 3, 8, 2), (16, 128, 128, 64, 8, 3, 8, 2),
+          (16, 128, 128, 64, 8, 2, 8, 2), (32, 64, 128, 64, 4, 2, 8, 2), (16, 64, 128, 64, 4, 3, 8, 2)],
+    256: [(32, 32, 64, 32, 8, 1, 8, 1), (16, 32, 64, 32, 4, 2, 8, 1), (32, 32, 64, 32, 4, 2, 8, 1),
+          (16, 32, 64, 32, 8, 2, 8, 1), (16, 64, 64, 32, 8, 2, 8, 1)],
+}
+# The deterministic backward (separate dQ pass) keeps its session-2 sweep list.
+BWD_DET_CONFIGS = {
+    64: [(64, 64, 128, 32, 4, 3, 8, 3), (64, 128, 128, 64, 8, 2, 8, 2), (64, 128, 64, 64, 4, 2, 4, 2)],
+    128: [(64, 128, 128, 64, 8, 2, 8, 2), (32, 128, 128, 64, 8, 2, 8, 2), (32, 128, 128, 64, 8, 3, 8, 2),
+          (16, 128, 128, 64, 8, 3, 8, 2)],
 }
 # (block_n, warps, stages, tma, trans); earlier sweeps (RESULTS.md) settled tokens, warps and stages for the plain
 # products, so this one weighs the transposed products (trans) against them.
@@ -106,13 +111,13 @@ def _force(module, name, cfg):
     setattr(module, name, lambda *a, **k: cfg)
 
 
-def sweep_bwd(rows, dims=(64, 128), softcap=0.0):
-    """TFLOP/s per config at s = 4096. Errors against SDPA's gradients; with softcap (SDPA has none) against the
+def sweep_bwd(rows, dims=(64, 128), softcap=0.0, deterministic=False, seqlens=(4096,)):
+    """TFLOP/s per config. Errors against SDPA's gradients; with softcap (SDPA has none) against the
     default config's gradients, which the test suite checks against the reference."""
     orig = bwd_ops.bwd_config
     for d in dims:
-        for causal in (False, True):
-            s, h = 4096, 2048 // d
+        for causal, s in [(c, n) for n in seqlens for c in (False, True)]:
+            h = 2048 // d
             b = 16384 // s
             q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=BF16, requires_grad=True) for _ in range(3))
             do = torch.randn(b, s, h, d, device="cuda", dtype=BF16)
@@ -122,16 +127,18 @@ def sweep_bwd(rows, dims=(64, 128), softcap=0.0):
             else:
                 ref = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), is_causal=causal)
                 ref_grads = torch.autograd.grad(ref, (q, k, v), do.transpose(1, 2))
-            for cfg_t in BWD_CONFIGS[d]:
+            for cfg_t in (BWD_DET_CONFIGS if deterministic else BWD_CONFIGS)[d]:
                 cfg = BwdConfig(*cfg_t)
                 _force(bwd_ops, "bwd_config", cfg)
                 try:
-                    out = tileflash.flash_attn_func(q, k, v, causal=causal, softcap=softcap)
+                    out = tileflash.flash_attn_func(q, k, v, causal=causal, softcap=softcap,
+                                                    deterministic=deterministic)
                     grads = torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
                     err = max(((g - r).abs().max() / r.abs().max()).item() for g, r in zip(grads, ref_grads))
                     ms = bench_ms(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True))
                     tf = tflops(2.5 * attn_fwd_flops(b, h, s, s, d, causal), ms)
-                    label = f"d{d} {'causal' if causal else 'full'}{' softcap' if softcap else ''} s={s}"
+                    label = (f"d{d} {'causal' if causal else 'full'}{' softcap' if softcap else ''}"
+                             f"{' det' if deterministic else ''} s={s}")
                     rows.append(["bwd", label, str(cfg_t), f"{tf:.1f} TFLOP/s ({_regs_and_spills()})", f"{err:.1e}"])
                 except Exception as exc:  # noqa: BLE001 - a config that fails to compile is a result
                     rows.append(["bwd", f"d{d} causal={causal}", str(cfg_t), "FAILED", repr(exc)[:60]])
@@ -281,8 +288,12 @@ def main(argv=None):
     for fam in args.families:
         try:
             {"bwd": sweep_bwd, "decode": sweep_decode, "gemm": sweep_gemm,
+             "bwd-d64": lambda r: sweep_bwd(r, dims=(64,)),
+             "bwd-d128": lambda r: sweep_bwd(r, dims=(128,)),
              "bwd-d256": lambda r: sweep_bwd(r, dims=(256,)),
              "bwd-softcap": lambda r: sweep_bwd(r, dims=(128,), softcap=10.0),
+             "bwd-det": lambda r: sweep_bwd(r, deterministic=True),
+             "bwd-16k": lambda r: sweep_bwd(r, seqlens=(16384,)),
              "gemm-small": lambda r: sweep_gemm(r, SMALL_M_SHAPES),
              "decode-small": sweep_decode_small,
              "decode-large": lambda r: sweep_decode_small(r, LARGE_SHAPES, LARGE_CONFIGS, (0, 1, 2, 4, 8)),

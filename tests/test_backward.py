@@ -27,21 +27,25 @@ def _leaves(*shapes, dtype, seed):
     return [torch.randn(*s, generator=g).to(DEVICE, dtype).requires_grad_() for s in shapes]
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic_dq", "deterministic"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
-def test_flash_attn_func_backward(case, dtype):
+def test_flash_attn_func_backward(case, dtype, deterministic):
+    """Both backward designs: dQ added up with atomics by the dK/dV program (default), and its own pass."""
     b, sq, sk, hq, hkv, d, causal, window, softcap = case
     q, k, v = _leaves((b, sq, hq, d), (b, sk, hkv, d), (b, sk, hkv, d), dtype=dtype, seed=sq + sk)
     kw = dict(causal=causal, window_size=window, softcap=softcap)
     g = torch.Generator().manual_seed(1)
     dout = torch.randn(b, sq, hq, d, generator=g).to(DEVICE)
     dlse = torch.randn(b, hq, sq, generator=g).to(DEVICE)  # gradient through the returned lse too
-    check_grads(lambda q, k, v: tileflash.flash_attn_func(q, k, v, return_lse=True, **kw),
+    check_grads(lambda q, k, v: tileflash.flash_attn_func(q, k, v, return_lse=True, deterministic=deterministic,
+                                                          **kw),
                  lambda q, k, v, upcast: attention_ref(q, k, v, upcast=upcast, **kw), (q, k, v), dout, dlse)
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic_dq", "deterministic"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_varlen_backward_with_empty_sequences_and_seqused(dtype):
+def test_varlen_backward_with_empty_sequences_and_seqused(dtype, deterministic):
     lens_q, lens_k, seqused = [7, 0, 21, 5], [9, 4, 21, 0], [6, 4, 21, 0]
     hq, hkv, d = 4, 2, 64
     q, k, v = _leaves((sum(lens_q), hq, d), (sum(lens_k), hkv, d), (sum(lens_k), hkv, d), dtype=dtype, seed=3)
@@ -53,7 +57,8 @@ def test_varlen_backward_with_empty_sequences_and_seqused(dtype):
     dlse = torch.randn(hq, sum(lens_q), generator=g).to(DEVICE)
     kw = dict(causal=True)
     check_grads(lambda q, k, v: tileflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 21, 21, seqused_k=used,
-                                                                  return_lse=True, **kw),
+                                                                  return_lse=True, deterministic=deterministic,
+                                                                  **kw),
                  lambda q, k, v, upcast: attention_varlen_ref(q, k, v, cu_q, cu_k, used, upcast=upcast, **kw),
                  (q, k, v), dout, dlse)
 
@@ -84,3 +89,14 @@ def test_no_grad_call_records_nothing():
     with torch.no_grad():
         out = tileflash.flash_attn_func(q, k, v)
     assert out.grad_fn is None and not out.requires_grad
+
+
+def test_atomic_and_deterministic_backward_agree():
+    """The two dQ designs sum the same products in different orders (and may use different tiles): equal up to
+    rounding."""
+    q, k, v = _leaves((2, 53, 8, 64), (2, 61, 2, 64), (2, 61, 2, 64), dtype=torch.float16, seed=6)
+    dout = torch.randn(2, 53, 8, 64, generator=torch.Generator().manual_seed(4)).to(DEVICE, torch.float16)
+    fast, det = (torch.autograd.grad(tileflash.flash_attn_func(q, k, v, causal=True, deterministic=flag), (q, k, v),
+                                     dout) for flag in (False, True))
+    for a, b in zip(fast, det):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)

@@ -8,13 +8,18 @@ With logits z = softmax_scale * q.k (softcap: z = cap * tanh(softmax_scale * q.k
   dQ = dS K,   dK = dS^T Q.
 (-dlse folds the gradient of a returned lse into delta: d lse / dz = P.)
 
-Three kernels, no atomics, so gradients are bitwise reproducible run to run (deterministic=True costs nothing):
+Kernels:
   preprocess  delta per query row;
   dK/dV       one program per (KV block, KV head): K, V stay in registers while the program walks every
               query block of every query head of its GQA group that can see the block, so dK/dV of a group are
-              summed in registers, never through memory;
-  dQ          one program per (query block, query head) walking the KV blocks it sees, like the forward
-              (masked edge blocks, unmasked interior).
+              summed in registers, never through memory. By default (ATOMIC_DQ) it also computes the block's share
+              dS K of dQ and adds it into an fp32 buffer with relaxed vector atomics (the launcher scales and casts
+              it): 5 matrix products per (query block, KV block) pair, as in FA2/FA3;
+  dQ          deterministic=True only: one program per (query block, query head) walking the KV blocks it sees,
+              like the forward (masked edge blocks, unmasked interior). It recomputes S and dP, 7 products per
+              pair instead of 5, but no sum depends on the order programs run in: bitwise reproducible gradients.
+Why the default needs atomics: at 7 products per pair the backward's useful work (the 5 counted in "2.5 x forward
+FLOPs") can reach at most 5/7 of the tensor-core rate, below cuDNN's measured backward.
 
 Head dim 64 (why FA4 found its backward at 30-37% of peak there, against 55% at d128): each q/do tile loaded by
 the dK/dV program feeds MMAs with K = d, so at d64 every loaded byte and every recomputed exp2 (BLOCK_M x BLOCK_N
@@ -114,12 +119,13 @@ def _row_stats(lse_ptr, delta_ptr, b, h, tok, row_ok, stride_lb, stride_lh, stri
 
 
 @triton.jit
-def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, b, head_q, stride_lb, stride_lh, stride_ls,
-                 stride_qs, stride_dos, q_start, offs_d, offs_n, diag, seqlen_q, seqlen_k, lo, hi, qk_scale,
-                 softcap_scale, window_left, window_right,
+def _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, lse_ptr, delta_ptr, b, head_q, stride_lb, stride_lh,
+                 stride_ls, stride_qs, stride_dos, stride_dqs, q_start, offs_d, offs_n, diag, seqlen_q, seqlen_k, lo,
+                 hi, qk_scale, softcap_scale, window_left, window_right,
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr,
-                 HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, TILE_DTYPE: tl.constexpr):
-    """dV += P^T dO and dK += dS^T Q (dS without softmax_scale) over query blocks [lo, hi) of one head."""
+                 HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, TILE_DTYPE: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+    """dV += P^T dO and dK += dS^T Q (dS without softmax_scale) over query blocks [lo, hi) of one head; with
+    ATOMIC_DQ also dQ += dS K, added in fp32 into dq_base's rows (relaxed: only the sum matters)."""
     for start_m in range(lo, hi, BLOCK_M):
         tok = start_m + tl.arange(0, BLOCK_M)
         row_ok = tok < seqlen_q
@@ -131,23 +137,31 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, b, head_q, s
                                        softcap_scale, window_left, window_right, MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                                        True)
         dv = tl.dot(p_t.to(do.dtype), do, dv)
-        dk = tl.dot(ds_t.to(q.dtype), q, dk)
+        ds_t = ds_t.to(q.dtype)
+        dk = tl.dot(ds_t, q, dk)
+        if ATOMIC_DQ:
+            dq = tl.dot(tl.trans(ds_t), k)
+            tl.atomic_add(dq_base + (q_start + tok).to(tl.int64)[:, None] * stride_dqs + offs_d[None, :], dq,
+                          mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), sem="relaxed")
     return dk, dv
 
 
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_acc_ptr,
     cu_seqlens_q_ptr, cu_seqlens_k_ptr, seqused_k_ptr,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-    stride_lb, stride_lh, stride_ls,
+    stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh, stride_ls,
     seqlen_q_static, seqlen_k_static, num_heads_kv, group_size, n_tiles,
     softmax_scale, softcap, window_left, window_right,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     VARLEN_Q: tl.constexpr, VARLEN_K: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, TILE_DTYPE: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr,
 ):
+    """dK, dV of one KV block of one KV head; with ATOMIC_DQ also the block's share of dQ (dq_acc, fp32, without
+    softmax_scale)."""
     pid = tl.program_id(0)
     start_n = (pid % n_tiles) * BLOCK_N
     bh = pid // n_tiles
@@ -187,22 +201,23 @@ def attn_bwd_dkdv_kernel(
         head_q = head_kv * group_size + g
         q_base = q_ptr + b64 * stride_qb + head_q.to(tl.int64) * stride_qh
         do_base = do_ptr + b64 * stride_dob + head_q.to(tl.int64) * stride_doh
+        dq_base = dq_acc_ptr + b64 * stride_dqb + head_q.to(tl.int64) * stride_dqh
         # Masked blocks at the diagonal, unmasked interior, masked blocks at the left window edge.
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, b, head_q, stride_lb, stride_lh,
-                              stride_ls, stride_qs, stride_dos, q_start, offs_d, offs_n,
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, lse_ptr, delta_ptr, b, head_q, stride_lb,
+                              stride_lh, stride_ls, stride_qs, stride_dos, stride_dqs, q_start, offs_d, offs_n,
                               diag, seqlen_q, seqlen_k, m_lo * BLOCK_M, full_lo * BLOCK_M, qk_scale, softcap_scale,
                               window_left, window_right, HEAD_DIM, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                              TILE_DTYPE)
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, b, head_q, stride_lb, stride_lh,
-                              stride_ls, stride_qs, stride_dos, q_start, offs_d, offs_n,
+                              TILE_DTYPE, ATOMIC_DQ)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, lse_ptr, delta_ptr, b, head_q, stride_lb,
+                              stride_lh, stride_ls, stride_qs, stride_dos, stride_dqs, q_start, offs_d, offs_n,
                               diag, seqlen_q, seqlen_k, full_lo * BLOCK_M, full_hi * BLOCK_M, qk_scale,
                               softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_M, False, HAS_LEFT,
-                              HAS_RIGHT, SOFTCAP, TILE_DTYPE)
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, b, head_q, stride_lb, stride_lh,
-                              stride_ls, stride_qs, stride_dos, q_start, offs_d, offs_n,
+                              HAS_RIGHT, SOFTCAP, TILE_DTYPE, ATOMIC_DQ)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, lse_ptr, delta_ptr, b, head_q, stride_lb,
+                              stride_lh, stride_ls, stride_qs, stride_dos, stride_dqs, q_start, offs_d, offs_n,
                               diag, seqlen_q, seqlen_k, full_hi * BLOCK_M, m_hi * BLOCK_M, qk_scale, softcap_scale,
                               window_left, window_right, HEAD_DIM, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                              TILE_DTYPE)
+                              TILE_DTYPE, ATOMIC_DQ)
     dk = dk * softmax_scale
     store_ok = (offs_n[:, None] < stored_k) & (offs_d[None, :] < HEAD_DIM)
     rows = (k_start + offs_n).to(tl.int64)

@@ -1,5 +1,7 @@
 """Backward of flash_attn_func / flash_attn_varlen_func: launcher, custom op, and the autograd formulas that the
-forward custom ops register (prefill.py). Gradients are deterministic (no atomics; see kernels/attn_bwd.py)."""
+forward custom ops register (prefill.py). By default the dK/dV program also adds its share of dQ into an fp32
+buffer with atomics (5 matrix products per block); deterministic=True computes dQ in its own pass instead (7 products,
+no atomics, bitwise reproducible). See kernels/attn_bwd.py."""
 from __future__ import annotations
 
 from typing import Optional
@@ -19,7 +21,8 @@ def _strides3(t):
 
 def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, *, varlen: bool, num_batches: int, seqlen_q: int,
                 seqlen_k: int, max_seqlen_q: int, max_seqlen_k: int, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                softmax_scale: float, window_left: int, window_right: int, softcap: float) -> None:
+                softmax_scale: float, window_left: int, window_right: int, softcap: float,
+                deterministic: bool) -> None:
     """All tensors 4-D [Bv, S, H, D] (varlen: Bv = 1 with batch strides passed as 0) and lse/dlse [Bv, H, S]."""
     dev = q4.device
     hq, d = q4.shape[2], q4.shape[3]
@@ -44,12 +47,18 @@ def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, *, varlen: bool
                 seqused_k if seqused_k is not None else dummy)
     lse_strides = (0, lse3.stride(1), lse3.stride(2)) if varlen else _strides3(lse3)
     n_tiles = _utils.cdiv(max(max_seqlen_k, 1), cfg.dkdv_block_n)
+    # Rows no program adds to (no visible key, outside every varlen sequence) keep the zeros: dQ = 0 there.
+    dq_acc = torch.zeros(dq4.shape, dtype=torch.float32, device=dev) if not deterministic else delta
     attn_bwd_dkdv_kernel[(n_tiles * num_batches * hkv,)](
-        q4, k4, v4, do4, lse3, delta, dk4, dv4, *seq_args,
-        *bstride(q4), *bstride(k4), *bstride(v4), *bstride(do4), *bstride(dk4), *bstride(dv4), *lse_strides,
+        q4, k4, v4, do4, lse3, delta, dk4, dv4, dq_acc, *seq_args,
+        *bstride(q4), *bstride(k4), *bstride(v4), *bstride(do4), *bstride(dk4), *bstride(dv4),
+        *(bstride(dq_acc) if not deterministic else (0, 0, 0)), *lse_strides,
         seqlen_q, seqlen_k, hkv, hq // hkv, n_tiles, softmax_scale, softcap, window_left, window_right,
         BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
-        **common)
+        ATOMIC_DQ=not deterministic, **common)
+    if not deterministic:
+        torch.mul(dq_acc, softmax_scale, out=dq4)
+        return
     m_tiles = _utils.cdiv(max(max_seqlen_q, 1), cfg.dq_block_m)
     attn_bwd_dq_kernel[(m_tiles * num_batches * hq,)](
         q4, k4, v4, do4, lse3, delta, dq4, *seq_args,
@@ -62,7 +71,7 @@ def _attn_bwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
                    dout: torch.Tensor, dlse: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
                    cu_seqlens_k: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor], max_seqlen_q: int,
                    max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
-                   softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   softcap: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dq = _utils.new_output(q.shape, q.dtype, q.device)
     dk = _utils.new_output(k.shape, k.dtype, k.device)
     dv = _utils.new_output(v.shape, v.dtype, v.device)
@@ -85,7 +94,8 @@ def _attn_bwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
         _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, varlen=varlen, num_batches=num_batches,
                     seqlen_q=seqlen_q, seqlen_k=seqlen_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
-                    softmax_scale=softmax_scale, window_left=window_left, window_right=window_right, softcap=softcap)
+                    softmax_scale=softmax_scale, window_left=window_left, window_right=window_right, softcap=softcap,
+                    deterministic=deterministic)
     return dq, dk, dv
 
 
@@ -94,34 +104,34 @@ attn_bwd_op = torch.library.custom_op("tileflash::attn_bwd", mutates_args=())(_a
 
 @attn_bwd_op.register_fake
 def _(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
-      softmax_scale, window_left, window_right, softcap):
+      softmax_scale, window_left, window_right, softcap, deterministic):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 # ---- autograd formulas registered on the forward custom ops ----------------------------------------------------
 
 def setup_fwd_context(ctx, inputs, output):
-    q, k, v, softmax_scale, window_left, window_right, softcap = inputs
+    q, k, v, softmax_scale, window_left, window_right, softcap, deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.args = (softmax_scale, window_left, window_right, softcap)
+    ctx.args = (softmax_scale, window_left, window_right, softcap, deterministic)
 
 
 def fwd_backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = attn_bwd_op(q, k, v, out, lse, dout, dlse, None, None, None, 0, 0, *ctx.args)
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None
 
 
 def setup_varlen_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
-     window_right, softcap) = inputs
+     window_right, softcap, deterministic) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k)
-    ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap)
+    ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, deterministic)
 
 
 def varlen_backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k = ctx.saved_tensors
     dq, dk, dv = attn_bwd_op(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None

@@ -38,7 +38,8 @@ def _check_softcap(softcap) -> float:
 
 
 def _attn_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, window_left: int,
-                 window_right: int, softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+                   window_right: int, softcap: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """deterministic only travels to the backward (saved by setup_fwd_context)."""
     b, sq, hq, d = q.shape
     sk = k.shape[1]
     out = _utils.new_output(q.shape, q.dtype, q.device)
@@ -56,7 +57,7 @@ _attn_fwd_op = torch.library.custom_op("tileflash::attn_fwd", mutates_args=())(_
 
 
 @_attn_fwd_op.register_fake
-def _(q, k, v, softmax_scale, window_left, window_right, softcap):
+def _(q, k, v, softmax_scale, window_left, window_right, softcap, deterministic):
     b, sq, hq, _ = q.shape
     return torch.empty_like(q), q.new_empty((b, hq, sq), dtype=torch.float32)
 
@@ -85,7 +86,7 @@ def _varlen_forward(q, k4, v4, cu_seqlens_q, max_seqlen_q, softmax_scale, window
 def _attn_varlen_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                           cu_seqlens_k: torch.Tensor, seqused_k: Optional[torch.Tensor], max_seqlen_q: int,
                           max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
-                          softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+                          softcap: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return _varlen_forward(q, k.unsqueeze(0), v.unsqueeze(0), cu_seqlens_q, max_seqlen_q, softmax_scale, window_left,
                            window_right, softcap, k_batch_stride0=True, seqlen_k=k.shape[0], cu_seqlens_k=cu_seqlens_k,
                            seqlens_k=seqused_k)
@@ -97,7 +98,7 @@ _attn_varlen_fwd_op = torch.library.custom_op("tileflash::attn_varlen_fwd",
 
 @_attn_varlen_fwd_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
-      window_right, softcap):
+      window_right, softcap, deterministic):
     total_q, hq, _ = q.shape
     return torch.empty_like(q), q.new_empty((hq, total_q), dtype=torch.float32)
 
@@ -157,8 +158,9 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
 
     Causal and windows are bottom-right aligned (query i sees key j iff j <= i + Sk - Sq). Returns out
     [B, Sq, Hq, D], and with return_lse=True (out, lse) with lse [B, Hq, Sq] float32, natural log.
-    Differentiable in q, k, v (and through lse). The backward never uses atomics, so gradients are bitwise
-    reproducible whatever `deterministic` says (the argument is accepted for flash-attn compatibility).
+    Differentiable in q, k, v (and through lse). The backward adds dq up with fp32 atomics, so dq may differ in
+    the last bits from run to run; deterministic=True computes dq in a separate pass without atomics (bitwise
+    reproducible gradients, slower).
     """
     _check_qkv(q, k, v, 4)
     if k.shape[0] != q.shape[0]:
@@ -167,7 +169,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     mask = Mask.make(causal, (left, right), _check_softcap(softcap))
     op = _utils.eager_or_op(_attn_fwd_op, _attn_fwd_impl, _utils.needs_grad(q, k, v))
     out, lse = op(q, k, v, _utils.softmax_scale_or_default(softmax_scale, q.shape[-1]), mask.window_left,
-                  mask.window_right, mask.softcap)
+                  mask.window_right, mask.softcap, bool(deterministic))
     return (out, lse) if return_lse else out
 
 
@@ -185,7 +187,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Empty sequences are allowed. Returns out [total_q, Hq, D] and with return_lse=True lse [Hq, total_q].
 
     max_seqlen_q / max_seqlen_k must be >= every query / key length (they size the grids). Differentiable in
-    q, k, v like flash_attn_func (deterministic gradients).
+    q, k, v like flash_attn_func (`deterministic` as there).
 
     Paged keys (vLLM-style chunked prefill / prefix caching): with block_table [batch, max_pages] int32, k and v
     are page pools [num_pages, page_size, Hkv, D], sequence b's keys are the first seqused_k[b] tokens of its pages
@@ -224,5 +226,5 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     op = _utils.eager_or_op(_attn_varlen_fwd_op, _attn_varlen_fwd_impl, _utils.needs_grad(q, k, v))
     out, lse = op(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q), int(max_seqlen_k),
                   _utils.softmax_scale_or_default(softmax_scale, q.shape[-1]), mask.window_left, mask.window_right,
-                  mask.softcap)
+                  mask.softcap, bool(deterministic))
     return (out, lse) if return_lse else out
