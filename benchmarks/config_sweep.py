@@ -46,6 +46,7 @@ BWD_DET_CONFIGS = {
     64: [(64, 64, 128, 32, 4, 3, 8, 3), (64, 128, 128, 64, 8, 2, 8, 2), (64, 128, 64, 64, 4, 2, 4, 2)],
     128: [(64, 128, 128, 64, 8, 2, 8, 2), (32, 128, 128, 64, 8, 2, 8, 2), (32, 128, 128, 64, 8, 3, 8, 2),
           (16, 128, 128, 64, 8, 3, 8, 2)],
+    256: [(32, 32, 64, 32, 8, 1, 8, 1), (16, 32, 64, 32, 4, 2, 8, 1)],
 }
 # (block_n, warps, stages, tma, trans); earlier sweeps (RESULTS.md) settled tokens, warps and stages for the plain
 # products, so this one weighs the transposed products (trans) against them.
@@ -292,7 +293,7 @@ def main(argv=None):
              "bwd-d128": lambda r: sweep_bwd(r, dims=(128,)),
              "bwd-d256": lambda r: sweep_bwd(r, dims=(256,)),
              "bwd-softcap": lambda r: sweep_bwd(r, dims=(128,), softcap=10.0),
-             "bwd-det": lambda r: sweep_bwd(r, deterministic=True),
+             "bwd-det": lambda r: sweep_bwd(r, dims=(64, 128, 256), deterministic=True),
              "bwd-16k": lambda r: sweep_bwd(r, seqlens=(16384,)),
              "gemm-small": lambda r: sweep_gemm(r, SMALL_M_SHAPES),
              "decode-small": sweep_decode_small,

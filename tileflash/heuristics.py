@@ -45,6 +45,7 @@ class BwdConfig:
     dkdv_stages: int
     dq_warps: int
     dq_stages: int
+    atomic_dq: bool = True  # dQ added up by the dK/dV programs (fp32 atomics) unless deterministic=True asks otherwise
 
 
 def padded_head_dim(d: int) -> int:
@@ -79,19 +80,19 @@ def fwd_config(head_dim: int, causal: bool = False, interpret: bool = False) -> 
 
 
 def bwd_config(head_dim: int, interpret: bool = False) -> BwdConfig:
-    """Backward tiles per head dim, measured on the H200 (benchmarks/config_sweep.py bwd, bf16, 16k tokens at
-    s = 4096, 2048/d heads, TFLOP/s = 2.5 x forward FLOPs / t, 2026-11-30):
-      d64:  (64, 64, 128, 32, warps 4/8, stages 3/3) 298 full / 288 causal; the former default (64, 128 keys, 8 warps,
-            2 stages) 249 / 226; 128 keys with 4 warps 299 / 264.
-      d128: (64, 128, 128, 64, 8 warps, 2 stages) 334 full / 296 causal; 64 keys per dK/dV program 196 / 179;
-            16-row query steps 110 / 94.
+    """Backward tiles per head dim, measured on the H200 (benchmarks/config_sweep.py bwd-d64 / bwd-d128 / bwd-det,
+    bf16, 16k tokens at s = 4096, 2048/d heads, TFLOP/s = 2.5 x forward FLOPs / t, 2026-11-30):
+      d64:  the separate dQ pass with (64, 64, 128, 32, warps 4/8, stages 3/3): 298 full / 288 causal (session 2);
+            with atomic dQ the best tile, (64, 128 keys, 8 warps, 3 stages), ran 294 / 267 (run 25).
+      d128: atomic dQ with (64, 128, 8 warps, 2 stages) 346 full / 312 causal (run 25; the separate dQ pass 334 /
+            296 in session 2); 32 query rows per step (no spills) 281 / 276, 16 rows 227 / 238.
     Fields: dK/dV (query rows per step, keys per program), dQ (query rows per program, keys per step), then warps
-    and stages of each kernel. d = 256 is not swept (a 128-key program would not fit the register file)."""
+    and stages of each kernel, then whether dQ is added up with atomics by default."""
     if interpret:
         return BwdConfig(16, 16, 16, 16, 4, 1, 4, 1)
     d = padded_head_dim(head_dim)
     if d <= 64:
-        return BwdConfig(64, 64, 128, 32, 4, 3, 8, 3)
+        return BwdConfig(64, 64, 128, 32, 4, 3, 8, 3, atomic_dq=False)
     if d <= 128:
         return BwdConfig(64, 128, 128, 64, 8, 2, 8, 2)
     return BwdConfig(32, 32, 64, 32, 8, 1, 8, 1)

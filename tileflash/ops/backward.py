@@ -46,17 +46,18 @@ def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, *, varlen: bool
     seq_args = (cu_seqlens_q if varlen else dummy, cu_seqlens_k if varlen else dummy,
                 seqused_k if seqused_k is not None else dummy)
     lse_strides = (0, lse3.stride(1), lse3.stride(2)) if varlen else _strides3(lse3)
+    atomic_dq = cfg.atomic_dq and not deterministic
     n_tiles = _utils.cdiv(max(max_seqlen_k, 1), cfg.dkdv_block_n)
     # Rows no program adds to (no visible key, outside every varlen sequence) keep the zeros: dQ = 0 there.
-    dq_acc = torch.zeros(dq4.shape, dtype=torch.float32, device=dev) if not deterministic else delta
+    dq_acc = torch.zeros(dq4.shape, dtype=torch.float32, device=dev) if atomic_dq else delta
     attn_bwd_dkdv_kernel[(n_tiles * num_batches * hkv,)](
         q4, k4, v4, do4, lse3, delta, dk4, dv4, dq_acc, *seq_args,
         *bstride(q4), *bstride(k4), *bstride(v4), *bstride(do4), *bstride(dk4), *bstride(dv4),
-        *(bstride(dq_acc) if not deterministic else (0, 0, 0)), *lse_strides,
+        *(bstride(dq_acc) if atomic_dq else (0, 0, 0)), *lse_strides,
         seqlen_q, seqlen_k, hkv, hq // hkv, n_tiles, softmax_scale, softcap, window_left, window_right,
         BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
-        ATOMIC_DQ=not deterministic, **common)
-    if not deterministic:
+        ATOMIC_DQ=atomic_dq, **common)
+    if atomic_dq:
         torch.mul(dq_acc, softmax_scale, out=dq4)
         return
     m_tiles = _utils.cdiv(max(max_seqlen_q, 1), cfg.dq_block_m)
