@@ -1,7 +1,7 @@
 """Tile-config sweep for the backward, the FP8 / NVFP4 decode and the NVFP4 GEMM (GPU only).
 
 `python benchmarks/config_sweep.py [bwd] [bwd-d64] [bwd-d128] [bwd-d256] [bwd-softcap] [bwd-det] [bwd-16k] [decode] [decode-quant] [decode-paged]
-[decode-small] [decode-quant-wide] [decode-quant-overlap] [decode-large] [gemm]
+[decode-small] [decode-mqa] [decode-quant-wide] [decode-quant-overlap] [decode-large] [gemm]
 [gemm-small]
 [--json PATH]`.
 Each config is forced by replacing the heuristic the op reads (tileflash.ops.*.{bwd,decode,gemm}_config), checked
@@ -43,7 +43,10 @@ BWD_CONFIGS = {
 }
 # The deterministic backward (separate dQ pass) keeps its session-2 sweep list.
 BWD_DET_CONFIGS = {
-    64: [(64, 64, 128, 32, 4, 3, 8, 3), (64, 128, 128, 64, 8, 2, 8, 2), (64, 128, 64, 64, 4, 2, 4, 2)],
+    64: [(64, 64, 128, 32, 4, 3, 8, 3), (64, 128, 128, 64, 8, 2, 8, 2), (64, 128, 64, 64, 4, 2, 4, 2),
+         # the d64 dK/dV tile with other dQ tiles (run 26: 294 full / 277 causal with the first)
+         (64, 64, 128, 64, 4, 3, 8, 2), (64, 64, 64, 64, 4, 3, 4, 3), (64, 64, 128, 32, 4, 3, 8, 2),
+         (64, 64, 64, 32, 4, 3, 4, 3), (64, 64, 128, 64, 4, 3, 8, 3), (64, 64, 128, 128, 4, 3, 8, 2)],
     128: [(64, 128, 128, 64, 8, 2, 8, 2), (32, 128, 128, 64, 8, 2, 8, 2), (32, 128, 128, 64, 8, 3, 8, 2),
           (16, 128, 128, 64, 8, 3, 8, 2)],
     256: [(32, 32, 64, 32, 8, 1, 8, 1), (16, 32, 64, 32, 4, 2, 8, 1)],
@@ -86,6 +89,11 @@ LARGE_SHAPES = [(b, ctx, 32, 8, "16bit") for b, ctx in ((8, 8192), (8, 32768), (
                                                         (128, 1024), (256, 2048))]
 LARGE_CONFIGS = {"16bit": [(64, 4, 2, True, False), (128, 4, 2, True, False), (64, 4, 3, True, False),
                            (32, 4, 4, True, False), (64, 4, 2, True, False, True)]}
+# MQA (32 query heads on one KV head: 32-row tiles, few programs before splitting; 0.84-1.18x SDPA in run 19).
+MQA_SHAPES = [(b, ctx, 32, 1, "16bit") for b, ctx in ((1, 8192), (1, 32768), (8, 8192), (32, 8192), (128, 1024),
+                                                      (256, 2048))]
+MQA_CONFIGS = {"16bit": [(64, 4, 2, True, False), (64, 4, 3, True, False), (128, 4, 2, True, False),
+                         (128, 4, 3, True, False), (32, 4, 4, True, False)]}
 # (block_m, block_n, block_k, warps, stages, split_k[, swap_ab])
 GEMM_CONFIGS = [(16, 32, 128, 4, 4, 4), (16, 32, 128, 4, 4, 3),  # plain products (the current M <= 16 pick first)
                 # swapped products (c^T = w a^T, the weight tile on the MMA's M side), tuple's last entry True
@@ -294,9 +302,11 @@ def main(argv=None):
              "bwd-d256": lambda r: sweep_bwd(r, dims=(256,)),
              "bwd-softcap": lambda r: sweep_bwd(r, dims=(128,), softcap=10.0),
              "bwd-det": lambda r: sweep_bwd(r, dims=(64, 128, 256), deterministic=True),
+             "bwd-det-d64": lambda r: sweep_bwd(r, dims=(64,), deterministic=True),
              "bwd-16k": lambda r: sweep_bwd(r, seqlens=(16384,)),
              "gemm-small": lambda r: sweep_gemm(r, SMALL_M_SHAPES),
              "decode-small": sweep_decode_small,
+             "decode-mqa": lambda r: sweep_decode_small(r, MQA_SHAPES, MQA_CONFIGS, (0, 4, 8, 16, 33, 66)),
              "decode-large": lambda r: sweep_decode_small(r, LARGE_SHAPES, LARGE_CONFIGS, (0, 1, 2, 4, 8)),
              "decode-quant-overlap": lambda r: sweep_decode_small(r, QUANT_WIDE_SHAPES, QUANT_OVERLAP_CONFIGS,
                                                                   (0, 1, 2, 4, 8, 33)),

@@ -84,8 +84,10 @@ def bwd_config(head_dim: int, interpret: bool = False) -> BwdConfig:
     bf16, 16k tokens at s = 4096, 2048/d heads, TFLOP/s = 2.5 x forward FLOPs / t, 2026-11-30):
       d64:  the separate dQ pass with (64, 64, 128, 32, warps 4/8, stages 3/3): 298 full / 288 causal (session 2);
             with atomic dQ the best tile, (64, 128 keys, 8 warps, 3 stages), ran 294 / 267 (run 25).
-      d128: atomic dQ with (64, 128, 8 warps, 2 stages) 346 full / 312 causal (run 25; the separate dQ pass 334 /
-            296 in session 2); 32 query rows per step (no spills) 281 / 276, 16 rows 227 / 238.
+      d128: atomic dQ with (64, 128, 8 warps, 2 stages) 346 full / 312 causal (run 25; the separate dQ pass 335 /
+            298, run 26); 32 query rows per step (no spills) 281 / 276, 16 rows 227 / 238.
+      d256: atomic dQ with (32, 32, 4 warps, 2 stages) 155 full / 148 causal; the former (32, 32, 8 warps, 1 stage)
+            89 / 88 (run 26); the separate dQ pass spills at every dQ tile tried (87-103).
     Fields: dK/dV (query rows per step, keys per program), dQ (query rows per program, keys per step), then warps
     and stages of each kernel, then whether dQ is added up with atomics by default."""
     if interpret:
@@ -95,7 +97,7 @@ def bwd_config(head_dim: int, interpret: bool = False) -> BwdConfig:
         return BwdConfig(64, 64, 128, 32, 4, 3, 8, 3, atomic_dq=False)
     if d <= 128:
         return BwdConfig(64, 128, 128, 64, 8, 2, 8, 2)
-    return BwdConfig(32, 32, 64, 32, 8, 1, 8, 1)
+    return BwdConfig(32, 32, 64, 32, 4, 2, 8, 1)
 
 
 def decode_block_m(group_rows: int) -> int:
