@@ -59,17 +59,6 @@ def test_decode_config(d, fmt, paged, kv_tokens, block_n, stages, trans, residen
         (block_n, 4, stages, True, trans, resident)
 
 
-@pytest.mark.parametrize("rows, fmt, paged, block_n", [
-    (32, "16bit", False, 128),  # MQA (32 query heads on one KV head): wide tiles step 128 tokens (measured)
-    (4 * 8, "16bit", False, 128),  # GQA-4 with 8 query tokens: as wide
-    (16, "16bit", False, 64),  # GQA-8, GQA-4 with Sq <= 4: the narrow tile
-    (32, "16bit", True, 64),  # paged wide tiles were not measured: the narrow tile
-    (32, "fp8", False, 64),  # quantized formats keep their own tiles
-])
-def test_decode_config_wide_tiles(rows, fmt, paged, block_n):
-    assert decode_config(128, rows, kv_format=fmt, paged=paged, kv_tokens=8192).block_n == block_n
-
-
 # (batch, Hkv, m_tiles, max_seqlen_k, block_n, sms) -> splits
 @pytest.mark.parametrize("args, expected", [
     ((1, 8, 1, 8192, 64, 132), 32),  # b=1: 8 programs; 128 blocks / 4 caps the SM target cdiv(264, 8) = 33

@@ -121,11 +121,7 @@ def decode_block_m(group_rows: int) -> int:
 #   128 tokens (two programs per SM: ~200 registers per thread), run 18 at each tile's best split count: fp8 b=8 ctx
 #   32k 150.6 us vs 155.2 with 64 tokens, b=32 ctx 8k 145.9 vs 154.7, b=256 ctx 2k 288.4 vs 300.9; nvfp4 239.0 vs
 #   263.6, 239.1 vs 264.9, 489.8 vs 499.6; 8 warps (two warpgroups per step) lost everywhere (165-992 us).
-# - 16-bit contiguous, wide tiles (32+ query rows per KV head: MQA, or GQA-4 with Sq >= 8): 128 tokens, 2 stages.
-#   MQA 32/1 (run 27, `config_sweep.py decode-mqa`, at the split rule's count) b=1 ctx 8k 15.2 us vs 17.2 with 64
-#   tokens, ctx 32k 18.2 vs 18.9, b=8 ctx 8k 24.2 vs 24.6, b=32 ctx 8k 54.0 vs 56.6, b=256 ctx 2k 92.3 vs 111.9;
-#   b=128 ctx 1k 46.2 vs 44.4. Paged wide tiles were not measured and keep the narrow ones.
-DECODE_TILES = {"16bit": (64, 2, False, 0), "16bit-wide": (128, 2, False, 0), "16bit-paged-large": (128, 2, False, 1),
+DECODE_TILES = {"16bit": (64, 2, False, 0), "16bit-paged-large": (128, 2, False, 1),
                 "fp8": (64, 3, True, 4), "fp8-large": (128, 3, True, 2),
                 "nvfp4": (64, 3, True, 4), "nvfp4-large": (128, 3, True, 2)}
 LARGE_TILES_MIN_KV = 2 ** 18  # tokens x KV heads (at d=128): b=1 ctx 32k and up
@@ -133,8 +129,7 @@ LARGE_TILES_MIN_KV = 2 ** 18  # tokens x KV heads (at d=128): b=1 ctx 32k and up
 
 def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_format: str = "16bit",
                   paged: bool = False, kv_tokens: int = 2 ** 30) -> DecodeConfig:
-    """Tiles by cache format (DECODE_TILES; "16bit", "fp8", "nvfp4"), layout, size and tile rows (block_m from
-    group_rows = Sq x Hq / Hkv: wide 16-bit tiles step more tokens): contiguous caches are read
+    """Tiles by cache format (DECODE_TILES; "16bit", "fp8", "nvfp4"), layout and size: contiguous caches are read
     through TMA descriptors, paged ones by pointer gathers (a TMA descriptor covers one strided box, not a page list).
     kv_tokens = batch x cache capacity x KV heads; caches of LARGE_TILES_MIN_KV or more take the "-large" tiles."""
     block_m = decode_block_m(group_rows)
@@ -145,8 +140,6 @@ def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_fo
     if kv_tokens * d >= LARGE_TILES_MIN_KV * 128:  # the "-paged-large" tiles where a format has them, else "-large"
         large = [f"{kv_format}-paged-large"] * paged + [f"{kv_format}-large"]
         key = next((k for k in large if k in DECODE_TILES), kv_format)
-    if key == "16bit" and not paged and block_m >= 32:
-        key = "16bit-wide"
     tokens, stages, trans, resident = DECODE_TILES[key]
     # K+V bytes per step held constant across head dims (d=64 at 64 tokens per step ran 0.71-0.93x the peer);
     # below 64 a step holds fewer bytes and registers, and an SM proportionally more programs.
