@@ -1,6 +1,6 @@
 """Tile-config sweep for the backward, the FP8 / NVFP4 decode and the NVFP4 GEMM (GPU only).
 
-`python benchmarks/config_sweep.py [bwd] [bwd-d64] [bwd-d128] [bwd-d256] [bwd-softcap] [bwd-det] [bwd-16k] [decode] [decode-quant] [decode-paged]
+`python benchmarks/config_sweep.py [bwd] [bwd-d64] [bwd-d128] [bwd-d256] [bwd-softcap] [bwd-det] [bwd-16k] [bwd-rotate] [decode] [decode-quant] [decode-paged]
 [decode-small] [decode-mqa] [decode-quant-wide] [decode-quant-overlap] [decode-large] [gemm]
 [gemm-small]
 [--json PATH]`.
@@ -42,6 +42,13 @@ BWD_CONFIGS = {
           (16, 32, 64, 32, 8, 2, 8, 1), (16, 64, 64, 32, 8, 2, 8, 1)],
 }
 # The deterministic backward (separate dQ pass) keeps its session-2 sweep list.
+# The dK/dV programs of one head starting their query blocks at staggered blocks (rotate, the tenth field) against
+# all starting together, atomic dQ, the current tiles.
+BWD_ROTATE_CONFIGS = {
+    64: [(64, 128, 128, 64, 8, 3, 8, 2, True, False), (64, 128, 128, 64, 8, 3, 8, 2, True, True)],
+    128: [(64, 128, 128, 64, 8, 2, 8, 2, True, False), (64, 128, 128, 64, 8, 2, 8, 2, True, True)],
+    256: [(32, 32, 64, 32, 4, 2, 8, 1, True, False), (32, 32, 64, 32, 4, 2, 8, 1, True, True)],
+}
 BWD_DET_CONFIGS = {
     64: [(64, 64, 128, 32, 4, 3, 8, 3), (64, 128, 128, 64, 8, 2, 8, 2), (64, 128, 64, 64, 4, 2, 4, 2),
          # the d64 dK/dV tile with other dQ tiles (run 26: 294 full / 277 causal with the first)
@@ -123,7 +130,7 @@ def _force(module, name, cfg):
     setattr(module, name, lambda *a, **k: cfg)
 
 
-def sweep_bwd(rows, dims=(64, 128), softcap=0.0, deterministic=False, seqlens=(4096,)):
+def sweep_bwd(rows, dims=(64, 128), softcap=0.0, deterministic=False, seqlens=(4096,), configs=None):
     """TFLOP/s per config. Errors against SDPA's gradients; with softcap (SDPA has none) against the
     default config's gradients, which the test suite checks against the reference."""
     orig = bwd_ops.bwd_config
@@ -139,7 +146,7 @@ def sweep_bwd(rows, dims=(64, 128), softcap=0.0, deterministic=False, seqlens=(4
             else:
                 ref = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), is_causal=causal)
                 ref_grads = torch.autograd.grad(ref, (q, k, v), do.transpose(1, 2))
-            for cfg_t in (BWD_DET_CONFIGS if deterministic else BWD_CONFIGS)[d]:
+            for cfg_t in (configs or (BWD_DET_CONFIGS if deterministic else BWD_CONFIGS))[d]:
                 cfg = BwdConfig(*cfg_t)
                 _force(bwd_ops, "bwd_config", cfg)
                 try:
@@ -307,6 +314,8 @@ def main(argv=None):
              "bwd-det": lambda r: sweep_bwd(r, dims=(64, 128, 256), deterministic=True),
              "bwd-det-d64": lambda r: sweep_bwd(r, dims=(64,), deterministic=True),
              "bwd-16k": lambda r: sweep_bwd(r, seqlens=(16384,)),
+             "bwd-rotate": lambda r: sweep_bwd(r, dims=(128, 256, 64), seqlens=(4096, 16384),
+                                               configs=BWD_ROTATE_CONFIGS),
              "gemm-small": lambda r: sweep_gemm(r, SMALL_M_SHAPES),
              "decode-small": sweep_decode_small,
              "decode-mqa": lambda r: sweep_decode_small(r, MQA_SHAPES, MQA_CONFIGS, (0, 4, 8, 16, 33, 66)),

@@ -46,6 +46,7 @@ class BwdConfig:
     dq_warps: int
     dq_stages: int
     atomic_dq: bool = True  # dQ added up by the dK/dV programs (fp32 atomics) unless deterministic=True asks otherwise
+    rotate: bool = False  # dK/dV programs start their unmasked query blocks at staggered blocks (kernel's ROTATE)
 
 
 def padded_head_dim(d: int) -> int:

@@ -121,12 +121,15 @@ def _row_stats(lse_ptr, delta_ptr, b, h, tok, row_ok, stride_lb, stride_lh, stri
 @triton.jit
 def _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, lse_ptr, delta_ptr, b, head_q, stride_lb, stride_lh,
                  stride_ls, stride_qs, stride_dos, stride_dqs, q_start, offs_d, offs_n, diag, seqlen_q, seqlen_k, lo,
-                 hi, qk_scale, softcap_scale, window_left, window_right,
+                 hi, rot, qk_scale, softcap_scale, window_left, window_right,
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr,
                  HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, TILE_DTYPE: tl.constexpr, ATOMIC_DQ: tl.constexpr):
-    """dV += P^T dO and dK += dS^T Q (dS without softmax_scale) over query blocks [lo, hi) of one head; with
-    ATOMIC_DQ also dQ += dS K, added in fp32 into dq_base's rows (relaxed: only the sum matters)."""
-    for start_m in range(lo, hi, BLOCK_M):
+    """dV += P^T dO and dK += dS^T Q (dS without softmax_scale) over query blocks [lo, hi) of one head (multiples
+    of BLOCK_M), starting at block rot and wrapping around; with ATOMIC_DQ also dQ += dS K, added in fp32 into
+    dq_base's rows (relaxed: only the sum matters)."""
+    n_blocks = (hi - lo) // BLOCK_M
+    for i in range(0, n_blocks):
+        start_m = lo + ((i + rot) % n_blocks) * BLOCK_M
         tok = start_m + tl.arange(0, BLOCK_M)
         row_ok = tok < seqlen_q
         q = _load_rows(q_base, q_start + tok, row_ok, offs_d, stride_qs, HEAD_DIM, TILE_DTYPE)
@@ -158,10 +161,11 @@ def attn_bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     VARLEN_Q: tl.constexpr, VARLEN_K: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, TILE_DTYPE: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, ROTATE: tl.constexpr,
 ):
     """dK, dV of one KV block of one KV head; with ATOMIC_DQ also the block's share of dQ (dq_acc, fp32, without
-    softmax_scale)."""
+    softmax_scale). ROTATE: the programs of one head start their unmasked query blocks at different blocks (their
+    KV block index), so they do not all add into the same dQ rows at the same time."""
     pid = tl.program_id(0)
     start_n = (pid % n_tiles) * BLOCK_N
     bh = pid // n_tiles
@@ -197,6 +201,7 @@ def attn_bwd_dkdv_kernel(
         m_hi = m_lo  # keys past seqused_k: nothing to accumulate, zeros are stored below
         full_lo = m_lo
         full_hi = m_lo
+    rot = (pid % n_tiles) if ROTATE else 0
     for g in range(group_size):
         head_q = head_kv * group_size + g
         q_base = q_ptr + b64 * stride_qb + head_q.to(tl.int64) * stride_qh
@@ -205,17 +210,17 @@ def attn_bwd_dkdv_kernel(
         # Masked blocks at the diagonal, unmasked interior, masked blocks at the left window edge.
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, lse_ptr, delta_ptr, b, head_q, stride_lb,
                               stride_lh, stride_ls, stride_qs, stride_dos, stride_dqs, q_start, offs_d, offs_n,
-                              diag, seqlen_q, seqlen_k, m_lo * BLOCK_M, full_lo * BLOCK_M, qk_scale, softcap_scale,
+                              diag, seqlen_q, seqlen_k, m_lo * BLOCK_M, full_lo * BLOCK_M, 0, qk_scale, softcap_scale,
                               window_left, window_right, HEAD_DIM, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                               TILE_DTYPE, ATOMIC_DQ)
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, lse_ptr, delta_ptr, b, head_q, stride_lb,
                               stride_lh, stride_ls, stride_qs, stride_dos, stride_dqs, q_start, offs_d, offs_n,
-                              diag, seqlen_q, seqlen_k, full_lo * BLOCK_M, full_hi * BLOCK_M, qk_scale,
+                              diag, seqlen_q, seqlen_k, full_lo * BLOCK_M, full_hi * BLOCK_M, rot, qk_scale,
                               softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_M, False, HAS_LEFT,
                               HAS_RIGHT, SOFTCAP, TILE_DTYPE, ATOMIC_DQ)
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, lse_ptr, delta_ptr, b, head_q, stride_lb,
                               stride_lh, stride_ls, stride_qs, stride_dos, stride_dqs, q_start, offs_d, offs_n,
-                              diag, seqlen_q, seqlen_k, full_hi * BLOCK_M, m_hi * BLOCK_M, qk_scale, softcap_scale,
+                              diag, seqlen_q, seqlen_k, full_hi * BLOCK_M, m_hi * BLOCK_M, 0, qk_scale, softcap_scale,
                               window_left, window_right, HEAD_DIM, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                               TILE_DTYPE, ATOMIC_DQ)
     dk = dk * softmax_scale
