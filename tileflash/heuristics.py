@@ -92,13 +92,13 @@ def bwd_config(head_dim: int, interpret: bool = False) -> BwdConfig:
     Fields: dK/dV (query rows per step, keys per program), dQ (query rows per program, keys per step), then warps
     and stages of each kernel, then whether dQ is added up with atomics by default."""
     if interpret:
-        return BwdConfig(16, 16, 16, 16, 4, 1, 4, 1)
+        return BwdConfig(16, 16, 16, 16, 4, 1, 4, 1, rotate=True)
     d = padded_head_dim(head_dim)
     if d <= 64:
         return BwdConfig(64, 64, 128, 32, 4, 3, 8, 3, atomic_dq=False)
     if d <= 128:
-        return BwdConfig(64, 128, 128, 64, 8, 2, 8, 2)
-    return BwdConfig(32, 32, 64, 32, 4, 2, 8, 1)
+        return BwdConfig(64, 128, 128, 64, 8, 2, 8, 2, rotate=True)
+    return BwdConfig(32, 32, 64, 32, 4, 2, 8, 1, rotate=True)
 
 
 def decode_block_m(group_rows: int) -> int:

@@ -127,9 +127,12 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, lse_ptr, delta_ptr, b, 
     """dV += P^T dO and dK += dS^T Q (dS without softmax_scale) over query blocks [lo, hi) of one head (multiples
     of BLOCK_M), starting at block rot and wrapping around; with ATOMIC_DQ also dQ += dS K, added in fp32 into
     dq_base's rows (relaxed: only the sum matters)."""
-    n_blocks = (hi - lo) // BLOCK_M
-    for i in range(0, n_blocks):
-        start_m = lo + ((i + rot) % n_blocks) * BLOCK_M
+    # No modulo inside the loop: an empty range must not divide by zero (the GPU's pipelined prologue evaluates
+    # the first iteration's addresses before the trip count is known).
+    first = lo + (rot % tl.maximum((hi - lo) // BLOCK_M, 1)) * BLOCK_M
+    for start in range(lo, hi, BLOCK_M):
+        start_m = start + (first - lo)
+        start_m = tl.where(start_m >= hi, start_m - (hi - lo), start_m)
         tok = start_m + tl.arange(0, BLOCK_M)
         row_ok = tok < seqlen_q
         q = _load_rows(q_base, q_start + tok, row_ok, offs_d, stride_qs, HEAD_DIM, TILE_DTYPE)
