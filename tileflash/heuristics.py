@@ -46,7 +46,7 @@ class BwdConfig:
     dq_warps: int
     dq_stages: int
     atomic_dq: bool = True  # dQ added up by the dK/dV programs (fp32 atomics) unless deterministic=True asks otherwise
-    rotate: bool = False  # dK/dV programs start their unmasked query blocks at staggered blocks (kernel's ROTATE)
+    rotate: bool = False  # without a right mask bound, dK/dV programs start their query blocks at staggered blocks
 
 
 def padded_head_dim(d: int) -> int:
@@ -89,8 +89,11 @@ def bwd_config(head_dim: int, interpret: bool = False) -> BwdConfig:
             298, run 26); 32 query rows per step (no spills) 281 / 276, 16 rows 227 / 238.
       d256: atomic dQ with (32, 32, 4 warps, 2 stages) 155 full / 148 causal; the former (32, 32, 8 warps, 1 stage)
             89 / 88 (run 26); the separate dQ pass spills at every dQ tile tried (87-103).
+    Staggered starts (rotate; run 30, same run, off / on, atomic dQ): d128 non-causal 4k 330 / 355, 16k 342 / 372;
+    d256 161 / 166, 166 / 170; causal (masked on the right, where programs already start at their diagonals) lost
+    1-2% (d128 327 / 319, 393 / 387), so the launcher staggers only without a right bound.
     Fields: dK/dV (query rows per step, keys per program), dQ (query rows per program, keys per step), then warps
-    and stages of each kernel, then whether dQ is added up with atomics by default."""
+    and stages of each kernel, whether dQ is added up with atomics by default, and the staggered starts."""
     if interpret:
         return BwdConfig(16, 16, 16, 16, 4, 1, 4, 1, rotate=True)
     d = padded_head_dim(head_dim)

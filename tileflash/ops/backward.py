@@ -56,7 +56,8 @@ def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, *, varlen: bool
         *(bstride(dq_acc) if atomic_dq else (0, 0, 0)), *lse_strides,
         seqlen_q, seqlen_k, hkv, hq // hkv, n_tiles, softmax_scale, softcap, window_left, window_right,
         BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
-        ATOMIC_DQ=atomic_dq, ROTATE=cfg.rotate, **common)
+        # Bounded on the right (causal), the programs already start at staggered query blocks (their diagonals).
+        ATOMIC_DQ=atomic_dq, ROTATE=cfg.rotate and window_right < 0, **common)
     if atomic_dq:
         torch.mul(dq_acc, softmax_scale, out=dq4)
         return
