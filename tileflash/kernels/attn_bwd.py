@@ -12,13 +12,15 @@ Kernels:
   preprocess  delta per query row;
   dK/dV       one program per (KV block, KV head): K, V stay in registers while the program walks every
               query block of every query head of its GQA group that can see the block, so dK/dV of a group are
-              summed in registers, never through memory. By default (ATOMIC_DQ) it also computes the block's share
-              dS K of dQ and adds it into an fp32 buffer with relaxed vector atomics (the launcher scales and casts
-              it): 5 matrix products per (query block, KV block) pair, as in FA2/FA3;
-  dQ          deterministic=True only: one program per (query block, query head) walking the KV blocks it sees,
-              like the forward (masked edge blocks, unmasked interior). It recomputes S and dP, 7 products per
-              pair instead of 5, but no sum depends on the order programs run in: bitwise reproducible gradients.
-Why the default needs atomics: at 7 products per pair the backward's useful work (the 5 counted in "2.5 x forward
+              summed in registers, never through memory. With ATOMIC_DQ (the default where it measured
+              faster: heuristics.BwdConfig.atomic_dq, d > 64) it also computes the block's share dS K of dQ and
+              adds it into an fp32 buffer with relaxed vector atomics (the launcher scales and casts it): 5 matrix
+              products per (query block, KV block) pair, as in FA2/FA3;
+  dQ          otherwise (deterministic=True, or d <= 64): one program per (query block, query head) walking the KV
+              blocks it sees, like the forward (masked edge blocks, unmasked interior). It recomputes S and dP, 7
+              products per pair instead of 5, but no sum depends on the order programs run in: bitwise
+              reproducible gradients.
+Why atomics above d64: at 7 products per pair the backward's useful work (the 5 counted in "2.5 x forward
 FLOPs") can reach at most 5/7 of the tensor-core rate, below cuDNN's measured backward.
 
 Head dim 64 (why FA4 found its backward at 30-37% of peak there, against 55% at d128): each q/do tile loaded by

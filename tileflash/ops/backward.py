@@ -1,7 +1,7 @@
 """Backward of flash_attn_func / flash_attn_varlen_func: launcher, custom op, and the autograd formulas that the
-forward custom ops register (prefill.py). By default the dK/dV program also adds its share of dQ into an fp32
-buffer with atomics (5 matrix products per block); deterministic=True computes dQ in its own pass instead (7 products,
-no atomics, bitwise reproducible). See kernels/attn_bwd.py."""
+forward custom ops register (prefill.py). Where BwdConfig.atomic_dq says so (d > 64) the dK/dV program also adds
+its share of dQ into an fp32 buffer with atomics (5 matrix products per block); deterministic=True (and d <= 64)
+computes dQ in its own pass instead (7 products, no atomics, bitwise reproducible). See kernels/attn_bwd.py."""
 from __future__ import annotations
 
 from typing import Optional
@@ -49,7 +49,7 @@ def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, *, varlen: bool
     atomic_dq = cfg.atomic_dq and not deterministic
     n_tiles = _utils.cdiv(max(max_seqlen_k, 1), cfg.dkdv_block_n)
     # Rows no program adds to (no visible key, outside every varlen sequence) keep the zeros: dQ = 0 there.
-    dq_acc = torch.zeros(dq4.shape, dtype=torch.float32, device=dev) if atomic_dq else delta
+    dq_acc = torch.zeros(dq4.shape, dtype=torch.float32, device=dev) if atomic_dq else delta  # else: not read
     attn_bwd_dkdv_kernel[(n_tiles * num_batches * hkv,)](
         q4, k4, v4, do4, lse3, delta, dk4, dv4, dq_acc, *seq_args,
         *bstride(q4), *bstride(k4), *bstride(v4), *bstride(do4), *bstride(dk4), *bstride(dv4),

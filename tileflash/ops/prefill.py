@@ -158,9 +158,9 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
 
     Causal and windows are bottom-right aligned (query i sees key j iff j <= i + Sk - Sq). Returns out
     [B, Sq, Hq, D], and with return_lse=True (out, lse) with lse [B, Hq, Sq] float32, natural log.
-    Differentiable in q, k, v (and through lse). The backward adds dq up with fp32 atomics, so dq may differ in
-    the last bits from run to run; deterministic=True computes dq in a separate pass without atomics (bitwise
-    reproducible gradients, slower).
+    Differentiable in q, k, v (and through lse). Above head dim 64 the backward adds dq up with fp32 atomics, so
+    dq may differ in the last bits from run to run; deterministic=True computes dq in a separate pass without
+    atomics (bitwise reproducible gradients, slower).
     """
     _check_qkv(q, k, v, 4)
     if k.shape[0] != q.shape[0]:
