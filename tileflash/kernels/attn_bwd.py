@@ -44,12 +44,16 @@ from ._masks import LOG2E, kv_block_range, logit_scales, q_block_range, seq_exte
 
 
 @triton.jit
-def attn_bwd_preprocess_kernel(o_ptr, do_ptr, dlse_ptr, delta_ptr, seqlen, num_heads, num_rows,
+def attn_bwd_preprocess_kernel(o_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, seqlen, num_heads,
+                               num_rows,
                                stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh,
                                stride_lb, stride_lh, stride_ls,
                                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
                                HAS_DLSE: tl.constexpr):
-    """delta = rowsum(dO * O) - dlse for rows (b, s, h) of [B, S, H, D]; delta and dlse laid out like lse."""
+    """delta = rowsum(dO * O) - dlse and lse2 = lse in log2 units (+inf for rows that saw no key, so their P is 0)
+    for rows (b, s, h) of [B, S, H, D]; lse, dlse, delta and lse2 laid out like lse. Converting lse once here
+    spares the main loops a compare, a multiply and a select per query row and step, which the keys-major dK/dV
+    program repeats for every query column a thread holds (48 of its 710 SASS instructions per step at d128)."""
     r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     row_ok = r < num_rows
     b = r // (seqlen * num_heads)
@@ -66,6 +70,8 @@ def attn_bwd_preprocess_kernel(o_ptr, do_ptr, dlse_ptr, delta_ptr, seqlen, num_h
     if HAS_DLSE:
         delta -= tl.load(dlse_ptr + lse_off, mask=row_ok, other=0.0)
     tl.store(delta_ptr + lse_off, delta, mask=row_ok)
+    lse = tl.load(lse_ptr + lse_off, mask=row_ok, other=0.0)
+    tl.store(lse2_ptr + lse_off, tl.where(lse == float("-inf"), float("inf"), lse * LOG2E), mask=row_ok)
 
 
 @triton.jit
@@ -111,17 +117,16 @@ def _probs_and_dscores(q, k, v, do, lse2, delta, q_pos, k_pos, seqlen_k, qk_scal
 
 
 @triton.jit
-def _row_stats(lse_ptr, delta_ptr, b, h, tok, row_ok, stride_lb, stride_lh, stride_ls):
-    """lse in log2 units (+inf for rows that saw no key, so their P is 0) and delta for rows tok of head h."""
+def _row_stats(lse2_ptr, delta_ptr, b, h, tok, row_ok, stride_lb, stride_lh, stride_ls):
+    """lse2 (the preprocess's log2-unit lse, +inf for rows that saw no key) and delta for rows tok of head h."""
     off = b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + tok.to(tl.int64) * stride_ls
-    lse = tl.load(lse_ptr + off, mask=row_ok, other=float("inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    lse2 = tl.load(lse2_ptr + off, mask=row_ok, other=float("inf"))
     delta = tl.load(delta_ptr + off, mask=row_ok, other=0.0)
     return lse2, delta
 
 
 @triton.jit
-def _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, lse_ptr, delta_ptr, b, head_q, stride_lb, stride_lh,
+def _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, lse2_ptr, delta_ptr, b, head_q, stride_lb, stride_lh,
                  stride_ls, stride_qs, stride_dos, stride_dqs, q_start, offs_d, offs_n, diag, seqlen_q, seqlen_k, lo,
                  hi, rot, qk_scale, softcap_scale, window_left, window_right,
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr,
@@ -139,7 +144,7 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, lse_ptr, delta_ptr, b, 
         row_ok = tok < seqlen_q
         q = _load_rows(q_base, q_start + tok, row_ok, offs_d, stride_qs, HEAD_DIM, TILE_DTYPE)
         do = _load_rows(do_base, q_start + tok, row_ok, offs_d, stride_dos, HEAD_DIM, TILE_DTYPE)
-        lse2, delta = _row_stats(lse_ptr, delta_ptr, b, head_q, q_start + tok, row_ok, stride_lb, stride_lh,
+        lse2, delta = _row_stats(lse2_ptr, delta_ptr, b, head_q, q_start + tok, row_ok, stride_lb, stride_lh,
                                  stride_ls)
         p_t, ds_t = _probs_and_dscores(q, k, v, do, lse2, delta, tok + diag, offs_n, seqlen_k, qk_scale,
                                        softcap_scale, window_left, window_right, MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP,
@@ -156,7 +161,7 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, lse_ptr, delta_ptr, b, 
 
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_acc_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, dq_acc_ptr,
     cu_seqlens_q_ptr, cu_seqlens_k_ptr, seqused_k_ptr,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
@@ -213,17 +218,17 @@ def attn_bwd_dkdv_kernel(
         do_base = do_ptr + b64 * stride_dob + head_q.to(tl.int64) * stride_doh
         dq_base = dq_acc_ptr + b64 * stride_dqb + head_q.to(tl.int64) * stride_dqh
         # Masked blocks at the diagonal, unmasked interior, masked blocks at the left window edge.
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, lse_ptr, delta_ptr, b, head_q, stride_lb,
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, lse2_ptr, delta_ptr, b, head_q, stride_lb,
                               stride_lh, stride_ls, stride_qs, stride_dos, stride_dqs, q_start, offs_d, offs_n,
                               diag, seqlen_q, seqlen_k, m_lo * BLOCK_M, full_lo * BLOCK_M, 0, qk_scale, softcap_scale,
                               window_left, window_right, HEAD_DIM, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                               TILE_DTYPE, ATOMIC_DQ)
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, lse_ptr, delta_ptr, b, head_q, stride_lb,
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, lse2_ptr, delta_ptr, b, head_q, stride_lb,
                               stride_lh, stride_ls, stride_qs, stride_dos, stride_dqs, q_start, offs_d, offs_n,
                               diag, seqlen_q, seqlen_k, full_lo * BLOCK_M, full_hi * BLOCK_M, rot, qk_scale,
                               softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_M, False, HAS_LEFT,
                               HAS_RIGHT, SOFTCAP, TILE_DTYPE, ATOMIC_DQ)
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, lse_ptr, delta_ptr, b, head_q, stride_lb,
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, lse2_ptr, delta_ptr, b, head_q, stride_lb,
                               stride_lh, stride_ls, stride_qs, stride_dos, stride_dqs, q_start, offs_d, offs_n,
                               diag, seqlen_q, seqlen_k, full_hi * BLOCK_M, m_hi * BLOCK_M, 0, qk_scale, softcap_scale,
                               window_left, window_right, HEAD_DIM, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
@@ -255,7 +260,7 @@ def _dq_blocks(dq, q, do, lse2, delta, q_pos, k_base, v_base, stride_ks, stride_
 
 @triton.jit
 def attn_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_ptr, dq_ptr,
     cu_seqlens_q_ptr, cu_seqlens_k_ptr, seqused_k_ptr,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh, stride_dqb, stride_dqs, stride_dqh,
@@ -285,7 +290,8 @@ def attn_bwd_dq_kernel(
                    stride_qs, HEAD_DIM, TILE_DTYPE)
     do = _load_rows(do_ptr + b64 * stride_dob + head_q.to(tl.int64) * stride_doh, q_start + tok, row_ok, offs_d,
                     stride_dos, HEAD_DIM, TILE_DTYPE)
-    lse2, delta = _row_stats(lse_ptr, delta_ptr, b, head_q, q_start + tok, row_ok, stride_lb, stride_lh, stride_ls)
+    lse2, delta = _row_stats(lse2_ptr, delta_ptr, b, head_q, q_start + tok, row_ok, stride_lb, stride_lh,
+                             stride_ls)
     qk_scale, softcap_scale = logit_scales(softmax_scale, softcap, SOFTCAP)
     diag = seqlen_k - seqlen_q
     n_lo, full_lo, full_hi, n_hi = kv_block_range(start_m, tl.minimum(start_m + BLOCK_M, seqlen_q) - 1, diag,

@@ -29,10 +29,10 @@ def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, *, varlen: bool
     hkv = k4.shape[2]
     dp = padded_head_dim(d)
     cfg = bwd_config(d, _utils.is_interpreter())
-    delta = torch.empty_like(lse3)
+    delta, lse2 = torch.empty_like(lse3), torch.empty_like(lse3)
     rows = lse3.numel()
     attn_bwd_preprocess_kernel[(_utils.cdiv(rows, PREPROCESS_BLOCK_ROWS),)](
-        o4, do4, dlse3 if dlse3 is not None else delta, delta, o4.shape[1], hq, rows,
+        o4, do4, lse3, dlse3 if dlse3 is not None else delta, delta, lse2, o4.shape[1], hq, rows,
         *_strides3(o4), *_strides3(do4), *_strides3(lse3),
         HEAD_DIM=d, HEAD_DIM_PAD=dp, BLOCK_R=PREPROCESS_BLOCK_ROWS, HAS_DLSE=dlse3 is not None, num_warps=4)
 
@@ -51,7 +51,7 @@ def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, *, varlen: bool
     # Rows no program adds to (no visible key, outside every varlen sequence) keep the zeros: dQ = 0 there.
     dq_acc = torch.zeros(dq4.shape, dtype=torch.float32, device=dev) if atomic_dq else delta  # else: not read
     attn_bwd_dkdv_kernel[(n_tiles * num_batches * hkv,)](
-        q4, k4, v4, do4, lse3, delta, dk4, dv4, dq_acc, *seq_args,
+        q4, k4, v4, do4, lse2, delta, dk4, dv4, dq_acc, *seq_args,
         *bstride(q4), *bstride(k4), *bstride(v4), *bstride(do4), *bstride(dk4), *bstride(dv4),
         *(bstride(dq_acc) if atomic_dq else (0, 0, 0)), *lse_strides,
         seqlen_q, seqlen_k, hkv, hq // hkv, n_tiles, softmax_scale, softcap, window_left, window_right,
@@ -63,7 +63,7 @@ def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, *, varlen: bool
         return
     m_tiles = _utils.cdiv(max(max_seqlen_q, 1), cfg.dq_block_m)
     attn_bwd_dq_kernel[(m_tiles * num_batches * hq,)](
-        q4, k4, v4, do4, lse3, delta, dq4, *seq_args,
+        q4, k4, v4, do4, lse2, delta, dq4, *seq_args,
         *bstride(q4), *bstride(k4), *bstride(v4), *bstride(do4), *bstride(dq4), *lse_strides,
         seqlen_q, seqlen_k, hq, hq // hkv, m_tiles, softmax_scale, softcap, window_left, window_right,
         BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, num_warps=cfg.dq_warps, num_stages=cfg.dq_stages, **common)
