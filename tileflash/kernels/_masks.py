@@ -76,8 +76,9 @@ def q_block_range(key_lo, key_hi, key_block_partial, diag, seqlen_q, window_left
                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BLOCK_M: tl.constexpr):
     """Query blocks for keys [key_lo, key_hi) (the backward's transpose of kv_block_range): [m_lo, m_hi) hold a
     query that sees some key, and inside it [full_lo, full_hi) only queries that see every key (no per-element
-    mask; rows past seqlen_q are harmless there, their lse is +inf so P = 0). Key j is visible to query i iff
-    j - diag - window_right <= i <= j - diag + window_left. A key block cut by seqlen_k is masked throughout."""
+    mask) and no row past seqlen_q (a partial last block stays with the masked blocks), so the interior loads
+    without row predicates. Key j is visible to query i iff j - diag - window_right <= i <= j - diag +
+    window_left. A key block cut by seqlen_k is masked throughout."""
     q_lo = 0
     q_hi = seqlen_q
     full_lo_tok = 0
@@ -93,6 +94,7 @@ def q_block_range(key_lo, key_hi, key_block_partial, diag, seqlen_q, window_left
     if HAS_LEFT:
         full_hi = tl.maximum(key_lo - diag + window_left + 1, 0) // BLOCK_M
     full_hi = tl.minimum(tl.maximum(full_hi, full_lo), m_hi)
+    full_hi = tl.minimum(full_hi, tl.maximum(seqlen_q // BLOCK_M, full_lo))  # whole blocks only
     if key_block_partial:
         full_lo = m_hi
         full_hi = m_hi

@@ -75,10 +75,17 @@ def attn_bwd_preprocess_kernel(o_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2
 
 
 @triton.jit
-def _load_rows(ptr, rows, row_ok, offs_d, stride_s, HEAD_DIM: tl.constexpr, TILE_DTYPE: tl.constexpr):
-    """[len(rows), DP] tile of rows of one head; padding rows and columns are 0."""
-    t = tl.load(ptr + rows.to(tl.int64)[:, None] * stride_s + offs_d[None, :],
-                mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+def _load_rows(ptr, rows, row_ok, offs_d, stride_s, HEAD_DIM: tl.constexpr, TILE_DTYPE: tl.constexpr,
+               ROWS_IN_RANGE: tl.constexpr = False):
+    """[len(rows), DP] tile of rows of one head; padding rows and columns are 0. ROWS_IN_RANGE: every row is
+    known to be valid (row_ok is ignored), so an unpadded head dim loads without predicates."""
+    ptrs = ptr + rows.to(tl.int64)[:, None] * stride_s + offs_d[None, :]
+    if ROWS_IN_RANGE and HEAD_DIM == offs_d.shape[0]:
+        t = tl.load(ptrs)
+    elif ROWS_IN_RANGE:
+        t = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    else:
+        t = tl.load(ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
     return t.to(TILE_DTYPE)  # as in the forward: the input dtype, fp32 in the interpreter
 
 
@@ -117,9 +124,12 @@ def _probs_and_dscores(q, k, v, do, lse2, delta, q_pos, k_pos, seqlen_k, qk_scal
 
 
 @triton.jit
-def _row_stats(lse2_ptr, delta_ptr, b, h, tok, row_ok, stride_lb, stride_lh, stride_ls):
+def _row_stats(lse2_ptr, delta_ptr, b, h, tok, row_ok, stride_lb, stride_lh, stride_ls,
+               ROWS_IN_RANGE: tl.constexpr = False):
     """lse2 (the preprocess's log2-unit lse, +inf for rows that saw no key) and delta for rows tok of head h."""
     off = b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + tok.to(tl.int64) * stride_ls
+    if ROWS_IN_RANGE:
+        return tl.load(lse2_ptr + off), tl.load(delta_ptr + off)
     lse2 = tl.load(lse2_ptr + off, mask=row_ok, other=float("inf"))
     delta = tl.load(delta_ptr + off, mask=row_ok, other=0.0)
     return lse2, delta
@@ -142,10 +152,11 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, lse2_ptr, delta_ptr, b,
         start_m = tl.where(start_m >= hi, start_m - (hi - lo), start_m)
         tok = start_m + tl.arange(0, BLOCK_M)
         row_ok = tok < seqlen_q
-        q = _load_rows(q_base, q_start + tok, row_ok, offs_d, stride_qs, HEAD_DIM, TILE_DTYPE)
-        do = _load_rows(do_base, q_start + tok, row_ok, offs_d, stride_dos, HEAD_DIM, TILE_DTYPE)
+        # Unmasked (interior) blocks hold no row past seqlen_q (q_block_range): loads need no row predicates.
+        q = _load_rows(q_base, q_start + tok, row_ok, offs_d, stride_qs, HEAD_DIM, TILE_DTYPE, not MASK)
+        do = _load_rows(do_base, q_start + tok, row_ok, offs_d, stride_dos, HEAD_DIM, TILE_DTYPE, not MASK)
         lse2, delta = _row_stats(lse2_ptr, delta_ptr, b, head_q, q_start + tok, row_ok, stride_lb, stride_lh,
-                                 stride_ls)
+                                 stride_ls, not MASK)
         p_t, ds_t = _probs_and_dscores(q, k, v, do, lse2, delta, tok + diag, offs_n, seqlen_k, qk_scale,
                                        softcap_scale, window_left, window_right, MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                                        True)
@@ -154,8 +165,13 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, lse2_ptr, delta_ptr, b,
         dk = tl.dot(ds_t, q, dk)
         if ATOMIC_DQ:
             dq = tl.dot(tl.trans(ds_t), k)
-            tl.atomic_add(dq_base + (q_start + tok).to(tl.int64)[:, None] * stride_dqs + offs_d[None, :], dq,
-                          mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), sem="relaxed")
+            dq_ptrs = dq_base + (q_start + tok).to(tl.int64)[:, None] * stride_dqs + offs_d[None, :]
+            if not MASK and HEAD_DIM == offs_d.shape[0]:
+                tl.atomic_add(dq_ptrs, dq, sem="relaxed")
+            elif not MASK:
+                tl.atomic_add(dq_ptrs, dq, mask=offs_d[None, :] < HEAD_DIM, sem="relaxed")
+            else:
+                tl.atomic_add(dq_ptrs, dq, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), sem="relaxed")
     return dk, dv
 
 
