@@ -100,3 +100,26 @@ def test_atomic_and_deterministic_backward_agree():
                                      dout) for flag in (False, True))
     for a, b in zip(fast, det):
         torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+def test_dkdv_interior_load_paths_agree(monkeypatch, tma):
+    """The dK/dV interior reads Q/dO by pointers or through TMA descriptors (BwdConfig.tma; the interpreter's
+    config takes descriptors, the GPU's may not): both against the reference, batched (rows b * Sq + token) and
+    varlen (rows from cu_seqlens), with GQA and a partial last query block."""
+    from tileflash.heuristics import BwdConfig
+    from tileflash.ops import backward as bwd_ops
+
+    monkeypatch.setattr(bwd_ops, "bwd_config", lambda *a, **k: BwdConfig(16, 16, 16, 16, 4, 1, 4, 1, rotate=True,
+                                                                         tma=tma))
+    q, k, v = _leaves((2, 37, 4, 64), (2, 45, 2, 64), (2, 45, 2, 64), dtype=torch.float16, seed=7)
+    dout = torch.randn(2, 37, 4, 64, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    check_grads(lambda q, k, v: tileflash.flash_attn_func(q, k, v, return_lse=True), lambda q, k, v, upcast:
+                attention_ref(q, k, v, upcast=upcast), (q, k, v), dout, torch.zeros(2, 4, 37, device=DEVICE))
+    lens = [21, 0, 40]
+    cu = torch.tensor([0] + lens).cumsum(0).to(DEVICE, torch.int32)
+    q, k, v = _leaves((61, 4, 64), (61, 2, 64), (61, 2, 64), dtype=torch.bfloat16, seed=8)
+    dout = torch.randn(61, 4, 64, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    check_grads(lambda q, k, v: tileflash.flash_attn_varlen_func(q, k, v, cu, cu, 40, 40, return_lse=True),
+                lambda q, k, v, upcast: attention_varlen_ref(q, k, v, cu, cu, None, upcast=upcast), (q, k, v),
+                dout, torch.zeros(4, 61, device=DEVICE))

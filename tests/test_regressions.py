@@ -134,10 +134,10 @@ def test_empty_keys_backward():
 
 
 def test_no_tma_descriptor_over_zero_rows():
-    from tileflash.ops._launch import _kv_descriptors
+    from tileflash.ops._launch import row_descriptors
 
     k = torch.empty(1, 0, 2, 128, dtype=torch.float16)
-    assert _kv_descriptors(k, k.clone(), 0, 128) is None
+    assert row_descriptors((k, k.clone()), 0, 128) is None
 
 
 # --- cu_seqlens past the packed rows -------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ class BwdConfig:
     dq_stages: int
     atomic_dq: bool = True  # dQ added up by the dK/dV programs (fp32 atomics) unless deterministic=True asks otherwise
     rotate: bool = False  # without a right mask bound, dK/dV programs start their query blocks at staggered blocks
+    tma: bool = False  # dK/dV programs read unmasked Q/dO blocks through TMA descriptors (power-of-two head dims)
 
 
 def padded_head_dim(d: int) -> int:
@@ -95,7 +96,7 @@ def bwd_config(head_dim: int, interpret: bool = False) -> BwdConfig:
     Fields: dK/dV (query rows per step, keys per program), dQ (query rows per program, keys per step), then warps
     and stages of each kernel, whether dQ is added up with atomics by default, and the staggered starts."""
     if interpret:
-        return BwdConfig(16, 16, 16, 16, 4, 1, 4, 1, rotate=True)
+        return BwdConfig(16, 16, 16, 16, 4, 1, 4, 1, rotate=True, tma=True)
     d = padded_head_dim(head_dim)
     if d <= 64:
         return BwdConfig(64, 64, 128, 32, 4, 3, 8, 3, atomic_dq=False)

@@ -136,14 +136,17 @@ def _row_stats(lse2_ptr, delta_ptr, b, h, tok, row_ok, stride_lb, stride_lh, str
 
 
 @triton.jit
-def _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, lse2_ptr, delta_ptr, b, head_q, stride_lb, stride_lh,
-                 stride_ls, stride_qs, stride_dos, stride_dqs, q_start, offs_d, offs_n, diag, seqlen_q, seqlen_k, lo,
-                 hi, rot, qk_scale, softcap_scale, window_left, window_right,
+def _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, q_desc, do_desc, desc_row0, lse2_ptr, delta_ptr, b, head_q,
+                 stride_lb, stride_lh, stride_ls, stride_qs, stride_dos, stride_dqs, q_start, offs_d, offs_n, diag,
+                 seqlen_q, seqlen_k, lo, hi, rot, qk_scale, softcap_scale, window_left, window_right,
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr,
-                 HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, TILE_DTYPE: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+                 HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, TILE_DTYPE: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+                 QDO_DESC: tl.constexpr):
     """dV += P^T dO and dK += dS^T Q (dS without softmax_scale) over query blocks [lo, hi) of one head (multiples
     of BLOCK_M), starting at block rot and wrapping around; with ATOMIC_DQ also dQ += dS K, added in fp32 into
-    dq_base's rows (relaxed: only the sum matters)."""
+    dq_base's rows (relaxed: only the sum matters). QDO_DESC: unmasked blocks read Q and dO through TMA
+    descriptors over [rows, Hq, D] (row desc_row0 + token), no per-thread addresses; masked blocks keep pointer
+    loads, which zero rows past seqlen_q (a descriptor would read the next sequence's rows there)."""
     # No modulo inside the loop: an empty range must not divide by zero (the GPU's pipelined prologue evaluates
     # the first iteration's addresses before the trip count is known).
     first = lo + (rot % tl.maximum((hi - lo) // BLOCK_M, 1)) * BLOCK_M
@@ -153,8 +156,12 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, lse2_ptr, delta_ptr, b,
         tok = start_m + tl.arange(0, BLOCK_M)
         row_ok = tok < seqlen_q
         # Unmasked (interior) blocks hold no row past seqlen_q (q_block_range): loads need no row predicates.
-        q = _load_rows(q_base, q_start + tok, row_ok, offs_d, stride_qs, HEAD_DIM, TILE_DTYPE, not MASK)
-        do = _load_rows(do_base, q_start + tok, row_ok, offs_d, stride_dos, HEAD_DIM, TILE_DTYPE, not MASK)
+        if QDO_DESC and not MASK:
+            q = q_desc.load([desc_row0 + start_m, head_q, 0]).reshape(BLOCK_M, offs_d.shape[0]).to(TILE_DTYPE)
+            do = do_desc.load([desc_row0 + start_m, head_q, 0]).reshape(BLOCK_M, offs_d.shape[0]).to(TILE_DTYPE)
+        else:
+            q = _load_rows(q_base, q_start + tok, row_ok, offs_d, stride_qs, HEAD_DIM, TILE_DTYPE, not MASK)
+            do = _load_rows(do_base, q_start + tok, row_ok, offs_d, stride_dos, HEAD_DIM, TILE_DTYPE, not MASK)
         lse2, delta = _row_stats(lse2_ptr, delta_ptr, b, head_q, q_start + tok, row_ok, stride_lb, stride_lh,
                                  stride_ls, not MASK)
         p_t, ds_t = _probs_and_dscores(q, k, v, do, lse2, delta, tok + diag, offs_n, seqlen_k, qk_scale,
@@ -177,8 +184,8 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, lse2_ptr, delta_ptr, b,
 
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, dq_acc_ptr,
-    cu_seqlens_q_ptr, cu_seqlens_k_ptr, seqused_k_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, dq_acc_ptr, q_desc, do_desc,
+    desc_rows_per_batch, cu_seqlens_q_ptr, cu_seqlens_k_ptr, seqused_k_ptr,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
     stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh, stride_ls,
@@ -187,7 +194,7 @@ def attn_bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     VARLEN_Q: tl.constexpr, VARLEN_K: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, TILE_DTYPE: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, ROTATE: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, ROTATE: tl.constexpr, QDO_DESC: tl.constexpr,
 ):
     """dK, dV of one KV block of one KV head; with ATOMIC_DQ also the block's share of dQ (dq_acc, fp32, without
     softmax_scale). ROTATE: the programs of one head start their unmasked query blocks at different blocks (their
@@ -228,27 +235,34 @@ def attn_bwd_dkdv_kernel(
         full_lo = m_lo
         full_hi = m_lo
     rot = (pid % n_tiles) if ROTATE else 0
+    desc_row0 = b * desc_rows_per_batch + q_start  # this sequence's first row in the [rows, Hq, D] descriptors
     for g in range(group_size):
         head_q = head_kv * group_size + g
         q_base = q_ptr + b64 * stride_qb + head_q.to(tl.int64) * stride_qh
         do_base = do_ptr + b64 * stride_dob + head_q.to(tl.int64) * stride_doh
         dq_base = dq_acc_ptr + b64 * stride_dqb + head_q.to(tl.int64) * stride_dqh
         # Masked blocks at the diagonal, unmasked interior, masked blocks at the left window edge.
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, lse2_ptr, delta_ptr, b, head_q, stride_lb,
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, q_desc, do_desc, desc_row0, lse2_ptr,
+                              delta_ptr, b, head_q, stride_lb,
                               stride_lh, stride_ls, stride_qs, stride_dos, stride_dqs, q_start, offs_d, offs_n,
                               diag, seqlen_q, seqlen_k, m_lo * BLOCK_M, full_lo * BLOCK_M, 0, qk_scale, softcap_scale,
                               window_left, window_right, HEAD_DIM, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                              TILE_DTYPE, ATOMIC_DQ)
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, lse2_ptr, delta_ptr, b, head_q, stride_lb,
+                              TILE_DTYPE, ATOMIC_DQ,
+                              QDO_DESC)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, q_desc, do_desc, desc_row0, lse2_ptr,
+                              delta_ptr, b, head_q, stride_lb,
                               stride_lh, stride_ls, stride_qs, stride_dos, stride_dqs, q_start, offs_d, offs_n,
                               diag, seqlen_q, seqlen_k, full_lo * BLOCK_M, full_hi * BLOCK_M, rot, qk_scale,
                               softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_M, False, HAS_LEFT,
-                              HAS_RIGHT, SOFTCAP, TILE_DTYPE, ATOMIC_DQ)
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, lse2_ptr, delta_ptr, b, head_q, stride_lb,
+                              HAS_RIGHT, SOFTCAP, TILE_DTYPE, ATOMIC_DQ,
+                              QDO_DESC)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, q_desc, do_desc, desc_row0, lse2_ptr,
+                              delta_ptr, b, head_q, stride_lb,
                               stride_lh, stride_ls, stride_qs, stride_dos, stride_dqs, q_start, offs_d, offs_n,
                               diag, seqlen_q, seqlen_k, full_hi * BLOCK_M, m_hi * BLOCK_M, 0, qk_scale, softcap_scale,
                               window_left, window_right, HEAD_DIM, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                              TILE_DTYPE, ATOMIC_DQ)
+                              TILE_DTYPE, ATOMIC_DQ,
+                              QDO_DESC)
     dk = dk * softmax_scale
     store_ok = (offs_n[:, None] < stored_k) & (offs_d[None, :] < HEAD_DIM)
     rows = (k_start + offs_n).to(tl.int64)

@@ -36,22 +36,23 @@ def _dummy(device) -> torch.Tensor:
     return torch.empty(1, dtype=torch.int32, device=device)
 
 
-def _kv_descriptors(k4, v4, rows: int, block_n: int):
-    """TMA descriptors over K/V viewed as [rows, Hkv, D] (batch and sequence merged), or None when the layout does
-    not allow it: merged dims need stride(0) == S * stride(1), and TMA needs 16-byte aligned bases and strides.
-    Only for head dims that are powers of two, so a tile never reaches past D, and for at least one row (a
-    descriptor's dims must be positive; an empty K/V, Sk = 0, takes the pointer path)."""
-    d = k4.shape[3]
+def row_descriptors(tensors, rows: int, block_rows: int):
+    """TMA descriptors over [B, S, H, D] tensors viewed as [rows, H, D] (batch and sequence merged), blocks of
+    block_rows rows of one head, or None when the layout does not allow it: merged dims need stride(0) == S *
+    stride(1), and TMA needs 16-byte aligned bases and strides. Only for head dims that are powers of two, so a
+    tile never reaches past D, and for at least one row (a descriptor's dims must be positive; an empty tensor,
+    e.g. Sk = 0, takes the pointer path). The forward reads K/V through them, the backward Q/dO."""
+    d = tensors[0].shape[3]
     if d != padded_head_dim(d) or rows == 0:
         return None
     descs = []
-    for t in (k4, v4):
+    for t in tensors:
         es = t.element_size()
         mergeable = t.shape[0] == 1 or t.stride(0) == t.shape[1] * t.stride(1)
         aligned = t.data_ptr() % 16 == 0 and (t.stride(1) * es) % 16 == 0 and (t.stride(2) * es) % 16 == 0
         if not (mergeable and aligned and t.stride(3) == 1):
             return None
-        descs.append(TensorDescriptor(t, [rows, t.shape[2], d], [t.stride(1), t.stride(2), 1], [block_n, 1, d]))
+        descs.append(TensorDescriptor(t, [rows, t.shape[2], d], [t.stride(1), t.stride(2), 1], [block_rows, 1, d]))
     return descs
 
 
@@ -81,7 +82,7 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         kv_nvfp4 = NVFP4_SCALE_WORDS if aligned else NVFP4_SCALE_BYTES
     descs = None
     if config.tma and not paged and not nvfp4:  # NVFP4 tiles are decoded from bytes, not loaded as values
-        descs = _kv_descriptors(k4, v4, k4.shape[0] * k4.shape[1], config.block_n)
+        descs = row_descriptors((k4, v4), k4.shape[0] * k4.shape[1], config.block_n)
     k_arg, v_arg = descs if descs else (k4, v4)
     return attn_fwd_kernel[grid](
         q4, k_arg, v_arg, out4, lse3,

@@ -11,6 +11,7 @@ import torch
 from .. import _utils
 from ..heuristics import bwd_config, padded_head_dim
 from ..kernels.attn_bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
+from ._launch import row_descriptors
 
 PREPROCESS_BLOCK_ROWS = 32
 
@@ -50,14 +51,16 @@ def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, *, varlen: bool
     n_tiles = _utils.cdiv(max(max_seqlen_k, 1), cfg.dkdv_block_n)
     # Rows no program adds to (no visible key, outside every varlen sequence) keep the zeros: dQ = 0 there.
     dq_acc = torch.zeros(dq4.shape, dtype=torch.float32, device=dev) if atomic_dq else delta  # else: not read
+    qdo_descs = row_descriptors((q4, do4), q4.shape[0] * q4.shape[1], cfg.dkdv_block_m) if cfg.tma else None
     attn_bwd_dkdv_kernel[(n_tiles * num_batches * hkv,)](
-        q4, k4, v4, do4, lse2, delta, dk4, dv4, dq_acc, *seq_args,
+        q4, k4, v4, do4, lse2, delta, dk4, dv4, dq_acc, *(qdo_descs or (q4, do4)), 0 if varlen else q4.shape[1],
+        *seq_args,
         *bstride(q4), *bstride(k4), *bstride(v4), *bstride(do4), *bstride(dk4), *bstride(dv4),
         *(bstride(dq_acc) if atomic_dq else (0, 0, 0)), *lse_strides,
         seqlen_q, seqlen_k, hkv, hq // hkv, n_tiles, softmax_scale, softcap, window_left, window_right,
         BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
         # Bounded on the right (causal), the programs already start at staggered query blocks (their diagonals).
-        ATOMIC_DQ=atomic_dq, ROTATE=cfg.rotate and window_right < 0, **common)
+        ATOMIC_DQ=atomic_dq, ROTATE=cfg.rotate and window_right < 0, QDO_DESC=qdo_descs is not None, **common)
     if atomic_dq:
         torch.mul(dq_acc, softmax_scale, out=dq4)
         return
