@@ -241,28 +241,23 @@ def attn_bwd_dkdv_kernel(
         q_base = q_ptr + b64 * stride_qb + head_q.to(tl.int64) * stride_qh
         do_base = do_ptr + b64 * stride_dob + head_q.to(tl.int64) * stride_doh
         dq_base = dq_acc_ptr + b64 * stride_dqb + head_q.to(tl.int64) * stride_dqh
-        # Masked blocks at the diagonal, unmasked interior, masked blocks at the left window edge.
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, q_desc, do_desc, desc_row0, lse2_ptr,
-                              delta_ptr, b, head_q, stride_lb,
-                              stride_lh, stride_ls, stride_qs, stride_dos, stride_dqs, q_start, offs_d, offs_n,
-                              diag, seqlen_q, seqlen_k, m_lo * BLOCK_M, full_lo * BLOCK_M, 0, qk_scale, softcap_scale,
-                              window_left, window_right, HEAD_DIM, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                              TILE_DTYPE, ATOMIC_DQ,
-                              QDO_DESC)
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, q_desc, do_desc, desc_row0, lse2_ptr,
-                              delta_ptr, b, head_q, stride_lb,
-                              stride_lh, stride_ls, stride_qs, stride_dos, stride_dqs, q_start, offs_d, offs_n,
-                              diag, seqlen_q, seqlen_k, full_lo * BLOCK_M, full_hi * BLOCK_M, rot, qk_scale,
-                              softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_M, False, HAS_LEFT,
-                              HAS_RIGHT, SOFTCAP, TILE_DTYPE, ATOMIC_DQ,
-                              QDO_DESC)
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, q_desc, do_desc, desc_row0, lse2_ptr,
-                              delta_ptr, b, head_q, stride_lb,
-                              stride_lh, stride_ls, stride_qs, stride_dos, stride_dqs, q_start, offs_d, offs_n,
-                              diag, seqlen_q, seqlen_k, full_hi * BLOCK_M, m_hi * BLOCK_M, 0, qk_scale, softcap_scale,
-                              window_left, window_right, HEAD_DIM, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                              TILE_DTYPE, ATOMIC_DQ,
-                              QDO_DESC)
+        # Masked blocks at the diagonal, unmasked interior (staggered start), masked blocks at the left window edge
+        # (one call each: MASK is a compile-time constant and Triton unrolls no loop over a tuple).
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, q_desc, do_desc, desc_row0, lse2_ptr, delta_ptr,
+                              b, head_q, stride_lb, stride_lh, stride_ls, stride_qs, stride_dos, stride_dqs, q_start,
+                              offs_d, offs_n, diag, seqlen_q, seqlen_k, m_lo * BLOCK_M, full_lo * BLOCK_M, 0, qk_scale,
+                              softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_M, True, HAS_LEFT,
+                              HAS_RIGHT, SOFTCAP, TILE_DTYPE, ATOMIC_DQ, QDO_DESC)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, q_desc, do_desc, desc_row0, lse2_ptr, delta_ptr,
+                              b, head_q, stride_lb, stride_lh, stride_ls, stride_qs, stride_dos, stride_dqs, q_start,
+                              offs_d, offs_n, diag, seqlen_q, seqlen_k, full_lo * BLOCK_M, full_hi * BLOCK_M, rot,
+                              qk_scale, softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_M, False, HAS_LEFT,
+                              HAS_RIGHT, SOFTCAP, TILE_DTYPE, ATOMIC_DQ, QDO_DESC)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, q_desc, do_desc, desc_row0, lse2_ptr, delta_ptr,
+                              b, head_q, stride_lb, stride_lh, stride_ls, stride_qs, stride_dos, stride_dqs, q_start,
+                              offs_d, offs_n, diag, seqlen_q, seqlen_k, full_hi * BLOCK_M, m_hi * BLOCK_M, 0, qk_scale,
+                              softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_M, True, HAS_LEFT,
+                              HAS_RIGHT, SOFTCAP, TILE_DTYPE, ATOMIC_DQ, QDO_DESC)
     dk = dk * softmax_scale
     store_ok = (offs_n[:, None] < stored_k) & (offs_d[None, :] < HEAD_DIM)
     rows = (k_start + offs_n).to(tl.int64)
