@@ -94,7 +94,8 @@ def bwd_config(head_dim: int, interpret: bool = False) -> BwdConfig:
     d256 161 / 166, 166 / 170; causal (masked on the right, where programs already start at their diagonals) lost
     1-2% (d128 327 / 319, 393 / 387), so the launcher staggers only without a right bound.
     Fields: dK/dV (query rows per step, keys per program), dQ (query rows per program, keys per step), then warps
-    and stages of each kernel, whether dQ is added up with atomics by default, and the staggered starts."""
+    and stages of each kernel, whether dQ is added up with atomics by default, the staggered starts, and TMA loads
+    of Q/dO in the dK/dV interior (off on the GPU: built and tested, not yet timed; see config_sweep.py bwd-tma)."""
     if interpret:
         return BwdConfig(16, 16, 16, 16, 4, 1, 4, 1, rotate=True, tma=True)
     d = padded_head_dim(head_dim)
