@@ -1,9 +1,10 @@
 """Tile-config sweep for the backward, the FP8 / NVFP4 decode and the NVFP4 GEMM (GPU only).
 
-`python benchmarks/config_sweep.py [bwd] [bwd-d64] [bwd-d128] [bwd-d256] [bwd-softcap] [bwd-det] [bwd-16k] [bwd-rotate] [bwd-tma] [decode] [decode-quant] [decode-paged]
-[decode-small] [decode-mqa] [decode-quant-wide] [decode-quant-overlap] [decode-large] [gemm]
-[gemm-small]
-[--json PATH]`.
+`python benchmarks/config_sweep.py FAMILY [FAMILY ...] [--json PATH]`, families:
+  backward  bwd, bwd-d64, bwd-d128, bwd-d256, bwd-softcap, bwd-det, bwd-det-d64, bwd-16k, bwd-rotate, bwd-tma;
+  decode    decode, decode-quant, decode-paged, decode-small, decode-mqa, decode-quant-wide, decode-quant-overlap,
+            decode-large;
+  GEMM      gemm, gemm-small, gemm-occupancy.
 Each config is forced by replacing the heuristic the op reads (tileflash.ops.*.{bwd,decode,gemm}_config), checked
 against a reference, then timed (decode: CUDA-graph replay). The winners go into tileflash/heuristics.py with the
 numbers in a comment.
@@ -117,6 +118,12 @@ GEMM_CONFIGS = [(16, 32, 128, 4, 4, 4), (16, 32, 128, 4, 4, 3),  # plain product
                 (16, 64, 128, 4, 4, 4, True), (16, 64, 128, 4, 4, 2, True), (16, 128, 128, 4, 3, 2, True),
                 (16, 128, 64, 4, 4, 2, True), (16, 64, 256, 4, 3, 2, True), (16, 128, 128, 8, 3, 1, True),
                 (64, 64, 128, 4, 3, 1), (128, 64, 128, 4, 3, 1), (128, 128, 64, 8, 3, 1)]
+# M <= 16 is bound by instruction issue (bf16 M=1 N=K=8192: 470 SASS instructions per K step and program, ~15 us
+# at 4 per clock on every SM against 36.8 us measured) with 4 programs of 108 registers per SM: narrower or shorter
+# tiles use fewer registers (32 columns: 80, K steps of 64: 72) and so fit more warps to hide the dependent chains,
+# and more K slices give the grid those programs. sm_90 builds on the CPU, triton 3.7.
+GEMM_OCCUPANCY_CONFIGS = [(16, 64, 128, 4, 4, 4, True), (16, 64, 128, 4, 4, 8, True), (16, 32, 128, 4, 4, 8, True),
+                          (16, 32, 128, 4, 4, 16, True), (16, 64, 64, 4, 4, 8, True), (16, 64, 64, 4, 4, 16, True)]
 GEMM_SHAPES = [(1, 4096), (16, 4096), (1, 8192), (16, 8192), (128, 8192), (1024, 8192)]  # (M, N = K)
 SMALL_M_SHAPES = GEMM_SHAPES[:4]
 
@@ -277,7 +284,7 @@ def sweep_decode_small(rows, shapes=SMALL_SHAPES, configs=SMALL_CONFIGS, splits=
     decode_ops.decode_config = orig
 
 
-def sweep_gemm(rows, shapes=GEMM_SHAPES):
+def sweep_gemm(rows, shapes=GEMM_SHAPES, configs=GEMM_CONFIGS):
     """Eager and CUDA-graph times: at decode-sized M an eager call is bound by the host (Python checks and
     launches), so the graph column is the kernel's own speed."""
     orig = gemm_ops.gemm_config
@@ -288,7 +295,7 @@ def sweep_gemm(rows, shapes=GEMM_SHAPES):
         ref = a.float() @ tileflash.nvfp4_dequantize(data, scales, g).T
         bf16_ms = bench_ms(lambda: a @ w.T)
         bf16_graph_ms = bench_ms(graphed(lambda: a @ w.T))
-        for cfg_t in GEMM_CONFIGS:
+        for cfg_t in configs:
             if (m <= 16) != (cfg_t[0] == 16):
                 continue
             _force(gemm_ops, "gemm_config", GemmConfig(*cfg_t))
@@ -325,6 +332,7 @@ def main(argv=None):
                                                configs=BWD_ROTATE_CONFIGS),
              "bwd-tma": lambda r: sweep_bwd(r, dims=(64, 128), seqlens=(4096, 16384), configs=BWD_TMA_CONFIGS),
              "gemm-small": lambda r: sweep_gemm(r, SMALL_M_SHAPES),
+             "gemm-occupancy": lambda r: sweep_gemm(r, SMALL_M_SHAPES, GEMM_OCCUPANCY_CONFIGS),
              "decode-small": sweep_decode_small,
              "decode-mqa": lambda r: sweep_decode_small(r, MQA_SHAPES, MQA_CONFIGS, (0, 4, 8, 16, 33, 66)),
              "decode-large": lambda r: sweep_decode_small(r, LARGE_SHAPES, LARGE_CONFIGS, (0, 1, 2, 4, 8)),
