@@ -66,14 +66,14 @@ def _cases():
     def grad_leaves(*shape, dtype=bf):
         return [torch.randn(*shape, dtype=dtype, requires_grad=True) for _ in range(3)]
 
-    def decode(fmt, d=128, append=False, paged=False, ctx=512):
+    def decode(fmt, d=128, append=False, paged=False, ctx=512, page=16):
         b, hq, hkv = 2, 32, 8
         q = torch.randn(b, 1, hq, d, dtype=bf)
         lens = torch.full((b,), ctx - 1, dtype=torch.int32)
         table = None
-        shape = (b, ctx, hkv) if not paged else (b * ctx // 16, 16, hkv)
+        shape = (b, ctx, hkv) if not paged else (b * ctx // page, page, hkv)
         if paged:
-            table = torch.arange(b * ctx // 16, dtype=torch.int32).view(b, -1)
+            table = torch.arange(b * ctx // page, dtype=torch.int32).view(b, -1)
         kw = {}
         if fmt == "16bit":
             kc = torch.zeros(*shape, d, dtype=bf)
@@ -109,6 +109,8 @@ def _cases():
         "decode 16-bit contiguous": lambda: decode("16bit"),
         "decode 16-bit paged append": lambda: decode("16bit", append=True, paged=True),
         "decode 16-bit paged, large cache (128-token steps)": lambda: decode("16bit", paged=True, ctx=16384),
+        "decode 16-bit paged, page 64 (TMA tiles)": lambda: decode("16bit", paged=True, page=64),
+        "decode fp8 paged, page 64 (TMA tiles)": lambda: decode("fp8", paged=True, page=64),
         "decode fp8 append": lambda: decode("fp8", append=True),
         "decode nvfp4 append": lambda: decode("nvfp4", append=True),
         "decode nvfp4 d32 append": lambda: decode("nvfp4", d=32, append=True),

@@ -28,7 +28,8 @@ class DecodeConfig:
     block_n: int  # KV tokens per inner-loop step
     num_warps: int
     num_stages: int
-    tma: bool = False  # contiguous caches only: K/V through TMA tensor descriptors
+    tma: bool = False  # K/V through TMA tensor descriptors: contiguous caches, and page pools whose pages hold whole
+    # tiles (page size a multiple of block_n; others, and NVFP4 caches, take pointers)
     warp_spec: bool = False  # always off for decode (no gain measured); the launcher reads it for both configs
     trans: bool = False  # s^T = K q^T, acc^T += V^T P^T: KV tokens and head dim on the MMA's M side
     resident_per_sm: int = 0  # programs an SM holds at once when that limits splitting (0: it does not); splits
@@ -136,10 +137,12 @@ LARGE_TILES_MIN_KV = 2 ** 18  # tokens x KV heads (at d=128): b=1 ctx 32k and up
 def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_format: str = "16bit",
                   paged: bool = False, kv_tokens: int = 2 ** 30) -> DecodeConfig:
     """Tiles by cache format (DECODE_TILES; "16bit", "fp8", "nvfp4"), layout and size: contiguous caches are read
-    through TMA descriptors, paged ones by pointer gathers (a TMA descriptor covers one strided box, not a page list).
+    through TMA descriptors, paged ones too when a page holds whole tiles (one box per tile, its row from the block
+    table), otherwise by per-token pointer gathers (a TMA descriptor covers one strided box, not a page list).
     kv_tokens = batch x cache capacity x KV heads; caches of LARGE_TILES_MIN_KV or more take the "-large" tiles."""
     block_m = decode_block_m(group_rows)
-    if interpret:  # small steps; K/V through TMA descriptors as on the GPU (paged and NVFP4 caches take pointers)
+    if interpret:  # small steps; K/V through TMA descriptors as on the GPU (NVFP4 caches, and pages smaller than
+        # a step, take pointers)
         return DecodeConfig(block_m=block_m, block_n=16, num_warps=4, num_stages=1, tma=True)
     d = padded_head_dim(head_dim)
     key = kv_format

@@ -37,7 +37,8 @@ def _kv_tile(base, sbase, start_n, seqlen_k, bt_ptr, stride_page, stride_tok, ss
              head_kv, offs_d, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
              USE_DESC: tl.constexpr, KV_NVFP4: tl.constexpr, MASK_N: tl.constexpr, TILE_DTYPE: tl.constexpr):
     """The [BLOCK_N, DP] K or V tile of tokens start_n.. : through a TMA tensor descriptor (base is a descriptor over
-    [rows, Hkv, D]; columns past D arrive as zeros), or by pointers (contiguous or paged). Rows at or past seqlen_k
+    [rows, Hkv, D], contiguous or a page pool whose pages hold whole tiles; columns past D arrive as zeros), or by
+    pointers (contiguous or paged, any page size). Rows at or past seqlen_k
     are zero when MASK_N (with a descriptor they belong to the next sequence: never let them reach P @ V).
     KV_NVFP4 (NVFP4_SCALE_BYTES or _WORDS): base holds packed e2m1 pairs [.., D/2] and sbase the e4m3 scale of each
     16 elements [.., D/16] (strides sstride_*); the tile is decoded in registers (e2m1 x e4m3 is exact in fp16/bf16)
@@ -60,7 +61,11 @@ def _kv_tile(base, sbase, start_n, seqlen_k, bt_ptr, stride_page, stride_tok, ss
             s_bits = tl.load(s_ptrs)
         t = nvfp4_unpack_tile(packed, s_bits, BLOCK_N, HEAD_DIM, False)  # side effects: see nvfp4_unpack_tile
     elif USE_DESC:
-        t = base.load([desc_row0 + start_n, head_kv, 0]).reshape(BLOCK_N, offs_d.shape[0])
+        if PAGE_SIZE > 0:  # the launcher takes descriptors only when a page holds whole tiles
+            row = tl.load(bt_ptr + start_n // PAGE_SIZE) * PAGE_SIZE + start_n % PAGE_SIZE
+        else:
+            row = desc_row0 + start_n
+        t = base.load([row, head_kv, 0]).reshape(BLOCK_N, offs_d.shape[0])
         if MASK_N:
             t = tl.where(offs_n[:, None] < seqlen_k, t, 0.0)
     else:

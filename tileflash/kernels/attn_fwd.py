@@ -129,11 +129,14 @@ def attn_fwd_kernel(
     if not PAGE_SIZE > 0:
         k_sbase += b.to(tl.int64) * stride_bs_page
         v_sbase += b.to(tl.int64) * stride_bs_page
-    if USE_DESC:  # k_ptr / v_ptr are TMA descriptors over [rows, Hkv, D]
+    if USE_DESC:  # k_ptr / v_ptr are TMA descriptors over [rows, Hkv, D] (paged: the pool's pages x PAGE_SIZE rows)
         k_base = k_ptr
         v_base = v_ptr
-        desc_row0 = b * desc_rows_per_batch + k_start
-        bt_ptr = block_table_ptr
+        if PAGE_SIZE > 0:
+            bt_ptr = block_table_ptr + b.to(tl.int64) * stride_bt
+        else:
+            desc_row0 = b * desc_rows_per_batch + k_start
+            bt_ptr = block_table_ptr
     elif PAGE_SIZE > 0:  # paged: [num_pages, PAGE_SIZE, Hkv, D]
         k_base = k_ptr + head_kv.to(tl.int64) * stride_kh
         v_base = v_ptr + head_kv.to(tl.int64) * stride_vh

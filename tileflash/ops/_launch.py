@@ -41,9 +41,10 @@ def row_descriptors(tensors, rows: int, block_rows: int):
     block_rows rows of one head, or None when the layout does not allow it: merged dims need stride(0) == S *
     stride(1), and TMA needs 16-byte aligned bases and strides. Only for head dims that are powers of two, so a
     tile never reaches past D, and for at least one row (a descriptor's dims must be positive; an empty tensor,
-    e.g. Sk = 0, takes the pointer path). The forward reads K/V through them, the backward Q/dO."""
+    e.g. Sk = 0, takes the pointer path). The forward reads K/V through them (paged: a pool [pages, page_size, ...]
+    viewed as pages x page_size rows), the backward Q/dO."""
     d = tensors[0].shape[3]
-    if d != padded_head_dim(d) or rows == 0:
+    if d != padded_head_dim(d) or not 0 < rows < 2 ** 31:  # TMA coordinates are int32
         return None
     descs = []
     for t in tensors:
@@ -81,7 +82,8 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         aligned = d >= 64 and all(_utils.words_aligned(t, 3) for t in (k_block_scale, v_block_scale))
         kv_nvfp4 = NVFP4_SCALE_WORDS if aligned else NVFP4_SCALE_BYTES
     descs = None
-    if config.tma and not paged and not nvfp4:  # NVFP4 tiles are decoded from bytes, not loaded as values
+    # NVFP4 tiles are decoded from bytes, not loaded as values; a paged tile must lie inside one page.
+    if config.tma and not nvfp4 and (not paged or k4.shape[1] % config.block_n == 0):
         descs = row_descriptors((k4, v4), k4.shape[0] * k4.shape[1], config.block_n)
     k_arg, v_arg = descs if descs else (k4, v4)
     return attn_fwd_kernel[grid](
