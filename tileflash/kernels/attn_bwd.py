@@ -76,7 +76,7 @@ def attn_bwd_preprocess_kernel(o_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2
 
 @triton.jit
 def _load_rows(ptr, rows, row_ok, offs_d, stride_s, HEAD_DIM: tl.constexpr, TILE_DTYPE: tl.constexpr,
-               ROWS_IN_RANGE: tl.constexpr = False):
+               ROWS_IN_RANGE: tl.constexpr):
     """[len(rows), DP] tile of rows of one head; padding rows and columns are 0. ROWS_IN_RANGE: every row is
     known to be valid (row_ok is ignored), so an unpadded head dim loads without predicates."""
     ptrs = ptr + rows.to(tl.int64)[:, None] * stride_s + offs_d[None, :]
@@ -125,7 +125,7 @@ def _probs_and_dscores(q, k, v, do, lse2, delta, q_pos, k_pos, seqlen_k, qk_scal
 
 @triton.jit
 def _row_stats(lse2_ptr, delta_ptr, b, h, tok, row_ok, stride_lb, stride_lh, stride_ls,
-               ROWS_IN_RANGE: tl.constexpr = False):
+               ROWS_IN_RANGE: tl.constexpr):
     """lse2 (the preprocess's log2-unit lse, +inf for rows that saw no key) and delta for rows tok of head h."""
     off = b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + tok.to(tl.int64) * stride_ls
     if ROWS_IN_RANGE:
@@ -219,9 +219,9 @@ def attn_bwd_dkdv_kernel(
     key_ok = offs_n < seqlen_k
     b64 = b.to(tl.int64)
     k = _load_rows(k_ptr + b64 * stride_kb + head_kv.to(tl.int64) * stride_kh, k_start + offs_n, key_ok, offs_d,
-                   stride_ks, HEAD_DIM, TILE_DTYPE)
+                   stride_ks, HEAD_DIM, TILE_DTYPE, False)
     v = _load_rows(v_ptr + b64 * stride_vb + head_kv.to(tl.int64) * stride_vh, k_start + offs_n, key_ok, offs_d,
-                   stride_vs, HEAD_DIM, TILE_DTYPE)
+                   stride_vs, HEAD_DIM, TILE_DTYPE, False)
     dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
     qk_scale, softcap_scale = logit_scales(softmax_scale, softcap, SOFTCAP)
@@ -275,8 +275,8 @@ def _dq_blocks(dq, q, do, lse2, delta, q_pos, k_base, v_base, stride_ks, stride_
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         key_ok = offs_n < seqlen_k
-        k = _load_rows(k_base, k_start + offs_n, key_ok, offs_d, stride_ks, HEAD_DIM, TILE_DTYPE)
-        v = _load_rows(v_base, k_start + offs_n, key_ok, offs_d, stride_vs, HEAD_DIM, TILE_DTYPE)
+        k = _load_rows(k_base, k_start + offs_n, key_ok, offs_d, stride_ks, HEAD_DIM, TILE_DTYPE, False)
+        v = _load_rows(v_base, k_start + offs_n, key_ok, offs_d, stride_vs, HEAD_DIM, TILE_DTYPE, False)
         p, ds = _probs_and_dscores(q, k, v, do, lse2, delta, q_pos, offs_n, seqlen_k, qk_scale, softcap_scale,
                                    window_left, window_right, MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP, False)
         dq = tl.dot(ds.to(k.dtype), k, dq)
@@ -312,11 +312,11 @@ def attn_bwd_dq_kernel(
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     b64 = b.to(tl.int64)
     q = _load_rows(q_ptr + b64 * stride_qb + head_q.to(tl.int64) * stride_qh, q_start + tok, row_ok, offs_d,
-                   stride_qs, HEAD_DIM, TILE_DTYPE)
+                   stride_qs, HEAD_DIM, TILE_DTYPE, False)
     do = _load_rows(do_ptr + b64 * stride_dob + head_q.to(tl.int64) * stride_doh, q_start + tok, row_ok, offs_d,
-                    stride_dos, HEAD_DIM, TILE_DTYPE)
+                    stride_dos, HEAD_DIM, TILE_DTYPE, False)
     lse2, delta = _row_stats(lse2_ptr, delta_ptr, b, head_q, q_start + tok, row_ok, stride_lb, stride_lh,
-                             stride_ls)
+                             stride_ls, False)
     qk_scale, softcap_scale = logit_scales(softmax_scale, softcap, SOFTCAP)
     diag = seqlen_k - seqlen_q
     n_lo, full_lo, full_hi, n_hi = kv_block_range(start_m, tl.minimum(start_m + BLOCK_M, seqlen_q) - 1, diag,
