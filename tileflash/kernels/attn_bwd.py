@@ -128,10 +128,12 @@ def _row_stats(lse2_ptr, delta_ptr, b, h, tok, row_ok, stride_lb, stride_lh, str
                ROWS_IN_RANGE: tl.constexpr):
     """lse2 (the preprocess's log2-unit lse, +inf for rows that saw no key) and delta for rows tok of head h."""
     off = b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + tok.to(tl.int64) * stride_ls
-    if ROWS_IN_RANGE:
-        return tl.load(lse2_ptr + off), tl.load(delta_ptr + off)
-    lse2 = tl.load(lse2_ptr + off, mask=row_ok, other=float("inf"))
-    delta = tl.load(delta_ptr + off, mask=row_ok, other=0.0)
+    if ROWS_IN_RANGE:  # (no early return: a return inside a static if once failed to compile for the GPU)
+        lse2 = tl.load(lse2_ptr + off)
+        delta = tl.load(delta_ptr + off)
+    else:
+        lse2 = tl.load(lse2_ptr + off, mask=row_ok, other=float("inf"))
+        delta = tl.load(delta_ptr + off, mask=row_ok, other=0.0)
     return lse2, delta
 
 
