@@ -4,7 +4,8 @@
 # Phases: tests (every test file in its own process, in parallel, on GPU $TEST_GPU; TEST_SKIP=fuzz leaves one out),
 #         test-sets (TEST_SETS="tests/x.py:k expression|...": one process per set, in parallel),
 #         memcheck, leak,
-#         bench-SUITE (decode, prefill, backward, lowp; on GPU $BENCH_GPU), cp (torchrun over 2 GPUs), demo.
+#         bench-SUITE (decode, prefill, backward, lowp; on GPU $BENCH_GPU), sweep-FAMILY (benchmarks/config_sweep.py
+#         FAMILY on GPU $BENCH_GPU), cp (torchrun over 2 GPUs), demo.
 # On a 2-GPU machine run `tests` and the benchmarks at the same time: TEST_GPU=0 BENCH_GPU=1.
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -57,6 +58,10 @@ for phase in "$@"; do
         --json "$OUT/$suite.json" ${BENCH_ARGS:-} > "$OUT/bench_$suite.log" 2>&1
       tail -n 40 "$OUT/bench_$suite.log" ;;
     cp) step 200 torchrun --nproc-per-node 2 -m tileflash bench cp > "$OUT/cp.log" 2>&1; tail -n 30 "$OUT/cp.log" ;;
+    sweep-*) family=${phase#sweep-}  # a config_sweep.py family on GPU $BENCH_GPU (run it on an idle host)
+      CUDA_VISIBLE_DEVICES=$BENCH_GPU step "${BENCH_LIMIT:-300}" python3 benchmarks/config_sweep.py "$family" \
+        --json "$OUT/sweep_$family.json" > "$OUT/sweep_$family.log" 2>&1
+      grep "^\[" "$OUT/sweep_$family.log" | cut -c1-200 ;;
     demo) CUDA_VISIBLE_DEVICES=$TEST_GPU step 120 python3 -m tileflash demo --preset small > "$OUT/demo.log" 2>&1
       tail -n 8 "$OUT/demo.log" ;;
     *) echo "unknown phase $phase"; exit 2 ;;
