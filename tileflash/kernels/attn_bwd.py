@@ -277,8 +277,9 @@ def _dq_blocks(dq, q, do, lse2, delta, q_pos, k_base, v_base, stride_ks, stride_
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         key_ok = offs_n < seqlen_k
-        k = _load_rows(k_base, k_start + offs_n, key_ok, offs_d, stride_ks, HEAD_DIM, TILE_DTYPE, False)
-        v = _load_rows(v_base, k_start + offs_n, key_ok, offs_d, stride_vs, HEAD_DIM, TILE_DTYPE, False)
+        # Unmasked (interior) blocks hold no key past seqlen_k (kv_block_range): loads need no row predicates.
+        k = _load_rows(k_base, k_start + offs_n, key_ok, offs_d, stride_ks, HEAD_DIM, TILE_DTYPE, not MASK)
+        v = _load_rows(v_base, k_start + offs_n, key_ok, offs_d, stride_vs, HEAD_DIM, TILE_DTYPE, not MASK)
         p, ds = _probs_and_dscores(q, k, v, do, lse2, delta, q_pos, offs_n, seqlen_k, qk_scale, softcap_scale,
                                    window_left, window_right, MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP, False)
         dq = tl.dot(ds.to(k.dtype), k, dq)
