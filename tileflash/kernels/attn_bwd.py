@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from ._attn_inner import tanh
+from ._cast import store_cast
 from ._masks import LOG2E, kv_block_range, logit_scales, q_block_range, seq_extents, visible
 
 
@@ -261,12 +262,13 @@ def attn_bwd_dkdv_kernel(
                               softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_M, True, HAS_LEFT,
                               HAS_RIGHT, SOFTCAP, TILE_DTYPE, ATOMIC_DQ, QDO_DESC)
     dk = dk * softmax_scale
+    interpreted: tl.constexpr = TILE_DTYPE == tl.float32  # tiles are fp32 only in the interpreter
     store_ok = (offs_n[:, None] < stored_k) & (offs_d[None, :] < HEAD_DIM)
     rows = (k_start + offs_n).to(tl.int64)
     tl.store(dk_ptr + b64 * stride_dkb + head_kv.to(tl.int64) * stride_dkh + rows[:, None] * stride_dks
-             + offs_d[None, :], dk.to(dk_ptr.dtype.element_ty), mask=store_ok)
+             + offs_d[None, :], store_cast(dk, dk_ptr.dtype.element_ty, interpreted), mask=store_ok)
     tl.store(dv_ptr + b64 * stride_dvb + head_kv.to(tl.int64) * stride_dvh + rows[:, None] * stride_dvs
-             + offs_d[None, :], dv.to(dv_ptr.dtype.element_ty), mask=store_ok)
+             + offs_d[None, :], store_cast(dv, dv_ptr.dtype.element_ty, interpreted), mask=store_ok)
 
 
 @triton.jit
@@ -339,6 +341,8 @@ def attn_bwd_dq_kernel(
                     full_hi * BLOCK_N, n_hi * BLOCK_N, qk_scale, softcap_scale, window_left, window_right, HEAD_DIM,
                     BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE)
     dq = dq * softmax_scale
+    interpreted: tl.constexpr = TILE_DTYPE == tl.float32  # tiles are fp32 only in the interpreter
     rows = (q_start + tok).to(tl.int64)
     tl.store(dq_ptr + b64 * stride_dqb + head_q.to(tl.int64) * stride_dqh + rows[:, None] * stride_dqs
-             + offs_d[None, :], dq.to(dq_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+             + offs_d[None, :], store_cast(dq, dq_ptr.dtype.element_ty, interpreted),
+             mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))

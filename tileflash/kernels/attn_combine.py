@@ -8,6 +8,8 @@ a 3-D [T, H, D] / [H, T] pair is the case B = 1).
 import triton
 import triton.language as tl
 
+from ._cast import store_cast
+
 
 @triton.jit
 def _merge_step(acc, m, l, o_part, lse_part):
@@ -21,11 +23,12 @@ def _merge_step(acc, m, l, o_part, lse_part):
 
 @triton.jit
 def _store_merged(acc, m, l, out_ptr, lse_ptr, b, s, h, row_ok, offs_d, stride_ob, stride_os, stride_oh,
-                  stride_lb, stride_lh, stride_ls, HEAD_DIM: tl.constexpr):
+                  stride_lb, stride_lh, stride_ls, HEAD_DIM: tl.constexpr, INTERPRETED: tl.constexpr):
     seen = l > 0.0
     o = acc * tl.where(seen, 1.0 / tl.where(seen, l, 1.0), 0.0)[:, None]
     o_ptrs = out_ptr + (b * stride_ob + s * stride_os + h * stride_oh)[:, None] + offs_d[None, :]
-    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+    tl.store(o_ptrs, store_cast(o, out_ptr.dtype.element_ty, INTERPRETED),
+             mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
     lse = tl.where(seen, m + tl.log(tl.where(seen, l, 1.0)), float("-inf"))
     tl.store(lse_ptr + b * stride_lb + h * stride_lh + s * stride_ls, lse, mask=row_ok)
 
@@ -41,7 +44,8 @@ def _rows(seqlen, num_heads, num_rows, BLOCK_R: tl.constexpr):
 @triton.jit
 def attn_combine_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, num_splits, seqlen, num_heads, num_rows,
                         stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-                        HEAD_DIM: tl.constexpr, D_CHUNK: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
+                        HEAD_DIM: tl.constexpr, D_CHUNK: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
+                        INTERPRETED: tl.constexpr):
     """Grid (rows, HEAD_DIM / D_CHUNK): one program per row and D_CHUNK of its columns. o_part [num_splits,
     num_rows, HEAD_DIM], lse_part [num_splits, num_rows], contiguous fp32. SPLIT_CHUNK splits are read as one tile
     and their LSEs and outputs are loaded together, so with up to SPLIT_CHUNK splits a program makes one memory
@@ -71,8 +75,8 @@ def attn_combine_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, num_splits, 
         m = m_new
     seen = l > 0.0
     o = acc * tl.where(seen, 1.0 / tl.where(seen, l, 1.0), 0.0)
-    tl.store(out_ptr + b * stride_ob + s * stride_os + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
-             mask=d_ok)
+    tl.store(out_ptr + b * stride_ob + s * stride_os + h * stride_oh + offs_d,
+             store_cast(o, out_ptr.dtype.element_ty, INTERPRETED), mask=d_ok)
     if tl.program_id(1) == 0:
         tl.store(lse_ptr + b * stride_lb + h * stride_lh + s * stride_ls,
                  tl.where(seen, m + tl.log(tl.where(seen, l, 1.0)), float("-inf")))
@@ -83,7 +87,8 @@ def merge_states_kernel(oa_ptr, la_ptr, ob_ptr, lb_ptr, out_ptr, lse_ptr, seqlen
                         s_oab, s_oas, s_oah, s_lab, s_lah, s_las,
                         s_obb, s_obs, s_obh, s_lbb, s_lbh, s_lbs,
                         stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-                        HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
+                        HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
+                        INTERPRETED: tl.constexpr):
     """Merge two parts with arbitrary strides (both [B, S, H, D] outputs with [B, H, S] LSEs)."""
     r, b, s, h, row_ok = _rows(seqlen, num_heads, num_rows, BLOCK_R)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -98,4 +103,4 @@ def merge_states_kernel(oa_ptr, la_ptr, ob_ptr, lb_ptr, out_ptr, lse_ptr, seqlen
     o_b = tl.load(ob_ptr + (b * s_obb + s * s_obs + h * s_obh)[:, None] + offs_d[None, :], mask=mask, other=0.0)
     acc, m, l = _merge_step(acc, m, l, o_b.to(tl.float32), lse_b)
     _store_merged(acc, m, l, out_ptr, lse_ptr, b, s, h, row_ok, offs_d, stride_ob, stride_os, stride_oh,
-                  stride_lb, stride_lh, stride_ls, HEAD_DIM)
+                  stride_lb, stride_lh, stride_ls, HEAD_DIM, INTERPRETED)

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from ._attn_inner import attn_inner
+from ._cast import store_cast
 from ._masks import LOG2E, kv_block_range, logit_scales, seq_extents
 from .quant import E2M1_UNIT
 
@@ -200,7 +201,8 @@ def attn_fwd_kernel(
     else:
         o_rows = (q_start + tok).to(tl.int64) * stride_os + head_q.to(tl.int64) * stride_oh
         o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + o_rows[:, None] + offs_d[None, :]
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok)
+        interpreted: tl.constexpr = TILE_DTYPE == tl.float32  # tiles are fp32 only in the interpreter
+        tl.store(o_ptrs, store_cast(o, out_ptr.dtype.element_ty, interpreted), mask=row_ok[:, None] & d_ok)
         l_ptrs = lse_ptr + b.to(tl.int64) * stride_lb + head_q.to(tl.int64) * stride_lh \
             + (q_start + tok).to(tl.int64) * stride_ls
         tl.store(l_ptrs, lse, mask=row_ok)

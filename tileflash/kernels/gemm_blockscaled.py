@@ -14,15 +14,8 @@ the end instead of every element of b.
 import triton
 import triton.language as tl
 
+from ._cast import store_cast
 from .quant import E2M1_UNIT, nvfp4_unpack_tile
-
-
-@triton.jit
-def _round_bf16(x):
-    """float32 -> the nearest bf16 value (ties to even), still float32. The interpreter's fp32 -> bf16 cast
-    truncates (up to 1 bf16 ulp off, the size of the test bound); after this the cast is exact."""
-    bits = x.to(tl.int32, bitcast=True)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -77,6 +70,4 @@ def nvfp4_matmul_kernel(a_ptr, b_ptr, s_ptr, g_ptr, c_ptr, M, N, K, k_per_split,
     if SPLIT_K > 1:
         tl.store(c_ptr + split.to(tl.int64) * M * N + c_off, c, mask=c_ok)
     else:
-        if UPCAST and c_ptr.dtype.element_ty == tl.bfloat16:
-            c = _round_bf16(c)
-        tl.store(c_ptr + c_off, c.to(c_ptr.dtype.element_ty), mask=c_ok)
+        tl.store(c_ptr + c_off, store_cast(c, c_ptr.dtype.element_ty, UPCAST), mask=c_ok)

@@ -126,7 +126,7 @@ def launch_combine(o_part, lse_part, out4, lse3) -> None:
     attn_combine_kernel[(num_rows, _utils.cdiv(d, d_chunk))](
         o_part, lse_part, out4, lse3, num_splits, sq, hq, num_rows,
         out4.stride(0), out4.stride(1), out4.stride(2), lse3.stride(0), lse3.stride(1), lse3.stride(2),
-        HEAD_DIM=d, D_CHUNK=d_chunk, SPLIT_CHUNK=split_chunk, num_warps=4,
+        HEAD_DIM=d, D_CHUNK=d_chunk, SPLIT_CHUNK=split_chunk, INTERPRETED=_utils.is_interpreter(), num_warps=4,
     )
 
 
@@ -140,7 +140,8 @@ def launch_merge(oa4, la3, ob4, lb3, out4, lse3) -> None:
         oa4.stride(0), oa4.stride(1), oa4.stride(2), la3.stride(0), la3.stride(1), la3.stride(2),
         ob4.stride(0), ob4.stride(1), ob4.stride(2), lb3.stride(0), lb3.stride(1), lb3.stride(2),
         out4.stride(0), out4.stride(1), out4.stride(2), lse3.stride(0), lse3.stride(1), lse3.stride(2),
-        HEAD_DIM=d, HEAD_DIM_PAD=padded_head_dim(d), BLOCK_R=COMBINE_BLOCK_ROWS, num_warps=4,
+        HEAD_DIM=d, HEAD_DIM_PAD=padded_head_dim(d), BLOCK_R=COMBINE_BLOCK_ROWS, INTERPRETED=_utils.is_interpreter(),
+        num_warps=4,
     )
 
 

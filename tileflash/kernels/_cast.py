@@ -1,0 +1,24 @@
+"""Casts for stores of fp32 results into 16-bit outputs, identical on the GPU and in Triton's interpreter.
+
+The interpreter holds bf16 as raw 16-bit patterns and its fp32 -> bf16 cast truncates (up to one bf16 ulp off,
+where the GPU rounds to nearest even). The tests compare outputs to references within rounding, and the backward
+reads the forward's bf16 output (delta = rowsum(dO * O)), so a truncated output turned into a tenfold dQ error on
+near one-hot rows in a CPU fuzz run; rounding first makes the interpreter's bf16 outputs the GPU's.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def round_bf16(x):
+    """float32 -> the nearest bf16 value (ties to even), still float32; inf and NaN pass through."""
+    bits = x.to(tl.int32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def store_cast(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
+    """x (fp32) as dtype for a store. INTERPRETED: the interpreter runs the kernel, whose bf16 cast truncates."""
+    if INTERPRETED and dtype == tl.bfloat16:
+        x = round_bf16(x)
+    return x.to(dtype)
