@@ -2,8 +2,8 @@
 
 `python benchmarks/config_sweep.py FAMILY [FAMILY ...] [--json PATH]`, families:
   backward  bwd, bwd-d64, bwd-d128, bwd-d256, bwd-softcap, bwd-det, bwd-det-d64, bwd-16k, bwd-rotate, bwd-tma;
-  decode    decode, decode-quant, decode-paged, decode-small, decode-mqa, decode-quant-wide, decode-quant-overlap,
-            decode-large;
+  decode    decode, decode-quant, decode-paged, decode-paged-tma, decode-small, decode-mqa, decode-quant-wide,
+            decode-quant-overlap, decode-large;
   GEMM      gemm, gemm-small, gemm-occupancy.
 Each config is forced by replacing the heuristic the op reads (tileflash.ops.*.{bwd,decode,gemm}_config), checked
 against a reference, then timed (decode: CUDA-graph replay). The winners go into tileflash/heuristics.py with the
@@ -79,6 +79,11 @@ PAGED_CONFIGS = [(64, 4, 2, False, False), (64, 4, 3, False, False), (64, 4, 4, 
                  (128, 4, 2, False, False), (128, 4, 3, False, False), (64, 4, 3, False, True),
                  (32, 4, 4, False, False)]
 PAGED_SHAPES = [(1, 32768), (32, 8192), (64, 4096)]
+# Pages holding whole steps read one TMA box per tile (tma True) instead of per-token gathers (False); session 5
+# built this on the CPU only. Small caches (the 64-token tiles) and a large one.
+PAGED_TMA_SHAPES = [(1, 8192), (8, 8192), (32, 8192)]
+PAGED_TMA_CONFIGS = [(64, 4, 2, True, False), (64, 4, 2, False, False), (128, 4, 2, True, False),
+                     (128, 4, 2, False, False)]
 # Small batches (few programs per SM after splitting): deeper pipelines and longer steps keep more bytes in flight
 # per program; each config at several forced split counts (0 = the heuristic). (b, ctx, Hq, Hkv, format)
 SMALL_SHAPES = [(1, 8192, 32, 8, "16bit"), (1, 32768, 32, 8, "16bit"), (1, 131072, 32, 8, "16bit"),
@@ -341,6 +346,8 @@ def main(argv=None):
              "decode-quant-wide": lambda r: sweep_decode_small(r, QUANT_WIDE_SHAPES, QUANT_WIDE_CONFIGS,
                                                                (0, 1, 2, 4, 8, 16, 33, 66)),
              "decode-quant": lambda r: sweep_decode(r, ("fp8", "nvfp4"), DECODE_SHAPES, QUANT_CONFIGS),
+             "decode-paged-tma": lambda r: [sweep_decode(r, ("16bit", "fp8"), PAGED_TMA_SHAPES, PAGED_TMA_CONFIGS, page)
+                                            for page in (64, 128)],
              "decode-paged": lambda r: [sweep_decode(r, ("16bit",), PAGED_SHAPES, PAGED_CONFIGS, page)
                                         for page in (16, 64)]}[fam](rows)
         except Exception:  # noqa: BLE001 - keep the other families' results
