@@ -18,14 +18,19 @@ from tileflash.heuristics import FwdConfig
 from tileflash.ops import decode as decode_ops
 from tileflash.ops._launch import Mask, launch_attn_fwd
 
-# The current picks (first) against one-warpgroup tiles (64 query rows, 4 warps): small enough for two or more
-# programs per SM, so one program's softmax can run while another's MMAs do (FA3's ping-pong, left to the warp
-# schedulers). The S/P-overlapped loop lost everywhere (run 17: d64 302 vs 410 TFLOP/s, d128 472 vs 486).
+# The current picks (first) against the PV-lagged loop (pv_lag: PV of block j-1 in flight during the softmax of
+# block j, FA3's intra-warpgroup overlap). Earlier runs settled the plain-loop tiles: one-warpgroup tiles (64 query
+# rows, 4 warps, two programs per SM) won causal d128 and tie non-causal; the S/P-overlapped loop lost everywhere
+# (run 17). Run 31's pv_lag, which carried P in bf16, lost too (P went through shared memory: STSM + fences); P
+# now stays fp32 until the product and the wgmma reads it from registers. Registers of these builds (sm_90, triton
+# 3.6, CPU): d64 128x64 190, 64x64 164; d128 128x64 218, 64x64 234, 128x128 255 + 48 B stack; d256 255 + 16 B.
+_LAG = dict(pv_lag=True)
 PREFILL_CONFIGS = {
-    64: [FwdConfig(128, 64, 8, 3), FwdConfig(64, 64, 4, 3), FwdConfig(64, 128, 4, 3), FwdConfig(64, 64, 4, 4)],
-    128: [FwdConfig(128, 128, 8, 3, tma=True), FwdConfig(128, 128, 8, 3), FwdConfig(64, 64, 4, 3, tma=True),
-          FwdConfig(64, 128, 4, 2, tma=True), FwdConfig(64, 64, 4, 4, tma=True)],
-    256: [FwdConfig(128, 64, 8, 2, tma=True), FwdConfig(64, 64, 4, 2, tma=True), FwdConfig(64, 32, 4, 3, tma=True)],
+    64: [FwdConfig(128, 64, 8, 3), FwdConfig(128, 64, 8, 3, **_LAG), FwdConfig(64, 64, 4, 3, **_LAG)],
+    128: [FwdConfig(128, 128, 8, 3, tma=True), FwdConfig(64, 64, 4, 3, tma=True),
+          FwdConfig(128, 64, 8, 3, tma=True, **_LAG), FwdConfig(64, 64, 4, 3, tma=True, **_LAG),
+          FwdConfig(128, 128, 8, 2, tma=True, **_LAG)],
+    256: [FwdConfig(128, 64, 8, 2, tma=True), FwdConfig(128, 64, 8, 2, tma=True, **_LAG)],
 }
 # (block_n, warps, stages, tma)
 DECODE_CONFIGS = [(bn, 4, st, tma) for bn in (64, 128) for st in (2, 3, 4) for tma in (False, True)]
@@ -42,9 +47,9 @@ def sass_facts(compiled) -> str:
             f"regs={n_regs} spills={n_spills}")
 
 
-def sweep_prefill(rows, out):
-    for d, causal in ((64, False), (64, True), (128, False), (128, True), (256, False), (256, True)):
-        if True:
+def sweep_prefill(rows, out, dims=(64, 128, 256)):
+    for d in dims:
+        for causal in (False, True):
             s, h = 4096, 2048 // d
             b = 16384 // s
             q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -144,10 +149,11 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--skip", choices=["prefill", "decode"])
+    ap.add_argument("--dims", default="64,128,256", help="prefill head dims to sweep")
     args = ap.parse_args(argv)
     rows = []
     if args.skip != "prefill":
-        sweep_prefill(rows, print)
+        sweep_prefill(rows, print, dims=[int(x) for x in args.dims.split(",")])
     if args.skip != "decode":
         sweep_decode(rows, print)
     if args.json:
