@@ -2,8 +2,8 @@
 
 `python benchmarks/config_sweep.py FAMILY [FAMILY ...] [--json PATH]`, families:
   backward  bwd, bwd-d64, bwd-d128, bwd-d256, bwd-softcap, bwd-det, bwd-det-d64, bwd-16k, bwd-rotate, bwd-tma;
-  decode    decode, decode-quant, decode-paged, decode-paged-tma, decode-small, decode-mqa, decode-quant-wide,
-            decode-quant-overlap, decode-large;
+  decode    decode, decode-quant, decode-paged, decode-paged-tma, decode-page16-tma, decode-small, decode-mqa,
+            decode-quant-wide, decode-quant-overlap, decode-large;
   GEMM      gemm, gemm-small, gemm-occupancy.
 Each config is forced by replacing the heuristic the op reads (tileflash.ops.*.{bwd,decode,gemm}_config), checked
 against a reference, then timed (decode: CUDA-graph replay). The winners go into tileflash/heuristics.py with the
@@ -37,7 +37,7 @@ BWD_CONFIGS = {
          (64, 128, 128, 64, 8, 2, 8, 2), (32, 128, 128, 64, 8, 2, 8, 2), (32, 64, 128, 64, 4, 3, 8, 2),
          (64, 128, 128, 64, 8, 3, 8, 2), (64, 64, 128, 64, 4, 2, 8, 2), (32, 64, 128, 64, 4, 2, 8, 2)],
     128: [(64, 128, 128, 64, 8, 2, 8, 2),  # the deterministic pick: spills 160 / 216 B with atomics
-          (64, 128, 128, 64, 8, 3, 8, 2),  # one more Q/dO stage (shared memory only; not run yet)
+          (64, 128, 128, 64, 8, 3, 8, 2),  # one more Q/dO stage: 377.7 / 328.0 vs 333.5 / 322.6 (run 34, chosen)
           (32, 128, 128, 64, 8, 2, 8, 2), (32, 128, 128, 64, 8, 3, 8, 2), (16, 128, 128, 64, 8, 3, 8, 2),
           (16, 128, 128, 64, 8, 2, 8, 2), (32, 64, 128, 64, 4, 2, 8, 2), (16, 64, 128, 64, 4, 3, 8, 2)],
     256: [(32, 32, 64, 32, 8, 1, 8, 1), (16, 32, 64, 32, 4, 2, 8, 1), (32, 32, 64, 32, 4, 2, 8, 1),
@@ -85,6 +85,13 @@ PAGED_SHAPES = [(1, 32768), (32, 8192), (64, 4096)]
 PAGED_TMA_SHAPES = [(1, 8192), (8, 8192), (32, 8192)]
 PAGED_TMA_CONFIGS = [(64, 4, 2, True, False), (64, 4, 2, False, False), (128, 4, 2, True, False),
                      (128, 4, 2, False, False)]
+# Page 16 (b=1 ctx 8k +10.2% over the contiguous cache with 64-token pointer gathers, run 32): one page per step
+# read as a TMA box (16 tokens; deeper pipelines keep the bytes in flight) against pointer steps of 32 and 64 tokens
+# (a TMA step must lie inside one page). sm_90 builds under triton 3.6 on the CPU: 17 KB / 25 KB of shared memory at
+# 4 / 6 stages; not yet run on a GPU.
+PAGE16_TMA_CONFIGS = [(64, 4, 2, False, False), (16, 4, 4, True, False), (16, 4, 6, True, False),
+                      (16, 4, 8, True, False), (32, 4, 3, False, False)]
+PAGE16_TMA_SHAPES = [(1, 8192), (1, 32768), (8, 8192), (32, 8192)]
 # Small batches (few programs per SM after splitting): deeper pipelines and longer steps keep more bytes in flight
 # per program; each config at several forced split counts (0 = the heuristic). (b, ctx, Hq, Hkv, format)
 SMALL_SHAPES = [(1, 8192, 32, 8, "16bit"), (1, 32768, 32, 8, "16bit"), (1, 131072, 32, 8, "16bit"),
@@ -349,6 +356,7 @@ def main(argv=None):
              "decode-quant": lambda r: sweep_decode(r, ("fp8", "nvfp4"), DECODE_SHAPES, QUANT_CONFIGS),
              "decode-paged-tma": lambda r: [sweep_decode(r, ("16bit", "fp8"), PAGED_TMA_SHAPES, PAGED_TMA_CONFIGS, page)
                                             for page in (64, 128)],
+             "decode-page16-tma": lambda r: sweep_decode(r, ("16bit",), PAGE16_TMA_SHAPES, PAGE16_TMA_CONFIGS, 16),
              "decode-paged": lambda r: [sweep_decode(r, ("16bit",), PAGED_SHAPES, PAGED_CONFIGS, page)
                                         for page in (16, 64)]}[fam](rows)
         except Exception:  # noqa: BLE001 - keep the other families' results

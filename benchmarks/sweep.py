@@ -18,19 +18,14 @@ from tileflash.heuristics import FwdConfig
 from tileflash.ops import decode as decode_ops
 from tileflash.ops._launch import Mask, launch_attn_fwd
 
-# The current picks (first) against the PV-lagged loop (pv_lag: PV of block j-1 in flight during the softmax of
-# block j, FA3's intra-warpgroup overlap). Earlier runs settled the plain-loop tiles: one-warpgroup tiles (64 query
-# rows, 4 warps, two programs per SM) won causal d128 and tie non-causal; the S/P-overlapped loop lost everywhere
-# (run 17). Run 31's pv_lag, which carried P in bf16, lost too (P went through shared memory: STSM + fences); P
-# now stays fp32 until the product and the wgmma reads it from registers. Registers of these builds (sm_90, triton
-# 3.6, CPU): d64 128x64 190, 64x64 164; d128 128x64 218, 64x64 234, 128x128 255 + 48 B stack; d256 255 + 16 B.
-_LAG = dict(pv_lag=True)
+# The current picks (first) against one-warpgroup tiles (64 query rows, 4 warps): small enough for two or more
+# programs per SM, so one program's softmax can run while another's MMAs do (FA3's ping-pong, left to the warp
+# schedulers). The S/P-overlapped loop lost everywhere (run 17: d64 302 vs 410 TFLOP/s, d128 472 vs 486); so did a
+# PV-lagged loop (runs 31-32, commit 37f1ef7: PV of block j-1 in flight during the softmax of block j).
 PREFILL_CONFIGS = {
-    64: [FwdConfig(128, 64, 8, 3), FwdConfig(128, 64, 8, 3, **_LAG), FwdConfig(64, 64, 4, 3, **_LAG)],
-    128: [FwdConfig(128, 128, 8, 3, tma=True), FwdConfig(64, 64, 4, 3, tma=True),
-          FwdConfig(128, 64, 8, 3, tma=True, **_LAG), FwdConfig(64, 64, 4, 3, tma=True, **_LAG),
-          FwdConfig(128, 128, 8, 2, tma=True, **_LAG)],
-    256: [FwdConfig(128, 64, 8, 2, tma=True), FwdConfig(128, 64, 8, 2, tma=True, **_LAG)],
+    64: [FwdConfig(128, 64, 8, 3), FwdConfig(64, 64, 4, 3)],
+    128: [FwdConfig(128, 128, 8, 3, tma=True), FwdConfig(64, 64, 4, 3, tma=True)],
+    256: [FwdConfig(128, 64, 8, 2, tma=True), FwdConfig(64, 32, 4, 3, tma=True)],
 }
 # (block_n, warps, stages, tma)
 DECODE_CONFIGS = [(bn, 4, st, tma) for bn in (64, 128) for st in (2, 3, 4) for tma in (False, True)]
@@ -47,10 +42,10 @@ def sass_facts(compiled) -> str:
             f"regs={n_regs} spills={n_spills}")
 
 
-def sweep_prefill(rows, out, dims=(64, 128, 256)):
-    for d in dims:
-        for causal in (False, True):
-            s, h = 4096, 2048 // d
+def sweep_prefill(rows, out, dims=(64, 128, 256), seqlens=(4096,)):
+    for d, causal, s in ((d, c, s) for d in dims for c in (False, True) for s in seqlens):
+        if True:
+            h = 2048 // d
             b = 16384 // s
             q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
             ref = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), is_causal=causal)
@@ -72,8 +67,8 @@ def sweep_prefill(rows, out, dims=(64, 128, 256)):
                 except Exception as e:  # noqa: BLE001
                     err, ms, facts = float("nan"), None, f"error: {str(e)[:80]}"
                 tf = tflops(attn_fwd_flops(b, h, s, s, d, causal), ms) if ms else None
-                rows.append(dict(kind="prefill", d=d, causal=causal, cfg=str(cfg), err=err, tflops=tf, facts=facts))
-                out(f"prefill d={d} causal={causal} {cfg}: err={err:.2e} TFLOP/s={tf} {facts}")
+                rows.append(dict(kind="prefill", d=d, causal=causal, ctx=s, cfg=str(cfg), err=err, tflops=tf, facts=facts))
+                out(f"prefill d={d} causal={causal} s={s} {cfg}: err={err:.2e} TFLOP/s={tf} {facts}")
 
 
 def sweep_decode(rows, out):
@@ -134,7 +129,7 @@ def best_table(rows):
             continue
         if key[0] == "prefill":
             best = max(group, key=lambda r: r["tflops"])
-            body.append([f"prefill d{key[1]} causal={key[2]}", best["cfg"], f"{best['tflops']:.0f} TFLOP/s",
+            body.append([f"prefill d{key[1]} causal={key[2]} s={key[4]}", best["cfg"], f"{best['tflops']:.0f} TFLOP/s",
                          best["facts"]])
         else:
             best = min(group, key=lambda r: r["us"])
@@ -150,10 +145,12 @@ def main(argv=None):
     ap.add_argument("--json")
     ap.add_argument("--skip", choices=["prefill", "decode"])
     ap.add_argument("--dims", default="64,128,256", help="prefill head dims to sweep")
+    ap.add_argument("--seqlens", default="4096", help="prefill sequence lengths (16k tokens per batch)")
     args = ap.parse_args(argv)
     rows = []
     if args.skip != "prefill":
-        sweep_prefill(rows, print, dims=[int(x) for x in args.dims.split(",")])
+        sweep_prefill(rows, print, dims=[int(x) for x in args.dims.split(",")],
+                      seqlens=[int(x) for x in args.seqlens.split(",")])
     if args.skip != "decode":
         sweep_decode(rows, print)
     if args.json:

@@ -90,10 +90,10 @@ def test_num_splits_heuristic(args, expected):
 
 
 @pytest.mark.parametrize("d, expected", [
-    (64, (64, 64, 128, 32, 4, 3, 8, 3, False, False, False)),  # d64: 4-warp dK/dV programs, separate dQ pass
-    (128, (64, 128, 128, 64, 8, 2, 8, 2, True, True, False)),  # d128: atomic dQ, staggered (see bwd_config)
+    (64, (64, 64, 128, 32, 4, 3, 8, 3, False, False, True)),  # d64: 4-warp dK/dV programs, separate dQ pass, TMA
+    (128, (64, 128, 128, 64, 8, 3, 8, 2, True, True, False)),  # d128: atomic dQ, staggered (see bwd_config)
     (256, (32, 32, 64, 32, 4, 2, 8, 1, True, True, False)),
-    (40, (64, 64, 128, 32, 4, 3, 8, 3, False, False, False)),  # padded to 64
+    (40, (64, 64, 128, 32, 4, 3, 8, 3, False, False, True)),  # padded to 64 (the launcher takes pointers: no TMA)
 ])
 def test_bwd_config(d, expected):
     c = bwd_config(d)

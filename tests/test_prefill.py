@@ -127,16 +127,15 @@ def test_tma_descriptor_path(monkeypatch, varlen):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[4], CASES[6], CASES[7]],
                          ids=["causal", "gqa-long", "window-left", "window-two-sided", "softcap"])
-@pytest.mark.parametrize("loop", ["sp_overlap", "pv_lag"])
-def test_overlapped_loops(loop, case, dtype, monkeypatch):
-    """The two overlapped inner loops (tile config switches) against the reference: every mask phase."""
+def test_sp_overlap_loop(case, dtype, monkeypatch):
+    """The S/P-overlapped loop (a tile config switch for prefill) against the reference: every mask phase."""
     import dataclasses
 
     from tileflash.ops import prefill as prefill_ops
 
     orig = prefill_ops.fwd_config
     monkeypatch.setattr(prefill_ops, "fwd_config", lambda *a, **kw: dataclasses.replace(orig(*a, **kw),
-                                                                                         **{loop: True}))
+                                                                                         sp_overlap=True))
     b, sq, sk, hq, hkv, d, causal, window, softcap = case
     q, k, v = _inputs(b, sq, sk, hq, hkv, d, dtype, seed=5)
     kw = dict(causal=causal, window_size=window, softcap=softcap)

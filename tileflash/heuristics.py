@@ -20,7 +20,6 @@ class FwdConfig:
     warp_spec: bool = False  # Triton warp specialisation of the KV loop
     trans: bool = False  # transposed products: decode only (DecodeConfig)
     sp_overlap: bool = False  # QK^T of block j+1 issued before the softmax of block j (attn_inner's SP_OVERLAP)
-    pv_lag: bool = False  # PV of block j-1 in flight during the softmax of block j (attn_inner's PV_LAG)
 
 
 @dataclass(frozen=True)
@@ -32,7 +31,6 @@ class DecodeConfig:
     tma: bool = False  # K/V through TMA tensor descriptors: contiguous caches, and page pools whose pages hold whole
     # tiles (page size a multiple of block_n; others, and NVFP4 caches, take pointers)
     warp_spec: bool = False  # always off for decode (no gain measured); the launcher reads it for both configs
-    pv_lag: bool = False  # as FwdConfig.pv_lag
     trans: bool = False  # s^T = K q^T, acc^T += V^T P^T: KV tokens and head dim on the MMA's M side
     resident_per_sm: int = 0  # programs an SM holds at once when that limits splitting (0: it does not); splits
     # then fill whole waves of resident_per_sm x SMs programs
@@ -96,16 +94,20 @@ def bwd_config(head_dim: int, interpret: bool = False) -> BwdConfig:
     Staggered starts (rotate; run 30, same run, off / on, atomic dQ): d128 non-causal 4k 330 / 355, 16k 342 / 372;
     d256 161 / 166, 166 / 170; causal (masked on the right, where programs already start at their diagonals) lost
     1-2% (d128 327 / 319, 393 / 387), so the launcher staggers only without a right bound.
+    After the predicate-free interiors (run 34, config_sweep.py bwd-d128 / bwd-tma, s = 4096 full / causal): d128
+    with a third Q/dO stage (198 KB of shared memory) 377.7 / 328.0 vs 333.5 / 322.6 with two (staggered starts off
+    in both); d64's Q/dO through TMA 355.7 / 321.0 vs 336.0 / 308.5 (16k: 374.8 / 363.5 vs 355.8 / 349.9); d128
+    with TMA spills (86-92 B) and lost (300.6 vs 354.1), so it keeps pointers.
     Fields: dK/dV (query rows per step, keys per program), dQ (query rows per program, keys per step), then warps
     and stages of each kernel, whether dQ is added up with atomics by default, the staggered starts, and TMA loads
-    of Q/dO in the dK/dV interior (off on the GPU: built and tested, not yet timed; see config_sweep.py bwd-tma)."""
+    of Q/dO in the dK/dV interior (power-of-two head dims only; the launcher takes pointers otherwise)."""
     if interpret:
         return BwdConfig(16, 16, 16, 16, 4, 1, 4, 1, rotate=True, tma=True)
     d = padded_head_dim(head_dim)
     if d <= 64:
-        return BwdConfig(64, 64, 128, 32, 4, 3, 8, 3, atomic_dq=False)
+        return BwdConfig(64, 64, 128, 32, 4, 3, 8, 3, atomic_dq=False, tma=True)
     if d <= 128:
-        return BwdConfig(64, 128, 128, 64, 8, 2, 8, 2, rotate=True)
+        return BwdConfig(64, 128, 128, 64, 8, 3, 8, 2, rotate=True)
     return BwdConfig(32, 32, 64, 32, 4, 2, 8, 1, rotate=True)
 
 

@@ -128,9 +128,8 @@ def _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left,
 
 
 @triton.jit
-def _softmax_p(m_i, l_i, s, qk_scale, P_DTYPE: tl.constexpr, TRANS: tl.constexpr, RAW_SCORES: tl.constexpr):
-    """Online-softmax statistics of one block of scores s (TRANS: s^T): the probabilities p (in P_DTYPE, ready for
-    the PV product), the factor alpha that moves the accumulator from the old row max to the new one, m and l.
+def _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS: tl.constexpr, RAW_SCORES: tl.constexpr):
+    """Online-softmax update with one block of scores s and values v (TRANS: s^T and acc^T [DP, M]).
     RAW_SCORES: s is unscaled and qk_scale > 0, so the row max scales after the reduction and the scale and the
     max subtraction are one FMA per score (FA's exp2(s * scale - m)) instead of a multiply and a subtract."""
     key_axis: tl.constexpr = 0 if TRANS else 1
@@ -146,24 +145,12 @@ def _softmax_p(m_i, l_i, s, qk_scale, P_DTYPE: tl.constexpr, TRANS: tl.constexpr
         p = tl.math.exp2(s - _per_row(m_safe, TRANS))
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, key_axis)
-    return p.to(P_DTYPE), alpha, m_new, l_i
-
-
-@triton.jit
-def _rescale_pv(acc, alpha, p, v, TRANS: tl.constexpr):
-    """acc * alpha + p @ v (TRANS: acc^T * alpha + v^T @ p^T)."""
     acc = acc * _per_row(alpha, TRANS)
     if TRANS:
-        return tl.dot(tl.trans(v), p, acc)
+        acc = tl.dot(tl.trans(v), p.to(v.dtype), acc)
     else:
-        return tl.dot(p, v, acc)
-
-
-@triton.jit
-def _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS: tl.constexpr, RAW_SCORES: tl.constexpr):
-    """Online-softmax update with one block of scores s and values v (TRANS: s^T and acc^T [DP, M])."""
-    p, alpha, m_i, l_i = _softmax_p(m_i, l_i, s, qk_scale, v.dtype, TRANS, RAW_SCORES)
-    return _rescale_pv(acc, alpha, p, v, TRANS), m_i, l_i
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, m_new, l_i
 
 
 @triton.jit
@@ -172,7 +159,7 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
                qk_scale, softcap_scale, window_left, window_right, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                MASK: tl.constexpr, PAGE_SIZE: tl.constexpr, USE_DESC: tl.constexpr, KV_NVFP4: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, SP_OVERLAP: tl.constexpr,
-               PV_LAG: tl.constexpr, WARP_SPEC: tl.constexpr, TILE_DTYPE: tl.constexpr, TRANS: tl.constexpr,
+               WARP_SPEC: tl.constexpr, TILE_DTYPE: tl.constexpr, TRANS: tl.constexpr,
                RAW_SCORES: tl.constexpr):
     """Accumulate KV tokens [lo, hi) (lo, hi multiples of BLOCK_N) into (acc, m_i, l_i).
 
@@ -180,37 +167,10 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
     SP_OVERLAP=True issues QK^T of block j+1 before the softmax of block j (FA4's S/P ping-pong), so the MMA
     and the next loads overlap the exp2 work; False is the plain loop, which WARP_SPEC hands to Triton's warp
     specialisation (producer warps for loads, consumer warps for MMA and softmax).
-    PV_LAG=True (FA3's intra-warpgroup overlap) issues the PV product of block j-1 after the QK^T of block j and
-    before the softmax of block j: Triton waits for a QK^T product at once (its result is needed) but leaves an
-    accumulating product in flight until the accumulator's next use, so the exp2 work of block j runs on the ALUs
-    while the tensor cores compute PV of block j-1. The probabilities of one block stay in registers meanwhile.
     TRANS=True computes the transposed products s^T = K q^T and acc^T += V^T P^T (q holds q^T [DP, M], acc holds
     acc^T): with decode's few query rows the KV tokens and the head dim fill the MMA's M side instead of padding.
     """
-    if PV_LAG:
-        if lo < hi:
-            k, offs_n = _kv_tile(k_base, k_sbase, lo, seqlen_k, bt_ptr, stride_k_page, stride_k_tok, sstride_page,
-                                 sstride_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC,
-                                 KV_NVFP4, MASK, TILE_DTYPE)
-            s = _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right,
-                        SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES)
-            p, alpha, m_i, l_i = _softmax_p(m_i, l_i, s, qk_scale, tl.float32, TRANS, RAW_SCORES)
-            for start_n in range(lo + BLOCK_N, hi, BLOCK_N):
-                k, offs_n = _kv_tile(k_base, k_sbase, start_n, seqlen_k, bt_ptr, stride_k_page, stride_k_tok,
-                                     sstride_page, sstride_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N,
-                                     PAGE_SIZE, USE_DESC, KV_NVFP4, MASK, TILE_DTYPE)
-                s = _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right,
-                            SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES)
-                v, _ = _kv_tile(v_base, v_sbase, start_n - BLOCK_N, seqlen_k, bt_ptr, stride_v_page, stride_v_tok,
-                                sstride_page, sstride_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE,
-                                USE_DESC, KV_NVFP4, MASK, TILE_DTYPE)
-                acc = _rescale_pv(acc, alpha, p.to(TILE_DTYPE), v, TRANS)  # block j-1, left in flight
-                p, alpha, m_i, l_i = _softmax_p(m_i, l_i, s, qk_scale, tl.float32, TRANS, RAW_SCORES)
-            v, _ = _kv_tile(v_base, v_sbase, hi - BLOCK_N, seqlen_k, bt_ptr, stride_v_page, stride_v_tok,
-                            sstride_page, sstride_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE,
-                            USE_DESC, KV_NVFP4, MASK, TILE_DTYPE)
-            acc = _rescale_pv(acc, alpha, p.to(TILE_DTYPE), v, TRANS)
-    elif SP_OVERLAP:
+    if SP_OVERLAP:
         if lo < hi:
             k, offs_n = _kv_tile(k_base, k_sbase, lo, seqlen_k, bt_ptr, stride_k_page, stride_k_tok, sstride_page,
                                  sstride_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC,

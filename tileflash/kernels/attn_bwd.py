@@ -34,7 +34,10 @@ latency rather than the tensor cores. What the kernel does about it:
   - at d64 a program is small (64 keys: K, V, dK, dV are 4 x 64 x 64 values), so it runs with 4 warps and 3
     stages: two or more programs share an SM and one's exp2/ALU work overlaps another's MMAs and loads, instead of
     one wide program stalling on its own dependency chain (measured in heuristics.bwd_config: 298 TFLOP/s against
-    249 for a 128-key 8-warp program; d128 takes 128-key 8-warp programs, 334).
+    249 for a 128-key 8-warp program; d128 takes 128-key 8-warp programs, 334);
+  - whole query blocks in the interior (no row predicates on loads), lse in log2 units from the preprocess, and
+    Q/dO of the interior through TMA descriptors: fewer instructions per step, which matters most where the step
+    is bound by instruction issue. With these, d64 runs at 0.92-0.98x d128 at s >= 4k (`bench backward`, run 35).
 """
 import triton
 import triton.language as tl
