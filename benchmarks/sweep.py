@@ -5,6 +5,7 @@ with the measurement in a comment; this script is how they were chosen.
 """
 import argparse
 import dataclasses
+import itertools
 import json
 import sys
 
@@ -43,32 +44,32 @@ def sass_facts(compiled) -> str:
 
 
 def sweep_prefill(rows, out, dims=(64, 128, 256), seqlens=(4096,)):
-    for d, causal, s in ((d, c, s) for d in dims for c in (False, True) for s in seqlens):
-        if True:
-            h = 2048 // d
-            b = 16384 // s
-            q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-            ref = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), is_causal=causal)
-            ref = ref.transpose(1, 2)
-            for cfg in PREFILL_CONFIGS[d]:
-                o = torch.empty_like(q)
-                lse = torch.empty(b, h, s, device="cuda", dtype=torch.float32)
+    for d, causal, s in itertools.product(dims, (False, True), seqlens):
+        h = 2048 // d
+        b = 16384 // s
+        q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        ref = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), is_causal=causal)
+        ref = ref.transpose(1, 2)
+        for cfg in PREFILL_CONFIGS[d]:
+            o = torch.empty_like(q)
+            lse = torch.empty(b, h, s, device="cuda", dtype=torch.float32)
 
-                def run():
-                    return launch_attn_fwd(q, k, v, o, lse, q_batch_stride0=False, k_batch_stride0=False,
-                                           num_batches=b, seqlen_q=s, seqlen_k=s, m_rows=s,
-                                           softmax_scale=d ** -0.5, mask=Mask.make(causal, (-1, -1), 0.0),
-                                           config=cfg, sp_overlap=cfg.sp_overlap)
-                try:
-                    compiled = run()
-                    err = (o.float() - ref.float()).abs().max().item()
-                    ms = bench_ms(run)
-                    facts = sass_facts(compiled)
-                except Exception as e:  # noqa: BLE001
-                    err, ms, facts = float("nan"), None, f"error: {str(e)[:80]}"
-                tf = tflops(attn_fwd_flops(b, h, s, s, d, causal), ms) if ms else None
-                rows.append(dict(kind="prefill", d=d, causal=causal, ctx=s, cfg=str(cfg), err=err, tflops=tf, facts=facts))
-                out(f"prefill d={d} causal={causal} s={s} {cfg}: err={err:.2e} TFLOP/s={tf} {facts}")
+            def run():
+                return launch_attn_fwd(q, k, v, o, lse, q_batch_stride0=False, k_batch_stride0=False,
+                                       num_batches=b, seqlen_q=s, seqlen_k=s, m_rows=s,
+                                       softmax_scale=d ** -0.5, mask=Mask.make(causal, (-1, -1), 0.0),
+                                       config=cfg, sp_overlap=cfg.sp_overlap)
+            try:
+                compiled = run()
+                err = (o.float() - ref.float()).abs().max().item()
+                ms = bench_ms(run)
+                facts = sass_facts(compiled)
+            except Exception as e:  # noqa: BLE001
+                err, ms, facts = float("nan"), None, f"error: {str(e)[:80]}"
+            tf = tflops(attn_fwd_flops(b, h, s, s, d, causal), ms) if ms else None
+            rows.append(dict(kind="prefill", d=d, causal=causal, ctx=s, cfg=str(cfg), err=err, tflops=tf,
+                             facts=facts))
+            out(f"prefill d={d} causal={causal} s={s} {cfg}: err={err:.2e} TFLOP/s={tf} {facts}")
 
 
 def sweep_decode(rows, out):
@@ -129,8 +130,8 @@ def best_table(rows):
             continue
         if key[0] == "prefill":
             best = max(group, key=lambda r: r["tflops"])
-            body.append([f"prefill d{key[1]} causal={key[2]} s={key[4]}", best["cfg"], f"{best['tflops']:.0f} TFLOP/s",
-                         best["facts"]])
+            body.append([f"prefill d{key[1]} causal={key[2]} s={key[4]}", best["cfg"],
+                         f"{best['tflops']:.0f} TFLOP/s", best["facts"]])
         else:
             best = min(group, key=lambda r: r["us"])
             body.append([f"decode b{key[3]} ctx{key[4]} hkv{key[5]} d{key[1]} ps{key[6]}",
