@@ -3,7 +3,7 @@
 `python benchmarks/config_sweep.py FAMILY [FAMILY ...] [--json PATH]`, families:
   backward  bwd, bwd-d64, bwd-d128, bwd-d256, bwd-softcap, bwd-det, bwd-det-d64, bwd-16k, bwd-rotate, bwd-tma;
   decode    decode, decode-quant, decode-paged, decode-paged-tma, decode-page16-tma, decode-small, decode-mqa,
-            decode-quant-wide, decode-quant-overlap, decode-large;
+            decode-d64, decode-quant-wide, decode-quant-overlap, decode-large;
   GEMM      gemm, gemm-small, gemm-occupancy.
 Each config is forced by replacing the heuristic the op reads (tileflash.ops.*.{bwd,decode,gemm}_config), checked
 against a reference, then timed (decode: CUDA-graph replay). The winners go into tileflash/heuristics.py with the
@@ -125,6 +125,11 @@ MQA_SHAPES = [(b, ctx, 32, 1, "16bit") for b, ctx in ((1, 8192), (1, 32768), (8,
                                                       (256, 2048))]
 MQA_CONFIGS = {"16bit": [(64, 4, 2, True, False), (64, 4, 3, True, False), (128, 4, 2, True, False),
                          (128, 4, 3, True, False), (32, 4, 4, True, False)]}
+# Head dim 64 (0.91-0.98x SDPA in run 32; 128-token steps, 2 stages, the d=128 bytes per step): shorter and longer
+# steps, deeper pipelines.
+D64_SHAPES = [(b, ctx, 32, 8, "16bit", 64) for b, ctx in ((1, 8192), (8, 8192), (32, 2048), (32, 8192), (128, 1024))]
+D64_CONFIGS = {"16bit": [(128, 4, 2, True, False), (64, 4, 2, True, False), (64, 4, 3, True, False),
+                         (128, 4, 3, True, False), (256, 4, 2, True, False)]}
 # (block_m, block_n, block_k, warps, stages, split_k[, swap_ab])
 GEMM_CONFIGS = [(16, 32, 128, 4, 4, 4), (16, 32, 128, 4, 4, 3),  # plain products (the current M <= 16 pick first)
                 # swapped products (c^T = w a^T, the weight tile on the MMA's M side), tuple's last entry True
@@ -263,9 +268,10 @@ def sweep_decode_small(rows, shapes=SMALL_SHAPES, configs=SMALL_CONFIGS, splits=
     """Graph-replay time of each (config, forced split count); the row keeps the best count. A forced config keeps
     its format's split rule (decode_config's resident_per_sm) for count 0."""
     orig = decode_ops.decode_config
-    for b, ctx, hq, hkv, fmt in shapes:
-        q = torch.randn(b, 1, hq, 128, device="cuda", dtype=BF16)
-        kh, vh = (torch.randn(b, ctx, hkv, 128, device="cuda", dtype=BF16) for _ in range(2))
+    for b, ctx, hq, hkv, fmt, *dim in shapes:  # an optional sixth entry: the head dim (default 128)
+        d = dim[0] if dim else 128
+        q = torch.randn(b, 1, hq, d, device="cuda", dtype=BF16)
+        kh, vh = (torch.randn(b, ctx, hkv, d, device="cuda", dtype=BF16) for _ in range(2))
         lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
         kc, vc, kw, kd, vd, nbytes = quantized_caches(kh, vh, fmt)
         ref = F.scaled_dot_product_attention(q.float().transpose(1, 2), kd.transpose(1, 2), vd.transpose(1, 2),
@@ -273,7 +279,7 @@ def sweep_decode_small(rows, shapes=SMALL_SHAPES, configs=SMALL_CONFIGS, splits=
         for cfg_t in configs[fmt]:
             bn, w, st, tma, trans, *more = cfg_t  # an optional sixth entry: the S/P-overlapped loop
             overlap = bool(more and more[0])
-            cfg = dataclasses.replace(orig(128, hq // hkv, kv_format=fmt, kv_tokens=b * ctx * hkv), block_n=bn,
+            cfg = dataclasses.replace(orig(d, hq // hkv, kv_format=fmt, kv_tokens=b * ctx * hkv), block_n=bn,
                                       num_warps=w, num_stages=st, tma=tma, trans=trans)
             _force(decode_ops, "decode_config", cfg)
             times, err = {}, 0.0
@@ -286,7 +292,7 @@ def sweep_decode_small(rows, shapes=SMALL_SHAPES, configs=SMALL_CONFIGS, splits=
                     err = max(err, (call().float() - ref).abs().max().item())
                     times[n] = bench_ms(graphed(call)) * 1e3
                 best = min((t, n) for n, t in times.items())
-                rows.append([f"{fmt}", f"b={b} ctx={ctx} {hq}/{hkv}", str(cfg_t),
+                rows.append([f"{fmt}", f"b={b} ctx={ctx} {hq}/{hkv} d={d}", str(cfg_t),
                              f"best {best[0]:.1f} us @ {best[1]} ({nbytes / best[0] / 1e6:.2f} TB/s); "
                              + " ".join(f"{n}:{t:.1f}" for n, t in times.items()), f"{err:.1e}"])
             except Exception as exc:  # noqa: BLE001
@@ -348,6 +354,7 @@ def main(argv=None):
              "gemm-occupancy": lambda r: sweep_gemm(r, SMALL_M_SHAPES, GEMM_OCCUPANCY_CONFIGS),
              "decode-small": sweep_decode_small,
              "decode-mqa": lambda r: sweep_decode_small(r, MQA_SHAPES, MQA_CONFIGS, (0, 4, 8, 16, 33, 66)),
+             "decode-d64": lambda r: sweep_decode_small(r, D64_SHAPES, D64_CONFIGS, (0, 1, 2, 4, 16, 33)),
              "decode-large": lambda r: sweep_decode_small(r, LARGE_SHAPES, LARGE_CONFIGS, (0, 1, 2, 4, 8)),
              "decode-quant-overlap": lambda r: sweep_decode_small(r, QUANT_WIDE_SHAPES, QUANT_OVERLAP_CONFIGS,
                                                                   (0, 1, 2, 4, 8, 33)),
