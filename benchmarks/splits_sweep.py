@@ -1,7 +1,8 @@
 """How many KV splits should a decode call use? CUDA-graph replay time for forced num_splits on the shapes where
 the heuristic matters (few sequences x KV heads). Run on the GPU: `python benchmarks/splits_sweep.py`.
 `--quant`: the same for fp8 and nvfp4 caches. `--parts`: graph-replay time of a split call and of its two kernels
-alone (attention with fp32 partials, combine), to see what the combine costs at small batch."""
+alone (attention with fp32 partials, combine), to see what the combine costs at small batch. `--small`: SMALL_SHAPES
+(MQA 8/1 heads as in `bench decode`, batches near one program per SM, head dim 64, page 16)."""
 import sys
 
 import torch
@@ -10,32 +11,43 @@ import tileflash
 from tileflash.bench.table import format_table
 from tileflash.bench.timing import bench_ms, graphed
 
-from config_sweep import quantized_caches  # benchmarks/ is the script's directory
+from config_sweep import _paged, quantized_caches  # benchmarks/ is the script's directory
 
 SHAPES = [(1, 8192, 32, 8), (1, 32768, 32, 8), (1, 131072, 32, 8), (8, 32768, 32, 8), (1, 32768, 8, 1),
           (1, 131072, 8, 1), (32, 8192, 32, 8)]
 SPLITS = [1, 2, 4, 8, 16, 33, 50, 66, 99, 132, 198, 256]
 
 
-def main(fmt="bf16", shapes=SHAPES):
+# The bench's MQA rows (8 query heads on 1 KV head), rows near one program per SM (where rounding the split count
+# up doubles the programs), head dim 64, and paged page 16 at batch 1: (B, ctx, Hq, Hkv, head dim, page size).
+SMALL_SHAPES = [(1, 8192, 8, 1, 128, 0), (1, 32768, 8, 1, 128, 0), (1, 131072, 8, 1, 128, 0),
+                (8, 8192, 8, 1, 128, 0), (32, 2048, 8, 1, 128, 0), (128, 1024, 8, 1, 128, 0),
+                (256, 2048, 8, 1, 128, 0), (32, 2048, 32, 8, 128, 0), (32, 2048, 32, 8, 64, 0),
+                (128, 1024, 32, 8, 64, 0), (1, 8192, 32, 8, 128, 16), (1, 8192, 32, 8, 128, 0)]
+
+
+def main(fmt="bf16", shapes=SHAPES, splits=SPLITS):
     rows = []
-    for b, ctx, hq, hkv in shapes:
-        q = torch.randn(b, 1, hq, 128, device="cuda", dtype=torch.bfloat16)
-        kh, vh = (torch.randn(b, ctx, hkv, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for b, ctx, hq, hkv, *more in shapes:  # optional: head dim (128), page size (0: contiguous)
+        d, page = more if more else (128, 0)
+        q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)
+        kh, vh = (torch.randn(b, ctx, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         kc, vc, kw, _, _, _ = quantized_caches(kh, vh, {"bf16": "16bit"}.get(fmt, fmt))
+        if page:
+            kc, vc, kw["block_table"] = _paged(kc, vc, page, torch.Generator().manual_seed(0))
         lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
         times = {}
-        for n in [0] + SPLITS:
+        for n in [0] + list(splits):
             if b * hkv * n > 8 * 132 * 4:
                 continue
             fn = lambda: tileflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=n,  # noqa: E731
                                                            **kw)
             times[n] = bench_ms(graphed(fn)) * 1e3
         best = min((t, n) for n, t in times.items() if n)
-        rows.append([b, ctx, hkv, f"{times[0]:.1f}", f"{best[0]:.1f} @ {best[1]}",
+        rows.append([b, ctx, f"{hq}/{hkv} d{d}" + (f" page{page}" if page else ""), f"{times[0]:.1f}", f"{best[0]:.1f} @ {best[1]}",
                      " ".join(f"{n}:{t:.1f}" for n, t in times.items() if n)])
         print(rows[-1], flush=True)
-    print(format_table(["B", "ctx", "Hkv", "heuristic us", "best us @ splits", "all"], rows,
+    print(format_table(["B", "ctx", "heads", "heuristic us", "best us @ splits", "all"], rows,
                        title=f"decode graph-replay time vs num_splits ({fmt} cache, d=128)"))
 
 
@@ -75,5 +87,7 @@ if __name__ == "__main__":
         for fmt in ("fp8", "nvfp4"):
             main(fmt, [(1, 32768, 32, 8), (8, 32768, 32, 8), (32, 8192, 32, 8), (64, 4096, 32, 8),
                        (256, 2048, 32, 8)])
+    elif "--small" in sys.argv:
+        main("bf16", SMALL_SHAPES, (1, 2, 3, 4, 8, 16, 33, 66, 132))
     else:
         main()

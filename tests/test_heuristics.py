@@ -13,16 +13,20 @@ def test_padded_head_dim(d, expected):
     assert padded_head_dim(d) == expected
 
 
-@pytest.mark.parametrize("d, causal, block_m, block_n, warps, stages, tma", [
-    (64, False, 128, 64, 8, 3, False),
-    (64, True, 128, 64, 8, 3, False),
-    (128, False, 128, 128, 8, 3, True),
-    (128, True, 64, 64, 4, 3, True),  # one warpgroup per program
-    (256, False, 128, 64, 8, 2, True),
-    (40, False, 128, 64, 8, 3, False),  # padded to 64
+@pytest.mark.parametrize("d, causal, seqlen_k, block_m, block_n, warps, stages, tma", [
+    (64, False, 8192, 128, 64, 8, 3, False),
+    (64, True, 1024, 128, 64, 8, 3, False),
+    (128, False, 8192, 128, 128, 8, 3, True),
+    (128, False, 4097, 128, 128, 8, 3, True),
+    (128, False, 4096, 64, 64, 4, 3, True),  # short key rows: one warpgroup per program, two programs per SM
+    (128, False, 1024, 64, 64, 4, 3, True),
+    (128, True, 16384, 64, 64, 4, 3, True),  # causal: one warpgroup per program at every length
+    (256, False, 1024, 128, 64, 8, 2, True),
+    (40, False, 8192, 128, 64, 8, 3, False),  # padded to 64
+    (72, False, 2048, 64, 64, 4, 3, True),  # padded to 128
 ])
-def test_fwd_config(d, causal, block_m, block_n, warps, stages, tma):
-    c = fwd_config(d, causal)
+def test_fwd_config(d, causal, seqlen_k, block_m, block_n, warps, stages, tma):
+    c = fwd_config(d, causal, seqlen_k=seqlen_k)
     assert (c.block_m, c.block_n, c.num_warps, c.num_stages, c.tma, c.warp_spec) == \
         (block_m, block_n, warps, stages, tma, False)
 

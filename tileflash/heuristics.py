@@ -56,14 +56,22 @@ def padded_head_dim(d: int) -> int:
     return max(16, next_pow2(d))
 
 
-def fwd_config(head_dim: int, causal: bool = False, interpret: bool = False) -> FwdConfig:
+# Non-causal d128 takes the one-warpgroup tile up to this many keys (benchmarks/sweep.py, run 36, TFLOP/s, 64x64 vs
+# 128x128: s=1k 452 vs 394, 2k 470 vs 452, 4k 487 vs 483 (runs 31-32 at 4k: 493 vs 487, 524 vs 484), 8k 491 vs
+# 496, 16k 498 vs 503): short rows of keys leave a 128-row program's prologue and epilogue exposed, which a second
+# program per SM hides.
+ONE_WARPGROUP_MAX_KEYS = 4096
+
+
+def fwd_config(head_dim: int, causal: bool = False, interpret: bool = False, seqlen_k: int = 2 ** 30) -> FwdConfig:
     """Measured on the H200 (benchmarks/sweep.py, s=4096, bf16, 2026-11-30; TFLOP/s in brackets).
-    Warp specialisation measured no gain on sm_90 with triton 3.6 (within 1%), so it stays off."""
+    seqlen_k: keys per sequence (varlen: the longest). Warp specialisation measured no gain on sm_90 with triton
+    3.6 (within 1%), so it stays off."""
     d = padded_head_dim(head_dim)
     if d <= 64:
         # 128x64 tiles: 419 full / 370 causal; 128x128 fell to 331 / 292 and TMA did not help (345 / 299).
         cfg = FwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
-    elif d <= 128 and causal:
+    elif d <= 128 and (causal or seqlen_k <= ONE_WARPGROUP_MAX_KEYS):
         # One warpgroup per program (64 rows, 64 keys per step, ~2 programs per SM: one program's softmax runs
         # while another's MMAs do): 448 vs 418 (128x128, TMA) and 399 (pointers) (run 18, one-FMA softmax).
         cfg = FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, tma=True)

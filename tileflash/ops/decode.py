@@ -61,10 +61,11 @@ def _attn_kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         return out, lse
     cfg, num_splits, capacity = _plan(q, k_cache, block_table, num_splits)
     o_part = lse_part = None
-    if num_splits > 1:
+    if num_splits > 1:  # one allocation for both partials (host time: see benchmarks/host_profile.py)
         rows = b * sq * hq
-        o_part = _utils.new_output((num_splits, rows, d), torch.float32, q.device)
-        lse_part = _utils.new_output((num_splits, rows), torch.float32, q.device)
+        part = _utils.new_output((num_splits * rows * (d + 1),), torch.float32, q.device)
+        o_part = part[:num_splits * rows * d].view(num_splits, rows, d)
+        lse_part = part[num_splits * rows * d:].view(num_splits, rows)
     launch_attn_fwd(q, k_cache, v_cache, out, lse, q_batch_stride0=False, k_batch_stride0=False, num_batches=b,
                     seqlen_q=sq, seqlen_k=capacity, m_rows=sq * (hq // k_cache.shape[2]),
                     softmax_scale=softmax_scale, mask=Mask(window_left, window_right, softcap), config=cfg,

@@ -46,7 +46,7 @@ def _attn_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sc
     lse = _utils.new_output((b, hq, sq), torch.float32, q.device)
     if out.numel() == 0:
         return out, lse.fill_(float("-inf"))
-    cfg = fwd_config(d, causal=window_right >= 0, interpret=_utils.is_interpreter())
+    cfg = fwd_config(d, causal=window_right >= 0, interpret=_utils.is_interpreter(), seqlen_k=sk)
     launch_attn_fwd(q, k, v, out, lse, q_batch_stride0=False, k_batch_stride0=False, num_batches=b,
                     seqlen_q=sq, seqlen_k=sk, m_rows=sq, softmax_scale=softmax_scale,
                     mask=Mask(window_left, window_right, softcap), config=cfg, sp_overlap=cfg.sp_overlap)
@@ -65,8 +65,8 @@ def _(q, k, v, softmax_scale, window_left, window_right, softcap, deterministic)
 _attn_fwd_op.register_autograd(_bwd.fwd_backward, setup_context=_bwd.setup_fwd_context)
 
 
-def _varlen_forward(q, k4, v4, cu_seqlens_q, max_seqlen_q, softmax_scale, window_left, window_right, softcap,
-                    **launch_kw):
+def _varlen_forward(q, k4, v4, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
+                    softcap, **launch_kw):
     """Allocate (out, lse [Hq, total_q]) and launch over packed queries: q [total, H, D] is viewed as
     [1, total, H, D] with a batch stride of 0, and cu_seqlens_q gives each sequence's start."""
     total_q, hq, d = q.shape
@@ -75,7 +75,7 @@ def _varlen_forward(q, k4, v4, cu_seqlens_q, max_seqlen_q, softmax_scale, window
     num_seqs = cu_seqlens_q.shape[0] - 1
     if total_q == 0 or num_seqs == 0 or max_seqlen_q == 0:
         return out, lse.fill_(float("-inf"))
-    cfg = fwd_config(d, causal=window_right >= 0, interpret=_utils.is_interpreter())
+    cfg = fwd_config(d, causal=window_right >= 0, interpret=_utils.is_interpreter(), seqlen_k=max_seqlen_k)
     launch_attn_fwd(q.unsqueeze(0), k4, v4, out.unsqueeze(0), lse.unsqueeze(0), q_batch_stride0=True,
                     num_batches=num_seqs, seqlen_q=total_q, m_rows=max_seqlen_q, softmax_scale=softmax_scale,
                     mask=Mask(window_left, window_right, softcap), config=cfg, sp_overlap=cfg.sp_overlap,
@@ -87,8 +87,8 @@ def _attn_varlen_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
                           cu_seqlens_k: torch.Tensor, seqused_k: Optional[torch.Tensor], max_seqlen_q: int,
                           max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
                           softcap: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _varlen_forward(q, k.unsqueeze(0), v.unsqueeze(0), cu_seqlens_q, max_seqlen_q, softmax_scale, window_left,
-                           window_right, softcap, k_batch_stride0=True, seqlen_k=k.shape[0], cu_seqlens_k=cu_seqlens_k,
+    return _varlen_forward(q, k.unsqueeze(0), v.unsqueeze(0), cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale,
+                           window_left, window_right, softcap, k_batch_stride0=True, seqlen_k=k.shape[0], cu_seqlens_k=cu_seqlens_k,
                            seqlens_k=seqused_k)
 
 
@@ -111,9 +111,9 @@ def _attn_varlen_paged_fwd_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
                                 max_seqlen_q: int, softmax_scale: float, window_left: int, window_right: int,
                                 softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed queries over paged keys: sequence b's keys are its first seqused_k[b] tokens in its pages."""
-    return _varlen_forward(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, softmax_scale, window_left,
-                           window_right, softcap, k_batch_stride0=False,
-                           seqlen_k=block_table.shape[1] * k_cache.shape[1], seqlens_k=seqused_k,
+    capacity = block_table.shape[1] * k_cache.shape[1]
+    return _varlen_forward(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, capacity, softmax_scale, window_left,
+                           window_right, softcap, k_batch_stride0=False, seqlen_k=capacity, seqlens_k=seqused_k,
                            block_table=block_table)
 
 
