@@ -2,7 +2,8 @@
 the heuristic matters (few sequences x KV heads). Run on the GPU: `python benchmarks/splits_sweep.py`.
 `--quant`: the same for fp8 and nvfp4 caches. `--parts`: graph-replay time of a split call and of its two kernels
 alone (attention with fp32 partials, combine), to see what the combine costs at small batch. `--small`: SMALL_SHAPES
-(MQA 8/1 heads as in `bench decode`, batches near one program per SM, head dim 64, page 16)."""
+(MQA 8/1 heads as in `bench decode`, batches near one program per SM, head dim 64, page 16). `--lengths`: batch-1
+MQA from 8k to 128k tokens and small-batch GQA at counts up to 256 (how short a split may get)."""
 import sys
 
 import torch
@@ -87,6 +88,10 @@ if __name__ == "__main__":
         for fmt in ("fp8", "nvfp4"):
             main(fmt, [(1, 32768, 32, 8), (8, 32768, 32, 8), (32, 8192, 32, 8), (64, 4096, 32, 8),
                        (256, 2048, 32, 8)])
+    elif "--lengths" in sys.argv:  # the shortest split worth a program: b=1 MQA at growing contexts, GQA beside
+        main("bf16", [(1, ctx, 8, 1, 128, 0) for ctx in (8192, 16384, 32768, 65536, 131072)]
+             + [(1, 8192, 32, 8, 128, 0), (1, 32768, 32, 8, 128, 0), (8, 8192, 32, 8, 128, 0),
+                (8, 32768, 32, 8, 128, 0)], (4, 5, 8, 16, 32, 33, 64, 66, 96, 128, 132, 192, 256))
     elif "--small" in sys.argv:
         main("bf16", SMALL_SHAPES, (1, 2, 3, 4, 8, 16, 33, 66, 132))
     else:
