@@ -65,19 +65,21 @@ def test_decode_config(d, fmt, paged, kv_tokens, block_n, stages, trans, residen
 
 # (batch, Hkv, m_tiles, max_seqlen_k, block_n, sms) -> splits
 @pytest.mark.parametrize("args, expected", [
-    ((1, 8, 1, 8192, 64, 132), 32),  # b=1: 8 programs; 128 blocks / 4 caps the SM target cdiv(264, 8) = 33
+    ((1, 8, 1, 8192, 64, 132), 33),  # b=1: 8 programs -> the SM target cdiv(264, 8) = 33 (run 38: 20.8 us; 32: 21.6)
     ((1, 8, 1, 32768, 64, 132), 33),
     ((1, 8, 1, 131072, 64, 132), 33),
     ((8, 8, 1, 32768, 64, 132), 5),  # 64 programs -> cdiv(264, 64)
     ((32, 8, 1, 2048, 64, 132), 2),  # 256 programs: just under the target
     ((64, 8, 1, 4096, 64, 132), 1),  # enough programs already
-    ((1, 1, 1, 8192, 64, 132), 32),  # MQA at batch 1: 128 blocks -> 32 splits of 4 blocks
-    ((1, 1, 1, 32768, 64, 132), 128),  # measured best ~132
+    ((1, 1, 1, 8192, 64, 132), 128),  # MQA at batch 1: 128 blocks -> 128 one-block splits (run 38: 11.5 us)
+    ((1, 1, 1, 32768, 64, 132), MAX_SPLITS),  # run 38: 15.5 us at 256, 17.3 at 128
+    ((1, 1, 1, 512, 64, 132), 8),  # MIN_SPLIT_TOKENS: split, one block each
+    ((1, 1, 1, 511, 64, 132), 1),  # shorter: not split
     ((1, 8, 1, 100, 64, 132), 1),  # 2 blocks: too short to split
     ((1, 1, 1, 10 ** 7, 64, 132), MAX_SPLITS),  # capped
     # one program per SM (paged 128-token tiles): programs fill >= 90% of whole waves of 132
     ((8, 8, 1, 32768, 128, 132, 1), 4),  # 4 = 256 programs = 1.94 waves (5 = 320 = 2.4 waves was 28% slower)
-    ((1, 8, 1, 8192, 128, 132, 1), 32),  # 64 blocks of 128 tokens: 32 splits of 256 tokens = 256 programs
+    ((1, 8, 1, 8192, 128, 132, 1), 33),  # 264 programs = two full waves
     ((1, 8, 1, 32768, 128, 132, 1), 33),  # 264 = two full waves
     ((32, 8, 1, 8192, 128, 132, 1), 1),  # 256 programs: 1.94 waves, no combine
     ((1, 1, 1, 2 ** 20, 128, 132, 1), MAX_SPLITS),  # capped: 256 programs, 1.94 waves

@@ -171,6 +171,7 @@ def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_fo
 
 
 MAX_SPLITS = 256
+MIN_SPLIT_TOKENS = 512  # shorter caches are not split
 COMBINE_TILE = 4096  # fp32 partials per combine program: 32 registers per thread at 4 warps
 
 
@@ -186,10 +187,12 @@ def num_splits_heuristic(batch: int, nheads_kv: int, m_tiles: int, max_seqlen_k:
     """How many programs share one sequence's KV.
 
     Without splitting there are batch*Hkv*m_tiles programs; at batch 1 that is 8 on a 132-SM GPU, which is how the
-    sm_90 peer ends up at 0.4 TB/s. Split until about per_sm programs per SM are in flight, keeping each split at
-    least 256 tokens long. Measured (benchmarks/splits_sweep.py, graph replay, H200): b=1 ctx 8k/32k/128k with 8
-    KV heads are within 2% of the best forced count (33 / 33 / 50 splits); MQA b=1 ctx 32k is best at ~128 splits
-    (25.0 us) and loses 24% at 256 splits of 2 blocks (30.9 us), where the combine dominates.
+    sm_90 peer ends up at 0.4 TB/s. Split until about per_sm programs per SM are in flight, each split at least one
+    block long; caches under MIN_SPLIT_TOKENS are not split (the combine's launch would cost more than the blocks
+    a split saves). Measured (benchmarks/splits_sweep.py --lengths, graph replay, H200, run 38): MQA (8/1 heads) at
+    b=1 gains down to one-block splits: ctx 8k 11.5 us at 128 splits vs 15.6 at 32 (the former 256-token floor), 16k
+    12.8 at 256 vs 15.6, 32k 15.5 at 256 vs 17.4, 64k/128k unchanged at 256 (21.3 / 32.1); GQA (32/8 heads) b=1 ctx
+    8k 20.8 at 33 vs 21.6 at 32, ctx 32k 49.6 at 33 (48.5 at 64), b=8 ctx 32k 262.5 at 5 (259.8 at 8).
     resident_per_sm (how many programs of the tile an SM holds; 0: more than per_sm, so not limiting): never more
     than per_sm programs per SM (rounding the count up would put a few programs into one more wave, each costing a
     whole program's time: fp8 64-token tiles at b=8 ctx 32k ran 9 splits = 576 programs for 528 slots in 191.4 us,
@@ -200,7 +203,7 @@ def num_splits_heuristic(batch: int, nheads_kv: int, m_tiles: int, max_seqlen_k:
     259 (run 12), 4 splits 260 (run 13).
     """
     base = batch * nheads_kv * m_tiles
-    by_length = max(1, cdiv(max(max_seqlen_k, 1), block_n) * block_n // 256)
+    by_length = cdiv(max_seqlen_k, block_n) if max_seqlen_k >= MIN_SPLIT_TOKENS else 1
     if not resident_per_sm:
         return max(1, min(cdiv(per_sm * num_sms, base), by_length, MAX_SPLITS))
     splits = max(1, min(per_sm * num_sms // base, by_length, MAX_SPLITS))
