@@ -69,7 +69,11 @@ def test_decode_config(d, fmt, paged, kv_tokens, block_n, stages, trans, residen
     ((1, 8, 1, 32768, 64, 132), 33),
     ((1, 8, 1, 131072, 64, 132), 33),
     ((8, 8, 1, 32768, 64, 132), 5),  # 64 programs -> cdiv(264, 64)
-    ((32, 8, 1, 2048, 64, 132), 2),  # 256 programs: just under the target
+    ((32, 8, 1, 2048, 64, 132), 1),  # 256 programs: 2 splits of 1024 tokens would only round the target up
+    ((32, 8, 1, 8192, 64, 132), 2),  # the same, with long splits: rounded up (run 9: 260.3 us vs 265.6 unsplit)
+    ((128, 1, 1, 1024, 64, 132), 2),  # MQA b=128 ctx 1k: 264 / 128 -> 2 (run 37: 32.7 us; 3 splits 34.4)
+    ((8, 8, 1, 8192, 64, 132), 5),  # splits of 1638 tokens: rounded up (run 38: 80.0 us; 4 splits 81.2)
+    ((32, 1, 1, 2048, 64, 132), 8),  # MQA b=32 ctx 2k: 8.25 -> 8 (run 37: best at 8)
     ((64, 8, 1, 4096, 64, 132), 1),  # enough programs already
     ((1, 1, 1, 8192, 64, 132), 128),  # MQA at batch 1: 128 blocks -> 128 one-block splits (run 38: 11.5 us)
     ((1, 1, 1, 32768, 64, 132), MAX_SPLITS),  # run 38: 15.5 us at 256, 17.3 at 128
