@@ -63,6 +63,21 @@ def test_decode_config(d, fmt, paged, kv_tokens, block_n, stages, trans, residen
         (block_n, 4, stages, True, trans, resident)
 
 
+@pytest.mark.parametrize("d, fmt, paged, tokens_per_program, block_n", [
+    (128, "16bit", False, 4096, 128),  # long programs (b=32 ctx 8k at 2 splits): twice the tokens per step
+    (128, "16bit", False, 4095, 64),
+    (128, "16bit", False, 0, 64),  # not known yet (before the split count)
+    (64, "16bit", False, 8192, 256),  # the same bytes per step at half the width
+    (128, "16bit", True, 8192, 128),  # paged: the large tiles decide (already 128 tokens at this size)
+    (128, "fp8", False, 8192, 128),  # quantized caches keep their own tiles
+])
+def test_decode_config_long_programs(d, fmt, paged, tokens_per_program, block_n):
+    c = decode_config(d, 4, kv_format=fmt, paged=paged, kv_tokens=32 * 8192 * 8, tokens_per_program=tokens_per_program)
+    assert c.block_n == block_n
+    if fmt == "16bit" and not paged and tokens_per_program >= 4096:
+        assert c.resident_per_sm == 1  # 128 KiB of stages: the split count must fill whole waves of one per SM
+
+
 # (batch, Hkv, m_tiles, max_seqlen_k, block_n, sms) -> splits
 @pytest.mark.parametrize("args, expected", [
     ((1, 8, 1, 8192, 64, 132), 33),  # b=1: 8 programs -> the SM target cdiv(264, 8) = 33 (run 38: 20.8 us; 32: 21.6)

@@ -140,18 +140,28 @@ def decode_block_m(group_rows: int) -> int:
 #   128 tokens (two programs per SM: ~200 registers per thread), run 18 at each tile's best split count: fp8 b=8 ctx
 #   32k 150.6 us vs 155.2 with 64 tokens, b=32 ctx 8k 145.9 vs 154.7, b=256 ctx 2k 288.4 vs 300.9; nvfp4 239.0 vs
 #   263.6, 239.1 vs 264.9, 489.8 vs 499.6; 8 warps (two warpgroups per step) lost everywhere (165-992 us).
-DECODE_TILES = {"16bit": (64, 2, False, 0), "16bit-paged-large": (128, 2, False, 1),
+DECODE_TILES = {"16bit": (64, 2, False, 0), "16bit-long": (128, 2, False, 1),
+                "16bit-paged-large": (128, 2, False, 1),
                 "fp8": (64, 3, True, 4), "fp8-large": (128, 3, True, 2),
                 "nvfp4": (64, 3, True, 4), "nvfp4-large": (128, 3, True, 2)}
 LARGE_TILES_MIN_KV = 2 ** 18  # tokens x KV heads (at d=128): b=1 ctx 32k and up
+# 16-bit contiguous caches whose programs each stream this many tokens or more (after splitting) take twice the
+# tokens per step ("16bit-long": 128 KiB of stages, one program per SM, so the split count fills whole waves).
+# Run 20 (`config_sweep.py decode-large`, us, 128 vs 64 tokens per step at each one's best split count; tokens per
+# program in brackets): b=32 ctx 8k 256.6 vs 262.6 (4096), b=64 ctx 4k 253.1 vs 259.0 (4096), b=8 ctx 32k 258.3 vs
+# 262.8 (6554); shorter programs lose: b=8 ctx 8k 81.1 vs 79.6 (1638), b=256 ctx 2k 498.6 vs 490.5 (2048), b=128
+# ctx 1k 137.9 vs 135.6 (1024).
+LONG_PROGRAM_TOKENS = 4096
 
 
 def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_format: str = "16bit",
-                  paged: bool = False, kv_tokens: int = 2 ** 30) -> DecodeConfig:
+                  paged: bool = False, kv_tokens: int = 2 ** 30, tokens_per_program: int = 0) -> DecodeConfig:
     """Tiles by cache format (DECODE_TILES; "16bit", "fp8", "nvfp4"), layout and size: contiguous caches are read
     through TMA descriptors, paged ones too when a page holds whole tiles (one box per tile, its row from the block
     table), otherwise by per-token pointer gathers (a TMA descriptor covers one strided box, not a page list).
-    kv_tokens = batch x cache capacity x KV heads; caches of LARGE_TILES_MIN_KV or more take the "-large" tiles."""
+    kv_tokens = batch x cache capacity x KV heads; caches of LARGE_TILES_MIN_KV or more take the "-large" tiles.
+    tokens_per_program = cache capacity / KV splits (0: not known yet): 16-bit contiguous caches take the
+    "16bit-long" tiles from LONG_PROGRAM_TOKENS on."""
     block_m = decode_block_m(group_rows)
     if interpret:  # small steps; K/V through TMA descriptors as on the GPU (NVFP4 caches, and pages smaller than
         # a step, take pointers)
@@ -161,6 +171,8 @@ def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_fo
     if kv_tokens * d >= LARGE_TILES_MIN_KV * 128:  # the "-paged-large" tiles where a format has them, else "-large"
         large = [f"{kv_format}-paged-large"] * paged + [f"{kv_format}-large"]
         key = next((k for k in large if k in DECODE_TILES), kv_format)
+    if key == "16bit" and not paged and tokens_per_program >= LONG_PROGRAM_TOKENS:
+        key = "16bit-long"
     tokens, stages, trans, resident = DECODE_TILES[key]
     # K+V bytes per step held constant across head dims (d=64 at 64 tokens per step ran 0.71-0.93x the peer);
     # below 64 a step holds fewer bytes and registers, and an SM proportionally more programs.

@@ -7,6 +7,7 @@ No host-device synchronisation and no value-dependent allocation, so the call ca
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -23,18 +24,24 @@ KV_FORMATS = {torch.float8_e4m3fn: "fp8", torch.uint8: "nvfp4"}  # cache dtype -
 
 
 def _plan(q, k_cache, block_table, num_splits: int):
-    """(config, m_tiles, num_splits) from shapes only."""
+    """(config, num_splits, capacity) from shapes only: the tile, the split count, then the tile again knowing how
+    many tokens each program streams."""
     b, sq, hq, d = q.shape
     hkv = k_cache.shape[2]
     rows = sq * (hq // hkv)
     capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
-    cfg = decode_config(d, rows, _utils.is_interpreter(), kv_format=KV_FORMATS.get(k_cache.dtype, "16bit"),
-                        paged=block_table is not None, kv_tokens=b * capacity * hkv)
+    tiles = functools.partial(decode_config, d, rows, _utils.is_interpreter(),
+                              kv_format=KV_FORMATS.get(k_cache.dtype, "16bit"), paged=block_table is not None,
+                              kv_tokens=b * capacity * hkv)
+    cfg = tiles()
     m_tiles = _utils.cdiv(rows, cfg.block_m)
-    if num_splits == 0:
-        num_splits = num_splits_heuristic(b, hkv, m_tiles, capacity, cfg.block_n, _utils.num_sms(q.device),
-                                          cfg.resident_per_sm)
-    return cfg, num_splits, capacity
+    splits = num_splits or num_splits_heuristic(b, hkv, m_tiles, capacity, cfg.block_n, _utils.num_sms(q.device),
+                                                cfg.resident_per_sm)
+    long_cfg = tiles(tokens_per_program=capacity // splits)
+    if long_cfg != cfg and not num_splits:  # fewer programs fit an SM: count again (never more splits than before)
+        splits = num_splits_heuristic(b, hkv, m_tiles, capacity, long_cfg.block_n, _utils.num_sms(q.device),
+                                      long_cfg.resident_per_sm)
+    return long_cfg, splits, capacity
 
 
 def _attn_kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: Optional[torch.Tensor],
