@@ -2,8 +2,8 @@
 
 `python benchmarks/config_sweep.py FAMILY [FAMILY ...] [--json PATH]`, families:
   backward  bwd, bwd-d64, bwd-d128, bwd-d256, bwd-softcap, bwd-det, bwd-det-d64, bwd-16k, bwd-rotate, bwd-tma;
-  decode    decode, decode-quant, decode-paged, decode-paged-tma, decode-page16-tma, decode-small, decode-mqa,
-            decode-d64, decode-quant-wide, decode-quant-overlap, decode-large;
+  decode    decode, decode-quant, decode-paged, decode-paged-tma, decode-page16-tma, decode-page16-stages,
+            decode-small, decode-mqa, decode-d64, decode-quant-wide, decode-quant-overlap, decode-large;
   GEMM      gemm, gemm-small, gemm-occupancy.
 Each config is forced by replacing the heuristic the op reads (tileflash.ops.*.{bwd,decode,gemm}_config), checked
 against a reference, then timed (decode: CUDA-graph replay). The winners go into tileflash/heuristics.py with the
@@ -92,6 +92,12 @@ PAGED_TMA_CONFIGS = [(64, 4, 2, True, False), (64, 4, 2, False, False), (128, 4,
 PAGE16_TMA_CONFIGS = [(64, 4, 2, False, False), (16, 4, 4, True, False), (16, 4, 6, True, False),
                       (16, 4, 8, True, False), (32, 4, 3, False, False)]
 PAGE16_TMA_SHAPES = [(1, 8192), (1, 32768), (8, 8192), (32, 8192)]
+# Page 16 through pointers with deeper pipelines: with 2 stages Triton 3.6 loads each step's block-table entries
+# synchronously right before that step's K/V copies (two dependent memory latencies per step, sm_90 TTGIR built on
+# the CPU); from 3 stages the table entries arrive one stage ahead through cp.async (run 9 measured b=1 ctx 32k
+# 57.5 us at 3 stages vs 55.7 at 2, before the block table moved off the per-token path).
+PAGE16_STAGES_CONFIGS = [(64, 4, 2, False, False), (64, 4, 3, False, False), (64, 4, 4, False, False),
+                         (32, 4, 3, False, False), (32, 4, 4, False, False), (128, 4, 3, False, False)]
 # Small batches (few programs per SM after splitting): deeper pipelines and longer steps keep more bytes in flight
 # per program; each config at several forced split counts (0 = the heuristic). (b, ctx, Hq, Hkv, format)
 SMALL_SHAPES = [(1, 8192, 32, 8, "16bit"), (1, 32768, 32, 8, "16bit"), (1, 131072, 32, 8, "16bit"),
@@ -365,6 +371,8 @@ def main(argv=None):
              "decode-paged-tma": lambda r: [sweep_decode(r, ("16bit", "fp8"), PAGED_TMA_SHAPES, PAGED_TMA_CONFIGS, page)
                                             for page in (64, 128)],
              "decode-page16-tma": lambda r: sweep_decode(r, ("16bit",), PAGE16_TMA_SHAPES, PAGE16_TMA_CONFIGS, 16),
+             "decode-page16-stages": lambda r: sweep_decode(r, ("16bit",), PAGE16_TMA_SHAPES, PAGE16_STAGES_CONFIGS,
+                                                            16),
              "decode-paged": lambda r: [sweep_decode(r, ("16bit",), PAGED_SHAPES, PAGED_CONFIGS, page)
                                         for page in (16, 64)]}[fam](rows)
         except Exception:  # noqa: BLE001 - keep the other families' results
