@@ -45,11 +45,12 @@ def main(fmt="bf16", shapes=SHAPES, splits=SPLITS):
                                                            **kw)
             times[n] = bench_ms(graphed(fn)) * 1e3
         best = min((t, n) for n, t in times.items() if n)
-        rows.append([b, ctx, f"{hq}/{hkv} d{d}" + (f" page{page}" if page else ""), f"{times[0]:.1f}", f"{best[0]:.1f} @ {best[1]}",
+        heads = f"{hq}/{hkv} d{d}" + (f" page{page}" if page else "")
+        rows.append([b, ctx, heads, f"{times[0]:.1f}", f"{best[0]:.1f} @ {best[1]}",
                      " ".join(f"{n}:{t:.1f}" for n, t in times.items() if n)])
         print(rows[-1], flush=True)
     print(format_table(["B", "ctx", "heads", "heuristic us", "best us @ splits", "all"], rows,
-                       title=f"decode graph-replay time vs num_splits ({fmt} cache, d=128)"))
+                       title=f"decode graph-replay time vs num_splits ({fmt} cache)"))
 
 
 def parts():

@@ -88,8 +88,8 @@ def _attn_varlen_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
                           max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
                           softcap: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return _varlen_forward(q, k.unsqueeze(0), v.unsqueeze(0), cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale,
-                           window_left, window_right, softcap, k_batch_stride0=True, seqlen_k=k.shape[0], cu_seqlens_k=cu_seqlens_k,
-                           seqlens_k=seqused_k)
+                           window_left, window_right, softcap, k_batch_stride0=True, seqlen_k=k.shape[0],
+                           cu_seqlens_k=cu_seqlens_k, seqlens_k=seqused_k)
 
 
 _attn_varlen_fwd_op = torch.library.custom_op("tileflash::attn_varlen_fwd",
