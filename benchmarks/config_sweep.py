@@ -3,7 +3,8 @@
 `python benchmarks/config_sweep.py FAMILY [FAMILY ...] [--json PATH]`, families:
   backward  bwd, bwd-d64, bwd-d128, bwd-d256, bwd-softcap, bwd-det, bwd-det-d64, bwd-16k, bwd-rotate, bwd-tma;
   decode    decode, decode-quant, decode-paged, decode-paged-tma, decode-page16-tma, decode-page16-stages,
-            decode-small, decode-mqa, decode-d64, decode-quant-wide, decode-quant-overlap, decode-large;
+            decode-small, decode-mqa, decode-d64, decode-quant-small, decode-quant-wide, decode-quant-overlap,
+            decode-large;
   GEMM      gemm, gemm-small, gemm-occupancy.
 Each config is forced by replacing the heuristic the op reads (tileflash.ops.*.{bwd,decode,gemm}_config), checked
 against a reference, then timed (decode: CUDA-graph replay). The winners go into tileflash/heuristics.py with the
@@ -137,6 +138,12 @@ MQA_CONFIGS = {"16bit": [(64, 4, 2, True, False), (64, 4, 3, True, False), (128,
 D64_SHAPES = [(b, ctx, 32, 8, "16bit", 64) for b, ctx in ((1, 8192), (8, 8192), (32, 2048), (32, 8192), (128, 1024))]
 D64_CONFIGS = {"16bit": [(128, 4, 2, True, False), (64, 4, 2, True, False), (64, 4, 3, True, False),
                          (128, 4, 3, True, False), (256, 4, 2, True, False)]}
+# FP8 caches whose programs stream few tokens (1.42-1.52x the bf16 peer in run 40, where 1.7x is asked): the large
+# caches' 128-token tiles (two programs per SM) against 64-token ones (four per SM), at forced split counts; these
+# shapes were never in a quantized-tile sweep.
+QUANT_SMALL_SHAPES = [(b, ctx, 32, 8, "fp8") for b, ctx in ((8, 8192), (32, 2048), (128, 1024), (1, 131072))]
+QUANT_SMALL_CONFIGS = {"fp8": [(128, 4, 3, True, True), (64, 4, 3, True, True), (64, 4, 4, True, True),
+                               (128, 4, 2, True, True)]}
 # (block_m, block_n, block_k, warps, stages, split_k[, swap_ab])
 GEMM_CONFIGS = [(16, 32, 128, 4, 4, 4), (16, 32, 128, 4, 4, 3),  # plain products (the current M <= 16 pick first)
                 # swapped products (c^T = w a^T, the weight tile on the MMA's M side), tuple's last entry True
@@ -362,6 +369,8 @@ def main(argv=None):
              "decode-small": sweep_decode_small,
              "decode-mqa": lambda r: sweep_decode_small(r, MQA_SHAPES, MQA_CONFIGS, (0, 4, 8, 16, 33, 66)),
              "decode-d64": lambda r: sweep_decode_small(r, D64_SHAPES, D64_CONFIGS, (0, 1, 2, 4, 16, 33)),
+             "decode-quant-small": lambda r: sweep_decode_small(r, QUANT_SMALL_SHAPES, QUANT_SMALL_CONFIGS,
+                                                                (0, 1, 2, 4, 8, 16, 33, 66)),
              "decode-large": lambda r: sweep_decode_small(r, LARGE_SHAPES, LARGE_CONFIGS, (0, 1, 2, 4, 8)),
              "decode-quant-overlap": lambda r: sweep_decode_small(r, QUANT_WIDE_SHAPES, QUANT_OVERLAP_CONFIGS,
                                                                   (0, 1, 2, 4, 8, 33)),
