@@ -6,6 +6,7 @@ so the host, not the GPU, sets an eager call's time. Run on the GPU machine:
 """
 import argparse
 import cProfile
+import dataclasses
 import io
 import pstats
 import time
@@ -48,6 +49,11 @@ def _sixty_args(x_ptr, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a1
     tl.store(x_ptr, a0 + a58)
 
 
+@triton.jit
+def _two_descriptors(x_ptr, a_desc, b_desc):
+    tl.store(x_ptr, 1)
+
+
 def _host_us(fn, calls):
     for _ in range(10):
         fn()
@@ -71,6 +77,8 @@ def pieces(calls):
     out, lse = torch.empty_like(q), torch.empty(1, 32, 1, device=dev)
     o_part, lse_part = torch.empty(splits, 32, 128, device=dev), torch.empty(splits, 32, device=dev)
     x = torch.zeros(1, device=dev)
+    descs = _launch.row_descriptors((kc, vc), 8192, 64)
+    pointer_cfg = dataclasses.replace(cfg, tma=False)
     steps = {
         "checks": lambda: dec._check_kvcache(q, kc, vc, None, None, lens, None, 0, None, None, None, None),
         "plan": lambda: dec._plan(q, kc, None, 0),
@@ -80,7 +88,14 @@ def pieces(calls):
             q, kc, vc, out, lse, q_batch_stride0=False, k_batch_stride0=False, num_batches=1, seqlen_q=1,
             seqlen_k=capacity, m_rows=4, softmax_scale=128 ** -0.5, mask=_launch.Mask(-1, 0, 0.0), config=cfg,
             seqlens_k=lens, pack_gqa=True, num_splits=splits, o_part=o_part, lse_part=lse_part),
+        "launch attention, pointers (no TMA descriptors)": lambda: _launch.launch_attn_fwd(
+            q, kc, vc, out, lse, q_batch_stride0=False, k_batch_stride0=False, num_batches=1, seqlen_q=1,
+            seqlen_k=capacity, m_rows=4, softmax_scale=128 ** -0.5, mask=_launch.Mask(-1, 0, 0.0),
+            config=pointer_cfg, seqlens_k=lens, pack_gqa=True, num_splits=splits, o_part=o_part,
+            lse_part=lse_part),
         "launch combine": lambda: _launch.launch_combine(o_part, lse_part, out, lse),
+        "triton launch, 2 TMA descriptors": lambda: _two_descriptors[(1,)](x, *descs),
+        "triton launch, 2 tensors": lambda: _two_descriptors[(1,)](x, kc, vc),
         "triton launch, 1 arg": lambda: _one_arg[(1,)](x),
         "triton launch, 60 args": lambda: _sixty_args[(1,)](x, *range(1, 60)),
     }
