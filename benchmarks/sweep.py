@@ -23,15 +23,10 @@ from tileflash.ops._launch import Mask, launch_attn_fwd
 # programs per SM, so one program's softmax can run while another's MMAs do (FA3's ping-pong, left to the warp
 # schedulers). The S/P-overlapped loop lost everywhere (run 17: d64 302 vs 410 TFLOP/s, d128 472 vs 486); so did a
 # PV-lagged loop (runs 31-32, commit 37f1ef7: PV of block j-1 in flight during the softmax of block j).
-# rowsum_mma: the row sums of P as one more product (P @ ones) instead of an add per score and a cross-thread
-# reduction; the interior step's SASS (sm_90, triton 3.6, built on the CPU) shrinks from 345 to 317 instructions
-# (d128 64x64), 306 to 279 (d64 128x64) and 442 to 431 (d256 128x64). The 128x128 d128 tile with 3 stages has no
-# room for the 4 KB ones operand, so it is measured with 2 stages.
 PREFILL_CONFIGS = {
-    64: [FwdConfig(128, 64, 8, 3), FwdConfig(128, 64, 8, 3, rowsum_mma=True)],
-    128: [FwdConfig(64, 64, 4, 3, tma=True), FwdConfig(64, 64, 4, 3, tma=True, rowsum_mma=True),
-          FwdConfig(128, 128, 8, 3, tma=True), FwdConfig(128, 128, 8, 2, tma=True, rowsum_mma=True)],
-    256: [FwdConfig(128, 64, 8, 2, tma=True), FwdConfig(128, 64, 8, 2, tma=True, rowsum_mma=True)],
+    64: [FwdConfig(128, 64, 8, 3), FwdConfig(64, 64, 4, 3)],
+    128: [FwdConfig(128, 128, 8, 3, tma=True), FwdConfig(64, 64, 4, 3, tma=True)],
+    256: [FwdConfig(128, 64, 8, 2, tma=True), FwdConfig(64, 32, 4, 3, tma=True)],
 }
 # (block_n, warps, stages, tma)
 DECODE_CONFIGS = [(bn, 4, st, tma) for bn in (64, 128) for st in (2, 3, 4) for tma in (False, True)]

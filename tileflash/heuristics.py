@@ -20,7 +20,6 @@ class FwdConfig:
     warp_spec: bool = False  # Triton warp specialisation of the KV loop
     trans: bool = False  # transposed products: decode only (DecodeConfig)
     sp_overlap: bool = False  # QK^T of block j+1 issued before the softmax of block j (attn_inner's SP_OVERLAP)
-    rowsum_mma: bool = False  # row sums of P as one more product, P @ ones (attn_inner's ROWSUM_MMA)
 
 
 @dataclass(frozen=True)
@@ -32,7 +31,6 @@ class DecodeConfig:
     tma: bool = False  # K/V through TMA tensor descriptors: contiguous caches, and page pools whose pages hold whole
     # tiles (page size a multiple of block_n; others, and NVFP4 caches, take pointers)
     warp_spec: bool = False  # always off for decode (no gain measured); the launcher reads it for both configs
-    rowsum_mma: bool = False  # likewise (FwdConfig.rowsum_mma); not measured for decode
     trans: bool = False  # s^T = K q^T, acc^T += V^T P^T: KV tokens and head dim on the MMA's M side
     resident_per_sm: int = 0  # programs an SM holds at once when that limits splitting (0: it does not); splits
     # then fill whole waves of resident_per_sm x SMs programs

@@ -127,18 +127,11 @@ def _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left,
     return s
 
 
-ROWSUM_COLS = tl.constexpr(16)  # columns of the all-ones operand that sums P on the tensor cores (wgmma's least N)
-
-
 @triton.jit
-def _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS: tl.constexpr, RAW_SCORES: tl.constexpr,
-                ROWSUM_MMA: tl.constexpr):
+def _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS: tl.constexpr, RAW_SCORES: tl.constexpr):
     """Online-softmax update with one block of scores s and values v (TRANS: s^T and acc^T [DP, M]).
     RAW_SCORES: s is unscaled and qk_scale > 0, so the row max scales after the reduction and the scale and the
-    max subtraction are one FMA per score (FA's exp2(s * scale - m)) instead of a multiply and a subtract.
-    ROWSUM_MMA (plain products only): l_i is [M, ROWSUM_COLS] with equal columns and the row sums of P come from
-    one more product, P @ ones, instead of an add per score and a cross-thread reduction: the softmax step is
-    bound by instruction issue, and the sum is of P as rounded for the PV product."""
+    max subtraction are one FMA per score (FA's exp2(s * scale - m)) instead of a multiply and a subtract."""
     key_axis: tl.constexpr = 0 if TRANS else 1
     if RAW_SCORES:
         m_new = tl.maximum(m_i, tl.max(s, key_axis) * qk_scale)
@@ -151,12 +144,7 @@ def _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS: tl.constexpr, RAW_SCORES: 
     else:
         p = tl.math.exp2(s - _per_row(m_safe, TRANS))
     alpha = tl.math.exp2(m_i - m_safe)
-    if ROWSUM_MMA:
-        tl.static_assert(not TRANS, "ROWSUM_MMA takes the plain products")
-        ones = tl.full([p.shape[1], ROWSUM_COLS], 1.0, v.dtype)
-        l_i = tl.dot(p.to(v.dtype), ones, l_i * alpha[:, None])
-    else:
-        l_i = l_i * alpha + tl.sum(p, key_axis)
+    l_i = l_i * alpha + tl.sum(p, key_axis)
     acc = acc * _per_row(alpha, TRANS)
     if TRANS:
         acc = tl.dot(tl.trans(v), p.to(v.dtype), acc)
@@ -172,7 +160,7 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
                MASK: tl.constexpr, PAGE_SIZE: tl.constexpr, USE_DESC: tl.constexpr, KV_NVFP4: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, SP_OVERLAP: tl.constexpr,
                WARP_SPEC: tl.constexpr, TILE_DTYPE: tl.constexpr, TRANS: tl.constexpr,
-               RAW_SCORES: tl.constexpr, ROWSUM_MMA: tl.constexpr = False):
+               RAW_SCORES: tl.constexpr):
     """Accumulate KV tokens [lo, hi) (lo, hi multiples of BLOCK_N) into (acc, m_i, l_i).
 
     MASK=False is the fast path for blocks that are fully visible to every row (no per-element masks).
@@ -181,7 +169,6 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
     specialisation (producer warps for loads, consumer warps for MMA and softmax).
     TRANS=True computes the transposed products s^T = K q^T and acc^T += V^T P^T (q holds q^T [DP, M], acc holds
     acc^T): with decode's few query rows the KV tokens and the head dim fill the MMA's M side instead of padding.
-    ROWSUM_MMA (plain loop): the row sums of P on the tensor cores (see _softmax_pv).
     """
     if SP_OVERLAP:
         if lo < hi:
@@ -201,24 +188,16 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
                                           HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4, MASK, TILE_DTYPE)
                 s_next = _scores(q, k_next, qk_scale, softcap_scale, q_pos, next_n, seqlen_k, window_left,
                                  window_right, SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES)
-                acc, m_i, l_i = _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS, RAW_SCORES, False)
+                acc, m_i, l_i = _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS, RAW_SCORES)
                 s = s_next
     else:
-        if ROWSUM_MMA:
-            l_sum = tl.broadcast_to(l_i[:, None], [l_i.shape[0], ROWSUM_COLS])
-        else:
-            l_sum = l_i
         for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
-            acc, m_i, l_sum = _plain_step(acc, m_i, l_sum, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr,
-                                          stride_k_page, stride_k_tok, stride_v_page, stride_v_tok, sstride_page,
-                                          sstride_tok, desc_row0, head_kv, offs_d, seqlen_k, start_n, qk_scale,
-                                          softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_N, MASK,
-                                          PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE,
-                                          TRANS, RAW_SCORES, ROWSUM_MMA)
-        if ROWSUM_MMA:
-            l_i = tl.max(l_sum, 1)  # the columns are equal
-        else:
-            l_i = l_sum
+            acc, m_i, l_i = _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr,
+                                        stride_k_page, stride_k_tok, stride_v_page, stride_v_tok, sstride_page,
+                                        sstride_tok, desc_row0, head_kv, offs_d, seqlen_k, start_n, qk_scale,
+                                        softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_N, MASK,
+                                        PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE,
+                                        TRANS, RAW_SCORES)
     return acc, m_i, l_i
 
 
@@ -228,7 +207,7 @@ def _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_pt
                 qk_scale, softcap_scale, window_left, window_right, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                 MASK: tl.constexpr, PAGE_SIZE: tl.constexpr, USE_DESC: tl.constexpr, KV_NVFP4: tl.constexpr,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, TILE_DTYPE: tl.constexpr,
-                TRANS: tl.constexpr, RAW_SCORES: tl.constexpr, ROWSUM_MMA: tl.constexpr):
+                TRANS: tl.constexpr, RAW_SCORES: tl.constexpr):
     """One block of the plain loop: load K, scores, load V, online softmax and PV."""
     k, offs_n = _kv_tile(k_base, k_sbase, start_n, seqlen_k, bt_ptr, stride_k_page, stride_k_tok, sstride_page,
                          sstride_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4,
@@ -238,4 +217,4 @@ def _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_pt
     v, _ = _kv_tile(v_base, v_sbase, start_n, seqlen_k, bt_ptr, stride_v_page, stride_v_tok, sstride_page,
                     sstride_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4, MASK,
                     TILE_DTYPE)
-    return _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS, RAW_SCORES, ROWSUM_MMA)
+    return _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS, RAW_SCORES)

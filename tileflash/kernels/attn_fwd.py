@@ -58,7 +58,7 @@ def attn_fwd_kernel(
     PACK_GQA: tl.constexpr, SPLIT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     USE_DESC: tl.constexpr, SP_OVERLAP: tl.constexpr, WARP_SPEC: tl.constexpr, TILE_DTYPE: tl.constexpr,
-    TRANS: tl.constexpr, RAW_SCORES: tl.constexpr, ROWSUM_MMA: tl.constexpr,
+    TRANS: tl.constexpr, RAW_SCORES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -167,19 +167,19 @@ def attn_fwd_kernel(
             stride_vs, stride_bs_page, stride_bs_tok, desc_row0, head_kv, offs_d, seqlen_k,
             tl.maximum(s_lo, n_lo) * BLOCK_N, tl.minimum(s_hi, full_lo) * BLOCK_N, qk_scale, softcap_scale,
             window_left, window_right, HEAD_DIM, BLOCK_N, True, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT, HAS_RIGHT,
-            SOFTCAP, SP_OVERLAP, WARP_SPEC, TILE_DTYPE, TRANS, RAW_SCORES, ROWSUM_MMA)
+            SOFTCAP, SP_OVERLAP, WARP_SPEC, TILE_DTYPE, TRANS, RAW_SCORES)
     acc, m_i, l_i = attn_inner(
         acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr, stride_kb, stride_ks, stride_vb,
         stride_vs, stride_bs_page, stride_bs_tok, desc_row0, head_kv, offs_d, seqlen_k,
         tl.maximum(s_lo, full_lo) * BLOCK_N, tl.minimum(s_hi, full_hi) * BLOCK_N, qk_scale, softcap_scale,
         window_left, window_right, HEAD_DIM, BLOCK_N, False, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT, HAS_RIGHT,
-        SOFTCAP, SP_OVERLAP, WARP_SPEC, TILE_DTYPE, TRANS, RAW_SCORES, ROWSUM_MMA)
+        SOFTCAP, SP_OVERLAP, WARP_SPEC, TILE_DTYPE, TRANS, RAW_SCORES)
     acc, m_i, l_i = attn_inner(
         acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr, stride_kb, stride_ks, stride_vb,
         stride_vs, stride_bs_page, stride_bs_tok, desc_row0, head_kv, offs_d, seqlen_k,
         tl.maximum(s_lo, full_hi) * BLOCK_N, tl.minimum(s_hi, n_hi) * BLOCK_N, qk_scale, softcap_scale,
         window_left, window_right, HEAD_DIM, BLOCK_N, True, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT, HAS_RIGHT,
-        SOFTCAP, SP_OVERLAP, WARP_SPEC, TILE_DTYPE, TRANS, RAW_SCORES, ROWSUM_MMA)
+        SOFTCAP, SP_OVERLAP, WARP_SPEC, TILE_DTYPE, TRANS, RAW_SCORES)
 
     # ---- epilogue: normalise; rows that saw no key give out = 0 and lse = -inf ---------------------------
     seen = l_i > 0.0
