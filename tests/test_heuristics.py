@@ -2,9 +2,10 @@
 import dataclasses
 
 import pytest
+import torch
 
-from tileflash.heuristics import (COMBINE_TILE, MAX_SPLITS, bwd_config, combine_tiles, decode_block_m, decode_config, fwd_config,
-                                  num_splits_heuristic, padded_head_dim)
+from tileflash.heuristics import (COMBINE_TILE, MAX_SPLITS, bwd_config, combine_tiles, decode_block_m, decode_config,
+                                  fwd_config, num_splits_heuristic, padded_head_dim)
 
 
 @pytest.mark.parametrize("d, expected", [(8, 16), (40, 64), (64, 64), (80, 128), (128, 128), (136, 256),
@@ -143,3 +144,35 @@ def test_combine_tiles(args, expected):
 def test_combine_tiles_load_every_split_at_once_within_the_tile_budget(splits, d):
     split_chunk, d_chunk = combine_tiles(splits, d)
     assert split_chunk >= splits and split_chunk * d_chunk <= max(COMBINE_TILE, split_chunk * 16)
+
+
+# (batch, ctx, Hq, Hkv, head dim, page size or 0, num_splits asked) -> (tokens per step, splits) as the GPU plans them
+@pytest.mark.parametrize("shape, expected", [
+    ((1, 8192, 32, 8, 128, 0, 0), (64, 33)),
+    ((1, 131072, 32, 8, 128, 0, 0), (64, 33)),  # 3971 tokens per program: short of the long tiles
+    ((8, 8192, 32, 8, 128, 0, 0), (64, 5)),
+    ((8, 32768, 32, 8, 128, 0, 0), (128, 4)),  # long programs: 128-token steps, splits counted again for waves
+    ((32, 8192, 32, 8, 128, 0, 0), (128, 1)),
+    ((64, 4096, 32, 8, 128, 0, 0), (128, 1)),
+    ((128, 1024, 32, 8, 128, 0, 0), (64, 1)),
+    ((1, 8192, 8, 1, 128, 0, 0), (64, 128)),  # MQA: one-block splits
+    ((128, 1024, 8, 1, 128, 0, 0), (64, 2)),  # nearest count, not rounded up
+    ((32, 8192, 32, 8, 64, 0, 0), (256, 1)),  # head dim 64: the same bytes per step
+    ((8, 32768, 32, 8, 64, 0, 0), (256, 4)),
+    ((32, 8192, 32, 8, 128, 0, 2), (128, 2)),  # a forced count is kept; its programs are long
+    ((8, 32768, 32, 8, 128, 16, 0), (128, 4)),  # paged: the paged-large tiles
+])
+def test_decode_plan(shape, expected, monkeypatch):
+    from tileflash import _utils
+    from tileflash.ops import decode as decode_ops
+
+    b, ctx, hq, hkv, d, page, num_splits = shape
+    monkeypatch.setattr(_utils, "is_interpreter", lambda: False)
+    q = torch.empty(b, 1, hq, d, device="meta", dtype=torch.bfloat16)
+    if page:
+        k_cache = torch.empty(b * ctx // page, page, hkv, d, device="meta", dtype=torch.bfloat16)
+        table = torch.empty(b, ctx // page, device="meta", dtype=torch.int32)
+    else:
+        k_cache, table = torch.empty(b, ctx, hkv, d, device="meta", dtype=torch.bfloat16), None
+    cfg, splits, capacity = decode_ops._plan(q, k_cache, table, num_splits)
+    assert (cfg.block_n, splits, capacity) == (*expected, ctx)
