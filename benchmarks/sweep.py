@@ -23,9 +23,12 @@ from tileflash.ops._launch import Mask, launch_attn_fwd
 # programs per SM, so one program's softmax can run while another's MMAs do (FA3's ping-pong, left to the warp
 # schedulers). The S/P-overlapped loop lost everywhere (run 17: d64 302 vs 410 TFLOP/s, d128 472 vs 486); so did a
 # PV-lagged loop (runs 31-32, commit 37f1ef7: PV of block j-1 in flight during the softmax of block j).
+# Three programs per SM for d128 (not yet measured): 64x32 tiles with 3 stages compile to 126 registers and 64 KB of
+# shared memory (sm_90, triton 3.6, on the CPU), against 159 / 112 KB (two per SM) for 64x64: the softmax of one
+# program needs MMAs of others to hide under, and fewer instructions per step did not help (run 46).
 PREFILL_CONFIGS = {
     64: [FwdConfig(128, 64, 8, 3), FwdConfig(64, 64, 4, 3)],
-    128: [FwdConfig(128, 128, 8, 3, tma=True), FwdConfig(64, 64, 4, 3, tma=True)],
+    128: [FwdConfig(128, 128, 8, 3, tma=True), FwdConfig(64, 64, 4, 3, tma=True), FwdConfig(64, 32, 4, 3, tma=True)],
     256: [FwdConfig(128, 64, 8, 2, tma=True), FwdConfig(64, 32, 4, 3, tma=True)],
 }
 # (block_n, warps, stages, tma)
