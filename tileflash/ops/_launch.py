@@ -40,6 +40,12 @@ def _dummy(device) -> torch.Tensor:
     return torch.empty(1, dtype=torch.int32, device=device)
 
 
+def _strides3(t: torch.Tensor, batch_stride0: bool) -> tuple[int, int, int]:
+    """The first three strides, the batch's as 0 where one tensor is shared by every batch (varlen)."""
+    s = t.stride()
+    return (0 if batch_stride0 else s[0]), s[1], s[2]
+
+
 def row_descriptors(tensors, rows: int, block_rows: int):
     """TMA descriptors over [B, S, H, D] tensors viewed as [rows, H, D] (batch and sequence merged), blocks of
     block_rows rows of one head, or None when the layout does not allow it: merged dims need stride(0) == S *
@@ -101,11 +107,8 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         1 if k_scale is not None and k_scale.numel() > 1 else 0,
         *((k_block_scale.view(torch.uint8), v_block_scale.view(torch.uint8), *k_block_scale.stride()[:3]) if nvfp4
           else (dummy, dummy, 0, 0, 0)),
-        0 if q_batch_stride0 else q4.stride(0), q4.stride(1), q4.stride(2),
-        0 if k_batch_stride0 else k4.stride(0), k4.stride(1), k4.stride(2),
-        0 if k_batch_stride0 else v4.stride(0), v4.stride(1), v4.stride(2),
-        0 if q_batch_stride0 else out4.stride(0), out4.stride(1), out4.stride(2),
-        0 if q_batch_stride0 else lse3.stride(0), lse3.stride(1), lse3.stride(2),
+        *_strides3(q4, q_batch_stride0), *_strides3(k4, k_batch_stride0), *_strides3(v4, k_batch_stride0),
+        *_strides3(out4, q_batch_stride0), *_strides3(lse3, q_batch_stride0),
         block_table.stride(0) if paged else 0,
         seqlen_q, seqlen_k, seqlen_k_add, 0 if k_batch_stride0 else k4.shape[1],
         hq, group, m_tiles, num_batches * seqlen_q * hq,
