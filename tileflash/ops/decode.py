@@ -33,14 +33,17 @@ def _plan(q, k_cache, block_table, num_splits: int):
     tiles = functools.partial(decode_config, d, rows, _utils.is_interpreter(),
                               kv_format=KV_FORMATS.get(k_cache.dtype, "16bit"), paged=block_table is not None,
                               kv_tokens=b * capacity * hkv)
+    sms = _utils.num_sms(q.device)
+
+    def count(cfg):  # the asked count, else the heuristic's for this tile
+        return num_splits or num_splits_heuristic(b, hkv, _utils.cdiv(rows, cfg.block_m), capacity, cfg.block_n,
+                                                  sms, cfg.resident_per_sm)
+
     cfg = tiles()
-    m_tiles = _utils.cdiv(rows, cfg.block_m)
-    splits = num_splits or num_splits_heuristic(b, hkv, m_tiles, capacity, cfg.block_n, _utils.num_sms(q.device),
-                                                cfg.resident_per_sm)
+    splits = count(cfg)
     long_cfg = tiles(tokens_per_program=capacity // splits)
-    if long_cfg != cfg and not num_splits:  # fewer programs fit an SM: count again (never more splits than before)
-        splits = num_splits_heuristic(b, hkv, m_tiles, capacity, long_cfg.block_n, _utils.num_sms(q.device),
-                                      long_cfg.resident_per_sm)
+    if long_cfg != cfg:  # fewer programs fit an SM: count again (never more splits than before)
+        splits = count(long_cfg)
     return long_cfg, splits, capacity
 
 
