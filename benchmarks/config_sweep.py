@@ -89,14 +89,15 @@ PAGED_TMA_CONFIGS = [(64, 4, 2, True, False), (64, 4, 2, False, False), (128, 4,
 # Page 16 (b=1 ctx 8k +10.2% over the contiguous cache with 64-token pointer gathers, run 32): one page per step
 # read as a TMA box (16 tokens; deeper pipelines keep the bytes in flight) against pointer steps of 32 and 64 tokens
 # (a TMA step must lie inside one page). sm_90 builds under triton 3.6 on the CPU: 17 KB / 25 KB of shared memory at
-# 4 / 6 stages; not yet run on a GPU.
+# 4 / 6 stages. Run 36: slower than 64-token pointer steps (b=1 ctx 8k 24.8 us at 8 stages vs 23.9; RESULTS.md).
 PAGE16_TMA_CONFIGS = [(64, 4, 2, False, False), (16, 4, 4, True, False), (16, 4, 6, True, False),
                       (16, 4, 8, True, False), (32, 4, 3, False, False)]
 PAGE16_TMA_SHAPES = [(1, 8192), (1, 32768), (8, 8192), (32, 8192)]
 # Page 16 through pointers with deeper pipelines: with 2 stages Triton 3.6 loads each step's block-table entries
 # synchronously right before that step's K/V copies (two dependent memory latencies per step, sm_90 TTGIR built on
 # the CPU); from 3 stages the table entries arrive one stage ahead through cp.async (run 9 measured b=1 ctx 32k
-# 57.5 us at 3 stages vs 55.7 at 2, before the block table moved off the per-token path).
+# 57.5 us at 3 stages vs 55.7 at 2, before the block table moved off the per-token path). Run 43: slower again
+# (b=1 ctx 8k 24.4 us at 3 or 4 stages vs 23.2 at 2; RESULTS.md).
 PAGE16_STAGES_CONFIGS = [(64, 4, 2, False, False), (64, 4, 3, False, False), (64, 4, 4, False, False),
                          (32, 4, 3, False, False), (32, 4, 4, False, False), (128, 4, 3, False, False)]
 # Small batches (few programs per SM after splitting): deeper pipelines and longer steps keep more bytes in flight
