@@ -5,7 +5,7 @@
   decode    decode, decode-quant, decode-paged, decode-paged-tma, decode-page16-tma, decode-page16-stages,
             decode-small, decode-mqa, decode-d64, decode-quant-small, decode-quant-wide, decode-quant-overlap,
             decode-large;
-  GEMM      gemm, gemm-small, gemm-occupancy, gemm-words.
+  GEMM      gemm, gemm-small, gemm-occupancy.
 Each config is forced by replacing the heuristic the op reads (tileflash.ops.*.{bwd,decode,gemm}_config), checked
 against a reference, then timed (decode: CUDA-graph replay). The winners go into tileflash/heuristics.py with the
 numbers in a comment.
@@ -157,17 +157,6 @@ GEMM_CONFIGS = [(16, 32, 128, 4, 4, 4), (16, 32, 128, 4, 4, 3),  # plain product
 # and more K slices give the grid those programs. sm_90 builds on the CPU, triton 3.7.
 GEMM_OCCUPANCY_CONFIGS = [(16, 64, 128, 4, 4, 4, True), (16, 64, 128, 4, 4, 8, True), (16, 32, 128, 4, 4, 8, True),
                           (16, 32, 128, 4, 4, 16, True), (16, 64, 64, 4, 4, 8, True), (16, 64, 64, 4, 4, 16, True)]
-# b read as int32 words of 8 codes (kernels/quant.nvfp4_unpack_words; tuple's last entry True): 542 SASS instructions
-# per 256-deep K step of a 64-column tile (4.2 per value and thread) against 490 per 128-deep step (7.7) for bytes,
-# sm_90 built on the CPU. The first entry is the byte path's pick, for the same run.
-GEMM_WORDS_CONFIGS = [(16, 64, 128, 4, 4, 4, True, False),
-                      (16, 64, 128, 4, 4, 2, True, True), (16, 64, 128, 4, 4, 4, True, True),
-                      (16, 64, 128, 4, 4, 8, True, True),
-                      (16, 64, 256, 4, 3, 1, True, True), (16, 64, 256, 4, 3, 2, True, True),
-                      (16, 64, 256, 4, 3, 4, True, True), (16, 64, 256, 4, 3, 8, True, True),
-                      (16, 64, 256, 4, 4, 4, True, True), (16, 64, 256, 4, 2, 4, True, True),
-                      (16, 64, 512, 4, 2, 2, True, True), (16, 64, 512, 4, 2, 4, True, True),
-                      (16, 64, 512, 4, 3, 4, True, True)]
 GEMM_SHAPES = [(1, 4096), (16, 4096), (1, 8192), (16, 8192), (128, 8192), (1024, 8192)]  # (M, N = K)
 SMALL_M_SHAPES = GEMM_SHAPES[:4]
 
@@ -378,7 +367,6 @@ def main(argv=None):
              "bwd-tma": lambda r: sweep_bwd(r, dims=(64, 128), seqlens=(4096, 16384), configs=BWD_TMA_CONFIGS),
              "gemm-small": lambda r: sweep_gemm(r, SMALL_M_SHAPES),
              "gemm-occupancy": lambda r: sweep_gemm(r, SMALL_M_SHAPES, GEMM_OCCUPANCY_CONFIGS),
-             "gemm-words": lambda r: sweep_gemm(r, SMALL_M_SHAPES, GEMM_WORDS_CONFIGS),
              "decode-small": sweep_decode_small,
              "decode-mqa": lambda r: sweep_decode_small(r, MQA_SHAPES, MQA_CONFIGS, (0, 4, 8, 16, 33, 66)),
              "decode-d64": lambda r: sweep_decode_small(r, D64_SHAPES, D64_CONFIGS, (0, 1, 2, 4, 16, 33)),

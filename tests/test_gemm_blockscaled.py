@@ -54,17 +54,16 @@ def test_strided_operands():
     _check(a, (data, scales, gs), out)
 
 
-@pytest.mark.parametrize("data_words", [False, True], ids=["data-bytes", "data-words"])
 @pytest.mark.parametrize("swap_ab", [False, True], ids=["plain", "swapped"])
 @pytest.mark.parametrize("scale_row_bytes", [8, 10], ids=["words", "bytes"])
-def test_scale_words_and_byte_fallback(monkeypatch, scale_row_bytes, swap_ab, data_words):
+def test_scale_words_and_byte_fallback(monkeypatch, scale_row_bytes, swap_ab):
     """64-wide K steps read the block scales as int32 words of four when their rows are 4-byte aligned (here with
     split K and a masked last N tile); a 10-byte row stride falls back to byte loads. Both decode the same, with
-    plain (c = a w^T) and swapped (c^T = w a^T) products, and with b's codes read as bytes or as words of 8."""
+    plain (c = a w^T) and swapped (c^T = w a^T) products."""
     from tileflash.ops import gemm as gemm_ops
 
     monkeypatch.setattr(gemm_ops, "gemm_config",
-                        lambda *a, **k: GemmConfig(16, 32, 64, 4, 1, split_k=2, swap_ab=swap_ab, words=data_words))
+                        lambda *a, **k: GemmConfig(16, 32, 64, 4, 1, split_k=2, swap_ab=swap_ab))
     a, (data, scales, gs) = _inputs(3, 40, 128, torch.bfloat16, seed=6)
     wide = torch.zeros(40, scale_row_bytes, dtype=torch.uint8, device=DEVICE)
     wide[:, :8] = scales.view(torch.uint8)
@@ -72,14 +71,12 @@ def test_scale_words_and_byte_fallback(monkeypatch, scale_row_bytes, swap_ab, da
     _check(a, (data, scales, gs), out)
 
 
-@pytest.mark.parametrize("data_words", [False, True], ids=["data-bytes", "data-words"])
-def test_scale_words_decode_every_e4m3_byte_like_bytes(monkeypatch, data_words):
+def test_scale_words_decode_every_e4m3_byte_like_bytes(monkeypatch):
     """Every e4m3 scale byte (incl. negatives, subnormals and the NaN codes 0x7F / 0xFF) decodes the same from int32
     words (inline PTX on the GPU) as from bytes: column n of the GEMM uses scale byte n for its first block."""
     from tileflash.ops import gemm as gemm_ops
 
-    monkeypatch.setattr(gemm_ops, "gemm_config",
-                        lambda *a, **k: GemmConfig(16, 32, 64, 4, 1, split_k=1, swap_ab=data_words, words=data_words))
+    monkeypatch.setattr(gemm_ops, "gemm_config", lambda *a, **k: GemmConfig(16, 32, 64, 4, 1, split_k=1))
     a, (data, scales, gs) = _inputs(4, 256, 128, torch.float16, seed=8)
     s_bytes = scales.view(torch.uint8).clone()
     s_bytes[:, 0] = torch.arange(256, dtype=torch.uint8, device=DEVICE)
@@ -91,19 +88,6 @@ def test_scale_words_decode_every_e4m3_byte_like_bytes(monkeypatch, data_words):
     for out in outs[:2]:
         torch.testing.assert_close(out, outs[2], rtol=0, atol=0, equal_nan=True)
     assert torch.isnan(outs[2][:, 0x7F]).all() and torch.isnan(outs[2][:, 0xFF]).all()
-
-
-@pytest.mark.parametrize("m", [3, 16])
-def test_word_path_falls_back_to_bytes_on_unaligned_rows(m):
-    """Decode-sized M reads b as int32 words of 8 codes; rows whose byte stride is not a multiple of 4 (a column
-    slice of a wider buffer) take the byte path and give the same result."""
-    a, (data, scales, gs) = _inputs(m, 24, 128, torch.bfloat16, seed=9)
-    wide = torch.zeros(24, 65, dtype=torch.uint8, device=DEVICE)
-    wide[:, :64] = data
-    out_words = nvfp4_matmul(a, data, scales, gs)
-    out_bytes = nvfp4_matmul(a, wide[:, :64], scales, gs)
-    _check(a, (data, scales, gs), out_words)
-    _check(a, (data, scales, gs), out_bytes)  # the paths sum K in different orders: equal within rounding
 
 
 def test_nan_scale_poisons_its_output_column():
@@ -136,10 +120,10 @@ def test_bf16_check_can_fail(monkeypatch):
 
 
 @pytest.mark.parametrize("m, n, expected", [
-    # decode-sized M: swapped products over 64-column weight tiles read as words, K split until ~3 programs per SM
-    (1, 4096, GemmConfig(16, 64, 256, 4, 3, split_k=4, swap_ab=True, words=True)),  # 64 N tiles: 7 slices wanted
-    (16, 8192, GemmConfig(16, 64, 256, 4, 3, split_k=4, swap_ab=True, words=True)),
-    (16, 65536, GemmConfig(16, 64, 256, 4, 3, split_k=1, swap_ab=True, words=True)),  # enough N tiles alone
+    # decode-sized M: swapped products over 64-column weight tiles, K split until ~3 programs per SM
+    (1, 4096, GemmConfig(16, 64, 128, 4, 4, split_k=4, swap_ab=True)),  # 64 N tiles: 7 slices wanted, 4 at most
+    (16, 8192, GemmConfig(16, 64, 128, 4, 4, split_k=4, swap_ab=True)),
+    (16, 65536, GemmConfig(16, 64, 128, 4, 4, split_k=1, swap_ab=True)),  # enough N tiles alone
     (17, 4096, GemmConfig(64, 64, 128, 4, 3)),
     (128, 4096, GemmConfig(128, 64, 128, 4, 3)),
     (257, 4096, GemmConfig(128, 128, 64, 8, 3)),
@@ -150,8 +134,8 @@ def test_gemm_config_table(m, n, expected):
 
 
 def test_gemm_config_split_k_keeps_four_k_steps_per_slice():
-    assert gemm_config(1, 64, 2048).split_k == 2  # 8 K steps of 256: at most 2 slices
-    assert gemm_config(1, 32, 512).split_k == 1
+    assert gemm_config(1, 64, 1024).split_k == 2  # 8 K steps of 128: at most 2 slices
+    assert gemm_config(1, 32, 256).split_k == 1
 
 
 def test_gemm_config_interpreter_uses_small_tiles():

@@ -245,7 +245,6 @@ class GemmConfig:
     num_stages: int
     split_k: int = 1  # slices of K per output tile (decode-sized M); fp32 partials, summed in a fixed order
     swap_ab: bool = False  # c^T = w a^T: the weight tile on the MMA's M side (decode-sized M)
-    words: bool = False  # b as int32 words of 8 codes (kernels/quant.nvfp4_unpack_words) where rows are aligned
 
 
 def gemm_config(m: int, n: int, k: int, interpret: bool = False, num_sms: int = 132) -> GemmConfig:
@@ -259,17 +258,14 @@ def gemm_config(m: int, n: int, k: int, interpret: bool = False, num_sms: int = 
     if interpret:
         # Small tiles: the interpreter's cost is per program and per K step, and tests use M <= 33, N, K <= 96;
         # K >= 64 takes the split-K path so the CPU tests cover it.
-        # M <= 16 takes the GPU's word path (64-wide K steps, the least it takes).
-        if m <= 16:
-            return GemmConfig(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=1,
-                              split_k=2 if k >= 64 else 1, swap_ab=True, words=True)
-        return GemmConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1)
+        return GemmConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1,
+                          split_k=2 if m <= 16 and k >= 64 else 1)
     if m <= 16:
-        block_n, block_k = 64, 256
+        block_n, block_k = 64, 128
         tiles = -(-n // block_n)
         split = max(1, min(-(-3 * num_sms // tiles), k // (4 * block_k), 4))  # 4: the most measured
-        return GemmConfig(block_m=16, block_n=block_n, block_k=block_k, num_warps=4, num_stages=3, split_k=split,
-                          swap_ab=True, words=True)
+        return GemmConfig(block_m=16, block_n=block_n, block_k=block_k, num_warps=4, num_stages=4, split_k=split,
+                          swap_ab=True)
     if m <= 64:  # not measured at this M: the M = 128 runner-up, with a tile that wastes fewer rows
         return GemmConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3)
     if m <= 256:

@@ -15,23 +15,20 @@ import triton
 import triton.language as tl
 
 from ._cast import store_cast
-from .quant import E2M1_UNIT, nvfp4_block_scales, nvfp4_unpack_tile, nvfp4_unpack_words, permute_like_words
+from .quant import E2M1_UNIT, nvfp4_unpack_tile
 
 
 @triton.jit
 def nvfp4_matmul_kernel(a_ptr, b_ptr, s_ptr, g_ptr, c_ptr, M, N, K, k_per_split,
                         stride_am, stride_ak, stride_bn, stride_bk, stride_sn, stride_sk, stride_cm, stride_cn,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                        UPCAST: tl.constexpr, SCALE_WORDS: tl.constexpr, SWAP_AB: tl.constexpr, WORDS: tl.constexpr):
+                        UPCAST: tl.constexpr, SCALE_WORDS: tl.constexpr, SWAP_AB: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] tile of c over K range [split * k_per_split, ...) of program_id(2). SPLIT_K > 1:
     c_ptr is an fp32 workspace [SPLIT_K, M, N] (stride_cm, stride_cn for M, N; splits are M * N apart) that the
     caller sums in a fixed order, so results are bitwise reproducible. SCALE_WORDS: scale rows are 4-byte aligned
     and K, BLOCK_K multiples of 64, so the scales load as int32 words of four (through the copy pipeline).
     SWAP_AB computes c^T = w a^T: for decode-sized M the dequantized weight tile fills the MMA's M side (wgmma with
-    the weights as its register operand) instead of a 16-row tile of a.
-    WORDS: b's rows are 4-byte aligned and BLOCK_K a multiple of 64, so b loads as int32 words of 8 codes and
-    unpacks with nvfp4_unpack_words, whose K order a follows (permute_like_words): fewer instructions per value
-    and no shuffles into the MMA operand."""
+    the weights as its register operand) instead of a 16-row tile of a."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
@@ -46,13 +43,8 @@ def nvfp4_matmul_kernel(a_ptr, b_ptr, s_ptr, g_ptr, c_ptr, M, N, K, k_per_split,
     for k0 in range(k_lo, k_hi, BLOCK_K):
         a = tl.load(a_ptr + m64[:, None] * stride_am + (k0 + offs_k)[None, :] * stride_ak,
                     mask=m_ok[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
-        if WORDS:
-            offs_wd = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-            packed = tl.load((b_ptr + n64[:, None] * stride_bn).to(tl.pointer_type(tl.int32)) + offs_wd[None, :],
-                             mask=n_ok[:, None] & (offs_wd < K // 8)[None, :], other=0)
-        else:
-            packed = tl.load(b_ptr + n64[:, None] * stride_bn + (k0 // 2 + offs_b)[None, :] * stride_bk,
-                             mask=n_ok[:, None] & (k0 // 2 + offs_b < K // 2)[None, :], other=0)
+        packed = tl.load(b_ptr + n64[:, None] * stride_bn + (k0 // 2 + offs_b)[None, :] * stride_bk,
+                         mask=n_ok[:, None] & (k0 // 2 + offs_b < K // 2)[None, :], other=0)
         if SCALE_WORDS:
             offs_w = k0 // 64 + tl.arange(0, BLOCK_K // 64)
             s_bits = tl.load((s_ptr + n64[:, None] * stride_sn).to(tl.pointer_type(tl.int32)) + offs_w[None, :],
@@ -60,12 +52,7 @@ def nvfp4_matmul_kernel(a_ptr, b_ptr, s_ptr, g_ptr, c_ptr, M, N, K, k_per_split,
         else:
             s_bits = tl.load(s_ptr + n64[:, None] * stride_sn + (k0 // 16 + offs_s)[None, :] * stride_sk,
                              mask=n_ok[:, None] & (k0 // 16 + offs_s < K // 16)[None, :], other=0)
-        if WORDS:
-            w = nvfp4_unpack_words(packed, nvfp4_block_scales(s_bits, BLOCK_N, BLOCK_K, True), BLOCK_N, BLOCK_K,
-                                   a.dtype)
-            a = permute_like_words(a, BLOCK_M, BLOCK_K)
-        else:
-            w = nvfp4_unpack_tile(packed, s_bits, BLOCK_N, BLOCK_K, True)  # pure PTX: see nvfp4_unpack_tile
+        w = nvfp4_unpack_tile(packed, s_bits, BLOCK_N, BLOCK_K, True)  # pure PTX: see nvfp4_unpack_tile
         if UPCAST:  # interpreter: bf16 dots would run on raw bits, so both operands go to fp32
             a = a.to(tl.float32)
             w = w.to(tl.float32)

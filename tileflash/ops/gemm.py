@@ -35,7 +35,7 @@ def _nvfp4_matmul_impl(a: torch.Tensor, b_data: torch.Tensor, b_scales: torch.Te
         dest.stride(-2), dest.stride(-1),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, UPCAST=_utils.upcast_tiles(),
         SCALE_WORDS=k % 64 == 0 and cfg.block_k % 64 == 0 and s_bits.stride(1) == 1 and _utils.words_aligned(s_bits, 1),
-        SWAP_AB=cfg.swap_ab, WORDS=cfg.words and cfg.block_k % 64 == 0 and b_data.stride(1) == 1 and _utils.words_aligned(b_data, 1),
+        SWAP_AB=cfg.swap_ab,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return dest if split == 1 else dest.sum(0).to(a.dtype)
