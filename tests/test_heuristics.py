@@ -15,15 +15,18 @@ def test_padded_head_dim(d, expected):
 
 
 @pytest.mark.parametrize("d, causal, seqlen_k, block_m, block_n, warps, stages, tma", [
-    (64, False, 8192, 128, 64, 8, 3, False),
-    (64, True, 1024, 128, 64, 8, 3, False),
+    (64, False, 8192, 128, 64, 8, 3, True),
+    (64, False, 1024, 128, 64, 8, 3, True),
+    (64, True, 1024, 64, 64, 4, 3, True),  # causal, short key rows: one warpgroup per program
+    (64, True, 4096, 64, 64, 4, 3, True),
+    (64, True, 4097, 128, 64, 8, 3, True),
     (128, False, 8192, 128, 128, 8, 3, True),
     (128, False, 4097, 128, 128, 8, 3, True),
     (128, False, 4096, 64, 64, 4, 3, True),  # short key rows: one warpgroup per program, two programs per SM
     (128, False, 1024, 64, 64, 4, 3, True),
     (128, True, 16384, 64, 64, 4, 3, True),  # causal: one warpgroup per program at every length
     (256, False, 1024, 128, 64, 8, 2, True),
-    (40, False, 8192, 128, 64, 8, 3, False),  # padded to 64
+    (40, False, 8192, 128, 64, 8, 3, True),  # padded to 64 (descriptors only for 64 itself: ops/_launch.py)
     (72, False, 2048, 64, 64, 4, 3, True),  # padded to 128
 ])
 def test_fwd_config(d, causal, seqlen_k, block_m, block_n, warps, stages, tma):
@@ -32,7 +35,7 @@ def test_fwd_config(d, causal, seqlen_k, block_m, block_n, warps, stages, tma):
         (block_m, block_n, warps, stages, tma, False)
 
 
-@pytest.mark.parametrize("d, causal", [(64, False), (128, False), (128, True), (256, True), (40, False)])
+@pytest.mark.parametrize("d, causal", [(64, False), (64, True), (128, False), (128, True), (256, True), (40, False)])
 def test_fwd_config_interpreter_uses_small_tiles_and_the_gpu_load_path(d, causal):
     c = fwd_config(d, causal, interpret=True)
     assert (c.block_m, c.block_n, c.num_stages) == (32, 16, 1)
@@ -161,6 +164,8 @@ def test_combine_tiles_load_every_split_at_once_within_the_tile_budget(splits, d
     ((8, 32768, 32, 8, 64, 0, 0), (256, 4)),
     ((32, 8192, 32, 8, 128, 0, 2), (128, 2)),  # a forced count is kept; its programs are long
     ((8, 32768, 32, 8, 128, 16, 0), (128, 4)),  # paged: the paged-large tiles
+    ((1, 8192, 32, 8, 128, 16, 0), (64, 50)),  # small, pages shorter than a step: three programs per SM
+    ((1, 8192, 32, 8, 128, 64, 0), (64, 33)),  # pages of whole steps (TMA boxes): two, like the contiguous cache
 ])
 def test_decode_plan(shape, expected, monkeypatch):
     from tileflash import _utils

@@ -68,9 +68,16 @@ def fwd_config(head_dim: int, causal: bool = False, interpret: bool = False, seq
     seqlen_k: keys per sequence (varlen: the longest). Warp specialisation measured no gain on sm_90 with triton
     3.6 (within 1%), so it stays off."""
     d = padded_head_dim(head_dim)
-    if d <= 64:
-        # 128x64 tiles: 419 full / 370 causal; 128x128 fell to 331 / 292 and TMA did not help (345 / 299).
-        cfg = FwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    if d <= 64 and causal and seqlen_k <= ONE_WARPGROUP_MAX_KEYS:
+        # One warpgroup per program, as for d128 (run 48, `sweep.py --dims 64`, TFLOP/s, causal s = 2k / 4k / 16k):
+        # 346.6 / 380.3 / 391.4 against 325.0 / 364.3 / 394.2 for 128x64 with pointers and 324.8 / 359.6 / 402.0
+        # with TMA; a fourth stage 327.3 / 356.3 / 388.8; 64x32 296.0 / 310.0 / 330.2.
+        cfg = FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, tma=True)
+    elif d <= 64:
+        # 128x64 tiles, K/V through TMA (run 48, non-causal s = 2k / 4k / 16k): 409.4 / 409.5 / 423.7 against
+        # 396.9 / 400.5 / 409.4 with pointers, 400.1 / 397.7 / 406.1 for 64x64 one-warpgroup tiles; 128x128 fell
+        # to 331 / 292 (full / causal, s = 4k, session 1).
+        cfg = FwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, tma=True)
     elif d <= 128 and (causal or seqlen_k <= ONE_WARPGROUP_MAX_KEYS):
         # One warpgroup per program (64 rows, 64 keys per step, ~2 programs per SM: one program's softmax runs
         # while another's MMAs do): 448 vs 418 (128x128, TMA) and 399 (pointers) (run 18, one-FMA softmax).
@@ -183,6 +190,11 @@ def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_fo
 
 
 MAX_SPLITS = 256
+# Small paged caches read by per-token pointer gathers (pages shorter than a step) aim at three programs per SM
+# instead of two: each program's first K/V loads wait on its block-table entries, and more, shorter programs hide
+# that wait. Run 48 (`splits_sweep.py`, graph replay, 32/8 heads, b=1 ctx 8k, us): page 16 22.9 at 48 splits, 23.3
+# at 33 and 40, 24.6 at 66; the contiguous cache 20.9 at 33 (21.3 at 48), page 64 (TMA boxes) 21.6 at 33 (21.8 at 48).
+GATHER_PROGRAMS_PER_SM = 3
 MIN_SPLIT_TOKENS = 512  # shorter caches are not split
 SHORT_SPLIT_TOKENS = 1024  # splits this short or shorter are not worth rounding the program count up for
 COMBINE_TILE = 4096  # fp32 partials per combine program: 32 registers per thread at 4 warps
