@@ -26,11 +26,12 @@ from tileflash.ops._launch import Mask, launch_attn_fwd
 # Three programs per SM for d128 (not yet measured): 64x32 tiles with 3 stages compile to 126 registers and 64 KB of
 # shared memory (sm_90, triton 3.6, on the CPU), against 159 / 112 KB (two per SM) for 64x64: the softmax of one
 # program needs MMAs of others to hide under, and fewer instructions per step did not help (run 46).
-# d64 (0.85-0.90x cuDNN in run 39, the closest to the 0.9 asked): TMA, a fourth stage, and one-warpgroup tiles with
-# three or four programs per SM (64x64: 115-117 registers, 57-74 KB; 64x32: 90, 41 KB; 128x64 8 warps: 128, 64 KB).
+# d64 (run 48 chose 128x64 with TMA, and 64x64 for causal rows up to 4k keys; 0.86-0.87x cuDNN remained at causal
+# 2k / 4k in run 49): 128 keys per step (fewer softmax passes per MMA) and two stages.
 PREFILL_CONFIGS = {
-    64: [FwdConfig(128, 64, 8, 3), FwdConfig(128, 64, 8, 3, tma=True), FwdConfig(128, 64, 8, 4),
-         FwdConfig(64, 64, 4, 3, tma=True), FwdConfig(64, 64, 4, 4, tma=True), FwdConfig(64, 32, 4, 4, tma=True)],
+    64: [FwdConfig(128, 64, 8, 3, tma=True), FwdConfig(64, 64, 4, 3, tma=True), FwdConfig(64, 128, 4, 2, tma=True),
+         FwdConfig(64, 128, 4, 3, tma=True), FwdConfig(128, 128, 8, 2, tma=True), FwdConfig(128, 64, 8, 2, tma=True),
+         FwdConfig(64, 64, 4, 2, tma=True)],
     128: [FwdConfig(128, 128, 8, 3, tma=True), FwdConfig(64, 64, 4, 3, tma=True), FwdConfig(64, 32, 4, 3, tma=True)],
     256: [FwdConfig(128, 64, 8, 2, tma=True), FwdConfig(64, 32, 4, 3, tma=True)],
 }

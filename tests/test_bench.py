@@ -343,7 +343,8 @@ def test_cli_runs_selected_shapes_and_writes_json(monkeypatch, tmp_path):
     assert len(seen["decode"]) == 3 and all(s["label"] == "gqa-d64" for s in seen["decode"])
     assert [s["label"] for s in seen["backward"]] == ["d64-full"] * 3 + ["d64-causal"] * 3
     data = json.loads(path.read_text())
-    assert data == {"env": {"device": "fake"}, "prefill": [{"n": 6}], "decode": [{"n": 3}], "backward": [{"n": 6}]}
+    assert data == {"env": {"device": "fake", "flush": "zero"}, "prefill": [{"n": 6}], "decode": [{"n": 3}],
+                    "backward": [{"n": 6}]}
     with pytest.raises(SystemExit):
         cli.main(["bogus"])
 
@@ -557,3 +558,12 @@ def test_plot_series_gemm_and_lowp_charts(tmp_path):
     pytest.importorskip("matplotlib")
     paths = plots.write_charts({"lowp": decode + gemm}, str(tmp_path))
     assert [p.rsplit("/", 1)[-1] for p in paths] == ["lowp.png", "lowp-gemm.png"]
+
+
+def test_flush_flag_defaults_to_do_bench_and_accepts_read():
+    from tileflash.bench import cli, timing
+
+    assert cli.build_parser().parse_args(["decode"]).flush == "zero" == timing.flush_mode
+    assert cli.build_parser().parse_args(["decode", "--flush", "read"]).flush == "read"
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["decode", "--flush", "none"])

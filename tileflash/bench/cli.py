@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from tileflash.bench import peers, suites
+from tileflash.bench import peers, suites, timing
 
 SUITES = {
     "prefill": (suites.PREFILL_SHAPES, suites.run_prefill),
@@ -25,6 +25,9 @@ def build_parser():
     p.add_argument("--only", metavar="LABEL",
                    help="only shapes whose label contains LABEL, e.g. d64, causal, page16, gqa-fp8, gemm, 8k")
     p.add_argument("--plot", metavar="DIR", help="write one PNG chart per suite into DIR (needs matplotlib)")
+    p.add_argument("--flush", choices=timing.FLUSH_MODES, default="zero",
+                   help="how the L2 is emptied before each timed call: zero (triton's do_bench, the default: leaves "
+                        "dirty lines whose write-back the call pays) or read (leaves clean lines)")
     return p
 
 
@@ -49,7 +52,8 @@ def main(argv=None):
     if not torch.cuda.is_available():
         print("tileflash bench needs a CUDA GPU; none is visible", file=sys.stderr)
         return 1
-    results = {"env": environment()}
+    timing.flush_mode = args.flush
+    results = {"env": {**environment(), "flush": args.flush}}
     print(f"env: {json.dumps(results['env'])}")
     for name in SUITES if args.suite == "all" else [args.suite]:
         registry, runner = SUITES[name]
