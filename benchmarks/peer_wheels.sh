@@ -7,7 +7,8 @@
 #   GPU call 1:           run(command="bash benchmarks/peer_wheels.sh stash", carry=[".peers/a"])
 #   GPU call 2:           run(command="source benchmarks/peer_wheels.sh install && <bench command>",
 #                             carry=[".peers/b"])
-# `install` sets PYTHONPATH for the current shell, so source it in the same command as the benchmark.
+# `install` sets PYTHONPATH for the current shell, so source it in the same command as the benchmark, and not inside
+# a pipeline (`source ... | tail` runs in a subshell and the export is lost; run 54).
 # Versions: flash-attn-4 4.0.0b36 over nvidia-cutlass-dsl 4.8.1 (../shared/notes/gpu-machine.md).
 STASH=/tmp/peers
 case ${1:-} in
