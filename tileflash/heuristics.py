@@ -191,9 +191,11 @@ def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_fo
 
 MAX_SPLITS = 256
 # Small paged caches read by per-token pointer gathers (pages shorter than a step) aim at three programs per SM
-# instead of two: each program's first K/V loads wait on its block-table entries, and more, shorter programs hide
-# that wait. Run 48 (`splits_sweep.py`, graph replay, 32/8 heads, b=1 ctx 8k, us): page 16 22.9 at 48 splits, 23.3
-# at 33 and 40, 24.6 at 66; the contiguous cache 20.9 at 33 (21.3 at 48), page 64 (TMA boxes) 21.6 at 33 (21.8 at 48).
+# instead of two: shorter programs, each of whose first K/V loads waits on its block-table entries. Run 48
+# (`splits_sweep.py`, graph replay, 32/8 heads, b=1 ctx 8k, us): page 16 22.9 at 48 splits (3 of the 128 blocks per
+# split, as at the rule's 50), 23.3 at 33 and 40 (4 blocks), 24.6 at 66 (2); the contiguous cache 20.9 at 33 (21.3 at
+# 48), page 64 (TMA boxes) 21.6 at 33 (21.8 at 48). `bench decode` (run 50): 23.2 against 23.5 in run 42, a gain
+# near the run-to-run spread.
 GATHER_PROGRAMS_PER_SM = 3
 MIN_SPLIT_TOKENS = 512  # shorter caches are not split
 SHORT_SPLIT_TOKENS = 1024  # splits this short or shorter are not worth rounding the program count up for
