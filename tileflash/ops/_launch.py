@@ -46,6 +46,13 @@ def _strides3(t: torch.Tensor, batch_stride0: bool) -> tuple[int, int, int]:
     return (0 if batch_stride0 else s[0]), s[1], s[2]
 
 
+def tma_tiles(config, page_size: int, nvfp4: bool) -> bool:
+    """Whether K/V tiles are asked for through TMA descriptors (row_descriptors may still decline the layout):
+    NVFP4 tiles are decoded from bytes, not loaded as values, and a paged tile must lie inside one page (page_size
+    0: a contiguous cache). Otherwise K/V rows are gathered by pointers."""
+    return config.tma and not nvfp4 and (page_size == 0 or page_size % config.block_n == 0)
+
+
 def row_descriptors(tensors, rows: int, block_rows: int):
     """TMA descriptors over [B, S, H, D] tensors viewed as [rows, H, D] (batch and sequence merged), blocks of
     block_rows rows of one head, or None when the layout does not allow it: merged dims need stride(0) == S *
@@ -92,8 +99,7 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         aligned = d >= 64 and all(_utils.words_aligned(t, 3) for t in (k_block_scale, v_block_scale))
         kv_nvfp4 = NVFP4_SCALE_WORDS if aligned else NVFP4_SCALE_BYTES
     descs = None
-    # NVFP4 tiles are decoded from bytes, not loaded as values; a paged tile must lie inside one page.
-    if config.tma and not nvfp4 and (not paged or k4.shape[1] % config.block_n == 0):
+    if tma_tiles(config, k4.shape[1] if paged else 0, nvfp4):
         descs = row_descriptors((k4, v4), k4.shape[0] * k4.shape[1], config.block_n)
     k_arg, v_arg = descs if descs else (k4, v4)
     return attn_fwd_kernel[grid](

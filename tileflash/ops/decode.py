@@ -14,7 +14,7 @@ import torch
 
 from .. import _utils
 from ..heuristics import GATHER_PROGRAMS_PER_SM, MAX_SPLITS, decode_config, num_splits_heuristic
-from ._launch import Mask, launch_attn_fwd, launch_combine, launch_kv_append
+from ._launch import Mask, launch_attn_fwd, launch_combine, launch_kv_append, tma_tiles
 from .prefill import _check_softcap
 
 MAX_QUERY_TOKENS = 16
@@ -36,7 +36,8 @@ def _plan(q, k_cache, block_table, num_splits: int):
     sms = _utils.num_sms(q.device)
 
     def count(cfg):  # the asked count, else the heuristic's for this tile
-        gathers = block_table is not None and k_cache.shape[1] % cfg.block_n != 0 and not cfg.resident_per_sm
+        gathers = (block_table is not None and not cfg.resident_per_sm
+                   and not tma_tiles(cfg, k_cache.shape[1], k_cache.dtype == torch.uint8))
         return num_splits or num_splits_heuristic(b, hkv, _utils.cdiv(rows, cfg.block_m), capacity, cfg.block_n,
                                                   sms, cfg.resident_per_sm,
                                                   per_sm=GATHER_PROGRAMS_PER_SM if gathers else 2)
