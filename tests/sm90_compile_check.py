@@ -95,6 +95,18 @@ def _cases():
         q, k, v = (torch.randn(250, 4, 64, dtype=bf, requires_grad=True) for _ in range(3))
         tileflash.flash_attn_varlen_func(q, k, v, cu, cu, 150, 150, causal=True).sum().backward()
 
+    def warp_specialised(call):
+        """Run a prefill call that must take the warp-specialised Gluon forward (kernels/attn_fwd_ws.py)."""
+        from tileflash.kernels.attn_fwd_ws import attn_fwd_ws_kernel
+
+        def case():
+            before = sum(len(c[0]) for c in attn_fwd_ws_kernel.device_caches.values())
+            call()
+            if sum(len(c[0]) for c in attn_fwd_ws_kernel.device_caches.values()) <= before:
+                raise AssertionError("the warp-specialised forward did not compile for this call")
+
+        return case
+
     def gemm(m, n, k):
         tileflash.nvfp4_matmul(torch.randn(m, k, dtype=bf), *tileflash.nvfp4_quantize(torch.randn(n, k)))
 
@@ -105,6 +117,11 @@ def _cases():
             *grad_leaves(1, 200, 4, 128), window_size=(50, 10), softcap=5.0).sum().backward(),
         "prefill fwd+bwd d256 fp16": lambda: tileflash.flash_attn_func(
             *grad_leaves(1, 100, 2, 256, dtype=fp16)).sum().backward(),
+        "prefill fwd+bwd d128 GQA, warp-specialised forward": warp_specialised(lambda: tileflash.flash_attn_func(
+            torch.randn(2, 300, 8, 128, dtype=bf, requires_grad=True),
+            *(torch.randn(2, 333, 2, 128, dtype=bf, requires_grad=True) for _ in range(2))).sum().backward()),
+        "prefill d64 causal fp16, warp-specialised forward": warp_specialised(lambda: tileflash.flash_attn_func(
+            *(torch.randn(1, 4096, 2, 64, dtype=fp16) for _ in range(3)), causal=True)),
         "varlen fwd+bwd": varlen,
         "decode 16-bit contiguous": lambda: decode("16bit"),
         "decode 16-bit paged append": lambda: decode("16bit", append=True, paged=True),
@@ -130,11 +147,11 @@ def _resource_usage():
 
     import triton
 
-    from tileflash.kernels import attn_bwd, attn_combine, attn_fwd, gemm_blockscaled, kv_append, quant
+    from tileflash.kernels import attn_bwd, attn_combine, attn_fwd, attn_fwd_ws, gemm_blockscaled, kv_append, quant
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.TemporaryDirectory() as tmp:
-        for mod in (attn_fwd, attn_bwd, attn_combine, kv_append, quant, gemm_blockscaled):
+        for mod in (attn_fwd, attn_fwd_ws, attn_bwd, attn_combine, kv_append, quant, gemm_blockscaled):
             for name in sorted(dir(mod)):
                 fn = getattr(mod, name)
                 for caches in getattr(fn, "device_caches", {}).values():

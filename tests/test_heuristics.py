@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tileflash.heuristics import (COMBINE_TILE, MAX_SPLITS, bwd_config, combine_tiles, decode_block_m, decode_config,
-                                  fwd_config, num_splits_heuristic, padded_head_dim)
+                                  fwd_config, fwd_ws_config, num_splits_heuristic, padded_head_dim)
 
 
 @pytest.mark.parametrize("d, expected", [(8, 16), (40, 64), (64, 64), (80, 128), (128, 128), (136, 256),
@@ -40,6 +40,22 @@ def test_fwd_config_interpreter_uses_small_tiles_and_the_gpu_load_path(d, causal
     c = fwd_config(d, causal, interpret=True)
     assert (c.block_m, c.block_n, c.num_stages) == (32, 16, 1)
     assert c.tma == fwd_config(d, causal).tma  # the CPU suite runs the GPU's K/V load path (descriptors or pointers)
+
+
+@pytest.mark.parametrize("d, causal, seqlen_k, expected", [
+    (128, False, 1024, (128, 3)),  # d128: the warp-specialised forward at every length
+    (128, True, 1, (128, 3)),
+    (128, True, 16384, (128, 3)),
+    (64, False, 1024, (128, 3)),
+    (64, True, 2048, None),  # d64 causal with short key rows: the one-warpgroup Triton tile
+    (64, True, 2049, (128, 3)),
+    (256, False, 16384, None),  # d256: the Triton kernel measured as fast or faster at long rows
+    (96, False, 4096, None),  # head dims other than 64 and 128 would need padding inside the Gluon kernel
+    (40, True, 4096, None),
+])
+def test_fwd_ws_config(d, causal, seqlen_k, expected):
+    c = fwd_ws_config(d, causal, seqlen_k)
+    assert (None if c is None else (c.block_n, c.num_stages)) == expected
 
 
 @pytest.mark.parametrize("rows, expected", [(1, 16), (4, 16), (17, 32), (64, 64), (128, 64), (512, 64)])

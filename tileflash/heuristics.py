@@ -97,6 +97,31 @@ def fwd_config(head_dim: int, causal: bool = False, interpret: bool = False, seq
     return cfg
 
 
+@dataclass(frozen=True)
+class WsFwdConfig:
+    """The warp-specialised sm_90 forward (kernels/attn_fwd_ws.py): 128 query rows per CTA, always."""
+    block_n: int  # keys per step
+    num_stages: int  # K/V stages in shared memory
+
+
+def fwd_ws_config(head_dim: int, causal: bool, seqlen_k: int) -> WsFwdConfig | None:
+    """Whether prefill takes the warp-specialised forward, by shape (ops/_launch.ws_forward_config adds what the
+    tensors and masks allow), measured on the H200 (prototype run 58, bf16, 16k tokens, 2048/d heads, TFLOP/s,
+    128 keys per step, 2 / 3 stages, against the Triton kernel; run 59 `benchmarks/ws_sweep.py`: 64 keys per step
+    with 4 stages lost at d64, 317-391 vs 369-455 non-causal):
+      d128 full  1k-16k: 442-560 / 541-622 vs 436-498; causal 332-523 / 379-612 vs 341-491.
+      d64  full  1k-16k: 334-461 / 374-460 vs 371-422; causal 1k 235 / 254 vs 285, 2k 298 / 336 vs 340,
+           4k-16k 348-405 / 394-441 vs 358-407.
+      d256 (64 keys, 2 stages: the most that fits) 465-520 full, 347-515 causal vs 444-541 / 304-533: not taken.
+    Other head dims would need padding inside the kernel, which it does not do."""
+    if head_dim == 128:
+        return WsFwdConfig(block_n=128, num_stages=3)
+    if head_dim == 64 and not (causal and seqlen_k <= 2048):
+        # Short causal rows: the one-warpgroup 64x64 Triton tile wastes fewer masked keys on the diagonal.
+        return WsFwdConfig(block_n=128, num_stages=3)
+    return None
+
+
 def bwd_config(head_dim: int, interpret: bool = False) -> BwdConfig:
     """Backward tiles per head dim, measured on the H200 (benchmarks/config_sweep.py bwd-d64 / bwd-d128 / bwd-det,
     bf16, 16k tokens at s = 4096, 2048/d heads, TFLOP/s = 2.5 x forward FLOPs / t, 2026-11-30):

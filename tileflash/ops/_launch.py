@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from .. import _utils
-from ..heuristics import combine_tiles, padded_head_dim
+from ..heuristics import WsFwdConfig, combine_tiles, fwd_ws_config, padded_head_dim
+from ..kernels import attn_fwd_ws
 from ..kernels.attn_combine import attn_combine_kernel, merge_states_kernel
 from ..kernels.attn_fwd import attn_fwd_kernel
 from ..kernels.kv_append import kv_append_kernel
@@ -129,6 +130,60 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         TRANS=config.trans, RAW_SCORES=softmax_scale > 0 and mask.softcap == 0.0 and k_scale is None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
+
+
+def _sm90_target() -> bool:
+    """Whether kernels compile for sm_90 (H100/H200): Triton's active target, not torch's device, so the CPU
+    compile check (tests/sm90_compile_check.py) takes the same paths as the GPU."""
+    if _utils.is_interpreter():
+        return False
+    try:
+        import triton
+
+        target = triton.runtime.driver.active.get_current_target()
+    except Exception:  # no usable GPU driver
+        return False
+    return target.backend == "cuda" and target.arch == 90
+
+
+def _tma_4d_ok(t: torch.Tensor) -> bool:
+    """A [B, S, H, D] tensor a 4-D TMA descriptor can address: 16-byte aligned base and strides, D contiguous."""
+    es = t.element_size()
+    return (t.data_ptr() % 16 == 0 and t.stride(3) == 1 and all((st * es) % 16 == 0 for st in t.stride()[:3])
+            and all(0 < n < 2 ** 31 for n in t.shape))
+
+
+def ws_forward_config(q4, k4, v4, out4, softmax_scale: float, mask: Mask) -> WsFwdConfig | None:
+    """The warp-specialised forward's tiles when it serves this call (sm_90, a shape heuristics.fwd_ws_config
+    takes, at most a causal mask, a positive scale, TMA-addressable tensors), else None (the Triton kernel)."""
+    plain_mask = mask.window_left < 0 and mask.window_right in (-1, 0) and mask.softcap == 0.0
+    if not (plain_mask and softmax_scale > 0 and q4.dtype in (torch.float16, torch.bfloat16) and _sm90_target()):
+        return None
+    cfg = fwd_ws_config(q4.shape[3], mask.window_right == 0, k4.shape[1])
+    if cfg is None or not all(_tma_4d_ok(t) for t in (q4, k4, v4, out4)):
+        return None
+    return cfg
+
+
+def _desc_4d(t: torch.Tensor, block_rows: int):
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    block = [1, block_rows, 1, t.shape[3]]
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16)
+    return GluonDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def launch_attn_fwd_ws(q4, k4, v4, out4, lse3, *, causal: bool, softmax_scale: float, config: WsFwdConfig) -> None:
+    """q4/out4 [B, Sq, Hq, D], k4/v4 [B, Sk, Hkv, D], lse3 [B, Hq, Sq] contiguous float32 (see ws_forward_config)."""
+    b, sq, hq, d = q4.shape
+    m_tiles = attn_fwd_ws.m_tiles(sq)
+    rows = attn_fwd_ws.ROWS_PER_WARPGROUP
+    attn_fwd_ws.attn_fwd_ws_kernel[(m_tiles * b * hq,)](
+        _desc_4d(q4, rows), _desc_4d(k4, config.block_n), _desc_4d(v4, config.block_n), _desc_4d(out4, rows), lse3,
+        sq, k4.shape[1], m_tiles, hq, hq // k4.shape[2], lse3.stride(0), lse3.stride(1),
+        softmax_scale * 1.4426950408889634, CAUSAL=causal, HEAD_DIM=d, BLOCK_N=config.block_n,
+        STAGES=config.num_stages, num_warps=4)
 
 
 def launch_combine(o_part, lse_part, out4, lse3) -> None:

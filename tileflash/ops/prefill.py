@@ -8,7 +8,7 @@ import torch
 from .. import _utils
 from ..heuristics import fwd_config
 from . import backward as _bwd
-from ._launch import Mask, launch_attn_fwd
+from ._launch import Mask, launch_attn_fwd, launch_attn_fwd_ws, ws_forward_config
 
 
 def _check_qkv(q, k, v, ndim: int, kv_ndim: int | None = None) -> None:
@@ -46,10 +46,15 @@ def _attn_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sc
     lse = _utils.new_output((b, hq, sq), torch.float32, q.device)
     if out.numel() == 0:
         return out, lse.fill_(float("-inf"))
+    mask = Mask(window_left, window_right, softcap)
+    ws_cfg = ws_forward_config(q, k, v, out, softmax_scale, mask) if sk > 0 else None
+    if ws_cfg is not None:
+        launch_attn_fwd_ws(q, k, v, out, lse, causal=window_right == 0, softmax_scale=softmax_scale, config=ws_cfg)
+        return out, lse
     cfg = fwd_config(d, causal=window_right >= 0, interpret=_utils.is_interpreter(), seqlen_k=sk)
     launch_attn_fwd(q, k, v, out, lse, q_batch_stride0=False, k_batch_stride0=False, num_batches=b,
-                    seqlen_q=sq, seqlen_k=sk, m_rows=sq, softmax_scale=softmax_scale,
-                    mask=Mask(window_left, window_right, softcap), config=cfg, sp_overlap=cfg.sp_overlap)
+                    seqlen_q=sq, seqlen_k=sk, m_rows=sq, softmax_scale=softmax_scale, mask=mask, config=cfg,
+                    sp_overlap=cfg.sp_overlap)
     return out, lse
 
 

@@ -1,0 +1,87 @@
+"""The warp-specialised sm_90 forward (kernels/attn_fwd_ws.py) against the reference, and which calls take it.
+
+Gluon kernels have no CPU interpreter: on the CPU only the dispatch is checked (the kernel's sm_90 compilation is
+in tests/test_sm90_compile.py); the numerical cases run on an sm_90 GPU."""
+import pytest
+import torch
+
+import tileflash
+from helpers import DEVICE, check_2x, check_lse
+from tileflash.ops._launch import Mask, _sm90_target, ws_forward_config
+from tileflash.reference import attention_ref
+
+ON_SM90 = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
+needs_sm90 = pytest.mark.skipif(not ON_SM90, reason="the warp-specialised forward runs on sm_90 only")
+
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal) — why each is here:
+CASES = [
+    (1, 1, 1, 1, 1, 128, True),  # one query, one key: one CTA, one masked block
+    (2, 17, 17, 4, 4, 128, True),  # a partial tile: rows past Sq arrive as zeros and are never stored
+    (2, 1000, 1100, 16, 4, 128, False),  # GQA 4, Sk not a multiple of 128: the last block is masked
+    (2, 1000, 1100, 16, 4, 128, True),  # causal Sq < Sk: the diagonal shifted by Sk - Sq
+    (1, 300, 97, 8, 1, 128, True),  # MQA, causal Sq > Sk: the first rows see no key (out 0, lse -inf)
+    (3, 1024, 2000, 6, 3, 64, False),  # d64 non-causal
+    (1, 2500, 2500, 2, 2, 64, True),  # d64 causal past 2048 keys (shorter rows take the Triton tile)
+    (1, 4096, 4096, 2, 1, 128, True),  # many full blocks: the ring wraps over all three stages many times
+]
+
+
+def _inputs(b, sq, sk, hq, hkv, d, dtype, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=g).to(DEVICE, dtype)  # noqa: E731
+    return mk(b, sq, hq, d), mk(b, sk, hkv, d), mk(b, sk, hkv, d)
+
+
+def _takes_ws(q, k, v, causal, scale=1.0, window=(-1, -1), softcap=0.0):
+    out = torch.empty_like(q)
+    mask = Mask.make(causal, window, softcap)
+    return ws_forward_config(q, k, v, out, scale, mask) is not None
+
+
+@needs_sm90
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_ws_forward(case, dtype):
+    b, sq, sk, hq, hkv, d, causal = case
+    q, k, v = _inputs(b, sq, sk, hq, hkv, d, dtype)
+    assert _takes_ws(q, k, v, causal)
+    out, lse = tileflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    ref, ref_lse = attention_ref(q, k, v, causal=causal)
+    ref_lowp, _ = attention_ref(q, k, v, causal=causal, upcast=False)
+    check_2x(out, ref, ref_lowp)
+    check_lse(lse, ref_lse)
+
+
+@needs_sm90
+def test_ws_forward_strided_views_and_gradients():
+    """q, k, v as views of one packed [B, S, 3, H, D] tensor (strided, TMA-aligned), through autograd."""
+    qkv = torch.randn(2, 333, 3, 4, 128, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    q, k, v = qkv.unbind(2)
+    assert _takes_ws(q, k, v, causal=True)
+    out = tileflash.flash_attn_func(q, k, v, causal=True)
+    ref, _ = attention_ref(q, k, v, causal=True)
+    ref_lowp, _ = attention_ref(q, k, v, causal=True, upcast=False)
+    check_2x(out, ref, ref_lowp)
+    out.sum().backward()
+    assert qkv.grad is not None and torch.isfinite(qkv.grad).all()
+
+
+@needs_sm90
+def test_ws_forward_declines_what_it_does_not_do():
+    q, k, v = _inputs(1, 256, 256, 2, 2, 128, torch.bfloat16)
+    assert not _takes_ws(q, k, v, causal=False, window=(64, 0))
+    assert not _takes_ws(q, k, v, causal=False, softcap=5.0)
+    assert not _takes_ws(q, k, v, causal=False, scale=-1.0)
+    q96, k96, v96 = _inputs(1, 256, 256, 2, 2, 96, torch.bfloat16)
+    assert not _takes_ws(q96, k96, v96, causal=False)
+    flat = torch.randn(1 * 256 * 2 * 128 + 1, device=DEVICE, dtype=torch.bfloat16)
+    misaligned = flat[1:].view(1, 256, 2, 128)  # base not 16-byte aligned: no TMA descriptor
+    assert not _takes_ws(misaligned, k, v, causal=False)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="checks the CPU suite's dispatch")
+def test_no_ws_forward_without_an_sm90_target():
+    """Under the interpreter (the CPU suite) every call takes the Triton kernel."""
+    assert not _sm90_target()
+    q, k, v = _inputs(1, 256, 256, 2, 2, 128, torch.bfloat16)
+    assert not _takes_ws(q, k, v, causal=True)

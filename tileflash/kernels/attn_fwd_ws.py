@@ -1,0 +1,207 @@
+"""Prefill forward for sm_90 with warp specialisation (FA3's structure), written in Gluon.
+
+Why a second forward: the Triton kernel (attn_fwd.py) runs loads, both products and the softmax of a tile in one
+instruction stream per warpgroup, and Triton's own warp specialisation does not apply to it on sm_90 (RESULTS.md,
+session 8); it stayed at 0.78-0.86x cuDNN for d128. Gluon states the partitions and the pipeline explicitly:
+
+  producer (1 warp, 24 registers): TMA loads of the two Q tiles, then K and V blocks into a ring of STAGES stages
+      (k_ready / v_ready barriers carry the transaction bytes; kv_empty counts one arrival per consumer).
+  consumers (2 warpgroups, 240 registers each): 64 query rows each of the CTA's 128. Per KV block j:
+      S_j = Q K_j^T (shared-memory operands) is issued, then O += P_{j-1} V_{j-1} (P from registers); the softmax
+      of S_j runs while that PV product is still in flight (FA3's intra-warpgroup overlap), and the two warpgroups
+      interleave their products and softmaxes on the SM's tensor cores without further synchronisation.
+
+Layout: q, out [B, Sq, Hq, D] and k, v [B, Sk, Hkv, D] through 4-D TMA descriptors with blocks [1, rows, 1, D], so
+rows past a sequence's end arrive as zeros and are never stored (no row masks on loads or stores); lse [B, Hq, Sq]
+float32 contiguous. Scope (ops/_launch.ws_forward_config decides, else the Triton kernel runs): 16-bit dtypes, head
+dims 64 and 128, no window or softcap beyond causal, a positive softmax scale, non-varlen batches. Gluon has no CPU
+interpreter: the CPU suite checks this kernel's compilation for sm_90 (tests/sm90_compile_check.py) and the GPU
+suite its results.
+"""
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+ROWS_PER_WARPGROUP = 64  # wgmma's M: each consumer warpgroup owns 64 query rows
+WG_ROWS = gl.constexpr(ROWS_PER_WARPGROUP)
+LN2 = gl.constexpr(0.6931471805599453)
+
+
+@gluon.jit
+def _tile(m_tiles, num_heads_q, group_size):
+    """(batch, query head, KV head, first row) of this CTA; the heaviest causal tiles of a head start first."""
+    pid = gl.program_id(0)
+    bh = pid // m_tiles
+    h = bh % num_heads_q
+    return bh // num_heads_q, h, h // group_size, (m_tiles - 1 - pid % m_tiles) * (2 * WG_ROWS)
+
+
+@gluon.jit
+def _block_range(start_m, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+    """KV blocks [0, n_hi) that rows [start_m, start_m + 128) need; blocks >= full_hi need the mask (past Sk or
+    past the diagonal of the tile's first row; causal is bottom-right aligned: row i sees keys <= i + Sk - Sq)."""
+    full_hi = seqlen_k // BLOCK_N
+    n_hi = (seqlen_k + BLOCK_N - 1) // BLOCK_N
+    if CAUSAL:
+        diag = seqlen_k - seqlen_q
+        keys = gl.minimum(gl.maximum(start_m + 2 * WG_ROWS + diag, 0), seqlen_k)  # keys the last row sees
+        n_hi = (keys + BLOCK_N - 1) // BLOCK_N
+        full_hi = gl.minimum(gl.maximum(start_m + diag + 1, 0) // BLOCK_N, full_hi)
+    return gl.minimum(full_hi, n_hi), n_hi
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, seqlen_q, seqlen_k,
+              m_tiles, num_heads_q, group_size, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    b, h, hk, start_m = _tile(m_tiles, num_heads_q, group_size)
+    for w in gl.static_range(2):
+        mbarrier.expect(q_bar.index(w), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, start_m + w * WG_ROWS, h, 0], q_bar.index(w), q_smem.index(w))
+    full_hi, n_hi = _block_range(start_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_N)
+    for j in range(n_hi):
+        s = j % STAGES
+        mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1 at once
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, j * BLOCK_N, hk, 0], k_ready.index(s), k_bufs.index(s))
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [b, j * BLOCK_N, hk, 0], v_ready.index(s), v_bufs.index(s))
+
+
+@gluon.jit
+def _masked(s, j, row0, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Scores of keys a row may not see (past Sk, or past its diagonal) set to -inf."""
+    cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+    ok = gl.expand_dims(cols < seqlen_k, 0)
+    if CAUSAL:
+        rows = row0 + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, s.type.layout))
+        ok = ok & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + seqlen_k - seqlen_q, 1))
+    return gl.where(ok, s, float("-inf"))
+
+
+@gluon.jit
+def _softmax(s, m_i, l_i, qk_scale):
+    """Online softmax of raw scores s (qk_scale = softmax_scale * log2(e) > 0, so the scale applies after the row
+    max and joins the subtraction in one FMA). A row with only masked keys so far keeps m = -inf and subtracts 0,
+    so its p and alpha are 0, not NaN."""
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_safe, 1))
+    alpha = gl.exp2(m_i - m_safe)
+    return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
+
+
+@gluon.jit
+def _consumer(q_desc, o_desc, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, seqlen_q, seqlen_k,
+              m_tiles, num_heads_q, group_size, stride_lb, stride_lh, qk_scale, WG: gl.constexpr,
+              CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    b, h, hk, start_m = _tile(m_tiles, num_heads_q, group_size)
+    full_hi, n_hi = _block_range(start_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_N)
+    row0 = start_m + WG * WG_ROWS
+    dtype: gl.constexpr = q_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    # P feeds the PV product from registers: S's accumulator layout maps onto wgmma's A fragments.
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    q = q_smem.index(WG).reshape([WG_ROWS, HEAD_DIM])
+
+    m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([WG_ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, o_layout)
+    s_init = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, s_layout)  # ignored (use_acc=False): only its layout counts
+    mbarrier.wait(q_bar.index(WG), 0)
+    if n_hi > 0:
+        mbarrier.wait(k_ready.index(0), 0)
+        s = warpgroup_mma(q, k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_init, use_acc=False,
+                          is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        if full_hi == 0:
+            s = _masked(s, 0, row0, seqlen_q, seqlen_k, CAUSAL, BLOCK_N)
+        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale)
+        p = gl.convert_layout(p.to(dtype), p_layout)
+        for j in range(1, n_hi):
+            stage = j % STAGES
+            prev = (j - 1) % STAGES
+            mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
+            mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+            s = warpgroup_mma(q, k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_init,
+                              use_acc=False, is_async=True)
+            acc = warpgroup_mma(p, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+            s = warpgroup_mma_wait(1, deps=(s,))  # products retire in order: S_j is done, PV_{j-1} may not be
+            if j >= full_hi:
+                s = _masked(s, j, row0, seqlen_q, seqlen_k, CAUSAL, BLOCK_N)
+            p_next, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale)
+            acc, p = warpgroup_mma_wait(0, deps=(acc, p))  # p stays live until its product has read it
+            mbarrier.arrive(kv_empty.index(prev), count=1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+            p = gl.convert_layout(p_next.to(dtype), p_layout)
+        last = (n_hi - 1) % STAGES
+        mbarrier.wait(v_ready.index(last), ((n_hi - 1) // STAGES) & 1)
+        acc = warpgroup_mma(p, v_bufs.index(last).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+        acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+        mbarrier.arrive(kv_empty.index(last), count=1)
+
+    # Epilogue: rows that saw no key give out = 0 and lse = -inf. O leaves through Q's buffer (every S product that
+    # read it has completed) and a TMA store, which drops rows past Sq.
+    seen = l_i > 0.0
+    inv_l = gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0)
+    o = acc * gl.expand_dims(gl.convert_layout(inv_l, o_rows), 1)
+    lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+    rows = row0 + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, s_layout))
+    gl.store(lse_ptr + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + rows, lse, mask=rows < seqlen_q)
+    q.store(o.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [b, row0, h, 0], q_smem.index(WG))
+    tma.store_wait(0)
+
+
+@gluon.jit
+def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, seqlen_q, seqlen_k, m_tiles, num_heads_q, group_size,
+                       stride_lb, stride_lh, qk_scale, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Grid: (m_tiles * B * Hq,), 4 warps (the first consumer warpgroup; the partitions add 5 more)."""
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [2, 1, WG_ROWS, 1, HEAD_DIM], q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bar.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2)  # one arrival per consumer warpgroup
+    fence_async_shared()
+    # Integer arguments equal to 1 arrive as constexprs, which worker partitions cannot take: make them tensors.
+    seqlen_q = gl.to_tensor(seqlen_q)
+    seqlen_k = gl.to_tensor(seqlen_k)
+    m_tiles = gl.to_tensor(m_tiles)
+    num_heads_q = gl.to_tensor(num_heads_q)
+    group_size = gl.to_tensor(group_size)
+    stride_lb = gl.to_tensor(stride_lb)
+    stride_lh = gl.to_tensor(stride_lh)
+    WG0: gl.constexpr = 0
+    WG1: gl.constexpr = 1
+    # (Argument tuples are written out: a tuple built with + loses the constexprs' type.)
+    gl.warp_specialize([
+        (_consumer, (q_desc, o_desc, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, seqlen_q,
+                     seqlen_k, m_tiles, num_heads_q, group_size, stride_lb, stride_lh, qk_scale, WG0, CAUSAL,
+                     HEAD_DIM, BLOCK_N, STAGES)),
+        (_consumer, (q_desc, o_desc, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, seqlen_q,
+                     seqlen_k, m_tiles, num_heads_q, group_size, stride_lb, stride_lh, qk_scale, WG1, CAUSAL,
+                     HEAD_DIM, BLOCK_N, STAGES)),
+        (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, seqlen_q,
+                     seqlen_k, m_tiles, num_heads_q, group_size, CAUSAL, BLOCK_N, STAGES)),
+    ], [4, 1], [240, 24])
+
+
+def m_tiles(seqlen_q: int) -> int:
+    """CTAs per (batch, head): 128 query rows each."""
+    return triton.cdiv(seqlen_q, 2 * ROWS_PER_WARPGROUP)
