@@ -3,6 +3,7 @@ functions check before calling), no allocation whose size depends on tensor valu
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -182,7 +183,7 @@ def launch_attn_fwd_ws(q4, k4, v4, out4, lse3, *, causal: bool, softmax_scale: f
     attn_fwd_ws.attn_fwd_ws_kernel[(m_tiles * b * hq,)](
         _desc_4d(q4, rows), _desc_4d(k4, config.block_n), _desc_4d(v4, config.block_n), _desc_4d(out4, rows), lse3,
         sq, k4.shape[1], m_tiles, hq, hq // k4.shape[2], lse3.stride(0), lse3.stride(1),
-        softmax_scale * 1.4426950408889634, CAUSAL=causal, HEAD_DIM=d, BLOCK_N=config.block_n,
+        softmax_scale * math.log2(math.e), CAUSAL=causal, HEAD_DIM=d, BLOCK_N=config.block_n,
         STAGES=config.num_stages, num_warps=4)
 
 

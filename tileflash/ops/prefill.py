@@ -47,7 +47,7 @@ def _attn_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sc
     if out.numel() == 0:
         return out, lse.fill_(float("-inf"))
     mask = Mask(window_left, window_right, softcap)
-    ws_cfg = ws_forward_config(q, k, v, out, softmax_scale, mask) if sk > 0 else None
+    ws_cfg = ws_forward_config(q, k, v, out, softmax_scale, mask)  # None for Sk = 0 too (no TMA over 0 rows)
     if ws_cfg is not None:
         launch_attn_fwd_ws(q, k, v, out, lse, causal=window_right == 0, softmax_scale=softmax_scale, config=ws_cfg)
         return out, lse
