@@ -8,6 +8,14 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"
 
 
+def attention_inputs(b, sq, sk, hq, hkv, d, dtype, seed=0):
+    """Seeded q [b, sq, hq, d] and k, v [b, sk, hkv, d] on DEVICE (drawn on the CPU, so both machines get the same
+    values)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=g).to(DEVICE, dtype)  # noqa: E731
+    return mk(b, sq, hq, d), mk(b, sk, hkv, d), mk(b, sk, hkv, d)
+
+
 def check_2x(out, ref32, ref_lowp, name="out") -> tuple[float, float]:
     """Pass iff max|out - ref32| <= 2 * max|ref_lowp - ref32| + atol, with no NaN anywhere (outputs are poisoned
     with NaN before launch, so an unwritten element fails here)."""

@@ -4,7 +4,7 @@ import torch
 
 import tileflash
 import tileflash._utils as tf_utils
-from helpers import DEVICE, ON_GPU, check_2x, check_lse
+from helpers import DEVICE, ON_GPU, attention_inputs, check_2x, check_lse
 from tileflash.reference import attention_ref
 
 DTYPES = [torch.float16, torch.bfloat16]
@@ -29,17 +29,11 @@ if ON_GPU:  # larger grid on the GPU: many full tiles, so the unmasked fast path
     ]
 
 
-def _inputs(b, sq, sk, hq, hkv, d, dtype, seed=0):
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    mk = lambda *s: torch.randn(*s, generator=g).to(DEVICE, dtype)  # noqa: E731
-    return mk(b, sq, hq, d), mk(b, sk, hkv, d), mk(b, sk, hkv, d)
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)).replace(" ", ""))
 def test_flash_attn_func(case, dtype):
     b, sq, sk, hq, hkv, d, causal, window, softcap = case
-    q, k, v = _inputs(b, sq, sk, hq, hkv, d, dtype)
+    q, k, v = attention_inputs(b, sq, sk, hq, hkv, d, dtype)
     out, lse = tileflash.flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap,
                                          return_lse=True)
     kw = dict(causal=causal, window_size=window, softcap=softcap)
@@ -52,7 +46,7 @@ def test_flash_attn_func(case, dtype):
 
 def test_fully_masked_rows_are_zero_with_minus_inf_lse():
     # Sq > Sk with causal: query i sees key j iff j <= i + Sk - Sq, so the first Sq - Sk rows see nothing.
-    q, k, v = _inputs(1, 20, 7, 2, 2, 32, torch.float16, seed=3)
+    q, k, v = attention_inputs(1, 20, 7, 2, 2, 32, torch.float16, seed=3)
     out, lse = tileflash.flash_attn_func(q, k, v, causal=True, return_lse=True)
     assert torch.all(out[:, :13] == 0)
     assert torch.all(torch.isneginf(lse[:, :, :13]))
@@ -73,7 +67,7 @@ def test_strided_inputs_from_packed_qkv():
 def test_any_softmax_scale_sign(scale):
     """A positive scale is applied inside exp2's argument (one FMA); zero and negative scales take the scale-first
     path (exp2(s * scale - max) needs scale > 0 for the max to commute): all match the reference, masks included."""
-    q, k, v = _inputs(2, 37, 53, 4, 2, 64, torch.float16, seed=9)
+    q, k, v = attention_inputs(2, 37, 53, 4, 2, 64, torch.float16, seed=9)
     out, lse = tileflash.flash_attn_func(q, k, v, causal=True, window_size=(20, -1), softmax_scale=scale,
                                          return_lse=True)
     ref, ref_lse = attention_ref(q, k, v, causal=True, window_size=(20, -1), softmax_scale=scale)
@@ -86,7 +80,7 @@ def test_any_softmax_scale_sign(scale):
 def test_bf16_check_can_fail(monkeypatch):
     """Without the interpreter's fp32 widening, bf16 tiles are computed on raw bits; the 2x check must catch it."""
     monkeypatch.setattr(tf_utils, "INTERPRETER_UPCAST", False)
-    q, k, v = _inputs(1, 17, 17, 2, 2, 64, torch.bfloat16, seed=1)
+    q, k, v = attention_inputs(1, 17, 17, 2, 2, 64, torch.bfloat16, seed=1)
     ref, _ = attention_ref(q, k, v)
     ref_lowp, _ = attention_ref(q, k, v, upcast=False)
     try:
@@ -110,12 +104,12 @@ def test_tma_descriptor_path(monkeypatch, varlen):
     if varlen:
         lens = [23, 0, 41]
         cu = torch.tensor([0, 23, 23, 64], dtype=torch.int32, device=DEVICE)
-        q, k, v = (x[0] for x in _inputs(1, 64, 64, 4, 2, 64, torch.float16, seed=5))
+        q, k, v = (x[0] for x in attention_inputs(1, 64, 64, 4, 2, 64, torch.float16, seed=5))
         out = tileflash.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True)
         ref, _ = attention_varlen_ref(q, k, v, cu, cu, causal=True)
         ref_lowp, _ = attention_varlen_ref(q, k, v, cu, cu, causal=True, upcast=False)
     else:
-        q, k, v = _inputs(2, 37, 45, 4, 2, 64, torch.bfloat16, seed=6)
+        q, k, v = attention_inputs(2, 37, 45, 4, 2, 64, torch.bfloat16, seed=6)
         v[1, :3] = float("nan")  # the next batch's rows must not leak into batch 0's last block
         out = tileflash.flash_attn_func(q, k, v[:, :], causal=True)
         ref, _ = attention_ref(q, k, v, causal=True)
@@ -137,7 +131,7 @@ def test_sp_overlap_loop(case, dtype, monkeypatch):
     monkeypatch.setattr(prefill_ops, "fwd_config", lambda *a, **kw: dataclasses.replace(orig(*a, **kw),
                                                                                          sp_overlap=True))
     b, sq, sk, hq, hkv, d, causal, window, softcap = case
-    q, k, v = _inputs(b, sq, sk, hq, hkv, d, dtype, seed=5)
+    q, k, v = attention_inputs(b, sq, sk, hq, hkv, d, dtype, seed=5)
     kw = dict(causal=causal, window_size=window, softcap=softcap)
     out, lse = tileflash.flash_attn_func(q, k, v, return_lse=True, **kw)
     ref, ref_lse = attention_ref(q, k, v, **kw)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tileflash
-from helpers import DEVICE, check_2x, check_lse
+from helpers import DEVICE, attention_inputs, check_2x, check_lse
 from tileflash.ops._launch import Mask, _sm90_target, ws_forward_config
 from tileflash.reference import attention_ref
 
@@ -26,12 +26,6 @@ CASES = [
 ]
 
 
-def _inputs(b, sq, sk, hq, hkv, d, dtype, seed=0):
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    mk = lambda *s: torch.randn(*s, generator=g).to(DEVICE, dtype)  # noqa: E731
-    return mk(b, sq, hq, d), mk(b, sk, hkv, d), mk(b, sk, hkv, d)
-
-
 def _takes_ws(q, k, v, causal, scale=1.0, window=(-1, -1), softcap=0.0):
     out = torch.empty_like(q)
     mask = Mask.make(causal, window, softcap)
@@ -43,7 +37,7 @@ def _takes_ws(q, k, v, causal, scale=1.0, window=(-1, -1), softcap=0.0):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_ws_forward(case, dtype):
     b, sq, sk, hq, hkv, d, causal = case
-    q, k, v = _inputs(b, sq, sk, hq, hkv, d, dtype)
+    q, k, v = attention_inputs(b, sq, sk, hq, hkv, d, dtype)
     assert _takes_ws(q, k, v, causal)
     out, lse = tileflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
     ref, ref_lse = attention_ref(q, k, v, causal=causal)
@@ -68,11 +62,11 @@ def test_ws_forward_strided_views_and_gradients():
 
 @needs_sm90
 def test_ws_forward_declines_what_it_does_not_do():
-    q, k, v = _inputs(1, 256, 256, 2, 2, 128, torch.bfloat16)
+    q, k, v = attention_inputs(1, 256, 256, 2, 2, 128, torch.bfloat16)
     assert not _takes_ws(q, k, v, causal=False, window=(64, 0))
     assert not _takes_ws(q, k, v, causal=False, softcap=5.0)
     assert not _takes_ws(q, k, v, causal=False, scale=-1.0)
-    q96, k96, v96 = _inputs(1, 256, 256, 2, 2, 96, torch.bfloat16)
+    q96, k96, v96 = attention_inputs(1, 256, 256, 2, 2, 96, torch.bfloat16)
     assert not _takes_ws(q96, k96, v96, causal=False)
     flat = torch.randn(1 * 256 * 2 * 128 + 1, device=DEVICE, dtype=torch.bfloat16)
     misaligned = flat[1:].view(1, 256, 2, 128)  # base not 16-byte aligned: no TMA descriptor
@@ -83,5 +77,5 @@ def test_ws_forward_declines_what_it_does_not_do():
 def test_no_ws_forward_without_an_sm90_target():
     """Under the interpreter (the CPU suite) every call takes the Triton kernel."""
     assert not _sm90_target()
-    q, k, v = _inputs(1, 256, 256, 2, 2, 128, torch.bfloat16)
+    q, k, v = attention_inputs(1, 256, 256, 2, 2, 128, torch.bfloat16)
     assert not _takes_ws(q, k, v, causal=True)

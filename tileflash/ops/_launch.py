@@ -55,6 +55,13 @@ def tma_tiles(config, page_size: int, nvfp4: bool) -> bool:
     return config.tma and not nvfp4 and (page_size == 0 or page_size % config.block_n == 0)
 
 
+def _tma_aligned(t: torch.Tensor, dims) -> bool:
+    """TMA's layout rules for a [B, S, H, D] tensor whose dims `dims` a descriptor spans by stride: a 16-byte
+    aligned base, those strides multiples of 16 bytes, and D contiguous."""
+    es = t.element_size()
+    return t.data_ptr() % 16 == 0 and t.stride(3) == 1 and all((t.stride(i) * es) % 16 == 0 for i in dims)
+
+
 def row_descriptors(tensors, rows: int, block_rows: int):
     """TMA descriptors over [B, S, H, D] tensors viewed as [rows, H, D] (batch and sequence merged), blocks of
     block_rows rows of one head, or None when the layout does not allow it: merged dims need stride(0) == S *
@@ -67,10 +74,8 @@ def row_descriptors(tensors, rows: int, block_rows: int):
         return None
     descs = []
     for t in tensors:
-        es = t.element_size()
         mergeable = t.shape[0] == 1 or t.stride(0) == t.shape[1] * t.stride(1)
-        aligned = t.data_ptr() % 16 == 0 and (t.stride(1) * es) % 16 == 0 and (t.stride(2) * es) % 16 == 0
-        if not (mergeable and aligned and t.stride(3) == 1):
+        if not (mergeable and _tma_aligned(t, dims=(1, 2))):
             return None
         descs.append(TensorDescriptor(t, [rows, t.shape[2], d], [t.stride(1), t.stride(2), 1], [block_rows, 1, d]))
     return descs
@@ -148,10 +153,8 @@ def _sm90_target() -> bool:
 
 
 def _tma_4d_ok(t: torch.Tensor) -> bool:
-    """A [B, S, H, D] tensor a 4-D TMA descriptor can address: 16-byte aligned base and strides, D contiguous."""
-    es = t.element_size()
-    return (t.data_ptr() % 16 == 0 and t.stride(3) == 1 and all((st * es) % 16 == 0 for st in t.stride()[:3])
-            and all(0 < n < 2 ** 31 for n in t.shape))
+    """A [B, S, H, D] tensor a 4-D TMA descriptor can address: aligned, and every dim in TMA's positive int32 range."""
+    return _tma_aligned(t, dims=(0, 1, 2)) and all(0 < n < 2 ** 31 for n in t.shape)
 
 
 def ws_forward_config(q4, k4, v4, out4, softmax_scale: float, mask: Mask) -> WsFwdConfig | None:
