@@ -95,15 +95,23 @@ def _cases():
         q, k, v = (torch.randn(250, 4, 64, dtype=bf, requires_grad=True) for _ in range(3))
         tileflash.flash_attn_varlen_func(q, k, v, cu, cu, 150, 150, causal=True).sum().backward()
 
-    def warp_specialised(call):
-        """Run a prefill call that must take the warp-specialised Gluon forward (kernels/attn_fwd_ws.py)."""
+    def warp_specialised(call, backward=False):
+        """Run a call that must take the warp-specialised Gluon forward (kernels/attn_fwd_ws.py) and, with
+        backward, the warp-specialised dK/dV kernel (kernels/attn_bwd_ws.py)."""
+        from tileflash.kernels.attn_bwd_ws import attn_bwd_ws_kernel
         from tileflash.kernels.attn_fwd_ws import attn_fwd_ws_kernel
 
+        kernels = (attn_fwd_ws_kernel, attn_bwd_ws_kernel) if backward else (attn_fwd_ws_kernel,)
+
+        def compiled():
+            return [sum(len(c[0]) for c in kern.device_caches.values()) for kern in kernels]
+
         def case():
-            before = sum(len(c[0]) for c in attn_fwd_ws_kernel.device_caches.values())
+            before = compiled()
             call()
-            if sum(len(c[0]) for c in attn_fwd_ws_kernel.device_caches.values()) <= before:
-                raise AssertionError("the warp-specialised forward did not compile for this call")
+            for kern, n0, n1 in zip(kernels, before, compiled()):
+                if n1 <= n0:
+                    raise AssertionError(f"{kern.fn.__name__} did not compile for this call")
 
         return case
 
@@ -117,9 +125,15 @@ def _cases():
             *grad_leaves(1, 200, 4, 128), window_size=(50, 10), softcap=5.0).sum().backward(),
         "prefill fwd+bwd d256 fp16": lambda: tileflash.flash_attn_func(
             *grad_leaves(1, 100, 2, 256, dtype=fp16)).sum().backward(),
-        "prefill fwd+bwd d128 GQA, warp-specialised forward": warp_specialised(lambda: tileflash.flash_attn_func(
+        "prefill fwd+bwd d128 GQA, warp-specialised": warp_specialised(lambda: tileflash.flash_attn_func(
             torch.randn(2, 300, 8, 128, dtype=bf, requires_grad=True),
-            *(torch.randn(2, 333, 2, 128, dtype=bf, requires_grad=True) for _ in range(2))).sum().backward()),
+            *(torch.randn(2, 333, 2, 128, dtype=bf, requires_grad=True) for _ in range(2))).sum().backward(),
+            backward=True),
+        "prefill fwd+bwd d128 causal fp16, warp-specialised": warp_specialised(lambda: tileflash.flash_attn_func(
+            *grad_leaves(1, 300, 2, 128, dtype=fp16), causal=True).sum().backward(), backward=True),
+        "prefill fwd+bwd d64 causal deterministic, warp-specialised": warp_specialised(
+            lambda: tileflash.flash_attn_func(*grad_leaves(1, 4096, 2, 64), causal=True,
+                                              deterministic=True).sum().backward(), backward=True),
         "prefill d64 causal fp16, warp-specialised forward": warp_specialised(lambda: tileflash.flash_attn_func(
             *(torch.randn(1, 4096, 2, 64, dtype=fp16) for _ in range(3)), causal=True)),
         "varlen fwd+bwd": varlen,
@@ -147,11 +161,12 @@ def _resource_usage():
 
     import triton
 
-    from tileflash.kernels import attn_bwd, attn_combine, attn_fwd, attn_fwd_ws, gemm_blockscaled, kv_append, quant
+    from tileflash.kernels import (attn_bwd, attn_bwd_ws, attn_combine, attn_fwd, attn_fwd_ws, gemm_blockscaled,
+                                   kv_append, quant)
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.TemporaryDirectory() as tmp:
-        for mod in (attn_fwd, attn_fwd_ws, attn_bwd, attn_combine, kv_append, quant, gemm_blockscaled):
+        for mod in (attn_fwd, attn_fwd_ws, attn_bwd, attn_bwd_ws, attn_combine, kv_append, quant, gemm_blockscaled):
             for name in sorted(dir(mod)):
                 fn = getattr(mod, name)
                 for caches in getattr(fn, "device_caches", {}).values():

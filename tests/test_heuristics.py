@@ -4,8 +4,8 @@ import dataclasses
 import pytest
 import torch
 
-from tileflash.heuristics import (COMBINE_TILE, MAX_SPLITS, bwd_config, combine_tiles, decode_block_m, decode_config,
-                                  fwd_config, fwd_ws_config, num_splits_heuristic, padded_head_dim)
+from tileflash.heuristics import (COMBINE_TILE, MAX_SPLITS, bwd_config, bwd_ws_config, combine_tiles, decode_block_m,
+                                  decode_config, fwd_config, fwd_ws_config, num_splits_heuristic, padded_head_dim)
 
 
 @pytest.mark.parametrize("d, expected", [(8, 16), (40, 64), (64, 64), (80, 128), (128, 128), (136, 256),
@@ -56,6 +56,17 @@ def test_fwd_config_interpreter_uses_small_tiles_and_the_gpu_load_path(d, causal
 def test_fwd_ws_config(d, causal, seqlen_k, expected):
     c = fwd_ws_config(d, causal, seqlen_k)
     assert (None if c is None else (c.block_n, c.num_stages)) == expected
+
+
+@pytest.mark.parametrize("d, causal, expected", [
+    (128, False, (64, 2, True)), (128, True, (64, 2, True)),  # d128: 64 query rows per step, dQ by TMA reduce-add
+    (64, False, (64, 2, True)), (64, True, (64, 2, True)),
+    (256, False, None),  # two consumer warpgroups cannot hold d256's dK/dV accumulators
+    (96, True, None), (40, False, None),  # other head dims would need padding inside the Gluon kernel
+])
+def test_bwd_ws_config(d, causal, expected):
+    c = bwd_ws_config(d, causal)
+    assert (None if c is None else (c.block_m, c.num_stages, c.atomic_dq)) == expected
 
 
 @pytest.mark.parametrize("rows, expected", [(1, 16), (4, 16), (17, 32), (64, 64), (128, 64), (512, 64)])

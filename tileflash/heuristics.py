@@ -122,6 +122,23 @@ def fwd_ws_config(head_dim: int, causal: bool, seqlen_k: int) -> WsFwdConfig | N
     return None
 
 
+@dataclass(frozen=True)
+class WsBwdConfig:
+    """The warp-specialised sm_90 dK/dV kernel (kernels/attn_bwd_ws.py): 128 keys per CTA, always."""
+    block_m: int  # query rows per step
+    num_stages: int  # Q/dO stages in shared memory
+    atomic_dq: bool  # dQ added up by the kernel (fp32 atomics) unless deterministic=True asks otherwise
+
+
+def bwd_ws_config(head_dim: int, causal: bool) -> WsBwdConfig | None:
+    """Whether the backward takes the warp-specialised dK/dV kernel, by shape (ops/backward.ws_backward_config
+    adds what the tensors and masks allow). Head dims other than 64 and 128 would need padding inside the kernel,
+    which it does not do; d256's accumulators do not fit two consumer warpgroups' registers."""
+    if head_dim in (64, 128):
+        return WsBwdConfig(block_m=64, num_stages=2, atomic_dq=True)
+    return None
+
+
 def bwd_config(head_dim: int, interpret: bool = False) -> BwdConfig:
     """Backward tiles per head dim, measured on the H200 (benchmarks/config_sweep.py bwd-d64 / bwd-d128 / bwd-det,
     bf16, 16k tokens at s = 4096, 2048/d heads, TFLOP/s = 2.5 x forward FLOPs / t, 2026-11-30):

@@ -169,12 +169,16 @@ def ws_forward_config(q4, k4, v4, out4, softmax_scale: float, mask: Mask) -> WsF
     return cfg
 
 
-def _desc_4d(t: torch.Tensor, block_rows: int):
+_GLUON_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def _desc_4d(t: torch.Tensor, block_rows: int, block_cols: int | None = None):
+    """A Gluon TMA descriptor over [B, S, H, D] with blocks [1, block_rows, 1, block_cols (default D)]."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
-    block = [1, block_rows, 1, t.shape[3]]
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16)
+    block = [1, block_rows, 1, block_cols or t.shape[3]]
+    layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, _GLUON_DTYPES[t.dtype]))
     return GluonDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 

@@ -4,20 +4,55 @@ its share of dQ into an fp32 buffer with atomics (5 matrix products per block); 
 computes dQ in its own pass instead (7 products, no atomics, bitwise reproducible). See kernels/attn_bwd.py."""
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 
 from .. import _utils
-from ..heuristics import bwd_config, padded_head_dim
+from ..heuristics import WsBwdConfig, bwd_config, bwd_ws_config, padded_head_dim
+from ..kernels import attn_bwd_ws
 from ..kernels.attn_bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
-from ._launch import row_descriptors
+from ._launch import _desc_4d, _sm90_target, _tma_4d_ok, row_descriptors
 
 PREPROCESS_BLOCK_ROWS = 32
 
 
 def _strides3(t):
     return t.stride(0), t.stride(1), t.stride(2)
+
+
+def ws_backward_config(q, k, v, dout, lse, *, varlen: bool, window_left: int, window_right: int,
+                       softcap: float) -> WsBwdConfig | None:
+    """The warp-specialised dK/dV kernel's tiles when it serves this call (sm_90, a head dim heuristics.bwd_ws_config
+    takes, at most a causal mask, non-varlen, TMA-addressable tensors, lse rows contiguous), else None (the Triton
+    kernels)."""
+    plain_mask = window_left < 0 and window_right in (-1, 0) and softcap == 0.0
+    if varlen or not (plain_mask and q.dtype in (torch.float16, torch.bfloat16) and _sm90_target()):
+        return None
+    if lse.stride(-1) != 1:  # the kernel reads lse2/delta (allocated like lse) rows by arange
+        return None
+    cfg = bwd_ws_config(q.shape[3], window_right == 0)
+    if cfg is None or not all(_tma_4d_ok(t) for t in (q, k, v, dout)):
+        return None
+    return cfg
+
+
+def launch_attn_bwd_ws(q4, k4, v4, do4, lse2, delta, dk4, dv4, dq_acc, *, causal: bool, softmax_scale: float,
+                       config: WsBwdConfig, atomic_dq: bool) -> None:
+    """q4/do4 [B, Sq, Hq, D], k4/v4/dk4/dv4 [B, Sk, Hkv, D], lse2/delta [B, Hq, Sq] contiguous float32 (see
+    ws_backward_config); dq_acc: the zeroed fp32 dQ buffer when atomic_dq."""
+    b, sk, hkv, d = k4.shape
+    n_tiles = attn_bwd_ws.n_tiles(sk)
+    keys = attn_bwd_ws.BLOCK_KEYS
+    if not atomic_dq:  # the descriptor's stand-in, never read or written
+        dq_acc = torch.empty(1, config.block_m, 1, d, dtype=torch.float32, device=q4.device)
+    attn_bwd_ws.attn_bwd_ws_kernel[(n_tiles * b * hkv,)](
+        _desc_4d(q4, config.block_m), _desc_4d(k4, keys), _desc_4d(v4, keys), _desc_4d(do4, config.block_m),
+        _desc_4d(dq_acc, config.block_m, d // 2), lse2, delta, dk4, dv4, q4.shape[1], sk, n_tiles, hkv,
+        q4.shape[2] // hkv, lse2.stride(0), lse2.stride(1), *dk4.stride()[:3], *dv4.stride()[:3],
+        softmax_scale * math.log2(math.e), softmax_scale, CAUSAL=causal, ROTATE=not causal, ATOMIC_DQ=atomic_dq,
+        HEAD_DIM=d, BLOCK_M=config.block_m, STAGES=config.num_stages, num_warps=4)
 
 
 def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, *, varlen: bool, num_batches: int, seqlen_q: int,
@@ -47,10 +82,36 @@ def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, *, varlen: bool
     seq_args = (cu_seqlens_q if varlen else dummy, cu_seqlens_k if varlen else dummy,
                 seqused_k if seqused_k is not None else dummy)
     lse_strides = (0, lse3.stride(1), lse3.stride(2)) if varlen else _strides3(lse3)
-    atomic_dq = cfg.atomic_dq and not deterministic
-    n_tiles = _utils.cdiv(max(max_seqlen_k, 1), cfg.dkdv_block_n)
+    ws = ws_backward_config(q4, k4, v4, do4, lse2, varlen=varlen, window_left=window_left,
+                            window_right=window_right, softcap=softcap)
+    atomic_dq = (ws.atomic_dq if ws is not None else cfg.atomic_dq) and not deterministic
     # Rows no program adds to (no visible key, outside every varlen sequence) keep the zeros: dQ = 0 there.
     dq_acc = torch.zeros(dq4.shape, dtype=torch.float32, device=dev) if atomic_dq else delta  # else: not read
+    if ws is not None:
+        launch_attn_bwd_ws(q4, k4, v4, do4, lse2, delta, dk4, dv4, dq_acc, causal=window_right == 0,
+                           softmax_scale=softmax_scale, config=ws, atomic_dq=atomic_dq)
+    else:
+        _launch_dkdv(q4, k4, v4, do4, lse2, delta, dk4, dv4, dq_acc, cfg, common, seq_args, lse_strides, bstride,
+                     varlen=varlen, num_batches=num_batches, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                     max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, softcap=softcap,
+                     window_left=window_left, window_right=window_right, atomic_dq=atomic_dq)
+    if atomic_dq:
+        torch.mul(dq_acc, softmax_scale, out=dq4)
+        return
+    m_tiles = _utils.cdiv(max(max_seqlen_q, 1), cfg.dq_block_m)
+    attn_bwd_dq_kernel[(m_tiles * num_batches * hq,)](
+        q4, k4, v4, do4, lse2, delta, dq4, *seq_args,
+        *bstride(q4), *bstride(k4), *bstride(v4), *bstride(do4), *bstride(dq4), *lse_strides,
+        seqlen_q, seqlen_k, hq, hq // hkv, m_tiles, softmax_scale, softcap, window_left, window_right,
+        BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, num_warps=cfg.dq_warps, num_stages=cfg.dq_stages, **common)
+
+
+def _launch_dkdv(q4, k4, v4, do4, lse2, delta, dk4, dv4, dq_acc, cfg, common, seq_args, lse_strides, bstride, *,
+                 varlen, num_batches, seqlen_q, seqlen_k, max_seqlen_k, softmax_scale, softcap, window_left,
+                 window_right, atomic_dq):
+    """The Triton dK/dV kernel (kernels/attn_bwd.py), every variant."""
+    hq, hkv = q4.shape[2], k4.shape[2]
+    n_tiles = _utils.cdiv(max(max_seqlen_k, 1), cfg.dkdv_block_n)
     qdo_descs = row_descriptors((q4, do4), q4.shape[0] * q4.shape[1], cfg.dkdv_block_m) if cfg.tma else None
     attn_bwd_dkdv_kernel[(n_tiles * num_batches * hkv,)](
         q4, k4, v4, do4, lse2, delta, dk4, dv4, dq_acc, *(qdo_descs or (q4, do4)), 0 if varlen else q4.shape[1],
@@ -61,15 +122,6 @@ def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, *, varlen: bool
         BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
         # Bounded on the right (causal), the programs already start at staggered query blocks (their diagonals).
         ATOMIC_DQ=atomic_dq, ROTATE=cfg.rotate and window_right < 0, QDO_DESC=qdo_descs is not None, **common)
-    if atomic_dq:
-        torch.mul(dq_acc, softmax_scale, out=dq4)
-        return
-    m_tiles = _utils.cdiv(max(max_seqlen_q, 1), cfg.dq_block_m)
-    attn_bwd_dq_kernel[(m_tiles * num_batches * hq,)](
-        q4, k4, v4, do4, lse2, delta, dq4, *seq_args,
-        *bstride(q4), *bstride(k4), *bstride(v4), *bstride(do4), *bstride(dq4), *lse_strides,
-        seqlen_q, seqlen_k, hq, hq // hkv, m_tiles, softmax_scale, softcap, window_left, window_right,
-        BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, num_warps=cfg.dq_warps, num_stages=cfg.dq_stages, **common)
 
 
 def _attn_bwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,

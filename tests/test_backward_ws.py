@@ -1,0 +1,88 @@
+"""The warp-specialised sm_90 dK/dV kernel (kernels/attn_bwd_ws.py) against autograd through the reference, and
+which calls take it.
+
+Gluon kernels have no CPU interpreter: on the CPU only the dispatch is checked (the kernel's sm_90 compilation is
+in tests/test_sm90_compile.py); the numerical cases run on an sm_90 GPU."""
+import pytest
+import torch
+
+import tileflash
+from helpers import DEVICE, attention_inputs, check_grads
+from tileflash.ops.backward import ws_backward_config
+from tileflash.reference import attention_ref
+
+ON_SM90 = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
+needs_sm90 = pytest.mark.skipif(not ON_SM90, reason="the warp-specialised backward runs on sm_90 only")
+
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal) — why each is here:
+CASES = [
+    (1, 1, 1, 1, 1, 128, True),  # one query, one key: one CTA, one masked step
+    (2, 17, 17, 4, 4, 128, True),  # a partial query block: rows past Sq load as zeros, their dQ is not added
+    (2, 1000, 1100, 16, 4, 128, False),  # GQA 4 (dK/dV summed over the group), Sk not a multiple of 128
+    (2, 1000, 1100, 16, 4, 128, True),  # causal Sq < Sk: the diagonal shifted by Sk - Sq
+    (1, 300, 97, 8, 1, 128, True),  # MQA, causal Sq > Sk: rows that see no key get zero gradients
+    (3, 1024, 2000, 6, 3, 64, False),  # d64 non-causal, staggered starts
+    (1, 2500, 2500, 2, 2, 64, True),  # d64 causal, many masked and unmasked steps
+    (1, 4096, 4096, 2, 1, 128, True),  # many steps: the Q/dO ring and the dS buffers wrap many times
+    (1, 700, 40, 4, 2, 128, True),  # keys all in one (tail) tile, most query blocks see all of them
+]
+
+
+def _leaves(b, sq, sk, hq, hkv, d, dtype):
+    return [t.requires_grad_() for t in attention_inputs(b, sq, sk, hq, hkv, d, dtype)]
+
+
+def _takes_ws(q, k, v, causal, window=(-1, -1), softcap=0.0, varlen=False):
+    right = 0 if causal else window[1]
+    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device)
+    return ws_backward_config(q, k, v, torch.empty_like(q), lse, varlen=varlen, window_left=window[0],
+                              window_right=right, softcap=softcap) is not None
+
+
+@needs_sm90
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic_dq", "deterministic"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_ws_backward(case, dtype, deterministic):
+    b, sq, sk, hq, hkv, d, causal = case
+    q, k, v = _leaves(b, sq, sk, hq, hkv, d, dtype)
+    assert _takes_ws(q, k, v, causal)
+    g = torch.Generator().manual_seed(1)
+    dout = torch.randn(b, sq, hq, d, generator=g).to(DEVICE)
+    dlse = torch.randn(b, hq, sq, generator=g).to(DEVICE)  # gradient through the returned lse too
+    check_grads(lambda q, k, v: tileflash.flash_attn_func(q, k, v, causal=causal, return_lse=True,
+                                                          deterministic=deterministic),
+                lambda q, k, v, upcast: attention_ref(q, k, v, causal=causal, upcast=upcast), (q, k, v), dout, dlse)
+
+
+@needs_sm90
+def test_ws_backward_strided_views():
+    """q, k, v as views of one packed [B, S, 3, H, D] tensor (strided, TMA-aligned)."""
+    qkv = torch.randn(2, 333, 3, 4, 128, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    q, k, v = qkv.unbind(2)
+    assert _takes_ws(q, k, v, causal=True)
+    dout = torch.randn(2, 333, 4, 128, device=DEVICE)
+    check_grads(lambda q, k, v: tileflash.flash_attn_func(q, k, v, causal=True, return_lse=True),
+                lambda q, k, v, upcast: attention_ref(q, k, v, causal=True, upcast=upcast), (q, k, v), dout,
+                torch.zeros(2, 4, 333, device=DEVICE))
+
+
+@needs_sm90
+def test_ws_backward_declines_what_it_does_not_do():
+    q, k, v = attention_inputs(1, 256, 256, 2, 2, 128, torch.bfloat16)
+    assert not _takes_ws(q, k, v, causal=False, window=(64, 0))
+    assert not _takes_ws(q, k, v, causal=False, softcap=5.0)
+    assert not _takes_ws(q, k, v, causal=True, varlen=True)
+    for d in (96, 256):
+        qd, kd, vd = attention_inputs(1, 256, 256, 2, 2, d, torch.bfloat16)
+        assert not _takes_ws(qd, kd, vd, causal=False)
+    flat = torch.randn(1 * 256 * 2 * 128 + 1, device=DEVICE, dtype=torch.bfloat16)
+    misaligned = flat[1:].view(1, 256, 2, 128)  # base not 16-byte aligned: no TMA descriptor
+    assert not _takes_ws(misaligned, k, v, causal=False)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="checks the CPU suite's dispatch")
+def test_no_ws_backward_without_an_sm90_target():
+    """Under the interpreter (the CPU suite) every call takes the Triton kernels."""
+    q, k, v = attention_inputs(1, 256, 256, 2, 2, 128, torch.bfloat16)
+    assert not _takes_ws(q, k, v, causal=True)

@@ -1,0 +1,342 @@
+"""Attention backward dK/dV (and dQ by TMA reduce-add) for sm_90 with warp specialisation, written in Gluon.
+
+Why a second dK/dV kernel: the Triton one (attn_bwd.py) runs the loads, five products and the softmax gradient of
+a step in one instruction stream per warpgroup, with CTA barriers between them, and stays at 0.71-0.74x cuDNN at
+d128 (RESULTS.md, session 6). Here the pipeline is stated explicitly, as in the forward (attn_fwd_ws.py), following
+FA3's backward:
+
+  producer (1 warp, 24 registers): TMA loads of the CTA's K and V (128 keys, once), then Q and dO tiles of BLOCK_M
+      query rows into a ring of STAGES stages, for every (query head of the GQA group, query block) that sees the
+      keys: first the blocks that need a mask (causal diagonal, keys past Sk), then the rest.
+  consumers (2 warpgroups, 240 registers each): 64 keys each. Rows-major scores, so lse and delta are two values per
+      thread: S = Q K_w^T, dP = dO V_w^T, P = exp2(S * scale*log2(e) - lse2), dS = P (dP - delta); P and dS go to
+      shared memory, from where dV_w += P^T dO and dK_w += dS^T Q read them transposed. With ATOMIC_DQ each
+      warpgroup then computes half of dQ = dS K (its half of the head dim, over both warpgroups' 128 keys; the dS
+      halves meet through an mbarrier) and adds it into an fp32 buffer with one TMA reduce-add per step. Without it
+      the launcher runs the dQ pass of attn_bwd.py (deterministic gradients).
+
+What made it fast (benchmarks/RESULTS.md, session 10): per-thread fp32 atomics for dQ cost more than all four other
+products together (red.global from the accumulator layout touches 8 rows per warp instruction); one bulk TMA
+reduce-add per step does not. The dQ product of step t is issued at step t + 1, ahead of S_{t+1}, and dV/dK stay in
+flight into the next step, so a warpgroup neither waits for the other one's dS at once nor for its own products
+before the next step's loads and MMAs are issued.
+
+Layout: q, do, dq_acc [B, Sq, Hq, D] and k, v [B, Sk, Hkv, D] through 4-D TMA descriptors (rows past a sequence's
+end load as zeros and are dropped from the reduce-add); lse2 (lse * log2(e), +inf for rows that saw no key, from the
+preprocess) and delta [B, Hq, Sq] float32 with a contiguous last dim, loaded with row masks (+inf past Sq, so those
+rows' P is 0); dK, dV stored by pointers with key masks. Scope (ops/backward.ws_backward_config decides, else the
+Triton kernels run): 16-bit dtypes, head dims 64 and 128, no window or softcap beyond causal, non-varlen batches.
+Gluon has no CPU interpreter: tests/sm90_compile_check.py compiles this kernel for sm_90 on the CPU, and the GPU
+suite checks its results.
+"""
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton._C.libtriton import ir
+
+KEYS_PER_WARPGROUP = 64  # wgmma's M: each consumer warpgroup owns 64 keys of the CTA's 128
+BLOCK_KEYS = 2 * KEYS_PER_WARPGROUP
+WG_KEYS = gl.constexpr(KEYS_PER_WARPGROUP)
+BLOCK_N = gl.constexpr(BLOCK_KEYS)
+# A barrier among the threads of one partition (a named barrier of its warps): triton 3.6 names it thread_barrier.
+_partition_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+
+
+@gluon.jit
+def _tile(n_tiles, num_heads_kv):
+    """(batch, KV head, tile index, first key) of this CTA; tile 0 (the most query blocks when causal) first."""
+    pid = gl.program_id(0)
+    tile = pid % n_tiles
+    bh = pid // n_tiles
+    return bh // num_heads_kv, bh % num_heads_kv, tile, tile * BLOCK_N
+
+
+@gluon.jit
+def _query_blocks(start_n, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Query blocks [m_lo, m_hi) that see any of keys [start_n, start_n + 128), of which [m_lo, m_full) need a mask:
+    all of them in the tile holding Sk's last key, else (causal, bottom-right aligned: row i sees key j iff
+    j <= i + Sk - Sq) those whose first row does not see the tile's last key."""
+    m_hi = (seqlen_q + BLOCK_M - 1) // BLOCK_M
+    m_lo = m_hi * 0
+    m_full = m_lo
+    if CAUSAL:
+        diag = seqlen_k - seqlen_q
+        m_lo = gl.minimum(gl.maximum(start_n - diag, 0) // BLOCK_M, m_hi)
+        key_max = gl.minimum(start_n + BLOCK_N, seqlen_k) - 1
+        m_full = gl.minimum(gl.maximum((gl.maximum(key_max - diag, 0) + BLOCK_M - 1) // BLOCK_M, m_lo), m_hi)
+    if start_n + BLOCK_N > seqlen_k:
+        m_full = m_hi
+    return m_lo, m_full, m_hi
+
+
+@gluon.jit
+def _step(u, n, m0, tile, head_kv, group_size, ROTATE: gl.constexpr, BLOCK_M: gl.constexpr):
+    """(query head, first query row) of step u of a run of n blocks from m0 for each head of the group. ROTATE:
+    CTAs of one head start at different blocks, so their dQ atomics do not pile on the same rows."""
+    i = u % n
+    if ROTATE:
+        i = (i + tile) % n
+    return head_kv * group_size + u // n, (m0 + i) * BLOCK_M
+
+
+@gluon.jit
+def _load_step(t, hq, start_m, b, q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, qdo_empty,
+               STAGES: gl.constexpr):
+    s = t % STAGES
+    mbarrier.wait(qdo_empty.index(s), ((t // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1 at once
+    mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [b, start_m, hq, 0], q_ready.index(s), q_bufs.index(s))
+    mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(do_desc, [b, start_m, hq, 0], do_ready.index(s), do_bufs.index(s))
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, do_ready,
+              qdo_empty, seqlen_q, seqlen_k, n_tiles, num_heads_kv, group_size, CAUSAL: gl.constexpr,
+              ROTATE: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    b, hk, tile, start_n = _tile(n_tiles, num_heads_kv)
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [b, start_n, hk, 0], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [b, start_n, hk, 0], kv_bar, v_smem)
+    m_lo, m_full, m_hi = _query_blocks(start_n, seqlen_q, seqlen_k, CAUSAL, BLOCK_M)
+    n_mask = m_full - m_lo
+    n_full = m_hi - m_full
+    for u in range(n_mask * group_size):
+        hq, start_m = _step(u, n_mask, m_lo, tile, hk, group_size, False, BLOCK_M)
+        _load_step(u, hq, start_m, b, q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, qdo_empty, STAGES)
+    t0 = n_mask * group_size
+    for u in range(n_full * group_size):
+        hq, start_m = _step(u, n_full, m_full, tile, hk, group_size, ROTATE, BLOCK_M)
+        _load_step(t0 + u, hq, start_m, b, q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, qdo_empty, STAGES)
+
+
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """Add shared-memory tile src into global memory at coord through tensor_desc (TMA's cp.reduce.async.bulk;
+    out-of-bounds rows are dropped). Gluon does not wrap this op of its builder in triton 3.6/3.7."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+@gluon.jit
+def _consume_step(t, hq, start_m, prev_hq, prev_m, dk, dv, b, start_n, seqlen_q, seqlen_k, q_bufs, do_bufs, k_all,
+                  k_w, v_w, p_w, ds_bufs, dq_w, dq_desc, q_ready, do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr,
+                  stride_lb, stride_lh, qk_scale, WG: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+                  ATOMIC_DQ: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """Step t (query head hq, rows from start_m) of a consumer warpgroup, which also finishes step t - 1 (prev_hq,
+    prev_m): its dQ product and TMA reduce-add, and the release of its Q/dO stage.
+
+    Order of the products, so the tensor cores have work while this warpgroup runs its softmax:
+      dQ_{t-1} = dS_{t-1} K[:, half] (both warpgroups' dS halves, from shared memory), S_t = Q K_w^T
+      | wait for dQ_{t-1} (and dV_{t-1}, dK_{t-1} before it): release stage t-1, reduce-add dQ_{t-1} (TMA)
+      | dP_t = dO V_w^T | wait S_t: P_t | wait dP_t: dS_t
+      | dV_w += P_t^T dO, dK_w += dS_t^T Q, left in flight into step t + 1.
+    At t = 0 the dQ product reads an unwritten buffer and its result is dropped (a uniform instruction stream)."""
+    dtype: gl.constexpr = q_bufs.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, WG_KEYS, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HEAD_DIM // 2, 16])
+    stage = t % STAGES
+    phase = (t // STAGES) & 1
+    rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    stat = b.to(gl.int64) * stride_lb + hq.to(gl.int64) * stride_lh + rows
+    lse2 = gl.load(lse2_ptr + stat, mask=rows < seqlen_q, other=float("inf"))
+    delta = gl.load(delta_ptr + stat, mask=rows < seqlen_q, other=0.0)
+    q_s = q_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
+    do_s = do_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
+    s_init = gl.zeros([BLOCK_M, WG_KEYS], gl.float32, s_layout)  # ignored (use_acc=False): only its layout counts
+    if ATOMIC_DQ:
+        # Both halves of dS_{t-1} are in shared memory once both warpgroups arrived. Buffer t % 2 is written again
+        # at step t + 2, after both warpgroups passed this wait at step t + 1, i.e. finished this product.
+        mbarrier.wait(ds_ready.index((t + 1) % 2), ((t - 1) // 2) & 1, pred=t > 0)
+        dq = warpgroup_mma(ds_bufs.index((t + 1) % 2), k_all.slice(WG * (HEAD_DIM // 2), HEAD_DIM // 2, dim=1),
+                           gl.zeros([BLOCK_M, HEAD_DIM // 2], gl.float32, dq_layout), use_acc=False, is_async=True)
+    mbarrier.wait(q_ready.index(stage), phase)
+    sc = warpgroup_mma(q_s, k_w.permute((1, 0)), s_init, use_acc=False, is_async=True)
+    # Products retire in order: everything before S_t is done now.
+    if ATOMIC_DQ:
+        dq, dk, dv = warpgroup_mma_wait(1, deps=(dq, dk, dv))
+    else:
+        dk, dv = warpgroup_mma_wait(1, deps=(dk, dv))
+    mbarrier.arrive(qdo_empty.index((t + STAGES - 1) % STAGES), count=1, pred=t > 0)
+    if ATOMIC_DQ:
+        if t > 0:
+            tma.store_wait(0)  # the previous reduce has read dq_w
+            dq_w.reshape([BLOCK_M, HEAD_DIM // 2]).store(dq)
+            fence_async_shared()
+            _tma_reduce_add(dq_desc, [b, prev_m, prev_hq, WG * (HEAD_DIM // 2)], dq_w)
+    # dP_t is issued after dQ_{t-1} left the registers: fewer accumulators live at once.
+    mbarrier.wait(do_ready.index(stage), phase)
+    dp = warpgroup_mma(do_s, v_w.permute((1, 0)), s_init, use_acc=False, is_async=True)
+    sc = warpgroup_mma_wait(1, deps=(sc,))
+    p = gl.exp2(sc * qk_scale - gl.expand_dims(lse2, 1))
+    if MASKED:
+        keys = start_n + WG * WG_KEYS + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(0, s_layout))
+        ok = gl.expand_dims(keys < seqlen_k, 0)
+        if CAUSAL:
+            ok = ok & (gl.expand_dims(keys, 0) <= gl.expand_dims(rows + (seqlen_k - seqlen_q), 1))
+        p = gl.where(ok, p, 0.0)
+    p_w.store(p.to(dtype))  # dV_{t-1}, which read p_w, is done
+    dp = warpgroup_mma_wait(0, deps=(dp,))
+    ds_w = ds_bufs.index(t % 2).slice(WG * WG_KEYS, WG_KEYS, dim=1)
+    ds_w.store((p * (dp - gl.expand_dims(delta, 1))).to(dtype))
+    fence_async_shared()
+    _partition_barrier()  # every thread's P and dS are in shared memory before the products read them
+    dv = warpgroup_mma(p_w.permute((1, 0)), do_s, dv, is_async=True)
+    dk = warpgroup_mma(ds_w.permute((1, 0)), q_s, dk, is_async=True)
+    if ATOMIC_DQ:
+        mbarrier.arrive(ds_ready.index(t % 2), count=1)
+    # Still in flight: the accumulators are carried into step t + 1, which waits for them first.
+    dk, dv = warpgroup_mma_wait(2, deps=(dk, dv))
+    return dk, dv
+
+
+@gluon.jit
+def _finish(t_end, prev_hq, prev_m, dk, dv, b, k_all, ds_bufs, dq_w, dq_desc, ds_ready, WG: gl.constexpr,
+            ATOMIC_DQ: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    """After the last step (t_end steps in all): its dQ product and reduce-add; every product waited for."""
+    if ATOMIC_DQ:
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, HEAD_DIM // 2, 16])
+        mbarrier.wait(ds_ready.index((t_end + 1) % 2), ((t_end - 1) // 2) & 1, pred=t_end > 0)
+        dq = warpgroup_mma(ds_bufs.index((t_end + 1) % 2), k_all.slice(WG * (HEAD_DIM // 2), HEAD_DIM // 2, dim=1),
+                           gl.zeros([BLOCK_M, HEAD_DIM // 2], gl.float32, dq_layout), use_acc=False, is_async=True)
+        dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
+        if t_end > 0:
+            tma.store_wait(0)
+            dq_w.reshape([BLOCK_M, HEAD_DIM // 2]).store(dq)
+            fence_async_shared()
+            _tma_reduce_add(dq_desc, [b, prev_m, prev_hq, WG * (HEAD_DIM // 2)], dq_w)
+            tma.store_wait(0)
+    else:
+        dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+    return dk, dv
+
+
+@gluon.jit
+def _consumer(q_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, q_ready, do_ready,
+              qdo_empty, ds_ready, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k, n_tiles, num_heads_kv,
+              group_size, stride_lb, stride_lh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+              qk_scale, softmax_scale, WG: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
+              ATOMIC_DQ: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    b, hk, tile, start_n = _tile(n_tiles, num_heads_kv)
+    m_lo, m_full, m_hi = _query_blocks(start_n, seqlen_q, seqlen_k, CAUSAL, BLOCK_M)
+    n_mask = m_full - m_lo
+    n_full = m_hi - m_full
+    dtype: gl.constexpr = q_desc.dtype
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
+    k_all = k_smem.reshape([BLOCK_N, HEAD_DIM])
+    k_w = k_all.slice(WG * WG_KEYS, WG_KEYS, dim=0)
+    v_w = v_smem.reshape([BLOCK_N, HEAD_DIM]).slice(WG * WG_KEYS, WG_KEYS, dim=0)
+    p_w = p_bufs.index(WG)
+    dq_w = dq_bufs.index(WG)
+    dk = gl.zeros([WG_KEYS, HEAD_DIM], gl.float32, kv_layout)
+    dv = gl.zeros([WG_KEYS, HEAD_DIM], gl.float32, kv_layout)
+    prev_hq = hk * group_size
+    prev_m = m_lo * BLOCK_M
+    mbarrier.wait(kv_bar, 0)
+    for u in range(n_mask * group_size):
+        hq, start_m = _step(u, n_mask, m_lo, tile, hk, group_size, False, BLOCK_M)
+        dk, dv = _consume_step(u, hq, start_m, prev_hq, prev_m, dk, dv, b, start_n, seqlen_q, seqlen_k, q_bufs,
+                               do_bufs, k_all, k_w, v_w, p_w, ds_bufs, dq_w, dq_desc, q_ready, do_ready, qdo_empty,
+                               ds_ready, lse2_ptr, delta_ptr, stride_lb, stride_lh, qk_scale, WG, True, CAUSAL,
+                               ATOMIC_DQ, HEAD_DIM, BLOCK_M, STAGES)
+        prev_hq = hq
+        prev_m = start_m
+    t0 = n_mask * group_size
+    for u in range(n_full * group_size):
+        hq, start_m = _step(u, n_full, m_full, tile, hk, group_size, ROTATE, BLOCK_M)
+        dk, dv = _consume_step(t0 + u, hq, start_m, prev_hq, prev_m, dk, dv, b, start_n, seqlen_q, seqlen_k, q_bufs,
+                               do_bufs, k_all, k_w, v_w, p_w, ds_bufs, dq_w, dq_desc, q_ready, do_ready, qdo_empty,
+                               ds_ready, lse2_ptr, delta_ptr, stride_lb, stride_lh, qk_scale, WG, False, CAUSAL,
+                               ATOMIC_DQ, HEAD_DIM, BLOCK_M, STAGES)
+        prev_hq = hq
+        prev_m = start_m
+    dk, dv = _finish(t0 + n_full * group_size, prev_hq, prev_m, dk, dv, b, k_all, ds_bufs, dq_w, dq_desc, ds_ready,
+                     WG, ATOMIC_DQ, HEAD_DIM, BLOCK_M)
+
+    # Epilogue: keys no query row sees keep dK = dV = 0; rows past Sk are not stored.
+    out_keys = start_n + WG * WG_KEYS + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(1, kv_layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
+    out_mask = gl.expand_dims(out_keys < seqlen_k, 1) & gl.expand_dims(cols < HEAD_DIM, 0)
+    key_off = gl.expand_dims(out_keys.to(gl.int64), 1)
+    gl.store(dk_ptr + b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh + key_off * stride_dks
+             + gl.expand_dims(cols, 0), (dk * softmax_scale).to(dtype), mask=out_mask)
+    gl.store(dv_ptr + b.to(gl.int64) * stride_dvb + hk.to(gl.int64) * stride_dvh + key_off * stride_dvs
+             + gl.expand_dims(cols, 0), dv.to(dtype), mask=out_mask)
+
+
+@gluon.jit
+def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, seqlen_q,
+                       seqlen_k, n_tiles, num_heads_kv, group_size, stride_lb, stride_lh, stride_dkb, stride_dks,
+                       stride_dkh, stride_dvb, stride_dvs, stride_dvh, qk_scale, softmax_scale, CAUSAL: gl.constexpr,
+                       ROTATE: gl.constexpr, ATOMIC_DQ: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                       STAGES: gl.constexpr):
+    """Grid: (n_tiles * B * Hkv,), 4 warps (the first consumer warpgroup; the partitions add 5 more). dq_desc: a
+    descriptor over the fp32 dQ buffer [B, Sq, Hq, D] (zeroed; dQ without softmax_scale is added into it) with
+    blocks [1, BLOCK_M, 1, D / 2], used when ATOMIC_DQ."""
+    dtype: gl.constexpr = q_desc.dtype
+    k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, 1, HEAD_DIM], do_desc.layout)
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, WG_KEYS], dtype)
+    p_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, WG_KEYS], p_layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
+    ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], ds_layout)
+    dq_bufs = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, 1, HEAD_DIM // 2], dq_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(qdo_empty.index(i), count=2)  # one arrival per consumer warpgroup
+    for i in gl.static_range(2):
+        mbarrier.init(ds_ready.index(i), count=2)
+    fence_async_shared()
+    # Integer arguments equal to 1 arrive as constexprs, which worker partitions cannot take: make them tensors.
+    seqlen_q = gl.to_tensor(seqlen_q)
+    seqlen_k = gl.to_tensor(seqlen_k)
+    n_tiles = gl.to_tensor(n_tiles)
+    num_heads_kv = gl.to_tensor(num_heads_kv)
+    group_size = gl.to_tensor(group_size)
+    stride_lb = gl.to_tensor(stride_lb)
+    stride_lh = gl.to_tensor(stride_lh)
+    stride_dkb = gl.to_tensor(stride_dkb)
+    stride_dks = gl.to_tensor(stride_dks)
+    stride_dkh = gl.to_tensor(stride_dkh)
+    stride_dvb = gl.to_tensor(stride_dvb)
+    stride_dvs = gl.to_tensor(stride_dvs)
+    stride_dvh = gl.to_tensor(stride_dvh)
+    WG0: gl.constexpr = 0
+    WG1: gl.constexpr = 1
+    # (Argument tuples are written out: a tuple built with + loses the constexprs' type.)
+    gl.warp_specialize([
+        (_consumer, (q_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, q_ready,
+                     do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k, n_tiles,
+                     num_heads_kv, group_size, stride_lb, stride_lh, stride_dkb, stride_dks, stride_dkh, stride_dvb,
+                     stride_dvs, stride_dvh, qk_scale, softmax_scale, WG0, CAUSAL, ROTATE, ATOMIC_DQ, HEAD_DIM,
+                     BLOCK_M, STAGES)),
+        (_consumer, (q_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, q_ready,
+                     do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k, n_tiles,
+                     num_heads_kv, group_size, stride_lb, stride_lh, stride_dkb, stride_dks, stride_dkh, stride_dvb,
+                     stride_dvs, stride_dvh, qk_scale, softmax_scale, WG1, CAUSAL, ROTATE, ATOMIC_DQ, HEAD_DIM,
+                     BLOCK_M, STAGES)),
+        (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, do_ready,
+                     qdo_empty, seqlen_q, seqlen_k, n_tiles, num_heads_kv, group_size, CAUSAL, ROTATE, BLOCK_M,
+                     STAGES)),
+    ], [4, 1], [240, 24])
+
+
+def n_tiles(seqlen_k: int) -> int:
+    """CTAs per (batch, KV head): 128 keys each."""
+    return triton.cdiv(seqlen_k, BLOCK_KEYS)
