@@ -58,14 +58,15 @@ def test_fwd_ws_config(d, causal, seqlen_k, expected):
     assert (None if c is None else (c.block_n, c.num_stages)) == expected
 
 
-@pytest.mark.parametrize("d, causal, expected", [
-    (128, False, (64, 2, True)), (128, True, (64, 2, True)),  # d128: 64 query rows per step, dQ by TMA reduce-add
-    (64, False, (64, 2, True)), (64, True, (64, 2, True)),
-    (256, False, None),  # two consumer warpgroups cannot hold d256's dK/dV accumulators
-    (96, True, None), (40, False, None),  # other head dims would need padding inside the Gluon kernel
+@pytest.mark.parametrize("d, causal, seqlen_k, expected", [
+    (128, False, 1024, (64, 2, True)), (128, True, 16384, (64, 2, True)),  # d128: 64 query rows per step
+    (64, False, 4096, (64, 2, True)), (64, True, 1025, (64, 2, True)),
+    (64, True, 1024, None), (64, False, 512, None),  # d64 with short rows: the Triton kernels
+    (256, False, 4096, None),  # two consumer warpgroups cannot hold d256's dK/dV accumulators
+    (96, True, 4096, None), (40, False, 4096, None),  # other head dims would need padding inside the Gluon kernel
 ])
-def test_bwd_ws_config(d, causal, expected):
-    c = bwd_ws_config(d, causal)
+def test_bwd_ws_config(d, causal, seqlen_k, expected):
+    c = bwd_ws_config(d, causal, seqlen_k)
     assert (None if c is None else (c.block_m, c.num_stages, c.atomic_dq)) == expected
 
 

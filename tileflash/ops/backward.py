@@ -32,7 +32,7 @@ def ws_backward_config(q, k, v, dout, lse, *, varlen: bool, window_left: int, wi
         return None
     if lse.stride(-1) != 1:  # the kernel reads lse2/delta (allocated like lse) rows by arange
         return None
-    cfg = bwd_ws_config(q.shape[3], window_right == 0)
+    cfg = bwd_ws_config(q.shape[3], window_right == 0, k.shape[1])
     if cfg is None or not all(_tma_4d_ok(t) for t in (q, k, v, dout)):
         return None
     return cfg
