@@ -8,7 +8,8 @@ With logits z = softmax_scale * q.k (softcap: z = cap * tanh(softmax_scale * q.k
   dQ = dS K,   dK = dS^T Q.
 (-dlse folds the gradient of a returned lse into delta: d lse / dz = P.)
 
-Kernels:
+Kernels (on sm_90, head dims 64 and 128 without window/softcap/varlen take attn_bwd_ws.py's warp-specialised
+dK/dV kernel instead of the dK/dV kernel here; the preprocess and, for deterministic=True, the dQ pass stay):
   preprocess  delta per query row;
   dK/dV       one program per (KV block, KV head): K, V stay in registers while the program walks every
               query block of every query head of its GQA group that can see the block, so dK/dV of a group are

@@ -21,6 +21,12 @@ reduce-add per step does not. The dQ product of step t is issued at step t + 1, 
 flight into the next step, so a warpgroup neither waits for the other one's dS at once nor for its own products
 before the next step's loads and MMAs are issued.
 
+Head dim 64: a step's exp2 and ALU work (64 x 64 scores per warpgroup) does not shrink with d while its products
+halve, so each warpgroup's softmax must hide behind the other's products. The same 64-row, 64-keys-per-warpgroup
+tiles serve it (128 query rows per step spill 176 bytes; a third Q/dO stage measured no gain): d64 runs at
+0.84-0.86x this kernel's d128 at s >= 4k (RESULTS.md, session 10), and rows of at most 1024 keys keep the Triton
+kernels (heuristics.bwd_ws_config).
+
 Layout: q, do, dq_acc [B, Sq, Hq, D] and k, v [B, Sk, Hkv, D] through 4-D TMA descriptors (rows past a sequence's
 end load as zeros and are dropped from the reduce-add); lse2 (lse * log2(e), +inf for rows that saw no key, from the
 preprocess) and delta [B, Hq, Sq] float32 with a contiguous last dim, loaded with row masks (+inf past Sq, so those

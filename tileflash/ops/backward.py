@@ -1,7 +1,9 @@
 """Backward of flash_attn_func / flash_attn_varlen_func: launcher, custom op, and the autograd formulas that the
-forward custom ops register (prefill.py). Where BwdConfig.atomic_dq says so (d > 64) the dK/dV program also adds
-its share of dQ into an fp32 buffer with atomics (5 matrix products per block); deterministic=True (and d <= 64)
-computes dQ in its own pass instead (7 products, no atomics, bitwise reproducible). See kernels/attn_bwd.py."""
+forward custom ops register (prefill.py). The dK/dV kernel also adds its share of dQ into a zeroed fp32 buffer (5
+matrix products per block): on sm_90 at d64/d128 the warp-specialised Gluon kernel with TMA reduce-adds
+(ws_backward_config, kernels/attn_bwd_ws.py), elsewhere the Triton kernel with atomics where BwdConfig.atomic_dq
+says so (d > 64). deterministic=True (and the Triton path at d <= 64) computes dQ in its own pass instead (7
+products, no atomics, bitwise reproducible). See kernels/attn_bwd.py."""
 from __future__ import annotations
 
 import math
