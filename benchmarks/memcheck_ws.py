@@ -1,0 +1,28 @@
+"""GPU: small forward + backward calls that take the warp-specialised Gluon kernels (kernels/attn_fwd_ws.py,
+kernels/attn_bwd_ws.py), both dQ modes, for compute-sanitizer. Usage on the H200:
+`PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 9 python benchmarks/memcheck_ws.py`
+(without the environment variable, an access that lands in another block of torch's caching allocator goes
+unreported). Shapes: one query and one key, partial tiles, MQA with Sq > Sk (rows that see no key), d64, and keys
+that fit in one tile."""
+import sys
+
+import torch
+
+sys.path.insert(0, ".")
+import tileflash  # noqa: E402
+from tileflash.ops.backward import ws_backward_config  # noqa: E402
+
+CASES = [(1, 1, 1, 1, 1, 128, True), (2, 17, 17, 4, 4, 128, True), (1, 300, 97, 8, 1, 128, True),
+         (2, 200, 333, 4, 2, 64, False), (1, 1100, 1100, 2, 2, 64, True), (1, 700, 40, 4, 2, 128, True)]
+for b, sq, sk, hq, hkv, d, causal in CASES:
+    for deterministic in (False, True):
+        q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+        lse = torch.empty(b, hq, sq, device="cuda")
+        assert ws_backward_config(q, k, v, q, lse, varlen=False, window_left=-1, window_right=0 if causal else -1,
+                                  softcap=0.0) is not None, "this case no longer takes the Gluon backward"
+        out = tileflash.flash_attn_func(q, k, v, causal=causal, deterministic=deterministic)
+        out.float().square().sum().backward()
+        torch.cuda.synchronize()
+        finite = all(torch.isfinite(t.grad).all().item() for t in (q, k, v))
+        print((b, sq, sk, hq, hkv, d, causal, deterministic), "finite" if finite else "NONFINITE", flush=True)
