@@ -127,7 +127,7 @@ class WsBwdConfig:
     """The warp-specialised sm_90 dK/dV kernel (kernels/attn_bwd_ws.py): 128 keys per CTA, always."""
     block_m: int  # query rows per step
     num_stages: int  # Q/dO stages in shared memory
-    atomic_dq: bool  # dQ added up by the kernel (fp32 atomics) unless deterministic=True asks otherwise
+    atomic_dq: bool  # dQ added up by the kernel (TMA reduce-adds into fp32) unless deterministic=True asks otherwise
 
 
 def bwd_ws_config(head_dim: int, causal: bool, seqlen_k: int) -> WsBwdConfig | None:

@@ -81,7 +81,7 @@ def _query_blocks(start_n, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl
 @gluon.jit
 def _step(u, n, m0, tile, head_kv, group_size, ROTATE: gl.constexpr, BLOCK_M: gl.constexpr):
     """(query head, first query row) of step u of a run of n blocks from m0 for each head of the group. ROTATE:
-    CTAs of one head start at different blocks, so their dQ atomics do not pile on the same rows."""
+    CTAs of one head start at different blocks, so their dQ reduce-adds do not pile on the same rows."""
     i = u % n
     if ROTATE:
         i = (i + tile) % n
