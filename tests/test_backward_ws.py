@@ -76,6 +76,8 @@ def test_ws_backward_declines_what_it_does_not_do():
     for d in (96, 256):
         qd, kd, vd = attention_inputs(1, 256, 256, 2, 2, d, torch.bfloat16)
         assert not _takes_ws(qd, kd, vd, causal=False)
+    q64, k64, v64 = attention_inputs(1, 1024, 1024, 2, 2, 64, torch.bfloat16)  # d64, short rows: Triton kernels
+    assert not _takes_ws(q64, k64, v64, causal=True)
     flat = torch.randn(1 * 256 * 2 * 128 + 1, device=DEVICE, dtype=torch.bfloat16)
     misaligned = flat[1:].view(1, 256, 2, 128)  # base not 16-byte aligned: no TMA descriptor
     assert not _takes_ws(misaligned, k, v, causal=False)
