@@ -6,6 +6,7 @@ from tileflash.reference import error_and_bound
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"
+ON_SM90 = ON_GPU and torch.cuda.get_device_capability() == (9, 0)  # where the Gluon kernels run
 
 
 def attention_inputs(b, sq, sk, hq, hkv, d, dtype, seed=0):

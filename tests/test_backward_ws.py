@@ -7,11 +7,10 @@ import pytest
 import torch
 
 import tileflash
-from helpers import DEVICE, attention_inputs, check_grads
+from helpers import DEVICE, ON_SM90, attention_inputs, check_grads
 from tileflash.ops.backward import ws_backward_config
 from tileflash.reference import attention_ref
 
-ON_SM90 = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
 needs_sm90 = pytest.mark.skipif(not ON_SM90, reason="the warp-specialised backward runs on sm_90 only")
 
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal) — why each is here:

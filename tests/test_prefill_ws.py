@@ -6,11 +6,10 @@ import pytest
 import torch
 
 import tileflash
-from helpers import DEVICE, attention_inputs, check_2x, check_lse
+from helpers import DEVICE, ON_SM90, attention_inputs, check_2x, check_lse
 from tileflash.ops._launch import Mask, _sm90_target, ws_forward_config
 from tileflash.reference import attention_ref
 
-ON_SM90 = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
 needs_sm90 = pytest.mark.skipif(not ON_SM90, reason="the warp-specialised forward runs on sm_90 only")
 
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal) — why each is here:

@@ -157,11 +157,17 @@ def _tma_4d_ok(t: torch.Tensor) -> bool:
     return _tma_aligned(t, dims=(0, 1, 2)) and all(0 < n < 2 ** 31 for n in t.shape)
 
 
+def ws_call_ok(dtype: torch.dtype, mask: Mask) -> bool:
+    """What both warp-specialised Gluon kernels (forward and dK/dV) need of a call beyond shapes and layouts: a
+    16-bit dtype, at most a causal mask (no left window, no softcap) and an sm_90 target."""
+    plain_mask = mask.window_left < 0 and mask.window_right in (-1, 0) and mask.softcap == 0.0
+    return plain_mask and dtype in (torch.float16, torch.bfloat16) and _sm90_target()
+
+
 def ws_forward_config(q4, k4, v4, out4, softmax_scale: float, mask: Mask) -> WsFwdConfig | None:
     """The warp-specialised forward's tiles when it serves this call (sm_90, a shape heuristics.fwd_ws_config
     takes, at most a causal mask, a positive scale, TMA-addressable tensors), else None (the Triton kernel)."""
-    plain_mask = mask.window_left < 0 and mask.window_right in (-1, 0) and mask.softcap == 0.0
-    if not (plain_mask and softmax_scale > 0 and q4.dtype in (torch.float16, torch.bfloat16) and _sm90_target()):
+    if not (softmax_scale > 0 and ws_call_ok(q4.dtype, mask)):
         return None
     cfg = fwd_ws_config(q4.shape[3], mask.window_right == 0, k4.shape[1])
     if cfg is None or not all(_tma_4d_ok(t) for t in (q4, k4, v4, out4)):

@@ -15,7 +15,7 @@ from .. import _utils
 from ..heuristics import WsBwdConfig, bwd_config, bwd_ws_config, padded_head_dim
 from ..kernels import attn_bwd_ws
 from ..kernels.attn_bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
-from ._launch import _desc_4d, _sm90_target, _tma_4d_ok, row_descriptors
+from ._launch import Mask, _desc_4d, _tma_4d_ok, row_descriptors, ws_call_ok
 
 PREPROCESS_BLOCK_ROWS = 32
 
@@ -29,8 +29,7 @@ def ws_backward_config(q, k, v, dout, lse, *, varlen: bool, window_left: int, wi
     """The warp-specialised dK/dV kernel's tiles when it serves this call (sm_90, a head dim heuristics.bwd_ws_config
     takes, at most a causal mask, non-varlen, TMA-addressable tensors, lse rows contiguous), else None (the Triton
     kernels)."""
-    plain_mask = window_left < 0 and window_right in (-1, 0) and softcap == 0.0
-    if varlen or not (plain_mask and q.dtype in (torch.float16, torch.bfloat16) and _sm90_target()):
+    if varlen or not ws_call_ok(q.dtype, Mask(window_left, window_right, softcap)):
         return None
     if lse.stride(-1) != 1:  # the kernel reads lse2/delta (allocated like lse) rows by arange
         return None
