@@ -2,8 +2,8 @@
 kernels/attn_bwd_ws.py), both dQ modes, for compute-sanitizer. Usage on the H200:
 `PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 9 python benchmarks/memcheck_ws.py`
 (without the environment variable, an access that lands in another block of torch's caching allocator goes
-unreported). Shapes: one query and one key, partial tiles, MQA with Sq > Sk (rows that see no key), d64, and keys
-that fit in one tile."""
+unreported). Shapes: one query and one key, partial tiles, MQA with Sq > Sk (rows that see no key), d64 (128-row
+steps, one with whole row blocks that see no key), and keys that fit in one tile."""
 import sys
 
 import torch
@@ -13,7 +13,8 @@ import tileflash  # noqa: E402
 from tileflash.ops.backward import ws_backward_config  # noqa: E402
 
 CASES = [(1, 1, 1, 1, 1, 128, True), (2, 17, 17, 4, 4, 128, True), (1, 300, 97, 8, 1, 128, True),
-         (2, 200, 333, 4, 2, 64, False), (1, 1100, 1100, 2, 2, 64, True), (1, 700, 40, 4, 2, 128, True)]
+         (2, 200, 1333, 4, 2, 64, False), (1, 1100, 1100, 2, 2, 64, True), (1, 1300, 1030, 2, 1, 64, True),
+         (1, 700, 40, 4, 2, 128, True)]  # d64 needs more than 1024 keys (heuristics.bwd_ws_config)
 for b, sq, sk, hq, hkv, d, causal in CASES:
     for deterministic in (False, True):
         q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)

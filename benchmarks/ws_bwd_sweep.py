@@ -19,12 +19,14 @@ from tileflash.bench.timing import bench_ms  # noqa: E402
 from tileflash.heuristics import WsBwdConfig  # noqa: E402
 from tileflash.ops import backward  # noqa: E402
 
-VARIANTS = [None, (64, 2, True), (64, 3, True), (64, 2, False)]  # d128 with 3 stages exceeds shared memory  # None: the Triton kernels
+DEFAULT_VARIANTS = "triton;64,2,1;64,2,0"  # triton: the Triton kernels; else WsBwdConfig's fields
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--dims", default="128,64")
 parser.add_argument("--seqlens", default="1024,4096,16384")
+parser.add_argument("--variants", default=DEFAULT_VARIANTS, help="';'-separated: triton or WsBwdConfig fields")
 args = parser.parse_args()
+VARIANTS = [None if v == "triton" else tuple(int(x) for x in v.split(",")) for v in args.variants.split(";")]
 original = backward.bwd_ws_config
 rows = []
 for d in map(int, args.dims.split(",")):
@@ -45,7 +47,7 @@ for d in map(int, args.dims.split(",")):
             ref, t_ref = timed(peers.sdpa_prefill(q, k, v, causal, "cudnn", print))
             row = [d, causal, s, f"{t_ref:.1f}"]
             for var in VARIANTS:
-                cfg = None if var is None else WsBwdConfig(*var)
+                cfg = None if var is None else WsBwdConfig(*(bool(x) if i > 1 else x for i, x in enumerate(var)))
                 backward.bwd_ws_config = lambda head_dim, c, sk, cfg=cfg: cfg
                 try:
                     grads, t = timed(lambda: flash_attn_func(q, k, v, causal=causal))

@@ -22,6 +22,8 @@ CASES = [
     (1, 300, 97, 8, 1, 128, True),  # MQA, causal Sq > Sk: rows that see no key get zero gradients
     (3, 1024, 2000, 6, 3, 64, False),  # d64 non-causal, staggered starts
     (1, 2500, 2500, 2, 2, 64, True),  # d64 causal, many masked and unmasked steps
+    (2, 1100, 1500, 4, 1, 64, True),  # d64 (128-row steps): MQA, a partial row block, causal Sq < Sk
+    (1, 1300, 1030, 2, 1, 64, True),  # d64 causal Sq > Sk: whole 128-row blocks that see no key
     (1, 4096, 4096, 2, 1, 128, True),  # many steps: the Q/dO ring and the dS buffers wrap many times
     (1, 700, 40, 4, 2, 128, True),  # keys all in one (tail) tile, most query blocks see all of them
 ]

@@ -132,17 +132,21 @@ class WsBwdConfig:
 
 def bwd_ws_config(head_dim: int, causal: bool, seqlen_k: int) -> WsBwdConfig | None:
     """Whether the backward takes the warp-specialised dK/dV kernel, by shape (ops/backward.ws_backward_config
-    adds what the tensors and masks allow). Measured on the H200 (benchmarks/RESULTS.md, session 10: `python -m
-    tileflash bench backward`, bf16, 16k tokens, 2048/d heads, TFLOP/s, this kernel vs the Triton kernels):
-      d128 full 1k / 4k / 16k 360 / 460 / 494 vs 305 / 381 / 402; causal 259 / 409 / 497 vs 217 / 326 / 394.
-      d64  full 4k / 16k 392 / 418 vs 359 / 376; causal 354 / 420 vs 318 / 364; at 1k the Triton kernels' small
-           programs do as well or better (full 304 vs 309, causal 172 vs 226): rows of at most 1024 keys keep them.
-    64 query rows per step with 2 Q/dO stages: a third stage measured no gain at d64 and does not fit in shared
-    memory at d128 (benchmarks/ws_bwd_sweep.py, session 10). Head dims other than 64 and 128 would need padding
-    inside the kernel, which it does not do; d256's dK/dV accumulators do not fit two consumer warpgroups' registers.
+    adds what the tensors and masks allow). Measured on the H200 (benchmarks/RESULTS.md, session 11:
+    `benchmarks/ws_bwd_sweep.py`, bf16, 16k tokens, 2048/d heads, TFLOP/s, cuDNN in the same run in brackets):
+      d128 64 query rows per step: full 4k / 16k 534 / 565 (539 / 539), causal 475 / 556 (458 / 522).
+      d64 128 rows: full 429 / 452 (456 / 450), causal 368 / 440 (381 / 430); 64 rows 404 / 429 and 344 / 408.
+      At d64 and 1k keys the Triton kernels' small programs did as well or better (session 10: full 304 vs 309,
+      causal 172 vs 226): rows of at most 1024 keys keep them.
+    Two Q/dO stages: a third measured no gain at d64 with 64 rows (session 10) and does not fit in shared memory at
+    d128 or with 128 rows. 128 rows at d128 do not fit either (the S and dP accumulators double). Head dims other
+    than 64 and 128 would need padding inside the kernel, which it does not do; d256's dK/dV accumulators do not
+    fit two consumer warpgroups' registers.
     """
-    if head_dim == 128 or (head_dim == 64 and seqlen_k > 1024):
+    if head_dim == 128:
         return WsBwdConfig(block_m=64, num_stages=2, atomic_dq=True)
+    if head_dim == 64 and seqlen_k > 1024:
+        return WsBwdConfig(block_m=128, num_stages=2, atomic_dq=True)
     return None
 
 

@@ -19,13 +19,17 @@ What made it fast (benchmarks/RESULTS.md, session 10): per-thread fp32 atomics f
 products together (red.global from the accumulator layout touches 8 rows per warp instruction); one bulk TMA
 reduce-add per step does not. The dQ product of step t is issued at step t + 1, ahead of S_{t+1}, and dV/dK stay in
 flight into the next step, so a warpgroup neither waits for the other one's dS at once nor for its own products
-before the next step's loads and MMAs are issued.
+before the next step's loads and MMAs are issued. At d128 the compiler hoisted ~30 loop-invariant wgmma descriptors
+(K, V, P: one per 16-wide slice) out of the loop and spilled them; reloading them stalled the first consumer for 17%
+of its samples (Nsight Compute, session 11). Addressing those buffers through an opaque zero keeps the descriptors in
+the loop (a few integer adds each step) and the kernel free of spills: +12-13% at d128.
 
-Head dim 64: a step's exp2 and ALU work (64 x 64 scores per warpgroup) does not shrink with d while its products
-halve, so each warpgroup's softmax must hide behind the other's products. The same 64-row, 64-keys-per-warpgroup
-tiles serve it (128 query rows per step spill 176 bytes; a third Q/dO stage measured no gain): d64 runs at
-0.84-0.86x this kernel's d128 at s >= 4k (RESULTS.md, session 10), and rows of at most 1024 keys keep the Triton
-kernels (heuristics.bwd_ws_config).
+Head dim 64: a step's exp2 and ALU work and its fixed costs (barriers, the shared-memory stores of P, dS and dQ and
+the fences that wait for them) do not shrink with d while its products halve: at 64 rows per step d64 ran at
+0.75x d128 (Nsight Compute: the dQ store's fence and barrier alone held 13-15% of a consumer's samples). d64
+therefore takes 128 query rows per step (BLOCK_M), twice the products per fixed cost: +6-8%, 0.78-0.80x d128 at
+s >= 4k (RESULTS.md, session 11), with a few spilled scalars (48-136 bytes) and shared memory nearly full (225 KB).
+Rows of at most 1024 keys keep the Triton kernels (heuristics.bwd_ws_config).
 
 Layout: q, do, dq_acc [B, Sq, Hq, D] and k, v [B, Sk, Hkv, D] through 4-D TMA descriptors (rows past a sequence's
 end load as zeros and are dropped from the reduce-add); lse2 (lse * log2(e), +inf for rows that saw no key, from the
@@ -89,6 +93,17 @@ def _step(u, n, m0, tile, head_kv, group_size, ROTATE: gl.constexpr, BLOCK_M: gl
 
 
 @gluon.jit
+def _step_at(t, t0, n_mask, n_full, m_lo, m_full, tile, head_kv, group_size, ROTATE: gl.constexpr,
+             BLOCK_M: gl.constexpr):
+    """_step for step t of the whole sequence: t0 masked steps (n_mask blocks per head), then the full ones."""
+    if t < t0:
+        hq, start_m = _step(t, n_mask, m_lo, tile, head_kv, group_size, False, BLOCK_M)
+    else:
+        hq, start_m = _step(t - t0, gl.maximum(n_full, 1), m_full, tile, head_kv, group_size, ROTATE, BLOCK_M)
+    return hq, start_m
+
+
+@gluon.jit
 def _load_step(t, hq, start_m, b, q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, qdo_empty,
                STAGES: gl.constexpr):
     s = t % STAGES
@@ -105,8 +120,8 @@ def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, 
               ROTATE: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
     b, hk, tile, start_n = _tile(n_tiles, num_heads_kv)
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [b, start_n, hk, 0], kv_bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [b, start_n, hk, 0], kv_bar, v_smem)
+    tma.async_copy_global_to_shared(k_desc, [b, start_n, hk, 0], kv_bar, k_smem.index(0))
+    tma.async_copy_global_to_shared(v_desc, [b, start_n, hk, 0], kv_bar, v_smem.index(0))
     m_lo, m_full, m_hi = _query_blocks(start_n, seqlen_q, seqlen_k, CAUSAL, BLOCK_M)
     n_mask = m_full - m_lo
     n_full = m_hi - m_full
@@ -128,12 +143,31 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _consume_step(t, hq, start_m, prev_hq, prev_m, dk, dv, b, start_n, seqlen_q, seqlen_k, q_bufs, do_bufs, k_all,
-                  k_w, v_w, p_w, ds_bufs, dq_w, dq_desc, q_ready, do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr,
-                  stride_lb, stride_lh, qk_scale, WG: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                  ATOMIC_DQ: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-    """Step t (query head hq, rows from start_m) of a consumer warpgroup, which also finishes step t - 1 (prev_hq,
-    prev_m): its dQ product and TMA reduce-add, and the release of its Q/dO stage.
+def _opaque_zero(x):
+    """0, from an instruction with side effects, so the compiler neither folds it nor moves it out of x's loop."""
+    return gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _load_stats(b, hq, start_m, valid, seqlen_q, lse2_ptr, delta_ptr, stride_lb, stride_lh, layout: gl.constexpr,
+                BLOCK_M: gl.constexpr):
+    """lse2 and delta of rows [start_m, start_m + BLOCK_M) of query head hq (+inf and 0 past Sq, or if not valid)."""
+    rows = start_m + gl.arange(0, BLOCK_M, layout=layout)
+    ok = (rows < seqlen_q) & valid
+    stat = b.to(gl.int64) * stride_lb + hq.to(gl.int64) * stride_lh + rows
+    return gl.load(lse2_ptr + stat, mask=ok, other=float("inf")), gl.load(delta_ptr + stat, mask=ok, other=0.0)
+
+
+@gluon.jit
+def _consume_step(t, hq, start_m, prev_hq, prev_m, next_hq, next_m, has_next, lse2, delta, dk, dv, b, start_n,
+                  seqlen_q, seqlen_k, q_bufs, do_bufs, k_smem, v_smem, p_bufs, ds_bufs, dq_w, dq_desc, q_ready,
+                  do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, stride_lb, stride_lh, qk_scale, WG: gl.constexpr,
+                  MASKED: gl.constexpr, CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """Step t (query head hq, rows from start_m; lse2 and delta of those rows) of a consumer warpgroup, which also
+    finishes step t - 1 (prev_hq, prev_m): its dQ product and TMA reduce-add, and the release of its Q/dO stage.
+    Returns dK, dV and the next step's (next_hq, next_m) lse2 and delta, loaded at the end of this step: a load at
+    the start of a step held up the fence before the dQ reduce-add, which waits for the thread's loads (session 11).
 
     Order of the products, so the tensor cores have work while this warpgroup runs its softmax:
       dQ_{t-1} = dS_{t-1} K[:, half] (both warpgroups' dS halves, from shared memory), S_t = Q K_w^T
@@ -148,10 +182,14 @@ def _consume_step(t, hq, start_m, prev_hq, prev_m, dk, dv, b, start_n, seqlen_q,
                                                         instr_shape=[16, HEAD_DIM // 2, 16])
     stage = t % STAGES
     phase = (t // STAGES) & 1
+    # The operands that stay put (K, V, P) are addressed through a zero the compiler cannot see: otherwise it hoists
+    # their ~30 wgmma descriptors (one per 16-wide slice) out of the loop and spills them (RESULTS.md, session 11).
+    z = _opaque_zero(t)
+    k_all = k_smem.index(z).reshape([BLOCK_N, HEAD_DIM])
+    k_w = k_all.slice(WG * WG_KEYS, WG_KEYS, dim=0)
+    v_w = v_smem.index(z).reshape([BLOCK_N, HEAD_DIM]).slice(WG * WG_KEYS, WG_KEYS, dim=0)
+    p_w = p_bufs.index(WG + z)
     rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-    stat = b.to(gl.int64) * stride_lb + hq.to(gl.int64) * stride_lh + rows
-    lse2 = gl.load(lse2_ptr + stat, mask=rows < seqlen_q, other=float("inf"))
-    delta = gl.load(delta_ptr + stat, mask=rows < seqlen_q, other=0.0)
     q_s = q_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
     do_s = do_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
     s_init = gl.zeros([BLOCK_M, WG_KEYS], gl.float32, s_layout)  # ignored (use_acc=False): only its layout counts
@@ -175,7 +213,8 @@ def _consume_step(t, hq, start_m, prev_hq, prev_m, dk, dv, b, start_n, seqlen_q,
             dq_w.reshape([BLOCK_M, HEAD_DIM // 2]).store(dq)
             fence_async_shared()
             _tma_reduce_add(dq_desc, [b, prev_m, prev_hq, WG * (HEAD_DIM // 2)], dq_w)
-    # dP_t is issued after dQ_{t-1} left the registers: fewer accumulators live at once.
+    # dP_t is issued after dQ_{t-1} left the registers: fewer accumulators live at once. (Issued with S_t instead,
+    # it also ran slower at d64, where registers are not short: it queues ahead of the other warpgroup's S.)
     mbarrier.wait(do_ready.index(stage), phase)
     dp = warpgroup_mma(do_s, v_w.permute((1, 0)), s_init, use_acc=False, is_async=True)
     sc = warpgroup_mma_wait(1, deps=(sc,))
@@ -196,9 +235,11 @@ def _consume_step(t, hq, start_m, prev_hq, prev_m, dk, dv, b, start_n, seqlen_q,
     dk = warpgroup_mma(ds_w.permute((1, 0)), q_s, dk, is_async=True)
     if ATOMIC_DQ:
         mbarrier.arrive(ds_ready.index(t % 2), count=1)
+    next_lse2, next_delta = _load_stats(b, next_hq, next_m, has_next, seqlen_q, lse2_ptr, delta_ptr, stride_lb,
+                                        stride_lh, gl.SliceLayout(1, s_layout), BLOCK_M)
     # Still in flight: the accumulators are carried into step t + 1, which waits for them first.
     dk, dv = warpgroup_mma_wait(2, deps=(dk, dv))
-    return dk, dv
+    return dk, dv, next_lse2, next_delta
 
 
 @gluon.jit
@@ -236,35 +277,40 @@ def _consumer(q_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs,
     dtype: gl.constexpr = q_desc.dtype
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, HEAD_DIM, 16])
-    k_all = k_smem.reshape([BLOCK_N, HEAD_DIM])
-    k_w = k_all.slice(WG * WG_KEYS, WG_KEYS, dim=0)
-    v_w = v_smem.reshape([BLOCK_N, HEAD_DIM]).slice(WG * WG_KEYS, WG_KEYS, dim=0)
-    p_w = p_bufs.index(WG)
+    k_all = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM])
     dq_w = dq_bufs.index(WG)
     dk = gl.zeros([WG_KEYS, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([WG_KEYS, HEAD_DIM], gl.float32, kv_layout)
-    prev_hq = hk * group_size
-    prev_m = m_lo * BLOCK_M
-    mbarrier.wait(kv_bar, 0)
-    for u in range(n_mask * group_size):
-        hq, start_m = _step(u, n_mask, m_lo, tile, hk, group_size, False, BLOCK_M)
-        dk, dv = _consume_step(u, hq, start_m, prev_hq, prev_m, dk, dv, b, start_n, seqlen_q, seqlen_k, q_bufs,
-                               do_bufs, k_all, k_w, v_w, p_w, ds_bufs, dq_w, dq_desc, q_ready, do_ready, qdo_empty,
-                               ds_ready, lse2_ptr, delta_ptr, stride_lb, stride_lh, qk_scale, WG, True, CAUSAL,
-                               ATOMIC_DQ, HEAD_DIM, BLOCK_M, STAGES)
-        prev_hq = hq
-        prev_m = start_m
     t0 = n_mask * group_size
-    for u in range(n_full * group_size):
-        hq, start_m = _step(u, n_full, m_full, tile, hk, group_size, ROTATE, BLOCK_M)
-        dk, dv = _consume_step(t0 + u, hq, start_m, prev_hq, prev_m, dk, dv, b, start_n, seqlen_q, seqlen_k, q_bufs,
-                               do_bufs, k_all, k_w, v_w, p_w, ds_bufs, dq_w, dq_desc, q_ready, do_ready, qdo_empty,
-                               ds_ready, lse2_ptr, delta_ptr, stride_lb, stride_lh, qk_scale, WG, False, CAUSAL,
-                               ATOMIC_DQ, HEAD_DIM, BLOCK_M, STAGES)
+    t_end = t0 + n_full * group_size
+    prev_hq, prev_m = _step_at(0, t0, n_mask, n_full, m_lo, m_full, tile, hk, group_size, ROTATE, BLOCK_M)
+    stats_layout: gl.constexpr = gl.SliceLayout(1, gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, WG_KEYS, 16]))
+    lse2, delta = _load_stats(b, prev_hq, prev_m, t_end > 0, seqlen_q, lse2_ptr, delta_ptr, stride_lb, stride_lh,
+                              stats_layout, BLOCK_M)
+    mbarrier.wait(kv_bar, 0)
+    for u in range(t0):
+        hq, start_m = _step(u, n_mask, m_lo, tile, hk, group_size, False, BLOCK_M)
+        next_hq, next_m = _step_at(u + 1, t0, n_mask, n_full, m_lo, m_full, tile, hk, group_size, ROTATE, BLOCK_M)
+        dk, dv, lse2, delta = _consume_step(
+            u, hq, start_m, prev_hq, prev_m, next_hq, next_m, u + 1 < t_end, lse2, delta, dk, dv, b, start_n,
+            seqlen_q, seqlen_k, q_bufs, do_bufs, k_smem, v_smem, p_bufs, ds_bufs, dq_w, dq_desc, q_ready, do_ready,
+            qdo_empty, ds_ready, lse2_ptr, delta_ptr, stride_lb, stride_lh, qk_scale, WG, True, CAUSAL, ATOMIC_DQ,
+            HEAD_DIM, BLOCK_M, STAGES)
         prev_hq = hq
         prev_m = start_m
-    dk, dv = _finish(t0 + n_full * group_size, prev_hq, prev_m, dk, dv, b, k_all, ds_bufs, dq_w, dq_desc, ds_ready,
-                     WG, ATOMIC_DQ, HEAD_DIM, BLOCK_M)
+    for u in range(t_end - t0):
+        hq, start_m = _step(u, n_full, m_full, tile, hk, group_size, ROTATE, BLOCK_M)
+        next_hq, next_m = _step(u + 1, n_full, m_full, tile, hk, group_size, ROTATE, BLOCK_M)
+        dk, dv, lse2, delta = _consume_step(
+            t0 + u, hq, start_m, prev_hq, prev_m, next_hq, next_m, t0 + u + 1 < t_end, lse2, delta, dk, dv, b,
+            start_n, seqlen_q, seqlen_k, q_bufs, do_bufs, k_smem, v_smem, p_bufs, ds_bufs, dq_w, dq_desc, q_ready,
+            do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, stride_lb, stride_lh, qk_scale, WG, False, CAUSAL,
+            ATOMIC_DQ, HEAD_DIM, BLOCK_M, STAGES)
+        prev_hq = hq
+        prev_m = start_m
+    dk, dv = _finish(t_end, prev_hq, prev_m, dk, dv, b, k_all, ds_bufs, dq_w, dq_desc, ds_ready, WG, ATOMIC_DQ,
+                     HEAD_DIM, BLOCK_M)
 
     # Epilogue: keys no query row sees keep dK = dV = 0; rows past Sk are not stored.
     out_keys = start_n + WG * WG_KEYS + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(1, kv_layout))
@@ -287,8 +333,9 @@ def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta
     descriptor over the fp32 dQ buffer [B, Sq, Hq, D] (zeroed; dQ without softmax_scale is added into it) with
     blocks [1, BLOCK_M, 1, D / 2], used when ATOMIC_DQ."""
     dtype: gl.constexpr = q_desc.dtype
-    k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
+    # A leading dim of 1 lets the consumers address K and V by index (see _consume_step).
+    k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
     do_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, 1, HEAD_DIM], do_desc.layout)
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, WG_KEYS], dtype)
