@@ -128,25 +128,29 @@ class WsBwdConfig:
     block_m: int  # query rows per step
     num_stages: int  # Q/dO stages in shared memory
     atomic_dq: bool  # dQ added up by the kernel (TMA reduce-adds into fp32) unless deterministic=True asks otherwise
+    # The dQ tile's reduce-add waits for the P/dS fence at the end of the step instead of a fence of its own right
+    # after its store (one fence and barrier fewer per step; the reduce-add leaves later).
+    one_fence: bool = True
 
 
 def bwd_ws_config(head_dim: int, causal: bool, seqlen_k: int) -> WsBwdConfig | None:
     """Whether the backward takes the warp-specialised dK/dV kernel, by shape (ops/backward.ws_backward_config
     adds what the tensors and masks allow). Measured on the H200 (benchmarks/RESULTS.md, session 11:
-    `benchmarks/ws_bwd_sweep.py`, bf16, 16k tokens, 2048/d heads, TFLOP/s, cuDNN in the same run in brackets):
-      d128 64 query rows per step: full 4k / 16k 534 / 565 (539 / 539), causal 475 / 556 (458 / 522).
-      d64 128 rows: full 429 / 452 (456 / 450), causal 368 / 440 (381 / 430); 64 rows 404 / 429 and 344 / 408.
-      At d64 and 1k keys the Triton kernels' small programs did as well or better (session 10: full 304 vs 309,
-      causal 172 vs 226): rows of at most 1024 keys keep them.
+    `benchmarks/ws_bwd_sweep.py`, bf16, 16k tokens, 2048/d heads, TFLOP/s at s = 4k / 16k, same run):
+      d128, 64 query rows per step: one fence per step vs two: full 504 / 558 vs 531 / 567, causal 475 / 568 vs
+           441 / 545 (run 76), so one fence when causal only.
+      d64, 128 rows, one fence: full 430 / 457, causal 387 / 463 (two fences 424 / 446, 366 / 433, run 76); 64 rows
+           (two fences) 404 / 429 and 344 / 408 (run 72). At 1k keys the Triton kernels' small programs did as well
+           or better (session 10: full 304 vs 309, causal 172 vs 226): rows of at most 1024 keys keep them.
     Two Q/dO stages: a third measured no gain at d64 with 64 rows (session 10) and does not fit in shared memory at
     d128 or with 128 rows. 128 rows at d128 do not fit either (the S and dP accumulators double). Head dims other
     than 64 and 128 would need padding inside the kernel, which it does not do; d256's dK/dV accumulators do not
     fit two consumer warpgroups' registers.
     """
     if head_dim == 128:
-        return WsBwdConfig(block_m=64, num_stages=2, atomic_dq=True)
+        return WsBwdConfig(block_m=64, num_stages=2, atomic_dq=True, one_fence=causal)
     if head_dim == 64 and seqlen_k > 1024:
-        return WsBwdConfig(block_m=128, num_stages=2, atomic_dq=True)
+        return WsBwdConfig(block_m=128, num_stages=2, atomic_dq=True, one_fence=True)
     return None
 
 

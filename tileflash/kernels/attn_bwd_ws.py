@@ -22,13 +22,17 @@ flight into the next step, so a warpgroup neither waits for the other one's dS a
 before the next step's loads and MMAs are issued. At d128 the compiler hoisted ~30 loop-invariant wgmma descriptors
 (K, V, P: one per 16-wide slice) out of the loop and spilled them; reloading them stalled the first consumer for 17%
 of its samples (Nsight Compute, session 11). Addressing those buffers through an opaque zero keeps the descriptors in
-the loop (a few integer adds each step) and the kernel free of spills: +12-13% at d128.
+the loop (a few integer adds each step) and the kernel free of spills: +12-13% at d128. The dQ tile's own fence
+(`fence.proxy.async`, which also waits for the thread's outstanding global loads) and barrier held 7-15% of a
+consumer's samples: the next step's lse/delta are loaded after it, and with ONE_FENCE the reduce-add shares the
+P/dS fence instead (d64 +2-7%, d128 causal +4-8%, d128 non-causal -2-5%: not taken there).
 
 Head dim 64: a step's exp2 and ALU work and its fixed costs (barriers, the shared-memory stores of P, dS and dQ and
 the fences that wait for them) do not shrink with d while its products halve: at 64 rows per step d64 ran at
 0.75x d128 (Nsight Compute: the dQ store's fence and barrier alone held 13-15% of a consumer's samples). d64
-therefore takes 128 query rows per step (BLOCK_M), twice the products per fixed cost: +6-8%, 0.78-0.80x d128 at
-s >= 4k (RESULTS.md, session 11), with a few spilled scalars (48-136 bytes) and shared memory nearly full (225 KB).
+therefore takes 128 query rows per step (BLOCK_M), twice the products per fixed cost (+6-8%), and ONE_FENCE
+(+2-7%): 0.80-0.86x d128 at s >= 4k (RESULTS.md, session 11), with a few spilled scalars (56-64 bytes) and shared
+memory nearly full (225 KB).
 Rows of at most 1024 keys keep the Triton kernels (heuristics.bwd_ws_config).
 
 Layout: q, do, dq_acc [B, Sq, Hq, D] and k, v [B, Sk, Hkv, D] through 4-D TMA descriptors (rows past a sequence's
@@ -163,7 +167,7 @@ def _consume_step(t, hq, start_m, prev_hq, prev_m, next_hq, next_m, has_next, ls
                   seqlen_q, seqlen_k, q_bufs, do_bufs, k_smem, v_smem, p_bufs, ds_bufs, dq_w, dq_desc, q_ready,
                   do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, stride_lb, stride_lh, qk_scale, WG: gl.constexpr,
                   MASKED: gl.constexpr, CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+                  BLOCK_M: gl.constexpr, STAGES: gl.constexpr, ONE_FENCE: gl.constexpr):
     """Step t (query head hq, rows from start_m; lse2 and delta of those rows) of a consumer warpgroup, which also
     finishes step t - 1 (prev_hq, prev_m): its dQ product and TMA reduce-add, and the release of its Q/dO stage.
     Returns dK, dV and the next step's (next_hq, next_m) lse2 and delta, loaded at the end of this step: a load at
@@ -171,10 +175,13 @@ def _consume_step(t, hq, start_m, prev_hq, prev_m, next_hq, next_m, has_next, ls
 
     Order of the products, so the tensor cores have work while this warpgroup runs its softmax:
       dQ_{t-1} = dS_{t-1} K[:, half] (both warpgroups' dS halves, from shared memory), S_t = Q K_w^T
-      | wait for dQ_{t-1} (and dV_{t-1}, dK_{t-1} before it): release stage t-1, reduce-add dQ_{t-1} (TMA)
+      | wait for dQ_{t-1} (and dV_{t-1}, dK_{t-1} before it): release stage t-1, store dQ_{t-1}, reduce-add it (TMA)
       | dP_t = dO V_w^T | wait S_t: P_t | wait dP_t: dS_t
       | dV_w += P_t^T dO, dK_w += dS_t^T Q, left in flight into step t + 1.
-    At t = 0 the dQ product reads an unwritten buffer and its result is dropped (a uniform instruction stream)."""
+    At t = 0 the dQ product reads an unwritten buffer and its result is dropped (a uniform instruction stream).
+    ONE_FENCE: the reduce-add of dQ_{t-1} is issued after the fence and barrier that publish P_t and dS_t, instead of
+    after a fence of its own right behind its store: one fence and barrier fewer per step, and the store drains
+    while the softmax runs; the reduce-add leaves later (heuristics.bwd_ws_config says where that pays)."""
     dtype: gl.constexpr = q_bufs.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, WG_KEYS, 16])
@@ -211,8 +218,9 @@ def _consume_step(t, hq, start_m, prev_hq, prev_m, next_hq, next_m, has_next, ls
         if t > 0:
             tma.store_wait(0)  # the previous reduce has read dq_w
             dq_w.reshape([BLOCK_M, HEAD_DIM // 2]).store(dq)
-            fence_async_shared()
-            _tma_reduce_add(dq_desc, [b, prev_m, prev_hq, WG * (HEAD_DIM // 2)], dq_w)
+            if not ONE_FENCE:
+                fence_async_shared()
+                _tma_reduce_add(dq_desc, [b, prev_m, prev_hq, WG * (HEAD_DIM // 2)], dq_w)
     # dP_t is issued after dQ_{t-1} left the registers: fewer accumulators live at once. (Issued with S_t instead,
     # it also ran slower at d64, where registers are not short: it queues ahead of the other warpgroup's S.)
     mbarrier.wait(do_ready.index(stage), phase)
@@ -231,10 +239,16 @@ def _consume_step(t, hq, start_m, prev_hq, prev_m, next_hq, next_m, has_next, ls
     ds_w.store((p * (dp - gl.expand_dims(delta, 1))).to(dtype))
     fence_async_shared()
     _partition_barrier()  # every thread's P and dS are in shared memory before the products read them
+    if ONE_FENCE:
+        if ATOMIC_DQ:
+            mbarrier.arrive(ds_ready.index(t % 2), count=1)
+            if t > 0:
+                _tma_reduce_add(dq_desc, [b, prev_m, prev_hq, WG * (HEAD_DIM // 2)], dq_w)
     dv = warpgroup_mma(p_w.permute((1, 0)), do_s, dv, is_async=True)
     dk = warpgroup_mma(ds_w.permute((1, 0)), q_s, dk, is_async=True)
-    if ATOMIC_DQ:
-        mbarrier.arrive(ds_ready.index(t % 2), count=1)
+    if not ONE_FENCE:
+        if ATOMIC_DQ:
+            mbarrier.arrive(ds_ready.index(t % 2), count=1)
     next_lse2, next_delta = _load_stats(b, next_hq, next_m, has_next, seqlen_q, lse2_ptr, delta_ptr, stride_lb,
                                         stride_lh, gl.SliceLayout(1, s_layout), BLOCK_M)
     # Still in flight: the accumulators are carried into step t + 1, which waits for them first.
@@ -269,7 +283,8 @@ def _consumer(q_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs,
               qdo_empty, ds_ready, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k, n_tiles, num_heads_kv,
               group_size, stride_lb, stride_lh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
               qk_scale, softmax_scale, WG: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
-              ATOMIC_DQ: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+              ATOMIC_DQ: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+              ONE_FENCE: gl.constexpr):
     b, hk, tile, start_n = _tile(n_tiles, num_heads_kv)
     m_lo, m_full, m_hi = _query_blocks(start_n, seqlen_q, seqlen_k, CAUSAL, BLOCK_M)
     n_mask = m_full - m_lo
@@ -296,7 +311,7 @@ def _consumer(q_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs,
             u, hq, start_m, prev_hq, prev_m, next_hq, next_m, u + 1 < t_end, lse2, delta, dk, dv, b, start_n,
             seqlen_q, seqlen_k, q_bufs, do_bufs, k_smem, v_smem, p_bufs, ds_bufs, dq_w, dq_desc, q_ready, do_ready,
             qdo_empty, ds_ready, lse2_ptr, delta_ptr, stride_lb, stride_lh, qk_scale, WG, True, CAUSAL, ATOMIC_DQ,
-            HEAD_DIM, BLOCK_M, STAGES)
+            HEAD_DIM, BLOCK_M, STAGES, ONE_FENCE)
         prev_hq = hq
         prev_m = start_m
     for u in range(t_end - t0):
@@ -306,7 +321,7 @@ def _consumer(q_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs,
             t0 + u, hq, start_m, prev_hq, prev_m, next_hq, next_m, t0 + u + 1 < t_end, lse2, delta, dk, dv, b,
             start_n, seqlen_q, seqlen_k, q_bufs, do_bufs, k_smem, v_smem, p_bufs, ds_bufs, dq_w, dq_desc, q_ready,
             do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, stride_lb, stride_lh, qk_scale, WG, False, CAUSAL,
-            ATOMIC_DQ, HEAD_DIM, BLOCK_M, STAGES)
+            ATOMIC_DQ, HEAD_DIM, BLOCK_M, STAGES, ONE_FENCE)
         prev_hq = hq
         prev_m = start_m
     dk, dv = _finish(t_end, prev_hq, prev_m, dk, dv, b, k_all, ds_bufs, dq_w, dq_desc, ds_ready, WG, ATOMIC_DQ,
@@ -328,7 +343,7 @@ def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta
                        seqlen_k, n_tiles, num_heads_kv, group_size, stride_lb, stride_lh, stride_dkb, stride_dks,
                        stride_dkh, stride_dvb, stride_dvs, stride_dvh, qk_scale, softmax_scale, CAUSAL: gl.constexpr,
                        ROTATE: gl.constexpr, ATOMIC_DQ: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                       STAGES: gl.constexpr):
+                       STAGES: gl.constexpr, ONE_FENCE: gl.constexpr):
     """Grid: (n_tiles * B * Hkv,), 4 warps (the first consumer warpgroup; the partitions add 5 more). dq_desc: a
     descriptor over the fp32 dQ buffer [B, Sq, Hq, D] (zeroed; dQ without softmax_scale is added into it) with
     blocks [1, BLOCK_M, 1, D / 2], used when ATOMIC_DQ."""
@@ -378,12 +393,12 @@ def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta
                      do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k, n_tiles,
                      num_heads_kv, group_size, stride_lb, stride_lh, stride_dkb, stride_dks, stride_dkh, stride_dvb,
                      stride_dvs, stride_dvh, qk_scale, softmax_scale, WG0, CAUSAL, ROTATE, ATOMIC_DQ, HEAD_DIM,
-                     BLOCK_M, STAGES)),
+                     BLOCK_M, STAGES, ONE_FENCE)),
         (_consumer, (q_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, q_ready,
                      do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k, n_tiles,
                      num_heads_kv, group_size, stride_lb, stride_lh, stride_dkb, stride_dks, stride_dkh, stride_dvb,
                      stride_dvs, stride_dvh, qk_scale, softmax_scale, WG1, CAUSAL, ROTATE, ATOMIC_DQ, HEAD_DIM,
-                     BLOCK_M, STAGES)),
+                     BLOCK_M, STAGES, ONE_FENCE)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, do_ready,
                      qdo_empty, seqlen_q, seqlen_k, n_tiles, num_heads_kv, group_size, CAUSAL, ROTATE, BLOCK_M,
                      STAGES)),

@@ -53,7 +53,8 @@ def launch_attn_bwd_ws(q4, k4, v4, do4, lse2, delta, dk4, dv4, dq_acc, *, causal
         _desc_4d(dq_acc, config.block_m, d // 2), lse2, delta, dk4, dv4, q4.shape[1], sk, n_tiles, hkv,
         q4.shape[2] // hkv, lse2.stride(0), lse2.stride(1), *dk4.stride()[:3], *dv4.stride()[:3],
         softmax_scale * math.log2(math.e), softmax_scale, CAUSAL=causal, ROTATE=not causal, ATOMIC_DQ=atomic_dq,
-        HEAD_DIM=d, BLOCK_M=config.block_m, STAGES=config.num_stages, num_warps=4)
+        HEAD_DIM=d, BLOCK_M=config.block_m, STAGES=config.num_stages, ONE_FENCE=config.one_fence,
+        num_warps=4)
 
 
 def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, *, varlen: bool, num_batches: int, seqlen_q: int,
