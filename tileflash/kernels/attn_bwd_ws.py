@@ -59,6 +59,12 @@ BLOCK_N = gl.constexpr(BLOCK_KEYS)
 _partition_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 
 
+@gluon.constexpr_function
+def _acc_layout(n):
+    """The register layout of a warpgroup's wgmma accumulator with n columns (4 warps stacked along the rows)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
 @gluon.jit
 def _tile(n_tiles, num_heads_kv):
     """(batch, KV head, tile index, first key) of this CTA; tile 0 (the most query blocks when causal) first."""
@@ -183,10 +189,8 @@ def _consume_step(t, hq, start_m, prev_hq, prev_m, next_hq, next_m, has_next, ls
     after a fence of its own right behind its store: one fence and barrier fewer per step, and the store drains
     while the softmax runs; the reduce-add leaves later (heuristics.bwd_ws_config says where that pays)."""
     dtype: gl.constexpr = q_bufs.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, WG_KEYS, 16])
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, HEAD_DIM // 2, 16])
+    s_layout: gl.constexpr = _acc_layout(WG_KEYS)
+    dq_layout: gl.constexpr = _acc_layout(HEAD_DIM // 2)
     stage = t % STAGES
     phase = (t // STAGES) & 1
     # The operands that stay put (K, V, P) are addressed through a zero the compiler cannot see: otherwise it hoists
@@ -261,8 +265,7 @@ def _finish(t_end, prev_hq, prev_m, dk, dv, b, k_all, ds_bufs, dq_w, dq_desc, ds
             ATOMIC_DQ: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
     """After the last step (t_end steps in all): its dQ product and reduce-add; every product waited for."""
     if ATOMIC_DQ:
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, HEAD_DIM // 2, 16])
+        dq_layout: gl.constexpr = _acc_layout(HEAD_DIM // 2)
         mbarrier.wait(ds_ready.index((t_end + 1) % 2), ((t_end - 1) // 2) & 1, pred=t_end > 0)
         dq = warpgroup_mma(ds_bufs.index((t_end + 1) % 2), k_all.slice(WG * (HEAD_DIM // 2), HEAD_DIM // 2, dim=1),
                            gl.zeros([BLOCK_M, HEAD_DIM // 2], gl.float32, dq_layout), use_acc=False, is_async=True)
@@ -290,8 +293,7 @@ def _consumer(q_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs,
     n_mask = m_full - m_lo
     n_full = m_hi - m_full
     dtype: gl.constexpr = q_desc.dtype
-    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, HEAD_DIM, 16])
+    kv_layout: gl.constexpr = _acc_layout(HEAD_DIM)
     k_all = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM])
     dq_w = dq_bufs.index(WG)
     dk = gl.zeros([WG_KEYS, HEAD_DIM], gl.float32, kv_layout)
@@ -299,8 +301,7 @@ def _consumer(q_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs,
     t0 = n_mask * group_size
     t_end = t0 + n_full * group_size
     prev_hq, prev_m = _step_at(0, t0, n_mask, n_full, m_lo, m_full, tile, hk, group_size, ROTATE, BLOCK_M)
-    stats_layout: gl.constexpr = gl.SliceLayout(1, gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, WG_KEYS, 16]))
+    stats_layout: gl.constexpr = gl.SliceLayout(1, _acc_layout(WG_KEYS))
     lse2, delta = _load_stats(b, prev_hq, prev_m, t_end > 0, seqlen_q, lse2_ptr, delta_ptr, stride_lb, stride_lh,
                               stats_layout, BLOCK_M)
     mbarrier.wait(kv_bar, 0)
