@@ -2,9 +2,12 @@
 cuDNN, bf16, 16k tokens, 2048/d heads, TFLOP/s = 2.5 x forward FLOPs / t of the whole backward (preprocess, dK/dV,
 dQ).
 
-Usage on the H200: `python benchmarks/ws_bwd_sweep.py [--dims 128,64] [--seqlens 1024,4096,16384]`. One row per
-(d, causal, s): cuDNN, the Triton kernels, then each (query rows per step, stages, atomic dQ) variant, marked ERR
-when a gradient strays from cuDNN's by more than 5% of its largest value. heuristics.bwd_ws_config holds the picks.
+Usage on the H200: `python benchmarks/ws_bwd_sweep.py [--dims 128,64] [--seqlens 1024,4096,16384]
+[--variants "triton;64,2,1;128,2,1,0"]`. One row per (d, causal, s): cuDNN, then each variant: `triton` (the Triton
+kernels) or heuristics.WsBwdConfig's fields in order (query rows per step, stages, atomic dQ, one fence; 0/1 for the
+flags), marked ERR when a gradient strays from cuDNN's by more than 5% of its largest value. The same config serves
+every shape of a run, so pass one --dims per call when the rows per step differ. heuristics.bwd_ws_config holds
+the picks.
 """
 import argparse
 import sys
