@@ -1,7 +1,8 @@
 """One forward + backward at 16k tokens, 2048/d heads, bf16 (the `bench backward` shape) for Nsight Compute:
 `ncu --clock-control none --set full -k regex:attn_bwd_ws -c 1 -o REP python3 benchmarks/ncu_bwd.py D CAUSAL S`,
 then `ncu -i REP.ncu-rep --page source --csv --print-source sass` gives warp-stall samples per SASS instruction
-(`benchmarks/ncu_source_summary.py` condenses that CSV)."""
+(`benchmarks/ncu_source_summary.py SRC.csv --loops` condenses that CSV: where each consumer step spends its
+samples between its barriers)."""
 import sys
 
 import torch
