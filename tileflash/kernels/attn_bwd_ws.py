@@ -243,16 +243,14 @@ def _consume_step(t, hq, start_m, prev_hq, prev_m, next_hq, next_m, has_next, ls
     ds_w.store((p * (dp - gl.expand_dims(delta, 1))).to(dtype))
     fence_async_shared()
     _partition_barrier()  # every thread's P and dS are in shared memory before the products read them
-    if ONE_FENCE:
-        if ATOMIC_DQ:
-            mbarrier.arrive(ds_ready.index(t % 2), count=1)
-            if t > 0:
-                _tma_reduce_add(dq_desc, [b, prev_m, prev_hq, WG * (HEAD_DIM // 2)], dq_w)
+    if ONE_FENCE and ATOMIC_DQ:
+        mbarrier.arrive(ds_ready.index(t % 2), count=1)
+        if t > 0:
+            _tma_reduce_add(dq_desc, [b, prev_m, prev_hq, WG * (HEAD_DIM // 2)], dq_w)
     dv = warpgroup_mma(p_w.permute((1, 0)), do_s, dv, is_async=True)
     dk = warpgroup_mma(ds_w.permute((1, 0)), q_s, dk, is_async=True)
-    if not ONE_FENCE:
-        if ATOMIC_DQ:
-            mbarrier.arrive(ds_ready.index(t % 2), count=1)
+    if ATOMIC_DQ and not ONE_FENCE:
+        mbarrier.arrive(ds_ready.index(t % 2), count=1)
     next_lse2, next_delta = _load_stats(b, next_hq, next_m, has_next, seqlen_q, lse2_ptr, delta_ptr, stride_lb,
                                         stride_lh, gl.SliceLayout(1, s_layout), BLOCK_M)
     # Still in flight: the accumulators are carried into step t + 1, which waits for them first.
