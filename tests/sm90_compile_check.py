@@ -115,8 +115,14 @@ def _cases():
 
         return case
 
-    def gemm(m, n, k):
-        tileflash.nvfp4_matmul(torch.randn(m, k, dtype=bf), *tileflash.nvfp4_quantize(torch.randn(n, k)))
+    def gemm(m, n, k, dtype=bf, mma=False):
+        """An nvfp4_matmul call; mma: it must take the register-operand Gluon kernel (kernels/gemm_nvfp4_mma.py)."""
+        from tileflash.kernels.gemm_nvfp4_mma import nvfp4_matmul_mma_kernel as kern
+
+        before = sum(len(c[0]) for c in kern.device_caches.values())
+        tileflash.nvfp4_matmul(torch.randn(m, k, dtype=dtype), *tileflash.nvfp4_quantize(torch.randn(n, k)))
+        if mma and sum(len(c[0]) for c in kern.device_caches.values()) <= before:
+            raise AssertionError("nvfp4_matmul_mma_kernel did not compile for this call")
 
     return {
         "prefill fwd+bwd d64 causal": lambda: tileflash.flash_attn_func(*grad_leaves(2, 300, 4, 64),
@@ -148,7 +154,8 @@ def _cases():
         "decode nvfp4 paged": lambda: decode("nvfp4", paged=True),
         "nvfp4_dequantize": lambda: tileflash.nvfp4_dequantize(*tileflash.nvfp4_quantize(torch.randn(64, 128))),
         "fp8_quantize": lambda: tileflash.fp8_quantize(torch.randn(64, 128, dtype=bf)),
-        "gemm M=1 (split-K)": lambda: gemm(1, 4096, 4096),
+        "gemm M=1 (split-K), register operands": lambda: gemm(1, 4096, 4096, mma=True),
+        "gemm M=16 fp16, K tail, one slice, register operands": lambda: gemm(16, 200, 400, torch.float16, mma=True),
         "gemm M=128": lambda: gemm(128, 512, 1024),
         "gemm M=1024": lambda: gemm(1024, 512, 1024),
     }

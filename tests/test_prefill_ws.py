@@ -7,7 +7,7 @@ import torch
 
 import tileflash
 from helpers import DEVICE, ON_SM90, attention_inputs, check_2x, check_lse
-from tileflash.ops._launch import Mask, _sm90_target, ws_forward_config
+from tileflash.ops._launch import Mask, sm90_target, ws_forward_config
 from tileflash.reference import attention_ref
 
 needs_sm90 = pytest.mark.skipif(not ON_SM90, reason="the warp-specialised forward runs on sm_90 only")
@@ -75,6 +75,6 @@ def test_ws_forward_declines_what_it_does_not_do():
 @pytest.mark.skipif(DEVICE != "cpu", reason="checks the CPU suite's dispatch")
 def test_no_ws_forward_without_an_sm90_target():
     """Under the interpreter (the CPU suite) every call takes the Triton kernel."""
-    assert not _sm90_target()
+    assert not sm90_target()
     q, k, v = attention_inputs(1, 256, 256, 2, 2, 128, torch.bfloat16)
     assert not _takes_ws(q, k, v, causal=True)

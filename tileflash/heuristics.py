@@ -318,6 +318,41 @@ class GemmConfig:
     swap_ab: bool = False  # c^T = w a^T: the weight tile on the MMA's M side (decode-sized M)
 
 
+@dataclass(frozen=True)
+class GemmMmaConfig:
+    """The register-operand NVFP4 GEMM for M <= 16 (kernels/gemm_nvfp4_mma.py)."""
+    block_n: int  # weight rows (output columns) per tile
+    block_k: int  # K values per step
+    split_k: int  # K slices; each program stages its slice of a (<= GEMM_MMA_SLICE_STEPS steps) in shared memory
+    programs_n: int  # programs per K slice; each computes the N tiles p, p + programs_n, ...
+
+    @property
+    def slice_steps(self) -> int:
+        return GEMM_MMA_SLICE_STEPS
+
+
+GEMM_MMA_MAX_M = 16  # one mma.sync M tile of activation rows
+GEMM_MMA_SLICE_STEPS = 8  # K steps staged per program: 8 x 256 values x 16 rows x fp16 = 64 KiB of shared memory
+GEMM_MMA_PROGRAMS_PER_SM = 3  # what 64 KiB of shared memory each allows
+
+
+def gemm_mma_config(m: int, n: int, k: int, num_sms: int = 132, tiles_per_program: int = 0,
+                    split_k: int = 0) -> GemmMmaConfig | None:
+    """Tiles of the register-operand NVFP4 GEMM (None above GEMM_MMA_MAX_M rows: the Triton kernel). K is cut into
+    the fewest slices of at most GEMM_MMA_SLICE_STEPS steps; then each program takes as many N tiles as it needs
+    for the programs to fit GEMM_MMA_PROGRAMS_PER_SM per SM (staging a's slice is paid once per program).
+    tiles_per_program / split_k > 0 force those choices (benchmarks/gemm_mma_sweep.py)."""
+    if m > GEMM_MMA_MAX_M:
+        return None
+    block_n, block_k = 64, 256
+    steps = -(-k // block_k)
+    split = split_k or -(-steps // GEMM_MMA_SLICE_STEPS)
+    split = min(split, steps)
+    tiles = -(-n // block_n)
+    per_program = tiles_per_program or max(1, -(-tiles * split // (GEMM_MMA_PROGRAMS_PER_SM * num_sms)))
+    return GemmMmaConfig(block_n=block_n, block_k=block_k, split_k=split, programs_n=-(-tiles // per_program))
+
+
 def gemm_config(m: int, n: int, k: int, interpret: bool = False, num_sms: int = 132) -> GemmConfig:
     """Tile shape from the problem shape only (CUDA-graph safe). Measured on the H200 (benchmarks/config_sweep.py
     gemm / gemm-small, graph replay). M <= 16: swapped products (c^T = w a^T, the weight tile on wgmma's M side)

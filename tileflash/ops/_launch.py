@@ -138,7 +138,7 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
     )
 
 
-def _sm90_target() -> bool:
+def sm90_target() -> bool:
     """Whether kernels compile for sm_90 (H100/H200): Triton's active target, not torch's device, so the CPU
     compile check (tests/sm90_compile_check.py) takes the same paths as the GPU."""
     if _utils.is_interpreter():
@@ -161,7 +161,7 @@ def ws_call_ok(dtype: torch.dtype, mask: Mask) -> bool:
     """What both warp-specialised Gluon kernels (forward and dK/dV) need of a call beyond shapes and layouts: a
     16-bit dtype, at most a causal mask (no left window, no softcap) and an sm_90 target."""
     plain_mask = mask.window_left < 0 and mask.window_right in (-1, 0) and mask.softcap == 0.0
-    return plain_mask and dtype in (torch.float16, torch.bfloat16) and _sm90_target()
+    return plain_mask and dtype in (torch.float16, torch.bfloat16) and sm90_target()
 
 
 def ws_forward_config(q4, k4, v4, out4, softmax_scale: float, mask: Mask) -> WsFwdConfig | None:

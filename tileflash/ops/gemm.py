@@ -1,5 +1,6 @@
-"""nvfp4_matmul: a @ dequant(b)^T with an NVFP4 weight b (the blockscaled GEMM; kernel in
-tileflash/kernels/gemm_blockscaled.py).
+"""nvfp4_matmul: a @ dequant(b)^T with an NVFP4 weight b (the blockscaled GEMM). Kernels: on sm_90 decode-sized
+M (<= 16) takes the register-operand Gluon kernel (tileflash/kernels/gemm_nvfp4_mma.py), everything else the
+Triton kernel (tileflash/kernels/gemm_blockscaled.py), which also runs in the CPU interpreter.
 
 Shapes: a [M, K] fp16/bf16, b_data [N, K/2] uint8, b_scales [N, K/16] float8_e4m3fn, b_global_scale float32 [];
 out [M, N] in a's dtype. K must be a positive multiple of 16 (the scale block); no other alignment is required.
@@ -9,8 +10,10 @@ from __future__ import annotations
 import torch
 
 from .. import _utils
-from ..heuristics import gemm_config
+from ..heuristics import gemm_config, gemm_mma_config
 from ..kernels.gemm_blockscaled import nvfp4_matmul_kernel
+from ..kernels.gemm_nvfp4_mma import nvfp4_matmul_mma_kernel
+from ._launch import sm90_target
 from .quant import check_nvfp4
 
 
@@ -19,6 +22,10 @@ def _nvfp4_matmul_impl(a: torch.Tensor, b_data: torch.Tensor, b_scales: torch.Te
     (m, k), n = a.shape, b_data.shape[0]
     if m == 0 or n == 0:
         return a.new_empty((m, n))
+    if sm90_target():
+        mma_cfg = gemm_mma_config(m, n, k, num_sms=_utils.num_sms(a.device))
+        if mma_cfg is not None:
+            return _launch_mma(a, b_data, b_scales.view(torch.uint8), b_global_scale, mma_cfg)
     cfg = gemm_config(m, n, k, interpret=_utils.is_interpreter(), num_sms=_utils.num_sms(a.device))
     k_steps = _utils.cdiv(k, cfg.block_k)
     k_per_split = _utils.cdiv(k_steps, min(cfg.split_k, k_steps)) * cfg.block_k
@@ -38,6 +45,21 @@ def _nvfp4_matmul_impl(a: torch.Tensor, b_data: torch.Tensor, b_scales: torch.Te
         SWAP_AB=cfg.swap_ab,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    return dest if split == 1 else dest.sum(0).to(a.dtype)
+
+
+def _launch_mma(a, b_data, s_bits, b_global_scale, cfg) -> torch.Tensor:
+    """The register-operand kernel for M <= 16 (kernels/gemm_nvfp4_mma.py, sm_90): split K slices write fp32
+    partials that torch sums in a fixed order, as in the Triton path."""
+    (m, k), n = a.shape, b_data.shape[0]
+    k_per_split = _utils.cdiv(_utils.cdiv(k, cfg.block_k), cfg.split_k) * cfg.block_k
+    split = _utils.cdiv(k, k_per_split)  # no empty slice
+    dest = (_utils.new_output((m, n), a.dtype, a.device) if split == 1
+            else torch.empty((split, m, n), dtype=torch.float32, device=a.device))
+    nvfp4_matmul_mma_kernel[(cfg.programs_n, split)](
+        a, b_data, s_bits, b_global_scale, dest, m, n, k, k_per_split, k_per_split // 2,
+        a.stride(0), a.stride(1), b_data.stride(0), s_bits.stride(0), dest.stride(-2), dest.stride(-1),
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, KS_STEPS=k_per_split // cfg.block_k, SPLIT_K=split, num_warps=4)
     return dest if split == 1 else dest.sum(0).to(a.dtype)
 
 

@@ -1,0 +1,226 @@
+"""NVFP4 weight GEMM for decode-sized M (<= 16) on sm_89+, written in Gluon: c = a @ dequant(b)^T.
+
+Why a second kernel (the Triton one is gemm_blockscaled.py): at M <= 16 the GEMM is bound by the bytes of the
+weight, 0.5625 per value, so the dequantisation has ~5 issue slots per value to spend at the copy roofline. The
+Triton kernel spent 7.3 SASS instructions per value (session 12 count): it interleaves the two nibbles of each
+byte back into the K order (PRMT / HADD2 shuffles) and moves the decoded tile through shared memory into the MMA
+operand layout. Here each weight byte is read from global memory straight into the thread that feeds it to the
+tensor cores, and decoded there:
+
+  * mma.sync (mma_v2, m16n8k16) with both operands in registers: A = the activation rows (16, zero-padded), B =
+    the weight tile [K, N]; the accumulator is 16 x BLOCK_N fp32 spread over 4 warps along N.
+  * Nibble halves: byte j of a weight row holds elements 2j (low nibble) and 2j+1 (high), so
+    c = a_even @ W_lo^T + a_odd @ W_hi^T, two products over K/2 whose operands come from the same bytes without
+    re-interleaving them.
+  * A permuted contraction order: the MMA's B fragment gives thread (g, t) of a warp the K indices
+    {2t, 2t+1, 2t+8, 2t+9} of every 16; within each 64 bytes of a row, byte j = 16t + 4kb + 2i1 + i0 is taken as
+    MMA index kk = 16kb + 8i1 + 2t + i0 (a digit permutation, `_mma_order`), so each thread's bytes of a row are
+    16 contiguous ones: one 16-byte load, four words that a 9-instruction PTX sequence turns into 8 fp16 values
+    (e2m1 -> e4m3 bit placement, then the hardware e4m3x2 -> f16x2 conversion). The activation is permuted the
+    same way once per program, when its K slice is staged in shared memory.
+  * Block scales: the 16 contiguous bytes span two scale blocks (bytes 8s..8s+7 share scale s), so a thread loads
+    two scale bytes per row and 16 step and multiplies pairs of decoded values by {s, s} (HMUL2).
+  * The activation is converted to fp16 (what the e4m3 conversion produces) after scaling each row by a power of
+    two that puts its largest finite |value| in [2^8, 2^9) (exact for bf16 inputs; undone on the accumulator).
+
+Shapes: a [M, K] fp16/bf16 (M <= 16), b_data [N, K/2] uint8, b_scales [N, K/16] e4m3 bits (uint8 view), g the
+float32 global scale; c [M, N] in a's dtype, or fp32 partials [SPLIT_K, M, N] that the caller sums. Grid
+(cdiv(N, BLOCK_N), SPLIT_K); each program stages its K slice of a (at most KS_STEPS x BLOCK_K values) in shared
+memory. No CPU interpreter: the CPU suite compiles it for sm_90 (tests/sm90_compile_check.py), the GPU suite runs
+it (tests/test_gemm_blockscaled.py).
+"""
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mma_v2
+
+ROWS = 16  # mma.sync's M: activation rows per program (M <= 16)
+M_ROWS = gl.constexpr(ROWS)
+DECODE_UNIT = gl.constexpr(64.0)  # decoded weights are e2m1 * scale / 2^6
+_cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # triton 3.6 name
+
+
+@gluon.constexpr_function
+def _mma_layout():
+    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8])
+
+
+@gluon.constexpr_function
+def _weight_layout(block_n, bytes_per_row):
+    """Registers of the weight bytes [block_n, bytes_per_row] as loaded: thread (warp w, lane 4g + t) holds rows
+    g + 8w (+ 32 per repetition) and bytes 16t..16t+15 of every 64 (+ 64 per repetition): 16 contiguous bytes."""
+    reg = [[0, 1], [0, 2], [0, 4], [0, 8]]
+    reg += [[0, 64 << i] for i in range((bytes_per_row // 64).bit_length() - 1)]
+    reg += [[32 << i, 0] for i in range((block_n // 32).bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
+                                      warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[block_n, bytes_per_row])
+
+
+@gluon.jit
+def _mma_order(x, R: gl.constexpr, J: gl.constexpr):
+    """x [R, J] (J a multiple of 64) with byte index j = 64c + 16t + 4kb + 2i1 + i0 along dim 1 -> the same values
+    at MMA index kk = 64c + 16kb + 8i1 + 2t + i0 (see the module docstring)."""
+    x = gl.reshape(x, [R, J // 64, 4, 4, 2, 2])
+    x = gl.permute(x, [0, 1, 3, 4, 2, 5])
+    return gl.reshape(x, [R, J])
+
+
+@gluon.jit
+def _e2m1_halves(packed):
+    """uint8 codes -> (low-nibble values, high-nibble values) as fp16 holding e2m1 * 2^-6: four bytes per 32-bit
+    register; a code s|e1 e0|m moves into e4m3 bits (sign to bit 7, e1 e0 m to bits 4..2: exactly e2m1 * 2^-6,
+    the 0.5 code as an e4m3 subnormal) and the hardware e4m3x2 -> f16x2 conversion finishes."""
+    return gl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 l, h, t;
+        .reg .b16 l0, l1, h0, h1;
+        shl.b32 l, $4, 2;
+        and.b32 l, l, 0x1C1C1C1C;
+        shl.b32 t, $4, 4;
+        and.b32 t, t, 0x80808080;
+        or.b32 l, l, t;
+        shr.b32 h, $4, 2;
+        and.b32 h, h, 0x1C1C1C1C;
+        and.b32 t, $4, 0x80808080;
+        or.b32 h, h, t;
+        mov.b32 {l0, l1}, l;
+        mov.b32 {h0, h1}, h;
+        cvt.rn.f16x2.e4m3x2 $0, l0;
+        cvt.rn.f16x2.e4m3x2 $1, l1;
+        cvt.rn.f16x2.e4m3x2 $2, h0;
+        cvt.rn.f16x2.e4m3x2 $3, h1;
+        }""",
+        constraints="=r,=r,=r,=r,r", args=[packed], dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
+
+
+@gluon.jit
+def _fp16_row_scale(amax):
+    """(2^k, 2^-k) per row with k putting the largest finite |value| in [2^8, 2^9) (k = 0 for an all-zero row)."""
+    e = (amax.to(gl.int32, bitcast=True) >> 23) & 0xFF
+    k = gl.where(e == 0, 0, gl.minimum(gl.maximum(135 - e, -126), 126))
+    return ((127 + k) << 23).to(gl.float32, bitcast=True), ((127 - k) << 23).to(gl.float32, bitcast=True)
+
+
+@gluon.constexpr_function
+def _scale_layout(block_n, bytes_per_row):
+    """Registers of the scale bits [block_n, bytes_per_row / 8] that _weight_layout's bytes need: the two scales
+    of each thread's 16 bytes (bytes 8s..8s+7 share scale s), contiguous."""
+    reg = [[0, 1]] + [[0, 8 << i] for i in range((bytes_per_row // 64).bit_length() - 1)]
+    reg += [[32 << i, 0] for i in range((block_n // 32).bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+                                      warp_bases=[[8, 0], [16, 0]], block_bases=[],
+                                      shape=[block_n, bytes_per_row // 8])
+
+
+@gluon.jit
+def _weight_tile(w_ptrs, s_ptrs, w_mask, s_mask, BLOCK_N: gl.constexpr, BK2: gl.constexpr):
+    """One step of weights -> (W_lo, W_hi) [BK2, BLOCK_N] fp16 in the MMA's B layout, in MMA order: the decoded
+    low / high nibbles times their block scales (e2m1 * scale / 2^6, exact in fp16)."""
+    packed = gl.load(w_ptrs, mask=w_mask, other=0)
+    s_bits = gl.load(s_ptrs, mask=s_mask, other=0)
+    lo, hi = _e2m1_halves(packed)
+    scale = s_bits.to(gl.float8e4nv, bitcast=True).to(gl.float16)
+    blocks: gl.constexpr = gl.reshape(lo, [BLOCK_N, BK2 // 8, 8]).type.layout  # 8 bytes per scale block
+    scale = gl.expand_dims(gl.convert_layout(scale, gl.SliceLayout(2, blocks), assert_trivial=True), 2)
+    b_dot: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=_mma_layout(), k_width=2)
+    lo = gl.reshape(gl.reshape(lo, [BLOCK_N, BK2 // 8, 8]) * scale, [BLOCK_N, BK2])
+    hi = gl.reshape(gl.reshape(hi, [BLOCK_N, BK2 // 8, 8]) * scale, [BLOCK_N, BK2])
+    w_lo = gl.convert_layout(gl.permute(_mma_order(lo, BLOCK_N, BK2), [1, 0]), b_dot, assert_trivial=True)
+    w_hi = gl.convert_layout(gl.permute(_mma_order(hi, BLOCK_N, BK2), [1, 0]), b_dot, assert_trivial=True)
+    return w_lo, w_hi
+
+
+@gluon.jit
+def _stage_activation(a_ptr, a_even, a_odd, M, k_lo, k_hi, stride_am, stride_ak, n_steps,
+                      BLOCK_K: gl.constexpr):
+    """a[:, k_lo:k_hi] -> shared memory as fp16, scaled per row (see _fp16_row_scale), split into even and odd K
+    and put in MMA order, one [16, BLOCK_K / 2] slab per step. Returns each row's 2^-k (to undo the scale)."""
+    BK2: gl.constexpr = BLOCK_K // 2
+    a_layout: gl.constexpr = gl.BlockedLayout([1, BLOCK_K // 32], [1, 32], [4, 1], [1, 0])
+    a_rows = gl.arange(0, M_ROWS, layout=gl.SliceLayout(1, a_layout))
+    a_cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, a_layout))
+    row_ptrs = a_ptr + gl.expand_dims(a_rows.to(gl.int64) * stride_am, 1)
+    row_ok = gl.expand_dims(a_rows < M, 1)
+    amax = gl.zeros([M_ROWS], gl.float32, gl.SliceLayout(1, a_layout))
+    for st in range(n_steps):
+        k = k_lo + st * BLOCK_K + a_cols
+        x = gl.abs(gl.load(row_ptrs + gl.expand_dims(k * stride_ak, 0), mask=row_ok & gl.expand_dims(k < k_hi, 0),
+                           other=0.0).to(gl.float32))
+        amax = gl.maximum(amax, gl.max(gl.where(x < float("inf"), x, 0.0), 1))
+    up, down = _fp16_row_scale(amax)
+    for st in range(n_steps):
+        k = k_lo + st * BLOCK_K + a_cols
+        x = gl.load(row_ptrs + gl.expand_dims(k * stride_ak, 0), mask=row_ok & gl.expand_dims(k < k_hi, 0),
+                    other=0.0).to(gl.float32)
+        ev, od = gl.split(gl.reshape((x * gl.expand_dims(up, 1)).to(gl.float16), [M_ROWS, BK2, 2]))
+        a_even.index(st).store(_mma_order(ev, M_ROWS, BK2))
+        a_odd.index(st).store(_mma_order(od, M_ROWS, BK2))
+    _cta_barrier()
+    return down
+
+
+@gluon.jit
+def _output_tile(b_ptr, s_ptr, a_even, a_odd, row0, N, j0, kb, stride_bn, stride_sn,
+                 BLOCK_N: gl.constexpr, BK2: gl.constexpr):
+    """acc [16, BLOCK_N] = a[:, slice] @ dequant(b[row0:row0 + BLOCK_N, slice])^T without the 2^-6 unit and the
+    row scales; the slice is bytes j0..j0 + kb of each weight row (kb of them)."""
+    w_layout: gl.constexpr = _weight_layout(BLOCK_N, BK2)
+    s_layout: gl.constexpr = _scale_layout(BLOCK_N, BK2)
+    a_dot: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_mma_layout(), k_width=2)
+    rows = row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, w_layout))
+    w_ptrs = (b_ptr + gl.expand_dims(rows.to(gl.int64) * stride_bn, 1)
+              + gl.expand_dims(j0 + gl.arange(0, BK2, layout=gl.SliceLayout(0, w_layout)), 0))
+    s_rows = row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    s_ptrs = (s_ptr + gl.expand_dims(s_rows.to(gl.int64) * stride_sn, 1)
+              + gl.expand_dims(j0 // 8 + gl.arange(0, BK2 // 8, layout=gl.SliceLayout(0, s_layout)), 0))
+    w_ok = gl.expand_dims(rows < N, 1)
+    s_ok = gl.expand_dims(s_rows < N, 1)
+    acc = gl.zeros([M_ROWS, BLOCK_N], gl.float32, _mma_layout())
+    n_full = kb // BK2
+    for st in range(n_full):  # whole steps: no K mask, so each thread's 16 bytes load as one vector
+        w_lo, w_hi = _weight_tile(w_ptrs + st * BK2, s_ptrs + st * (BK2 // 8), w_ok, s_ok, BLOCK_N, BK2)
+        acc = mma_v2(a_even.index(st).load(a_dot), w_lo, acc)
+        acc = mma_v2(a_odd.index(st).load(a_dot), w_hi, acc)
+    if n_full * BK2 < kb:  # the K tail: bytes past the slice load as code 0 with scale 0
+        left = kb - n_full * BK2
+        j = gl.arange(0, BK2, layout=gl.SliceLayout(0, w_layout))
+        sj = gl.arange(0, BK2 // 8, layout=gl.SliceLayout(0, s_layout))
+        w_lo, w_hi = _weight_tile(w_ptrs + n_full * BK2, s_ptrs + n_full * (BK2 // 8),
+                                  w_ok & gl.expand_dims(j < left, 0), s_ok & gl.expand_dims(sj < left // 8, 0),
+                                  BLOCK_N, BK2)
+        acc = mma_v2(a_even.index(n_full).load(a_dot), w_lo, acc)
+        acc = mma_v2(a_odd.index(n_full).load(a_dot), w_hi, acc)
+    return acc
+
+
+@gluon.jit
+def nvfp4_matmul_mma_kernel(a_ptr, b_ptr, s_ptr, g_ptr, c_ptr, M, N, K, k_per_split, kb_per_split,
+                            stride_am, stride_ak, stride_bn, stride_sn, stride_cm, stride_cn,
+                            BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, KS_STEPS: gl.constexpr,
+                            SPLIT_K: gl.constexpr):
+    """Grid (programs over N, SPLIT_K), 4 warps. Program (p, s) stages K slice s of a (k_per_split values,
+    kb_per_split = k_per_split / 2 bytes, a multiple of BLOCK_K) once and computes the N tiles p, p + P, ...
+    SPLIT_K > 1: c_ptr is an fp32 workspace [SPLIT_K, M, N] (stride_cm, stride_cn for M, N)."""
+    BK2: gl.constexpr = BLOCK_K // 2
+    mma: gl.constexpr = _mma_layout()
+    a_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+    split = gl.program_id(1)
+    k_lo = split * k_per_split
+    k_hi = gl.minimum(k_lo + k_per_split, K)
+    a_even = gl.allocate_shared_memory(gl.float16, [KS_STEPS, M_ROWS, BK2], a_smem_layout)
+    a_odd = gl.allocate_shared_memory(gl.float16, [KS_STEPS, M_ROWS, BK2], a_smem_layout)
+    down = _stage_activation(a_ptr, a_even, a_odd, M, k_lo, k_hi, stride_am, stride_ak,
+                             gl.cdiv(k_hi - k_lo, BLOCK_K), BLOCK_K)
+    # Undo the activation's row scale, the decode's 2^-6 unit and the global scale in one factor per row.
+    row_factor = gl.expand_dims(gl.convert_layout(down, gl.SliceLayout(1, mma)), 1) * (gl.load(g_ptr) * DECODE_UNIT)
+    c_rows = gl.arange(0, M_ROWS, layout=gl.SliceLayout(1, mma))
+    c_base = c_ptr + gl.expand_dims(c_rows.to(gl.int64) * stride_cm, 1)
+    if SPLIT_K > 1:
+        c_base += split.to(gl.int64) * M * N
+    for tile in range(gl.program_id(0), gl.cdiv(N, BLOCK_N), gl.num_programs(0)):
+        acc = _output_tile(b_ptr, s_ptr, a_even, a_odd, tile * BLOCK_N, N, split * kb_per_split, (k_hi - k_lo) // 2,
+                           stride_bn, stride_sn, BLOCK_N, BK2)
+        c_cols = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+        c_ptrs = c_base + gl.expand_dims(c_cols.to(gl.int64) * stride_cn, 0)
+        c_ok = gl.expand_dims(c_rows < M, 1) & gl.expand_dims(c_cols < N, 0)
+        gl.store(c_ptrs, (acc * row_factor).to(c_ptr.dtype.element_ty), mask=c_ok)
