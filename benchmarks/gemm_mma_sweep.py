@@ -21,7 +21,7 @@ from tileflash.ops.quant import nvfp4_quantize  # noqa: E402
 parser = argparse.ArgumentParser()
 parser.add_argument("--m", default="1,16")
 parser.add_argument("--nk", default="4096,8192")
-parser.add_argument("--variants", default="0,0;2,1;4,1;4,2;8,2;8,4")
+parser.add_argument("--variants", default="0,0;8,1;8,2;16,1;16,2;16,4")
 args = parser.parse_args()
 VARIANTS = [tuple(int(x) for x in v.split(",")) for v in args.variants.split(";")]
 
@@ -56,16 +56,14 @@ for nk in map(int, args.nk.split(",")):
         row["triton"] = bench_graph_ms(lambda: triton_path(a, b_q)) * 1e3 if ok(out, a, w) else "ERR"
         for split, per in VARIANTS:
             cfg = gemm_mma_config(m, nk, nk, tiles_per_program=per, split_k=split)
-            tiles = -(-nk // cfg.block_n)
-            name = f"mma {cfg.split_k}x{-(-tiles // cfg.programs_n)}"
             out = gemm._launch_mma(a, b_q[0], s_bits, b_q[2], cfg)
             fn = lambda cfg=cfg: gemm._launch_mma(a, b_q[0], s_bits, b_q[2], cfg)  # noqa: E731
-            row[f"{split},{per}:{name}"] = bench_graph_ms(fn) * 1e3 if ok(out, a, w) else "ERR"
+            row[f"{split},{per}"] = bench_graph_ms(fn) * 1e3 if ok(out, a, w) else "ERR"
         rows.append(row)
         print(row, flush=True)
 
 keys = list(rows[0])
-print("\nNVFP4 GEMM, graph replay, us (variant = split_k,tiles per program asked : split x tiles taken)")
+print("\nNVFP4 GEMM, graph replay, us (variant = split_k,tiles per program asked; 0 = heuristic)")
 print(" | ".join(f"{k:>14}" for k in keys))
 for r in rows:
-    print(" | ".join(f"{r[k]:>14.1f}" if isinstance(r[k], float) else f"{str(r[k]):>14}" for k in keys))
+    print(" | ".join(f"{r.get(k, 0.0):>14.1f}" if isinstance(r.get(k), float) else f"{str(r.get(k)):>14}" for k in keys))

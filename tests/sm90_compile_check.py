@@ -155,7 +155,7 @@ def _cases():
         "nvfp4_dequantize": lambda: tileflash.nvfp4_dequantize(*tileflash.nvfp4_quantize(torch.randn(64, 128))),
         "fp8_quantize": lambda: tileflash.fp8_quantize(torch.randn(64, 128, dtype=bf)),
         "gemm M=1 (split-K), register operands": lambda: gemm(1, 4096, 4096, mma=True),
-        "gemm M=16 fp16, K tail, one slice, register operands": lambda: gemm(16, 200, 400, torch.float16, mma=True),
+        "gemm M=16 fp16, K tail, one slice, register operands": lambda: gemm(16, 200, 416, torch.float16, mma=True),
         "gemm M=128": lambda: gemm(128, 512, 1024),
         "gemm M=1024": lambda: gemm(1024, 512, 1024),
     }

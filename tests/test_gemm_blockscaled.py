@@ -134,12 +134,12 @@ def test_gemm_config_table(m, n, expected):
 
 
 @pytest.mark.parametrize("m, n, k, expected", [
-    # K in slices of at most 8 steps of 256; N tiles per program until 3 programs per SM (132 SMs) remain
-    (1, 4096, 4096, GemmMmaConfig(64, 256, split_k=2, programs_n=64)),  # 128 programs: one tile each
-    (16, 8192, 8192, GemmMmaConfig(64, 256, split_k=4, programs_n=64)),  # 512 tile-slices: two tiles per program
-    (1, 65536, 4096, GemmMmaConfig(64, 256, split_k=2, programs_n=171)),  # 2048 tile-slices: six per program
+    # K in slices of at most 4 steps of 256; N tiles per program until 3 programs per SM (132 SMs) remain
+    (1, 4096, 4096, GemmMmaConfig(64, 256, split_k=4, programs_n=64)),  # 256 programs: one tile each
+    (16, 8192, 8192, GemmMmaConfig(64, 256, split_k=8, programs_n=43)),  # 1024 tile-slices: three per program
+    (1, 65536, 4096, GemmMmaConfig(64, 256, split_k=4, programs_n=94)),  # 4096 tile-slices: eleven per program
     (16, 200, 400, GemmMmaConfig(64, 256, split_k=1, programs_n=4)),  # 2 K steps: one slice; N tail
-    (1, 64, 100000, GemmMmaConfig(64, 256, split_k=49, programs_n=1)),  # 391 steps: 49 slices of <= 8
+    (1, 64, 100000, GemmMmaConfig(64, 256, split_k=98, programs_n=1)),  # 391 steps: 98 slices of <= 4
     (17, 4096, 4096, None),  # more rows than one mma.sync tile: the Triton kernel
 ])
 def test_gemm_mma_config_table(m, n, k, expected):
@@ -151,39 +151,58 @@ def test_gemm_mma_config_forced_choices():
     assert gemm_mma_config(1, 64, 256, split_k=4).split_k == 1  # never more slices than K steps
 
 
-MMA_SHAPES = [
-    (1, 4096, 4096),  # decode GEMM: two K slices, one N tile per program
-    (16, 200, 400),  # one slice of 1.56 steps (a masked K tail of 144 values), an N tail of 8 rows
-    (3, 1000, 8240),  # five slices, the last one a 48-value tail; 16 tiles, the last one 40 rows
-    (16, 64, 16),  # K = one scale block: a single masked step
-    (7, 8192, 2048),  # one slice of 8 whole steps, two N tiles per program
+MMA_SHAPES = [  # K a multiple of 32 (the kernel's 16-byte vectors)
+    (1, 4096, 4096),  # decode GEMM: four K slices, one N tile per program
+    (16, 200, 416),  # one slice of 1.6 steps (a masked K tail of 160 values), an N tail of 8 rows
+    (3, 1000, 8224),  # nine slices, the last a 32-value tail; 16 tiles, the last one 40 rows
+    (16, 64, 32),  # K = two scale blocks: a single masked step
+    (7, 8192, 2048),  # two slices of 4 whole steps, three N tiles per program (the last program two)
 ]
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the register-operand Gluon kernel runs on sm_90 only")
 @pytest.mark.parametrize("m, n, k", MMA_SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in MMA_SHAPES])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_mma_kernel_matches_reference(m, n, k, dtype):
-    from tileflash.kernels.gemm_nvfp4_mma import nvfp4_matmul_mma_kernel as kern
-
-    before = sum(len(c[0]) for c in kern.device_caches.values())
+def test_mma_kernel_matches_reference(m, n, k, dtype, monkeypatch):
+    calls = _count_mma_launches(monkeypatch)
     a, b_q = _inputs(m, n, k, dtype, seed=m * 7 + n + k)
     out = nvfp4_matmul(a, *b_q)
     assert out.dtype == dtype and out.shape == (m, n)
     _check(a, b_q, out)
-    assert sum(len(c[0]) for c in kern.device_caches.values()) >= max(before, 1)  # it ran the Gluon kernel
+    assert calls == [1]  # it ran the Gluon kernel
+
+
+def _count_mma_launches(monkeypatch):
+    from tileflash.ops import gemm
+
+    calls, launch = [], gemm._launch_mma
+    monkeypatch.setattr(gemm, "_launch_mma", lambda *args: calls.append(1) or launch(*args))
+    return calls
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the register-operand Gluon kernel runs on sm_90 only")
+def test_mma_kernel_declines_what_it_cannot_address(monkeypatch):
+    """K not a multiple of 32, a column-strided a: the Triton kernel serves them (still correct)."""
+    calls = _count_mma_launches(monkeypatch)
+    a, b_q = _inputs(4, 64, 400, torch.bfloat16, seed=12)
+    _check(a, b_q, nvfp4_matmul(a, *b_q))
+    a, b_q = _inputs(4, 64, 512, torch.bfloat16, seed=13)
+    wide = torch.zeros(4, 1024, dtype=torch.bfloat16, device=DEVICE)
+    wide[:, ::2] = a
+    _check(a, b_q, nvfp4_matmul(wide[:, ::2], *b_q))
+    assert calls == []
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the register-operand Gluon kernel runs on sm_90 only")
 def test_mma_kernel_row_scales_keep_every_magnitude():
     """Each activation row goes to fp16 scaled by its own power of two: rows near bf16's top (fp16 overflows at
-    65504), tiny rows (fp16 subnormals) and a zero row all match the reference; a strided a too."""
+    65504), tiny rows (fp16 subnormals) and a zero row all match the reference; rows with a stride too."""
     a, b_q = _inputs(8, 256, 1024, torch.bfloat16, seed=11)
     a = a * torch.tensor([1e30, 1e-30, 1.0, 0.0, 7e4, 3e-6, 1.0, 1e10], device=DEVICE, dtype=torch.bfloat16)[:, None]
     _check(a, b_q, nvfp4_matmul(a, *b_q))
     wide = torch.zeros(8, 2048, dtype=torch.bfloat16, device=DEVICE)
-    wide[:, ::2] = a
-    _check(a, b_q, nvfp4_matmul(wide[:, ::2], *b_q))
+    wide[:, :1024] = a
+    _check(a, b_q, nvfp4_matmul(wide[:, :1024], *b_q))
 
 
 def test_gemm_config_split_k_keeps_four_k_steps_per_slice():

@@ -332,7 +332,8 @@ class GemmMmaConfig:
 
 
 GEMM_MMA_MAX_M = 16  # one mma.sync M tile of activation rows
-GEMM_MMA_SLICE_STEPS = 8  # K steps staged per program: 8 x 256 values x 16 rows x fp16 = 64 KiB of shared memory
+GEMM_MMA_SLICE_STEPS = 4  # K steps staged per program: 4 x 256 values x 16 rows x (raw + fp16) = 64 KiB of
+# shared memory
 GEMM_MMA_PROGRAMS_PER_SM = 3  # what 64 KiB of shared memory each allows
 
 

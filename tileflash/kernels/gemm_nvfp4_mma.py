@@ -32,6 +32,7 @@ it (tests/test_gemm_blockscaled.py).
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mma_v2
 
 ROWS = 16  # mma.sync's M: activation rows per program (M <= 16)
@@ -66,31 +67,44 @@ def _mma_order(x, R: gl.constexpr, J: gl.constexpr):
 
 
 @gluon.jit
-def _e2m1_halves(packed):
-    """uint8 codes -> (low-nibble values, high-nibble values) as fp16 holding e2m1 * 2^-6: four bytes per 32-bit
-    register; a code s|e1 e0|m moves into e4m3 bits (sign to bit 7, e1 e0 m to bits 4..2: exactly e2m1 * 2^-6,
-    the 0.5 code as an e4m3 subnormal) and the hardware e4m3x2 -> f16x2 conversion finishes."""
+def _e2m1_words(words):
+    """int32 words of four e2m1 byte pairs -> (lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3): the low / high nibble of
+    byte i as fp16 holding e2m1 * 2^-6. A code s|e1 e0|m moves into e4m3 bits (sign to bit 7, e1 e0 m to bits
+    4..2: exactly e2m1 * 2^-6, the 0.5 code as an e4m3 subnormal) and the hardware e4m3x2 -> f16x2 conversion
+    finishes: 9 instructions per 8 values."""
     return gl.inline_asm_elementwise(
         asm="""{
-        .reg .b32 l, h, t;
-        .reg .b16 l0, l1, h0, h1;
-        shl.b32 l, $4, 2;
+        .reg .b32 l, h, t, a, b, c, d;
+        shl.b32 l, $8, 2;
         and.b32 l, l, 0x1C1C1C1C;
-        shl.b32 t, $4, 4;
+        shl.b32 t, $8, 4;
         and.b32 t, t, 0x80808080;
         or.b32 l, l, t;
-        shr.b32 h, $4, 2;
+        shr.b32 h, $8, 2;
         and.b32 h, h, 0x1C1C1C1C;
-        and.b32 t, $4, 0x80808080;
+        and.b32 t, $8, 0x80808080;
         or.b32 h, h, t;
+        {
+        .reg .b16 l0, l1, h0, h1;
         mov.b32 {l0, l1}, l;
         mov.b32 {h0, h1}, h;
-        cvt.rn.f16x2.e4m3x2 $0, l0;
-        cvt.rn.f16x2.e4m3x2 $1, l1;
-        cvt.rn.f16x2.e4m3x2 $2, h0;
-        cvt.rn.f16x2.e4m3x2 $3, h1;
+        cvt.rn.f16x2.e4m3x2 a, l0;
+        cvt.rn.f16x2.e4m3x2 b, l1;
+        cvt.rn.f16x2.e4m3x2 c, h0;
+        cvt.rn.f16x2.e4m3x2 d, h1;
+        }
+        mov.b32 {$0, $1}, a;
+        mov.b32 {$2, $3}, b;
+        mov.b32 {$4, $5}, c;
+        mov.b32 {$6, $7}, d;
         }""",
-        constraints="=r,=r,=r,=r,r", args=[packed], dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
+        constraints="=h,=h,=h,=h,=h,=h,=h,=h,r", args=[words], dtype=(gl.float16,) * 8, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _bytes_of_words(b0, b1, b2, b3, R: gl.constexpr, J: gl.constexpr):
+    """Four [R, J / 4] tensors (byte i of each word) -> [R, J] in byte order."""
+    return gl.reshape(gl.join(gl.join(b0, b2), gl.join(b1, b3)), [R, J])
 
 
 @gluon.jit
@@ -99,6 +113,17 @@ def _fp16_row_scale(amax):
     e = (amax.to(gl.int32, bitcast=True) >> 23) & 0xFF
     k = gl.where(e == 0, 0, gl.minimum(gl.maximum(135 - e, -126), 126))
     return ((127 + k) << 23).to(gl.float32, bitcast=True), ((127 - k) << 23).to(gl.float32, bitcast=True)
+
+
+@gluon.constexpr_function
+def _word_layout(block_n, bytes_per_row):
+    """_weight_layout's bytes as int32 words [block_n, bytes_per_row / 4] (registers carried across loop
+    iterations stay whole words, not bytes to re-pack)."""
+    reg = [[0, 1], [0, 2]] + [[0, 16 << i] for i in range((bytes_per_row // 64).bit_length() - 1)]
+    reg += [[32 << i, 0] for i in range((block_n // 32).bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+                                      warp_bases=[[8, 0], [16, 0]], block_bases=[],
+                                      shape=[block_n, bytes_per_row // 4])
 
 
 @gluon.constexpr_function
@@ -113,12 +138,12 @@ def _scale_layout(block_n, bytes_per_row):
 
 
 @gluon.jit
-def _weight_tile(w_ptrs, s_ptrs, w_mask, s_mask, BLOCK_N: gl.constexpr, BK2: gl.constexpr):
-    """One step of weights -> (W_lo, W_hi) [BK2, BLOCK_N] fp16 in the MMA's B layout, in MMA order: the decoded
-    low / high nibbles times their block scales (e2m1 * scale / 2^6, exact in fp16)."""
-    packed = gl.load(w_ptrs, mask=w_mask, other=0)
-    s_bits = gl.load(s_ptrs, mask=s_mask, other=0)
-    lo, hi = _e2m1_halves(packed)
+def _weight_tile(packed, s_bits, BLOCK_N: gl.constexpr, BK2: gl.constexpr):
+    """One step of weight words (_weight_load) and scale bits -> (W_lo, W_hi) [BK2, BLOCK_N] fp16 in the MMA's B layout, in MMA
+    order: the decoded low / high nibbles times their block scales (e2m1 * scale / 2^6, exact in fp16)."""
+    l0, l1, l2, l3, h0, h1, h2, h3 = _e2m1_words(packed)
+    lo = _bytes_of_words(l0, l1, l2, l3, BLOCK_N, BK2)
+    hi = _bytes_of_words(h0, h1, h2, h3, BLOCK_N, BK2)
     scale = s_bits.to(gl.float8e4nv, bitcast=True).to(gl.float16)
     blocks: gl.constexpr = gl.reshape(lo, [BLOCK_N, BK2 // 8, 8]).type.layout  # 8 bytes per scale block
     scale = gl.expand_dims(gl.convert_layout(scale, gl.SliceLayout(2, blocks), assert_trivial=True), 2)
@@ -131,27 +156,34 @@ def _weight_tile(w_ptrs, s_ptrs, w_mask, s_mask, BLOCK_N: gl.constexpr, BK2: gl.
 
 
 @gluon.jit
-def _stage_activation(a_ptr, a_even, a_odd, M, k_lo, k_hi, stride_am, stride_ak, n_steps,
-                      BLOCK_K: gl.constexpr):
+def _stage_activation(a_ptr, a_raw, a_even, a_odd, M, k_lo, k_hi, stride_am, n_steps,
+                      BLOCK_K: gl.constexpr, KS_STEPS: gl.constexpr):
     """a[:, k_lo:k_hi] -> shared memory as fp16, scaled per row (see _fp16_row_scale), split into even and odd K
-    and put in MMA order, one [16, BLOCK_K / 2] slab per step. Returns each row's 2^-k (to undo the scale)."""
+    and put in MMA order, one [16, BLOCK_K / 2] slab per step. The raw slice arrives by asynchronous copies, all in
+    flight at once (one memory latency, not one per step), and is read twice from shared memory: for the row
+    maxima, then for the conversion. Returns each row's 2^-k (to undo the scale)."""
     BK2: gl.constexpr = BLOCK_K // 2
     a_layout: gl.constexpr = gl.BlockedLayout([1, BLOCK_K // 32], [1, 32], [4, 1], [1, 0])
     a_rows = gl.arange(0, M_ROWS, layout=gl.SliceLayout(1, a_layout))
     a_cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, a_layout))
     row_ptrs = a_ptr + gl.expand_dims(a_rows.to(gl.int64) * stride_am, 1)
     row_ok = gl.expand_dims(a_rows < M, 1)
+    for st in gl.static_range(KS_STEPS):
+        k = k_lo + st * BLOCK_K + a_cols
+        async_copy.async_copy_global_to_shared(a_raw.index(st), row_ptrs + gl.expand_dims(k, 0),
+                                               mask=row_ok & gl.expand_dims(k < k_hi, 0))
+    async_copy.commit_group()
+    async_copy.wait_group(0)
+    _cta_barrier()
     amax = gl.zeros([M_ROWS], gl.float32, gl.SliceLayout(1, a_layout))
     for st in range(n_steps):
-        k = k_lo + st * BLOCK_K + a_cols
-        x = gl.abs(gl.load(row_ptrs + gl.expand_dims(k * stride_ak, 0), mask=row_ok & gl.expand_dims(k < k_hi, 0),
-                           other=0.0).to(gl.float32))
+        ok = row_ok & gl.expand_dims(k_lo + st * BLOCK_K + a_cols < k_hi, 0)  # masked copies leave no zeros
+        x = gl.abs(gl.where(ok, a_raw.index(st).load(a_layout).to(gl.float32), 0.0))
         amax = gl.maximum(amax, gl.max(gl.where(x < float("inf"), x, 0.0), 1))
     up, down = _fp16_row_scale(amax)
     for st in range(n_steps):
-        k = k_lo + st * BLOCK_K + a_cols
-        x = gl.load(row_ptrs + gl.expand_dims(k * stride_ak, 0), mask=row_ok & gl.expand_dims(k < k_hi, 0),
-                    other=0.0).to(gl.float32)
+        ok = row_ok & gl.expand_dims(k_lo + st * BLOCK_K + a_cols < k_hi, 0)
+        x = gl.where(ok, a_raw.index(st).load(a_layout).to(gl.float32), 0.0)
         ev, od = gl.split(gl.reshape((x * gl.expand_dims(up, 1)).to(gl.float16), [M_ROWS, BK2, 2]))
         a_even.index(st).store(_mma_order(ev, M_ROWS, BK2))
         a_odd.index(st).store(_mma_order(od, M_ROWS, BK2))
@@ -160,67 +192,86 @@ def _stage_activation(a_ptr, a_even, a_odd, M, k_lo, k_hi, stride_am, stride_ak,
 
 
 @gluon.jit
-def _output_tile(b_ptr, s_ptr, a_even, a_odd, row0, N, j0, kb, stride_bn, stride_sn,
-                 BLOCK_N: gl.constexpr, BK2: gl.constexpr):
-    """acc [16, BLOCK_N] = a[:, slice] @ dequant(b[row0:row0 + BLOCK_N, slice])^T without the 2^-6 unit and the
-    row scales; the slice is bytes j0..j0 + kb of each weight row (kb of them)."""
-    w_layout: gl.constexpr = _weight_layout(BLOCK_N, BK2)
+def _weight_load(b_ptr, s_ptr, row0, jst, live, j0, kb, N, stride_bn, stride_sn, BLOCK_N: gl.constexpr,
+                 BK2: gl.constexpr):
+    """The weight bytes of rows row0.. and bytes j0 + jst.. as int32 words [BLOCK_N, BK2 / 4], and their scale
+    bits [BLOCK_N, BK2 / 8], in the registers of _word_layout / _scale_layout (rows of b_data 16-byte aligned);
+    bytes past the slice's kb, rows past N and everything when not live load as code 0 with scale 0."""
+    w_layout: gl.constexpr = _word_layout(BLOCK_N, BK2)
     s_layout: gl.constexpr = _scale_layout(BLOCK_N, BK2)
-    a_dot: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_mma_layout(), k_width=2)
     rows = row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, w_layout))
-    w_ptrs = (b_ptr + gl.expand_dims(rows.to(gl.int64) * stride_bn, 1)
-              + gl.expand_dims(j0 + gl.arange(0, BK2, layout=gl.SliceLayout(0, w_layout)), 0))
+    wj = jst // 4 + gl.arange(0, BK2 // 4, layout=gl.SliceLayout(0, w_layout))
+    row_ptrs = (b_ptr + gl.expand_dims(rows.to(gl.int64) * stride_bn + j0, 1)).to(gl.pointer_type(gl.int32))
+    packed = gl.load(row_ptrs + gl.expand_dims(wj, 0),
+                     mask=gl.expand_dims((rows < N) & live, 1) & gl.expand_dims(wj < kb // 4, 0), other=0)
     s_rows = row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
-    s_ptrs = (s_ptr + gl.expand_dims(s_rows.to(gl.int64) * stride_sn, 1)
-              + gl.expand_dims(j0 // 8 + gl.arange(0, BK2 // 8, layout=gl.SliceLayout(0, s_layout)), 0))
-    w_ok = gl.expand_dims(rows < N, 1)
-    s_ok = gl.expand_dims(s_rows < N, 1)
-    acc = gl.zeros([M_ROWS, BLOCK_N], gl.float32, _mma_layout())
-    n_full = kb // BK2
-    for st in range(n_full):  # whole steps: no K mask, so each thread's 16 bytes load as one vector
-        w_lo, w_hi = _weight_tile(w_ptrs + st * BK2, s_ptrs + st * (BK2 // 8), w_ok, s_ok, BLOCK_N, BK2)
-        acc = mma_v2(a_even.index(st).load(a_dot), w_lo, acc)
-        acc = mma_v2(a_odd.index(st).load(a_dot), w_hi, acc)
-    if n_full * BK2 < kb:  # the K tail: bytes past the slice load as code 0 with scale 0
-        left = kb - n_full * BK2
-        j = gl.arange(0, BK2, layout=gl.SliceLayout(0, w_layout))
-        sj = gl.arange(0, BK2 // 8, layout=gl.SliceLayout(0, s_layout))
-        w_lo, w_hi = _weight_tile(w_ptrs + n_full * BK2, s_ptrs + n_full * (BK2 // 8),
-                                  w_ok & gl.expand_dims(j < left, 0), s_ok & gl.expand_dims(sj < left // 8, 0),
-                                  BLOCK_N, BK2)
-        acc = mma_v2(a_even.index(n_full).load(a_dot), w_lo, acc)
-        acc = mma_v2(a_odd.index(n_full).load(a_dot), w_hi, acc)
-    return acc
+    sj = jst // 8 + gl.arange(0, BK2 // 8, layout=gl.SliceLayout(0, s_layout))
+    s_bits = gl.load(s_ptr + gl.expand_dims(s_rows.to(gl.int64) * stride_sn, 1) + gl.expand_dims(j0 // 8 + sj, 0),
+                     mask=gl.expand_dims((s_rows < N) & live, 1) & gl.expand_dims(sj < kb // 8, 0), other=0)
+    return packed, s_bits
+
+
+@gluon.jit
+def _advance(row, jst, kb, P, BLOCK_N: gl.constexpr, BK2: gl.constexpr):
+    """(first row, first byte) of the next iteration: the next step of the tile, else step 0 of the next tile."""
+    last = jst + BK2 >= kb
+    return gl.where(last, row + P * BLOCK_N, row), gl.where(last, 0, jst + BK2)
 
 
 @gluon.jit
 def nvfp4_matmul_mma_kernel(a_ptr, b_ptr, s_ptr, g_ptr, c_ptr, M, N, K, k_per_split, kb_per_split,
-                            stride_am, stride_ak, stride_bn, stride_sn, stride_cm, stride_cn,
+                            stride_am, stride_bn, stride_sn, stride_cm, stride_cn,
                             BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, KS_STEPS: gl.constexpr,
                             SPLIT_K: gl.constexpr):
-    """Grid (programs over N, SPLIT_K), 4 warps. Program (p, s) stages K slice s of a (k_per_split values,
-    kb_per_split = k_per_split / 2 bytes, a multiple of BLOCK_K) once and computes the N tiles p, p + P, ...
+    """Grid (P programs over N, SPLIT_K), 4 warps. Program (p, s) stages K slice s of a (k_per_split values,
+    kb_per_split = k_per_split / 2 bytes; a's rows contiguous, K a multiple of 32) once and computes the N tiles
+    p, p + P, ...; its (tile, step) iterations run as one loop whose weight loads are issued two iterations ahead.
     SPLIT_K > 1: c_ptr is an fp32 workspace [SPLIT_K, M, N] (stride_cm, stride_cn for M, N)."""
     BK2: gl.constexpr = BLOCK_K // 2
     mma: gl.constexpr = _mma_layout()
-    a_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+    a_dot: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    p = gl.program_id(0)
+    P = gl.num_programs(0)
     split = gl.program_id(1)
     k_lo = split * k_per_split
     k_hi = gl.minimum(k_lo + k_per_split, K)
-    a_even = gl.allocate_shared_memory(gl.float16, [KS_STEPS, M_ROWS, BK2], a_smem_layout)
-    a_odd = gl.allocate_shared_memory(gl.float16, [KS_STEPS, M_ROWS, BK2], a_smem_layout)
-    down = _stage_activation(a_ptr, a_even, a_odd, M, k_lo, k_hi, stride_am, stride_ak,
-                             gl.cdiv(k_hi - k_lo, BLOCK_K), BLOCK_K)
+    n_steps = gl.cdiv(k_hi - k_lo, BLOCK_K)
+    a_raw = gl.allocate_shared_memory(a_ptr.dtype.element_ty, [KS_STEPS, M_ROWS, BLOCK_K],
+                                      gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0]))
+    slab: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+    a_even = gl.allocate_shared_memory(gl.float16, [KS_STEPS, M_ROWS, BK2], slab)
+    a_odd = gl.allocate_shared_memory(gl.float16, [KS_STEPS, M_ROWS, BK2], slab)
+    down = _stage_activation(a_ptr, a_raw, a_even, a_odd, M, k_lo, k_hi, stride_am, n_steps, BLOCK_K, KS_STEPS)
     # Undo the activation's row scale, the decode's 2^-6 unit and the global scale in one factor per row.
     row_factor = gl.expand_dims(gl.convert_layout(down, gl.SliceLayout(1, mma)), 1) * (gl.load(g_ptr) * DECODE_UNIT)
     c_rows = gl.arange(0, M_ROWS, layout=gl.SliceLayout(1, mma))
     c_base = c_ptr + gl.expand_dims(c_rows.to(gl.int64) * stride_cm, 1)
     if SPLIT_K > 1:
         c_base += split.to(gl.int64) * M * N
-    for tile in range(gl.program_id(0), gl.cdiv(N, BLOCK_N), gl.num_programs(0)):
-        acc = _output_tile(b_ptr, s_ptr, a_even, a_odd, tile * BLOCK_N, N, split * kb_per_split, (k_hi - k_lo) // 2,
-                           stride_bn, stride_sn, BLOCK_N, BK2)
-        c_cols = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
-        c_ptrs = c_base + gl.expand_dims(c_cols.to(gl.int64) * stride_cn, 0)
-        c_ok = gl.expand_dims(c_rows < M, 1) & gl.expand_dims(c_cols < N, 0)
-        gl.store(c_ptrs, (acc * row_factor).to(c_ptr.dtype.element_ty), mask=c_ok)
+    j0 = split * kb_per_split  # first byte of this program's slice of each weight row
+    kb = gl.multiple_of((k_hi - k_lo) // 2, 16)  # bytes of the slice: K % 32 == 0, so whole 16-byte vectors
+    total = gl.cdiv(gl.cdiv(N, BLOCK_N) - p, P) * n_steps
+    # Iteration i is step i % n_steps of tile p + (i // n_steps) * P; (row, byte) counters instead of divisions.
+    row, jst = p * BLOCK_N, 0  # iteration i's
+    w0, s0 = _weight_load(b_ptr, s_ptr, row, 0, 0 < total, j0, kb, N, stride_bn, stride_sn, BLOCK_N, BK2)
+    row_next, j_next = _advance(row, 0, kb, P, BLOCK_N, BK2)
+    w1, s1 = _weight_load(b_ptr, s_ptr, row_next, j_next, 1 < total, j0, kb, N, stride_bn, stride_sn, BLOCK_N,
+                          BK2)
+    row_next, j_next = _advance(row_next, j_next, kb, P, BLOCK_N, BK2)  # iteration i + 2's
+    acc = gl.zeros([M_ROWS, BLOCK_N], gl.float32, mma)
+    for i in range(total):
+        w2, s2 = _weight_load(b_ptr, s_ptr, row_next, j_next, i + 2 < total, j0, kb, N, stride_bn, stride_sn,
+                              BLOCK_N, BK2)
+        row_next, j_next = _advance(row_next, j_next, kb, P, BLOCK_N, BK2)
+        st = jst // BK2
+        w_lo, w_hi = _weight_tile(w0, s0, BLOCK_N, BK2)
+        acc = mma_v2(a_even.index(st).load(a_dot), w_lo, acc)
+        acc = mma_v2(a_odd.index(st).load(a_dot), w_hi, acc)
+        if jst + BK2 >= kb:  # the tile's last step
+            c_cols = row + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+            c_ok = gl.expand_dims(c_rows < M, 1) & gl.expand_dims(c_cols < N, 0)
+            gl.store(c_base + gl.expand_dims(c_cols.to(gl.int64) * stride_cn, 0),
+                     (acc * row_factor).to(c_ptr.dtype.element_ty), mask=c_ok)
+            acc = gl.zeros([M_ROWS, BLOCK_N], gl.float32, mma)
+        row, jst = _advance(row, jst, kb, P, BLOCK_N, BK2)
+        w0, s0, w1, s1 = w1, s1, w2, s2

@@ -24,7 +24,7 @@ def _nvfp4_matmul_impl(a: torch.Tensor, b_data: torch.Tensor, b_scales: torch.Te
         return a.new_empty((m, n))
     if sm90_target():
         mma_cfg = gemm_mma_config(m, n, k, num_sms=_utils.num_sms(a.device))
-        if mma_cfg is not None:
+        if mma_cfg is not None and _mma_operands_ok(a, b_data, b_scales):
             return _launch_mma(a, b_data, b_scales.view(torch.uint8), b_global_scale, mma_cfg)
     cfg = gemm_config(m, n, k, interpret=_utils.is_interpreter(), num_sms=_utils.num_sms(a.device))
     k_steps = _utils.cdiv(k, cfg.block_k)
@@ -48,6 +48,13 @@ def _nvfp4_matmul_impl(a: torch.Tensor, b_data: torch.Tensor, b_scales: torch.Te
     return dest if split == 1 else dest.sum(0).to(a.dtype)
 
 
+def _mma_operands_ok(a, b_data, b_scales) -> bool:
+    """What the register-operand kernel assumes of the tensors: K a multiple of 32 with contiguous, 16-byte
+    aligned rows of a and b_data (its copies and loads move 16 bytes at a time) and unit-stride scale rows."""
+    return (a.shape[1] % 32 == 0 and a.stride(1) == 1 and b_data.stride(1) == 1 and b_scales.stride(1) == 1
+            and all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in (a, b_data)))
+
+
 def _launch_mma(a, b_data, s_bits, b_global_scale, cfg) -> torch.Tensor:
     """The register-operand kernel for M <= 16 (kernels/gemm_nvfp4_mma.py, sm_90): split K slices write fp32
     partials that torch sums in a fixed order, as in the Triton path."""
@@ -58,8 +65,7 @@ def _launch_mma(a, b_data, s_bits, b_global_scale, cfg) -> torch.Tensor:
             else torch.empty((split, m, n), dtype=torch.float32, device=a.device))
     nvfp4_matmul_mma_kernel[(cfg.programs_n, split)](
         a, b_data, s_bits, b_global_scale, dest, m, n, k, k_per_split, k_per_split // 2,
-        a.stride(0), a.stride(1), b_data.stride(0), s_bits.stride(0), dest.stride(-2), dest.stride(-1),
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, KS_STEPS=k_per_split // cfg.block_k, SPLIT_K=split, num_warps=4)
+        a.stride(0), b_data.stride(0), s_bits.stride(0), dest.stride(-2), dest.stride(-1), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, KS_STEPS=k_per_split // cfg.block_k, SPLIT_K=split, num_warps=4)
     return dest if split == 1 else dest.sum(0).to(a.dtype)
 
 
