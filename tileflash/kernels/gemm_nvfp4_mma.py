@@ -212,6 +212,27 @@ def _weight_load(b_ptr, s_ptr, row0, jst, live, j0, kb, N, stride_bn, stride_sn,
 
 
 @gluon.jit
+def _step(acc_lo, acc_hi, w, sc, a_even, a_odd, row, jst, kb, M, N, c_rows, c_base, row_factor, stride_cn,
+          BLOCK_N: gl.constexpr, BK2: gl.constexpr):
+    """One iteration: the products of one weight step; on the tile's last step, its output tile is stored and the
+    accumulators restart."""
+    mma: gl.constexpr = _mma_layout()
+    a_dot: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    st = jst // BK2
+    w_lo, w_hi = _weight_tile(w, sc, BLOCK_N, BK2)
+    acc_lo = mma_v2(a_even.index(st).load(a_dot), w_lo, acc_lo)
+    acc_hi = mma_v2(a_odd.index(st).load(a_dot), w_hi, acc_hi)
+    if jst + BK2 >= kb:  # the tile's last step
+        c_cols = row + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+        c_ok = gl.expand_dims(c_rows < M, 1) & gl.expand_dims(c_cols < N, 0)
+        gl.store(c_base + gl.expand_dims(c_cols.to(gl.int64) * stride_cn, 0),
+                 ((acc_lo + acc_hi) * row_factor).to(c_base.dtype.element_ty), mask=c_ok)
+        acc_lo = gl.zeros([M_ROWS, BLOCK_N], gl.float32, mma)
+        acc_hi = gl.zeros([M_ROWS, BLOCK_N], gl.float32, mma)
+    return acc_lo, acc_hi
+
+
+@gluon.jit
 def _advance(row, jst, kb, P, BLOCK_N: gl.constexpr, BK2: gl.constexpr):
     """(first row, first byte) of the next iteration: the next step of the tile, else step 0 of the next tile."""
     last = jst + BK2 >= kb
@@ -225,11 +246,10 @@ def nvfp4_matmul_mma_kernel(a_ptr, b_ptr, s_ptr, g_ptr, c_ptr, M, N, K, k_per_sp
                             SPLIT_K: gl.constexpr):
     """Grid (P programs over N, SPLIT_K), 4 warps. Program (p, s) stages K slice s of a (k_per_split values,
     kb_per_split = k_per_split / 2 bytes; a's rows contiguous, K a multiple of 32) once and computes the N tiles
-    p, p + P, ...; its (tile, step) iterations run as one loop whose weight loads are issued two iterations ahead.
+    p, p + P, ...; its (tile, step) iterations run as one loop whose weight loads are issued ahead of use.
     SPLIT_K > 1: c_ptr is an fp32 workspace [SPLIT_K, M, N] (stride_cm, stride_cn for M, N)."""
     BK2: gl.constexpr = BLOCK_K // 2
     mma: gl.constexpr = _mma_layout()
-    a_dot: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     p = gl.program_id(0)
     P = gl.num_programs(0)
     split = gl.program_id(1)
@@ -252,26 +272,27 @@ def nvfp4_matmul_mma_kernel(a_ptr, b_ptr, s_ptr, g_ptr, c_ptr, M, N, K, k_per_sp
     kb = gl.multiple_of((k_hi - k_lo) // 2, 16)  # bytes of the slice: K % 32 == 0, so whole 16-byte vectors
     total = gl.cdiv(gl.cdiv(N, BLOCK_N) - p, P) * n_steps
     # Iteration i is step i % n_steps of tile p + (i // n_steps) * P; (row, byte) counters instead of divisions.
+    # Two iterations per trip, each slot's registers reloaded right after use (two iterations ahead, no moves).
     row, jst = p * BLOCK_N, 0  # iteration i's
-    w0, s0 = _weight_load(b_ptr, s_ptr, row, 0, 0 < total, j0, kb, N, stride_bn, stride_sn, BLOCK_N, BK2)
+    wa, sa = _weight_load(b_ptr, s_ptr, row, 0, 0 < total, j0, kb, N, stride_bn, stride_sn, BLOCK_N, BK2)
     row_next, j_next = _advance(row, 0, kb, P, BLOCK_N, BK2)
-    w1, s1 = _weight_load(b_ptr, s_ptr, row_next, j_next, 1 < total, j0, kb, N, stride_bn, stride_sn, BLOCK_N,
+    wb, sb = _weight_load(b_ptr, s_ptr, row_next, j_next, 1 < total, j0, kb, N, stride_bn, stride_sn, BLOCK_N,
                           BK2)
     row_next, j_next = _advance(row_next, j_next, kb, P, BLOCK_N, BK2)  # iteration i + 2's
-    acc = gl.zeros([M_ROWS, BLOCK_N], gl.float32, mma)
-    for i in range(total):
-        w2, s2 = _weight_load(b_ptr, s_ptr, row_next, j_next, i + 2 < total, j0, kb, N, stride_bn, stride_sn,
+    # Low and high nibble products accumulate separately: two dependency chains of mma.sync instead of one.
+    acc_lo = gl.zeros([M_ROWS, BLOCK_N], gl.float32, mma)
+    acc_hi = gl.zeros([M_ROWS, BLOCK_N], gl.float32, mma)
+    for i in range(0, total, 2):
+        acc_lo, acc_hi = _step(acc_lo, acc_hi, wa, sa, a_even, a_odd, row, jst, kb, M, N, c_rows, c_base,
+                               row_factor, stride_cn, BLOCK_N, BK2)
+        row, jst = _advance(row, jst, kb, P, BLOCK_N, BK2)
+        wa, sa = _weight_load(b_ptr, s_ptr, row_next, j_next, i + 2 < total, j0, kb, N, stride_bn, stride_sn,
                               BLOCK_N, BK2)
         row_next, j_next = _advance(row_next, j_next, kb, P, BLOCK_N, BK2)
-        st = jst // BK2
-        w_lo, w_hi = _weight_tile(w0, s0, BLOCK_N, BK2)
-        acc = mma_v2(a_even.index(st).load(a_dot), w_lo, acc)
-        acc = mma_v2(a_odd.index(st).load(a_dot), w_hi, acc)
-        if jst + BK2 >= kb:  # the tile's last step
-            c_cols = row + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
-            c_ok = gl.expand_dims(c_rows < M, 1) & gl.expand_dims(c_cols < N, 0)
-            gl.store(c_base + gl.expand_dims(c_cols.to(gl.int64) * stride_cn, 0),
-                     (acc * row_factor).to(c_ptr.dtype.element_ty), mask=c_ok)
-            acc = gl.zeros([M_ROWS, BLOCK_N], gl.float32, mma)
-        row, jst = _advance(row, jst, kb, P, BLOCK_N, BK2)
-        w0, s0, w1, s1 = w1, s1, w2, s2
+        if i + 1 < total:
+            acc_lo, acc_hi = _step(acc_lo, acc_hi, wb, sb, a_even, a_odd, row, jst, kb, M, N, c_rows, c_base,
+                                   row_factor, stride_cn, BLOCK_N, BK2)
+            row, jst = _advance(row, jst, kb, P, BLOCK_N, BK2)
+        wb, sb = _weight_load(b_ptr, s_ptr, row_next, j_next, i + 3 < total, j0, kb, N, stride_bn, stride_sn,
+                              BLOCK_N, BK2)
+        row_next, j_next = _advance(row_next, j_next, kb, P, BLOCK_N, BK2)
