@@ -21,7 +21,7 @@ from tileflash.ops.quant import nvfp4_quantize  # noqa: E402
 parser = argparse.ArgumentParser()
 parser.add_argument("--m", default="1,16")
 parser.add_argument("--nk", default="4096,8192")
-parser.add_argument("--variants", default="0,0;16,2;16,4;32,2;32,4;32,8")
+parser.add_argument("--variants", default="0,0;8,1;8,4;16,2;16,4")
 args = parser.parse_args()
 VARIANTS = [tuple(int(x) for x in v.split(",")) for v in args.variants.split(";")]
 

@@ -134,12 +134,12 @@ def test_gemm_config_table(m, n, expected):
 
 
 @pytest.mark.parametrize("m, n, k, expected", [
-    # K in slices of at most 4 steps of 256; N tiles per program until 3 programs per SM (132 SMs) remain
-    (1, 4096, 4096, GemmMmaConfig(64, 256, split_k=4, programs_n=64)),  # 256 programs: one tile each
-    (16, 8192, 8192, GemmMmaConfig(64, 256, split_k=8, programs_n=43)),  # 1024 tile-slices: three per program
-    (1, 65536, 4096, GemmMmaConfig(64, 256, split_k=4, programs_n=94)),  # 4096 tile-slices: eleven per program
+    # K in slices of at most 2 steps of 256; N tiles per program (<= 4) until 3 programs per SM (132 SMs) remain
+    (1, 4096, 4096, GemmMmaConfig(64, 256, split_k=8, programs_n=32)),  # 512 tile-slices: two tiles per program
+    (16, 8192, 8192, GemmMmaConfig(64, 256, split_k=16, programs_n=32)),  # 2048 tile-slices: four per program
+    (1, 65536, 4096, GemmMmaConfig(64, 256, split_k=8, programs_n=256)),  # 8192 tile-slices: four (at most)
     (16, 200, 400, GemmMmaConfig(64, 256, split_k=1, programs_n=4)),  # 2 K steps: one slice; N tail
-    (1, 64, 100000, GemmMmaConfig(64, 256, split_k=98, programs_n=1)),  # 391 steps: 98 slices of <= 4
+    (1, 64, 100000, GemmMmaConfig(64, 256, split_k=196, programs_n=1)),  # 391 steps: 196 slices of <= 2
     (17, 4096, 4096, None),  # more rows than one mma.sync tile: the Triton kernel
 ])
 def test_gemm_mma_config_table(m, n, k, expected):
@@ -154,9 +154,9 @@ def test_gemm_mma_config_forced_choices():
 MMA_SHAPES = [  # K a multiple of 32 (the kernel's 16-byte vectors)
     (1, 4096, 4096),  # decode GEMM: four K slices, one N tile per program
     (16, 200, 416),  # one slice of 1.6 steps (a masked K tail of 160 values), an N tail of 8 rows
-    (3, 1000, 8224),  # nine slices, the last a 32-value tail; 16 tiles, the last one 40 rows
+    (3, 1000, 8224),  # 17 slices, the last a 32-value tail; 16 tiles, the last one 40 rows
     (16, 64, 32),  # K = two scale blocks: a single masked step
-    (7, 8192, 2048),  # two slices of 4 whole steps, three N tiles per program (the last program two)
+    (7, 8192, 2048),  # four slices of 2 whole steps, one N tile per program
 ]
 
 

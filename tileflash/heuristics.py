@@ -332,16 +332,21 @@ class GemmMmaConfig:
 
 
 GEMM_MMA_MAX_M = 16  # one mma.sync M tile of activation rows
-GEMM_MMA_SLICE_STEPS = 4  # K steps staged per program: 4 x 256 values x 16 rows x (raw + fp16) = 64 KiB of
-# shared memory
-GEMM_MMA_PROGRAMS_PER_SM = 3  # what 64 KiB of shared memory each allows
+# K steps (of 256 values) staged per program, 32 KiB of shared memory (raw + fp16 copies of 16 rows), and the most
+# N tiles a program takes. Run 79 (benchmarks/gemm_mma_sweep.py, graph replay, us, M = 1 / 16, split x tiles per
+# program): N=K=8192 16x4 28.1 / 32.8, 16x2 31.5 / 36.1, 32x4 31.9 / 37.2, 8x3 (4 steps) 34.2 / 39.1; N=K=4096 all
+# within 17.6-18.1 / 18.9-20.1 (8x1: 17.3 / 19.2 in run 78).
+GEMM_MMA_SLICE_STEPS = 2
+GEMM_MMA_MAX_TILES = 4
+GEMM_MMA_PROGRAMS_PER_SM = 3
 
 
 def gemm_mma_config(m: int, n: int, k: int, num_sms: int = 132, tiles_per_program: int = 0,
                     split_k: int = 0) -> GemmMmaConfig | None:
     """Tiles of the register-operand NVFP4 GEMM (None above GEMM_MMA_MAX_M rows: the Triton kernel). K is cut into
     the fewest slices of at most GEMM_MMA_SLICE_STEPS steps; then each program takes as many N tiles as it needs
-    for the programs to fit GEMM_MMA_PROGRAMS_PER_SM per SM (staging a's slice is paid once per program).
+    for the programs to fit GEMM_MMA_PROGRAMS_PER_SM per SM, at most GEMM_MMA_MAX_TILES (staging a's slice is
+    paid once per program).
     tiles_per_program / split_k > 0 force those choices (benchmarks/gemm_mma_sweep.py)."""
     if m > GEMM_MMA_MAX_M:
         return None
@@ -350,7 +355,8 @@ def gemm_mma_config(m: int, n: int, k: int, num_sms: int = 132, tiles_per_progra
     split = split_k or -(-steps // GEMM_MMA_SLICE_STEPS)
     split = min(split, steps)
     tiles = -(-n // block_n)
-    per_program = tiles_per_program or max(1, -(-tiles * split // (GEMM_MMA_PROGRAMS_PER_SM * num_sms)))
+    per_program = tiles_per_program or max(1, min(GEMM_MMA_MAX_TILES,
+                                                  -(-tiles * split // (GEMM_MMA_PROGRAMS_PER_SM * num_sms))))
     return GemmMmaConfig(block_n=block_n, block_k=block_k, split_k=split, programs_n=-(-tiles // per_program))
 
 

@@ -261,13 +261,6 @@ def nvfp4_matmul_mma_kernel(a_ptr, b_ptr, s_ptr, g_ptr, c_ptr, M, N, K, k_per_sp
     slab: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
     a_even = gl.allocate_shared_memory(gl.float16, [KS_STEPS, M_ROWS, BK2], slab)
     a_odd = gl.allocate_shared_memory(gl.float16, [KS_STEPS, M_ROWS, BK2], slab)
-    down = _stage_activation(a_ptr, a_raw, a_even, a_odd, M, k_lo, k_hi, stride_am, n_steps, BLOCK_K, KS_STEPS)
-    # Undo the activation's row scale, the decode's 2^-6 unit and the global scale in one factor per row.
-    row_factor = gl.expand_dims(gl.convert_layout(down, gl.SliceLayout(1, mma)), 1) * (gl.load(g_ptr) * DECODE_UNIT)
-    c_rows = gl.arange(0, M_ROWS, layout=gl.SliceLayout(1, mma))
-    c_base = c_ptr + gl.expand_dims(c_rows.to(gl.int64) * stride_cm, 1)
-    if SPLIT_K > 1:
-        c_base += split.to(gl.int64) * M * N
     j0 = split * kb_per_split  # first byte of this program's slice of each weight row
     kb = gl.multiple_of((k_hi - k_lo) // 2, 16)  # bytes of the slice: K % 32 == 0, so whole 16-byte vectors
     total = gl.cdiv(gl.cdiv(N, BLOCK_N) - p, P) * n_steps
@@ -279,6 +272,14 @@ def nvfp4_matmul_mma_kernel(a_ptr, b_ptr, s_ptr, g_ptr, c_ptr, M, N, K, k_per_sp
     wb, sb = _weight_load(b_ptr, s_ptr, row_next, j_next, 1 < total, j0, kb, N, stride_bn, stride_sn, BLOCK_N,
                           BK2)
     row_next, j_next = _advance(row_next, j_next, kb, P, BLOCK_N, BK2)  # iteration i + 2's
+    # The first weight loads are in flight while a's slice is staged.
+    down = _stage_activation(a_ptr, a_raw, a_even, a_odd, M, k_lo, k_hi, stride_am, n_steps, BLOCK_K, KS_STEPS)
+    # Undo the activation's row scale, the decode's 2^-6 unit and the global scale in one factor per row.
+    row_factor = gl.expand_dims(gl.convert_layout(down, gl.SliceLayout(1, mma)), 1) * (gl.load(g_ptr) * DECODE_UNIT)
+    c_rows = gl.arange(0, M_ROWS, layout=gl.SliceLayout(1, mma))
+    c_base = c_ptr + gl.expand_dims(c_rows.to(gl.int64) * stride_cm, 1)
+    if SPLIT_K > 1:
+        c_base += split.to(gl.int64) * M * N
     # Low and high nibble products accumulate separately: two dependency chains of mma.sync instead of one.
     acc_lo = gl.zeros([M_ROWS, BLOCK_N], gl.float32, mma)
     acc_hi = gl.zeros([M_ROWS, BLOCK_N], gl.float32, mma)
