@@ -15,18 +15,18 @@ tensor cores, and decoded there:
   * A permuted contraction order: the MMA's B fragment gives thread (g, t) of a warp the K indices
     {2t, 2t+1, 2t+8, 2t+9} of every 16; within each 64 bytes of a row, byte j = 16t + 4kb + 2i1 + i0 is taken as
     MMA index kk = 16kb + 8i1 + 2t + i0 (a digit permutation, `_mma_order`), so each thread's bytes of a row are
-    16 contiguous ones: one 16-byte load, four words that a 9-instruction PTX sequence turns into 8 fp16 values
+    16 contiguous ones: one 16-byte load, four words that 13 PTX instructions each turn into 8 fp16 values
     (e2m1 -> e4m3 bit placement, then the hardware e4m3x2 -> f16x2 conversion). The activation is permuted the
     same way once per program, when its K slice is staged in shared memory.
   * Block scales: the 16 contiguous bytes span two scale blocks (bytes 8s..8s+7 share scale s), so a thread loads
-    two scale bytes per row and 16 step and multiplies pairs of decoded values by {s, s} (HMUL2).
+    two scale bytes per row and 64 bytes and multiplies pairs of decoded values by {s, s} (HMUL2).
   * The activation is converted to fp16 (what the e4m3 conversion produces) after scaling each row by a power of
     two that puts its largest finite |value| in [2^8, 2^9) (exact for bf16 inputs; undone on the accumulator).
 
 Shapes: a [M, K] fp16/bf16 (M <= 16), b_data [N, K/2] uint8, b_scales [N, K/16] e4m3 bits (uint8 view), g the
 float32 global scale; c [M, N] in a's dtype, or fp32 partials [SPLIT_K, M, N] that the caller sums. Grid
-(cdiv(N, BLOCK_N), SPLIT_K); each program stages its K slice of a (at most KS_STEPS x BLOCK_K values) in shared
-memory. No CPU interpreter: the CPU suite compiles it for sm_90 (tests/sm90_compile_check.py), the GPU suite runs
+(P, SPLIT_K): a program stages its K slice of a (at most KS_STEPS x BLOCK_K values) in shared memory once and
+computes every P-th N tile with it. No CPU interpreter: the CPU suite compiles it for sm_90 (tests/sm90_compile_check.py), the GPU suite runs
 it (tests/test_gemm_blockscaled.py).
 """
 import triton
@@ -46,17 +46,6 @@ def _mma_layout():
     return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8])
 
 
-@gluon.constexpr_function
-def _weight_layout(block_n, bytes_per_row):
-    """Registers of the weight bytes [block_n, bytes_per_row] as loaded: thread (warp w, lane 4g + t) holds rows
-    g + 8w (+ 32 per repetition) and bytes 16t..16t+15 of every 64 (+ 64 per repetition): 16 contiguous bytes."""
-    reg = [[0, 1], [0, 2], [0, 4], [0, 8]]
-    reg += [[0, 64 << i] for i in range((bytes_per_row // 64).bit_length() - 1)]
-    reg += [[32 << i, 0] for i in range((block_n // 32).bit_length() - 1)]
-    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
-                                      warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[block_n, bytes_per_row])
-
-
 @gluon.jit
 def _mma_order(x, R: gl.constexpr, J: gl.constexpr):
     """x [R, J] (J a multiple of 64) with byte index j = 64c + 16t + 4kb + 2i1 + i0 along dim 1 -> the same values
@@ -71,7 +60,7 @@ def _e2m1_words(words):
     """int32 words of four e2m1 byte pairs -> (lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3): the low / high nibble of
     byte i as fp16 holding e2m1 * 2^-6. A code s|e1 e0|m moves into e4m3 bits (sign to bit 7, e1 e0 m to bits
     4..2: exactly e2m1 * 2^-6, the 0.5 code as an e4m3 subnormal) and the hardware e4m3x2 -> f16x2 conversion
-    finishes: 9 instructions per 8 values."""
+    finishes: 9 shift/logic instructions and 4 conversions per 8 values."""
     return gl.inline_asm_elementwise(
         asm="""{
         .reg .b32 l, h, t, a, b, c, d;
@@ -117,8 +106,10 @@ def _fp16_row_scale(amax):
 
 @gluon.constexpr_function
 def _word_layout(block_n, bytes_per_row):
-    """_weight_layout's bytes as int32 words [block_n, bytes_per_row / 4] (registers carried across loop
-    iterations stay whole words, not bytes to re-pack)."""
+    """Registers of the weight bytes as int32 words [block_n, bytes_per_row / 4]: thread (warp w, lane 4g + t)
+    holds rows g + 8w (+ 32 per repetition) and words 4t..4t+3 (bytes 16t..16t+15) of every 16 (+ 16 per
+    repetition): one 16-byte load per row and 64 bytes. Words, not bytes, so the registers carried across loop
+    iterations need no re-packing before the decode."""
     reg = [[0, 1], [0, 2]] + [[0, 16 << i] for i in range((bytes_per_row // 64).bit_length() - 1)]
     reg += [[32 << i, 0] for i in range((block_n // 32).bit_length() - 1)]
     return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
@@ -128,7 +119,7 @@ def _word_layout(block_n, bytes_per_row):
 
 @gluon.constexpr_function
 def _scale_layout(block_n, bytes_per_row):
-    """Registers of the scale bits [block_n, bytes_per_row / 8] that _weight_layout's bytes need: the two scales
+    """Registers of the scale bits [block_n, bytes_per_row / 8] that _word_layout's bytes need: the two scales
     of each thread's 16 bytes (bytes 8s..8s+7 share scale s), contiguous."""
     reg = [[0, 1]] + [[0, 8 << i] for i in range((bytes_per_row // 64).bit_length() - 1)]
     reg += [[32 << i, 0] for i in range((block_n // 32).bit_length() - 1)]
