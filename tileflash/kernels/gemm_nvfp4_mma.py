@@ -35,6 +35,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mma_v2
 
+from .quant import e2m1_to_e4m3_ptx
+
 ROWS = 16  # mma.sync's M: activation rows per program (M <= 16)
 M_ROWS = gl.constexpr(ROWS)
 DECODE_UNIT = gl.constexpr(64.0)  # decoded weights are e2m1 * scale / 2^6
@@ -55,24 +57,9 @@ def _mma_order(x, R: gl.constexpr, J: gl.constexpr):
     return gl.reshape(x, [R, J])
 
 
-@gluon.jit
-def _e2m1_words(words):
-    """int32 words of four e2m1 byte pairs -> (lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3): the low / high nibble of
-    byte i as fp16 holding e2m1 * 2^-6. A code s|e1 e0|m moves into e4m3 bits (sign to bit 7, e1 e0 m to bits
-    4..2: exactly e2m1 * 2^-6, the 0.5 code as an e4m3 subnormal) and the hardware e4m3x2 -> f16x2 conversion
-    finishes: 9 shift/logic instructions and 4 conversions per 8 values."""
-    return gl.inline_asm_elementwise(
-        asm="""{
+_WORDS_ASM = gl.constexpr("""{
         .reg .b32 l, h, t, a, b, c, d;
-        shl.b32 l, $8, 2;
-        and.b32 l, l, 0x1C1C1C1C;
-        shl.b32 t, $8, 4;
-        and.b32 t, t, 0x80808080;
-        or.b32 l, l, t;
-        shr.b32 h, $8, 2;
-        and.b32 h, h, 0x1C1C1C1C;
-        and.b32 t, $8, 0x80808080;
-        or.b32 h, h, t;
+        """ + e2m1_to_e4m3_ptx("$8") + """
         {
         .reg .b16 l0, l1, h0, h1;
         mov.b32 {l0, l1}, l;
@@ -86,7 +73,17 @@ def _e2m1_words(words):
         mov.b32 {$2, $3}, b;
         mov.b32 {$4, $5}, c;
         mov.b32 {$6, $7}, d;
-        }""",
+        }""")
+
+
+@gluon.jit
+def _e2m1_words(words):
+    """int32 words of four e2m1 byte pairs -> (lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3): the low / high nibble of
+    byte i as fp16 holding e2m1 * 2^-6. A code s|e1 e0|m moves into e4m3 bits (sign to bit 7, e1 e0 m to bits
+    4..2: exactly e2m1 * 2^-6, the 0.5 code as an e4m3 subnormal) and the hardware e4m3x2 -> f16x2 conversion
+    finishes: 9 shift/logic instructions and 4 conversions per 8 values."""
+    return gl.inline_asm_elementwise(
+        asm=_WORDS_ASM,
         constraints="=h,=h,=h,=h,=h,=h,=h,=h,r", args=[words], dtype=(gl.float16,) * 8, is_pure=True, pack=1)
 
 

@@ -115,6 +115,34 @@ def nvfp4_quantize_kernel(x_ptr, data_ptr, scales_ptr, g_ptr, R, K, stride_xr, s
              mask=row_ok[:, None] & (offs_s[None, :] < K // 16))
 
 
+def e2m1_to_e4m3_ptx(src: str) -> str:
+    """PTX: the four bytes of register src -> l, h (.b32, declared by the caller with a scratch t): the e4m3 bits
+    of each byte's low / high nibble, a code s|e1 e0|m placed as sign bit 7 and e1 e0 m in bits 4..2, which is
+    exactly e2m1 * 2^-6 (the 0.5 code an e4m3 subnormal). Shared with kernels/gemm_nvfp4_mma.py."""
+    return """shl.b32 l, {src}, 2;
+        and.b32 l, l, 0x1C1C1C1C;
+        shl.b32 t, {src}, 4;
+        and.b32 t, t, 0x80808080;
+        or.b32 l, l, t;
+        shr.b32 h, {src}, 2;
+        and.b32 h, h, 0x1C1C1C1C;
+        and.b32 t, {src}, 0x80808080;
+        or.b32 h, h, t;""".format(src=src)
+
+
+_PAIRS_ASM = tl.constexpr("""{
+        .reg .b32 l, h, t;
+        .reg .b16 l0, l1, h0, h1;
+        """ + e2m1_to_e4m3_ptx("$4") + """
+        mov.b32 {l0, l1}, l;
+        mov.b32 {h0, h1}, h;
+        cvt.rn.f16x2.e4m3x2 $0, l0;
+        cvt.rn.f16x2.e4m3x2 $1, l1;
+        cvt.rn.f16x2.e4m3x2 $2, h0;
+        cvt.rn.f16x2.e4m3x2 $3, h1;
+        }""")
+
+
 @triton.jit
 def _e2m1_pairs_fp16(packed, PURE: tl.constexpr):
     """GPU only. packed uint8 -> (low-nibble values, high-nibble values) as fp16 holding e2m1 * 2^-6.
@@ -125,25 +153,7 @@ def _e2m1_pairs_fp16(packed, PURE: tl.constexpr):
     hardware e4m3x2 -> f16x2 conversion finishes: ~13 instructions per 8 values, against ~12 per value when Triton
     handles each byte in its own register."""
     return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 l, h, t;
-        .reg .b16 l0, l1, h0, h1;
-        shl.b32 l, $4, 2;
-        and.b32 l, l, 0x1C1C1C1C;
-        shl.b32 t, $4, 4;
-        and.b32 t, t, 0x80808080;
-        or.b32 l, l, t;
-        shr.b32 h, $4, 2;
-        and.b32 h, h, 0x1C1C1C1C;
-        and.b32 t, $4, 0x80808080;
-        or.b32 h, h, t;
-        mov.b32 {l0, l1}, l;
-        mov.b32 {h0, h1}, h;
-        cvt.rn.f16x2.e4m3x2 $0, l0;
-        cvt.rn.f16x2.e4m3x2 $1, l1;
-        cvt.rn.f16x2.e4m3x2 $2, h0;
-        cvt.rn.f16x2.e4m3x2 $3, h1;
-        }""",
+        asm=_PAIRS_ASM,
         constraints="=r,=r,=r,=r,r", args=[packed], dtype=(tl.float16, tl.float16), is_pure=PURE, pack=4)
 
 
