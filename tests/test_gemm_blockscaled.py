@@ -181,6 +181,17 @@ def _count_mma_launches(monkeypatch):
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the register-operand Gluon kernel runs on sm_90 only")
+def test_mma_kernel_split_sum_is_reproducible():
+    """Split K: whichever slice finishes a tile last adds the partials, always in slice order, so repeated calls
+    give the same bits (16 slices, every tile's count restarting from a fresh zeroed buffer each call)."""
+    a, b_q = _inputs(5, 1024, 8192, torch.bfloat16, seed=14)
+    first = nvfp4_matmul(a, *b_q)
+    _check(a, b_q, first)
+    for _ in range(5):
+        assert torch.equal(nvfp4_matmul(a, *b_q), first)
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the register-operand Gluon kernel runs on sm_90 only")
 def test_mma_kernel_declines_what_it_cannot_address(monkeypatch):
     """K not a multiple of 32, a column-strided a: the Triton kernel serves them (still correct)."""
     calls = _count_mma_launches(monkeypatch)
