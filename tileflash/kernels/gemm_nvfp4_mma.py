@@ -236,7 +236,7 @@ def _finish_tile(c, row, M, N, c_rows, part0, slice_stride, out_base, cnt_ptr, s
         tile = row // BLOCK_N
         if gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
             total = gl.zeros([M_ROWS, BLOCK_N], gl.float32, mma)
-            for sl in gl.static_range(SPLIT_K):  # every partial in flight at once
+            for sl in range(SPLIT_K):
                 total += gl.load(part0 + sl * slice_stride + c_off, mask=c_ok, other=0.0, cache_modifier=".cg")
             gl.store(out_base + c_off, total.to(out_base.dtype.element_ty), mask=c_ok)
 
