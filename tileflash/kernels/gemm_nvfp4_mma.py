@@ -200,7 +200,7 @@ def _weight_load(b_ptr, s_ptr, row0, jst, live, j0, kb, N, stride_bn, stride_sn,
 
 
 @gluon.jit
-def _step(acc_lo, acc_hi, w, sc, a_even, a_odd, row, jst, kb, M, N, c_rows, part0, slice_stride, out_base, cnt_ptr,
+def _step(acc_lo, acc_hi, w, sc, a_even, a_odd, row, jst, kb, M, N, c_rows, part0, slice_stride, out_base,
           row_factor, stride_cn, BLOCK_N: gl.constexpr, BK2: gl.constexpr, SPLIT_K: gl.constexpr):
     """One iteration: the products of one weight step; on the tile's last step, its output tile is finished
     (_finish_tile) and the accumulators restart."""
@@ -211,19 +211,18 @@ def _step(acc_lo, acc_hi, w, sc, a_even, a_odd, row, jst, kb, M, N, c_rows, part
     acc_lo = mma_v2(a_even.index(st).load(a_dot), w_lo, acc_lo)
     acc_hi = mma_v2(a_odd.index(st).load(a_dot), w_hi, acc_hi)
     if jst + BK2 >= kb:  # the tile's last step
-        _finish_tile((acc_lo + acc_hi) * row_factor, row, M, N, c_rows, part0, slice_stride, out_base, cnt_ptr,
-                     stride_cn, BLOCK_N, SPLIT_K)
+        _finish_tile((acc_lo + acc_hi) * row_factor, row, M, N, c_rows, part0, slice_stride, out_base, stride_cn,
+                     BLOCK_N, SPLIT_K)
         acc_lo = gl.zeros([M_ROWS, BLOCK_N], gl.float32, mma)
         acc_hi = gl.zeros([M_ROWS, BLOCK_N], gl.float32, mma)
     return acc_lo, acc_hi
 
 
 @gluon.jit
-def _finish_tile(c, row, M, N, c_rows, part0, slice_stride, out_base, cnt_ptr, stride_cn, BLOCK_N: gl.constexpr,
+def _finish_tile(c, row, M, N, c_rows, part0, slice_stride, out_base, stride_cn, BLOCK_N: gl.constexpr,
                  SPLIT_K: gl.constexpr):
-    """Store output tile c (columns row..): in a's dtype when K is not split; else as this slice's fp32 partial,
-    and the slice that finishes the tile last (an atomic count per tile) adds the SPLIT_K partials in slice order
-    (bitwise reproducible: the order never depends on which slice came last) and stores the sum. This replaces a separate sum and cast after the kernel (two launches, RESULTS run 81)."""
+    """Store output tile c (columns row..): in a's dtype when K is not split, else as this slice's fp32 partial
+    (summed by _sum_partials once the program's loop is done)."""
     mma: gl.constexpr = _mma_layout()
     c_cols = row + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
     c_off = gl.expand_dims(c_cols.to(gl.int64) * stride_cn, 0)
@@ -232,12 +231,29 @@ def _finish_tile(c, row, M, N, c_rows, part0, slice_stride, out_base, cnt_ptr, s
         gl.store(out_base + c_off, c.to(out_base.dtype.element_ty), mask=c_ok)
     else:
         gl.store(part0 + gl.program_id(1).to(gl.int64) * slice_stride + c_off, c, mask=c_ok)
-        _cta_barrier()  # every thread's partial is written before the count moves (a release at gpu scope)
-        tile = row // BLOCK_N
+
+
+@gluon.jit
+def _sum_partials(tiles, M, N, c_rows, part0, slice_stride, out_base, cnt_ptr, stride_cn, BLOCK_N: gl.constexpr,
+                  SPLIT_K: gl.constexpr):
+    """For each of this program's N tiles (p, p + P, ...): count its slice as done (an atomic per tile); the slice
+    that finishes a tile last adds the SPLIT_K partials in slice order (bitwise reproducible: the order never
+    depends on which slice came last) and stores the sum in a's dtype. After the main loop, so its registers (four
+    partials in flight) do not weigh on the loop's. Replaces a separate sum and cast after the kernel (two
+    launches, RESULTS run 81)."""
+    mma: gl.constexpr = _mma_layout()
+    _cta_barrier()  # every thread's partials are written before the counts move (a release at gpu scope)
+    for t in range(tiles):
+        tile = gl.program_id(0) + t * gl.num_programs(0)
         if gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+            c_cols = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+            c_off = gl.expand_dims(c_cols.to(gl.int64) * stride_cn, 0)
+            c_ok = gl.expand_dims(c_rows < M, 1) & gl.expand_dims(c_cols < N, 0)
             total = gl.zeros([M_ROWS, BLOCK_N], gl.float32, mma)
-            for sl in range(SPLIT_K):
-                total += gl.load(part0 + sl * slice_stride + c_off, mask=c_ok, other=0.0, cache_modifier=".cg")
+            for s0 in range(0, SPLIT_K, 4):
+                for u in gl.static_range(4):
+                    total += gl.load(part0 + (s0 + u) * slice_stride + c_off, mask=c_ok & (s0 + u < SPLIT_K),
+                                     other=0.0, cache_modifier=".cg")
             gl.store(out_base + c_off, total.to(out_base.dtype.element_ty), mask=c_ok)
 
 
@@ -275,7 +291,8 @@ def nvfp4_matmul_mma_kernel(a_ptr, b_ptr, s_ptr, g_ptr, c_ptr, out_ptr, cnt_ptr,
     a_odd = gl.allocate_shared_memory(gl.float16, [KS_STEPS, M_ROWS, BK2], slab)
     j0 = split * kb_per_split  # first byte of this program's slice of each weight row
     kb = gl.multiple_of((k_hi - k_lo) // 2, 16)  # bytes of the slice: K % 32 == 0, so whole 16-byte vectors
-    total = gl.cdiv(gl.cdiv(N, BLOCK_N) - p, P) * n_steps
+    tiles = gl.cdiv(gl.cdiv(N, BLOCK_N) - p, P)
+    total = tiles * n_steps
     # Iteration i is step i % n_steps of tile p + (i // n_steps) * P; (row, byte) counters instead of divisions.
     # Two iterations per trip, each slot's registers reloaded right after use (two iterations ahead, no moves).
     row, jst = p * BLOCK_N, 0  # iteration i's
@@ -297,15 +314,17 @@ def nvfp4_matmul_mma_kernel(a_ptr, b_ptr, s_ptr, g_ptr, c_ptr, out_ptr, cnt_ptr,
     acc_hi = gl.zeros([M_ROWS, BLOCK_N], gl.float32, mma)
     for i in range(0, total, 2):
         acc_lo, acc_hi = _step(acc_lo, acc_hi, wa, sa, a_even, a_odd, row, jst, kb, M, N, c_rows, part0, slice_stride,
-                               out_base, cnt_ptr, row_factor, stride_cn, BLOCK_N, BK2, SPLIT_K)
+                               out_base, row_factor, stride_cn, BLOCK_N, BK2, SPLIT_K)
         row, jst = _advance(row, jst, kb, P, BLOCK_N, BK2)
         wa, sa = _weight_load(b_ptr, s_ptr, row_next, j_next, i + 2 < total, j0, kb, N, stride_bn, stride_sn,
                               BLOCK_N, BK2)
         row_next, j_next = _advance(row_next, j_next, kb, P, BLOCK_N, BK2)
         if i + 1 < total:
             acc_lo, acc_hi = _step(acc_lo, acc_hi, wb, sb, a_even, a_odd, row, jst, kb, M, N, c_rows,
-                                   part0, slice_stride, out_base, cnt_ptr, row_factor, stride_cn, BLOCK_N, BK2, SPLIT_K)
+                                   part0, slice_stride, out_base, row_factor, stride_cn, BLOCK_N, BK2, SPLIT_K)
             row, jst = _advance(row, jst, kb, P, BLOCK_N, BK2)
         wb, sb = _weight_load(b_ptr, s_ptr, row_next, j_next, i + 3 < total, j0, kb, N, stride_bn, stride_sn,
                               BLOCK_N, BK2)
         row_next, j_next = _advance(row_next, j_next, kb, P, BLOCK_N, BK2)
+    if SPLIT_K > 1:
+        _sum_partials(tiles, M, N, c_rows, part0, slice_stride, out_base, cnt_ptr, stride_cn, BLOCK_N, SPLIT_K)
