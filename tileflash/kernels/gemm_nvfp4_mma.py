@@ -24,7 +24,7 @@ tensor cores, and decoded there:
     two that puts its largest finite |value| in [2^8, 2^9) (exact for bf16 inputs; undone on the accumulator).
 
 Shapes: a [M, K] fp16/bf16 (M <= 16), b_data [N, K/2] uint8, b_scales [N, K/16] e4m3 bits (uint8 view), g the
-float32 global scale; c [M, N] in a's dtype (split K: through fp32 partials summed in the kernel). Grid
+float32 global scale; c [M, N] in a's dtype, or fp32 partials [SPLIT_K, M, N] that the caller sums. Grid
 (P, SPLIT_K): a program stages its K slice of a (at most KS_STEPS x BLOCK_K values) in shared memory once and
 computes every P-th N tile with it. No CPU interpreter: the CPU suite compiles it for sm_90 (tests/sm90_compile_check.py), the GPU suite runs
 it (tests/test_gemm_blockscaled.py).
@@ -200,10 +200,10 @@ def _weight_load(b_ptr, s_ptr, row0, jst, live, j0, kb, N, stride_bn, stride_sn,
 
 
 @gluon.jit
-def _step(acc_lo, acc_hi, w, sc, a_even, a_odd, row, jst, kb, M, N, c_rows, part0, slice_stride, out_base,
-          row_factor, stride_cn, BLOCK_N: gl.constexpr, BK2: gl.constexpr, SPLIT_K: gl.constexpr):
-    """One iteration: the products of one weight step; on the tile's last step, its output tile is finished
-    (_finish_tile) and the accumulators restart."""
+def _step(acc_lo, acc_hi, w, sc, a_even, a_odd, row, jst, kb, M, N, c_rows, c_base, row_factor, stride_cn,
+          BLOCK_N: gl.constexpr, BK2: gl.constexpr):
+    """One iteration: the products of one weight step; on the tile's last step, its output tile is stored and the
+    accumulators restart."""
     mma: gl.constexpr = _mma_layout()
     a_dot: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     st = jst // BK2
@@ -211,50 +211,13 @@ def _step(acc_lo, acc_hi, w, sc, a_even, a_odd, row, jst, kb, M, N, c_rows, part
     acc_lo = mma_v2(a_even.index(st).load(a_dot), w_lo, acc_lo)
     acc_hi = mma_v2(a_odd.index(st).load(a_dot), w_hi, acc_hi)
     if jst + BK2 >= kb:  # the tile's last step
-        _finish_tile((acc_lo + acc_hi) * row_factor, row, M, N, c_rows, part0, slice_stride, out_base, stride_cn,
-                     BLOCK_N, SPLIT_K)
+        c_cols = row + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+        c_ok = gl.expand_dims(c_rows < M, 1) & gl.expand_dims(c_cols < N, 0)
+        gl.store(c_base + gl.expand_dims(c_cols.to(gl.int64) * stride_cn, 0),
+                 ((acc_lo + acc_hi) * row_factor).to(c_base.dtype.element_ty), mask=c_ok)
         acc_lo = gl.zeros([M_ROWS, BLOCK_N], gl.float32, mma)
         acc_hi = gl.zeros([M_ROWS, BLOCK_N], gl.float32, mma)
     return acc_lo, acc_hi
-
-
-@gluon.jit
-def _finish_tile(c, row, M, N, c_rows, part0, slice_stride, out_base, stride_cn, BLOCK_N: gl.constexpr,
-                 SPLIT_K: gl.constexpr):
-    """Store output tile c (columns row..): in a's dtype when K is not split, else as this slice's fp32 partial
-    (summed by _sum_partials once the program's loop is done)."""
-    mma: gl.constexpr = _mma_layout()
-    c_cols = row + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
-    c_off = gl.expand_dims(c_cols.to(gl.int64) * stride_cn, 0)
-    c_ok = gl.expand_dims(c_rows < M, 1) & gl.expand_dims(c_cols < N, 0)
-    if SPLIT_K == 1:
-        gl.store(out_base + c_off, c.to(out_base.dtype.element_ty), mask=c_ok)
-    else:
-        gl.store(part0 + gl.program_id(1).to(gl.int64) * slice_stride + c_off, c, mask=c_ok)
-
-
-@gluon.jit
-def _sum_partials(tiles, M, N, c_rows, part0, slice_stride, out_base, cnt_ptr, stride_cn, BLOCK_N: gl.constexpr,
-                  SPLIT_K: gl.constexpr):
-    """For each of this program's N tiles (p, p + P, ...): count its slice as done (an atomic per tile); the slice
-    that finishes a tile last adds the SPLIT_K partials in slice order (bitwise reproducible: the order never
-    depends on which slice came last) and stores the sum in a's dtype. After the main loop, so its registers (four
-    partials in flight) do not weigh on the loop's. Replaces a separate sum and cast after the kernel (two
-    launches, RESULTS run 81)."""
-    mma: gl.constexpr = _mma_layout()
-    _cta_barrier()  # every thread's partials are written before the counts move (a release at gpu scope)
-    for t in range(tiles):
-        tile = gl.program_id(0) + t * gl.num_programs(0)
-        if gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-            c_cols = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
-            c_off = gl.expand_dims(c_cols.to(gl.int64) * stride_cn, 0)
-            c_ok = gl.expand_dims(c_rows < M, 1) & gl.expand_dims(c_cols < N, 0)
-            total = gl.zeros([M_ROWS, BLOCK_N], gl.float32, mma)
-            for s0 in range(0, SPLIT_K, 4):
-                for u in gl.static_range(4):
-                    total += gl.load(part0 + (s0 + u) * slice_stride + c_off, mask=c_ok & (s0 + u < SPLIT_K),
-                                     other=0.0, cache_modifier=".cg")
-            gl.store(out_base + c_off, total.to(out_base.dtype.element_ty), mask=c_ok)
 
 
 @gluon.jit
@@ -265,17 +228,14 @@ def _advance(row, jst, kb, P, BLOCK_N: gl.constexpr, BK2: gl.constexpr):
 
 
 @gluon.jit
-def nvfp4_matmul_mma_kernel(a_ptr, b_ptr, s_ptr, g_ptr, c_ptr, out_ptr, cnt_ptr, M, N, K, k_per_split,
-                            kb_per_split,
+def nvfp4_matmul_mma_kernel(a_ptr, b_ptr, s_ptr, g_ptr, c_ptr, M, N, K, k_per_split, kb_per_split,
                             stride_am, stride_bn, stride_sn, stride_cm, stride_cn,
                             BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, KS_STEPS: gl.constexpr,
                             SPLIT_K: gl.constexpr):
     """Grid (P programs over N, SPLIT_K), 4 warps. Program (p, s) stages K slice s of a (k_per_split values,
     kb_per_split = k_per_split / 2 bytes; a's rows contiguous, K a multiple of 32) once and computes the N tiles
     p, p + P, ...; its (tile, step) iterations run as one loop whose weight loads are issued ahead of use.
-    out [M, N] in a's dtype (strides stride_cm, stride_cn). SPLIT_K > 1: c_ptr is an fp32 workspace [SPLIT_K, M, N]
-    with the same strides and slices M * N apart, cnt_ptr one int32 count per N tile, zero before the call (see
-    _finish_tile)."""
+    SPLIT_K > 1: c_ptr is an fp32 workspace [SPLIT_K, M, N] (stride_cm, stride_cn for M, N)."""
     BK2: gl.constexpr = BLOCK_K // 2
     mma: gl.constexpr = _mma_layout()
     p = gl.program_id(0)
@@ -291,8 +251,7 @@ def nvfp4_matmul_mma_kernel(a_ptr, b_ptr, s_ptr, g_ptr, c_ptr, out_ptr, cnt_ptr,
     a_odd = gl.allocate_shared_memory(gl.float16, [KS_STEPS, M_ROWS, BK2], slab)
     j0 = split * kb_per_split  # first byte of this program's slice of each weight row
     kb = gl.multiple_of((k_hi - k_lo) // 2, 16)  # bytes of the slice: K % 32 == 0, so whole 16-byte vectors
-    tiles = gl.cdiv(gl.cdiv(N, BLOCK_N) - p, P)
-    total = tiles * n_steps
+    total = gl.cdiv(gl.cdiv(N, BLOCK_N) - p, P) * n_steps
     # Iteration i is step i % n_steps of tile p + (i // n_steps) * P; (row, byte) counters instead of divisions.
     # Two iterations per trip, each slot's registers reloaded right after use (two iterations ahead, no moves).
     row, jst = p * BLOCK_N, 0  # iteration i's
@@ -306,25 +265,23 @@ def nvfp4_matmul_mma_kernel(a_ptr, b_ptr, s_ptr, g_ptr, c_ptr, out_ptr, cnt_ptr,
     # Undo the activation's row scale, the decode's 2^-6 unit and the global scale in one factor per row.
     row_factor = gl.expand_dims(gl.convert_layout(down, gl.SliceLayout(1, mma)), 1) * (gl.load(g_ptr) * DECODE_UNIT)
     c_rows = gl.arange(0, M_ROWS, layout=gl.SliceLayout(1, mma))
-    out_base = out_ptr + gl.expand_dims(c_rows.to(gl.int64) * stride_cm, 1)
-    slice_stride = gl.to_tensor(M).to(gl.int64) * N  # between the fp32 partials of two K slices
-    part0 = c_ptr + gl.expand_dims(c_rows.to(gl.int64) * stride_cm, 1)  # slice 0's rows
+    c_base = c_ptr + gl.expand_dims(c_rows.to(gl.int64) * stride_cm, 1)
+    if SPLIT_K > 1:
+        c_base += split.to(gl.int64) * M * N
     # Low and high nibble products accumulate separately: two dependency chains of mma.sync instead of one.
     acc_lo = gl.zeros([M_ROWS, BLOCK_N], gl.float32, mma)
     acc_hi = gl.zeros([M_ROWS, BLOCK_N], gl.float32, mma)
     for i in range(0, total, 2):
-        acc_lo, acc_hi = _step(acc_lo, acc_hi, wa, sa, a_even, a_odd, row, jst, kb, M, N, c_rows, part0, slice_stride,
-                               out_base, row_factor, stride_cn, BLOCK_N, BK2, SPLIT_K)
+        acc_lo, acc_hi = _step(acc_lo, acc_hi, wa, sa, a_even, a_odd, row, jst, kb, M, N, c_rows, c_base,
+                               row_factor, stride_cn, BLOCK_N, BK2)
         row, jst = _advance(row, jst, kb, P, BLOCK_N, BK2)
         wa, sa = _weight_load(b_ptr, s_ptr, row_next, j_next, i + 2 < total, j0, kb, N, stride_bn, stride_sn,
                               BLOCK_N, BK2)
         row_next, j_next = _advance(row_next, j_next, kb, P, BLOCK_N, BK2)
         if i + 1 < total:
-            acc_lo, acc_hi = _step(acc_lo, acc_hi, wb, sb, a_even, a_odd, row, jst, kb, M, N, c_rows,
-                                   part0, slice_stride, out_base, row_factor, stride_cn, BLOCK_N, BK2, SPLIT_K)
+            acc_lo, acc_hi = _step(acc_lo, acc_hi, wb, sb, a_even, a_odd, row, jst, kb, M, N, c_rows, c_base,
+                                   row_factor, stride_cn, BLOCK_N, BK2)
             row, jst = _advance(row, jst, kb, P, BLOCK_N, BK2)
         wb, sb = _weight_load(b_ptr, s_ptr, row_next, j_next, i + 3 < total, j0, kb, N, stride_bn, stride_sn,
                               BLOCK_N, BK2)
         row_next, j_next = _advance(row_next, j_next, kb, P, BLOCK_N, BK2)
-    if SPLIT_K > 1:
-        _sum_partials(tiles, M, N, c_rows, part0, slice_stride, out_base, cnt_ptr, stride_cn, BLOCK_N, SPLIT_K)

@@ -56,20 +56,17 @@ def _mma_operands_ok(a, b_data, b_scales) -> bool:
 
 
 def _launch_mma(a, b_data, s_bits, b_global_scale, cfg) -> torch.Tensor:
-    """The register-operand kernel for M <= 16 (kernels/gemm_nvfp4_mma.py, sm_90). Split K slices write fp32
-    partials that the kernel itself adds in slice order (bitwise reproducible), counting finished slices per N
-    tile in a zeroed int32 buffer (a memset, no second kernel)."""
+    """The register-operand kernel for M <= 16 (kernels/gemm_nvfp4_mma.py, sm_90): split K slices write fp32
+    partials that torch sums in a fixed order, as in the Triton path."""
     (m, k), n = a.shape, b_data.shape[0]
     k_per_split = _utils.cdiv(_utils.cdiv(k, cfg.block_k), cfg.split_k) * cfg.block_k
     split = _utils.cdiv(k, k_per_split)  # no empty slice
-    out = _utils.new_output((m, n), a.dtype, a.device)
-    part = torch.empty((split, m, n), dtype=torch.float32, device=a.device) if split > 1 else out
-    counts = torch.zeros(_utils.cdiv(n, cfg.block_n) if split > 1 else 1, dtype=torch.int32, device=a.device)
+    dest = (_utils.new_output((m, n), a.dtype, a.device) if split == 1
+            else torch.empty((split, m, n), dtype=torch.float32, device=a.device))
     nvfp4_matmul_mma_kernel[(cfg.programs_n, split)](
-        a, b_data, s_bits, b_global_scale, part, out, counts, m, n, k, k_per_split, k_per_split // 2,
-        a.stride(0), b_data.stride(0), s_bits.stride(0), out.stride(0), out.stride(1), BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, KS_STEPS=k_per_split // cfg.block_k, SPLIT_K=split, num_warps=4)
-    return out
+        a, b_data, s_bits, b_global_scale, dest, m, n, k, k_per_split, k_per_split // 2,
+        a.stride(0), b_data.stride(0), s_bits.stride(0), dest.stride(-2), dest.stride(-1), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, KS_STEPS=k_per_split // cfg.block_k, SPLIT_K=split, num_warps=4)
+    return dest if split == 1 else dest.sum(0).to(a.dtype)
 
 
 _nvfp4_matmul_op = torch.library.custom_op("tileflash::nvfp4_matmul", mutates_args=())(_nvfp4_matmul_impl)
