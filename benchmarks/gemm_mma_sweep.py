@@ -66,4 +66,5 @@ keys = list(rows[0])
 print("\nNVFP4 GEMM, graph replay, us (variant = split_k,tiles per program asked; 0 = heuristic)")
 print(" | ".join(f"{k:>14}" for k in keys))
 for r in rows:
-    print(" | ".join(f"{r.get(k, 0.0):>14.1f}" if isinstance(r.get(k), float) else f"{str(r.get(k)):>14}" for k in keys))
+    cells = (r.get(k) for k in keys)
+    print(" | ".join(f"{c:>14.1f}" if isinstance(c, float) else f"{str(c):>14}" for c in cells))

@@ -1,4 +1,4 @@
-"""NVFP4 weight GEMM for decode-sized M (<= 16) on sm_89+, written in Gluon: c = a @ dequant(b)^T.
+"""NVFP4 weight GEMM for decode-sized M (<= 16) on sm_90, written in Gluon: c = a @ dequant(b)^T.
 
 Why a second kernel (the Triton one is gemm_blockscaled.py): at M <= 16 the GEMM is bound by the bytes of the
 weight, 0.5625 per value, so the dequantisation has ~5 issue slots per value to spend at the copy roofline. The
@@ -26,10 +26,9 @@ tensor cores, and decoded there:
 Shapes: a [M, K] fp16/bf16 (M <= 16), b_data [N, K/2] uint8, b_scales [N, K/16] e4m3 bits (uint8 view), g the
 float32 global scale; c [M, N] in a's dtype, or fp32 partials [SPLIT_K, M, N] that the caller sums. Grid
 (P, SPLIT_K): a program stages its K slice of a (at most KS_STEPS x BLOCK_K values) in shared memory once and
-computes every P-th N tile with it. No CPU interpreter: the CPU suite compiles it for sm_90 (tests/sm90_compile_check.py), the GPU suite runs
-it (tests/test_gemm_blockscaled.py).
+computes every P-th N tile with it. No CPU interpreter: the CPU suite compiles it for sm_90
+(tests/sm90_compile_check.py), the GPU suite runs it (tests/test_gemm_blockscaled.py).
 """
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -127,8 +126,9 @@ def _scale_layout(block_n, bytes_per_row):
 
 @gluon.jit
 def _weight_tile(packed, s_bits, BLOCK_N: gl.constexpr, BK2: gl.constexpr):
-    """One step of weight words (_weight_load) and scale bits -> (W_lo, W_hi) [BK2, BLOCK_N] fp16 in the MMA's B layout, in MMA
-    order: the decoded low / high nibbles times their block scales (e2m1 * scale / 2^6, exact in fp16)."""
+    """One step of weight words (_weight_load) and scale bits -> (W_lo, W_hi) [BK2, BLOCK_N] fp16 in the MMA's B
+    layout, in MMA order: the decoded low / high nibbles times their block scales (e2m1 * scale / 2^6, exact in
+    fp16)."""
     l0, l1, l2, l3, h0, h1, h2, h3 = _e2m1_words(packed)
     lo = _bytes_of_words(l0, l1, l2, l3, BLOCK_N, BK2)
     hi = _bytes_of_words(h0, h1, h2, h3, BLOCK_N, BK2)

@@ -65,7 +65,8 @@ def _launch_mma(a, b_data, s_bits, b_global_scale, cfg) -> torch.Tensor:
             else torch.empty((split, m, n), dtype=torch.float32, device=a.device))
     nvfp4_matmul_mma_kernel[(cfg.programs_n, split)](
         a, b_data, s_bits, b_global_scale, dest, m, n, k, k_per_split, k_per_split // 2,
-        a.stride(0), b_data.stride(0), s_bits.stride(0), dest.stride(-2), dest.stride(-1), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, KS_STEPS=k_per_split // cfg.block_k, SPLIT_K=split, num_warps=4)
+        a.stride(0), b_data.stride(0), s_bits.stride(0), dest.stride(-2), dest.stride(-1), BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, KS_STEPS=k_per_split // cfg.block_k, SPLIT_K=split, num_warps=4)
     return dest if split == 1 else dest.sum(0).to(a.dtype)
 
 
