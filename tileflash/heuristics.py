@@ -326,10 +326,6 @@ class GemmMmaConfig:
     split_k: int  # K slices; each program stages its slice of a (<= GEMM_MMA_SLICE_STEPS steps) in shared memory
     programs_n: int  # programs per K slice; each computes the N tiles p, p + programs_n, ...
 
-    @property
-    def slice_steps(self) -> int:
-        return GEMM_MMA_SLICE_STEPS
-
 
 GEMM_MMA_MAX_M = 16  # one mma.sync M tile of activation rows
 # K steps (of 256 values) staged per program, 32 KiB of shared memory (raw + fp16 copies of 16 rows), and the most

@@ -78,9 +78,8 @@ _WORDS_ASM = gl.constexpr("""{
 @gluon.jit
 def _e2m1_words(words):
     """int32 words of four e2m1 byte pairs -> (lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3): the low / high nibble of
-    byte i as fp16 holding e2m1 * 2^-6. A code s|e1 e0|m moves into e4m3 bits (sign to bit 7, e1 e0 m to bits
-    4..2: exactly e2m1 * 2^-6, the 0.5 code as an e4m3 subnormal) and the hardware e4m3x2 -> f16x2 conversion
-    finishes: 9 shift/logic instructions and 4 conversions per 8 values."""
+    byte i as fp16 holding e2m1 * 2^-6 (quant.e2m1_to_e4m3_ptx, then the hardware e4m3x2 -> f16x2 conversion):
+    9 shift/logic instructions and 4 conversions per 8 values."""
     return gl.inline_asm_elementwise(
         asm=_WORDS_ASM,
         constraints="=h,=h,=h,=h,=h,=h,=h,=h,r", args=[words], dtype=(gl.float16,) * 8, is_pure=True, pack=1)

@@ -27,13 +27,7 @@ def _nvfp4_matmul_impl(a: torch.Tensor, b_data: torch.Tensor, b_scales: torch.Te
         if mma_cfg is not None and _mma_operands_ok(a, b_data, b_scales):
             return _launch_mma(a, b_data, b_scales.view(torch.uint8), b_global_scale, mma_cfg)
     cfg = gemm_config(m, n, k, interpret=_utils.is_interpreter(), num_sms=_utils.num_sms(a.device))
-    k_steps = _utils.cdiv(k, cfg.block_k)
-    k_per_split = _utils.cdiv(k_steps, min(cfg.split_k, k_steps)) * cfg.block_k
-    split = _utils.cdiv(k, k_per_split)  # no empty slice
-    # A split K writes fp32 partials [split, M, N] that torch sums in a fixed order (bitwise reproducible; two
-    # small kernels with C++ launch costs, less host time than a second Triton launch).
-    dest = (_utils.new_output((m, n), a.dtype, a.device) if split == 1
-            else torch.empty((split, m, n), dtype=torch.float32, device=a.device))
+    k_per_split, split, dest = _k_slices(a, n, cfg.block_k, cfg.split_k)
     s_bits = b_scales.view(torch.uint8)
     grid = (_utils.cdiv(m, cfg.block_m), _utils.cdiv(n, cfg.block_n), split)
     nvfp4_matmul_kernel[grid](
@@ -45,7 +39,25 @@ def _nvfp4_matmul_impl(a: torch.Tensor, b_data: torch.Tensor, b_scales: torch.Te
         SWAP_AB=cfg.swap_ab,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return dest if split == 1 else dest.sum(0).to(a.dtype)
+    return _summed(dest, a.dtype)
+
+
+def _k_slices(a, n: int, block_k: int, split_k: int):
+    """(values per K slice, slices, destination) of both kernels: at most split_k slices of whole block_k steps,
+    none empty; one slice writes the output [M, N] in a's dtype, more write fp32 partials [slices, M, N]."""
+    m, k = a.shape
+    k_steps = _utils.cdiv(k, block_k)
+    k_per_split = _utils.cdiv(k_steps, min(split_k, k_steps)) * block_k
+    split = _utils.cdiv(k, k_per_split)  # no empty slice
+    dest = (_utils.new_output((m, n), a.dtype, a.device) if split == 1
+            else torch.empty((split, m, n), dtype=torch.float32, device=a.device))
+    return k_per_split, split, dest
+
+
+def _summed(dest: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The output from _k_slices' destination: fp32 partials summed by torch in slice order (bitwise
+    reproducible; two small kernels with C++ launch costs, less host time than a second Triton launch)."""
+    return dest if dest.dim() == 2 else dest.sum(0).to(dtype)
 
 
 def _mma_operands_ok(a, b_data, b_scales) -> bool:
@@ -56,18 +68,15 @@ def _mma_operands_ok(a, b_data, b_scales) -> bool:
 
 
 def _launch_mma(a, b_data, s_bits, b_global_scale, cfg) -> torch.Tensor:
-    """The register-operand kernel for M <= 16 (kernels/gemm_nvfp4_mma.py, sm_90): split K slices write fp32
-    partials that torch sums in a fixed order, as in the Triton path."""
+    """The register-operand kernel for M <= 16 (kernels/gemm_nvfp4_mma.py, sm_90), K sliced as in the Triton
+    path."""
     (m, k), n = a.shape, b_data.shape[0]
-    k_per_split = _utils.cdiv(_utils.cdiv(k, cfg.block_k), cfg.split_k) * cfg.block_k
-    split = _utils.cdiv(k, k_per_split)  # no empty slice
-    dest = (_utils.new_output((m, n), a.dtype, a.device) if split == 1
-            else torch.empty((split, m, n), dtype=torch.float32, device=a.device))
+    k_per_split, split, dest = _k_slices(a, n, cfg.block_k, cfg.split_k)
     nvfp4_matmul_mma_kernel[(cfg.programs_n, split)](
         a, b_data, s_bits, b_global_scale, dest, m, n, k, k_per_split, k_per_split // 2,
         a.stride(0), b_data.stride(0), s_bits.stride(0), dest.stride(-2), dest.stride(-1), BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, KS_STEPS=k_per_split // cfg.block_k, SPLIT_K=split, num_warps=4)
-    return dest if split == 1 else dest.sum(0).to(a.dtype)
+    return _summed(dest, a.dtype)
 
 
 _nvfp4_matmul_op = torch.library.custom_op("tileflash::nvfp4_matmul", mutates_args=())(_nvfp4_matmul_impl)
