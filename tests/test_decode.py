@@ -142,13 +142,15 @@ def test_cuda_graph_replay_follows_new_seqlens_and_table():
         check_2x(out, ref, ref_lowp)
 
 
-def _check_quantized_decode(g, seqlens, sq, s_new, hq, hkv, d, dtype, table, k_cache, v_cache, num_splits, scales):
+def _check_quantized_decode(g, seqlens, sq, s_new, hq, hkv, d, dtype, table, k_cache, v_cache, num_splits, scales,
+                            **mask):
     """Draw q (and k, v when s_new) from g, run flash_attn_with_kvcache on the quantized caches (appending in
-    place) and check out and lse against kvcache_ref with the 2x rule; returns the reference's appended caches."""
+    place; mask: window_size / softcap) and check out and lse against kvcache_ref with the 2x rule; returns the
+    reference's appended caches."""
     b = len(seqlens)
     q, k, v = draw_queries_and_new_kv(g, b, sq, s_new, hq, hkv, d, dtype)
     cache_seqlens = torch.tensor(seqlens, dtype=torch.int32, device=DEVICE)
-    kw = dict(cache_seqlens=cache_seqlens, block_table=table, **scales)
+    kw = dict(cache_seqlens=cache_seqlens, block_table=table, **scales, **mask)
     ref, ref_lse, ref_k, ref_v = kvcache_ref(q, k_cache, v_cache, k, v, **kw)
     ref_lowp, _, _, _ = kvcache_ref(q, k_cache, v_cache, k, v, upcast=False, **kw)
     out, lse = tileflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, num_splits=num_splits, return_lse=True,

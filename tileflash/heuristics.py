@@ -307,6 +307,34 @@ def num_splits_heuristic(batch: int, nheads_kv: int, m_tiles: int, max_seqlen_k:
     return splits
 
 
+
+@dataclass(frozen=True)
+class QuantDecodeConfig:
+    """Tiles of the register-operand quantized-cache decode (kernels/decode_quant_mma.py): tokens per warp per
+    step, warps per program (each its own tokens) and the programs an SM is meant to hold (the split target)."""
+    block_n: int
+    num_warps: int
+    programs_per_sm: int
+
+    @property
+    def step(self) -> int:  # tokens per program per loop trip
+        return self.block_n * self.num_warps
+
+
+QUANT_MMA_HEAD_DIMS = (64, 128)  # d256's 16 x 256 fp32 accumulator per warp spills (CPU compile)
+QUANT_MMA_MAX_ROWS = 16  # one mma.sync M tile of query rows (Hq/Hkv x Sq)
+
+
+def quant_decode_config(head_dim: int, kv_format: str) -> QuantDecodeConfig | None:
+    """The register-operand decode's tiles for an "fp8" / "nvfp4" cache, or None where it does not apply (then the
+    Triton kernel's decode_config). K+V bytes per warp step about 2-4 KiB (one step of loads in flight per warp
+    while the previous one is decoded)."""
+    if kv_format not in ("fp8", "nvfp4") or head_dim not in QUANT_MMA_HEAD_DIMS:
+        return None
+    row_bytes = head_dim if kv_format == "fp8" else head_dim // 2
+    block_n = max(16, min(32, 2048 // row_bytes))
+    return QuantDecodeConfig(block_n=block_n, num_warps=4, programs_per_sm=2)
+
 @dataclass(frozen=True)
 class GemmConfig:
     block_m: int

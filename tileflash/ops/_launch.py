@@ -10,7 +10,7 @@ import torch
 
 from .. import _utils
 from ..heuristics import WsFwdConfig, combine_tiles, fwd_ws_config, padded_head_dim
-from ..kernels import attn_fwd_ws
+from ..kernels import attn_fwd_ws, decode_quant_mma
 from ..kernels.attn_combine import attn_combine_kernel, merge_states_kernel
 from ..kernels.attn_fwd import attn_fwd_kernel
 from ..kernels.kv_append import kv_append_kernel
@@ -135,6 +135,36 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         TILE_DTYPE=_utils.tile_dtype(torch.float16 if k_scale is not None else q4.dtype),
         TRANS=config.trans, RAW_SCORES=softmax_scale > 0 and mask.softcap == 0.0 and k_scale is None,
         num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+
+
+def launch_decode_quant(q4, k4, v4, out4, lse3, *, seqlens_k, seqlen_k_add: int, block_table, softmax_scale: float,
+                        mask: Mask, config, num_splits: int, o_part, lse_part, k_scale, v_scale,
+                        k_block_scale=None, v_block_scale=None) -> None:
+    """The register-operand decode over an FP8 (k_scale/v_scale per tensor or KV head) or NVFP4 (block scales,
+    k_scale/v_scale = global scales) cache; shapes as launch_attn_fwd's, the call accepted by
+    ops.decode._quant_mma_ok."""
+    b, sq, hq, d = q4.shape
+    hkv = k4.shape[2]
+    paged = block_table is not None
+    nvfp4 = k_block_scale is not None
+    dummy = _dummy(q4.device)
+    split = num_splits > 1
+    cache = (k4, v4) if nvfp4 else (k4.view(torch.uint8), v4.view(torch.uint8))
+    scales = (k_block_scale.view(torch.uint8), v_block_scale.view(torch.uint8)) if nvfp4 else (dummy, dummy)
+    s_strides = k_block_scale.stride()[:3] if nvfp4 else (0, 0, 0)
+    decode_quant_mma.decode_quant_kernel[(b * hkv, num_splits)](
+        q4, *cache, *scales, k_scale, v_scale, out4, lse3,
+        o_part if split else dummy, lse_part if split else dummy, seqlens_k, block_table if paged else dummy,
+        q4.stride(0), q4.stride(1), q4.stride(2), *k4.stride()[:3], *s_strides,
+        out4.stride(0), out4.stride(1), out4.stride(2), *lse3.stride(), block_table.stride(0) if paged else 0,
+        1 if k_scale.numel() > 1 else 0,
+        sq, block_table.shape[1] * k4.shape[1] if paged else k4.shape[1], seqlen_k_add, hkv, hq // hkv, b * sq * hq,
+        softmax_scale, mask.softcap, mask.window_left, mask.window_right,
+        D=d, FMT=2 if nvfp4 else 1, BN=config.block_n, WARPS=config.num_warps,
+        PAGE_SHIFT=k4.shape[1].bit_length() - 1 if paged else -1,
+        HAS_LEFT=mask.window_left >= 0, HAS_RIGHT=mask.window_right >= 0, SOFTCAP=mask.softcap > 0.0, SPLIT=split,
+        num_warps=config.num_warps,
     )
 
 

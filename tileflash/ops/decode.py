@@ -13,8 +13,10 @@ from typing import Optional
 import torch
 
 from .. import _utils
-from ..heuristics import GATHER_PROGRAMS_PER_SM, MAX_SPLITS, decode_config, num_splits_heuristic
-from ._launch import Mask, launch_attn_fwd, launch_combine, launch_kv_append, tma_tiles
+from ..heuristics import (GATHER_PROGRAMS_PER_SM, MAX_SPLITS, QUANT_MMA_MAX_ROWS, decode_config,
+                          num_splits_heuristic, quant_decode_config)
+from ._launch import (Mask, launch_attn_fwd, launch_combine, launch_decode_quant, launch_kv_append, sm90_target,
+                      tma_tiles)
 from .prefill import _check_softcap
 
 MAX_QUERY_TOKENS = 16
@@ -50,6 +52,23 @@ def _plan(q, k_cache, block_table, num_splits: int):
     return long_cfg, splits, capacity
 
 
+def _quant_mma_config(q, k_cache, v_cache, block_table, sp_overlap: bool):
+    """The register-operand decode's tiles (kernels/decode_quant_mma.py) when it serves this call, else None: an
+    FP8 / NVFP4 cache on sm_90, head dim 64/128/256, at most 16 query rows per KV head, a contiguous cache or
+    power-of-two pages, 16-byte aligned K/V rows with equal K and V strides (it reads rows as 16-byte words), and
+    the plain loop (sp_overlap=True asks for the Triton kernel's S/P-overlapped loop)."""
+    cfg = quant_decode_config(q.shape[3], KV_FORMATS.get(k_cache.dtype, "16bit"))
+    if cfg is None or sp_overlap or not sm90_target():
+        return None
+    if q.shape[1] * (q.shape[2] // k_cache.shape[2]) > QUANT_MMA_MAX_ROWS:
+        return None
+    page = k_cache.shape[1]
+    if block_table is not None and page & (page - 1):
+        return None
+    aligned = all(t.data_ptr() % 16 == 0 and all(st % 16 == 0 for st in t.stride()[:3]) for t in (k_cache, v_cache))
+    return cfg if aligned and k_cache.stride() == v_cache.stride() else None
+
+
 def _attn_kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: Optional[torch.Tensor],
                      v: Optional[torch.Tensor], cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor],
                      softmax_scale: float, window_left: int, window_right: int, softcap: float, num_splits: int,
@@ -72,18 +91,30 @@ def _attn_kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         launch_kv_append(k, v, k_cache, v_cache, cache_seqlens, block_table, **scales)
     if hq == 0:  # nothing to attend with; the append above still happened
         return out, lse
-    cfg, num_splits, capacity = _plan(q, k_cache, block_table, num_splits)
+    qcfg = _quant_mma_config(q, k_cache, v_cache, block_table, sp_overlap)
+    if qcfg is not None:
+        capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
+        num_splits = num_splits or num_splits_heuristic(b, k_cache.shape[2], 1, capacity, qcfg.step,
+                                                        _utils.num_sms(q.device), per_sm=qcfg.programs_per_sm)
+    else:
+        cfg, num_splits, capacity = _plan(q, k_cache, block_table, num_splits)
     o_part = lse_part = None
     if num_splits > 1:  # one allocation for both partials (host time: see benchmarks/host_profile.py)
         rows = b * sq * hq
         part = _utils.new_output((num_splits * rows * (d + 1),), torch.float32, q.device)
         o_part = part[:num_splits * rows * d].view(num_splits, rows, d)
         lse_part = part[num_splits * rows * d:].view(num_splits, rows)
-    launch_attn_fwd(q, k_cache, v_cache, out, lse, q_batch_stride0=False, k_batch_stride0=False, num_batches=b,
-                    seqlen_q=sq, seqlen_k=capacity, m_rows=sq * (hq // k_cache.shape[2]),
-                    softmax_scale=softmax_scale, mask=Mask(window_left, window_right, softcap), config=cfg,
-                    seqlens_k=cache_seqlens, seqlen_k_add=s_new, block_table=block_table, pack_gqa=True,
-                    num_splits=num_splits, sp_overlap=sp_overlap, o_part=o_part, lse_part=lse_part, **scales)
+    if qcfg is not None:
+        launch_decode_quant(q, k_cache, v_cache, out, lse, seqlens_k=cache_seqlens, seqlen_k_add=s_new,
+                            block_table=block_table, softmax_scale=softmax_scale,
+                            mask=Mask(window_left, window_right, softcap), config=qcfg, num_splits=num_splits,
+                            o_part=o_part, lse_part=lse_part, **scales)
+    else:
+        launch_attn_fwd(q, k_cache, v_cache, out, lse, q_batch_stride0=False, k_batch_stride0=False,
+                        num_batches=b, seqlen_q=sq, seqlen_k=capacity, m_rows=sq * (hq // k_cache.shape[2]),
+                        softmax_scale=softmax_scale, mask=Mask(window_left, window_right, softcap), config=cfg,
+                        seqlens_k=cache_seqlens, seqlen_k_add=s_new, block_table=block_table, pack_gqa=True,
+                        num_splits=num_splits, sp_overlap=sp_overlap, o_part=o_part, lse_part=lse_part, **scales)
     if num_splits > 1:
         launch_combine(o_part, lse_part, out, lse)
     return out, lse
