@@ -90,6 +90,27 @@ def _cases():
         new = torch.randn(b, 1, hkv, d, dtype=bf) if append else None
         tileflash.flash_attn_with_kvcache(q, kc, vc, new, new, cache_seqlens=lens, block_table=table, **kw)
 
+    def register_decode(fmt, **kw):
+        """A decode that must take the register-operand Gluon kernel (kernels/decode_quant_mma.py); FP8 (which the
+        heuristic leaves to the Triton kernel) is forced through it."""
+        from tileflash.heuristics import QuantDecodeConfig
+        from tileflash.kernels.decode_quant_mma import decode_quant_kernel as kern
+        from tileflash.ops import decode as decode_ops
+
+        def case():
+            saved = decode_ops.quant_decode_config
+            if fmt == "fp8":
+                decode_ops.quant_decode_config = lambda *a, **k: QuantDecodeConfig(16, 4, 2)
+            before = sum(len(c[0]) for c in kern.device_caches.values())
+            try:
+                decode(fmt, ctx=16384, **kw)
+            finally:
+                decode_ops.quant_decode_config = saved
+            if sum(len(c[0]) for c in kern.device_caches.values()) <= before:
+                raise AssertionError("decode_quant_kernel did not compile for this call")
+
+        return case
+
     def varlen():
         cu = torch.tensor([0, 100, 100, 250], dtype=torch.int32)
         q, k, v = (torch.randn(250, 4, 64, dtype=bf, requires_grad=True) for _ in range(3))
@@ -152,6 +173,9 @@ def _cases():
         "decode nvfp4 append": lambda: decode("nvfp4", append=True),
         "decode nvfp4 d32 append": lambda: decode("nvfp4", d=32, append=True),
         "decode nvfp4 paged": lambda: decode("nvfp4", paged=True),
+        "decode nvfp4 large, register operands": register_decode("nvfp4", append=True),
+        "decode nvfp4 large page 16, register operands": register_decode("nvfp4", paged=True),
+        "decode fp8 d64, register operands (forced)": register_decode("fp8", d=64, paged=True, page=64),
         "nvfp4_dequantize": lambda: tileflash.nvfp4_dequantize(*tileflash.nvfp4_quantize(torch.randn(64, 128))),
         "fp8_quantize": lambda: tileflash.fp8_quantize(torch.randn(64, 128, dtype=bf)),
         "gemm M=1 (split-K), register operands": lambda: gemm(1, 4096, 4096, mma=True),
@@ -168,12 +192,13 @@ def _resource_usage():
 
     import triton
 
-    from tileflash.kernels import (attn_bwd, attn_bwd_ws, attn_combine, attn_fwd, attn_fwd_ws, gemm_blockscaled,
-                                   kv_append, quant)
+    from tileflash.kernels import (attn_bwd, attn_bwd_ws, attn_combine, attn_fwd, attn_fwd_ws, decode_quant_mma,
+                                   gemm_blockscaled, gemm_nvfp4_mma, kv_append, quant)
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.TemporaryDirectory() as tmp:
-        for mod in (attn_fwd, attn_fwd_ws, attn_bwd, attn_bwd_ws, attn_combine, kv_append, quant, gemm_blockscaled):
+        for mod in (attn_fwd, attn_fwd_ws, attn_bwd, attn_bwd_ws, attn_combine, kv_append, quant, gemm_blockscaled,
+                    gemm_nvfp4_mma, decode_quant_mma):
             for name in sorted(dir(mod)):
                 fn = getattr(mod, name)
                 for caches in getattr(fn, "device_caches", {}).values():

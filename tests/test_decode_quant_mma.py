@@ -8,6 +8,7 @@ import tileflash
 from helpers import DEVICE, ON_SM90
 from test_decode import _check_quantized_decode, make_cache
 from tileflash.formats import nvfp4_quantize_ref
+from tileflash.heuristics import QuantDecodeConfig
 from tileflash.ops import decode as decode_ops
 from tileflash.reference import fp8_quantize_ref
 
@@ -28,7 +29,12 @@ CASES = [
 ]
 
 
-def _counting_launch(monkeypatch):
+def _counting_launch(monkeypatch, force=True):
+    """Count the register-operand launches; force: take that kernel for both formats at any cache size (the
+    heuristic keeps FP8 and small NVFP4 caches on the Triton kernel, which measured faster there)."""
+    if force:
+        monkeypatch.setattr(decode_ops, "quant_decode_config",
+                            lambda d, fmt, kv_tokens: QuantDecodeConfig(32, 4, 2) if d in (64, 128) else None)
     calls = []
     launch = decode_ops.launch_decode_quant
     monkeypatch.setattr(decode_ops, "launch_decode_quant", lambda *a, **k: calls.append(1) or launch(*a, **k))
@@ -72,3 +78,19 @@ def test_quant_mma_declines_what_it_does_not_serve(monkeypatch):
                                           cache_seqlens=lens, block_table=table, k_scale=one, v_scale=one,
                                           sp_overlap=sp)
     assert not calls
+
+
+def test_quant_mma_default_dispatch(monkeypatch):
+    """Without forcing: a large NVFP4 cache takes the register-operand kernel, an FP8 one the Triton kernel."""
+    calls = _counting_launch(monkeypatch, force=False)
+    b, ctx, hkv, d = 1, 32768, 8, 128
+    q = torch.randn(b, 1, 32, d, device=DEVICE, dtype=torch.bfloat16)
+    lens = torch.full((b,), ctx, dtype=torch.int32, device=DEVICE)
+    kv = torch.randn(b, ctx, hkv, d, device=DEVICE)
+    (kc, ks, kg), (vc, vs, vg) = tileflash.nvfp4_quantize(kv), tileflash.nvfp4_quantize(kv)
+    tileflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, k_scale=ks, v_scale=vs,
+                                      k_global_scale=kg.reshape(1), v_global_scale=vg.reshape(1))
+    assert len(calls) == 1
+    k8, s8 = tileflash.fp8_quantize(kv)
+    tileflash.flash_attn_with_kvcache(q, k8, k8.clone(), cache_seqlens=lens, k_scale=s8, v_scale=s8)
+    assert len(calls) == 1

@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from tileflash.heuristics import (COMBINE_TILE, MAX_SPLITS, bwd_config, bwd_ws_config, combine_tiles, decode_block_m,
-                                  decode_config, fwd_config, fwd_ws_config, num_splits_heuristic, padded_head_dim)
+                                  decode_config, fwd_config, fwd_ws_config, num_splits_heuristic, padded_head_dim,
+                                  quant_decode_config)
+from tileflash.ops import decode as decode_ops
 
 
 @pytest.mark.parametrize("d, expected", [(8, 16), (40, 64), (64, 64), (80, 128), (128, 128), (136, 256),
@@ -94,6 +96,40 @@ def test_decode_config(d, fmt, paged, kv_tokens, block_n, stages, trans, residen
     c = decode_config(d, 4, kv_format=fmt, paged=paged, kv_tokens=kv_tokens)
     assert (c.block_n, c.num_warps, c.num_stages, c.tma, c.trans, c.resident_per_sm) == \
         (block_n, 4, stages, True, trans, resident)
+
+
+@pytest.mark.parametrize("d, fmt, kv_tokens, expected", [
+    (128, "nvfp4", 2 ** 18, (32, 4, 2)),  # b=1 ctx 32k x 8 KV heads: the register-operand kernel
+    (64, "nvfp4", 2 ** 30, (32, 4, 2)),
+    (128, "nvfp4", 2 ** 18 - 1, None),  # b=1 ctx 8k (2^16) lost to the Triton kernel
+    (256, "nvfp4", 2 ** 30, None),  # its accumulator would spill
+    (32, "nvfp4", 2 ** 30, None),
+    (128, "fp8", 2 ** 30, None),  # FP8: the Triton kernel was as fast or faster everywhere (run 89)
+    (128, "16bit", 2 ** 30, None),
+])
+def test_quant_decode_config(d, fmt, kv_tokens, expected):
+    c = quant_decode_config(d, fmt, kv_tokens)
+    assert (None if c is None else (c.block_n, c.num_warps, c.programs_per_sm)) == expected
+    if c is not None:
+        assert c.step == c.block_n * c.num_warps and not c.q_smem
+
+
+@pytest.mark.parametrize("sq, hq, page, sp_overlap, taken", [
+    (1, 32, None, False, True), (4, 32, 16, False, True), (1, 32, 1, False, True),  # contiguous, pages 16 and 1
+    (5, 32, None, False, False),  # 20 rows > 16
+    (1, 32, 12, False, False),  # a non-power-of-two page
+    (1, 32, None, True, False),  # the S/P-overlapped loop is the Triton kernel's
+])
+def test_quant_mma_dispatch(sq, hq, page, sp_overlap, taken, monkeypatch):
+    """ops.decode._quant_mma_config on shapes (CPU tensors, an sm_90 target assumed)."""
+    monkeypatch.setattr(decode_ops, "sm90_target", lambda: True)
+    ctx, hkv, d = 32768, 8, 128
+    shape = (1, ctx, hkv) if page is None else (ctx // page, page, hkv)
+    cache = torch.zeros(*shape, d // 2, dtype=torch.uint8)
+    table = None if page is None else torch.zeros(1, ctx // page, dtype=torch.int32)
+    q = torch.zeros(1, sq, hq, d, dtype=torch.bfloat16)
+    cfg = decode_ops._quant_mma_config(q, cache, cache, table, ctx, sp_overlap)
+    assert (cfg is not None) == taken
 
 
 @pytest.mark.parametrize("d, fmt, paged, tokens_per_program, block_n", [
@@ -198,7 +234,6 @@ def test_combine_tiles_load_every_split_at_once_within_the_tile_budget(splits, d
 ])
 def test_decode_plan(shape, expected, monkeypatch):
     from tileflash import _utils
-    from tileflash.ops import decode as decode_ops
 
     b, ctx, hq, hkv, d, page, num_splits = shape
     monkeypatch.setattr(_utils, "is_interpreter", lambda: False)

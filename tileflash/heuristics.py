@@ -315,6 +315,7 @@ class QuantDecodeConfig:
     block_n: int
     num_warps: int
     programs_per_sm: int
+    q_smem: bool = False  # q re-read from shared memory each step (registers for more programs per SM)
 
     @property
     def step(self) -> int:  # tokens per program per loop trip
@@ -325,15 +326,25 @@ QUANT_MMA_HEAD_DIMS = (64, 128)  # d256's 16 x 256 fp32 accumulator per warp spi
 QUANT_MMA_MAX_ROWS = 16  # one mma.sync M tile of query rows (Hq/Hkv x Sq)
 
 
-def quant_decode_config(head_dim: int, kv_format: str) -> QuantDecodeConfig | None:
-    """The register-operand decode's tiles for an "fp8" / "nvfp4" cache, or None where it does not apply (then the
-    Triton kernel's decode_config). K+V bytes per warp step about 2-4 KiB (one step of loads in flight per warp
-    while the previous one is decoded)."""
-    if kv_format not in ("fp8", "nvfp4") or head_dim not in QUANT_MMA_HEAD_DIMS:
+# Measured on the H200 (benchmarks/decode_quant_sweep.py, graph replay, 32/8 heads, d=128, us; RESULTS.md run 89;
+# variants are (tokens per warp step, q in shared memory, programs per SM)):
+# - NVFP4: (32, no, 2) beat the Triton kernel from b x ctx x Hkv = 2^18 token-heads on: b=1 ctx 32k 37.3 vs 42.9,
+#   128k 86.1 vs 128.5, b=8 ctx 32k 193.0 vs 239.6, b=64 ctx 4k 153.2 vs 241.8, b=256 ctx 2k 323.9 vs 487.6; below
+#   it lost (b=1 ctx 8k 22.4 vs 20.5). 16-token steps with q in shared memory (168 registers, three programs per
+#   SM) lost at most shapes (b=64 ctx 4k 176.4, b=1 128k 121.5): the step's fixed costs, not occupancy, dominate.
+# - FP8: the Triton kernel was as fast or faster at every shape (b=8 ctx 32k 148.4 vs 183.7 at (32, no, 2), b=1 ctx
+#   8k 18.2 vs 22.8 at (16, no, 2)), so FP8 caches keep it; the register kernel's FP8 path stays for the sweep.
+QUANT_MMA_MIN_KV = 2 ** 18
+
+
+def quant_decode_config(head_dim: int, kv_format: str, kv_tokens: int = 2 ** 30) -> QuantDecodeConfig | None:
+    """The register-operand decode's tiles for a cache format ("nvfp4"; see above for "fp8") and kv_tokens =
+    batch x capacity x KV heads, or None where the Triton kernel (decode_config) is faster or the kernel does not
+    apply."""
+    if kv_format != "nvfp4" or head_dim not in QUANT_MMA_HEAD_DIMS or kv_tokens < QUANT_MMA_MIN_KV:
         return None
-    row_bytes = head_dim if kv_format == "fp8" else head_dim // 2
-    block_n = max(16, min(32, 2048 // row_bytes))
-    return QuantDecodeConfig(block_n=block_n, num_warps=4, programs_per_sm=2)
+    return QuantDecodeConfig(block_n=32, num_warps=4, programs_per_sm=2)
+
 
 @dataclass(frozen=True)
 class GemmConfig:

@@ -41,6 +41,7 @@ ROWS = 16  # mma.sync's M: query rows (heads x tokens of one KV head) per progra
 M_ROWS = gl.constexpr(ROWS)
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
+_cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # triton 3.6 name
 
 # e4m3 word (4 bytes) -> 4 fp16, in byte order.
 _FP8_K_ASM = gl.constexpr("""{
@@ -333,7 +334,8 @@ def decode_quant_kernel(
         seqlen_q, capacity, seqlen_k_add, num_heads_kv, group, rows_per_split,
         softmax_scale, softcap, window_left, window_right,
         D: gl.constexpr, FMT: gl.constexpr, BN: gl.constexpr, WARPS: gl.constexpr, PAGE_SHIFT: gl.constexpr,
-        HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, SPLIT: gl.constexpr):
+        HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, SPLIT: gl.constexpr,
+        Q_SMEM: gl.constexpr):
     """FMT 1: FP8 (e4m3 caches, kfac/vfac = k_scale/v_scale, stride_fac 0 per tensor or 1 per KV head);
     FMT 2: NVFP4 (uint8 caches, ks/vs the e4m3 block scales as bytes, kfac/vfac the global scales). K and V share
     strides (stride_k*; the scales stride_s*); paged: stride_kb/stride_sb are the page strides, PAGE_SHIFT >= 0."""
@@ -357,6 +359,14 @@ def decode_quant_kernel(
     head_q = h * group + r % group
     q_row = b.to(gl.int64) * stride_qb + tok_q.to(gl.int64) * stride_qs + head_q.to(gl.int64) * stride_qh
     q_ev, q_od, q_down = _q_operands(q_ptr, q_row, row_ok, WARPS, D, FMT)
+    if Q_SMEM:  # q re-read from shared memory at every step instead of held in registers
+        KD: gl.constexpr = D if FMT == 1 else D // 2
+        q_lay: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[2, 1, 0])
+        q_ev_s = gl.allocate_shared_memory(gl.float16, [WARPS, M_ROWS, KD], q_lay)
+        q_od_s = gl.allocate_shared_memory(gl.float16, [WARPS, M_ROWS, KD], q_lay)
+        q_ev_s.store(q_ev)
+        q_od_s.store(q_od)
+        _cta_barrier()
 
     kfac = gl.load(kfac_ptr + h * stride_fac)
     vfac = gl.load(vfac_ptr + h * stride_fac)
@@ -415,9 +425,14 @@ def decode_quant_kernel(
                               stride_ss, WARPS, BN, NW, FMT, PAGE_SHIFT)
         k_a, k_b = _k_operands(kw, ksc, WARPS, BN, NW, FMT)
         s = gl.zeros([WARPS, M_ROWS, BN], gl.float32, mma)
-        s = mma_v2(q_ev, k_a, s)
-        if FMT == 2:
-            s = mma_v2(q_od, k_b, s)
+        if Q_SMEM:
+            s = mma_v2(q_ev_s.load(a_dot), k_a, s)
+            if FMT == 2:
+                s = mma_v2(q_od_s.load(a_dot), k_b, s)
+        else:
+            s = mma_v2(q_ev, k_a, s)
+            if FMT == 2:
+                s = mma_v2(q_od, k_b, s)
         if SOFTCAP:
             s = (softcap * LOG2E) * _tanh(s * scale3)
         else:

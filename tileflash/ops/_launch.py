@@ -164,7 +164,7 @@ def launch_decode_quant(q4, k4, v4, out4, lse3, *, seqlens_k, seqlen_k_add: int,
         D=d, FMT=2 if nvfp4 else 1, BN=config.block_n, WARPS=config.num_warps,
         PAGE_SHIFT=k4.shape[1].bit_length() - 1 if paged else -1,
         HAS_LEFT=mask.window_left >= 0, HAS_RIGHT=mask.window_right >= 0, SOFTCAP=mask.softcap > 0.0, SPLIT=split,
-        num_warps=config.num_warps,
+        Q_SMEM=config.q_smem, num_warps=config.num_warps,
     )
 
 

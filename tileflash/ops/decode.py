@@ -25,13 +25,18 @@ MAX_QUERY_TOKENS = 16
 KV_FORMATS = {torch.float8_e4m3fn: "fp8", torch.uint8: "nvfp4"}  # cache dtype -> format; others are 16-bit
 
 
+def _capacity(k_cache, block_table) -> int:
+    """Tokens a sequence's cache holds: its pages, or the contiguous cache's length."""
+    return block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
+
+
 def _plan(q, k_cache, block_table, num_splits: int):
     """(config, num_splits, capacity) from shapes only: the tile, the split count, then the tile again knowing how
     many tokens each program streams."""
     b, sq, hq, d = q.shape
     hkv = k_cache.shape[2]
     rows = sq * (hq // hkv)
-    capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
+    capacity = _capacity(k_cache, block_table)
     tiles = functools.partial(decode_config, d, rows, _utils.is_interpreter(),
                               kv_format=KV_FORMATS.get(k_cache.dtype, "16bit"), paged=block_table is not None,
                               kv_tokens=b * capacity * hkv)
@@ -52,12 +57,13 @@ def _plan(q, k_cache, block_table, num_splits: int):
     return long_cfg, splits, capacity
 
 
-def _quant_mma_config(q, k_cache, v_cache, block_table, sp_overlap: bool):
-    """The register-operand decode's tiles (kernels/decode_quant_mma.py) when it serves this call, else None: an
-    FP8 / NVFP4 cache on sm_90, head dim 64/128/256, at most 16 query rows per KV head, a contiguous cache or
+def _quant_mma_config(q, k_cache, v_cache, block_table, capacity: int, sp_overlap: bool):
+    """The register-operand decode's tiles (kernels/decode_quant_mma.py) when it serves this call, else None: a
+    cache heuristics.quant_decode_config takes on sm_90, at most 16 query rows per KV head, a contiguous cache or
     power-of-two pages, 16-byte aligned K/V rows with equal K and V strides (it reads rows as 16-byte words), and
     the plain loop (sp_overlap=True asks for the Triton kernel's S/P-overlapped loop)."""
-    cfg = quant_decode_config(q.shape[3], KV_FORMATS.get(k_cache.dtype, "16bit"))
+    cfg = quant_decode_config(q.shape[3], KV_FORMATS.get(k_cache.dtype, "16bit"),
+                              kv_tokens=q.shape[0] * capacity * k_cache.shape[2])
     if cfg is None or sp_overlap or not sm90_target():
         return None
     if q.shape[1] * (q.shape[2] // k_cache.shape[2]) > QUANT_MMA_MAX_ROWS:
@@ -91,13 +97,13 @@ def _attn_kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         launch_kv_append(k, v, k_cache, v_cache, cache_seqlens, block_table, **scales)
     if hq == 0:  # nothing to attend with; the append above still happened
         return out, lse
-    qcfg = _quant_mma_config(q, k_cache, v_cache, block_table, sp_overlap)
+    capacity = _capacity(k_cache, block_table)
+    qcfg = _quant_mma_config(q, k_cache, v_cache, block_table, capacity, sp_overlap)
     if qcfg is not None:
-        capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
         num_splits = num_splits or num_splits_heuristic(b, k_cache.shape[2], 1, capacity, qcfg.step,
                                                         _utils.num_sms(q.device), per_sm=qcfg.programs_per_sm)
     else:
-        cfg, num_splits, capacity = _plan(q, k_cache, block_table, num_splits)
+        cfg, num_splits, _ = _plan(q, k_cache, block_table, num_splits)
     o_part = lse_part = None
     if num_splits > 1:  # one allocation for both partials (host time: see benchmarks/host_profile.py)
         rows = b * sq * hq
