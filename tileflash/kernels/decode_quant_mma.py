@@ -35,7 +35,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mma_v2
 
 from .gemm_nvfp4_mma import DECODE_UNIT, _fp16_row_scale
-from .quant import e2m1_to_e4m3_ptx
+from .quant import E4M3X4_FP16_PTX, e2m1_to_e4m3_ptx
 
 ROWS = 16  # mma.sync's M: query rows (heads x tokens of one KV head) per program
 M_ROWS = gl.constexpr(ROWS)
@@ -43,16 +43,7 @@ LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
 _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # triton 3.6 name
 
-# e4m3 word (4 bytes) -> 4 fp16, in byte order.
-_FP8_K_ASM = gl.constexpr("""{
-        .reg .b16 lo, hi;
-        .reg .b32 a, b;
-        mov.b32 {lo, hi}, $4;
-        cvt.rn.f16x2.e4m3x2 a, lo;
-        cvt.rn.f16x2.e4m3x2 b, hi;
-        mov.b32 {$0, $1}, a;
-        mov.b32 {$2, $3}, b;
-        }""")
+_FP8_K_ASM = gl.constexpr(E4M3X4_FP16_PTX)  # e4m3 word (4 bytes) -> 4 fp16, in byte order
 
 # e4m3 words a, b of two tokens -> 8 fp16 (a0, b0, a1, b1, ..): byte k of both tokens as one f16x2 pair.
 _FP8_V_ASM = gl.constexpr("""{
@@ -166,9 +157,9 @@ def _warp_bases(warps):
 
 
 @gluon.constexpr_function
-def _k_layout(warps, bn, words, group):
+def _k_layout(warps, bn, words):
     """Registers of K words [warps, bn tokens, words per row]: thread (g, t) holds tokens g + 8 i and a
-    contiguous quarter of each row, `group` words per register group (the asm's inputs) outermost-first."""
+    contiguous quarter of each row (one vector load per token)."""
     per = words // 4
     reg = [[0, 0, 1 << i] for i in range(per.bit_length() - 1)]
     reg += [[0, 8 << i, 0] for i in range((bn // 8).bit_length() - 1)]
@@ -205,22 +196,29 @@ def _row_offsets(tok, ok, bt_row, stride_page, stride_tok, stride_page_s, stride
 
 
 @gluon.jit
-def _load_k(k_base, ks_base, t0, s_hi, bt_row, stride_page, stride_tok, stride_page_s, stride_tok_s,
-            WARPS: gl.constexpr, BN: gl.constexpr, KW: gl.constexpr, FMT: gl.constexpr, PAGE_SHIFT: gl.constexpr):
-    """K words [WARPS, BN, KW] of tokens t0 + BN w + n (and NVFP4: the scale byte of each word pair)."""
-    lay: gl.constexpr = _k_layout(WARPS, BN, KW, 1)
+def _load_words(base, t0, s_hi, bt_row, stride_page, stride_tok, stride_page_s, stride_tok_s, lay: gl.constexpr,
+                WARPS: gl.constexpr, BN: gl.constexpr, NW: gl.constexpr, PAGE_SHIFT: gl.constexpr):
+    """Words [WARPS, BN, NW] of the rows of tokens t0 + BN w + n in registers `lay` (tokens from s_hi on load as 0),
+    with the tokens' in-range mask and their offsets in the scale tensors."""
     w = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, lay)))
     n = gl.arange(0, BN, layout=gl.SliceLayout(0, gl.SliceLayout(2, lay)))
     tok = t0 + gl.expand_dims(w, 1) * BN + gl.expand_dims(n, 0)
     ok = tok < s_hi
     off, off_s = _row_offsets(tok, ok, bt_row, stride_page, stride_tok, stride_page_s, stride_tok_s, PAGE_SHIFT)
-    wi = gl.arange(0, KW, layout=gl.SliceLayout(0, gl.SliceLayout(1, lay)))
-    ptr = (k_base + gl.expand_dims(off, 2)).to(gl.pointer_type(gl.int32)) + gl.expand_dims(gl.expand_dims(wi, 0), 1)
-    ok3 = gl.expand_dims(ok, 2)
-    words = gl.load(ptr, mask=ok3, other=0)
+    wi = gl.expand_dims(gl.expand_dims(gl.arange(0, NW, layout=gl.SliceLayout(0, gl.SliceLayout(1, lay))), 0), 1)
+    ptr = (base + gl.expand_dims(off, 2)).to(gl.pointer_type(gl.int32)) + wi
+    return gl.load(ptr, mask=gl.expand_dims(ok, 2), other=0), ok, off_s
+
+
+@gluon.jit
+def _load_k(k_base, ks_base, t0, s_hi, bt_row, stride_page, stride_tok, stride_page_s, stride_tok_s,
+            WARPS: gl.constexpr, BN: gl.constexpr, KW: gl.constexpr, FMT: gl.constexpr, PAGE_SHIFT: gl.constexpr):
+    """K words [WARPS, BN, KW] of tokens t0 + BN w + n (and NVFP4: the scale byte of each word pair)."""
+    words, ok, off_s = _load_words(k_base, t0, s_hi, bt_row, stride_page, stride_tok, stride_page_s, stride_tok_s,
+                                   _k_layout(WARPS, BN, KW), WARPS, BN, KW, PAGE_SHIFT)
     scales = 0
     if FMT == 2:  # one scale per word pair (16 values), in the registers of the pairs _k_operands splits off
-        s_lay: gl.constexpr = _k_layout(WARPS, BN, KW // 2, 1)
+        s_lay: gl.constexpr = _k_layout(WARPS, BN, KW // 2)
         s_off = gl.convert_layout(off_s, gl.SliceLayout(2, s_lay))
         s_ok = gl.convert_layout(ok, gl.SliceLayout(2, s_lay))
         blk = gl.arange(0, KW // 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, s_lay)))
@@ -234,19 +232,13 @@ def _load_v(v_base, vs_base, t0, s_hi, bt_row, stride_page, stride_tok, stride_p
             WARPS: gl.constexpr, BN: gl.constexpr, VW: gl.constexpr, FMT: gl.constexpr, PAGE_SHIFT: gl.constexpr):
     """V words [WARPS, BN, VW] (and NVFP4: each word's scale byte: a word holds 8 dims, a block 16)."""
     lay: gl.constexpr = _v_layout(WARPS, BN, VW)
-    w = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, lay)))
-    n = gl.arange(0, BN, layout=gl.SliceLayout(0, gl.SliceLayout(2, lay)))
-    tok = t0 + gl.expand_dims(w, 1) * BN + gl.expand_dims(n, 0)
-    ok = tok < s_hi
-    off, off_s = _row_offsets(tok, ok, bt_row, stride_page, stride_tok, stride_page_s, stride_tok_s, PAGE_SHIFT)
-    wi = gl.arange(0, VW, layout=gl.SliceLayout(0, gl.SliceLayout(1, lay)))
-    ptr = (v_base + gl.expand_dims(off, 2)).to(gl.pointer_type(gl.int32)) + gl.expand_dims(gl.expand_dims(wi, 0), 1)
-    ok3 = gl.expand_dims(ok, 2)
-    words = gl.load(ptr, mask=ok3, other=0)
+    words, ok, off_s = _load_words(v_base, t0, s_hi, bt_row, stride_page, stride_tok, stride_page_s, stride_tok_s,
+                                   lay, WARPS, BN, VW, PAGE_SHIFT)
     scales = 0
     if FMT == 2:
-        sp = vs_base + gl.expand_dims(off_s, 2) + gl.expand_dims(gl.expand_dims(wi // 2, 0), 1)
-        scales = gl.load(sp, mask=ok3, other=0).to(gl.int32)
+        blk = gl.arange(0, VW, layout=gl.SliceLayout(0, gl.SliceLayout(1, lay))) // 2
+        sp = vs_base + gl.expand_dims(off_s, 2) + gl.expand_dims(gl.expand_dims(blk, 0), 1)
+        scales = gl.load(sp, mask=gl.expand_dims(ok, 2), other=0).to(gl.int32)
     return words, scales
 
 

@@ -157,12 +157,7 @@ def _e2m1_pairs_fp16(packed, PURE: tl.constexpr):
         constraints="=r,=r,=r,=r,r", args=[packed], dtype=(tl.float16, tl.float16), is_pure=PURE, pack=4)
 
 
-@triton.jit
-def _e4m3x4_fp16(words, PURE: tl.constexpr):
-    """GPU only. int32 words holding 4 e4m3 bytes -> the 4 values as fp16 (byte 0 first), two hardware
-    e4m3x2 -> f16x2 conversions per word."""
-    return tl.inline_asm_elementwise(
-        asm="""{
+E4M3X4_FP16_PTX = """{
         .reg .b16 lo, hi;
         .reg .b32 a, b;
         mov.b32 {lo, hi}, $4;
@@ -170,7 +165,16 @@ def _e4m3x4_fp16(words, PURE: tl.constexpr):
         cvt.rn.f16x2.e4m3x2 b, hi;
         mov.b32 {$0, $1}, a;
         mov.b32 {$2, $3}, b;
-        }""",
+        }"""  # an int32 word of 4 e4m3 bytes -> 4 fp16 (byte 0 first); shared with kernels/decode_quant_mma.py
+_E4M3X4_FP16 = tl.constexpr(E4M3X4_FP16_PTX)
+
+
+@triton.jit
+def _e4m3x4_fp16(words, PURE: tl.constexpr):
+    """GPU only. int32 words holding 4 e4m3 bytes -> the 4 values as fp16 (byte 0 first), two hardware
+    e4m3x2 -> f16x2 conversions per word."""
+    return tl.inline_asm_elementwise(
+        asm=_E4M3X4_FP16,
         constraints="=h,=h,=h,=h,r", args=[words], dtype=(tl.float16,) * 4, is_pure=PURE, pack=1)
 
 
