@@ -316,6 +316,8 @@ class QuantDecodeConfig:
     num_warps: int
     programs_per_sm: int
     q_smem: bool = False  # q re-read from shared memory each step (registers for more programs per SM)
+    int_decode: bool = False  # NVFP4 widened by integer bit placement, not e4m3 + the conversion instruction
+    pv_t: bool = False  # O^T = V^T P^T where the rows fit one n8 tile (<= 8): half the PV products and accumulator
 
     @property
     def step(self) -> int:  # tokens per program per loop trip
