@@ -2,8 +2,8 @@
 Triton decode kernel, CUDA-graph replay of the whole flash_attn_with_kvcache call (split combine included), us.
 
 Usage on the H200: `python benchmarks/decode_quant_sweep.py [--fmt fp8,nvfp4] [--grid "1,8192;8,32768"]
-[--variants "32,0,2;16,1,3,0,1"]`. A variant is (tokens per warp step, q in shared memory 0/1, programs per SM
-the split count aims at[, integer NVFP4 widening 0/1, transposed PV product 0/1]) for heuristics.QuantDecodeConfig; `triton` is attn_fwd's decode with its own tiles. 32/8
+[--variants "32,2;16,3"]`. A variant is (tokens per warp step, programs per SM the split count aims at) for
+heuristics.QuantDecodeConfig; `triton` is attn_fwd's decode with its own tiles. 32/8
 heads, d=128, bf16 queries, cache_seqlens = ctx. Each variant's output is checked against the Triton kernel's
 (max |diff| <= 1e-2 * max |out|, else ERR).
 """
@@ -23,7 +23,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--fmt", default="fp8,nvfp4")
 parser.add_argument("--grid", default="1,8192;1,32768;1,131072;8,8192;8,32768;32,2048;32,8192;64,4096;128,1024;"
                                       "256,2048")
-parser.add_argument("--variants", default="32,0,2;16,1,3")
+parser.add_argument("--variants", default="32,2;16,3")
 parser.add_argument("--hq", type=int, default=32)
 parser.add_argument("--hkv", type=int, default=8)
 args = parser.parse_args()
@@ -60,20 +60,18 @@ for fmt in args.fmt.split(","):
         row = {"fmt": fmt, "b": b, "ctx": ctx}
         ref = with_config(None, call)
         row["triton"] = bench_graph_ms(lambda: with_config(None, call)) * 1e3
-        for variant in VARIANTS:
-            bn, q_smem, per_sm, int_decode, pv_t = (*variant, 0, 0)[:5]
-            cfg = QuantDecodeConfig(block_n=bn, num_warps=4, programs_per_sm=per_sm, q_smem=bool(q_smem),
-                                    int_decode=bool(int_decode), pv_t=bool(pv_t))
+        for bn, per_sm in VARIANTS:
+            cfg = QuantDecodeConfig(block_n=bn, num_warps=4, programs_per_sm=per_sm)
             out = with_config(cfg, call)
             good = (out.float() - ref.float()).abs().max() <= 1e-2 * ref.float().abs().max()
-            row[",".join(map(str, variant))] = bench_graph_ms(lambda: with_config(cfg, call)) * 1e3 if good else "ERR"
+            row[f"{bn},{per_sm}"] = bench_graph_ms(lambda: with_config(cfg, call)) * 1e3 if good else "ERR"
         rows.append(row)
         print(row, flush=True)
         del kc, vc, scales
 
 keys = list(rows[0])
-print(f"\nQuantized decode, {HQ}/{HKV} heads, d={D}, graph replay, us (variant = tokens per warp step, q in shared "
-      f"memory, programs per SM, integer NVFP4 widening, transposed PV)")
+print(f"\nQuantized decode, {HQ}/{HKV} heads, d={D}, graph replay, us (variant = tokens per warp step, programs per "
+      f"SM)")
 print(" | ".join(f"{k:>10}" for k in keys))
 for r in rows:
     print(" | ".join(f"{c:>10.1f}" if isinstance(c, float) else f"{str(c):>10}" for c in (r.get(k) for k in keys)))

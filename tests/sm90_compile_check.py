@@ -66,8 +66,8 @@ def _cases():
     def grad_leaves(*shape, dtype=bf):
         return [torch.randn(*shape, dtype=dtype, requires_grad=True) for _ in range(3)]
 
-    def decode(fmt, d=128, append=False, paged=False, ctx=512, page=16):
-        b, hq, hkv = 2, 32, 8
+    def decode(fmt, d=128, append=False, paged=False, ctx=512, page=16, b=2, **call_kw):
+        hq, hkv = 32, 8
         q = torch.randn(b, 1, hq, d, dtype=bf)
         lens = torch.full((b,), ctx - 1, dtype=torch.int32)
         table = None
@@ -88,7 +88,7 @@ def _cases():
             sc = torch.zeros(*shape, d // 16, dtype=torch.float8_e4m3fn)
             kw = dict(k_scale=sc, v_scale=sc.clone(), k_global_scale=torch.ones(1), v_global_scale=torch.ones(1))
         new = torch.randn(b, 1, hkv, d, dtype=bf) if append else None
-        tileflash.flash_attn_with_kvcache(q, kc, vc, new, new, cache_seqlens=lens, block_table=table, **kw)
+        tileflash.flash_attn_with_kvcache(q, kc, vc, new, new, cache_seqlens=lens, block_table=table, **kw, **call_kw)
 
     def register_decode(fmt, **kw):
         """A decode that must take the register-operand Gluon kernel (kernels/decode_quant_mma.py); FP8 (which the
@@ -103,7 +103,7 @@ def _cases():
                 decode_ops.quant_decode_config = lambda *a, **k: QuantDecodeConfig(16, 4, 2)
             before = sum(len(c[0]) for c in kern.device_caches.values())
             try:
-                decode(fmt, ctx=16384, **kw)
+                decode(fmt, ctx=4096, **kw)
             finally:
                 decode_ops.quant_decode_config = saved
             if sum(len(c[0]) for c in kern.device_caches.values()) <= before:
@@ -173,8 +173,10 @@ def _cases():
         "decode nvfp4 append": lambda: decode("nvfp4", append=True),
         "decode nvfp4 d32 append": lambda: decode("nvfp4", d=32, append=True),
         "decode nvfp4 paged": lambda: decode("nvfp4", paged=True),
-        "decode nvfp4 large, register operands": register_decode("nvfp4", append=True),
-        "decode nvfp4 large page 16, register operands": register_decode("nvfp4", paged=True),
+        "decode nvfp4 S/P-overlapped loop (Triton kernel)": lambda: decode("nvfp4", sp_overlap=True),
+        "decode nvfp4 window softcap append, register operands": register_decode(
+            "nvfp4", append=True, softcap=5.0, window_size=(100, 0)),
+        "decode nvfp4 large page 16, 16-token steps, register operands": register_decode("nvfp4", paged=True, b=8),
         "decode fp8 d64, register operands (forced)": register_decode("fp8", d=64, paged=True, page=64),
         "nvfp4_dequantize": lambda: tileflash.nvfp4_dequantize(*tileflash.nvfp4_quantize(torch.randn(64, 128))),
         "fp8_quantize": lambda: tileflash.fp8_quantize(torch.randn(64, 128, dtype=bf)),

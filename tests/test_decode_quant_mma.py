@@ -29,27 +29,24 @@ CASES = [
 ]
 
 
-# The kernel's variants: plain, and the transposed PV product (<= 8 rows) with integer NVFP4 widening and q in
-# shared memory.
-CONFIGS = {"plain": QuantDecodeConfig(32, 4, 2),
-           "pvt-int-qsmem": QuantDecodeConfig(32, 4, 2, q_smem=True, int_decode=True, pv_t=True)}
+# The heuristic's two tiles: 32 or 16 tokens per warp step.
+CONFIGS = {"bn32": QuantDecodeConfig(32, 4, 2), "bn16": QuantDecodeConfig(16, 4, 3)}
 
 
-def _counting_launch(monkeypatch, force=CONFIGS["plain"]):
+def _counting_launch(monkeypatch, force=CONFIGS["bn32"]):
     """Count the register-operand launches; force: take that kernel with this config for both formats at any cache
     size (the heuristic keeps FP8 and small NVFP4 caches on the Triton kernel, which measured faster there)."""
     if force is not None:
         monkeypatch.setattr(decode_ops, "quant_decode_config",
-                            lambda d, fmt, kv_tokens: force if d in (64, 128) else None)
+                            lambda d, fmt, programs, capacity: force if d in (64, 128) else None)
     calls = []
     launch = decode_ops.launch_decode_quant
     monkeypatch.setattr(decode_ops, "launch_decode_quant", lambda *a, **k: calls.append(1) or launch(*a, **k))
     return calls
 
 
-@pytest.mark.parametrize("config, dtype", [("plain", torch.bfloat16), ("plain", torch.float16),
-                                           ("pvt-int-qsmem", torch.bfloat16)], ids=["plain-bf16", "plain-fp16",
-                                                                                    "pvt-int-qsmem-bf16"])
+@pytest.mark.parametrize("config, dtype", [("bn32", torch.bfloat16), ("bn32", torch.float16),
+                                           ("bn16", torch.bfloat16)], ids=["bn32-bf16", "bn32-fp16", "bn16-bf16"])
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-case{i}" for i, c in enumerate(CASES)])
 def test_quant_mma_decode(case, config, dtype, monkeypatch):
     fmt, seqlens, sq, s_new, hq, hkv, d, page_size, capacity, num_splits, window, softcap = case
@@ -89,7 +86,7 @@ def test_quant_mma_declines_what_it_does_not_serve(monkeypatch):
 
 
 def test_quant_mma_default_dispatch(monkeypatch):
-    """Without forcing: a large NVFP4 cache takes the register-operand kernel, an FP8 one the Triton kernel."""
+    """Without forcing: an NVFP4 cache takes the register-operand kernel, an FP8 one the Triton kernel."""
     calls = _counting_launch(monkeypatch, force=None)
     b, ctx, hkv, d = 1, 32768, 8, 128
     q = torch.randn(b, 1, 32, d, device=DEVICE, dtype=torch.bfloat16)

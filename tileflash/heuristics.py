@@ -315,9 +315,6 @@ class QuantDecodeConfig:
     block_n: int
     num_warps: int
     programs_per_sm: int
-    q_smem: bool = False  # q re-read from shared memory each step (registers for more programs per SM)
-    int_decode: bool = False  # NVFP4 widened by integer bit placement, not e4m3 + the conversion instruction
-    pv_t: bool = False  # O^T = V^T P^T where the rows fit one n8 tile (<= 8): half the PV products and accumulator
 
     @property
     def step(self) -> int:  # tokens per program per loop trip
@@ -326,25 +323,30 @@ class QuantDecodeConfig:
 
 QUANT_MMA_HEAD_DIMS = (64, 128)  # d256's 16 x 256 fp32 accumulator per warp spills (CPU compile)
 QUANT_MMA_MAX_ROWS = 16  # one mma.sync M tile of query rows (Hq/Hkv x Sq)
+# Measured on the H200 (benchmarks/decode_quant_sweep.py, graph replay of the whole call, 32/8 heads, d=128, us;
+# RESULTS.md runs 89 and 93; variants (tokens per warp step, programs per SM), all with q in shared memory and the
+# transposed PV product):
+# - NVFP4, (32, 2) vs (16, 3): b=1 ctx 8k 19.0 vs 21.7, ctx 32k 32.6 vs 36.8, ctx 128k 80.4 vs 97.8, b=32 ctx 2k 45.9
+#   vs 50.1; but b=8 ctx 8k 60.6 vs 52.1, ctx 32k 175.0 vs 157.2, b=128 ctx 1k 94.0 vs 86.4, b=256 ctx 2k 292.6 vs
+#   278.4 (b=32 ctx 8k, b=64 ctx 4k within 0.3%). The Triton kernel: 20.2, 43.1, 128.2, 69.7, 71.8, 241.0, 137.5,
+#   490.3. So (16, 3) from QUANT_MMA_SMALL_STEP_PROGRAMS sequence-heads on, except short caches (b=32 ctx 2k:
+#   two splits of 1k put 512 programs into 1.3 waves of 396), which keep (32, 2).
+# - FP8: within +-5% of the Triton kernel at every shape at its best variant (b=1 ctx 8k 19.8 vs 18.2, b=8 ctx 32k
+#   143.6 vs 149.0, b=64 ctx 4k 142.3 vs 148.5, b=128 ctx 1k 92.2 vs 90.0), so FP8 caches keep the Triton kernel;
+#   the register kernel's FP8 path stays for the sweep and its tests.
+QUANT_MMA_SMALL_STEP_PROGRAMS = 64
+QUANT_MMA_SMALL_STEP_MIN_TOKENS = 4096  # shorter caches take the small steps only from ...
+QUANT_MMA_SMALL_STEP_SHORT_PROGRAMS = 1024  # ... this many sequence-heads (b=128 ctx 1k: no split either way)
 
 
-# Measured on the H200 (benchmarks/decode_quant_sweep.py, graph replay, 32/8 heads, d=128, us; RESULTS.md run 89;
-# variants are (tokens per warp step, q in shared memory, programs per SM)):
-# - NVFP4: (32, no, 2) beat the Triton kernel from b x ctx x Hkv = 2^18 token-heads on: b=1 ctx 32k 37.3 vs 42.9,
-#   128k 86.1 vs 128.5, b=8 ctx 32k 193.0 vs 239.6, b=64 ctx 4k 153.2 vs 241.8, b=256 ctx 2k 323.9 vs 487.6; below
-#   it lost (b=1 ctx 8k 22.4 vs 20.5). 16-token steps with q in shared memory (168 registers, three programs per
-#   SM) lost at most shapes (b=64 ctx 4k 176.4, b=1 128k 121.5): the step's fixed costs, not occupancy, dominate.
-# - FP8: the Triton kernel was as fast or faster at every shape (b=8 ctx 32k 148.4 vs 183.7 at (32, no, 2), b=1 ctx
-#   8k 18.2 vs 22.8 at (16, no, 2)), so FP8 caches keep it; the register kernel's FP8 path stays for the sweep.
-QUANT_MMA_MIN_KV = 2 ** 18
-
-
-def quant_decode_config(head_dim: int, kv_format: str, kv_tokens: int = 2 ** 30) -> QuantDecodeConfig | None:
-    """The register-operand decode's tiles for a cache format ("nvfp4"; see above for "fp8") and kv_tokens =
-    batch x capacity x KV heads, or None where the Triton kernel (decode_config) is faster or the kernel does not
-    apply."""
-    if kv_format != "nvfp4" or head_dim not in QUANT_MMA_HEAD_DIMS or kv_tokens < QUANT_MMA_MIN_KV:
+def quant_decode_config(head_dim: int, kv_format: str, programs: int, capacity: int) -> QuantDecodeConfig | None:
+    """The register-operand decode's tiles for an "nvfp4" cache (see above for "fp8") with programs = batch x KV
+    heads and capacity tokens per sequence, or None where the Triton kernel (decode_config) serves the call."""
+    if kv_format != "nvfp4" or head_dim not in QUANT_MMA_HEAD_DIMS:
         return None
+    if programs >= QUANT_MMA_SMALL_STEP_PROGRAMS and (capacity >= QUANT_MMA_SMALL_STEP_MIN_TOKENS or
+                                                       programs >= QUANT_MMA_SMALL_STEP_SHORT_PROGRAMS):
+        return QuantDecodeConfig(block_n=16, num_warps=4, programs_per_sm=3)
     return QuantDecodeConfig(block_n=32, num_warps=4, programs_per_sm=2)
 
 

@@ -78,33 +78,13 @@ def _e2m1_pairs(src: str, outs) -> str:
     return code
 
 
-def _e2m1_f16_pairs(src: str, outs) -> str:
-    """PTX: the e2m1 codes of register src -> 8 fp16 by bit placement, no conversion instruction: nibble p of each
-    16-bit half (p = 0..3) becomes one f16x2 pair, sign to bit 15 and the 3 code bits to bits 11..9, which is
-    exactly e2m1 * 2^-14 (code 1, 0.5, an f16 subnormal); then times the f16x2 scale s2. outs[p] names pair p's
-    destinations (half 0's value, half 1's)."""
-    code = ""
-    for p, (lo, hi) in enumerate(outs):
-        sign, mag = (f"shl.b32 t, {src}, {12 - 4 * p};", f"shl.b32 r, {src}, {9 - 4 * p};") if p < 3 else \
-            (f"mov.b32 t, {src};", f"shr.b32 r, {src}, 3;")
-        code += f"""
-        {sign}
-        {mag}
-        and.b32 t, t, 0x80008000;
-        and.b32 r, r, 0x0E000E00;
-        or.b32 r, r, t;
-        mul.rn.f16x2 r, r, s2;
-        mov.b32 {{{lo}, {hi}}}, r;"""
-    return code
-
-
 _NVFP4_HEAD = """
         .reg .b32 l, h, t, r, s2, x, y;
         .reg .b16 l0, l1, h0, h1, sh, sx;"""
 
 # Two words of one token's block (bytes 0-3, 4-7) and its scale byte -> 16 fp16: the low nibbles of bytes 0..7,
 # then the high nibbles, each times the scale (e2m1 * scale * 2^-6).
-_NVFP4_K_ASM_E4M3 = gl.constexpr("{" + _NVFP4_HEAD + """
+_NVFP4_K_ASM = gl.constexpr("{" + _NVFP4_HEAD + """
         prmt.b32 t, $18, $18, 0x0;
         mov.b32 {sh, sx}, t;
         cvt.rn.f16x2.e4m3x2 s2, sh;""" + _e2m1_pairs("$16", (("$0", "$1"), ("$2", "$3"), ("$8", "$9"),
@@ -114,7 +94,7 @@ _NVFP4_K_ASM_E4M3 = gl.constexpr("{" + _NVFP4_HEAD + """
 
 # Words a, b of two tokens (same dims) and their scale bytes -> 16 fp16: for each of the word's 8 dims (byte k's
 # low nibble is dim 2k, its high nibble 2k + 1), token a's then token b's value, each times its token's scale.
-_NVFP4_V_ASM_E4M3 = gl.constexpr("{" + _NVFP4_HEAD + """
+_NVFP4_V_ASM = gl.constexpr("{" + _NVFP4_HEAD + """
         prmt.b32 t, $18, $19, 0x40;
         mov.b32 {sh, sx}, t;
         cvt.rn.f16x2.e4m3x2 s2, sh;
@@ -133,29 +113,6 @@ _FP8_V_IO = _constraints(8, 2)
 _NVFP4_K_IO = _constraints(16, 3)
 _NVFP4_V_IO = _constraints(16, 4)
 
-
-# The same two asm blocks with bit placement instead (values e2m1 * scale * 2^-14): K pairs bytes (k, k + 2) of a
-# word (its 16-bit halves), V interleaves the two tokens by halves (PRMT 0x5410 / 0x7632) so each pair is one dim
-# of both.
-_NVFP4_K_ASM_INT = gl.constexpr("{" + _NVFP4_HEAD + """
-        prmt.b32 t, $18, $18, 0x0;
-        mov.b32 {sh, sx}, t;
-        cvt.rn.f16x2.e4m3x2 s2, sh;""" + _e2m1_f16_pairs("$16", (("$0", "$2"), ("$8", "$10"), ("$1", "$3"),
-                                                                 ("$9", "$11")))
-                                + _e2m1_f16_pairs("$17", (("$4", "$6"), ("$12", "$14"), ("$5", "$7"),
-                                                          ("$13", "$15")))
-                                + "}")
-_NVFP4_V_ASM_INT = gl.constexpr("{" + _NVFP4_HEAD + """
-        prmt.b32 t, $18, $19, 0x40;
-        mov.b32 {sh, sx}, t;
-        cvt.rn.f16x2.e4m3x2 s2, sh;
-        prmt.b32 x, $16, $17, 0x5410;
-        prmt.b32 y, $16, $17, 0x7632;""" + _e2m1_f16_pairs("x", (("$0", "$1"), ("$2", "$3"), ("$4", "$5"),
-                                                                ("$6", "$7")))
-                                + _e2m1_f16_pairs("y", (("$8", "$9"), ("$10", "$11"), ("$12", "$13"),
-                                                        ("$14", "$15")))
-                                + "}")
-F16_UNIT = gl.constexpr(16384.0)  # bit-placed values are e2m1 * scale * 2^-14
 
 @gluon.jit
 def _asm(asm: gl.constexpr, constraints: gl.constexpr, args, n_out: gl.constexpr):
@@ -182,16 +139,11 @@ def _stack16(xs, A: gl.constexpr, B: gl.constexpr, C: gl.constexpr):
 
 
 @gluon.jit
-def _mma_order(x, A: gl.constexpr, B: gl.constexpr, J: gl.constexpr, PAIR_STRIDE: gl.constexpr):
-    """x [A, B, J] with row byte j = (J/4) t + 4 kb + 2 i1 + i0 along dim 2 (PAIR_STRIDE 1; 2: j = (J/4) t + 4 kb +
-    2 i0 + i1, the MMA's register pairs are bytes k, k + 2) -> the same values at MMA index kk = 16 kb + 8 i1 + 2 t
-    + i0 (thread t's bytes of a row are contiguous)."""
+def _mma_order(x, A: gl.constexpr, B: gl.constexpr, J: gl.constexpr):
+    """x [A, B, J] with row byte j = (J/4) t + 4 kb + 2 i1 + i0 along dim 2 -> the same values at MMA index
+    kk = 16 kb + 8 i1 + 2 t + i0 (thread t's bytes of a row are contiguous)."""
     x = gl.reshape(x, [A, B, 4, J // 16, 2, 2])
-    if PAIR_STRIDE == 1:
-        x = gl.permute(x, [0, 1, 3, 4, 2, 5])
-    else:
-        x = gl.permute(x, [0, 1, 3, 5, 2, 4])
-    return gl.reshape(x, [A, B, J])
+    return gl.reshape(gl.permute(x, [0, 1, 3, 4, 2, 5]), [A, B, J])
 
 
 @gluon.constexpr_function
@@ -292,30 +244,23 @@ def _load_v(v_base, vs_base, t0, s_hi, bt_row, stride_page, stride_tok, stride_p
 
 
 @gluon.jit
-def _k_operands(words, scales, WARPS: gl.constexpr, BN: gl.constexpr, KW: gl.constexpr, FMT: gl.constexpr,
-                INT_DECODE: gl.constexpr):
+def _k_operands(words, scales, WARPS: gl.constexpr, BN: gl.constexpr, KW: gl.constexpr, FMT: gl.constexpr):
     """K words -> the B operand(s) [WARPS, row values, BN] in MMA order: FP8 one, NVFP4 (low, high nibbles)."""
     mma: gl.constexpr = _mma_layout(WARPS)
     b_dot: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     if FMT == 1:
         x0, x1, x2, x3 = _asm(_FP8_K_ASM, _FP8_K_IO, [words], 4)
         k = gl.reshape(_stack4(x0, x1, x2, x3, WARPS, BN, KW), [WARPS, BN, KW * 4])
-        k = gl.permute(_mma_order(k, WARPS, BN, KW * 4, 1), [0, 2, 1])
+        k = gl.permute(_mma_order(k, WARPS, BN, KW * 4), [0, 2, 1])
         k_a = gl.convert_layout(k, b_dot, assert_trivial=True)
         k_b = k_a
     else:
         we, wo = gl.split(gl.reshape(words, [WARPS, BN, KW // 2, 2]))
-        sc = gl.convert_layout(scales, we.type.layout)
-        if INT_DECODE:
-            xs = _asm(_NVFP4_K_ASM_INT, _NVFP4_K_IO, [we, wo, sc], 16)
-            PAIR: gl.constexpr = 2
-        else:
-            xs = _asm(_NVFP4_K_ASM_E4M3, _NVFP4_K_IO, [we, wo, sc], 16)
-            PAIR: gl.constexpr = 1
+        xs = _asm(_NVFP4_K_ASM, _NVFP4_K_IO, [we, wo, gl.convert_layout(scales, we.type.layout)], 16)
         lo = _stack8(xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7], WARPS, BN, KW // 2)
         hi = _stack8(xs[8], xs[9], xs[10], xs[11], xs[12], xs[13], xs[14], xs[15], WARPS, BN, KW // 2)
-        lo = gl.permute(_mma_order(gl.reshape(lo, [WARPS, BN, KW * 4]), WARPS, BN, KW * 4, PAIR), [0, 2, 1])
-        hi = gl.permute(_mma_order(gl.reshape(hi, [WARPS, BN, KW * 4]), WARPS, BN, KW * 4, PAIR), [0, 2, 1])
+        lo = gl.permute(_mma_order(gl.reshape(lo, [WARPS, BN, KW * 4]), WARPS, BN, KW * 4), [0, 2, 1])
+        hi = gl.permute(_mma_order(gl.reshape(hi, [WARPS, BN, KW * 4]), WARPS, BN, KW * 4), [0, 2, 1])
         k_a = gl.convert_layout(lo, b_dot, assert_trivial=True)
         k_b = gl.convert_layout(hi, b_dot, assert_trivial=True)
     return k_a, k_b
@@ -323,7 +268,7 @@ def _k_operands(words, scales, WARPS: gl.constexpr, BN: gl.constexpr, KW: gl.con
 
 @gluon.jit
 def _v_operand(words, scales, WARPS: gl.constexpr, BN: gl.constexpr, VW: gl.constexpr, D: gl.constexpr,
-               FMT: gl.constexpr, INT_DECODE: gl.constexpr, PV_T: gl.constexpr):
+               FMT: gl.constexpr, PV_T: gl.constexpr):
     """V words -> the B operand [WARPS, BN, D] with the head dim in MMA order (column 8 j + g = dim (D/8) g + j);
     PV_T: the A operand [WARPS, D, BN] of O^T += V^T P^T, the head dim in the same order."""
     mma: gl.constexpr = _mma_layout(WARPS)
@@ -335,10 +280,7 @@ def _v_operand(words, scales, WARPS: gl.constexpr, BN: gl.constexpr, VW: gl.cons
         v = gl.reshape(v, [WARPS, BN // 2, VW, 4, 2])
     else:
         sa, sb = gl.split(gl.permute(gl.reshape(scales, [WARPS, BN // 2, 2, VW]), [0, 1, 3, 2]))
-        if INT_DECODE:
-            xs = _asm(_NVFP4_V_ASM_INT, _NVFP4_V_IO, [wa, wb, sa, sb], 16)
-        else:
-            xs = _asm(_NVFP4_V_ASM_E4M3, _NVFP4_V_IO, [wa, wb, sa, sb], 16)
+        xs = _asm(_NVFP4_V_ASM, _NVFP4_V_IO, [wa, wb, sa, sb], 16)
         v = gl.reshape(_stack16(xs, WARPS, BN // 2, VW), [WARPS, BN // 2, VW, 8, 2])
     v = gl.reshape(gl.permute(v, [0, 1, 4, 2, 3]), [WARPS, BN, D])  # token 2p + i, dim (values per word) w + k
     v = gl.reshape(gl.permute(gl.reshape(v, [WARPS, BN, 8, D // 8]), [0, 1, 3, 2]), [WARPS, BN, D])
@@ -351,8 +293,7 @@ def _v_operand(words, scales, WARPS: gl.constexpr, BN: gl.constexpr, VW: gl.cons
 
 
 @gluon.jit
-def _q_operands(q_ptr, q_row, row_ok, WARPS: gl.constexpr, D: gl.constexpr, FMT: gl.constexpr,
-                PAIR: gl.constexpr):
+def _q_operands(q_ptr, q_row, row_ok, WARPS: gl.constexpr, D: gl.constexpr, FMT: gl.constexpr):
     """q rows [16, D] (row offsets q_row) -> A operand(s) [WARPS, 16, row values] in MMA order (every warp a
     copy), fp16 scaled per row by 2^k, and 2^-k per row: FP8 (q, q), NVFP4 (even dims, odd dims)."""
     mma: gl.constexpr = _mma_layout(WARPS)
@@ -368,12 +309,12 @@ def _q_operands(q_ptr, q_row, row_ok, WARPS: gl.constexpr, D: gl.constexpr, FMT:
     up, down = _fp16_row_scale(gl.max(gl.where(ax < float("inf"), ax, 0.0), 2))
     x = (x * gl.expand_dims(up, 2)).to(gl.float16)
     if FMT == 1:
-        q_a = gl.convert_layout(_mma_order(x, WARPS, M_ROWS, D, 1), a_dot)
+        q_a = gl.convert_layout(_mma_order(x, WARPS, M_ROWS, D), a_dot)
         q_b = q_a
     else:
         ev, od = gl.split(gl.reshape(x, [WARPS, M_ROWS, D // 2, 2]))
-        q_a = gl.convert_layout(_mma_order(ev, WARPS, M_ROWS, D // 2, PAIR), a_dot)
-        q_b = gl.convert_layout(_mma_order(od, WARPS, M_ROWS, D // 2, PAIR), a_dot)
+        q_a = gl.convert_layout(_mma_order(ev, WARPS, M_ROWS, D // 2), a_dot)
+        q_b = gl.convert_layout(_mma_order(od, WARPS, M_ROWS, D // 2), a_dot)
     return q_a, q_b, gl.max(down, 0)
 
 
@@ -409,7 +350,7 @@ def decode_quant_kernel(
         softmax_scale, softcap, window_left, window_right,
         D: gl.constexpr, FMT: gl.constexpr, BN: gl.constexpr, WARPS: gl.constexpr, PAGE_SHIFT: gl.constexpr,
         HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, SPLIT: gl.constexpr,
-        Q_SMEM: gl.constexpr, INT_DECODE: gl.constexpr, PV_T: gl.constexpr):
+        PV_T: gl.constexpr):
     """FMT 1: FP8 (e4m3 caches, kfac/vfac = k_scale/v_scale, stride_fac 0 per tensor or 1 per KV head);
     FMT 2: NVFP4 (uint8 caches, ks/vs the e4m3 block scales as bytes, kfac/vfac the global scales). K and V share
     strides (stride_k*; the scales stride_s*); paged: stride_kb/stride_sb are the page strides, PAGE_SHIFT >= 0."""
@@ -432,25 +373,22 @@ def decode_quant_kernel(
     tok_q = r // group
     head_q = h * group + r % group
     q_row = b.to(gl.int64) * stride_qb + tok_q.to(gl.int64) * stride_qs + head_q.to(gl.int64) * stride_qh
-    q_ev, q_od, q_down = _q_operands(q_ptr, q_row, row_ok, WARPS, D, FMT, 2 if INT_DECODE else 1)
-    if Q_SMEM:  # q re-read from shared memory at every step instead of held in registers
-        KD: gl.constexpr = D if FMT == 1 else D // 2
-        q_lay: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[2, 1, 0])
-        q_ev_s = gl.allocate_shared_memory(gl.float16, [WARPS, M_ROWS, KD], q_lay)
-        q_od_s = gl.allocate_shared_memory(gl.float16, [WARPS, M_ROWS, KD], q_lay)
-        q_ev_s.store(q_ev)
-        q_od_s.store(q_od)
-        _cta_barrier()
+    q_ev, q_od, q_down = _q_operands(q_ptr, q_row, row_ok, WARPS, D, FMT)
+    # q is re-read from shared memory at every step (ldmatrix), not held: registers for the loads in flight
+    # (run 93: b=64 ctx 4k 143.0 us vs 147.7 with q in registers).
+    KD: gl.constexpr = D if FMT == 1 else D // 2
+    q_lay: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[2, 1, 0])
+    q_ev_s = gl.allocate_shared_memory(gl.float16, [WARPS, M_ROWS, KD], q_lay, q_ev)
+    q_od_s = q_ev_s
+    if FMT == 2:
+        q_od_s = gl.allocate_shared_memory(gl.float16, [WARPS, M_ROWS, KD], q_lay, q_od)
+    _cta_barrier()
 
     kfac = gl.load(kfac_ptr + h * stride_fac)
     vfac = gl.load(vfac_ptr + h * stride_fac)
     if FMT == 2:
-        if INT_DECODE:
-            kfac = kfac * F16_UNIT
-            vfac = vfac * F16_UNIT
-        else:
-            kfac = kfac * DECODE_UNIT
-            vfac = vfac * DECODE_UNIT
+        kfac = kfac * DECODE_UNIT
+        vfac = vfac * DECODE_UNIT
     row_scale = gl.convert_layout(q_down, rows_l) * (softmax_scale * kfac)
     if SOFTCAP:
         logit_scale = row_scale / softcap
@@ -504,16 +442,11 @@ def decode_quant_kernel(
                               WARPS, BN, NW, FMT, PAGE_SHIFT)
         vw_n, vsc_n = _load_v(v_base, vs_base, t0 + STEP, s_hi, bt_row, stride_kb, stride_ks, stride_sb,
                               stride_ss, WARPS, BN, NW, FMT, PAGE_SHIFT)
-        k_a, k_b = _k_operands(kw, ksc, WARPS, BN, NW, FMT, INT_DECODE)
+        k_a, k_b = _k_operands(kw, ksc, WARPS, BN, NW, FMT)
         s = gl.zeros([WARPS, M_ROWS, BN], gl.float32, mma)
-        if Q_SMEM:
-            s = mma_v2(q_ev_s.load(a_dot), k_a, s)
-            if FMT == 2:
-                s = mma_v2(q_od_s.load(a_dot), k_b, s)
-        else:
-            s = mma_v2(q_ev, k_a, s)
-            if FMT == 2:
-                s = mma_v2(q_od, k_b, s)
+        s = mma_v2(q_ev_s.load(a_dot), k_a, s)
+        if FMT == 2:
+            s = mma_v2(q_od_s.load(a_dot), k_b, s)
         if SOFTCAP:
             s = (softcap * LOG2E) * _tanh(s * scale3)
         else:
@@ -530,7 +463,7 @@ def decode_quant_kernel(
         alpha = gl.exp2(m_i - m_use)
         p = gl.exp2(s - gl.expand_dims(m_use, 2))
         l_i = l_i * alpha + gl.sum(p, 2)
-        v_op = _v_operand(vw, vsc, WARPS, BN, NW, D, FMT, INT_DECODE, PV_T)
+        v_op = _v_operand(vw, vsc, WARPS, BN, NW, D, FMT, PV_T)
         if PV_T:
             p8 = _rows8(p.to(gl.float16), WARPS, BN)
             p_t = gl.convert_layout(gl.permute(p8, [0, 2, 1]), gl.DotOperandLayout(operand_index=1, parent=mma,

@@ -164,8 +164,8 @@ def launch_decode_quant(q4, k4, v4, out4, lse3, *, seqlens_k, seqlen_k_add: int,
         D=d, FMT=2 if nvfp4 else 1, BN=config.block_n, WARPS=config.num_warps,
         PAGE_SHIFT=k4.shape[1].bit_length() - 1 if paged else -1,
         HAS_LEFT=mask.window_left >= 0, HAS_RIGHT=mask.window_right >= 0, SOFTCAP=mask.softcap > 0.0, SPLIT=split,
-        Q_SMEM=config.q_smem, INT_DECODE=config.int_decode,
-        PV_T=config.pv_t and sq * (hq // hkv) <= 8, num_warps=config.num_warps,
+        PV_T=sq * (hq // hkv) <= 8,
+        num_warps=config.num_warps,
     )
 
 

@@ -62,8 +62,8 @@ def _quant_mma_config(q, k_cache, v_cache, block_table, capacity: int, sp_overla
     cache heuristics.quant_decode_config takes on sm_90, at most 16 query rows per KV head, a contiguous cache or
     power-of-two pages, 16-byte aligned K/V rows with equal K and V strides (it reads rows as 16-byte words), and
     the plain loop (sp_overlap=True asks for the Triton kernel's S/P-overlapped loop)."""
-    cfg = quant_decode_config(q.shape[3], KV_FORMATS.get(k_cache.dtype, "16bit"),
-                              kv_tokens=q.shape[0] * capacity * k_cache.shape[2])
+    cfg = quant_decode_config(q.shape[3], KV_FORMATS.get(k_cache.dtype, "16bit"), q.shape[0] * k_cache.shape[2],
+                              capacity)
     if cfg is None or sp_overlap or not sm90_target():
         return None
     if q.shape[1] * (q.shape[2] // k_cache.shape[2]) > QUANT_MMA_MAX_ROWS:
