@@ -2,8 +2,8 @@
 Triton decode kernel, CUDA-graph replay of the whole flash_attn_with_kvcache call (split combine included), us.
 
 Usage on the H200: `python benchmarks/decode_quant_sweep.py [--fmt fp8,nvfp4] [--grid "1,8192;8,32768"]
-[--variants "32,2;16,3,2"]`. A variant is (tokens per warp step, programs per SM the split count aims at[, steps
-of loads in flight]) for heuristics.QuantDecodeConfig; `triton` is attn_fwd's decode with its own tiles. 32/8
+[--variants "32,2;16,3"]`. A variant is (tokens per warp step, programs per SM the split count aims at) for
+heuristics.QuantDecodeConfig; `triton` is attn_fwd's decode with its own tiles. 32/8
 heads, d=128, bf16 queries, cache_seqlens = ctx. Each variant's output is checked against the Triton kernel's
 (max |diff| <= 1e-2 * max |out|, else ERR).
 """
@@ -60,18 +60,18 @@ for fmt in args.fmt.split(","):
         row = {"fmt": fmt, "b": b, "ctx": ctx}
         ref = with_config(None, call)
         row["triton"] = bench_graph_ms(lambda: with_config(None, call)) * 1e3
-        for variant in VARIANTS:
-            cfg = QuantDecodeConfig(*variant[:1], 4, *variant[1:])
+        for bn, per_sm in VARIANTS:
+            cfg = QuantDecodeConfig(block_n=bn, num_warps=4, programs_per_sm=per_sm)
             out = with_config(cfg, call)
             good = (out.float() - ref.float()).abs().max() <= 1e-2 * ref.float().abs().max()
-            row[",".join(map(str, variant))] = bench_graph_ms(lambda: with_config(cfg, call)) * 1e3 if good else "ERR"
+            row[f"{bn},{per_sm}"] = bench_graph_ms(lambda: with_config(cfg, call)) * 1e3 if good else "ERR"
         rows.append(row)
         print(row, flush=True)
         del kc, vc, scales
 
 keys = list(rows[0])
 print(f"\nQuantized decode, {HQ}/{HKV} heads, d={D}, graph replay, us (variant = tokens per warp step, programs per "
-      f"SM, steps of loads in flight)")
+      f"SM)")
 print(" | ".join(f"{k:>10}" for k in keys))
 for r in rows:
     print(" | ".join(f"{c:>10.1f}" if isinstance(c, float) else f"{str(c):>10}" for c in (r.get(k) for k in keys)))

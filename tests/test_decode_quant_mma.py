@@ -29,9 +29,8 @@ CASES = [
 ]
 
 
-# The heuristic's tiles: 32 or 16 tokens per warp step, one or two steps of loads in flight.
-CONFIGS = {"bn32": QuantDecodeConfig(32, 4, 2), "bn16": QuantDecodeConfig(16, 4, 3),
-           "bn16-pf2": QuantDecodeConfig(16, 4, 3, prefetch=2)}
+# The heuristic's two tiles: 32 or 16 tokens per warp step.
+CONFIGS = {"bn32": QuantDecodeConfig(32, 4, 2), "bn16": QuantDecodeConfig(16, 4, 3)}
 
 
 def _counting_launch(monkeypatch, force=CONFIGS["bn32"]):
@@ -47,8 +46,7 @@ def _counting_launch(monkeypatch, force=CONFIGS["bn32"]):
 
 
 @pytest.mark.parametrize("config, dtype", [("bn32", torch.bfloat16), ("bn32", torch.float16),
-                                           ("bn16", torch.bfloat16), ("bn16-pf2", torch.bfloat16)],
-                         ids=["bn32-bf16", "bn32-fp16", "bn16-bf16", "bn16-pf2-bf16"])
+                                           ("bn16", torch.bfloat16)], ids=["bn32-bf16", "bn32-fp16", "bn16-bf16"])
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-case{i}" for i, c in enumerate(CASES)])
 def test_quant_mma_decode(case, config, dtype, monkeypatch):
     fmt, seqlens, sq, s_new, hq, hkv, d, page_size, capacity, num_splits, window, softcap = case

@@ -315,7 +315,6 @@ class QuantDecodeConfig:
     block_n: int
     num_warps: int
     programs_per_sm: int
-    prefetch: int = 1  # steps of loads in flight ahead of the one being computed (1 or 2)
 
     @property
     def step(self) -> int:  # tokens per program per loop trip

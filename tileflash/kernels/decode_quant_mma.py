@@ -350,7 +350,7 @@ def decode_quant_kernel(
         softmax_scale, softcap, window_left, window_right,
         D: gl.constexpr, FMT: gl.constexpr, BN: gl.constexpr, WARPS: gl.constexpr, PAGE_SHIFT: gl.constexpr,
         HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, SPLIT: gl.constexpr,
-        PV_T: gl.constexpr, PREFETCH: gl.constexpr):
+        PV_T: gl.constexpr):
     """FMT 1: FP8 (e4m3 caches, kfac/vfac = k_scale/v_scale, stride_fac 0 per tensor or 1 per KV head);
     FMT 2: NVFP4 (uint8 caches, ks/vs the e4m3 block scales as bytes, kfac/vfac the global scales). K and V share
     strides (stride_k*; the scales stride_s*); paged: stride_kb/stride_sb are the page strides, PAGE_SHIFT >= 0."""
@@ -435,18 +435,12 @@ def decode_quant_kernel(
                       WARPS, BN, NW, FMT, PAGE_SHIFT)
     vw, vsc = _load_v(v_base, vs_base, s_lo, s_hi, bt_row, stride_kb, stride_ks, stride_sb, stride_ss,
                       WARPS, BN, NW, FMT, PAGE_SHIFT)
-    if PREFETCH == 2:
-        kw1, ksc1 = _load_k(k_base, ks_base, s_lo + STEP, s_hi, bt_row, stride_kb, stride_ks, stride_sb, stride_ss,
-                            WARPS, BN, NW, FMT, PAGE_SHIFT)
-        vw1, vsc1 = _load_v(v_base, vs_base, s_lo + STEP, s_hi, bt_row, stride_kb, stride_ks, stride_sb, stride_ss,
-                            WARPS, BN, NW, FMT, PAGE_SHIFT)
     for it in range(n_iter):
         t0 = s_lo + it * STEP
-        # The bytes of the next PREFETCH blocks are in flight while this one is decoded and multiplied.
-        ahead = t0 + PREFETCH * STEP
-        kw_n, ksc_n = _load_k(k_base, ks_base, ahead, s_hi, bt_row, stride_kb, stride_ks, stride_sb, stride_ss,
+        # The next block's bytes are in flight while this one is decoded and multiplied.
+        kw_n, ksc_n = _load_k(k_base, ks_base, t0 + STEP, s_hi, bt_row, stride_kb, stride_ks, stride_sb, stride_ss,
                               WARPS, BN, NW, FMT, PAGE_SHIFT)
-        vw_n, vsc_n = _load_v(v_base, vs_base, ahead, s_hi, bt_row, stride_kb, stride_ks, stride_sb,
+        vw_n, vsc_n = _load_v(v_base, vs_base, t0 + STEP, s_hi, bt_row, stride_kb, stride_ks, stride_sb,
                               stride_ss, WARPS, BN, NW, FMT, PAGE_SHIFT)
         k_a, k_b = _k_operands(kw, ksc, WARPS, BN, NW, FMT)
         s = gl.zeros([WARPS, M_ROWS, BN], gl.float32, mma)
@@ -480,11 +474,7 @@ def decode_quant_kernel(
             acc = acc * gl.expand_dims(alpha, 2)
             acc = mma_v2(gl.convert_layout(p.to(gl.float16), a_dot), v_op, acc)
         m_i = m_new
-        if PREFETCH == 2:
-            kw, ksc, vw, vsc = kw1, ksc1, vw1, vsc1
-            kw1, ksc1, vw1, vsc1 = kw_n, ksc_n, vw_n, vsc_n
-        else:
-            kw, ksc, vw, vsc = kw_n, ksc_n, vw_n, vsc_n
+        kw, ksc, vw, vsc = kw_n, ksc_n, vw_n, vsc_n
 
     # Merge the warps' states (each saw its own tokens), normalise, store; rows that saw no key: o = 0, lse = -inf.
     m_all = gl.max(m_i, 0)

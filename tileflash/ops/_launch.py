@@ -165,7 +165,7 @@ def launch_decode_quant(q4, k4, v4, out4, lse3, *, seqlens_k, seqlen_k_add: int,
         PAGE_SHIFT=k4.shape[1].bit_length() - 1 if paged else -1,
         HAS_LEFT=mask.window_left >= 0, HAS_RIGHT=mask.window_right >= 0, SOFTCAP=mask.softcap > 0.0, SPLIT=split,
         PV_T=sq * (hq // hkv) <= 8,
-        PREFETCH=config.prefetch, num_warps=config.num_warps,
+        num_warps=config.num_warps,
     )
 
 
