@@ -13,22 +13,28 @@ the MMA operand layouts (byte gathers: 202 shared-memory loads per 128-token FP8
   * S = q K^T: q (the Hq/Hkv x Sq rows of one KV head, zero-padded to 16) is the A operand, K the B operand
     [head dim, tokens]. A permuted contraction order (_mma_order: byte j = (R/4) t + 4 kb + 2 i1 + i0 of a row of R
     bytes is MMA index 16 kb + 8 i1 + 2 t + i0) gives thread (g, t) of a warp R/4 contiguous bytes of each of its
-    token rows: 16-byte loads. q is permuted the same way once per program. NVFP4: low and high nibbles are two
-    products over D/2 (q's even and odd dims), as in the GEMM.
+    token rows: 16-byte loads. q is permuted the same way once per program and re-read from shared memory at
+    every step (registers go to the loads in flight). NVFP4: low and high nibbles are two products over D/2 (q's
+    even and odd dims), as in the GEMM.
   * O += P V: P comes from S's accumulator registers (the accumulator -> A operand shortcut), V is the B operand
     [tokens, head dim] with a permuted head dim (MMA column 8 j + g is dim (D/8) g + j), so thread g holds D/8
     contiguous dims of each of its tokens {2t, 2t+1, 2t+8, 2t+9} (+16): one load per token; the two tokens of an
     MMA register pair are interleaved byte-wise (PRMT) before the widening. The output store undoes the order.
+    PV_T (at most 8 rows, e.g. GQA 4 x 1 token): O^T [D, 8] += V^T P^T instead, V^T the A operand in the same
+    dim order and P^T's B fragment S's accumulator rows 0..7 as held (half the products, a 32-register
+    accumulator; the per-row rescale factors move to O^T's columns by two shuffles).
   * Widening: e4m3 -> f16 by the hardware e4m3x2 -> f16x2 conversion; e2m1 -> e4m3 by bit placement
     (quant.e2m1_to_e4m3_ptx, e2m1 * 2^-6), then f16x2 multiplies by the e4m3 block scale (exact: at most 6 significant
     bits, never below 2^-16). FP8 per-tensor / per-head scales and NVFP4 global scales fold into the logit scale and
     the final normalisation. q is fp16, scaled per row by a power of two (gemm_nvfp4_mma._fp16_row_scale).
 
-Serves flash_attn_with_kvcache for quantized caches on sm_90 when ops/decode.py's _quant_mma_ok accepts the call
-(rows <= 16, head dim 64/128/256, contiguous or power-of-two pages, 16-byte aligned rows); other calls take the
-Triton kernel. Grid (B * Hkv, num_splits), WARPS warps; split s covers its share of the sequence's visible keys
+Serves flash_attn_with_kvcache for NVFP4 caches on sm_90 when ops/decode.py's _quant_mma_config accepts the call
+(rows <= 16, head dim 64/128, contiguous or power-of-two pages, 16-byte aligned rows; FP8 caches only matched the
+Triton kernel, so they keep it, RESULTS.md session 13); other calls take the Triton kernel. What bounds it: the ALU
+pipe (~2 instructions per NVFP4 value, the widening ~1.6 of them; Nsight Compute run 95).
+Grid (B * Hkv, num_splits), WARPS warps; split s covers its share of the sequence's visible keys
 in blocks of WARPS * BN tokens; split partials go to o_part / lse_part as attn_fwd's do (attn_combine merges them).
-No CPU interpreter: tests/sm90_compile_check.py compiles it, tests/test_decode.py runs it on the GPU.
+No CPU interpreter: tests/sm90_compile_check.py compiles it, tests/test_decode_quant_mma.py runs it on the GPU.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl

@@ -143,7 +143,7 @@ def launch_decode_quant(q4, k4, v4, out4, lse3, *, seqlens_k, seqlen_k_add: int,
                         k_block_scale=None, v_block_scale=None) -> None:
     """The register-operand decode over an FP8 (k_scale/v_scale per tensor or KV head) or NVFP4 (block scales,
     k_scale/v_scale = global scales) cache; shapes as launch_attn_fwd's, the call accepted by
-    ops.decode._quant_mma_ok."""
+    ops.decode._quant_mma_config."""
     b, sq, hq, d = q4.shape
     hkv = k4.shape[2]
     paged = block_table is not None
