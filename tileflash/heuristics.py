@@ -307,7 +307,6 @@ def num_splits_heuristic(batch: int, nheads_kv: int, m_tiles: int, max_seqlen_k:
     return splits
 
 
-
 @dataclass(frozen=True)
 class QuantDecodeConfig:
     """Tiles of the register-operand quantized-cache decode (kernels/decode_quant_mma.py): tokens per warp per

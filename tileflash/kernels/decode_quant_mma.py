@@ -24,7 +24,7 @@ the MMA operand layouts (byte gathers: 202 shared-memory loads per 128-token FP8
     dim order and P^T's B fragment S's accumulator rows 0..7 as held (half the products, a 32-register
     accumulator; the per-row rescale factors move to O^T's columns by two shuffles).
   * Widening: e4m3 -> f16 by the hardware e4m3x2 -> f16x2 conversion; e2m1 -> e4m3 by bit placement
-    (quant.e2m1_to_e4m3_ptx, e2m1 * 2^-6), then f16x2 multiplies by the e4m3 block scale (exact: at most 6 significant
+    (quant.e2m1_f16x2_ptx, e2m1 * 2^-6), then f16x2 multiplies by the e4m3 block scale (exact: at most 6 significant
     bits, never below 2^-16). FP8 per-tensor / per-head scales and NVFP4 global scales fold into the logit scale and
     the final normalisation. q is fp16, scaled per row by a power of two (gemm_nvfp4_mma._fp16_row_scale).
 
@@ -40,14 +40,12 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mma_v2
 
-from .gemm_nvfp4_mma import DECODE_UNIT, _fp16_row_scale
-from .quant import E4M3X4_FP16_PTX, e2m1_to_e4m3_ptx
+from .gemm_nvfp4_mma import DECODE_UNIT, _cta_barrier, _fp16_row_scale
+from .quant import E4M3X4_FP16_PTX, e2m1_f16x2_ptx
 
-ROWS = 16  # mma.sync's M: query rows (heads x tokens of one KV head) per program
-M_ROWS = gl.constexpr(ROWS)
+M_ROWS = gl.constexpr(16)  # mma.sync's M: query rows (heads x tokens of one KV head) per program
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
-_cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # triton 3.6 name
 
 _FP8_K_ASM = gl.constexpr(E4M3X4_FP16_PTX)  # e4m3 word (4 bytes) -> 4 fp16, in byte order
 
@@ -70,20 +68,6 @@ _FP8_V_ASM = gl.constexpr("""{
         }""")
 
 
-def _e2m1_pairs(src: str, outs) -> str:
-    """PTX: e2m1 bytes of register src -> 8 fp16 as four f16x2 registers, multiplied by the f16x2 scale s2; outs
-    names the destinations of (low nibbles of bytes 0-1, 2-3, high nibbles of bytes 0-1, 2-3), each a pair."""
-    code = e2m1_to_e4m3_ptx(src) + """
-        mov.b32 {l0, l1}, l;
-        mov.b32 {h0, h1}, h;"""
-    for reg, half in zip(outs, ("l0", "l1", "h0", "h1")):
-        code += f"""
-        cvt.rn.f16x2.e4m3x2 r, {half};
-        mul.rn.f16x2 r, r, s2;
-        mov.b32 {{{reg[0]}, {reg[1]}}}, r;"""
-    return code
-
-
 _NVFP4_HEAD = """
         .reg .b32 l, h, t, r, s2, x, y;
         .reg .b16 l0, l1, h0, h1, sh, sx;"""
@@ -93,9 +77,10 @@ _NVFP4_HEAD = """
 _NVFP4_K_ASM = gl.constexpr("{" + _NVFP4_HEAD + """
         prmt.b32 t, $18, $18, 0x0;
         mov.b32 {sh, sx}, t;
-        cvt.rn.f16x2.e4m3x2 s2, sh;""" + _e2m1_pairs("$16", (("$0", "$1"), ("$2", "$3"), ("$8", "$9"),
-                                                             ("$10", "$11")))
-                            + _e2m1_pairs("$17", (("$4", "$5"), ("$6", "$7"), ("$12", "$13"), ("$14", "$15")))
+        cvt.rn.f16x2.e4m3x2 s2, sh;"""
+                            + e2m1_f16x2_ptx("$16", (("$0", "$1"), ("$2", "$3"), ("$8", "$9"), ("$10", "$11")), "s2")
+                            + e2m1_f16x2_ptx("$17", (("$4", "$5"), ("$6", "$7"), ("$12", "$13"), ("$14", "$15")),
+                                             "s2")
                             + "}")
 
 # Words a, b of two tokens (same dims) and their scale bytes -> 16 fp16: for each of the word's 8 dims (byte k's
@@ -105,8 +90,9 @@ _NVFP4_V_ASM = gl.constexpr("{" + _NVFP4_HEAD + """
         mov.b32 {sh, sx}, t;
         cvt.rn.f16x2.e4m3x2 s2, sh;
         prmt.b32 x, $16, $17, 0x5140;
-        prmt.b32 y, $16, $17, 0x7362;""" + _e2m1_pairs("x", (("$0", "$1"), ("$4", "$5"), ("$2", "$3"), ("$6", "$7")))
-                            + _e2m1_pairs("y", (("$8", "$9"), ("$12", "$13"), ("$10", "$11"), ("$14", "$15")))
+        prmt.b32 y, $16, $17, 0x7362;"""
+                            + e2m1_f16x2_ptx("x", (("$0", "$1"), ("$4", "$5"), ("$2", "$3"), ("$6", "$7")), "s2")
+                            + e2m1_f16x2_ptx("y", (("$8", "$9"), ("$12", "$13"), ("$10", "$11"), ("$14", "$15")), "s2")
                             + "}")
 
 
@@ -310,7 +296,7 @@ def _q_operands(q_ptr, q_row, row_ok, WARPS: gl.constexpr, D: gl.constexpr, FMT:
     ok3 = gl.expand_dims(gl.expand_dims(gl.convert_layout(row_ok, rows), 0), 2)
     d3 = gl.expand_dims(gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(1, lay))), 0), 1)
     w3 = gl.expand_dims(gl.expand_dims(gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, lay))), 1), 2)
-    x = gl.load(q_ptr + (row3 + d3 + w3 * 0), mask=ok3 & (d3 < D) & (w3 >= 0), other=0.0).to(gl.float32)
+    x = gl.load(q_ptr + (row3 + d3 + w3 * 0), mask=ok3, other=0.0).to(gl.float32)  # every warp loads all rows
     ax = gl.abs(x)
     up, down = _fp16_row_scale(gl.max(gl.where(ax < float("inf"), ax, 0.0), 2))
     x = (x * gl.expand_dims(up, 2)).to(gl.float16)

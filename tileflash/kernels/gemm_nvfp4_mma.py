@@ -34,7 +34,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mma_v2
 
-from .quant import e2m1_to_e4m3_ptx
+from .quant import e2m1_f16x2_ptx
 
 ROWS = 16  # mma.sync's M: activation rows per program (M <= 16)
 M_ROWS = gl.constexpr(ROWS)
@@ -57,29 +57,16 @@ def _mma_order(x, R: gl.constexpr, J: gl.constexpr):
 
 
 _WORDS_ASM = gl.constexpr("""{
-        .reg .b32 l, h, t, a, b, c, d;
-        """ + e2m1_to_e4m3_ptx("$8") + """
-        {
-        .reg .b16 l0, l1, h0, h1;
-        mov.b32 {l0, l1}, l;
-        mov.b32 {h0, h1}, h;
-        cvt.rn.f16x2.e4m3x2 a, l0;
-        cvt.rn.f16x2.e4m3x2 b, l1;
-        cvt.rn.f16x2.e4m3x2 c, h0;
-        cvt.rn.f16x2.e4m3x2 d, h1;
-        }
-        mov.b32 {$0, $1}, a;
-        mov.b32 {$2, $3}, b;
-        mov.b32 {$4, $5}, c;
-        mov.b32 {$6, $7}, d;
-        }""")
+        .reg .b32 l, h, t, r;
+        .reg .b16 l0, l1, h0, h1;""" + e2m1_f16x2_ptx("$8", (("$0", "$1"), ("$2", "$3"), ("$4", "$5"), ("$6", "$7")))
+                          + "}")
 
 
 @gluon.jit
 def _e2m1_words(words):
     """int32 words of four e2m1 byte pairs -> (lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3): the low / high nibble of
-    byte i as fp16 holding e2m1 * 2^-6 (quant.e2m1_to_e4m3_ptx, then the hardware e4m3x2 -> f16x2 conversion):
-    9 shift/logic instructions and 4 conversions per 8 values."""
+    byte i as fp16 holding e2m1 * 2^-6 (quant.e2m1_f16x2_ptx: e4m3 bit placement, then the hardware e4m3x2 ->
+    f16x2 conversion): 9 shift/logic instructions and 4 conversions per 8 values."""
     return gl.inline_asm_elementwise(
         asm=_WORDS_ASM,
         constraints="=h,=h,=h,=h,=h,=h,=h,=h,r", args=[words], dtype=(gl.float16,) * 8, is_pure=True, pack=1)

@@ -118,7 +118,7 @@ def nvfp4_quantize_kernel(x_ptr, data_ptr, scales_ptr, g_ptr, R, K, stride_xr, s
 def e2m1_to_e4m3_ptx(src: str) -> str:
     """PTX: the four bytes of register src -> l, h (.b32, declared by the caller with a scratch t): the e4m3 bits
     of each byte's low / high nibble, a code s|e1 e0|m placed as sign bit 7 and e1 e0 m in bits 4..2, which is
-    exactly e2m1 * 2^-6 (the 0.5 code an e4m3 subnormal). Shared with kernels/gemm_nvfp4_mma.py."""
+    exactly e2m1 * 2^-6 (the 0.5 code an e4m3 subnormal)."""
     return """shl.b32 l, {src}, 2;
         and.b32 l, l, 0x1C1C1C1C;
         shl.b32 t, {src}, 4;
@@ -128,6 +128,25 @@ def e2m1_to_e4m3_ptx(src: str) -> str:
         and.b32 h, h, 0x1C1C1C1C;
         and.b32 t, {src}, 0x80808080;
         or.b32 h, h, t;""".format(src=src)
+
+
+def e2m1_f16x2_ptx(src: str, outs, scale: str = "") -> str:
+    """PTX: the e2m1 bytes of register src -> 8 fp16 in four f16x2 pairs (low nibbles of bytes 0-1, 2-3, high
+    nibbles of bytes 0-1, 2-3), each optionally times the f16x2 register `scale`, moved to the destination pairs
+    outs. The caller declares .b32 l, h, t, r and .b16 l0, l1, h0, h1. Shared by kernels/gemm_nvfp4_mma.py and
+    kernels/decode_quant_mma.py."""
+    code = e2m1_to_e4m3_ptx(src) + """
+        mov.b32 {l0, l1}, l;
+        mov.b32 {h0, h1}, h;"""
+    for (lo, hi), half in zip(outs, ("l0", "l1", "h0", "h1")):
+        code += f"""
+        cvt.rn.f16x2.e4m3x2 r, {half};"""
+        if scale:
+            code += f"""
+        mul.rn.f16x2 r, r, {scale};"""
+        code += f"""
+        mov.b32 {{{lo}, {hi}}}, r;"""
+    return code
 
 
 _PAIRS_ASM = tl.constexpr("""{

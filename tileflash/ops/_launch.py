@@ -138,12 +138,12 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
     )
 
 
-def launch_decode_quant(q4, k4, v4, out4, lse3, *, seqlens_k, seqlen_k_add: int, block_table, softmax_scale: float,
-                        mask: Mask, config, num_splits: int, o_part, lse_part, k_scale, v_scale,
+def launch_decode_quant(q4, k4, v4, out4, lse3, *, seqlen_k: int, seqlens_k, seqlen_k_add: int, block_table,
+                        softmax_scale: float, mask: Mask, config, num_splits: int, o_part, lse_part, k_scale, v_scale,
                         k_block_scale=None, v_block_scale=None) -> None:
     """The register-operand decode over an FP8 (k_scale/v_scale per tensor or KV head) or NVFP4 (block scales,
-    k_scale/v_scale = global scales) cache; shapes as launch_attn_fwd's, the call accepted by
-    ops.decode._quant_mma_config."""
+    k_scale/v_scale = global scales) cache; shapes as launch_attn_fwd's (seqlen_k: the cache capacity per
+    sequence), the call accepted by ops.decode._quant_mma_config."""
     b, sq, hq, d = q4.shape
     hkv = k4.shape[2]
     paged = block_table is not None
@@ -159,7 +159,7 @@ def launch_decode_quant(q4, k4, v4, out4, lse3, *, seqlens_k, seqlen_k_add: int,
         q4.stride(0), q4.stride(1), q4.stride(2), *k4.stride()[:3], *s_strides,
         out4.stride(0), out4.stride(1), out4.stride(2), *lse3.stride(), block_table.stride(0) if paged else 0,
         1 if k_scale.numel() > 1 else 0,
-        sq, block_table.shape[1] * k4.shape[1] if paged else k4.shape[1], seqlen_k_add, hkv, hq // hkv, b * sq * hq,
+        sq, seqlen_k, seqlen_k_add, hkv, hq // hkv, b * sq * hq,
         softmax_scale, mask.softcap, mask.window_left, mask.window_right,
         D=d, FMT=2 if nvfp4 else 1, BN=config.block_n, WARPS=config.num_warps,
         PAGE_SHIFT=k4.shape[1].bit_length() - 1 if paged else -1,

@@ -111,8 +111,8 @@ def _attn_kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         o_part = part[:num_splits * rows * d].view(num_splits, rows, d)
         lse_part = part[num_splits * rows * d:].view(num_splits, rows)
     if qcfg is not None:
-        launch_decode_quant(q, k_cache, v_cache, out, lse, seqlens_k=cache_seqlens, seqlen_k_add=s_new,
-                            block_table=block_table, softmax_scale=softmax_scale,
+        launch_decode_quant(q, k_cache, v_cache, out, lse, seqlen_k=capacity, seqlens_k=cache_seqlens,
+                            seqlen_k_add=s_new, block_table=block_table, softmax_scale=softmax_scale,
                             mask=Mask(window_left, window_right, softcap), config=qcfg, num_splits=num_splits,
                             o_part=o_part, lse_part=lse_part, **scales)
     else:
