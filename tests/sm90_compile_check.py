@@ -58,6 +58,18 @@ class Sm90CompileOnly(CudaDriver):
         return torch.device("cpu")
 
 
+def _compiles(kernels, call) -> None:
+    """Run call; raise unless it compiled a new variant of every kernel in kernels (the call took those kernels)."""
+    def variants():
+        return [sum(len(c[0]) for c in kern.device_caches.values()) for kern in kernels]
+
+    before = variants()
+    call()
+    for kern, n0, n1 in zip(kernels, before, variants()):
+        if n1 <= n0:
+            raise AssertionError(f"{kern.fn.__name__} did not compile for this call")
+
+
 def _cases():
     import tileflash
 
@@ -101,13 +113,10 @@ def _cases():
             saved = decode_ops.quant_decode_config
             if fmt == "fp8":
                 decode_ops.quant_decode_config = lambda *a, **k: QuantDecodeConfig(16, 4, 2)
-            before = sum(len(c[0]) for c in kern.device_caches.values())
             try:
-                decode(fmt, ctx=4096, **kw)
+                _compiles((kern,), lambda: decode(fmt, ctx=4096, **kw))
             finally:
                 decode_ops.quant_decode_config = saved
-            if sum(len(c[0]) for c in kern.device_caches.values()) <= before:
-                raise AssertionError("decode_quant_kernel did not compile for this call")
 
         return case
 
@@ -123,27 +132,14 @@ def _cases():
         from tileflash.kernels.attn_fwd_ws import attn_fwd_ws_kernel
 
         kernels = (attn_fwd_ws_kernel, attn_bwd_ws_kernel) if backward else (attn_fwd_ws_kernel,)
-
-        def compiled():
-            return [sum(len(c[0]) for c in kern.device_caches.values()) for kern in kernels]
-
-        def case():
-            before = compiled()
-            call()
-            for kern, n0, n1 in zip(kernels, before, compiled()):
-                if n1 <= n0:
-                    raise AssertionError(f"{kern.fn.__name__} did not compile for this call")
-
-        return case
+        return lambda: _compiles(kernels, call)
 
     def gemm(m, n, k, dtype=bf, mma=False):
         """An nvfp4_matmul call; mma: it must take the register-operand Gluon kernel (kernels/gemm_nvfp4_mma.py)."""
         from tileflash.kernels.gemm_nvfp4_mma import nvfp4_matmul_mma_kernel as kern
 
-        before = sum(len(c[0]) for c in kern.device_caches.values())
-        tileflash.nvfp4_matmul(torch.randn(m, k, dtype=dtype), *tileflash.nvfp4_quantize(torch.randn(n, k)))
-        if mma and sum(len(c[0]) for c in kern.device_caches.values()) <= before:
-            raise AssertionError("nvfp4_matmul_mma_kernel did not compile for this call")
+        _compiles((kern,) if mma else (), lambda: tileflash.nvfp4_matmul(torch.randn(m, k, dtype=dtype),
+                                                                         *tileflash.nvfp4_quantize(torch.randn(n, k))))
 
     return {
         "prefill fwd+bwd d64 causal": lambda: tileflash.flash_attn_func(*grad_leaves(2, 300, 4, 64),
