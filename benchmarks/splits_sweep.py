@@ -3,9 +3,7 @@ the heuristic matters (few sequences x KV heads). Run on the GPU: `python benchm
 `--quant`: the same for fp8 and nvfp4 caches. `--parts`: graph-replay time of a split call and of its two kernels
 alone (attention with fp32 partials, combine), to see what the combine costs at small batch. `--small`: SMALL_SHAPES
 (MQA 8/1 heads as in `bench decode`, batches near one program per SM, head dim 64, page 16). `--lengths`: batch-1
-MQA from 8k to 128k tokens and small-batch GQA at counts up to 256 (how short a split may get). `--merge`: the
-heuristic's split count with the splits merged in the attention launch (as decided, and with no round-trip limit)
-vs by the combine kernel. `--flush-read`: time with timing's read flush instead of the zero flush."""
+MQA from 8k to 128k tokens and small-batch GQA at counts up to 256 (how short a split may get)."""
 import sys
 
 import torch
@@ -84,58 +82,8 @@ def parts():
                        title="decode parts, CUDA-graph replay (bf16, d=128, 32/8 heads)"))
 
 
-# Where split merging costs: batch 1 (GQA, MQA, d64, page 16, fp8), small batches, MQA at small batch.
-MERGE_SHAPES = [(1, 8192, 32, 8, 128, 0), (1, 32768, 32, 8, 128, 0), (1, 131072, 32, 8, 128, 0),
-                (8, 8192, 32, 8, 128, 0), (8, 32768, 32, 8, 128, 0), (1, 8192, 8, 1, 128, 0),
-                (1, 32768, 8, 1, 128, 0), (8, 8192, 8, 1, 128, 0), (32, 8192, 8, 1, 128, 0),
-                (1, 8192, 32, 8, 64, 0), (1, 32768, 32, 8, 64, 0), (1, 8192, 32, 8, 128, 16),
-                (1, 32768, 32, 8, 128, 16), (1, 32768, 32, 8, 128, 64)]
-
-
-def merge_sweep(fmt="bf16"):
-    from tileflash import heuristics
-    from tileflash.ops import decode as decode_ops
-
-    picked = decode_ops.fused_combine_tiles
-
-    def any_trips(*args):
-        saved = heuristics.FUSED_COMBINE_MAX_TRIPS
-        heuristics.FUSED_COMBINE_MAX_TRIPS = 1 << 20
-        try:
-            return picked(*args)
-        finally:
-            heuristics.FUSED_COMBINE_MAX_TRIPS = saved
-
-    variants = {"fused": picked, "combine kernel": lambda *a: (0, 0), "fused, any trips": any_trips}
-    rows = []
-    for b, ctx, hq, hkv, d, page in MERGE_SHAPES:
-        q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)
-        kh, vh = (torch.randn(b, ctx, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        kc, vc, kw, _, _, _ = quantized_caches(kh, vh, {"bf16": "16bit"}.get(fmt, fmt))
-        if page:
-            kc, vc, kw["block_table"] = _paged(kc, vc, page, torch.Generator().manual_seed(0))
-        lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
-        _, splits, _ = decode_ops._plan(q, kc, kw.get("block_table"), 0)
-        fn = lambda: tileflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, **kw)  # noqa: E731
-        times = []
-        for name, tiles in variants.items():
-            decode_ops.fused_combine_tiles = tiles
-            times.append(bench_ms(graphed(fn)) * 1e3)
-        decode_ops.fused_combine_tiles = picked
-        heads = f"{hq}/{hkv} d{d}" + (f" page{page}" if page else "")
-        rows.append([b, ctx, heads, splits, picked(splits, hq // hkv, heuristics.decode_block_m(hq // hkv), d)[1] > 0, *(f"{t:.1f}" for t in times)])
-        print(rows[-1], flush=True)
-    print(format_table(["B", "ctx", "heads", "splits", "fused?", *(f"{n} us" for n in variants)], rows,
-                       title=f"split merge in the launch vs the combine kernel ({fmt} cache, graph replay)"))
-
-
 if __name__ == "__main__":
-    if "--flush-read" in sys.argv:
-        from tileflash.bench import timing
-        timing.flush_mode = "read"
-    if "--merge" in sys.argv:
-        merge_sweep("fp8" if "--fp8" in sys.argv else "bf16")
-    elif "--parts" in sys.argv:
+    if "--parts" in sys.argv:
         parts()
     elif "--quant" in sys.argv:  # the quantized caches on the shapes where splits matter
         for fmt in ("fp8", "nvfp4"):

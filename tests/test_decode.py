@@ -6,7 +6,6 @@ import torch
 
 import tileflash
 import tileflash._utils as tf_utils
-from tileflash import heuristics
 from helpers import DEVICE, ON_GPU, check_2x, check_lse
 from tileflash.ops import decode as decode_ops
 from tileflash.reference import kvcache_ref
@@ -81,29 +80,11 @@ def test_kvcache(case, dtype, loop, monkeypatch):
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v), "appended cache contents differ"
 
 
-def force_merge(monkeypatch, merge: str) -> list:
-    """Merge splits inside the attention launch ("fused") or with the combine kernel ("kernel"); returns the list
-    that records each combine-kernel launch."""
-    if merge == "kernel":
-        monkeypatch.setattr(decode_ops, "fused_combine_tiles", lambda *a: (0, 0))
-    launches = []
-    combine = decode_ops.launch_combine
-    monkeypatch.setattr(decode_ops, "launch_combine", lambda *a: (launches.append(a), combine(*a)))
-    return launches
-
-
-def counters_all_zero() -> bool:
-    return all(int(v.abs().sum()) == 0 for views, _ in decode_ops._counter_slots.values() for v in views)
-
-
-@pytest.mark.parametrize("merge", ["fused", "kernel"])
 @pytest.mark.parametrize("page_size", [None, 1, 16])
 @pytest.mark.parametrize("d", [64, 128])
-def test_num_splits_agree(page_size, d, merge, monkeypatch):
+def test_num_splits_agree(page_size, d):
     """No split, the heuristic and many forced splits give the same result within rounding (at d=128, 40 splits
-    make the combine kernel cut the head dim into two programs per row), merged in the attention launch or by the
-    combine kernel; the fused merge leaves its arrival counters at zero."""
-    launches = force_merge(monkeypatch, merge)
+    make the combine cut the head dim into two programs per row)."""
     g = torch.Generator().manual_seed(5)
     b, hq, hkv, cap = 2, 8, 2, 96
     k_cache, v_cache, table = make_cache(b, cap, hkv, d, torch.float16, page_size, g)
@@ -114,45 +95,6 @@ def test_num_splits_agree(page_size, d, merge, monkeypatch):
     for out, lse in outs[1:]:
         assert (out.float() - outs[0][0].float()).abs().max().item() <= 2e-3
         assert (lse - outs[0][1]).abs().max().item() <= 1e-4
-    assert len(launches) == (2 if merge == "kernel" else 0)  # the heuristic does not split 96 tokens
-    assert counters_all_zero()
-
-
-@pytest.mark.parametrize("merge", ["fused", "kernel"])
-def test_split_merge_many_rows_and_splits(merge, monkeypatch):
-    """The fused merge over several M tiles (MQA with 32 query heads x 3 tokens = 96 rows, tiles of 64) and more
-    splits than one load holds, against the reference; speculative tokens with causal masking."""
-    launches = force_merge(monkeypatch, merge)
-    monkeypatch.setattr(heuristics, "FUSED_COMBINE_MAX_TRIPS", 64)  # 5 loads of 2 splits x 64 rows
-    g = torch.Generator().manual_seed(8)
-    k_cache, v_cache, table = make_cache(2, 200, 1, 64, torch.bfloat16, 16, g)
-    q = torch.randn(2, 3, 32, 64, generator=g).to(DEVICE, torch.bfloat16)
-    seqlens = torch.tensor([200, 57], dtype=torch.int32, device=DEVICE)
-    out, lse = tileflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table,
-                                                 num_splits=9, return_lse=True)
-    ref, ref_lse, _, _ = kvcache_ref(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table)
-    ref_lowp, _, _, _ = kvcache_ref(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, upcast=False)
-    check_2x(out, ref, ref_lowp)
-    check_lse(lse, ref_lse)
-    assert len(launches) == (1 if merge == "kernel" else 0)
-    assert counters_all_zero()
-
-
-@pytest.mark.skipif(not ON_GPU, reason="a race needs programs that run at once")
-def test_fused_merge_sees_every_split_of_its_launch():
-    """A last program that read a partial before its store was visible would read the previous launch's partial
-    (the same buffer, reused): 300 launches of a 33-split call alternate between two queries, each launch against
-    its query's unsplit result."""
-    g = torch.Generator().manual_seed(4)
-    k_cache, v_cache, _ = make_cache(1, 8192, 8, 128, torch.float16, None, g)
-    seqlens = torch.tensor([8192], dtype=torch.int32, device=DEVICE)
-    qs = [torch.randn(1, 1, 32, 128, generator=g).to(DEVICE, torch.float16) for _ in range(2)]
-    call = lambda q, n: tileflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,  # noqa: E731
-                                                          num_splits=n)
-    refs = [call(q, 1) for q in qs]
-    worst = max((call(qs[i % 2], 33).float() - refs[i % 2].float()).abs().max().item() for i in range(300))
-    assert worst <= 1e-3
-    assert counters_all_zero()
 
 
 @pytest.mark.parametrize("trans", [False, True], ids=["plain", "trans"])

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from tileflash.heuristics import (COMBINE_TILE, MAX_SPLITS, bwd_config, bwd_ws_config, combine_tiles, decode_block_m,
-                                  decode_config, fused_combine_tiles, fwd_config, fwd_ws_config, num_splits_heuristic,
-                                  padded_head_dim, quant_decode_config)
+                                  decode_config, fwd_config, fwd_ws_config, num_splits_heuristic, padded_head_dim,
+                                  quant_decode_config)
 from tileflash.ops import decode as decode_ops
 
 
@@ -214,21 +214,6 @@ def test_combine_tiles(args, expected):
 def test_combine_tiles_load_every_split_at_once_within_the_tile_budget(splits, d):
     split_chunk, d_chunk = combine_tiles(splits, d)
     assert split_chunk >= splits and split_chunk * d_chunk <= max(COMBINE_TILE, split_chunk * 16)
-
-
-# (splits, real rows, tile rows, padded head dim) -> (merge rows, splits per load) or (0, 0): the combine kernel
-@pytest.mark.parametrize("args, expected", [
-    ((33, 4, 16, 128), (4, 16)),  # b=1 ctx 32k, 32/8 heads: three loads of [16, 4, 128] (96 KiB)
-    ((33, 8, 16, 128), (0, 0)),  # 8 rows: five loads, one too many
-    ((256, 8, 16, 128), (0, 0)),  # MQA b=1 (1 MiB of partials for one program): the combine kernel
-    ((64, 8, 16, 64), (8, 16)),
-    ((5, 1, 16, 128), (1, 8)),  # MHA: one row; the chunk never exceeds the splits' power of two
-    ((2, 128, 64, 128), (64, 1)),  # several M tiles: the merge takes a whole tile's rows
-    ((9, 96, 64, 64), (0, 0)),
-    ((3, 64, 64, 256), (64, 1)),  # one split per load when a split's tile alone fills the budget
-])
-def test_fused_combine_tiles(args, expected):
-    assert fused_combine_tiles(*args) == expected
 
 
 # (batch, ctx, Hq, Hkv, head dim, page size or 0, num_splits asked) -> (tokens per step, splits) as the GPU plans them

@@ -266,22 +266,6 @@ def combine_tiles(num_splits: int, head_dim_pad: int) -> tuple[int, int]:
     return split_chunk, max(16, min(head_dim_pad, COMBINE_TILE // split_chunk))
 
 
-# The split-KV merge inside the attention launch (kernels/attn_combine.last_to_arrive): the last program of a tile
-# loads [chunk, rows, D] fp32 partials at a time (FUSED_COMBINE_TILE values: 64 registers per thread at 4 warps)
-# and is taken while that is at most FUSED_COMBINE_MAX_TRIPS dependent round trips; otherwise the combine kernel
-# (one program per row and head-dim chunk, one round trip) runs after the attention.
-FUSED_COMBINE_TILE = 8192
-FUSED_COMBINE_MAX_TRIPS = 4
-
-
-def fused_combine_tiles(num_splits: int, m_rows: int, block_m: int, head_dim_pad: int) -> tuple[int, int]:
-    """(rows, splits per load) of the fused split merge for tiles of block_m rows (m_rows real rows per program
-    row, all tiles), or (0, 0) when the combine kernel should merge instead (FUSED_COMBINE_MAX_TRIPS)."""
-    rows = min(block_m, next_pow2(max(m_rows, 1)))
-    chunk = max(1, min(next_pow2(num_splits), FUSED_COMBINE_TILE // (rows * head_dim_pad)))
-    return (rows, chunk) if cdiv(num_splits, chunk) <= FUSED_COMBINE_MAX_TRIPS else (0, 0)
-
-
 def num_splits_heuristic(batch: int, nheads_kv: int, m_tiles: int, max_seqlen_k: int, block_n: int,
                          num_sms: int, resident_per_sm: int = 0, per_sm: int = 2) -> int:
     """How many programs share one sequence's KV.

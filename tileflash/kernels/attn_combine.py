@@ -42,70 +42,44 @@ def _rows(seqlen, num_heads, num_rows, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
-def merge_split_rows(o_part_ptr, lse_part_ptr, rows, row_ok, num_splits, rows_per_split, offs_d,
-                     HEAD_DIM: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
-    """(o [R, len(offs_d)], lse [R]) of partial rows `rows` (int64 [R]) merged over num_splits splits of o_part
-    [num_splits, rows_per_split, HEAD_DIM] / lse_part [num_splits, rows_per_split] (contiguous fp32). SPLIT_CHUNK
-    splits are loaded as one tile, LSEs and outputs together: at batch 1 a merge is latency, not bandwidth, so the
-    round trips are what it costs. Loads bypass L1 (.cg): the split-KV kernel's last program reads here what other
-    programs stored during the same launch."""
-    offs_s = tl.arange(0, SPLIT_CHUNK)
-    d_ok = offs_d < HEAD_DIM
-    acc = tl.zeros([rows.shape[0], offs_d.shape[0]], dtype=tl.float32)
-    m = tl.full([rows.shape[0]], float("-inf"), dtype=tl.float32)  # running max LSE: every weight is exp(<= 0)
-    l = tl.zeros([rows.shape[0]], dtype=tl.float32)
-    for c in range(0, num_splits, SPLIT_CHUNK):
-        idx = (c + offs_s).to(tl.int64)[:, None] * rows_per_split + rows[None, :]  # [S, R]
-        ok = (c + offs_s < num_splits)[:, None] & row_ok[None, :]
-        lse_c = tl.load(lse_part_ptr + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        o_c = tl.load(o_part_ptr + idx[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-                      mask=ok[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, tl.max(lse_c, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        w = tl.exp(lse_c - m_safe[None, :])
-        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o_c, 0)
-        l = l * alpha + tl.sum(w, 0)
-        m = m_new
-    seen = l > 0.0
-    o = acc * tl.where(seen, 1.0 / tl.where(seen, l, 1.0), 0.0)[:, None]
-    return o, tl.where(seen, m + tl.log(tl.where(seen, l, 1.0)), float("-inf"))
-
-
-@triton.jit
-def last_to_arrive(counter_ptr, arrivals, INTERPRETED: tl.constexpr):
-    """Whether this program is the last of `arrivals` programs to arrive at counter_ptr (an int32 that is 0
-    before the first arrival; the last program sets it back to 0 for the next launch). Each thread's earlier
-    global stores are made visible device-wide first (a gpu-scope fence in every thread, the CTA barrier, then one
-    acq_rel atomic), so the last program can read what the others stored (with .cg loads)."""
-    if not INTERPRETED:  # the interpreter runs programs one after another
-        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.b32 $0, $1;", "=r,r", [arrivals], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-    tl.debug_barrier()
-    last = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == arrivals - 1
-    tl.store(counter_ptr, 0, mask=last)
-    return last
-
-
-@triton.jit
 def attn_combine_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, num_splits, seqlen, num_heads, num_rows,
                         stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
                         HEAD_DIM: tl.constexpr, D_CHUNK: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
                         INTERPRETED: tl.constexpr):
-    """Grid (rows, HEAD_DIM / D_CHUNK): one program per row and D_CHUNK of its columns (merge_split_rows over one
-    row; the program per whole row read its splits in two passes of 32: ~4 dependent round trips at batch 1)."""
+    """Grid (rows, HEAD_DIM / D_CHUNK): one program per row and D_CHUNK of its columns. o_part [num_splits,
+    num_rows, HEAD_DIM], lse_part [num_splits, num_rows], contiguous fp32. SPLIT_CHUNK splits are read as one tile
+    and their LSEs and outputs are loaded together, so with up to SPLIT_CHUNK splits a program makes one memory
+    round trip (the program per whole row read its splits in two passes of 32: ~4 dependent round trips at batch 1,
+    where the combine is latency, not bandwidth)."""
     row = tl.program_id(0).to(tl.int64)
     b = row // (seqlen * num_heads)
     s = (row // num_heads) % seqlen
     h = row % num_heads
+    offs_s = tl.arange(0, SPLIT_CHUNK)
     offs_d = tl.program_id(1) * D_CHUNK + tl.arange(0, D_CHUNK)
-    rows = row + tl.zeros([1], dtype=tl.int64)
-    o, lse = merge_split_rows(o_part_ptr, lse_part_ptr, rows, rows >= 0, num_splits, num_rows, offs_d, HEAD_DIM,
-                              SPLIT_CHUNK)
-    o_ptrs = out_ptr + (b * stride_ob + s * stride_os + h * stride_oh + offs_d)[None, :]
-    tl.store(o_ptrs, store_cast(o, out_ptr.dtype.element_ty, INTERPRETED), mask=(offs_d < HEAD_DIM)[None, :])
+    d_ok = offs_d < HEAD_DIM
+    acc = tl.zeros([D_CHUNK], dtype=tl.float32)
+    m = tl.full([], float("-inf"), dtype=tl.float32)  # running max LSE: every weight is exp(<= 0)
+    l = tl.zeros([], dtype=tl.float32)
+    for c in range(0, num_splits, SPLIT_CHUNK):
+        split_ok = c + offs_s < num_splits
+        lse_c = tl.load(lse_part_ptr + (c + offs_s) * num_rows + row, mask=split_ok, other=float("-inf"))
+        o_c = tl.load(o_part_ptr + ((c + offs_s) * num_rows + row)[:, None] * HEAD_DIM + offs_d[None, :],
+                      mask=split_ok[:, None] & d_ok[None, :], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse_c, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        w = tl.exp(lse_c - m_safe)
+        acc = acc * alpha + tl.sum(w[:, None] * o_c, 0)
+        l = l * alpha + tl.sum(w, 0)
+        m = m_new
+    seen = l > 0.0
+    o = acc * tl.where(seen, 1.0 / tl.where(seen, l, 1.0), 0.0)
+    tl.store(out_ptr + b * stride_ob + s * stride_os + h * stride_oh + offs_d,
+             store_cast(o, out_ptr.dtype.element_ty, INTERPRETED), mask=d_ok)
     if tl.program_id(1) == 0:
-        tl.store(lse_ptr + b * stride_lb + h * stride_lh + s * stride_ls + tl.zeros([1], dtype=tl.int64), lse)
+        tl.store(lse_ptr + b * stride_lb + h * stride_lh + s * stride_ls,
+                 tl.where(seen, m + tl.log(tl.where(seen, l, 1.0)), float("-inf")))
 
 
 @triton.jit

@@ -8,10 +8,8 @@ Shapes (element strides are passed explicitly; the head dim must be contiguous):
   FP8 caches (decode): k/v in float8_e4m3fn with fp32 scales per tensor or per KV head (KV_SCALED).
   NVFP4 caches (decode, KV_NVFP4): k/v uint8 [.., D/2] packed e2m1 pairs, block scales e4m3 [.., D/16] at
   k/v_bscale_ptr, and the per-tensor global scales at k/v_scale_ptr (KV_SCALED too).
-  Split-KV (decode): o_part [num_splits, B, Sq, Hq, D] and lse_part [num_splits, B, Sq, Hq], fp32; each split
-  holds its own normalised output and LSE (an empty split: o = 0, lse = -inf). They are merged by attn_combine's
-  kernel, or (FUSED_COMBINE) inside this launch: the last split program of a tile to finish (an int32 counter
-  per tile at counters_ptr, zero between launches) merges all the tile's splits and writes out / lse.
+  Split-KV (decode): o_part [num_splits, B, Sq, Hq, D] and lse_part [num_splits, B, Sq, Hq], fp32, merged by
+  attn_combine; each split holds its own normalised output and LSE (an empty split: o = 0, lse = -inf).
 
 Program grid: axis 0 = (batch x head) x M tiles, flattened (axis 1 is capped at 65535), heaviest causal tiles first;
 axis 1 = KV split. A program's rows are either BLOCK_M consecutive query tokens of one query head (prefill) or, with
@@ -22,7 +20,6 @@ import triton
 import triton.language as tl
 
 from ._attn_inner import attn_inner
-from .attn_combine import last_to_arrive, merge_split_rows
 from ._cast import store_cast
 from ._masks import LOG2E, kv_block_range, logit_scales, seq_extents
 from .quant import E2M1_UNIT
@@ -42,30 +39,8 @@ def _fp16_range(x):
 
 
 @triton.jit
-def _tile_rows(offs_m, head, group_size, PACK_GQA: tl.constexpr):
-    """(query token, query head) of tile rows offs_m: with PACK_GQA row r = token * G + g over the G query heads of
-    KV head `head`, else row r = token r of query head `head`."""
-    if PACK_GQA:
-        return offs_m // group_size, head * group_size + offs_m % group_size
-    return offs_m, head + tl.zeros_like(offs_m)
-
-
-@triton.jit
-def _store_rows(out_ptr, lse_ptr, o, lse, b, q_start, tok, head_q, row_ok, offs_d, stride_ob, stride_os, stride_oh,
-                stride_lb, stride_lh, stride_ls, HEAD_DIM: tl.constexpr, INTERPRETED: tl.constexpr):
-    """Rows (tok, head_q) of out [B, Sq, Hq, D] (varlen: from q_start) in out's dtype, and of lse [B, Hq, Sq]."""
-    o_rows = (q_start + tok).to(tl.int64) * stride_os + head_q.to(tl.int64) * stride_oh
-    o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + o_rows[:, None] + offs_d[None, :]
-    tl.store(o_ptrs, store_cast(o, out_ptr.dtype.element_ty, INTERPRETED),
-             mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
-    l_ptrs = lse_ptr + b.to(tl.int64) * stride_lb + head_q.to(tl.int64) * stride_lh \
-        + (q_start + tok).to(tl.int64) * stride_ls
-    tl.store(l_ptrs, lse, mask=row_ok)
-
-
-@triton.jit
 def attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, o_part_ptr, lse_part_ptr, counters_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, o_part_ptr, lse_part_ptr,
     cu_seqlens_q_ptr, cu_seqlens_k_ptr, seqlens_k_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr, stride_kv_scale,
     k_bscale_ptr, v_bscale_ptr, stride_bs_page, stride_bs_tok, stride_bs_h,
     stride_qb, stride_qs, stride_qh,
@@ -84,7 +59,6 @@ def attn_fwd_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     USE_DESC: tl.constexpr, SP_OVERLAP: tl.constexpr, WARP_SPEC: tl.constexpr, TILE_DTYPE: tl.constexpr,
     TRANS: tl.constexpr, RAW_SCORES: tl.constexpr,
-    FUSED_COMBINE: tl.constexpr = False, MERGE_ROWS: tl.constexpr = 1, MERGE_SPLITS: tl.constexpr = 1,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -107,11 +81,15 @@ def attn_fwd_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     row_ok = offs_m < rows_total
-    tok, head_q = _tile_rows(offs_m, head, group_size, PACK_GQA)
     if PACK_GQA:
+        tok = offs_m // group_size
+        head_q = head * group_size + offs_m % group_size
+        last_row = tl.minimum(start_m + BLOCK_M, rows_total) - 1
         tok_min = start_m // group_size
-        tok_max = (tl.minimum(start_m + BLOCK_M, rows_total) - 1) // group_size
+        tok_max = last_row // group_size
     else:
+        tok = offs_m
+        head_q = head + tl.zeros([BLOCK_M], dtype=tl.int32)
         tok_min = start_m
         tok_max = tl.minimum(start_m + BLOCK_M, rows_total) - 1
     diag = seqlen_k - seqlen_q  # bottom-right alignment
@@ -214,24 +192,17 @@ def attn_fwd_kernel(
         acc = tl.trans(acc)
     o = acc * inv_l[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) / LOG2E, float("-inf"))
-    interpreted: tl.constexpr = TILE_DTYPE == tl.float32  # tiles are fp32 only in the interpreter
+    d_ok = offs_d[None, :] < HEAD_DIM
     if SPLIT:
         # o_part [splits, B, Sq, Hq, D] and lse_part [splits, B, Sq, Hq], contiguous fp32; rows_per_split = B*Sq*Hq.
-        split_part = split.to(tl.int64) * rows_per_split + ((b * seqlen_q_static + tok) * num_heads_q + head_q)
-        tl.store(o_part_ptr + split_part[:, None] * HEAD_DIM + offs_d[None, :], o,
-                 mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
-        tl.store(lse_part_ptr + split_part, lse, mask=row_ok)
-        if FUSED_COMBINE:
-            if last_to_arrive(counters_ptr + pid, tl.num_programs(1), interpreted):
-                # MERGE_ROWS (<= BLOCK_M) covers the tile's real rows: m_rows <= BLOCK_M when it is smaller
-                offs_r = start_m + tl.arange(0, MERGE_ROWS)
-                tok_r, head_r = _tile_rows(offs_r, head, group_size, PACK_GQA)
-                r_ok = offs_r < rows_total
-                o_m, lse_m = merge_split_rows(
-                    o_part_ptr, lse_part_ptr, ((b * seqlen_q_static + tok_r) * num_heads_q + head_r).to(tl.int64),
-                    r_ok, tl.num_programs(1), rows_per_split, offs_d, HEAD_DIM, MERGE_SPLITS)
-                _store_rows(out_ptr, lse_ptr, o_m, lse_m, b, q_start, tok_r, head_r, r_ok, offs_d, stride_ob,
-                            stride_os, stride_oh, stride_lb, stride_lh, stride_ls, HEAD_DIM, interpreted)
+        part = split.to(tl.int64) * rows_per_split + ((b * seqlen_q_static + tok) * num_heads_q + head_q).to(tl.int64)
+        tl.store(o_part_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None] & d_ok)
+        tl.store(lse_part_ptr + part, lse, mask=row_ok)
     else:
-        _store_rows(out_ptr, lse_ptr, o, lse, b, q_start, tok, head_q, row_ok, offs_d, stride_ob, stride_os,
-                    stride_oh, stride_lb, stride_lh, stride_ls, HEAD_DIM, interpreted)
+        o_rows = (q_start + tok).to(tl.int64) * stride_os + head_q.to(tl.int64) * stride_oh
+        o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + o_rows[:, None] + offs_d[None, :]
+        interpreted: tl.constexpr = TILE_DTYPE == tl.float32  # tiles are fp32 only in the interpreter
+        tl.store(o_ptrs, store_cast(o, out_ptr.dtype.element_ty, interpreted), mask=row_ok[:, None] & d_ok)
+        l_ptrs = lse_ptr + b.to(tl.int64) * stride_lb + head_q.to(tl.int64) * stride_lh \
+            + (q_start + tok).to(tl.int64) * stride_ls
+        tl.store(l_ptrs, lse, mask=row_ok)

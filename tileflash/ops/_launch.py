@@ -85,14 +85,10 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
                     seqlen_q: int, seqlen_k: int, m_rows: int, softmax_scale: float, mask: Mask, config,
                     cu_seqlens_q=None, cu_seqlens_k=None, seqlens_k=None, seqlen_k_add: int = 0,
                     block_table=None, pack_gqa: bool = False, num_splits: int = 1, sp_overlap: bool = False,
-                    o_part=None, lse_part=None, k_scale=None, v_scale=None, k_block_scale=None, v_block_scale=None,
-                    fused_merge=None):
+                    o_part=None, lse_part=None, k_scale=None, v_scale=None, k_block_scale=None, v_block_scale=None):
     """q4/out4 [Bq, Sq, Hq, D]; k4/v4 [Bk, Sk, Hkv, D] (paged: [pages, page_size, Hkv, D]); lse3 [Bq, Hq, Sq].
 
     m_rows: rows per (batch, head program) = max query tokens (x group size when packing).
-    fused_merge: (counters, rows, splits per load) to merge the splits inside this launch (the kernel's
-    FUSED_COMBINE; counters: zeroed int32, one per program of a split, heuristics.fused_combine_tiles for the rest),
-    or None: the caller runs the combine kernel.
     """
     dev = q4.device
     hq, d = q4.shape[2], q4.shape[3]  # q's head dim (an NVFP4 cache stores d / 2 bytes per head)
@@ -103,7 +99,6 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
     dummy = _dummy(dev)
     paged = block_table is not None
     split = num_splits > 1
-    fused = split and fused_merge is not None
     nvfp4 = k_block_scale is not None
     grid = (m_tiles * num_batches * heads_prog, num_splits)
     kv_nvfp4 = 0
@@ -116,7 +111,7 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
     k_arg, v_arg = descs if descs else (k4, v4)
     return attn_fwd_kernel[grid](
         q4, k_arg, v_arg, out4, lse3,
-        o_part if split else dummy, lse_part if split else dummy, fused_merge[0] if fused else dummy,
+        o_part if split else dummy, lse_part if split else dummy,
         cu_seqlens_q if cu_seqlens_q is not None else dummy,
         cu_seqlens_k if cu_seqlens_k is not None else dummy,
         seqlens_k if seqlens_k is not None else dummy,
@@ -139,7 +134,6 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         USE_DESC=descs is not None, SP_OVERLAP=sp_overlap, WARP_SPEC=config.warp_spec and not sp_overlap,
         TILE_DTYPE=_utils.tile_dtype(torch.float16 if k_scale is not None else q4.dtype),
         TRANS=config.trans, RAW_SCORES=softmax_scale > 0 and mask.softcap == 0.0 and k_scale is None,
-        FUSED_COMBINE=fused, MERGE_ROWS=fused_merge[1] if fused else 1, MERGE_SPLITS=fused_merge[2] if fused else 1,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 

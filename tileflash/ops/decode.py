@@ -1,7 +1,7 @@
 """flash_attn_with_kvcache: decode / speculative verify over a contiguous or paged KV cache.
 
-Split-KV: num_splits programs share one (sequence, KV head); each writes fp32 partial (o, lse), merged by the
-last of them to finish (in the same launch, counting arrivals in _split_counters) or by attn_combine's kernel. Pack-GQA: the Hq/Hkv query heads of one KV head x the Sq new tokens form one tile of rows.
+Split-KV: num_splits programs share one (sequence, KV head); each writes fp32 partial (o, lse) and attn_combine
+merges them. Pack-GQA: the Hq/Hkv query heads of one KV head x the Sq new tokens form one tile of rows.
 No host-device synchronisation and no value-dependent allocation, so the call can be captured in a CUDA graph
 (validate=True is the exception: it reads device values to check them).
 """
@@ -14,7 +14,7 @@ import torch
 
 from .. import _utils
 from ..heuristics import (GATHER_PROGRAMS_PER_SM, MAX_SPLITS, QUANT_MMA_MAX_ROWS, decode_config,
-                          fused_combine_tiles, num_splits_heuristic, padded_head_dim, quant_decode_config)
+                          num_splits_heuristic, quant_decode_config)
 from ._launch import (Mask, launch_attn_fwd, launch_combine, launch_decode_quant, launch_kv_append, sm90_target,
                       tma_tiles)
 from .prefill import _check_softcap
@@ -23,30 +23,6 @@ MAX_QUERY_TOKENS = 16
 
 
 KV_FORMATS = {torch.float8_e4m3fn: "fp8", torch.uint8: "nvfp4"}  # cache dtype -> format; others are 16-bit
-
-
-# Arrival counters of the in-launch split merge (kernels/attn_combine.last_to_arrive): COUNTER_SLOTS int32 per call,
-# zero before and after every launch, taken in turn from a ring of COUNTER_RING per device so that calls in flight
-# at once on different streams count apart (a captured CUDA graph keeps the slot it was captured with). Allocated
-# by the first call outside graph capture (a capture cannot run the zero fill); until then the combine kernel merges.
-COUNTER_SLOTS = 1024
-COUNTER_RING = 64
-_counter_slots = {}  # device -> [list of COUNTER_RING views, index of the next]
-
-
-def _split_counters(device: torch.device, programs: int) -> Optional[torch.Tensor]:
-    """Zeroed counters for `programs` programs of one split, or None (too many programs, or no ring yet)."""
-    if programs > COUNTER_SLOTS:
-        return None
-    ring = _counter_slots.get(device)
-    if ring is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        buf = torch.zeros(COUNTER_RING, COUNTER_SLOTS, dtype=torch.int32, device=device)
-        ring = _counter_slots[device] = [list(buf.unbind(0)), 0]
-    views, i = ring
-    ring[1] = (i + 1) % COUNTER_RING
-    return views[i]
 
 
 def _capacity(k_cache, block_table) -> int:
@@ -140,21 +116,11 @@ def _attn_kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                             mask=Mask(window_left, window_right, softcap), config=qcfg, num_splits=num_splits,
                             o_part=o_part, lse_part=lse_part, **scales)
     else:
-        m_rows = sq * (hq // k_cache.shape[2])
-        fused_merge = None
-        if num_splits > 1:
-            rows, chunk = fused_combine_tiles(num_splits, m_rows, cfg.block_m, padded_head_dim(d))
-            counters = _split_counters(q.device, _utils.cdiv(m_rows, cfg.block_m) * b * k_cache.shape[2]) \
-                if chunk else None
-            fused_merge = (counters, rows, chunk) if counters is not None else None
         launch_attn_fwd(q, k_cache, v_cache, out, lse, q_batch_stride0=False, k_batch_stride0=False,
-                        num_batches=b, seqlen_q=sq, seqlen_k=capacity, m_rows=m_rows,
+                        num_batches=b, seqlen_q=sq, seqlen_k=capacity, m_rows=sq * (hq // k_cache.shape[2]),
                         softmax_scale=softmax_scale, mask=Mask(window_left, window_right, softcap), config=cfg,
                         seqlens_k=cache_seqlens, seqlen_k_add=s_new, block_table=block_table, pack_gqa=True,
-                        num_splits=num_splits, sp_overlap=sp_overlap, o_part=o_part, lse_part=lse_part,
-                        fused_merge=fused_merge, **scales)
-        if fused_merge is not None:
-            return out, lse
+                        num_splits=num_splits, sp_overlap=sp_overlap, o_part=o_part, lse_part=lse_part, **scales)
     if num_splits > 1:
         launch_combine(o_part, lse_part, out, lse)
     return out, lse
