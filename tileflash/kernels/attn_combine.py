@@ -7,8 +7,17 @@ a 3-D [T, H, D] / [H, T] pair is the case B = 1).
 """
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._cast import store_cast
+
+
+@triton.jit
+def allow_dependent_launch(PDL: tl.constexpr):
+    """Let a kernel launched after this one with programmatic dependent launch (the split combine) start its
+    programs once every program here has begun; they wait in gdc_wait until this grid has finished."""
+    if PDL:
+        gdc_launch_dependents()
 
 
 @triton.jit
@@ -45,12 +54,15 @@ def _rows(seqlen, num_heads, num_rows, BLOCK_R: tl.constexpr):
 def attn_combine_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, num_splits, seqlen, num_heads, num_rows,
                         stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
                         HEAD_DIM: tl.constexpr, D_CHUNK: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
-                        INTERPRETED: tl.constexpr):
+                        INTERPRETED: tl.constexpr, PDL: tl.constexpr = False):
     """Grid (rows, HEAD_DIM / D_CHUNK): one program per row and D_CHUNK of its columns. o_part [num_splits,
     num_rows, HEAD_DIM], lse_part [num_splits, num_rows], contiguous fp32. SPLIT_CHUNK splits are read as one tile
     and their LSEs and outputs are loaded together, so with up to SPLIT_CHUNK splits a program makes one memory
     round trip (the program per whole row read its splits in two passes of 32: ~4 dependent round trips at batch 1,
-    where the combine is latency, not bandwidth)."""
+    where the combine is latency, not bandwidth). PDL: launched as a programmatic dependent of the attention
+    kernel, so its launch overlaps that kernel's tail; nothing is read before the attention grid has finished."""
+    if PDL:
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     b = row // (seqlen * num_heads)
     s = (row // num_heads) % seqlen

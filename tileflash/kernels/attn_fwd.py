@@ -9,7 +9,8 @@ Shapes (element strides are passed explicitly; the head dim must be contiguous):
   NVFP4 caches (decode, KV_NVFP4): k/v uint8 [.., D/2] packed e2m1 pairs, block scales e4m3 [.., D/16] at
   k/v_bscale_ptr, and the per-tensor global scales at k/v_scale_ptr (KV_SCALED too).
   Split-KV (decode): o_part [num_splits, B, Sq, Hq, D] and lse_part [num_splits, B, Sq, Hq], fp32, merged by
-  attn_combine; each split holds its own normalised output and LSE (an empty split: o = 0, lse = -inf).
+  attn_combine; each split holds its own normalised output and LSE (an empty split: o = 0, lse = -inf). PDL (sm_90):
+  the combine may launch once every program here has started (programmatic dependent launch).
 
 Program grid: axis 0 = (batch x head) x M tiles, flattened (axis 1 is capped at 65535), heaviest causal tiles first;
 axis 1 = KV split. A program's rows are either BLOCK_M consecutive query tokens of one query head (prefill) or, with
@@ -20,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ._attn_inner import attn_inner
+from .attn_combine import allow_dependent_launch
 from ._cast import store_cast
 from ._masks import LOG2E, kv_block_range, logit_scales, seq_extents
 from .quant import E2M1_UNIT
@@ -58,8 +60,9 @@ def attn_fwd_kernel(
     PACK_GQA: tl.constexpr, SPLIT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     USE_DESC: tl.constexpr, SP_OVERLAP: tl.constexpr, WARP_SPEC: tl.constexpr, TILE_DTYPE: tl.constexpr,
-    TRANS: tl.constexpr, RAW_SCORES: tl.constexpr,
+    TRANS: tl.constexpr, RAW_SCORES: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    allow_dependent_launch(PDL)  # the split combine that follows (ops/_launch.launch_combine)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     pid_m = m_tiles - 1 - pid % m_tiles  # reverse order: causal tiles with the most work start first
