@@ -180,6 +180,11 @@ def test_decode_config_long_programs(d, fmt, paged, tokens_per_program, block_n)
     ((1, 8, 1, 32768, 128, 132, 2), 33),  # run 18's best (35.1 us; 66: 39.4)
     ((5, 8, 1, 32768, 128, 132, 2), 6),  # 40 programs a split: 6 = 240 programs; 7 = 280 would spill past 264
     ((8, 8, 1, 32768, 64, 132, 4), 4),  # 64-token tiles hold 4 per SM: not limiting at 2 per SM, same floor
+    # long_per_sm = 3 (contiguous 16-bit caches): long splits as many as three per SM hold, rounded down
+    ((1, 8, 1, 131072, 64, 132, 0, 2, 3), 49),  # run 103: 129.2 us vs 135.8 at 33
+    ((8, 8, 1, 8192, 64, 132, 0, 2, 3), 6),  # 1365-token splits (run 103: 70.9 us vs 71.9 at 5)
+    ((8, 8, 1, 4096, 64, 132, 0, 2, 3), 4),  # <= 1024-token splits: the nearest count at two per SM
+    ((200, 1, 1, 8192, 64, 132, 0, 2, 3), 2),  # three per SM rounds down to 1: never fewer than two per SM give
 ])
 def test_num_splits_heuristic(args, expected):
     assert num_splits_heuristic(*args) == expected
@@ -219,8 +224,11 @@ def test_combine_tiles_load_every_split_at_once_within_the_tile_budget(splits, d
 # (batch, ctx, Hq, Hkv, head dim, page size or 0, num_splits asked) -> (tokens per step, splits) as the GPU plans them
 @pytest.mark.parametrize("shape, expected", [
     ((1, 8192, 32, 8, 128, 0, 0), (64, 33)),
-    ((1, 131072, 32, 8, 128, 0, 0), (64, 33)),  # 3971 tokens per program: short of the long tiles
-    ((8, 8192, 32, 8, 128, 0, 0), (64, 5)),
+    ((1, 32768, 32, 8, 128, 0, 0), (64, 33)),  # 993-token splits: the nearest count at two programs per SM
+    ((1, 131072, 32, 8, 128, 0, 0), (64, 49)),  # long splits: three per SM, rounded down (2675 tokens each)
+    ((4, 32768, 32, 8, 128, 0, 0), (64, 12)),
+    ((4, 8192, 32, 8, 128, 0, 0), (64, 8)),  # splits of <= 1024 tokens: the nearest count at two per SM
+    ((8, 8192, 32, 8, 128, 0, 0), (64, 6)),
     ((8, 32768, 32, 8, 128, 0, 0), (128, 4)),  # long programs: 128-token steps, splits counted again for waves
     ((32, 8192, 32, 8, 128, 0, 0), (128, 1)),
     ((64, 4096, 32, 8, 128, 0, 0), (128, 1)),

@@ -254,6 +254,13 @@ MAX_SPLITS = 256
 # 48), page 64 (TMA boxes) 21.6 at 33 (21.8 at 48). `bench decode` (run 50): 23.2 against 23.5 in run 42, a gain
 # near the run-to-run spread.
 GATHER_PROGRAMS_PER_SM = 3
+# Long splits of a contiguous 16-bit cache aim at three programs per SM (as many as its 64-token, two-stage tiles
+# let an SM hold), rounded down, instead of two rounded up. Run 103 (graph replay, read flush, 32/8 heads, us, the
+# former count then this one, two timings each): b=1 ctx 32k 41.7 / 41.6 at 33 splits vs 41.2 / 41.3 at 49, ctx
+# 128k 135.8 / 135.7 vs 128.8 / 129.6; b=2 ctx 32k 73.8 / 73.7 at 17 vs 71.4 / 71.5 at 24; b=4 ctx 32k 137.4 / 137.2
+# at 9 vs 129.4 / 129.7 at 12; b=8 ctx 8k 71.8 / 71.9 at 5 vs 70.8 / 71.0 at 6; d=64 b=1 ctx 128k 75.3 vs 70.0.
+# Short splits (b=1 ctx 8k, b=4 ctx 8k) tied and keep the nearest count at two per SM.
+LONG_SPLIT_PROGRAMS_PER_SM = 3
 MIN_SPLIT_TOKENS = 512  # shorter caches are not split
 SHORT_SPLIT_TOKENS = 1024  # splits this short or shorter are not worth rounding the program count up for
 COMBINE_TILE = 4096  # fp32 partials per combine program: 32 registers per thread at 4 warps
@@ -267,7 +274,7 @@ def combine_tiles(num_splits: int, head_dim_pad: int) -> tuple[int, int]:
 
 
 def num_splits_heuristic(batch: int, nheads_kv: int, m_tiles: int, max_seqlen_k: int, block_n: int,
-                         num_sms: int, resident_per_sm: int = 0, per_sm: int = 2) -> int:
+                         num_sms: int, resident_per_sm: int = 0, per_sm: int = 2, long_per_sm: int = 0) -> int:
     """How many programs share one sequence's KV.
 
     Without splitting there are batch*Hkv*m_tiles programs; at batch 1 that is 8 on a 132-SM GPU, which is how the
@@ -281,6 +288,9 @@ def num_splits_heuristic(batch: int, nheads_kv: int, m_tiles: int, max_seqlen_k:
     count (run 37, `--small`): b=32 ctx 2k (256 programs) 78.5 us at 1 split vs 79.4 at 2, d=64 48.1 vs 50.2, MQA
     b=256 ctx 2k 78.8 vs 80.8, MQA b=128 ctx 1k 32.7 at 2 vs 34.4 at 3; long splits keep the count rounded up (b=32
     ctx 8k 260.3 at 2 vs 265.6 at 1, run 9; b=8 ctx 8k 80.0 at 5 vs 81.2 at 4, run 38).
+    long_per_sm (0: per_sm): when the splits are longer than SHORT_SPLIT_TOKENS, as many as long_per_sm programs
+    per SM hold (rounded down) if that is more; ops.decode asks 3 for contiguous 16-bit caches, whose tiles an SM
+    holds three of (LONG_SPLIT_PROGRAMS_PER_SM).
     resident_per_sm (how many programs of the tile an SM holds; 0: more than per_sm, so not limiting): never more
     than per_sm programs per SM (rounding the count up would put a few programs into one more wave, each costing a
     whole program's time: fp8 64-token tiles at b=8 ctx 32k ran 9 splits = 576 programs for 528 slots in 191.4 us,
@@ -297,6 +307,8 @@ def num_splits_heuristic(batch: int, nheads_kv: int, m_tiles: int, max_seqlen_k:
         splits = cdiv(target, base)
         if max_seqlen_k <= splits * SHORT_SPLIT_TOKENS:
             splits = (2 * target + base) // (2 * base)  # target / base rounded to the nearest count
+        elif long_per_sm:
+            splits = max(splits, long_per_sm * num_sms // base)
         return max(1, min(splits, by_length, MAX_SPLITS))
     splits = max(1, min(per_sm * num_sms // base, by_length, MAX_SPLITS))
     if resident_per_sm < per_sm:

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from .. import _utils
-from ..heuristics import (GATHER_PROGRAMS_PER_SM, MAX_SPLITS, QUANT_MMA_MAX_ROWS, decode_config,
+from ..heuristics import (GATHER_PROGRAMS_PER_SM, LONG_SPLIT_PROGRAMS_PER_SM, MAX_SPLITS, QUANT_MMA_MAX_ROWS, decode_config,
                           num_splits_heuristic, quant_decode_config)
 from ._launch import (Mask, launch_attn_fwd, launch_combine, launch_decode_quant, launch_kv_append, sm90_target,
                       tma_tiles)
@@ -47,7 +47,8 @@ def _plan(q, k_cache, block_table, num_splits: int):
                    and not tma_tiles(cfg, k_cache.shape[1], k_cache.dtype == torch.uint8))
         return num_splits or num_splits_heuristic(b, hkv, _utils.cdiv(rows, cfg.block_m), capacity, cfg.block_n,
                                                   sms, cfg.resident_per_sm,
-                                                  per_sm=GATHER_PROGRAMS_PER_SM if gathers else 2)
+                                                  per_sm=GATHER_PROGRAMS_PER_SM if gathers else 2,
+                                                  long_per_sm=LONG_SPLIT_PROGRAMS_PER_SM if block_table is None else 0)
 
     cfg = tiles()
     splits = count(cfg)
