@@ -353,7 +353,7 @@ def decode_quant_kernel(
     STEP: gl.constexpr = WARPS * BN
     pid = gl.program_id(0)
     split = gl.program_id(1)
-    if SPLIT:  # the combine that follows is a programmatic dependent launch (ops/_launch.launch_combine)
+    if SPLIT and PAGE_SHIFT < 0:  # contiguous: the combine after it is a programmatic dependent launch
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.b32 $0, $1;", "=r,r", [pid],
                                   dtype=gl.int32, is_pure=False, pack=1)
     b = pid // num_heads_kv

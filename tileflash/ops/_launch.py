@@ -134,7 +134,7 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         USE_DESC=descs is not None, SP_OVERLAP=sp_overlap, WARP_SPEC=config.warp_spec and not sp_overlap,
         TILE_DTYPE=_utils.tile_dtype(torch.float16 if k_scale is not None else q4.dtype),
         TRANS=config.trans, RAW_SCORES=softmax_scale > 0 and mask.softcap == 0.0 and k_scale is None,
-        PDL=split and sm90_target(), num_warps=config.num_warps, num_stages=config.num_stages,
+        PDL=split and not paged and sm90_target(), num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
 
@@ -231,14 +231,14 @@ def launch_attn_fwd_ws(q4, k4, v4, out4, lse3, *, causal: bool, softmax_scale: f
         STAGES=config.num_stages, num_warps=4)
 
 
-def launch_combine(o_part, lse_part, out4, lse3) -> None:
-    """Merge split partials o_part [splits, B*Sq*Hq, D], lse_part [splits, B*Sq*Hq] into out4 / lse3. On sm_90 the
-    kernel is a programmatic dependent launch (PDL) of the kernel before it on the stream: its launch overlaps that
-    kernel's tail (the attention kernels allow it once all their programs have started)."""
+def launch_combine(o_part, lse_part, out4, lse3, pdl: bool = False) -> None:
+    """Merge split partials o_part [splits, B*Sq*Hq, D], lse_part [splits, B*Sq*Hq] into out4 / lse3. pdl (taken on
+    sm_90 only): launch it as a programmatic dependent of the kernel before it on the stream, so its launch
+    overlaps that kernel's tail (the split decode kernels allow it once all their programs have started)."""
     num_splits, num_rows, d = o_part.shape
     b, sq, hq, _ = out4.shape
     split_chunk, d_chunk = combine_tiles(num_splits, padded_head_dim(d))
-    pdl = sm90_target()
+    pdl = pdl and sm90_target()
     attn_combine_kernel[(num_rows, _utils.cdiv(d, d_chunk))](
         o_part, lse_part, out4, lse3, num_splits, sq, hq, num_rows,
         out4.stride(0), out4.stride(1), out4.stride(2), lse3.stride(0), lse3.stride(1), lse3.stride(2),

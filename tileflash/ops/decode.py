@@ -123,7 +123,9 @@ def _attn_kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                         seqlens_k=cache_seqlens, seqlen_k_add=s_new, block_table=block_table, pack_gqa=True,
                         num_splits=num_splits, sp_overlap=sp_overlap, o_part=o_part, lse_part=lse_part, **scales)
     if num_splits > 1:
-        launch_combine(o_part, lse_part, out, lse)
+        # PDL for contiguous caches, where it was measured (RESULTS.md, session 14: -0.5 to -1.2 us at batch 1); the
+        # paged rows of the same session ran slower than before it (b=8 ctx 8k +7%), never timed with PDL off
+        launch_combine(o_part, lse_part, out, lse, pdl=block_table is None)
     return out, lse
 
 
