@@ -181,8 +181,8 @@ def test_decode_config_long_programs(d, fmt, paged, tokens_per_program, block_n)
     ((5, 8, 1, 32768, 128, 132, 2), 6),  # 40 programs a split: 6 = 240 programs; 7 = 280 would spill past 264
     ((8, 8, 1, 32768, 64, 132, 4), 4),  # 64-token tiles hold 4 per SM: not limiting at 2 per SM, same floor
     # long_per_sm = 3 (contiguous 16-bit caches): long splits as many as three per SM hold, rounded down
-    ((1, 8, 1, 131072, 64, 132, 0, 2, 3), 49),  # run 103: 129.2 us vs 135.8 at 33
-    ((8, 8, 1, 8192, 64, 132, 0, 2, 3), 6),  # 1365-token splits (run 103: 70.9 us vs 71.9 at 5)
+    ((1, 8, 1, 131072, 64, 132, 0, 2, 3), 49),  # run 105: 129.2 us vs 135.8 at 33
+    ((8, 8, 1, 8192, 64, 132, 0, 2, 3), 6),  # 1365-token splits (run 105: 70.9 us vs 71.9 at 5)
     ((8, 8, 1, 4096, 64, 132, 0, 2, 3), 4),  # <= 1024-token splits: the nearest count at two per SM
     ((200, 1, 1, 8192, 64, 132, 0, 2, 3), 2),  # three per SM rounds down to 1: never fewer than two per SM give
 ])

@@ -255,11 +255,11 @@ MAX_SPLITS = 256
 # near the run-to-run spread.
 GATHER_PROGRAMS_PER_SM = 3
 # Long splits of a contiguous 16-bit cache aim at three programs per SM (as many as its 64-token, two-stage tiles
-# let an SM hold), rounded down, instead of two rounded up. Run 103 (graph replay, read flush, 32/8 heads, us, the
-# former count then this one, two timings each): b=1 ctx 32k 41.7 / 41.6 at 33 splits vs 41.2 / 41.3 at 49, ctx
-# 128k 135.8 / 135.7 vs 128.8 / 129.6; b=2 ctx 32k 73.8 / 73.7 at 17 vs 71.4 / 71.5 at 24; b=4 ctx 32k 137.4 / 137.2
-# at 9 vs 129.4 / 129.7 at 12; b=8 ctx 8k 71.8 / 71.9 at 5 vs 70.8 / 71.0 at 6; d=64 b=1 ctx 128k 75.3 vs 70.0.
-# Short splits (b=1 ctx 8k, b=4 ctx 8k) tied and keep the nearest count at two per SM.
+# let an SM hold), rounded down, instead of two rounded up. Run 105 (graph replay, read flush, 32/8 heads, us, the
+# former count then this one, two timings each): b=1 ctx 128k 135.8 / 135.7 at 33 splits vs 128.8 / 129.6 at 49;
+# b=2 ctx 32k 73.8 / 73.7 at 17 vs 71.4 / 71.5 at 24; b=4 ctx 32k 137.4 / 137.2 at 9 vs 129.4 / 129.7 at 12; b=8
+# ctx 8k 71.8 / 71.9 at 5 vs 70.8 / 71.0 at 6; d=64 b=1 ctx 128k 75.3 vs 70.0. Splits of <= SHORT_SPLIT_TOKENS keep
+# the nearest count at two per SM: b=1 ctx 8k and b=4 ctx 8k tied, b=1 ctx 32k ran 41.7 / 41.6 at 33 vs 41.2 / 41.3.
 LONG_SPLIT_PROGRAMS_PER_SM = 3
 MIN_SPLIT_TOKENS = 512  # shorter caches are not split
 SHORT_SPLIT_TOKENS = 1024  # splits this short or shorter are not worth rounding the program count up for
