@@ -21,9 +21,9 @@ import triton
 import triton.language as tl
 
 from ._attn_inner import attn_inner
-from .attn_combine import allow_dependent_launch
 from ._cast import store_cast
 from ._masks import LOG2E, kv_block_range, logit_scales, seq_extents
+from .attn_combine import allow_dependent_launch
 from .quant import E2M1_UNIT
 
 

@@ -13,8 +13,8 @@ from typing import Optional
 import torch
 
 from .. import _utils
-from ..heuristics import (GATHER_PROGRAMS_PER_SM, LONG_SPLIT_PROGRAMS_PER_SM, MAX_SPLITS, QUANT_MMA_MAX_ROWS, decode_config,
-                          num_splits_heuristic, quant_decode_config)
+from ..heuristics import (GATHER_PROGRAMS_PER_SM, LONG_SPLIT_PROGRAMS_PER_SM, MAX_SPLITS, QUANT_MMA_MAX_ROWS,
+                          decode_config, num_splits_heuristic, quant_decode_config)
 from ._launch import (Mask, launch_attn_fwd, launch_combine, launch_decode_quant, launch_kv_append, sm90_target,
                       tma_tiles)
 from .prefill import _check_softcap
