@@ -3,7 +3,9 @@ the heuristic matters (few sequences x KV heads). Run on the GPU: `python benchm
 `--quant`: the same for fp8 and nvfp4 caches. `--parts`: graph-replay time of a split call and of its two kernels
 alone (attention with fp32 partials, combine), to see what the combine costs at small batch. `--small`: SMALL_SHAPES
 (MQA 8/1 heads as in `bench decode`, batches near one program per SM, head dim 64, page 16). `--lengths`: batch-1
-MQA from 8k to 128k tokens and small-batch GQA at counts up to 256 (how short a split may get)."""
+MQA from 8k to 128k tokens and small-batch GQA at counts up to 256 (how short a split may get). `--pdl`: the split
+combine with and without programmatic dependent launch (ops.decode._combine_pdl forced each way, alternating, two
+timings each) on contiguous and paged caches. `--flush-read`: time with bench.timing's read flush (clean L2)."""
 import sys
 
 import torch
@@ -82,8 +84,46 @@ def parts():
                        title="decode parts, CUDA-graph replay (bf16, d=128, 32/8 heads)"))
 
 
+# (B, ctx, Hq, Hkv, page size): where PDL was timed (contiguous, session 14) and where it was not (paged).
+PDL_SHAPES = [(1, 8192, 32, 8, 0), (1, 32768, 32, 8, 0), (8, 8192, 32, 8, 0), (1, 8192, 32, 8, 16),
+              (1, 32768, 32, 8, 16), (8, 8192, 32, 8, 16), (8, 8192, 32, 8, 64), (1, 32768, 32, 8, 64),
+              (8, 32768, 32, 8, 16)]
+
+
+def pdl_sweep():
+    from tileflash.ops import decode as decode_ops
+
+    picked = decode_ops._combine_pdl
+    rows = []
+    for b, ctx, hq, hkv, page in PDL_SHAPES:
+        q = torch.randn(b, 1, hq, 128, device="cuda", dtype=torch.bfloat16)
+        kc, vc = (torch.randn(b, ctx, hkv, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        kw = {}
+        if page:
+            kc, vc, kw["block_table"] = _paged(kc, vc, page, torch.Generator().manual_seed(0))
+        lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+        fn = lambda: tileflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, **kw)  # noqa: E731
+        times = {True: [], False: []}
+        for on in (True, False, True, False):
+            decode_ops._combine_pdl = lambda table, on=on: on
+            times[on].append(bench_ms(graphed(fn)) * 1e3)
+        decode_ops._combine_pdl = picked
+        splits = decode_ops._plan(q, kc, kw.get("block_table"), 0)[1]
+        rows.append([b, ctx, f"{hq}/{hkv}", page or "-", splits, picked(kw.get("block_table")),
+                     *(" / ".join(f"{t:.1f}" for t in times[on]) for on in (True, False))])
+        print(rows[-1], flush=True)
+    print(format_table(["B", "ctx", "heads", "page", "splits", "PDL taken?", "PDL us", "no PDL us"], rows,
+                       title="split combine with / without programmatic dependent launch (bf16, d=128, graph replay)"))
+
+
 if __name__ == "__main__":
-    if "--parts" in sys.argv:
+    if "--flush-read" in sys.argv:
+        from tileflash.bench import timing
+
+        timing.flush_mode = "read"
+    if "--pdl" in sys.argv:
+        pdl_sweep()
+    elif "--parts" in sys.argv:
         parts()
     elif "--quant" in sys.argv:  # the quantized caches on the shapes where splits matter
         for fmt in ("fp8", "nvfp4"):

@@ -342,7 +342,7 @@ def decode_quant_kernel(
         softmax_scale, softcap, window_left, window_right,
         D: gl.constexpr, FMT: gl.constexpr, BN: gl.constexpr, WARPS: gl.constexpr, PAGE_SHIFT: gl.constexpr,
         HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, SPLIT: gl.constexpr,
-        PV_T: gl.constexpr):
+        PV_T: gl.constexpr, PDL: gl.constexpr = False):
     """FMT 1: FP8 (e4m3 caches, kfac/vfac = k_scale/v_scale, stride_fac 0 per tensor or 1 per KV head);
     FMT 2: NVFP4 (uint8 caches, ks/vs the e4m3 block scales as bytes, kfac/vfac the global scales). K and V share
     strides (stride_k*; the scales stride_s*); paged: stride_kb/stride_sb are the page strides, PAGE_SHIFT >= 0."""
@@ -353,7 +353,7 @@ def decode_quant_kernel(
     STEP: gl.constexpr = WARPS * BN
     pid = gl.program_id(0)
     split = gl.program_id(1)
-    if SPLIT and PAGE_SHIFT < 0:  # contiguous: the combine after it is a programmatic dependent launch
+    if PDL:  # the split combine after it is a programmatic dependent launch (ops/_launch.launch_combine)
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.b32 $0, $1;", "=r,r", [pid],
                                   dtype=gl.int32, is_pure=False, pack=1)
     b = pid // num_heads_kv

@@ -85,10 +85,12 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
                     seqlen_q: int, seqlen_k: int, m_rows: int, softmax_scale: float, mask: Mask, config,
                     cu_seqlens_q=None, cu_seqlens_k=None, seqlens_k=None, seqlen_k_add: int = 0,
                     block_table=None, pack_gqa: bool = False, num_splits: int = 1, sp_overlap: bool = False,
-                    o_part=None, lse_part=None, k_scale=None, v_scale=None, k_block_scale=None, v_block_scale=None):
+                    o_part=None, lse_part=None, k_scale=None, v_scale=None, k_block_scale=None, v_block_scale=None,
+                    pdl: bool = False):
     """q4/out4 [Bq, Sq, Hq, D]; k4/v4 [Bk, Sk, Hkv, D] (paged: [pages, page_size, Hkv, D]); lse3 [Bq, Hq, Sq].
 
     m_rows: rows per (batch, head program) = max query tokens (x group size when packing).
+    pdl: a split launch lets launch_combine(..., pdl=True) start as its programmatic dependent (sm_90 only).
     """
     dev = q4.device
     hq, d = q4.shape[2], q4.shape[3]  # q's head dim (an NVFP4 cache stores d / 2 bytes per head)
@@ -134,13 +136,13 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         USE_DESC=descs is not None, SP_OVERLAP=sp_overlap, WARP_SPEC=config.warp_spec and not sp_overlap,
         TILE_DTYPE=_utils.tile_dtype(torch.float16 if k_scale is not None else q4.dtype),
         TRANS=config.trans, RAW_SCORES=softmax_scale > 0 and mask.softcap == 0.0 and k_scale is None,
-        PDL=split and not paged and sm90_target(), num_warps=config.num_warps, num_stages=config.num_stages,
+        PDL=pdl and split and sm90_target(), num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
 
 def launch_decode_quant(q4, k4, v4, out4, lse3, *, seqlen_k: int, seqlens_k, seqlen_k_add: int, block_table,
                         softmax_scale: float, mask: Mask, config, num_splits: int, o_part, lse_part, k_scale, v_scale,
-                        k_block_scale=None, v_block_scale=None) -> None:
+                        k_block_scale=None, v_block_scale=None, pdl: bool = False) -> None:
     """The register-operand decode over an FP8 (k_scale/v_scale per tensor or KV head) or NVFP4 (block scales,
     k_scale/v_scale = global scales) cache; shapes as launch_attn_fwd's (seqlen_k: the cache capacity per
     sequence), the call accepted by ops.decode._quant_mma_config."""
@@ -164,7 +166,7 @@ def launch_decode_quant(q4, k4, v4, out4, lse3, *, seqlen_k: int, seqlens_k, seq
         D=d, FMT=2 if nvfp4 else 1, BN=config.block_n, WARPS=config.num_warps,
         PAGE_SHIFT=k4.shape[1].bit_length() - 1 if paged else -1,
         HAS_LEFT=mask.window_left >= 0, HAS_RIGHT=mask.window_right >= 0, SOFTCAP=mask.softcap > 0.0, SPLIT=split,
-        PV_T=sq * (hq // hkv) <= 8,
+        PV_T=sq * (hq // hkv) <= 8, PDL=pdl and split,
         num_warps=config.num_warps,
     )
 

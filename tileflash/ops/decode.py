@@ -58,6 +58,14 @@ def _plan(q, k_cache, block_table, num_splits: int):
     return long_cfg, splits, capacity
 
 
+def _combine_pdl(block_table) -> bool:
+    """Whether the split combine is a programmatic dependent launch of the attention kernel (sm_90; its launch then
+    overlaps the attention's tail): for contiguous caches, where it was timed (RESULTS.md, session 14, run 102:
+    -0.5 to -1.2 us at batch 1, neutral from b=8). Paged rows ran slower in that session's benches than before it
+    (page 16 b=8 ctx 8k +7%) and were never timed with it off (`benchmarks/splits_sweep.py --pdl` does)."""
+    return block_table is None
+
+
 def _quant_mma_config(q, k_cache, v_cache, block_table, capacity: int, sp_overlap: bool):
     """The register-operand decode's tiles (kernels/decode_quant_mma.py) when it serves this call, else None: a
     cache heuristics.quant_decode_config takes on sm_90, at most 16 query rows per KV head, a contiguous cache or
@@ -111,21 +119,21 @@ def _attn_kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         part = _utils.new_output((num_splits * rows * (d + 1),), torch.float32, q.device)
         o_part = part[:num_splits * rows * d].view(num_splits, rows, d)
         lse_part = part[num_splits * rows * d:].view(num_splits, rows)
+    pdl = _combine_pdl(block_table)
     if qcfg is not None:
         launch_decode_quant(q, k_cache, v_cache, out, lse, seqlen_k=capacity, seqlens_k=cache_seqlens,
                             seqlen_k_add=s_new, block_table=block_table, softmax_scale=softmax_scale,
                             mask=Mask(window_left, window_right, softcap), config=qcfg, num_splits=num_splits,
-                            o_part=o_part, lse_part=lse_part, **scales)
+                            o_part=o_part, lse_part=lse_part, pdl=pdl, **scales)
     else:
         launch_attn_fwd(q, k_cache, v_cache, out, lse, q_batch_stride0=False, k_batch_stride0=False,
                         num_batches=b, seqlen_q=sq, seqlen_k=capacity, m_rows=sq * (hq // k_cache.shape[2]),
                         softmax_scale=softmax_scale, mask=Mask(window_left, window_right, softcap), config=cfg,
                         seqlens_k=cache_seqlens, seqlen_k_add=s_new, block_table=block_table, pack_gqa=True,
-                        num_splits=num_splits, sp_overlap=sp_overlap, o_part=o_part, lse_part=lse_part, **scales)
+                        num_splits=num_splits, sp_overlap=sp_overlap, o_part=o_part, lse_part=lse_part, pdl=pdl,
+                        **scales)
     if num_splits > 1:
-        # PDL for contiguous caches, where it was measured (RESULTS.md, session 14: -0.5 to -1.2 us at batch 1); the
-        # paged rows of the same session ran slower than before it (b=8 ctx 8k +7%), never timed with PDL off
-        launch_combine(o_part, lse_part, out, lse, pdl=block_table is None)
+        launch_combine(o_part, lse_part, out, lse, pdl=pdl)
     return out, lse
 
 
