@@ -264,6 +264,11 @@ def launch_merge(oa4, la3, ob4, lb3, out4, lse3) -> None:
     )
 
 
+def cache_capacity(k_cache, block_table) -> int:
+    """Tokens a sequence's KV cache holds: its pages (block_table [B, max_pages]), or the contiguous cache's length."""
+    return block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
+
+
 def launch_kv_append(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table, k_scale=None, v_scale=None,
                      k_block_scale=None, v_block_scale=None) -> None:
     """Write new tokens into the cache. FP8 caches (k_scale/v_scale per tensor or KV head) and NVFP4 caches
@@ -285,7 +290,7 @@ def launch_kv_append(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table,
         k_new.stride(0), k_new.stride(1), k_new.stride(2), v_new.stride(0), v_new.stride(1), v_new.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), *bs_strides, block_table.stride(0) if paged else 0, s_new,
-        k_cache.shape[1] if paged else 1, hkv, block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1],
+        k_cache.shape[1] if paged else 1, hkv, cache_capacity(k_cache, block_table),
         HEAD_DIM=d, HEAD_DIM_PAD=padded_head_dim(d), HEADS_PAD=_utils.next_pow2(hkv), PAGED=paged, FORMAT=fmt,
         num_warps=4,
     )

@@ -15,8 +15,8 @@ import torch
 from .. import _utils
 from ..heuristics import (GATHER_PROGRAMS_PER_SM, LONG_SPLIT_PROGRAMS_PER_SM, MAX_SPLITS, QUANT_MMA_MAX_ROWS,
                           decode_config, num_splits_heuristic, quant_decode_config)
-from ._launch import (Mask, launch_attn_fwd, launch_combine, launch_decode_quant, launch_kv_append, sm90_target,
-                      tma_tiles)
+from ._launch import (Mask, cache_capacity, launch_attn_fwd, launch_combine, launch_decode_quant, launch_kv_append,
+                      sm90_target, tma_tiles)
 from .prefill import _check_softcap
 
 MAX_QUERY_TOKENS = 16
@@ -25,18 +25,13 @@ MAX_QUERY_TOKENS = 16
 KV_FORMATS = {torch.float8_e4m3fn: "fp8", torch.uint8: "nvfp4"}  # cache dtype -> format; others are 16-bit
 
 
-def _capacity(k_cache, block_table) -> int:
-    """Tokens a sequence's cache holds: its pages, or the contiguous cache's length."""
-    return block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
-
-
 def _plan(q, k_cache, block_table, num_splits: int):
     """(config, num_splits, capacity) from shapes only: the tile, the split count, then the tile again knowing how
     many tokens each program streams."""
     b, sq, hq, d = q.shape
     hkv = k_cache.shape[2]
     rows = sq * (hq // hkv)
-    capacity = _capacity(k_cache, block_table)
+    capacity = cache_capacity(k_cache, block_table)
     tiles = functools.partial(decode_config, d, rows, _utils.is_interpreter(),
                               kv_format=KV_FORMATS.get(k_cache.dtype, "16bit"), paged=block_table is not None,
                               kv_tokens=b * capacity * hkv)
@@ -106,7 +101,7 @@ def _attn_kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         launch_kv_append(k, v, k_cache, v_cache, cache_seqlens, block_table, **scales)
     if hq == 0:  # nothing to attend with; the append above still happened
         return out, lse
-    capacity = _capacity(k_cache, block_table)
+    capacity = cache_capacity(k_cache, block_table)
     qcfg = _quant_mma_config(q, k_cache, v_cache, block_table, capacity, sp_overlap)
     if qcfg is not None:
         num_splits = num_splits or num_splits_heuristic(b, k_cache.shape[2], 1, capacity, qcfg.step,
