@@ -1,8 +1,8 @@
 """GPU: tiles of the warp-specialised forward (kernels/attn_fwd_ws.py) beside cuDNN, bf16, 16k tokens, 2048/d heads.
 
 Usage on the H200: `python benchmarks/ws_sweep.py`. Prints one row per (d, causal, s): cuDNN's TFLOP/s, then each
-(keys per step, stages) variant's, marked ERR when its output strays from cuDNN's. heuristics.fwd_ws_config holds
-the picks (run 59 in benchmarks/RESULTS.md).
+(keys per step, K stages, V stages) variant's, marked ERR when its output strays from cuDNN's.
+heuristics.fwd_ws_config holds the picks (runs 59 and 107 in benchmarks/RESULTS.md).
 """
 import sys
 
@@ -15,7 +15,7 @@ from tileflash.bench.timing import bench_ms  # noqa: E402
 from tileflash.heuristics import WsFwdConfig  # noqa: E402
 from tileflash.ops._launch import launch_attn_fwd_ws  # noqa: E402
 
-VARIANTS = {128: [(128, 3), (128, 2)], 64: [(128, 3), (128, 2), (64, 4)], 256: [(64, 2)]}
+VARIANTS = {128: [(128, 3, 3), (128, 4, 2)], 64: [(128, 3, 3), (128, 4, 4), (64, 4, 4)], 256: [(64, 2, 2), (64, 3, 2)]}
 rows = []
 for d in (128, 64, 256):
     for causal in (False, True):
@@ -26,11 +26,11 @@ for d in (128, 64, 256):
             cudnn = peers.sdpa_prefill(q, k, v, causal, "cudnn", print)
             ref = cudnn()
             row = [d, causal, s, flops / bench_ms(cudnn) / 1e9]
-            for bn, st in VARIANTS[d]:
+            for tiles in VARIANTS[d]:
                 out = torch.full_like(q, float("nan"))
                 lse = torch.empty(b, h, s, device="cuda")
                 fn = lambda: launch_attn_fwd_ws(q, k, v, out, lse, causal=causal, softmax_scale=d ** -0.5,  # noqa
-                                                config=WsFwdConfig(bn, st))
+                                                config=WsFwdConfig(*tiles))
                 fn()
                 err = (out.float() - ref.float()).abs().max().item()
                 t = flops / bench_ms(fn) / 1e9

@@ -7,7 +7,8 @@ import torch
 
 import tileflash
 from helpers import DEVICE, ON_SM90, attention_inputs, check_2x, check_lse
-from tileflash.ops._launch import Mask, sm90_target, ws_forward_config
+from tileflash.heuristics import WsFwdConfig
+from tileflash.ops._launch import Mask, launch_attn_fwd_ws, sm90_target, ws_forward_config
 from tileflash.reference import attention_ref
 
 needs_sm90 = pytest.mark.skipif(not ON_SM90, reason="the warp-specialised forward runs on sm_90 only")
@@ -22,6 +23,8 @@ CASES = [
     (3, 1024, 2000, 6, 3, 64, False),  # d64 non-causal
     (1, 2500, 2500, 2, 2, 64, True),  # d64 causal past 2048 keys (shorter rows take the Triton tile)
     (1, 4096, 4096, 2, 1, 128, True),  # many full blocks: the ring wraps over all three stages many times
+    (2, 700, 900, 4, 2, 256, True),  # d256, <= 1024 keys: two K stages
+    (1, 1500, 1300, 2, 1, 256, False),  # d256 with three K and two V stages, Sq > Sk
 ]
 
 
@@ -41,6 +44,27 @@ def test_ws_forward(case, dtype):
     out, lse = tileflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
     ref, ref_lse = attention_ref(q, k, v, causal=causal)
     ref_lowp, _ = attention_ref(q, k, v, causal=causal, upcast=False)
+    check_2x(out, ref, ref_lowp)
+    check_lse(lse, ref_lse)
+
+
+@needs_sm90
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d, block_n, k_stages, v_stages", [
+    (128, 128, 3, 3), (128, 128, 2, 2), (64, 128, 3, 3), (64, 128, 4, 3),
+    (256, 64, 2, 2), (256, 64, 3, 2),  # d256: three K stages and two V stages fill 224 KB of shared memory
+])
+def test_ws_forward_tile_configs(d, block_n, k_stages, v_stages, causal):
+    """Every tile the sweep measures (benchmarks/ws_sweep.py), launched directly into a NaN-poisoned output: the
+    K and V rings of different depths wrap at different blocks (Sk spans 9-18 blocks), Sq < Sk shifts the diagonal."""
+    q, k, v = attention_inputs(2, 1000, 1100, 4, 2, d, torch.bfloat16)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((2, 4, 1000), float("nan"), device=DEVICE)
+    scale = d ** -0.5
+    launch_attn_fwd_ws(q, k, v, out, lse, causal=causal, softmax_scale=scale,
+                       config=WsFwdConfig(block_n, k_stages, v_stages))
+    ref, ref_lse = attention_ref(q, k, v, causal=causal, softmax_scale=scale)
+    ref_lowp, _ = attention_ref(q, k, v, causal=causal, softmax_scale=scale, upcast=False)
     check_2x(out, ref, ref_lowp)
     check_lse(lse, ref_lse)
 

@@ -101,24 +101,28 @@ def fwd_config(head_dim: int, causal: bool = False, interpret: bool = False, seq
 class WsFwdConfig:
     """The warp-specialised sm_90 forward (kernels/attn_fwd_ws.py): 128 query rows per CTA, always."""
     block_n: int  # keys per step
-    num_stages: int  # K/V stages in shared memory
+    k_stages: int  # K blocks in shared memory
+    v_stages: int  # V blocks in shared memory
 
 
 def fwd_ws_config(head_dim: int, causal: bool, seqlen_k: int) -> WsFwdConfig | None:
     """Whether prefill takes the warp-specialised forward, by shape (ops/_launch.ws_forward_config adds what the
-    tensors and masks allow), measured on the H200 (prototype run 58, bf16, 16k tokens, 2048/d heads, TFLOP/s,
-    128 keys per step, 2 / 3 stages, against the Triton kernel; run 59 `benchmarks/ws_sweep.py`: 64 keys per step
-    with 4 stages lost at d64, 317-391 vs 369-455 non-causal):
-      d128 full  1k-16k: 442-560 / 541-622 vs 436-498; causal 332-523 / 379-612 vs 341-491.
-      d64  full  1k-16k: 334-461 / 374-460 vs 371-422; causal 1k 235 / 254 vs 285, 2k 298 / 336 vs 340,
-           4k-16k 348-405 / 394-441 vs 358-407.
-      d256 (64 keys, 2 stages: the most that fits) 465-520 full, 347-515 causal vs 444-541 / 304-533: not taken.
+    tensors and masks allow), measured on the H200 (bf16, 16k tokens, 2048/d heads, TFLOP/s at s = 1k / 2k / 4k / 8k /
+    16k, same run as cuDNN):
+      d128 (128 keys, 3 + 3 stages, run 107): full 511-610 vs cuDNN 567-622; causal 385-614 vs 418-553.
+      d64 (128 keys, 3 + 3): full 366-448 vs 417-465; causal 258-446 vs 337-441 (run 107); at 1k / 2k causal the
+           one-warpgroup 64x64 Triton tile measured 285 / 340 against 254 / 336 (run 58) and keeps those rows.
+      d256 (64 keys; the K and V rings have their own depth, run 107): 3 K + 2 V stages (224 KB of shared memory)
+           full 569-650 vs cuDNN 628-662, causal 385-640 vs 444-596; 2 + 2 stages 576-691 / 429-609, taken at
+           <= 1024 keys where the third K stage measured slower causal (385 vs 429). The Triton kernel: 440-540 /
+           263-529. (Run 58, with one ring for K and V: 465-520 / 347-515 at 2 stages, so not taken then.)
     Other head dims would need padding inside the kernel, which it does not do."""
     if head_dim == 128:
-        return WsFwdConfig(block_n=128, num_stages=3)
+        return WsFwdConfig(block_n=128, k_stages=3, v_stages=3)
     if head_dim == 64 and not (causal and seqlen_k <= 2048):
-        # Short causal rows: the one-warpgroup 64x64 Triton tile wastes fewer masked keys on the diagonal.
-        return WsFwdConfig(block_n=128, num_stages=3)
+        return WsFwdConfig(block_n=128, k_stages=3, v_stages=3)
+    if head_dim == 256:
+        return WsFwdConfig(block_n=64, k_stages=3 if seqlen_k > 1024 else 2, v_stages=2)
     return None
 
 

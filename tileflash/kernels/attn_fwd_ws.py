@@ -4,8 +4,11 @@ Why a second forward: the Triton kernel (attn_fwd.py) runs loads, both products 
 instruction stream per warpgroup, and Triton's own warp specialisation does not apply to it on sm_90 (RESULTS.md,
 session 8); it stayed at 0.78-0.86x cuDNN for d128. Gluon states the partitions and the pipeline explicitly:
 
-  producer (1 warp, 24 registers): TMA loads of the two Q tiles, then K and V blocks into a ring of STAGES stages
-      (k_ready / v_ready barriers carry the transaction bytes; kv_empty counts one arrival per consumer).
+  producer (1 warp, 24 registers): TMA loads of the two Q tiles, then K and V blocks into two rings of K_STAGES
+      and V_STAGES stages (k_ready / v_ready carry the transaction bytes; k_empty / v_empty count one arrival per
+      consumer). The rings are separate because S_j and PV_{j-1} run together: K_j's stage is free once S_j has
+      retired, half a step before V_{j-1}'s, so its next load starts that much earlier (with one shared ring a
+      2-stage pipeline had no slack at all: the load of block j+1 began when step j ended, where it was needed).
   consumers (2 warpgroups, 240 registers each): 64 query rows each of the CTA's 128. Per KV block j:
       S_j = Q K_j^T (shared-memory operands) is issued, then O += P_{j-1} V_{j-1} (P from registers); the softmax
       of S_j runs while that PV product is still in flight (FA3's intra-warpgroup overlap), and the two warpgroups
@@ -14,7 +17,7 @@ session 8); it stayed at 0.78-0.86x cuDNN for d128. Gluon states the partitions 
 Layout: q, out [B, Sq, Hq, D] and k, v [B, Sk, Hkv, D] through 4-D TMA descriptors with blocks [1, rows, 1, D], so
 rows past a sequence's end arrive as zeros and are never stored (no row masks on loads or stores); lse [B, Hq, Sq]
 float32 contiguous. Scope (ops/_launch.ws_forward_config decides, else the Triton kernel runs): 16-bit dtypes, head
-dims 64 and 128, no window or softcap beyond causal, a positive softmax scale, non-varlen batches. Gluon has no CPU
+dims 64, 128 and 256, no window or softcap beyond causal, a positive softmax scale, non-varlen batches. Gluon has no CPU
 interpreter: the CPU suite checks this kernel's compilation for sm_90 (tests/sm90_compile_check.py) and the GPU
 suite its results.
 """
@@ -53,20 +56,23 @@ def _block_range(start_m, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_N: gl.
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, seqlen_q, seqlen_k,
-              m_tiles, num_heads_q, group_size, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, seqlen_q,
+              seqlen_k, m_tiles, num_heads_q, group_size, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+              K_STAGES: gl.constexpr, V_STAGES: gl.constexpr):
     b, h, hk, start_m = _tile(m_tiles, num_heads_q, group_size)
     for w in gl.static_range(2):
         mbarrier.expect(q_bar.index(w), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [b, start_m + w * WG_ROWS, h, 0], q_bar.index(w), q_smem.index(w))
     full_hi, n_hi = _block_range(start_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_N)
     for j in range(n_hi):
-        s = j % STAGES
-        mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1 at once
-        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b, j * BLOCK_N, hk, 0], k_ready.index(s), k_bufs.index(s))
-        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [b, j * BLOCK_N, hk, 0], v_ready.index(s), v_bufs.index(s))
+        ks = j % K_STAGES
+        mbarrier.wait(k_empty.index(ks), ((j // K_STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1 at once
+        mbarrier.expect(k_ready.index(ks), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, j * BLOCK_N, hk, 0], k_ready.index(ks), k_bufs.index(ks))
+        vs = j % V_STAGES
+        mbarrier.wait(v_empty.index(vs), ((j // V_STAGES) & 1) ^ 1)
+        mbarrier.expect(v_ready.index(vs), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [b, j * BLOCK_N, hk, 0], v_ready.index(vs), v_bufs.index(vs))
 
 
 @gluon.jit
@@ -93,9 +99,10 @@ def _softmax(s, m_i, l_i, qk_scale):
 
 
 @gluon.jit
-def _consumer(q_desc, o_desc, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, seqlen_q, seqlen_k,
-              m_tiles, num_heads_q, group_size, stride_lb, stride_lh, qk_scale, WG: gl.constexpr,
-              CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+def _consumer(q_desc, o_desc, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, seqlen_q,
+              seqlen_k, m_tiles, num_heads_q, group_size, stride_lb, stride_lh, qk_scale, WG: gl.constexpr,
+              CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
+              V_STAGES: gl.constexpr):
     b, h, hk, start_m = _tile(m_tiles, num_heads_q, group_size)
     full_hi, n_hi = _block_range(start_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_N)
     row0 = start_m + WG * WG_ROWS
@@ -119,31 +126,33 @@ def _consumer(q_desc, o_desc, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, k_ready, v
         s = warpgroup_mma(q, k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_init, use_acc=False,
                           is_async=True)
         s = warpgroup_mma_wait(0, deps=(s,))
+        mbarrier.arrive(k_empty.index(0), count=1)
         if full_hi == 0:
             s = _masked(s, 0, row0, seqlen_q, seqlen_k, CAUSAL, BLOCK_N)
         p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale)
         p = gl.convert_layout(p.to(dtype), p_layout)
         for j in range(1, n_hi):
-            stage = j % STAGES
-            prev = (j - 1) % STAGES
-            mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
-            mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-            s = warpgroup_mma(q, k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_init,
+            ks = j % K_STAGES
+            prev = (j - 1) % V_STAGES
+            mbarrier.wait(k_ready.index(ks), (j // K_STAGES) & 1)
+            mbarrier.wait(v_ready.index(prev), ((j - 1) // V_STAGES) & 1)
+            s = warpgroup_mma(q, k_bufs.index(ks).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_init,
                               use_acc=False, is_async=True)
             acc = warpgroup_mma(p, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
             s = warpgroup_mma_wait(1, deps=(s,))  # products retire in order: S_j is done, PV_{j-1} may not be
+            mbarrier.arrive(k_empty.index(ks), count=1)
             if j >= full_hi:
                 s = _masked(s, j, row0, seqlen_q, seqlen_k, CAUSAL, BLOCK_N)
             p_next, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale)
             acc, p = warpgroup_mma_wait(0, deps=(acc, p))  # p stays live until its product has read it
-            mbarrier.arrive(kv_empty.index(prev), count=1)
+            mbarrier.arrive(v_empty.index(prev), count=1)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
             p = gl.convert_layout(p_next.to(dtype), p_layout)
-        last = (n_hi - 1) % STAGES
-        mbarrier.wait(v_ready.index(last), ((n_hi - 1) // STAGES) & 1)
+        last = (n_hi - 1) % V_STAGES
+        mbarrier.wait(v_ready.index(last), ((n_hi - 1) // V_STAGES) & 1)
         acc = warpgroup_mma(p, v_bufs.index(last).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
         acc, p = warpgroup_mma_wait(0, deps=(acc, p))
-        mbarrier.arrive(kv_empty.index(last), count=1)
+        mbarrier.arrive(v_empty.index(last), count=1)
 
     # Epilogue: rows that saw no key give out = 0 and lse = -inf. O leaves through Q's buffer (every S product that
     # read it has completed) and a TMA store, which drops rows past Sq.
@@ -162,22 +171,25 @@ def _consumer(q_desc, o_desc, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, k_ready, v
 @gluon.jit
 def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, seqlen_q, seqlen_k, m_tiles, num_heads_q, group_size,
                        stride_lb, stride_lh, qk_scale, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
-                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                       BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr):
     """Grid: (m_tiles * B * Hq,), 4 warps (the first consumer warpgroup; the partitions add 5 more)."""
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2, 1, WG_ROWS, 1, HEAD_DIM], q_desc.layout)
-    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [K_STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [V_STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(q_bar.index(i), count=1)
-    for i in gl.static_range(STAGES):
+    for i in gl.static_range(K_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
+    for i in gl.static_range(V_STAGES):
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(v_empty.index(i), count=2)
     fence_async_shared()
     # Integer arguments equal to 1 arrive as constexprs, which worker partitions cannot take: make them tensors.
     seqlen_q = gl.to_tensor(seqlen_q)
@@ -191,14 +203,14 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, seqlen_q, seqlen
     WG1: gl.constexpr = 1
     # (Argument tuples are written out: a tuple built with + loses the constexprs' type.)
     gl.warp_specialize([
-        (_consumer, (q_desc, o_desc, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, seqlen_q,
-                     seqlen_k, m_tiles, num_heads_q, group_size, stride_lb, stride_lh, qk_scale, WG0, CAUSAL,
-                     HEAD_DIM, BLOCK_N, STAGES)),
-        (_consumer, (q_desc, o_desc, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, seqlen_q,
-                     seqlen_k, m_tiles, num_heads_q, group_size, stride_lb, stride_lh, qk_scale, WG1, CAUSAL,
-                     HEAD_DIM, BLOCK_N, STAGES)),
-        (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, seqlen_q,
-                     seqlen_k, m_tiles, num_heads_q, group_size, CAUSAL, BLOCK_N, STAGES)),
+        (_consumer, (q_desc, o_desc, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
+                     seqlen_q, seqlen_k, m_tiles, num_heads_q, group_size, stride_lb, stride_lh, qk_scale, WG0,
+                     CAUSAL, HEAD_DIM, BLOCK_N, K_STAGES, V_STAGES)),
+        (_consumer, (q_desc, o_desc, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
+                     seqlen_q, seqlen_k, m_tiles, num_heads_q, group_size, stride_lb, stride_lh, qk_scale, WG1,
+                     CAUSAL, HEAD_DIM, BLOCK_N, K_STAGES, V_STAGES)),
+        (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
+                     seqlen_q, seqlen_k, m_tiles, num_heads_q, group_size, CAUSAL, BLOCK_N, K_STAGES, V_STAGES)),
     ], [4, 1], [240, 24])
 
 

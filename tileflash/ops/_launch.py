@@ -230,7 +230,7 @@ def launch_attn_fwd_ws(q4, k4, v4, out4, lse3, *, causal: bool, softmax_scale: f
         _desc_4d(q4, rows), _desc_4d(k4, config.block_n), _desc_4d(v4, config.block_n), _desc_4d(out4, rows), lse3,
         sq, k4.shape[1], m_tiles, hq, hq // k4.shape[2], lse3.stride(0), lse3.stride(1),
         softmax_scale * math.log2(math.e), CAUSAL=causal, HEAD_DIM=d, BLOCK_N=config.block_n,
-        STAGES=config.num_stages, num_warps=4)
+        K_STAGES=config.k_stages, V_STAGES=config.v_stages, num_warps=4)
 
 
 def launch_combine(o_part, lse_part, out4, lse3, pdl: bool = False) -> None:
