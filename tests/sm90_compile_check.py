@@ -159,6 +159,9 @@ def _cases():
                                               deterministic=True).sum().backward(), backward=True),
         "prefill d64 causal fp16, warp-specialised forward": warp_specialised(lambda: tileflash.flash_attn_func(
             *(torch.randn(1, 4096, 2, 64, dtype=fp16) for _ in range(3)), causal=True)),
+        "prefill d128 causal, warp-specialised forward, one CTA per tile": warp_specialised(
+            lambda: tileflash.flash_attn_func(*(torch.randn(1, 2304, 2, 128, dtype=bf) for _ in range(3)),
+                                              causal=True)),
         "varlen fwd+bwd": varlen,
         "decode 16-bit contiguous": lambda: decode("16bit"),
         "decode 16-bit paged append": lambda: decode("16bit", append=True, paged=True),

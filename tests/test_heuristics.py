@@ -45,20 +45,21 @@ def test_fwd_config_interpreter_uses_small_tiles_and_the_gpu_load_path(d, causal
 
 
 @pytest.mark.parametrize("d, causal, seqlen_k, expected", [
-    (128, False, 1024, (128, 3, 3)),  # d128: the warp-specialised forward at every length
-    (128, True, 1, (128, 3, 3)),
-    (128, True, 16384, (128, 3, 3)),
-    (64, False, 1024, (128, 3, 3)),
-    (64, True, 2048, None),  # d64 causal with short key rows: the one-warpgroup Triton tile
-    (64, True, 2049, (128, 3, 3)),
-    (256, False, 16384, (64, 3, 2)),  # d256: 64 keys per step, a third K stage fills the shared memory
-    (256, True, 1024, (64, 2, 2)),  # ... except with short rows, where it measured slower
+    (128, False, 1024, (128, 3, 3, True)),  # d128: the warp-specialised forward at every length, persistent
+    (128, True, 1, (128, 3, 3, True)),  # CTAs for short rows (prologue and epilogue overlap the next tile)
+    (128, True, 2049, (128, 3, 3, False)),
+    (128, True, 16384, (128, 3, 3, False)),
+    (64, False, 1024, (128, 3, 3, True)),
+    (64, True, 2048, (128, 3, 3, True)),  # d64 causal with short rows: persistent CTAs beat the Triton tile
+    (64, True, 4097, (128, 3, 3, False)),
+    (256, False, 16384, (64, 3, 2, False)),  # d256: 64 keys per step, a third K stage fills the shared memory
+    (256, True, 1024, (64, 2, 2, False)),  # ... except with short rows, where it measured slower
     (96, False, 4096, None),  # head dims other than 64, 128, 256 would need padding inside the Gluon kernel
     (40, True, 4096, None),
 ])
 def test_fwd_ws_config(d, causal, seqlen_k, expected):
     c = fwd_ws_config(d, causal, seqlen_k)
-    assert (None if c is None else (c.block_n, c.k_stages, c.v_stages)) == expected
+    assert (None if c is None else (c.block_n, c.k_stages, c.v_stages, c.persistent)) == expected
 
 
 @pytest.mark.parametrize("d, causal, seqlen_k, expected", [

@@ -21,7 +21,8 @@ CASES = [
     (2, 1000, 1100, 16, 4, 128, True),  # causal Sq < Sk: the diagonal shifted by Sk - Sq
     (1, 300, 97, 8, 1, 128, True),  # MQA, causal Sq > Sk: the first rows see no key (out 0, lse -inf)
     (3, 1024, 2000, 6, 3, 64, False),  # d64 non-causal
-    (1, 2500, 2500, 2, 2, 64, True),  # d64 causal past 2048 keys (shorter rows take the Triton tile)
+    (1, 2500, 2500, 2, 2, 64, True),  # d64 causal, 20 tiles: 10 units of a heavy and a light tile
+    (2, 600, 700, 8, 2, 64, True),  # d64 causal with short rows (persistent CTAs; they took the Triton tile)
     (1, 4096, 4096, 2, 1, 128, True),  # many full blocks: the ring wraps over all three stages many times
     (2, 700, 900, 4, 2, 256, True),  # d256, <= 1024 keys: two K stages
     (1, 1500, 1300, 2, 1, 256, False),  # d256 with three K and two V stages, Sq > Sk
@@ -50,19 +51,21 @@ def test_ws_forward(case, dtype):
 
 @needs_sm90
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d, block_n, k_stages, v_stages", [
-    (128, 128, 3, 3), (128, 128, 2, 2), (64, 128, 3, 3), (64, 128, 4, 3),
-    (256, 64, 2, 2), (256, 64, 3, 2),  # d256: three K stages and two V stages fill 224 KB of shared memory
+@pytest.mark.parametrize("d, block_n, k_stages, v_stages, persistent", [
+    (128, 128, 3, 3, False), (128, 128, 2, 2, False), (64, 128, 3, 3, False), (64, 128, 4, 3, False),
+    (256, 64, 2, 2, False), (256, 64, 3, 2, False),  # d256: three K and two V stages fill 224 KB of shared memory
+    (128, 128, 3, 3, True), (64, 128, 3, 3, True), (256, 64, 3, 2, True),
 ])
-def test_ws_forward_tile_configs(d, block_n, k_stages, v_stages, causal):
-    """Every tile the sweep measures (benchmarks/ws_sweep.py), launched directly into a NaN-poisoned output: the
-    K and V rings of different depths wrap at different blocks (Sk spans 9-18 blocks), Sq < Sk shifts the diagonal."""
-    q, k, v = attention_inputs(2, 1000, 1100, 4, 2, d, torch.bfloat16)
+def test_ws_forward_tile_configs(d, block_n, k_stages, v_stages, persistent, causal):
+    """Every tile the sweeps measure (benchmarks/ws_sweep.py), launched directly into NaN-poisoned outputs: the K
+    and V rings of different depths wrap at different blocks (Sk spans 11-21 blocks), Sq < Sk shifts the diagonal,
+    and 9 tiles per head make 5 units of which the last is one tile alone: 160 units walked by 132 persistent CTAs."""
+    q, k, v = attention_inputs(2, 1100, 1300, 16, 4, d, torch.bfloat16)
     out = torch.full_like(q, float("nan"))
-    lse = torch.full((2, 4, 1000), float("nan"), device=DEVICE)
+    lse = torch.full((2, 16, 1100), float("nan"), device=DEVICE)
     scale = d ** -0.5
     launch_attn_fwd_ws(q, k, v, out, lse, causal=causal, softmax_scale=scale,
-                       config=WsFwdConfig(block_n, k_stages, v_stages))
+                       config=WsFwdConfig(block_n, k_stages, v_stages, persistent))
     ref, ref_lse = attention_ref(q, k, v, causal=causal, softmax_scale=scale)
     ref_lowp, _ = attention_ref(q, k, v, causal=causal, softmax_scale=scale, upcast=False)
     check_2x(out, ref, ref_lowp)

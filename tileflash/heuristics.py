@@ -103,24 +103,32 @@ class WsFwdConfig:
     block_n: int  # keys per step
     k_stages: int  # K blocks in shared memory
     v_stages: int  # V blocks in shared memory
+    persistent: bool = False  # one CTA per SM walking pairs of tiles, else one CTA per 128-row tile
 
 
 def fwd_ws_config(head_dim: int, causal: bool, seqlen_k: int) -> WsFwdConfig | None:
     """Whether prefill takes the warp-specialised forward, by shape (ops/_launch.ws_forward_config adds what the
-    tensors and masks allow), measured on the H200 (bf16, 16k tokens, 2048/d heads, TFLOP/s at s = 1k / 2k / 4k / 8k /
-    16k, same run as cuDNN):
-      d128 (128 keys, 3 + 3 stages, run 107): full 511-610 vs cuDNN 567-622; causal 385-614 vs 418-553.
-      d64 (128 keys, 3 + 3): full 366-448 vs 417-465; causal 258-446 vs 337-441 (run 107); at 1k / 2k causal the
-           one-warpgroup 64x64 Triton tile measured 285 / 340 against 254 / 336 (run 58) and keeps those rows.
+    tensors and masks allow), measured on the H200 (bf16, 16k tokens, 2048/d heads, TFLOP/s at s = 1k / 2k / 4k /
+    8k / 16k, cuDNN in the same run; `benchmarks/ws_sweep.py`):
+      d128 (128 keys, 3 + 3 stages): one CTA per tile full 511-610 vs cuDNN 567-622, causal 385-614 vs 418-553
+           (run 107). Persistent CTAs (run 108) at 1k / 2k: full 522 / 624 vs 524 / 575, causal 394 / 492 vs
+           386 / 481; at 4k-16k within noise or slower (causal 16k 579 vs 617: a static round robin of 1024 units
+           over 132 CTAs leaves the last round three-quarters full).
+      d64 (128 keys, 3 + 3): persistent at 1k / 2k / 4k (run 108) full 394 / 434 / 448 vs 364 / 420 / 439 with one
+           CTA per tile, causal 292 / 369 / 405 vs 254 / 337 / 392 (and the one-warpgroup Triton tile that served
+           causal rows <= 2048 keys: 285 / 340, run 58); 64-key steps (4 + 4 stages) ran slower everywhere.
       d256 (64 keys; the K and V rings have their own depth, run 107): 3 K + 2 V stages (224 KB of shared memory)
            full 569-650 vs cuDNN 628-662, causal 385-640 vs 444-596; 2 + 2 stages 576-691 / 429-609, taken at
-           <= 1024 keys where the third K stage measured slower causal (385 vs 429). The Triton kernel: 440-540 /
-           263-529. (Run 58, with one ring for K and V: 465-520 / 347-515 at 2 stages, so not taken then.)
-    Other head dims would need padding inside the kernel, which it does not do."""
+           <= 1024 keys where the third K stage measured slower causal (385 vs 429); persistent CTAs mixed (run
+           108: causal 1k 355 vs 436). The Triton kernel: 440-540 / 263-529. (Run 58, with one ring for K and V:
+           465-520 / 347-515 at 2 stages, so not taken then.)
+    Run-to-run spread of one kernel is up to 10% on these machines (run 108 timed one kernel twice: d64 full 8k
+    452 / 407), so only gains seen at several lengths were taken. Other head dims would need padding inside the
+    kernel, which it does not do."""
     if head_dim == 128:
-        return WsFwdConfig(block_n=128, k_stages=3, v_stages=3)
-    if head_dim == 64 and not (causal and seqlen_k <= 2048):
-        return WsFwdConfig(block_n=128, k_stages=3, v_stages=3)
+        return WsFwdConfig(block_n=128, k_stages=3, v_stages=3, persistent=seqlen_k <= 2048)
+    if head_dim == 64:
+        return WsFwdConfig(block_n=128, k_stages=3, v_stages=3, persistent=seqlen_k <= 4096)
     if head_dim == 256:
         return WsFwdConfig(block_n=64, k_stages=3 if seqlen_k > 1024 else 2, v_stages=2)
     return None

@@ -14,12 +14,17 @@ session 8); it stayed at 0.78-0.86x cuDNN for d128. Gluon states the partitions 
       of S_j runs while that PV product is still in flight (FA3's intra-warpgroup overlap), and the two warpgroups
       interleave their products and softmaxes on the SM's tensor cores without further synchronisation.
 
+Persistent CTAs (PERSISTENT, for short rows: heuristics.fwd_ws_config): one CTA per SM walks units of two tiles
+(see _tile); the rings run on across tiles, a consumer releases its Q buffer as soon as its last S product has
+retired, so the next tile's Q and first K block load during the last PV product and the epilogue, which stores O
+from registers (Q's buffer, the TMA store's staging otherwise, may already hold the next Q).
+
 Layout: q, out [B, Sq, Hq, D] and k, v [B, Sk, Hkv, D] through 4-D TMA descriptors with blocks [1, rows, 1, D], so
-rows past a sequence's end arrive as zeros and are never stored (no row masks on loads or stores); lse [B, Hq, Sq]
-float32 contiguous. Scope (ops/_launch.ws_forward_config decides, else the Triton kernel runs): 16-bit dtypes, head
-dims 64, 128 and 256, no window or softcap beyond causal, a positive softmax scale, non-varlen batches. Gluon has no CPU
-interpreter: the CPU suite checks this kernel's compilation for sm_90 (tests/sm90_compile_check.py) and the GPU
-suite its results.
+rows past a sequence's end arrive as zeros and are never stored (no row masks on loads; the persistent epilogue
+masks its stores); lse [B, Hq, Sq] float32 contiguous. Scope (ops/_launch.ws_forward_config decides, else the
+Triton kernel runs): 16-bit dtypes, head dims 64, 128 and 256, no window or softcap beyond causal, a positive
+softmax scale, non-varlen batches. Gluon has no CPU interpreter: the CPU suite checks this kernel's compilation for
+sm_90 (tests/sm90_compile_check.py) and the GPU suite its results.
 """
 import triton
 from triton.experimental import gluon
@@ -33,12 +38,44 @@ LN2 = gl.constexpr(0.6931471805599453)
 
 
 @gluon.jit
-def _tile(m_tiles, num_heads_q, group_size):
-    """(batch, query head, KV head, first row) of this CTA; the heaviest causal tiles of a head start first."""
-    pid = gl.program_id(0)
-    bh = pid // m_tiles
+def _tile(v, m_tiles, num_heads_q, group_size, PERSISTENT: gl.constexpr):
+    """(batch, query head, KV head, first row, valid) of tile v.
+
+    One tile per CTA (v = program id): the heaviest causal tiles of a head start first and the hardware hands the
+    next CTA to whichever SM frees up. Persistent CTAs walk units of two tiles of one head, the i-th heaviest and
+    the i-th lightest (v = 2 * unit + k), so every unit holds the same number of causal blocks and a static round
+    robin over units stays balanced while the CTAs in flight share few heads' K/V in L2 (with an odd count of
+    tiles the middle one is a unit alone: its second slot is not valid)."""
+    if PERSISTENT:
+        half = (m_tiles + 1) // 2
+        unit = v // 2
+        i = unit % half
+        rank = gl.where(v % 2 == 0, i, m_tiles - 1 - i)  # 0 = the heaviest tile (the last rows)
+        bh = unit // half
+        valid = (v % 2 == 0) | (rank != i)
+    else:
+        bh = v // m_tiles
+        rank = v % m_tiles
+        valid = v >= 0
     h = bh % num_heads_q
-    return bh // num_heads_q, h, h // group_size, (m_tiles - 1 - pid % m_tiles) * (2 * WG_ROWS)
+    return bh // num_heads_q, h, h // group_size, (m_tiles - 1 - rank) * (2 * WG_ROWS), valid
+
+
+@gluon.jit
+def _tile_count(num_units, PERSISTENT: gl.constexpr):
+    """Tiles this CTA walks (grid: min(units, SMs) persistent CTAs, else one CTA per tile)."""
+    if PERSISTENT:
+        pid = gl.program_id(0)
+        nprog = gl.num_programs(0)
+        return 2 * ((num_units - pid + nprog - 1) // nprog)
+    return gl.to_tensor(1)
+
+
+@gluon.jit
+def _tile_index(step, PERSISTENT: gl.constexpr):
+    if PERSISTENT:
+        return 2 * (gl.program_id(0) + (step // 2) * gl.num_programs(0)) + step % 2
+    return gl.program_id(0) + step * 0
 
 
 @gluon.jit
@@ -56,23 +93,33 @@ def _block_range(start_m, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_N: gl.
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, seqlen_q,
-              seqlen_k, m_tiles, num_heads_q, group_size, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-              K_STAGES: gl.constexpr, V_STAGES: gl.constexpr):
-    b, h, hk, start_m = _tile(m_tiles, num_heads_q, group_size)
-    for w in gl.static_range(2):
-        mbarrier.expect(q_bar.index(w), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, start_m + w * WG_ROWS, h, 0], q_bar.index(w), q_smem.index(w))
-    full_hi, n_hi = _block_range(start_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_N)
-    for j in range(n_hi):
-        ks = j % K_STAGES
-        mbarrier.wait(k_empty.index(ks), ((j // K_STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1 at once
-        mbarrier.expect(k_ready.index(ks), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b, j * BLOCK_N, hk, 0], k_ready.index(ks), k_bufs.index(ks))
-        vs = j % V_STAGES
-        mbarrier.wait(v_empty.index(vs), ((j // V_STAGES) & 1) ^ 1)
-        mbarrier.expect(v_ready.index(vs), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [b, j * BLOCK_N, hk, 0], v_ready.index(vs), v_bufs.index(vs))
+def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+              seqlen_q, seqlen_k, m_tiles, num_heads_q, group_size, num_units, CAUSAL: gl.constexpr,
+              BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+    it = 0  # K/V blocks loaded so far: the position in both rings
+    tiles_done = 0
+    for step in range(_tile_count(num_units, PERSISTENT)):
+        b, h, hk, start_m, valid = _tile(_tile_index(step, PERSISTENT), m_tiles, num_heads_q, group_size,
+                                         PERSISTENT)
+        if valid:
+            for w in gl.static_range(2):
+                # Q's buffer is free once the consumer's last S product of the previous tile retired.
+                mbarrier.wait(q_empty.index(w), (tiles_done & 1) ^ 1)  # a fresh barrier passes parity 1 at once
+                mbarrier.expect(q_bar.index(w), q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [b, start_m + w * WG_ROWS, h, 0], q_bar.index(w),
+                                                q_smem.index(w))
+            full_hi, n_hi = _block_range(start_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_N)
+            for j in range(n_hi):
+                ks = it % K_STAGES
+                mbarrier.wait(k_empty.index(ks), ((it // K_STAGES) & 1) ^ 1)
+                mbarrier.expect(k_ready.index(ks), k_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [b, j * BLOCK_N, hk, 0], k_ready.index(ks), k_bufs.index(ks))
+                vs = it % V_STAGES
+                mbarrier.wait(v_empty.index(vs), ((it // V_STAGES) & 1) ^ 1)
+                mbarrier.expect(v_ready.index(vs), v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(v_desc, [b, j * BLOCK_N, hk, 0], v_ready.index(vs), v_bufs.index(vs))
+                it += 1
+            tiles_done += 1
 
 
 @gluon.jit
@@ -99,13 +146,11 @@ def _softmax(s, m_i, l_i, qk_scale):
 
 
 @gluon.jit
-def _consumer(q_desc, o_desc, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, seqlen_q,
-              seqlen_k, m_tiles, num_heads_q, group_size, stride_lb, stride_lh, qk_scale, WG: gl.constexpr,
-              CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
-              V_STAGES: gl.constexpr):
-    b, h, hk, start_m = _tile(m_tiles, num_heads_q, group_size)
-    full_hi, n_hi = _block_range(start_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_N)
-    row0 = start_m + WG * WG_ROWS
+def _consumer(q_desc, o_desc, out_ptr, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready, k_empty,
+              v_empty, seqlen_q, seqlen_k, m_tiles, num_heads_q, group_size, num_units, stride_ob, stride_os,
+              stride_oh, stride_lb, stride_lh, qk_scale, WG: gl.constexpr, CAUSAL: gl.constexpr,
+              HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+              PERSISTENT: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -115,75 +160,103 @@ def _consumer(q_desc, o_desc, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, k_ready, v
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     q = q_smem.index(WG).reshape([WG_ROWS, HEAD_DIM])
-
-    m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([WG_ROWS], gl.float32, gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, o_layout)
     s_init = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, s_layout)  # ignored (use_acc=False): only its layout counts
-    mbarrier.wait(q_bar.index(WG), 0)
-    if n_hi > 0:
-        mbarrier.wait(k_ready.index(0), 0)
-        s = warpgroup_mma(q, k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_init, use_acc=False,
-                          is_async=True)
-        s = warpgroup_mma_wait(0, deps=(s,))
-        mbarrier.arrive(k_empty.index(0), count=1)
-        if full_hi == 0:
-            s = _masked(s, 0, row0, seqlen_q, seqlen_k, CAUSAL, BLOCK_N)
-        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale)
-        p = gl.convert_layout(p.to(dtype), p_layout)
-        for j in range(1, n_hi):
-            ks = j % K_STAGES
-            prev = (j - 1) % V_STAGES
-            mbarrier.wait(k_ready.index(ks), (j // K_STAGES) & 1)
-            mbarrier.wait(v_ready.index(prev), ((j - 1) // V_STAGES) & 1)
-            s = warpgroup_mma(q, k_bufs.index(ks).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_init,
-                              use_acc=False, is_async=True)
-            acc = warpgroup_mma(p, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
-            s = warpgroup_mma_wait(1, deps=(s,))  # products retire in order: S_j is done, PV_{j-1} may not be
-            mbarrier.arrive(k_empty.index(ks), count=1)
-            if j >= full_hi:
-                s = _masked(s, j, row0, seqlen_q, seqlen_k, CAUSAL, BLOCK_N)
-            p_next, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale)
-            acc, p = warpgroup_mma_wait(0, deps=(acc, p))  # p stays live until its product has read it
-            mbarrier.arrive(v_empty.index(prev), count=1)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
-            p = gl.convert_layout(p_next.to(dtype), p_layout)
-        last = (n_hi - 1) % V_STAGES
-        mbarrier.wait(v_ready.index(last), ((n_hi - 1) // V_STAGES) & 1)
-        acc = warpgroup_mma(p, v_bufs.index(last).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
-        acc, p = warpgroup_mma_wait(0, deps=(acc, p))
-        mbarrier.arrive(v_empty.index(last), count=1)
+    it = 0  # K/V blocks consumed so far: the position in both rings
+    tiles_done = 0
+    for step in range(_tile_count(num_units, PERSISTENT)):
+        b, h, hk, start_m, valid = _tile(_tile_index(step, PERSISTENT), m_tiles, num_heads_q, group_size,
+                                         PERSISTENT)
+        if valid:
+            full_hi, n_hi = _block_range(start_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_N)
+            row0 = start_m + WG * WG_ROWS
+            m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+            l_i = gl.zeros([WG_ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+            acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, o_layout)
+            mbarrier.wait(q_bar.index(WG), tiles_done & 1)
+            if n_hi > 0:
+                ks = it % K_STAGES
+                mbarrier.wait(k_ready.index(ks), (it // K_STAGES) & 1)
+                s = warpgroup_mma(q, k_bufs.index(ks).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_init,
+                                  use_acc=False, is_async=True)
+                s = warpgroup_mma_wait(0, deps=(s,))
+                mbarrier.arrive(k_empty.index(ks), count=1)
+                if full_hi == 0:
+                    s = _masked(s, 0, row0, seqlen_q, seqlen_k, CAUSAL, BLOCK_N)
+                p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale)
+                p = gl.convert_layout(p.to(dtype), p_layout)
+                for j in range(1, n_hi):
+                    ks = (it + j) % K_STAGES
+                    prev = (it + j - 1) % V_STAGES
+                    mbarrier.wait(k_ready.index(ks), ((it + j) // K_STAGES) & 1)
+                    mbarrier.wait(v_ready.index(prev), ((it + j - 1) // V_STAGES) & 1)
+                    s = warpgroup_mma(q, k_bufs.index(ks).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_init,
+                                      use_acc=False, is_async=True)
+                    acc = warpgroup_mma(p, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+                    s = warpgroup_mma_wait(1, deps=(s,))  # products retire in order: S_j is done, PV_{j-1} may not be
+                    mbarrier.arrive(k_empty.index(ks), count=1)
+                    if j >= full_hi:
+                        s = _masked(s, j, row0, seqlen_q, seqlen_k, CAUSAL, BLOCK_N)
+                    p_next, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale)
+                    acc, p = warpgroup_mma_wait(0, deps=(acc, p))  # p stays live until its product has read it
+                    mbarrier.arrive(v_empty.index(prev), count=1)
+                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+                    p = gl.convert_layout(p_next.to(dtype), p_layout)
+                if PERSISTENT:
+                    mbarrier.arrive(q_empty.index(WG), count=1)  # every S product of this tile has retired
+                last = (it + n_hi - 1) % V_STAGES
+                mbarrier.wait(v_ready.index(last), ((it + n_hi - 1) // V_STAGES) & 1)
+                acc = warpgroup_mma(p, v_bufs.index(last).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+                acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+                mbarrier.arrive(v_empty.index(last), count=1)
+                it += n_hi
+            elif PERSISTENT:
+                mbarrier.arrive(q_empty.index(WG), count=1)
 
-    # Epilogue: rows that saw no key give out = 0 and lse = -inf. O leaves through Q's buffer (every S product that
-    # read it has completed) and a TMA store, which drops rows past Sq.
-    seen = l_i > 0.0
-    inv_l = gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0)
-    o = acc * gl.expand_dims(gl.convert_layout(inv_l, o_rows), 1)
-    lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
-    rows = row0 + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, s_layout))
-    gl.store(lse_ptr + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + rows, lse, mask=rows < seqlen_q)
-    q.store(o.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [b, row0, h, 0], q_smem.index(WG))
-    tma.store_wait(0)
+            # Epilogue: rows that saw no key give out = 0 and lse = -inf.
+            seen = l_i > 0.0
+            inv_l = gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0)
+            o = (acc * gl.expand_dims(gl.convert_layout(inv_l, o_rows), 1)).to(dtype)
+            lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+            rows = row0 + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, s_layout))
+            gl.store(lse_ptr + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + rows, lse,
+                     mask=rows < seqlen_q)
+            if PERSISTENT:
+                # Stored from registers: Q's buffer already holds (or receives) the next tile's Q.
+                o_rows_i = gl.expand_dims(row0 + gl.arange(0, WG_ROWS, layout=o_rows), 1)
+                cols = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout)), 0)
+                ptrs = (out_ptr + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+                        + o_rows_i.to(gl.int64) * stride_os + cols)
+                gl.store(ptrs, o, mask=o_rows_i < seqlen_q)
+            else:
+                # Through Q's buffer (every S product that read it has completed) and a TMA store, which drops
+                # rows past Sq.
+                q.store(o)
+                fence_async_shared()
+                tma.async_copy_shared_to_global(o_desc, [b, row0, h, 0], q_smem.index(WG))
+                tma.store_wait(0)
+            tiles_done += 1
 
 
 @gluon.jit
-def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, seqlen_q, seqlen_k, m_tiles, num_heads_q, group_size,
-                       stride_lb, stride_lh, qk_scale, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
-                       BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr):
-    """Grid: (m_tiles * B * Hq,), 4 warps (the first consumer warpgroup; the partitions add 5 more)."""
+def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, out_ptr, lse_ptr, seqlen_q, seqlen_k, m_tiles, num_heads_q,
+                       group_size, num_units, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale,
+                       CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
+                       V_STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+    """Grid: (m_tiles * B * Hq,) or, PERSISTENT, (min(num_units, SMs),); 4 warps (the first consumer warpgroup;
+    the partitions add 5 more)."""
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2, 1, WG_ROWS, 1, HEAD_DIM], q_desc.layout)
     k_bufs = gl.allocate_shared_memory(dtype, [K_STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [V_STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(q_bar.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)  # released by its consumer warpgroup (persistent CTAs)
     for i in gl.static_range(K_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
@@ -197,23 +270,35 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, seqlen_q, seqlen
     m_tiles = gl.to_tensor(m_tiles)
     num_heads_q = gl.to_tensor(num_heads_q)
     group_size = gl.to_tensor(group_size)
+    num_units = gl.to_tensor(num_units)
+    stride_ob = gl.to_tensor(stride_ob)
+    stride_os = gl.to_tensor(stride_os)
+    stride_oh = gl.to_tensor(stride_oh)
     stride_lb = gl.to_tensor(stride_lb)
     stride_lh = gl.to_tensor(stride_lh)
     WG0: gl.constexpr = 0
     WG1: gl.constexpr = 1
     # (Argument tuples are written out: a tuple built with + loses the constexprs' type.)
     gl.warp_specialize([
-        (_consumer, (q_desc, o_desc, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
-                     seqlen_q, seqlen_k, m_tiles, num_heads_q, group_size, stride_lb, stride_lh, qk_scale, WG0,
-                     CAUSAL, HEAD_DIM, BLOCK_N, K_STAGES, V_STAGES)),
-        (_consumer, (q_desc, o_desc, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
-                     seqlen_q, seqlen_k, m_tiles, num_heads_q, group_size, stride_lb, stride_lh, qk_scale, WG1,
-                     CAUSAL, HEAD_DIM, BLOCK_N, K_STAGES, V_STAGES)),
-        (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
-                     seqlen_q, seqlen_k, m_tiles, num_heads_q, group_size, CAUSAL, BLOCK_N, K_STAGES, V_STAGES)),
+        (_consumer, (q_desc, o_desc, out_ptr, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready,
+                     k_empty, v_empty, seqlen_q, seqlen_k, m_tiles, num_heads_q, group_size, num_units, stride_ob,
+                     stride_os, stride_oh, stride_lb, stride_lh, qk_scale, WG0, CAUSAL, HEAD_DIM, BLOCK_N, K_STAGES,
+                     V_STAGES, PERSISTENT)),
+        (_consumer, (q_desc, o_desc, out_ptr, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready,
+                     k_empty, v_empty, seqlen_q, seqlen_k, m_tiles, num_heads_q, group_size, num_units, stride_ob,
+                     stride_os, stride_oh, stride_lb, stride_lh, qk_scale, WG1, CAUSAL, HEAD_DIM, BLOCK_N, K_STAGES,
+                     V_STAGES, PERSISTENT)),
+        (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready, k_empty,
+                     v_empty, seqlen_q, seqlen_k, m_tiles, num_heads_q, group_size, num_units, CAUSAL, BLOCK_N,
+                     K_STAGES, V_STAGES, PERSISTENT)),
     ], [4, 1], [240, 24])
 
 
 def m_tiles(seqlen_q: int) -> int:
-    """CTAs per (batch, head): 128 query rows each."""
+    """Tiles per (batch, head): 128 query rows each."""
     return triton.cdiv(seqlen_q, 2 * ROWS_PER_WARPGROUP)
+
+
+def units(m: int, batch_heads: int) -> int:
+    """Work units of persistent CTAs: pairs of tiles of one head (see _tile)."""
+    return batch_heads * ((m + 1) // 2)

@@ -225,12 +225,15 @@ def launch_attn_fwd_ws(q4, k4, v4, out4, lse3, *, causal: bool, softmax_scale: f
     """q4/out4 [B, Sq, Hq, D], k4/v4 [B, Sk, Hkv, D], lse3 [B, Hq, Sq] contiguous float32 (see ws_forward_config)."""
     b, sq, hq, d = q4.shape
     m_tiles = attn_fwd_ws.m_tiles(sq)
+    num_units = attn_fwd_ws.units(m_tiles, b * hq)
+    grid = min(num_units, _utils.num_sms(q4.device)) if config.persistent else m_tiles * b * hq
     rows = attn_fwd_ws.ROWS_PER_WARPGROUP
-    attn_fwd_ws.attn_fwd_ws_kernel[(m_tiles * b * hq,)](
-        _desc_4d(q4, rows), _desc_4d(k4, config.block_n), _desc_4d(v4, config.block_n), _desc_4d(out4, rows), lse3,
-        sq, k4.shape[1], m_tiles, hq, hq // k4.shape[2], lse3.stride(0), lse3.stride(1),
-        softmax_scale * math.log2(math.e), CAUSAL=causal, HEAD_DIM=d, BLOCK_N=config.block_n,
-        K_STAGES=config.k_stages, V_STAGES=config.v_stages, num_warps=4)
+    attn_fwd_ws.attn_fwd_ws_kernel[(grid,)](
+        _desc_4d(q4, rows), _desc_4d(k4, config.block_n), _desc_4d(v4, config.block_n), _desc_4d(out4, rows), out4,
+        lse3, sq, k4.shape[1], m_tiles, hq, hq // k4.shape[2], num_units, out4.stride(0), out4.stride(1),
+        out4.stride(2), lse3.stride(0), lse3.stride(1), softmax_scale * math.log2(math.e), CAUSAL=causal,
+        HEAD_DIM=d, BLOCK_N=config.block_n, K_STAGES=config.k_stages, V_STAGES=config.v_stages,
+        PERSISTENT=config.persistent, num_warps=4)
 
 
 def launch_combine(o_part, lse_part, out4, lse3, pdl: bool = False) -> None:
