@@ -38,25 +38,27 @@ LN2 = gl.constexpr(0.6931471805599453)
 
 
 @gluon.jit
-def _tile(v, m_tiles, num_heads_q, group_size, PERSISTENT: gl.constexpr):
-    """(batch, query head, KV head, first row, valid) of tile v.
+def _tile(step, m_tiles, num_heads_q, group_size, PERSISTENT: gl.constexpr):
+    """(batch, query head, KV head, first row, valid) of this CTA's step-th tile; producer and consumers walk the
+    same tiles.
 
-    One tile per CTA (v = program id): the heaviest causal tiles of a head start first and the hardware hands the
-    next CTA to whichever SM frees up. Persistent CTAs walk units of two tiles of one head, the i-th heaviest and
-    the i-th lightest (v = 2 * unit + k), so every unit holds the same number of causal blocks and a static round
-    robin over units stays balanced while the CTAs in flight share few heads' K/V in L2 (with an odd count of
-    tiles the middle one is a unit alone: its second slot is not valid)."""
+    One tile per CTA (step 0 only): the heaviest causal tiles of a head start first and the hardware hands the next
+    CTA to whichever SM frees up. Persistent CTAs walk units of two tiles of one head, the i-th heaviest and the
+    i-th lightest, so every unit holds the same number of causal blocks and a static round robin over units stays
+    balanced while the CTAs in flight share few heads' K/V in L2 (with an odd count of tiles the middle one is a
+    unit alone: its second slot is not valid)."""
     if PERSISTENT:
+        unit = gl.program_id(0) + (step // 2) * gl.num_programs(0)
         half = (m_tiles + 1) // 2
-        unit = v // 2
         i = unit % half
-        rank = gl.where(v % 2 == 0, i, m_tiles - 1 - i)  # 0 = the heaviest tile (the last rows)
+        rank = gl.where(step % 2 == 0, i, m_tiles - 1 - i)  # 0 = the heaviest tile (the last rows)
         bh = unit // half
-        valid = (v % 2 == 0) | (rank != i)
+        valid = (step % 2 == 0) | (rank != i)
     else:
-        bh = v // m_tiles
-        rank = v % m_tiles
-        valid = v >= 0
+        tile = gl.program_id(0) + step
+        bh = tile // m_tiles
+        rank = tile % m_tiles
+        valid = tile >= 0
     h = bh % num_heads_q
     return bh // num_heads_q, h, h // group_size, (m_tiles - 1 - rank) * (2 * WG_ROWS), valid
 
@@ -69,13 +71,6 @@ def _tile_count(num_units, PERSISTENT: gl.constexpr):
         nprog = gl.num_programs(0)
         return 2 * ((num_units - pid + nprog - 1) // nprog)
     return gl.to_tensor(1)
-
-
-@gluon.jit
-def _tile_index(step, PERSISTENT: gl.constexpr):
-    if PERSISTENT:
-        return 2 * (gl.program_id(0) + (step // 2) * gl.num_programs(0)) + step % 2
-    return gl.program_id(0) + step * 0
 
 
 @gluon.jit
@@ -99,8 +94,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, q_empty, k_
     it = 0  # K/V blocks loaded so far: the position in both rings
     tiles_done = 0
     for step in range(_tile_count(num_units, PERSISTENT)):
-        b, h, hk, start_m, valid = _tile(_tile_index(step, PERSISTENT), m_tiles, num_heads_q, group_size,
-                                         PERSISTENT)
+        b, h, hk, start_m, valid = _tile(step, m_tiles, num_heads_q, group_size, PERSISTENT)
         if valid:
             for w in gl.static_range(2):
                 # Q's buffer is free once the consumer's last S product of the previous tile retired.
@@ -164,8 +158,7 @@ def _consumer(q_desc, o_desc, out_ptr, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, q
     it = 0  # K/V blocks consumed so far: the position in both rings
     tiles_done = 0
     for step in range(_tile_count(num_units, PERSISTENT)):
-        b, h, hk, start_m, valid = _tile(_tile_index(step, PERSISTENT), m_tiles, num_heads_q, group_size,
-                                         PERSISTENT)
+        b, h, hk, start_m, valid = _tile(step, m_tiles, num_heads_q, group_size, PERSISTENT)
         if valid:
             full_hi, n_hi = _block_range(start_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_N)
             row0 = start_m + WG * WG_ROWS
