@@ -13,8 +13,9 @@ pages unused block-table entries point to. A load that reaches it and is "masked
 the same problem with finite garbage, to tell a leak from a maths error when shrinking.
 
 Profiles (select with TILEFLASH_FUZZ; the default is "ci"):
-  ci    fixed seed (derandomize), no example database, 558 examples over the seven tests, small shapes sized for
-        the Triton interpreter on 2 cores (about 0.2 ms x programs x KV-loop iterations): ~100 s;
+  ci    fixed seed (derandomize), no example database, 397 examples over the seven tests, small shapes sized for
+        the Triton interpreter on 2 cores (about 0.2 ms x programs x KV-loop iterations): ~180 s (558 examples ran
+        250 s of a 638 s suite in session 15, over the ~10 minutes the CPU suite is meant to take);
   long  TILEFLASH_FUZZ=long: 2500 examples, longer sequences, more heads, more large head dims.
 TILEFLASH_FUZZ_SEED=N explores with seed N instead of the fixed one (either profile); TILEFLASH_FUZZ_EXAMPLES=N
 sets the per-test base count (tests take weighted shares of it: decode 1.2, varlen 0.8, merge 2, quantized-cache
@@ -48,7 +49,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:Runt
 _COMMON = dict(deadline=None, database=None, print_blob=True,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                       HealthCheck.large_base_example])
-settings.register_profile("tileflash-fuzz-ci", max_examples=90, derandomize=True, **_COMMON)
+settings.register_profile("tileflash-fuzz-ci", max_examples=64, derandomize=True, **_COMMON)
 settings.register_profile("tileflash-fuzz-long", max_examples=500, derandomize=True, **_COMMON)
 
 _MODE = os.environ.get("TILEFLASH_FUZZ", "ci").strip().lower() or "ci"
