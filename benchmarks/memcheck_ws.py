@@ -3,13 +3,17 @@ kernels/attn_bwd_ws.py), both dQ modes, for compute-sanitizer. Usage on the H200
 `PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 9 python benchmarks/memcheck_ws.py`
 (without the environment variable, an access that lands in another block of torch's caching allocator goes
 unreported). Shapes: one query and one key, partial tiles, MQA with Sq > Sk (rows that see no key), d64 (128-row
-steps, one with whole row blocks that see no key), and keys that fit in one tile."""
+steps, one with whole row blocks that see no key), and keys that fit in one tile. Then the forward alone with every
+tile of heuristics.fwd_ws_config launched directly (one CTA per tile and persistent CTAs, d256's K/V rings), on
+shapes with partial tiles, an odd tile count and rows that see no key."""
 import sys
 
 import torch
 
 sys.path.insert(0, ".")
 import tileflash  # noqa: E402
+from tileflash.heuristics import WsFwdConfig  # noqa: E402
+from tileflash.ops._launch import launch_attn_fwd_ws  # noqa: E402
 from tileflash.ops.backward import ws_backward_config  # noqa: E402
 
 CASES = [(1, 1, 1, 1, 1, 128, True), (2, 17, 17, 4, 4, 128, True), (1, 300, 97, 8, 1, 128, True),
@@ -27,3 +31,18 @@ for b, sq, sk, hq, hkv, d, causal in CASES:
         torch.cuda.synchronize()
         finite = all(torch.isfinite(t.grad).all().item() for t in (q, k, v))
         print((b, sq, sk, hq, hkv, d, causal, deterministic), "finite" if finite else "NONFINITE", flush=True)
+
+FWD_TILES = {128: [(128, 3, 3, False), (128, 3, 3, True)], 64: [(128, 3, 3, False), (128, 3, 3, True)],
+             256: [(64, 2, 2, False), (64, 3, 2, False), (64, 3, 2, True)]}
+for b, sq, sk, hq, hkv, causal in [(1, 1, 1, 1, 1, True), (2, 1100, 1300, 16, 4, True), (1, 300, 97, 8, 1, True),
+                                   (2, 17, 333, 4, 2, False)]:
+    for d, tiles in FWD_TILES.items():
+        for tile in tiles:
+            q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16)
+            k, v = (torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            out = torch.full_like(q, float("nan"))
+            lse = torch.full((b, hq, sq), float("nan"), device="cuda")
+            launch_attn_fwd_ws(q, k, v, out, lse, causal=causal, softmax_scale=d ** -0.5, config=WsFwdConfig(*tile))
+            torch.cuda.synchronize()
+            written = not torch.isnan(out).any().item() and not torch.isnan(lse).any().item()
+            print("forward", (b, sq, sk, hq, hkv, d, causal), tile, "written" if written else "UNWRITTEN", flush=True)
