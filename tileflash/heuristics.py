@@ -99,7 +99,7 @@ def fwd_config(head_dim: int, causal: bool = False, interpret: bool = False, seq
 
 @dataclass(frozen=True)
 class WsFwdConfig:
-    """The warp-specialised sm_90 forward (kernels/attn_fwd_ws.py): 128 query rows per CTA, always."""
+    """The warp-specialised sm_90 forward (kernels/attn_fwd_ws.py): 128 query rows per tile, always."""
     block_n: int  # keys per step
     k_stages: int  # K blocks in shared memory
     v_stages: int  # V blocks in shared memory
