@@ -3,7 +3,7 @@
 #   PYTHONPATH=$PWD bash benchmarks/gpu_session.sh PHASE [PHASE ...]
 # Phases: tests (every test file in its own process, in parallel, on GPU $TEST_GPU; TEST_SKIP=fuzz leaves one out),
 #         test-sets (TEST_SETS="tests/x.py:k expression|...": one process per set, in parallel),
-#         memcheck, leak,
+#         memcheck, memcheck-ws (the Gluon kernels: benchmarks/memcheck_ws.py), leak,
 #         bench-SUITE (decode, prefill, backward, lowp; on GPU $BENCH_GPU), sweep-FAMILY (benchmarks/config_sweep.py
 #         FAMILY on GPU $BENCH_GPU), cp (torchrun over 2 GPUs), demo.
 # On a 2-GPU machine run `tests` and the benchmarks at the same time: TEST_GPU=0 BENCH_GPU=1.
@@ -51,6 +51,10 @@ for phase in "$@"; do
         tests/test_quant.py tests/test_varlen.py tests/test_gemm_blockscaled.py -q -p no:cacheprovider -k "not graph and not overlap" \
         > "$OUT/memcheck.log" 2>&1
       grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -2 ;;
+    memcheck-ws)
+      CUDA_VISIBLE_DEVICES=$TEST_GPU PYTORCH_NO_CUDA_MEMORY_CACHING=1 step 300 compute-sanitizer --tool memcheck \
+        --error-exitcode 9 python3 benchmarks/memcheck_ws.py > "$OUT/memcheck_ws.log" 2>&1
+      grep -cE "finite|written" "$OUT/memcheck_ws.log"; grep -E "ERROR SUMMARY|NONFINITE|UNWRITTEN" "$OUT/memcheck_ws.log" ;;
     leak) CUDA_VISIBLE_DEVICES=$TEST_GPU step 120 python3 benchmarks/leak_check.py > "$OUT/leak.log" 2>&1
       tail -n 2 "$OUT/leak.log" ;;
     bench-*) suite=${phase#bench-}
