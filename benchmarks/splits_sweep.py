@@ -84,7 +84,7 @@ def parts():
                        title="decode parts, CUDA-graph replay (bf16, d=128, 32/8 heads)"))
 
 
-# (B, ctx, Hq, Hkv, page size): where PDL was timed (contiguous, session 14) and where it was not (paged).
+# (B, ctx, Hq, Hkv, page size): contiguous (PDL taken, session 14) and paged caches (PDL not taken, run 107).
 PDL_SHAPES = [(1, 8192, 32, 8, 0), (1, 32768, 32, 8, 0), (8, 8192, 32, 8, 0), (1, 8192, 32, 8, 16),
               (1, 32768, 32, 8, 16), (8, 8192, 32, 8, 16), (8, 8192, 32, 8, 64), (1, 32768, 32, 8, 64),
               (8, 32768, 32, 8, 16)]

@@ -56,8 +56,8 @@ def _plan(q, k_cache, block_table, num_splits: int):
 def _combine_pdl(block_table) -> bool:
     """Whether the split combine is a programmatic dependent launch of the attention kernel (sm_90; its launch then
     overlaps the attention's tail): for contiguous caches, where it was timed (RESULTS.md, session 14, run 102:
-    -0.5 to -1.2 us at batch 1, neutral from b=8). Paged rows ran slower in that session's benches than before it
-    (page 16 b=8 ctx 8k +7%) and were never timed with it off (`benchmarks/splits_sweep.py --pdl` does)."""
+    -0.5 to -1.2 us at batch 1, neutral from b=8). Paged caches are slower with it (run 107, `benchmarks/
+    splits_sweep.py --pdl --flush-read`: page 16 b=8 ctx 8k 79.1 vs 74.7 us, page 64 b=1 ctx 32k 46.5 vs 44.7)."""
     return block_table is None
 
 
