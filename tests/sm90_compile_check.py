@@ -72,6 +72,7 @@ def _compiles(kernels, call) -> None:
 
 def _cases():
     import tileflash
+    from tileflash.heuristics import WsBwdConfig
 
     bf, fp16 = torch.bfloat16, torch.float16
 
@@ -134,6 +135,21 @@ def _cases():
         kernels = (attn_fwd_ws_kernel, attn_bwd_ws_kernel) if backward else (attn_fwd_ws_kernel,)
         return lambda: _compiles(kernels, call)
 
+    def backward_variant(d, causal, config):
+        """A backward through the warp-specialised dK/dV kernel with a config the heuristic does not pick."""
+        from tileflash.ops import backward as backward_ops
+
+        def case():
+            saved = backward_ops.bwd_ws_config
+            backward_ops.bwd_ws_config = lambda *args: config
+            try:
+                warp_specialised(lambda: tileflash.flash_attn_func(*grad_leaves(1, 1500, 2, d), causal=causal)
+                                 .sum().backward(), backward=True)()
+            finally:
+                backward_ops.bwd_ws_config = saved
+
+        return case
+
     def gemm(m, n, k, dtype=bf, mma=False):
         """An nvfp4_matmul call; mma: it must take the register-operand Gluon kernel (kernels/gemm_nvfp4_mma.py)."""
         from tileflash.kernels.gemm_nvfp4_mma import nvfp4_matmul_mma_kernel as kern
@@ -157,6 +173,10 @@ def _cases():
         "prefill fwd+bwd d64 causal deterministic, warp-specialised": warp_specialised(
             lambda: tileflash.flash_attn_func(*grad_leaves(1, 4096, 2, 64), causal=True,
                                               deterministic=True).sum().backward(), backward=True),
+        "prefill fwd+bwd d64, keys-major backward": backward_variant(
+            64, False, WsBwdConfig(128, 2, True, True, keys_major=True, dq_by_rows=True)),
+        "prefill fwd+bwd d128 causal, keys-major backward": backward_variant(
+            128, True, WsBwdConfig(64, 2, True, True, keys_major=True)),
         "prefill d64 causal fp16, warp-specialised forward": warp_specialised(lambda: tileflash.flash_attn_func(
             *(torch.randn(1, 4096, 2, 64, dtype=fp16) for _ in range(3)), causal=True)),
         "prefill d128 causal, warp-specialised forward, one CTA per tile": warp_specialised(

@@ -8,6 +8,8 @@ import torch
 
 import tileflash
 from helpers import DEVICE, ON_SM90, attention_inputs, check_grads
+from tileflash.heuristics import WsBwdConfig
+from tileflash.ops import backward
 from tileflash.ops.backward import ws_backward_config
 from tileflash.reference import attention_ref
 
@@ -35,8 +37,7 @@ def _leaves(b, sq, sk, hq, hkv, d, dtype):
 
 def _takes_ws(q, k, v, causal, window=(-1, -1), softcap=0.0, varlen=False):
     right = 0 if causal else window[1]
-    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device)
-    return ws_backward_config(q, k, v, torch.empty_like(q), lse, varlen=varlen, window_left=window[0],
+    return ws_backward_config(q, k, v, torch.empty_like(q), varlen=varlen, window_left=window[0],
                               window_right=right, softcap=softcap) is not None
 
 
@@ -51,6 +52,41 @@ def test_ws_backward(case, dtype, deterministic):
     g = torch.Generator().manual_seed(1)
     dout = torch.randn(b, sq, hq, d, generator=g).to(DEVICE)
     dlse = torch.randn(b, hq, sq, generator=g).to(DEVICE)  # gradient through the returned lse too
+    check_grads(lambda q, k, v: tileflash.flash_attn_func(q, k, v, causal=causal, return_lse=True,
+                                                          deterministic=deterministic),
+                lambda q, k, v, upcast: attention_ref(q, k, v, causal=causal, upcast=upcast), (q, k, v), dout, dlse)
+
+
+# Kernel variants a config can ask for beyond the heuristic's picks (heuristics.WsBwdConfig), each on the cases of
+# its head dim: keys-major scores (P^T and dS^T from registers; lse2/delta through TMA), dQ split by rows, one or
+# two fences.
+TILE_CONFIGS = {
+    128: [WsBwdConfig(64, 2, True, False), WsBwdConfig(64, 2, True, True, keys_major=True),
+          WsBwdConfig(64, 2, True, False, keys_major=True)],
+    64: [WsBwdConfig(128, 2, True, True, keys_major=True, dq_by_rows=True),
+         WsBwdConfig(128, 2, True, False, keys_major=True, dq_by_rows=True),
+         WsBwdConfig(128, 2, True, True, dq_by_rows=True)],
+}
+TILE_CASES = ([(case, cfg, False) for case in CASES if case[1] > 1 for cfg in TILE_CONFIGS[case[5]]]
+              + [(case, TILE_CONFIGS[case[5]][1], True) for case in (CASES[4], CASES[7])])  # without the dQ product
+
+
+def _tile_id(x):
+    if isinstance(x, WsBwdConfig):
+        return "km%d-rows%d-fence%d" % (x.keys_major, x.dq_by_rows, x.one_fence)
+    return "-".join(map(str, x)) if isinstance(x, tuple) else ("deterministic" if x else "atomic_dq")
+
+
+@needs_sm90
+@pytest.mark.parametrize("case,cfg,deterministic", TILE_CASES, ids=_tile_id)
+def test_ws_backward_tile_configs(case, cfg, deterministic, monkeypatch):
+    b, sq, sk, hq, hkv, d, causal = case
+    monkeypatch.setattr(backward, "bwd_ws_config", lambda *args: cfg)
+    q, k, v = _leaves(b, sq, sk, hq, hkv, d, torch.bfloat16)
+    assert _takes_ws(q, k, v, causal)
+    g = torch.Generator().manual_seed(2)
+    dout = torch.randn(b, sq, hq, d, generator=g).to(DEVICE)
+    dlse = torch.randn(b, hq, sq, generator=g).to(DEVICE)
     check_grads(lambda q, k, v: tileflash.flash_attn_func(q, k, v, causal=causal, return_lse=True,
                                                           deterministic=deterministic),
                 lambda q, k, v, upcast: attention_ref(q, k, v, causal=causal, upcast=upcast), (q, k, v), dout, dlse)

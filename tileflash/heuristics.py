@@ -143,6 +143,11 @@ class WsBwdConfig:
     # The dQ tile's reduce-add waits for the P/dS fence at the end of the step instead of a fence of its own right
     # after its store (one fence and barrier fewer per step; the reduce-add leaves later).
     one_fence: bool = True
+    # S^T = K Q^T instead of S = Q K^T (FA3's SdP_swapAB): P^T and dS^T feed the dV and dK products from registers.
+    keys_major: bool = False
+    # Each consumer warpgroup computes dQ for half the step's rows over the whole head dim (instead of all rows over
+    # half the head dim): its dQ product's N is the head dim, not half of it.
+    dq_by_rows: bool = False
 
 
 def bwd_ws_config(head_dim: int, causal: bool, seqlen_k: int) -> WsBwdConfig | None:

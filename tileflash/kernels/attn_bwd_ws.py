@@ -35,10 +35,22 @@ therefore takes 128 query rows per step (BLOCK_M), twice the products per fixed 
 memory nearly full (225 KB).
 Rows of at most 1024 keys keep the Triton kernels (heuristics.bwd_ws_config).
 
+Keys-major scores (KEYS_MAJOR, FA3's SdP_swapAB with register-operand dK/dV; not yet measured on a GPU, so no
+heuristic picks it): S^T = K_w Q^T and dP^T = V_w dO^T are [64 keys, BLOCK_M rows], so P^T and dS^T come out of
+the accumulators as the A fragments of dV_w += P^T dO and dK_w += dS^T Q, which read them from registers. What that
+buys at d64 (128 rows, 128 keys): the wgmma operands read from shared memory per step fall from ~352 KB to ~224 KB
+(S^T/dP^T read K_w once per warpgroup instead of once per 64 rows, dV/dK read no P or dS, and with DQ_BY_ROWS each
+warpgroup's dQ product is [64 rows, 64] over 128 keys instead of [128 rows, 32]), P is never stored, and every
+product's N is 128 or 64 instead of 64 or 32 (small-N wgmma is bound by its shared-memory reads: at N = 64 the A
+and B tiles of an m64nNk16 step are 4 KB for 32 cycles of math). The price: each thread holds 32 of the step's
+query rows as columns, so lse2 and delta come from shared memory (loaded by the producer's TMA with Q and dO; the
+buffers are allocated with 16-byte row pitch for that, ops/backward._stats_like), and the P^T/dS^T registers live
+until their products retire in the next step (registers: no spills at d64 or d128, triton 3.6 and 3.7).
+
 Layout: q, do, dq_acc [B, Sq, Hq, D] and k, v [B, Sk, Hkv, D] through 4-D TMA descriptors (rows past a sequence's
 end load as zeros and are dropped from the reduce-add); lse2 (lse * log2(e), +inf for rows that saw no key, from the
 preprocess) and delta [B, Hq, Sq] float32 with a contiguous last dim, loaded with row masks (+inf past Sq, so those
-rows' P is 0); dK, dV stored by pointers with key masks. Scope (ops/backward.ws_backward_config decides, else the
+rows' P is 0), or when keys-major through 2-D TMA descriptors; dK, dV stored by pointers with key masks. Scope (ops/backward.ws_backward_config decides, else the
 Triton kernels run): 16-bit dtypes, head dims 64 and 128, no window or softcap beyond causal, non-varlen batches.
 Gluon has no CPU interpreter: tests/sm90_compile_check.py compiles this kernel for sm_90 on the CPU, and the GPU
 suite checks its results.
@@ -114,20 +126,33 @@ def _step_at(t, t0, n_mask, n_full, m_lo, m_full, tile, head_kv, group_size, ROT
 
 
 @gluon.jit
-def _load_step(t, hq, start_m, b, q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, qdo_empty,
-               STAGES: gl.constexpr):
+def _load_step(t, hq, start_m, b, q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, qdo_empty, lse2_desc,
+               delta_desc, lse2_bufs, delta_bufs, num_heads_q, STAGES: gl.constexpr, KEYS_MAJOR: gl.constexpr):
+    """Q and dO rows [start_m, start_m + BLOCK_M) of head hq into stage t % STAGES; keys-major steps also take
+    those rows' lse2 (with Q) and delta (with dO), which each thread then reads for all its query columns."""
     s = t % STAGES
     mbarrier.wait(qdo_empty.index(s), ((t // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1 at once
-    mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
+    if KEYS_MAJOR:
+        mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + lse2_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(lse2_desc, [b * num_heads_q + hq, start_m], q_ready.index(s),
+                                        lse2_bufs.index(s))
+    else:
+        mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [b, start_m, hq, 0], q_ready.index(s), q_bufs.index(s))
-    mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes)
+    if KEYS_MAJOR:
+        mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(delta_desc, [b * num_heads_q + hq, start_m], do_ready.index(s),
+                                        delta_bufs.index(s))
+    else:
+        mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(do_desc, [b, start_m, hq, 0], do_ready.index(s), do_bufs.index(s))
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, do_ready,
-              qdo_empty, seqlen_q, seqlen_k, n_tiles, num_heads_kv, group_size, CAUSAL: gl.constexpr,
-              ROTATE: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+def _producer(q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs, lse2_bufs,
+              delta_bufs, kv_bar, q_ready, do_ready, qdo_empty, seqlen_q, seqlen_k, n_tiles, num_heads_kv,
+              group_size, CAUSAL: gl.constexpr, ROTATE: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+              KEYS_MAJOR: gl.constexpr):
     b, hk, tile, start_n = _tile(n_tiles, num_heads_kv)
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [b, start_n, hk, 0], kv_bar, k_smem.index(0))
@@ -135,13 +160,16 @@ def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, 
     m_lo, m_full, m_hi = _query_blocks(start_n, seqlen_q, seqlen_k, CAUSAL, BLOCK_M)
     n_mask = m_full - m_lo
     n_full = m_hi - m_full
+    num_heads_q = num_heads_kv * group_size
     for u in range(n_mask * group_size):
         hq, start_m = _step(u, n_mask, m_lo, tile, hk, group_size, False, BLOCK_M)
-        _load_step(u, hq, start_m, b, q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, qdo_empty, STAGES)
+        _load_step(u, hq, start_m, b, q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, qdo_empty, lse2_desc,
+                   delta_desc, lse2_bufs, delta_bufs, num_heads_q, STAGES, KEYS_MAJOR)
     t0 = n_mask * group_size
     for u in range(n_full * group_size):
         hq, start_m = _step(u, n_full, m_full, tile, hk, group_size, ROTATE, BLOCK_M)
-        _load_step(t0 + u, hq, start_m, b, q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, qdo_empty, STAGES)
+        _load_step(t0 + u, hq, start_m, b, q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, qdo_empty,
+                   lse2_desc, delta_desc, lse2_bufs, delta_bufs, num_heads_q, STAGES, KEYS_MAJOR)
 
 
 @builtin
@@ -168,29 +196,90 @@ def _load_stats(b, hq, start_m, valid, seqlen_q, lse2_ptr, delta_ptr, stride_lb,
     return gl.load(lse2_ptr + stat, mask=ok, other=float("inf")), gl.load(delta_ptr + stat, mask=ok, other=0.0)
 
 
+@gluon.constexpr_function
+def _dq_rows(block_m, by_rows):
+    """Rows of a warpgroup's dQ tile: half the step's rows (by_rows, with the whole head dim) or all of them."""
+    return block_m // 2 if by_rows else block_m
+
+
+@gluon.constexpr_function
+def _dq_cols(head_dim, by_rows):
+    return head_dim if by_rows else head_dim // 2
+
+
 @gluon.jit
-def _consume_step(t, hq, start_m, prev_hq, prev_m, next_hq, next_m, has_next, lse2, delta, dk, dv, b, start_n,
-                  seqlen_q, seqlen_k, q_bufs, do_bufs, k_smem, v_smem, p_bufs, ds_bufs, dq_w, dq_desc, q_ready,
-                  do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, stride_lb, stride_lh, qk_scale, WG: gl.constexpr,
-                  MASKED: gl.constexpr, CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  BLOCK_M: gl.constexpr, STAGES: gl.constexpr, ONE_FENCE: gl.constexpr):
-    """Step t (query head hq, rows from start_m; lse2 and delta of those rows) of a consumer warpgroup, which also
-    finishes step t - 1 (prev_hq, prev_m): its dQ product and TMA reduce-add, and the release of its Q/dO stage.
-    Returns dK, dV and the next step's (next_hq, next_m) lse2 and delta, loaded at the end of this step: a load at
-    the start of a step held up the fence before the dQ reduce-add, which waits for the thread's loads (session 11).
+def _dq_product(ds_buf, k_all, WG: gl.constexpr, KEYS_MAJOR: gl.constexpr, DQ_BY_ROWS: gl.constexpr,
+                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    """This warpgroup's share of dQ = dS K over the CTA's 128 keys (both warpgroups' dS halves), issued async.
+    dS is [rows, keys] in shared memory, or [keys, rows] when KEYS_MAJOR (read transposed)."""
+    DQ_ROWS: gl.constexpr = _dq_rows(BLOCK_M, DQ_BY_ROWS)
+    DQ_COLS: gl.constexpr = _dq_cols(HEAD_DIM, DQ_BY_ROWS)
+    if KEYS_MAJOR:
+        if DQ_BY_ROWS:
+            ds = ds_buf.slice(WG * DQ_ROWS, DQ_ROWS, dim=1).permute((1, 0))
+        else:
+            ds = ds_buf.permute((1, 0))
+    elif DQ_BY_ROWS:
+        ds = ds_buf.slice(WG * DQ_ROWS, DQ_ROWS, dim=0)
+    else:
+        ds = ds_buf
+    if DQ_BY_ROWS:
+        k_part = k_all
+    else:
+        k_part = k_all.slice(WG * DQ_COLS, DQ_COLS, dim=1)
+    return warpgroup_mma(ds, k_part, gl.zeros([DQ_ROWS, DQ_COLS], gl.float32, _acc_layout(DQ_COLS)),
+                         use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _dq_reduce(dq_desc, b, prev_m, prev_hq, dq_w, WG: gl.constexpr, DQ_BY_ROWS: gl.constexpr,
+               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Add this warpgroup's dQ tile (in dq_w) into the fp32 buffer at its rows and columns (TMA reduce-add)."""
+    if DQ_BY_ROWS:
+        _tma_reduce_add(dq_desc, [b, prev_m + WG * (BLOCK_M // 2), prev_hq, 0], dq_w)
+    else:
+        _tma_reduce_add(dq_desc, [b, prev_m, prev_hq, WG * (HEAD_DIM // 2)], dq_w)
+
+
+@gluon.jit
+def _consume_step(t, hq, start_m, prev_hq, prev_m, next_hq, next_m, has_next, lse2, delta, dk, dv, p_op, ds_op, b,
+                  start_n, seqlen_q, seqlen_k, q_bufs, do_bufs, k_smem, v_smem, p_bufs, ds_bufs, lse2_bufs,
+                  delta_bufs, dq_w, dq_desc, q_ready, do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, stride_lb,
+                  stride_lh, qk_scale, WG: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+                  ATOMIC_DQ: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                  ONE_FENCE: gl.constexpr, KEYS_MAJOR: gl.constexpr, DQ_BY_ROWS: gl.constexpr):
+    """Step t (query head hq, rows from start_m) of a consumer warpgroup, which also finishes step t - 1 (prev_hq,
+    prev_m): its dQ product and TMA reduce-add, and the release of its Q/dO stage. Returns dK, dV, then (rows-major)
+    the next step's (next_hq, next_m) lse2 and delta, loaded at the end of this step: a load at the start of a step
+    held up the fence before the dQ reduce-add, which waits for the thread's loads (session 11); or (keys-major) the
+    P^T and dS^T register operands of the dV and dK products still in flight, which must live until they retire.
 
     Order of the products, so the tensor cores have work while this warpgroup runs its softmax:
-      dQ_{t-1} = dS_{t-1} K[:, half] (both warpgroups' dS halves, from shared memory), S_t = Q K_w^T
+      dQ_{t-1} = dS_{t-1} K (both warpgroups' dS halves, from shared memory), S_t
       | wait for dQ_{t-1} (and dV_{t-1}, dK_{t-1} before it): release stage t-1, store dQ_{t-1}, reduce-add it (TMA)
-      | dP_t = dO V_w^T | wait S_t: P_t | wait dP_t: dS_t
+      | dP_t | wait S_t: P_t | wait dP_t: dS_t
       | dV_w += P_t^T dO, dK_w += dS_t^T Q, left in flight into step t + 1.
     At t = 0 the dQ product reads an unwritten buffer and its result is dropped (a uniform instruction stream).
+    Rows-major (S = Q K_w^T, [rows, 64 keys]): P and dS go to shared memory, from where the dV/dK products read them
+    transposed. KEYS_MAJOR (FA3's SdP_swapAB: S^T = K_w Q^T, [64 keys, rows]): P^T and dS^T are already the A
+    operands of dV_w += P^T dO and dK_w += dS^T Q, which take them from registers; only dS^T goes to shared memory
+    (for dQ), and every product has the step's rows as its N (128 at d64) instead of 64 keys or half the head dim.
+    Each thread then holds a quarter of the step's query rows as columns, so lse2 and delta come from shared memory
+    (loaded with Q and dO by the producer) instead of two values per thread in registers.
     ONE_FENCE: the reduce-add of dQ_{t-1} is issued after the fence and barrier that publish P_t and dS_t, instead of
     after a fence of its own right behind its store: one fence and barrier fewer per step, and the store drains
     while the softmax runs; the reduce-add leaves later (heuristics.bwd_ws_config says where that pays)."""
     dtype: gl.constexpr = q_bufs.dtype
-    s_layout: gl.constexpr = _acc_layout(WG_KEYS)
-    dq_layout: gl.constexpr = _acc_layout(HEAD_DIM // 2)
+    if KEYS_MAJOR:
+        s_layout: gl.constexpr = _acc_layout(BLOCK_M)
+        s_shape: gl.constexpr = [WG_KEYS, BLOCK_M]
+        key_axis: gl.constexpr = 1  # the SliceLayout dimension dropped by a vector along the keys
+        row_axis: gl.constexpr = 0
+    else:
+        s_layout: gl.constexpr = _acc_layout(WG_KEYS)
+        s_shape: gl.constexpr = [BLOCK_M, WG_KEYS]
+        key_axis: gl.constexpr = 0
+        row_axis: gl.constexpr = 1
     stage = t % STAGES
     phase = (t // STAGES) & 1
     # The operands that stay put (K, V, P) are addressed through a zero the compiler cannot see: otherwise it hoists
@@ -199,21 +288,27 @@ def _consume_step(t, hq, start_m, prev_hq, prev_m, next_hq, next_m, has_next, ls
     k_all = k_smem.index(z).reshape([BLOCK_N, HEAD_DIM])
     k_w = k_all.slice(WG * WG_KEYS, WG_KEYS, dim=0)
     v_w = v_smem.index(z).reshape([BLOCK_N, HEAD_DIM]).slice(WG * WG_KEYS, WG_KEYS, dim=0)
-    p_w = p_bufs.index(WG + z)
-    rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(row_axis, s_layout))
     q_s = q_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
     do_s = do_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
-    s_init = gl.zeros([BLOCK_M, WG_KEYS], gl.float32, s_layout)  # ignored (use_acc=False): only its layout counts
+    s_init = gl.zeros(s_shape, gl.float32, s_layout)  # ignored (use_acc=False): only its layout counts
     if ATOMIC_DQ:
         # Both halves of dS_{t-1} are in shared memory once both warpgroups arrived. Buffer t % 2 is written again
         # at step t + 2, after both warpgroups passed this wait at step t + 1, i.e. finished this product.
         mbarrier.wait(ds_ready.index((t + 1) % 2), ((t - 1) // 2) & 1, pred=t > 0)
-        dq = warpgroup_mma(ds_bufs.index((t + 1) % 2), k_all.slice(WG * (HEAD_DIM // 2), HEAD_DIM // 2, dim=1),
-                           gl.zeros([BLOCK_M, HEAD_DIM // 2], gl.float32, dq_layout), use_acc=False, is_async=True)
+        dq = _dq_product(ds_bufs.index((t + 1) % 2), k_all, WG, KEYS_MAJOR, DQ_BY_ROWS, HEAD_DIM, BLOCK_M)
     mbarrier.wait(q_ready.index(stage), phase)
-    sc = warpgroup_mma(q_s, k_w.permute((1, 0)), s_init, use_acc=False, is_async=True)
+    if KEYS_MAJOR:
+        sc = warpgroup_mma(k_w, q_s.permute((1, 0)), s_init, use_acc=False, is_async=True)
+    else:
+        sc = warpgroup_mma(q_s, k_w.permute((1, 0)), s_init, use_acc=False, is_async=True)
     # Products retire in order: everything before S_t is done now.
-    if ATOMIC_DQ:
+    if KEYS_MAJOR:
+        if ATOMIC_DQ:
+            dq, dk, dv, p_op, ds_op = warpgroup_mma_wait(1, deps=(dq, dk, dv, p_op, ds_op))
+        else:
+            dk, dv, p_op, ds_op = warpgroup_mma_wait(1, deps=(dk, dv, p_op, ds_op))
+    elif ATOMIC_DQ:
         dq, dk, dv = warpgroup_mma_wait(1, deps=(dq, dk, dv))
     else:
         dk, dv = warpgroup_mma_wait(1, deps=(dk, dv))
@@ -221,71 +316,95 @@ def _consume_step(t, hq, start_m, prev_hq, prev_m, next_hq, next_m, has_next, ls
     if ATOMIC_DQ:
         if t > 0:
             tma.store_wait(0)  # the previous reduce has read dq_w
-            dq_w.reshape([BLOCK_M, HEAD_DIM // 2]).store(dq)
+            dq_w.reshape([_dq_rows(BLOCK_M, DQ_BY_ROWS), _dq_cols(HEAD_DIM, DQ_BY_ROWS)]).store(dq)
             if not ONE_FENCE:
                 fence_async_shared()
-                _tma_reduce_add(dq_desc, [b, prev_m, prev_hq, WG * (HEAD_DIM // 2)], dq_w)
+                _dq_reduce(dq_desc, b, prev_m, prev_hq, dq_w, WG, DQ_BY_ROWS, HEAD_DIM, BLOCK_M)
     # dP_t is issued after dQ_{t-1} left the registers: fewer accumulators live at once. (Issued with S_t instead,
     # it also ran slower at d64, where registers are not short: it queues ahead of the other warpgroup's S.)
     mbarrier.wait(do_ready.index(stage), phase)
-    dp = warpgroup_mma(do_s, v_w.permute((1, 0)), s_init, use_acc=False, is_async=True)
+    if KEYS_MAJOR:
+        dp = warpgroup_mma(v_w, do_s.permute((1, 0)), s_init, use_acc=False, is_async=True)
+    else:
+        dp = warpgroup_mma(do_s, v_w.permute((1, 0)), s_init, use_acc=False, is_async=True)
     sc = warpgroup_mma_wait(1, deps=(sc,))
-    p = gl.exp2(sc * qk_scale - gl.expand_dims(lse2, 1))
+    if KEYS_MAJOR:
+        lse2_row = lse2_bufs.index(stage).load(s_layout)  # [1, BLOCK_M]: each thread's query columns
+        p = gl.exp2(sc * qk_scale - lse2_row)
+    else:
+        p = gl.exp2(sc * qk_scale - gl.expand_dims(lse2, 1))
     if MASKED:
-        keys = start_n + WG * WG_KEYS + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(0, s_layout))
-        ok = gl.expand_dims(keys < seqlen_k, 0)
+        keys = start_n + WG * WG_KEYS + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(key_axis, s_layout))
+        keys2 = gl.expand_dims(keys, key_axis)
+        ok = keys2 < seqlen_k
         if CAUSAL:
-            ok = ok & (gl.expand_dims(keys, 0) <= gl.expand_dims(rows + (seqlen_k - seqlen_q), 1))
+            ok = ok & (keys2 <= gl.expand_dims(rows + (seqlen_k - seqlen_q), row_axis))
         p = gl.where(ok, p, 0.0)
-    p_w.store(p.to(dtype))  # dV_{t-1}, which read p_w, is done
+    if not KEYS_MAJOR:
+        p_bufs.index(WG + z).store(p.to(dtype))  # dV_{t-1}, which read this buffer, is done
     dp = warpgroup_mma_wait(0, deps=(dp,))
-    ds_w = ds_bufs.index(t % 2).slice(WG * WG_KEYS, WG_KEYS, dim=1)
-    ds_w.store((p * (dp - gl.expand_dims(delta, 1))).to(dtype))
+    if KEYS_MAJOR:
+        ds = p * (dp - delta_bufs.index(stage).load(s_layout))
+        ds_w = ds_bufs.index(t % 2).slice(WG * WG_KEYS, WG_KEYS, dim=0)
+    else:
+        ds = p * (dp - gl.expand_dims(delta, 1))
+        ds_w = ds_bufs.index(t % 2).slice(WG * WG_KEYS, WG_KEYS, dim=1)
+    ds_w.store(ds.to(dtype))
     fence_async_shared()
     _partition_barrier()  # every thread's P and dS are in shared memory before the products read them
     if ONE_FENCE and ATOMIC_DQ:
         mbarrier.arrive(ds_ready.index(t % 2), count=1)
         if t > 0:
-            _tma_reduce_add(dq_desc, [b, prev_m, prev_hq, WG * (HEAD_DIM // 2)], dq_w)
-    dv = warpgroup_mma(p_w.permute((1, 0)), do_s, dv, is_async=True)
-    dk = warpgroup_mma(ds_w.permute((1, 0)), q_s, dk, is_async=True)
+            _dq_reduce(dq_desc, b, prev_m, prev_hq, dq_w, WG, DQ_BY_ROWS, HEAD_DIM, BLOCK_M)
+    if KEYS_MAJOR:
+        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_acc_layout(HEAD_DIM), k_width=2)
+        p_op = gl.convert_layout(p.to(dtype), op_layout, assert_trivial=True)  # the same registers
+        ds_op = gl.convert_layout(ds.to(dtype), op_layout, assert_trivial=True)
+        dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
+        dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
+    else:
+        dv = warpgroup_mma(p_bufs.index(WG + z).permute((1, 0)), do_s, dv, is_async=True)
+        dk = warpgroup_mma(ds_w.permute((1, 0)), q_s, dk, is_async=True)
     if ATOMIC_DQ and not ONE_FENCE:
         mbarrier.arrive(ds_ready.index(t % 2), count=1)
-    next_lse2, next_delta = _load_stats(b, next_hq, next_m, has_next, seqlen_q, lse2_ptr, delta_ptr, stride_lb,
-                                        stride_lh, gl.SliceLayout(1, s_layout), BLOCK_M)
+    if not KEYS_MAJOR:
+        lse2, delta = _load_stats(b, next_hq, next_m, has_next, seqlen_q, lse2_ptr, delta_ptr, stride_lb, stride_lh,
+                                  gl.SliceLayout(1, s_layout), BLOCK_M)
     # Still in flight: the accumulators are carried into step t + 1, which waits for them first.
-    dk, dv = warpgroup_mma_wait(2, deps=(dk, dv))
-    return dk, dv, next_lse2, next_delta
+    if KEYS_MAJOR:
+        dk, dv, p_op, ds_op = warpgroup_mma_wait(2, deps=(dk, dv, p_op, ds_op))
+    else:
+        dk, dv = warpgroup_mma_wait(2, deps=(dk, dv))
+    return dk, dv, lse2, delta, p_op, ds_op
 
 
 @gluon.jit
-def _finish(t_end, prev_hq, prev_m, dk, dv, b, k_all, ds_bufs, dq_w, dq_desc, ds_ready, WG: gl.constexpr,
-            ATOMIC_DQ: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+def _finish(t_end, prev_hq, prev_m, dk, dv, p_op, ds_op, b, k_all, ds_bufs, dq_w, dq_desc, ds_ready,
+            WG: gl.constexpr, ATOMIC_DQ: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+            KEYS_MAJOR: gl.constexpr, DQ_BY_ROWS: gl.constexpr):
     """After the last step (t_end steps in all): its dQ product and reduce-add; every product waited for."""
     if ATOMIC_DQ:
-        dq_layout: gl.constexpr = _acc_layout(HEAD_DIM // 2)
         mbarrier.wait(ds_ready.index((t_end + 1) % 2), ((t_end - 1) // 2) & 1, pred=t_end > 0)
-        dq = warpgroup_mma(ds_bufs.index((t_end + 1) % 2), k_all.slice(WG * (HEAD_DIM // 2), HEAD_DIM // 2, dim=1),
-                           gl.zeros([BLOCK_M, HEAD_DIM // 2], gl.float32, dq_layout), use_acc=False, is_async=True)
-        dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
+        dq = _dq_product(ds_bufs.index((t_end + 1) % 2), k_all, WG, KEYS_MAJOR, DQ_BY_ROWS, HEAD_DIM, BLOCK_M)
+        dq, dk, dv, p_op, ds_op = warpgroup_mma_wait(0, deps=(dq, dk, dv, p_op, ds_op))
         if t_end > 0:
             tma.store_wait(0)
-            dq_w.reshape([BLOCK_M, HEAD_DIM // 2]).store(dq)
+            dq_w.reshape([_dq_rows(BLOCK_M, DQ_BY_ROWS), _dq_cols(HEAD_DIM, DQ_BY_ROWS)]).store(dq)
             fence_async_shared()
-            _tma_reduce_add(dq_desc, [b, prev_m, prev_hq, WG * (HEAD_DIM // 2)], dq_w)
+            _dq_reduce(dq_desc, b, prev_m, prev_hq, dq_w, WG, DQ_BY_ROWS, HEAD_DIM, BLOCK_M)
             tma.store_wait(0)
     else:
-        dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+        dk, dv, p_op, ds_op = warpgroup_mma_wait(0, deps=(dk, dv, p_op, ds_op))
     return dk, dv
 
 
 @gluon.jit
-def _consumer(q_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, q_ready, do_ready,
-              qdo_empty, ds_ready, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k, n_tiles, num_heads_kv,
-              group_size, stride_lb, stride_lh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-              qk_scale, softmax_scale, WG: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
-              ATOMIC_DQ: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-              ONE_FENCE: gl.constexpr):
+def _consumer(q_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, lse2_bufs, delta_bufs, dq_bufs,
+              kv_bar, q_ready, do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, seqlen_q,
+              seqlen_k, n_tiles, num_heads_kv, group_size, stride_lb, stride_lh, stride_dkb, stride_dks, stride_dkh,
+              stride_dvb, stride_dvs, stride_dvh, qk_scale, softmax_scale, WG: gl.constexpr, CAUSAL: gl.constexpr,
+              ROTATE: gl.constexpr, ATOMIC_DQ: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+              STAGES: gl.constexpr, ONE_FENCE: gl.constexpr, KEYS_MAJOR: gl.constexpr, DQ_BY_ROWS: gl.constexpr):
     b, hk, tile, start_n = _tile(n_tiles, num_heads_kv)
     m_lo, m_full, m_hi = _query_blocks(start_n, seqlen_q, seqlen_k, CAUSAL, BLOCK_M)
     n_mask = m_full - m_lo
@@ -300,31 +419,40 @@ def _consumer(q_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs,
     t_end = t0 + n_full * group_size
     prev_hq, prev_m = _step_at(0, t0, n_mask, n_full, m_lo, m_full, tile, hk, group_size, ROTATE, BLOCK_M)
     stats_layout: gl.constexpr = gl.SliceLayout(1, _acc_layout(WG_KEYS))
-    lse2, delta = _load_stats(b, prev_hq, prev_m, t_end > 0, seqlen_q, lse2_ptr, delta_ptr, stride_lb, stride_lh,
-                              stats_layout, BLOCK_M)
+    if KEYS_MAJOR:  # lse2/delta come from shared memory; the operands of the products in flight are carried
+        lse2 = gl.zeros([BLOCK_M], gl.float32, stats_layout)
+        delta = lse2
+        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+        p_op = gl.zeros([WG_KEYS, BLOCK_M], dtype, op_layout)
+    else:
+        lse2, delta = _load_stats(b, prev_hq, prev_m, t_end > 0, seqlen_q, lse2_ptr, delta_ptr, stride_lb,
+                                  stride_lh, stats_layout, BLOCK_M)
+        p_op = gl.zeros([1], dtype, stats_layout)  # unused
+    ds_op = p_op
     mbarrier.wait(kv_bar, 0)
     for u in range(t0):
         hq, start_m = _step(u, n_mask, m_lo, tile, hk, group_size, False, BLOCK_M)
         next_hq, next_m = _step_at(u + 1, t0, n_mask, n_full, m_lo, m_full, tile, hk, group_size, ROTATE, BLOCK_M)
-        dk, dv, lse2, delta = _consume_step(
-            u, hq, start_m, prev_hq, prev_m, next_hq, next_m, u + 1 < t_end, lse2, delta, dk, dv, b, start_n,
-            seqlen_q, seqlen_k, q_bufs, do_bufs, k_smem, v_smem, p_bufs, ds_bufs, dq_w, dq_desc, q_ready, do_ready,
-            qdo_empty, ds_ready, lse2_ptr, delta_ptr, stride_lb, stride_lh, qk_scale, WG, True, CAUSAL, ATOMIC_DQ,
-            HEAD_DIM, BLOCK_M, STAGES, ONE_FENCE)
+        dk, dv, lse2, delta, p_op, ds_op = _consume_step(
+            u, hq, start_m, prev_hq, prev_m, next_hq, next_m, u + 1 < t_end, lse2, delta, dk, dv, p_op, ds_op, b,
+            start_n, seqlen_q, seqlen_k, q_bufs, do_bufs, k_smem, v_smem, p_bufs, ds_bufs, lse2_bufs, delta_bufs,
+            dq_w, dq_desc, q_ready, do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, stride_lb, stride_lh,
+            qk_scale, WG, True, CAUSAL, ATOMIC_DQ, HEAD_DIM, BLOCK_M, STAGES, ONE_FENCE, KEYS_MAJOR, DQ_BY_ROWS)
         prev_hq = hq
         prev_m = start_m
     for u in range(t_end - t0):
         hq, start_m = _step(u, n_full, m_full, tile, hk, group_size, ROTATE, BLOCK_M)
         next_hq, next_m = _step(u + 1, n_full, m_full, tile, hk, group_size, ROTATE, BLOCK_M)
-        dk, dv, lse2, delta = _consume_step(
-            t0 + u, hq, start_m, prev_hq, prev_m, next_hq, next_m, t0 + u + 1 < t_end, lse2, delta, dk, dv, b,
-            start_n, seqlen_q, seqlen_k, q_bufs, do_bufs, k_smem, v_smem, p_bufs, ds_bufs, dq_w, dq_desc, q_ready,
-            do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, stride_lb, stride_lh, qk_scale, WG, False, CAUSAL,
-            ATOMIC_DQ, HEAD_DIM, BLOCK_M, STAGES, ONE_FENCE)
+        dk, dv, lse2, delta, p_op, ds_op = _consume_step(
+            t0 + u, hq, start_m, prev_hq, prev_m, next_hq, next_m, t0 + u + 1 < t_end, lse2, delta, dk, dv, p_op,
+            ds_op, b, start_n, seqlen_q, seqlen_k, q_bufs, do_bufs, k_smem, v_smem, p_bufs, ds_bufs, lse2_bufs,
+            delta_bufs, dq_w, dq_desc, q_ready, do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, stride_lb,
+            stride_lh, qk_scale, WG, False, CAUSAL, ATOMIC_DQ, HEAD_DIM, BLOCK_M, STAGES, ONE_FENCE, KEYS_MAJOR,
+            DQ_BY_ROWS)
         prev_hq = hq
         prev_m = start_m
-    dk, dv = _finish(t_end, prev_hq, prev_m, dk, dv, b, k_all, ds_bufs, dq_w, dq_desc, ds_ready, WG, ATOMIC_DQ,
-                     HEAD_DIM, BLOCK_M)
+    dk, dv = _finish(t_end, prev_hq, prev_m, dk, dv, p_op, ds_op, b, k_all, ds_bufs, dq_w, dq_desc, ds_ready, WG,
+                     ATOMIC_DQ, HEAD_DIM, BLOCK_M, KEYS_MAJOR, DQ_BY_ROWS)
 
     # Epilogue: keys no query row sees keep dK = dV = 0; rows past Sk are not stored.
     out_keys = start_n + WG * WG_KEYS + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(1, kv_layout))
@@ -338,25 +466,38 @@ def _consumer(q_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs,
 
 
 @gluon.jit
-def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, seqlen_q,
-                       seqlen_k, n_tiles, num_heads_kv, group_size, stride_lb, stride_lh, stride_dkb, stride_dks,
-                       stride_dkh, stride_dvb, stride_dvs, stride_dvh, qk_scale, softmax_scale, CAUSAL: gl.constexpr,
-                       ROTATE: gl.constexpr, ATOMIC_DQ: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                       STAGES: gl.constexpr, ONE_FENCE: gl.constexpr):
+def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_desc, delta_desc, lse2_ptr, delta_ptr, dk_ptr,
+                       dv_ptr, seqlen_q, seqlen_k, n_tiles, num_heads_kv, group_size, stride_lb, stride_lh,
+                       stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, qk_scale,
+                       softmax_scale, CAUSAL: gl.constexpr, ROTATE: gl.constexpr, ATOMIC_DQ: gl.constexpr,
+                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, ONE_FENCE: gl.constexpr,
+                       KEYS_MAJOR: gl.constexpr, DQ_BY_ROWS: gl.constexpr):
     """Grid: (n_tiles * B * Hkv,), 4 warps (the first consumer warpgroup; the partitions add 5 more). dq_desc: a
     descriptor over the fp32 dQ buffer [B, Sq, Hq, D] (zeroed; dQ without softmax_scale is added into it) with
-    blocks [1, BLOCK_M, 1, D / 2], used when ATOMIC_DQ."""
+    blocks [1, BLOCK_M / 2, 1, D] (DQ_BY_ROWS) or [1, BLOCK_M, 1, D / 2], used when ATOMIC_DQ. lse2_desc and
+    delta_desc: 2-D descriptors over lse2 and delta as [B * Hq, Sq] with blocks [1, BLOCK_M] (rows past Sq load as
+    0: their Q and dO rows are 0 too, so P = 1 and dS = 0 there, and their dQ is dropped), read when KEYS_MAJOR."""
     dtype: gl.constexpr = q_desc.dtype
     # A leading dim of 1 lets the consumers address K and V by index (see _consume_step).
     k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
     do_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, 1, HEAD_DIM], do_desc.layout)
-    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, WG_KEYS], dtype)
-    p_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, WG_KEYS], p_layout)
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
-    ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], ds_layout)
-    dq_bufs = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, 1, HEAD_DIM // 2], dq_desc.layout)
+    dq_bufs = gl.allocate_shared_memory(gl.float32, [2, 1, _dq_rows(BLOCK_M, DQ_BY_ROWS), 1,
+                                                     _dq_cols(HEAD_DIM, DQ_BY_ROWS)], dq_desc.layout)
+    if KEYS_MAJOR:  # dS^T [keys, rows]; P stays in registers
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+        ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+        p_bufs = ds_bufs  # not read
+        lse2_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], lse2_desc.layout)
+        delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], delta_desc.layout)
+    else:
+        p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, WG_KEYS], dtype)
+        p_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, WG_KEYS], p_layout)
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
+        ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], ds_layout)
+        lse2_bufs = dq_bufs  # not read: the stats come from global memory
+        delta_bufs = dq_bufs
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -388,19 +529,19 @@ def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta
     WG1: gl.constexpr = 1
     # (Argument tuples are written out: a tuple built with + loses the constexprs' type.)
     gl.warp_specialize([
-        (_consumer, (q_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, q_ready,
-                     do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k, n_tiles,
-                     num_heads_kv, group_size, stride_lb, stride_lh, stride_dkb, stride_dks, stride_dkh, stride_dvb,
-                     stride_dvs, stride_dvh, qk_scale, softmax_scale, WG0, CAUSAL, ROTATE, ATOMIC_DQ, HEAD_DIM,
-                     BLOCK_M, STAGES, ONE_FENCE)),
-        (_consumer, (q_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, q_ready,
-                     do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k, n_tiles,
-                     num_heads_kv, group_size, stride_lb, stride_lh, stride_dkb, stride_dks, stride_dkh, stride_dvb,
-                     stride_dvs, stride_dvh, qk_scale, softmax_scale, WG1, CAUSAL, ROTATE, ATOMIC_DQ, HEAD_DIM,
-                     BLOCK_M, STAGES, ONE_FENCE)),
-        (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, do_ready,
-                     qdo_empty, seqlen_q, seqlen_k, n_tiles, num_heads_kv, group_size, CAUSAL, ROTATE, BLOCK_M,
-                     STAGES)),
+        (_consumer, (q_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, lse2_bufs, delta_bufs, dq_bufs,
+                     kv_bar, q_ready, do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, seqlen_q,
+                     seqlen_k, n_tiles, num_heads_kv, group_size, stride_lb, stride_lh, stride_dkb, stride_dks,
+                     stride_dkh, stride_dvb, stride_dvs, stride_dvh, qk_scale, softmax_scale, WG0, CAUSAL, ROTATE,
+                     ATOMIC_DQ, HEAD_DIM, BLOCK_M, STAGES, ONE_FENCE, KEYS_MAJOR, DQ_BY_ROWS)),
+        (_consumer, (q_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, lse2_bufs, delta_bufs, dq_bufs,
+                     kv_bar, q_ready, do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, seqlen_q,
+                     seqlen_k, n_tiles, num_heads_kv, group_size, stride_lb, stride_lh, stride_dkb, stride_dks,
+                     stride_dkh, stride_dvb, stride_dvs, stride_dvh, qk_scale, softmax_scale, WG1, CAUSAL, ROTATE,
+                     ATOMIC_DQ, HEAD_DIM, BLOCK_M, STAGES, ONE_FENCE, KEYS_MAJOR, DQ_BY_ROWS)),
+        (_producer, (q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs,
+                     lse2_bufs, delta_bufs, kv_bar, q_ready, do_ready, qdo_empty, seqlen_q, seqlen_k, n_tiles,
+                     num_heads_kv, group_size, CAUSAL, ROTATE, BLOCK_M, STAGES, KEYS_MAJOR)),
     ], [4, 1], [240, 24])
 
 

@@ -24,14 +24,11 @@ def _strides3(t):
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def ws_backward_config(q, k, v, dout, lse, *, varlen: bool, window_left: int, window_right: int,
+def ws_backward_config(q, k, v, dout, *, varlen: bool, window_left: int, window_right: int,
                        softcap: float) -> WsBwdConfig | None:
     """The warp-specialised dK/dV kernel's tiles when it serves this call (sm_90, a head dim heuristics.bwd_ws_config
-    takes, at most a causal mask, non-varlen, TMA-addressable tensors, lse rows contiguous), else None (the Triton
-    kernels)."""
+    takes, at most a causal mask, non-varlen, TMA-addressable tensors), else None (the Triton kernels)."""
     if varlen or not ws_call_ok(q.dtype, Mask(window_left, window_right, softcap)):
-        return None
-    if lse.stride(-1) != 1:  # the kernel reads lse2/delta (allocated like lse) rows by arange
         return None
     cfg = bwd_ws_config(q.shape[3], window_right == 0, k.shape[1])
     if cfg is None or not all(_tma_4d_ok(t) for t in (q, k, v, dout)):
@@ -41,20 +38,38 @@ def ws_backward_config(q, k, v, dout, lse, *, varlen: bool, window_left: int, wi
 
 def launch_attn_bwd_ws(q4, k4, v4, do4, lse2, delta, dk4, dv4, dq_acc, *, causal: bool, softmax_scale: float,
                        config: WsBwdConfig, atomic_dq: bool) -> None:
-    """q4/do4 [B, Sq, Hq, D], k4/v4/dk4/dv4 [B, Sk, Hkv, D], lse2/delta [B, Hq, Sq] contiguous float32 (see
+    """q4/do4 [B, Sq, Hq, D], k4/v4/dk4/dv4 [B, Sk, Hkv, D], lse2/delta [B, Hq, Sq] float32 from _stats_like (see
     ws_backward_config); dq_acc: the zeroed fp32 dQ buffer when atomic_dq."""
     b, sk, hkv, d = k4.shape
     n_tiles = attn_bwd_ws.n_tiles(sk)
     keys = attn_bwd_ws.BLOCK_KEYS
+    dq_rows, dq_cols = (config.block_m // 2, d) if config.dq_by_rows else (config.block_m, d // 2)
     if not atomic_dq:  # the descriptor's stand-in, never read or written
-        dq_acc = torch.empty(1, config.block_m, 1, d, dtype=torch.float32, device=q4.device)
+        dq_acc = torch.empty(1, dq_rows, 1, dq_cols, dtype=torch.float32, device=q4.device)
     attn_bwd_ws.attn_bwd_ws_kernel[(n_tiles * b * hkv,)](
         _desc_4d(q4, config.block_m), _desc_4d(k4, keys), _desc_4d(v4, keys), _desc_4d(do4, config.block_m),
-        _desc_4d(dq_acc, config.block_m, d // 2), lse2, delta, dk4, dv4, q4.shape[1], sk, n_tiles, hkv,
-        q4.shape[2] // hkv, lse2.stride(0), lse2.stride(1), *dk4.stride()[:3], *dv4.stride()[:3],
-        softmax_scale * math.log2(math.e), softmax_scale, CAUSAL=causal, ROTATE=not causal, ATOMIC_DQ=atomic_dq,
-        HEAD_DIM=d, BLOCK_M=config.block_m, STAGES=config.num_stages, ONE_FENCE=config.one_fence,
-        num_warps=4)
+        _desc_4d(dq_acc, dq_rows, dq_cols), _stats_desc(lse2, config.block_m), _stats_desc(delta, config.block_m),
+        lse2, delta, dk4, dv4, q4.shape[1], sk, n_tiles, hkv, q4.shape[2] // hkv, lse2.stride(0), lse2.stride(1),
+        *dk4.stride()[:3], *dv4.stride()[:3], softmax_scale * math.log2(math.e), softmax_scale, CAUSAL=causal,
+        ROTATE=not causal, ATOMIC_DQ=atomic_dq, HEAD_DIM=d, BLOCK_M=config.block_m, STAGES=config.num_stages,
+        ONE_FENCE=config.one_fence, KEYS_MAJOR=config.keys_major, DQ_BY_ROWS=config.dq_by_rows, num_warps=4)
+
+
+def _stats_like(lse3: torch.Tensor) -> torch.Tensor:
+    """An fp32 tensor shaped like lse3 [B, H, S] whose rows start 16 bytes apart (S padded to a multiple of 4 in
+    storage), so that a TMA descriptor can address it (_stats_desc)."""
+    bv, h, s = lse3.shape
+    return torch.empty(bv, h, _utils.cdiv(s, 4) * 4, dtype=torch.float32, device=lse3.device)[:, :, :s]
+
+
+def _stats_desc(t: torch.Tensor, block_rows: int):
+    """A Gluon TMA descriptor over a _stats_like tensor as [B * H, S] with blocks [1, block_rows] (no swizzle)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    bv, h, s = t.shape
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return GluonDescriptor(t, [bv * h, s], [t.stride(1), 1], [1, block_rows], layout)
 
 
 def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, *, varlen: bool, num_batches: int, seqlen_q: int,
@@ -67,11 +82,11 @@ def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, *, varlen: bool
     hkv = k4.shape[2]
     dp = padded_head_dim(d)
     cfg = bwd_config(d, _utils.is_interpreter())
-    delta, lse2 = torch.empty_like(lse3), torch.empty_like(lse3)
+    delta, lse2 = _stats_like(lse3), _stats_like(lse3)
     rows = lse3.numel()
     attn_bwd_preprocess_kernel[(_utils.cdiv(rows, PREPROCESS_BLOCK_ROWS),)](
         o4, do4, lse3, dlse3 if dlse3 is not None else delta, delta, lse2, o4.shape[1], hq, rows,
-        *_strides3(o4), *_strides3(do4), *_strides3(lse3),
+        *_strides3(o4), *_strides3(do4), *_strides3(lse3), lse2.stride(0), lse2.stride(1),
         HEAD_DIM=d, HEAD_DIM_PAD=dp, BLOCK_R=PREPROCESS_BLOCK_ROWS, HAS_DLSE=dlse3 is not None, num_warps=4)
 
     def bstride(t):  # varlen tensors are one packed sequence: the batch index must not move the pointer
@@ -83,8 +98,8 @@ def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, *, varlen: bool
                   TILE_DTYPE=_utils.tile_dtype(q4.dtype))
     seq_args = (cu_seqlens_q if varlen else dummy, cu_seqlens_k if varlen else dummy,
                 seqused_k if seqused_k is not None else dummy)
-    lse_strides = (0, lse3.stride(1), lse3.stride(2)) if varlen else _strides3(lse3)
-    ws = ws_backward_config(q4, k4, v4, do4, lse2, varlen=varlen, window_left=window_left,
+    lse_strides = (0, lse2.stride(1), lse2.stride(2)) if varlen else _strides3(lse2)  # lse2 and delta
+    ws = ws_backward_config(q4, k4, v4, do4, varlen=varlen, window_left=window_left,
                             window_right=window_right, softcap=softcap)
     atomic_dq = (ws.atomic_dq if ws is not None else cfg.atomic_dq) and not deterministic
     # Rows no program adds to (no visible key, outside every varlen sequence) keep the zeros: dQ = 0 there.
