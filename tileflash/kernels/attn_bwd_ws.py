@@ -44,14 +44,16 @@ warpgroup's dQ product is [64 rows, 64] over 128 keys instead of [128 rows, 32])
 product's N is 128 or 64 instead of 64 or 32 (small-N wgmma is bound by its shared-memory reads: at N = 64 the A
 and B tiles of an m64nNk16 step are 4 KB for 32 cycles of math). The price: each thread holds 32 of the step's
 query rows as columns, so lse2 and delta come from shared memory (loaded by the producer's TMA with Q and dO; the
-buffers are allocated with 16-byte row pitch for that, ops/backward._stats_like), and the P^T/dS^T registers live
-until their products retire in the next step (registers: no spills at d64 or d128, triton 3.6 and 3.7).
+buffers are allocated with 16-byte row pitch for that, ops/backward._stats_like), and a warpgroup waits for its
+dV/dK products at the end of each step: with a register-operand product in flight across the loop's back edge
+ptxas serialises every wgmma of the kernel (warning C7515). No spills at d64 or d128 (triton 3.6 and 3.7).
 
 Layout: q, do, dq_acc [B, Sq, Hq, D] and k, v [B, Sk, Hkv, D] through 4-D TMA descriptors (rows past a sequence's
 end load as zeros and are dropped from the reduce-add); lse2 (lse * log2(e), +inf for rows that saw no key, from the
 preprocess) and delta [B, Hq, Sq] float32 with a contiguous last dim, loaded with row masks (+inf past Sq, so those
-rows' P is 0), or when keys-major through 2-D TMA descriptors; dK, dV stored by pointers with key masks. Scope (ops/backward.ws_backward_config decides, else the
-Triton kernels run): 16-bit dtypes, head dims 64 and 128, no window or softcap beyond causal, non-varlen batches.
+rows' P is 0), or when keys-major through 2-D TMA descriptors; dK, dV stored by pointers with key masks. Scope
+(ops/backward.ws_backward_config decides, else the Triton kernels run): 16-bit dtypes, head dims 64 and 128, no
+window or softcap beyond causal, non-varlen batches.
 Gluon has no CPU interpreter: tests/sm90_compile_check.py compiles this kernel for sm_90 on the CPU, and the GPU
 suite checks its results.
 """
@@ -242,23 +244,23 @@ def _dq_reduce(dq_desc, b, prev_m, prev_hq, dq_w, WG: gl.constexpr, DQ_BY_ROWS: 
 
 
 @gluon.jit
-def _consume_step(t, hq, start_m, prev_hq, prev_m, next_hq, next_m, has_next, lse2, delta, dk, dv, p_op, ds_op, b,
-                  start_n, seqlen_q, seqlen_k, q_bufs, do_bufs, k_smem, v_smem, p_bufs, ds_bufs, lse2_bufs,
-                  delta_bufs, dq_w, dq_desc, q_ready, do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, stride_lb,
-                  stride_lh, qk_scale, WG: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+def _consume_step(t, hq, start_m, prev_hq, prev_m, next_hq, next_m, has_next, lse2, delta, dk, dv, b, start_n,
+                  seqlen_q, seqlen_k, q_bufs, do_bufs, k_smem, v_smem, p_bufs, ds_bufs, lse2_bufs, delta_bufs, dq_w,
+                  dq_desc, q_ready, do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, stride_lb, stride_lh,
+                  qk_scale, WG: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
                   ATOMIC_DQ: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                   ONE_FENCE: gl.constexpr, KEYS_MAJOR: gl.constexpr, DQ_BY_ROWS: gl.constexpr):
     """Step t (query head hq, rows from start_m) of a consumer warpgroup, which also finishes step t - 1 (prev_hq,
-    prev_m): its dQ product and TMA reduce-add, and the release of its Q/dO stage. Returns dK, dV, then (rows-major)
+    prev_m): its dQ product and TMA reduce-add, and the release of its Q/dO stage. Returns dK, dV and (rows-major)
     the next step's (next_hq, next_m) lse2 and delta, loaded at the end of this step: a load at the start of a step
-    held up the fence before the dQ reduce-add, which waits for the thread's loads (session 11); or (keys-major) the
-    P^T and dS^T register operands of the dV and dK products still in flight, which must live until they retire.
+    held up the fence before the dQ reduce-add, which waits for the thread's loads (session 11).
 
     Order of the products, so the tensor cores have work while this warpgroup runs its softmax:
       dQ_{t-1} = dS_{t-1} K (both warpgroups' dS halves, from shared memory), S_t
       | wait for dQ_{t-1} (and dV_{t-1}, dK_{t-1} before it): release stage t-1, store dQ_{t-1}, reduce-add it (TMA)
       | dP_t | wait S_t: P_t | wait dP_t: dS_t
-      | dV_w += P_t^T dO, dK_w += dS_t^T Q, left in flight into step t + 1.
+      | dV_w += P_t^T dO, dK_w += dS_t^T Q, left in flight into step t + 1 (rows-major; keys-major waits for them:
+      with a register-operand product in flight across the loop's back edge ptxas serialises every wgmma).
     At t = 0 the dQ product reads an unwritten buffer and its result is dropped (a uniform instruction stream).
     Rows-major (S = Q K_w^T, [rows, 64 keys]): P and dS go to shared memory, from where the dV/dK products read them
     transposed. KEYS_MAJOR (FA3's SdP_swapAB: S^T = K_w Q^T, [64 keys, rows]): P^T and dS^T are already the A
@@ -303,12 +305,7 @@ def _consume_step(t, hq, start_m, prev_hq, prev_m, next_hq, next_m, has_next, ls
     else:
         sc = warpgroup_mma(q_s, k_w.permute((1, 0)), s_init, use_acc=False, is_async=True)
     # Products retire in order: everything before S_t is done now.
-    if KEYS_MAJOR:
-        if ATOMIC_DQ:
-            dq, dk, dv, p_op, ds_op = warpgroup_mma_wait(1, deps=(dq, dk, dv, p_op, ds_op))
-        else:
-            dk, dv, p_op, ds_op = warpgroup_mma_wait(1, deps=(dk, dv, p_op, ds_op))
-    elif ATOMIC_DQ:
+    if ATOMIC_DQ:
         dq, dk, dv = warpgroup_mma_wait(1, deps=(dq, dk, dv))
     else:
         dk, dv = warpgroup_mma_wait(1, deps=(dk, dv))
@@ -370,23 +367,22 @@ def _consume_step(t, hq, start_m, prev_hq, prev_m, next_hq, next_m, has_next, ls
     if not KEYS_MAJOR:
         lse2, delta = _load_stats(b, next_hq, next_m, has_next, seqlen_q, lse2_ptr, delta_ptr, stride_lb, stride_lh,
                                   gl.SliceLayout(1, s_layout), BLOCK_M)
-    # Still in flight: the accumulators are carried into step t + 1, which waits for them first.
-    if KEYS_MAJOR:
-        dk, dv, p_op, ds_op = warpgroup_mma_wait(2, deps=(dk, dv, p_op, ds_op))
-    else:
+    if KEYS_MAJOR:  # p_op and ds_op stay live until their products have read them
+        dk, dv, p_op, ds_op = warpgroup_mma_wait(0, deps=(dk, dv, p_op, ds_op))
+    else:  # still in flight: the accumulators are carried into step t + 1, which waits for them first
         dk, dv = warpgroup_mma_wait(2, deps=(dk, dv))
-    return dk, dv, lse2, delta, p_op, ds_op
+    return dk, dv, lse2, delta
 
 
 @gluon.jit
-def _finish(t_end, prev_hq, prev_m, dk, dv, p_op, ds_op, b, k_all, ds_bufs, dq_w, dq_desc, ds_ready,
-            WG: gl.constexpr, ATOMIC_DQ: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-            KEYS_MAJOR: gl.constexpr, DQ_BY_ROWS: gl.constexpr):
+def _finish(t_end, prev_hq, prev_m, dk, dv, b, k_all, ds_bufs, dq_w, dq_desc, ds_ready, WG: gl.constexpr,
+            ATOMIC_DQ: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, KEYS_MAJOR: gl.constexpr,
+            DQ_BY_ROWS: gl.constexpr):
     """After the last step (t_end steps in all): its dQ product and reduce-add; every product waited for."""
     if ATOMIC_DQ:
         mbarrier.wait(ds_ready.index((t_end + 1) % 2), ((t_end - 1) // 2) & 1, pred=t_end > 0)
         dq = _dq_product(ds_bufs.index((t_end + 1) % 2), k_all, WG, KEYS_MAJOR, DQ_BY_ROWS, HEAD_DIM, BLOCK_M)
-        dq, dk, dv, p_op, ds_op = warpgroup_mma_wait(0, deps=(dq, dk, dv, p_op, ds_op))
+        dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
         if t_end > 0:
             tma.store_wait(0)
             dq_w.reshape([_dq_rows(BLOCK_M, DQ_BY_ROWS), _dq_cols(HEAD_DIM, DQ_BY_ROWS)]).store(dq)
@@ -394,7 +390,7 @@ def _finish(t_end, prev_hq, prev_m, dk, dv, p_op, ds_op, b, k_all, ds_bufs, dq_w
             _dq_reduce(dq_desc, b, prev_m, prev_hq, dq_w, WG, DQ_BY_ROWS, HEAD_DIM, BLOCK_M)
             tma.store_wait(0)
     else:
-        dk, dv, p_op, ds_op = warpgroup_mma_wait(0, deps=(dk, dv, p_op, ds_op))
+        dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
     return dk, dv
 
 
@@ -419,39 +415,34 @@ def _consumer(q_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs,
     t_end = t0 + n_full * group_size
     prev_hq, prev_m = _step_at(0, t0, n_mask, n_full, m_lo, m_full, tile, hk, group_size, ROTATE, BLOCK_M)
     stats_layout: gl.constexpr = gl.SliceLayout(1, _acc_layout(WG_KEYS))
-    if KEYS_MAJOR:  # lse2/delta come from shared memory; the operands of the products in flight are carried
+    if KEYS_MAJOR:  # lse2/delta come from shared memory
         lse2 = gl.zeros([BLOCK_M], gl.float32, stats_layout)
         delta = lse2
-        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
-        p_op = gl.zeros([WG_KEYS, BLOCK_M], dtype, op_layout)
     else:
         lse2, delta = _load_stats(b, prev_hq, prev_m, t_end > 0, seqlen_q, lse2_ptr, delta_ptr, stride_lb,
                                   stride_lh, stats_layout, BLOCK_M)
-        p_op = gl.zeros([1], dtype, stats_layout)  # unused
-    ds_op = p_op
     mbarrier.wait(kv_bar, 0)
     for u in range(t0):
         hq, start_m = _step(u, n_mask, m_lo, tile, hk, group_size, False, BLOCK_M)
         next_hq, next_m = _step_at(u + 1, t0, n_mask, n_full, m_lo, m_full, tile, hk, group_size, ROTATE, BLOCK_M)
-        dk, dv, lse2, delta, p_op, ds_op = _consume_step(
-            u, hq, start_m, prev_hq, prev_m, next_hq, next_m, u + 1 < t_end, lse2, delta, dk, dv, p_op, ds_op, b,
-            start_n, seqlen_q, seqlen_k, q_bufs, do_bufs, k_smem, v_smem, p_bufs, ds_bufs, lse2_bufs, delta_bufs,
-            dq_w, dq_desc, q_ready, do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, stride_lb, stride_lh,
-            qk_scale, WG, True, CAUSAL, ATOMIC_DQ, HEAD_DIM, BLOCK_M, STAGES, ONE_FENCE, KEYS_MAJOR, DQ_BY_ROWS)
+        dk, dv, lse2, delta = _consume_step(
+            u, hq, start_m, prev_hq, prev_m, next_hq, next_m, u + 1 < t_end, lse2, delta, dk, dv, b, start_n,
+            seqlen_q, seqlen_k, q_bufs, do_bufs, k_smem, v_smem, p_bufs, ds_bufs, lse2_bufs, delta_bufs, dq_w,
+            dq_desc, q_ready, do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, stride_lb, stride_lh, qk_scale, WG,
+            True, CAUSAL, ATOMIC_DQ, HEAD_DIM, BLOCK_M, STAGES, ONE_FENCE, KEYS_MAJOR, DQ_BY_ROWS)
         prev_hq = hq
         prev_m = start_m
     for u in range(t_end - t0):
         hq, start_m = _step(u, n_full, m_full, tile, hk, group_size, ROTATE, BLOCK_M)
         next_hq, next_m = _step(u + 1, n_full, m_full, tile, hk, group_size, ROTATE, BLOCK_M)
-        dk, dv, lse2, delta, p_op, ds_op = _consume_step(
-            t0 + u, hq, start_m, prev_hq, prev_m, next_hq, next_m, t0 + u + 1 < t_end, lse2, delta, dk, dv, p_op,
-            ds_op, b, start_n, seqlen_q, seqlen_k, q_bufs, do_bufs, k_smem, v_smem, p_bufs, ds_bufs, lse2_bufs,
-            delta_bufs, dq_w, dq_desc, q_ready, do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, stride_lb,
-            stride_lh, qk_scale, WG, False, CAUSAL, ATOMIC_DQ, HEAD_DIM, BLOCK_M, STAGES, ONE_FENCE, KEYS_MAJOR,
-            DQ_BY_ROWS)
+        dk, dv, lse2, delta = _consume_step(
+            t0 + u, hq, start_m, prev_hq, prev_m, next_hq, next_m, t0 + u + 1 < t_end, lse2, delta, dk, dv, b,
+            start_n, seqlen_q, seqlen_k, q_bufs, do_bufs, k_smem, v_smem, p_bufs, ds_bufs, lse2_bufs, delta_bufs,
+            dq_w, dq_desc, q_ready, do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, stride_lb, stride_lh,
+            qk_scale, WG, False, CAUSAL, ATOMIC_DQ, HEAD_DIM, BLOCK_M, STAGES, ONE_FENCE, KEYS_MAJOR, DQ_BY_ROWS)
         prev_hq = hq
         prev_m = start_m
-    dk, dv = _finish(t_end, prev_hq, prev_m, dk, dv, p_op, ds_op, b, k_all, ds_bufs, dq_w, dq_desc, ds_ready, WG,
+    dk, dv = _finish(t_end, prev_hq, prev_m, dk, dv, b, k_all, ds_bufs, dq_w, dq_desc, ds_ready, WG,
                      ATOMIC_DQ, HEAD_DIM, BLOCK_M, KEYS_MAJOR, DQ_BY_ROWS)
 
     # Epilogue: keys no query row sees keep dK = dV = 0; rows past Sk are not stored.
