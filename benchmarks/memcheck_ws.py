@@ -5,31 +5,42 @@ kernels/attn_bwd_ws.py), both dQ modes, for compute-sanitizer. Usage on the H200
 unreported). Shapes: one query and one key, partial tiles, MQA with Sq > Sk (rows that see no key), d64 (128-row
 steps, one with whole row blocks that see no key), and keys that fit in one tile. Then the forward alone with every
 tile of heuristics.fwd_ws_config launched directly (one CTA per tile and persistent CTAs, d256's K/V rings), on
-shapes with partial tiles, an odd tile count and rows that see no key."""
+shapes with partial tiles, an odd tile count and rows that see no key. The backward runs its opt-in variants
+(BWD_VARIANTS) too."""
 import sys
 
 import torch
 
 sys.path.insert(0, ".")
 import tileflash  # noqa: E402
-from tileflash.heuristics import WsFwdConfig  # noqa: E402
+from tileflash.heuristics import WsBwdConfig, WsFwdConfig  # noqa: E402
+from tileflash.ops import backward  # noqa: E402
 from tileflash.ops._launch import launch_attn_fwd_ws  # noqa: E402
 from tileflash.ops.backward import ws_backward_config  # noqa: E402
 
 CASES = [(1, 1, 1, 1, 1, 128, True), (2, 17, 17, 4, 4, 128, True), (1, 300, 97, 8, 1, 128, True),
          (2, 200, 1333, 4, 2, 64, False), (1, 1100, 1100, 2, 2, 64, True), (1, 1300, 1030, 2, 1, 64, True),
          (1, 700, 40, 4, 2, 128, True)]  # d64 needs more than 1024 keys (heuristics.bwd_ws_config)
-for b, sq, sk, hq, hkv, d, causal in CASES:
-    for deterministic in (False, True):
-        q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        k, v = (torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
-        assert ws_backward_config(q, k, v, q, varlen=False, window_left=-1, window_right=0 if causal else -1,
-                                  softcap=0.0) is not None, "this case no longer takes the Gluon backward"
-        out = tileflash.flash_attn_func(q, k, v, causal=causal, deterministic=deterministic)
-        out.float().square().sum().backward()
-        torch.cuda.synchronize()
-        finite = all(torch.isfinite(t.grad).all().item() for t in (q, k, v))
-        print((b, sq, sk, hq, hkv, d, causal, deterministic), "finite" if finite else "NONFINITE", flush=True)
+# The backward's opt-in variants (heuristics.WsBwdConfig: keys-major scores, dQ split by rows) on every case of
+# their head dim, besides the heuristic's pick (None).
+BWD_VARIANTS = {128: [None, WsBwdConfig(64, 2, True, True, keys_major=True)],
+                64: [None, WsBwdConfig(128, 2, True, True, keys_major=True, dq_by_rows=True),
+                     WsBwdConfig(128, 2, True, True, dq_by_rows=True)]}
+pick = backward.bwd_ws_config
+runs = [(case, cfg, det) for case in CASES for cfg in BWD_VARIANTS[case[5]] for det in (False, True)]
+for (b, sq, sk, hq, hkv, d, causal), cfg, deterministic in runs:
+    backward.bwd_ws_config = pick if cfg is None else (lambda *args, cfg=cfg: cfg)
+    q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    assert ws_backward_config(q, k, v, q, varlen=False, window_left=-1, window_right=0 if causal else -1,
+                              softcap=0.0) is not None, "this case no longer takes the Gluon backward"
+    out = tileflash.flash_attn_func(q, k, v, causal=causal, deterministic=deterministic)
+    out.float().square().sum().backward()
+    torch.cuda.synchronize()
+    finite = all(torch.isfinite(t.grad).all().item() for t in (q, k, v))
+    print((b, sq, sk, hq, hkv, d, causal, deterministic), cfg or "heuristic", "finite" if finite else "NONFINITE",
+          flush=True)
+backward.bwd_ws_config = pick
 
 FWD_TILES = {128: [(128, 3, 3, False), (128, 3, 3, True)], 64: [(128, 3, 3, False), (128, 3, 3, True)],
              256: [(64, 2, 2, False), (64, 3, 2, False), (64, 3, 2, True)]}

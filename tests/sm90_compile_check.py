@@ -207,7 +207,9 @@ def _cases():
 
 
 def _resource_usage():
-    """One line per compiled kernel variant: registers and stack (spills) from cuobjdump -res-usage."""
+    """One line per compiled kernel variant: registers and stack (spills) from cuobjdump -res-usage, and whether
+    ptxas serialised its wgmma instructions (warning C7515: a non-wgmma instruction defines an accumulator register
+    while the pipeline stage is in flight; every wgmma then waits for the one before it)."""
     import subprocess
     import tempfile
 
@@ -216,7 +218,8 @@ def _resource_usage():
     from tileflash.kernels import (attn_bwd, attn_bwd_ws, attn_combine, attn_fwd, attn_fwd_ws, decode_quant_mma,
                                    gemm_blockscaled, gemm_nvfp4_mma, kv_append, quant)
 
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    tool, ptxas = os.path.join(bin_dir, "cuobjdump"), os.path.join(bin_dir, "ptxas")
     with tempfile.TemporaryDirectory() as tmp:
         for mod in (attn_fwd, attn_fwd_ws, attn_bwd, attn_bwd_ws, attn_combine, kv_append, quant, gemm_blockscaled,
                     gemm_nvfp4_mma, decode_quant_mma):
@@ -229,10 +232,18 @@ def _resource_usage():
                             f.write(kernel.asm["cubin"])
                         out = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True).stdout
                         usage = next((ln.strip() for ln in out.splitlines() if "REG:" in ln), "?")
+                        serialised = ""
+                        if "wgmma" in kernel.asm.get("ptx", ""):
+                            ptx = os.path.join(tmp, "k.ptx")
+                            with open(ptx, "w") as f:
+                                f.write(kernel.asm["ptx"])
+                            info = subprocess.run([ptxas, "--gpu-name", "sm_90a", "-v", ptx, "-o",
+                                                   os.path.join(tmp, "k.o")], capture_output=True, text=True)
+                            serialised = " WGMMA SERIALISED (C7515)" if "C7515" in info.stdout + info.stderr else ""
                         consts = {k[0] if isinstance(k, tuple) else k: v
                                   for k, v in getattr(kernel.src, "constants", {}).items()}
                         print(f"{name} warps={kernel.metadata.num_warps} {' '.join(usage.split()[:3])} "
-                              f"constexprs={list(consts.values())}")
+                              f"constexprs={list(consts.values())}{serialised}")
 
 
 def main() -> int:
