@@ -4,8 +4,8 @@ dQ).
 
 Usage on the H200: `python benchmarks/ws_bwd_sweep.py [--dims 128,64] [--seqlens 1024,4096,16384]
 [--variants "triton;64,2,1;128,2,1,0"]`. One row per (d, causal, s): cuDNN, then each variant: `triton` (the Triton
-kernels) or heuristics.WsBwdConfig's fields in order (query rows per step, stages, atomic dQ, one fence; 0/1 for the
-flags), marked ERR when a gradient strays from cuDNN's by more than 5% of its largest value. The same config serves
+kernels) or heuristics.WsBwdConfig's fields in order (query rows per step, stages, atomic dQ, one fence, keys-major,
+dQ by rows; 0/1 for the flags, trailing ones may be left out), marked ERR when a gradient strays from cuDNN's by more than 5% of its largest value. The same config serves
 every shape of a run, so pass one --dims per call when the rows per step differ. heuristics.bwd_ws_config holds
 the picks.
 """
