@@ -126,6 +126,13 @@ def _cases():
         q, k, v = (torch.randn(250, 4, 64, dtype=bf, requires_grad=True) for _ in range(3))
         tileflash.flash_attn_varlen_func(q, k, v, cu, cu, 150, 150, causal=True).sum().backward()
 
+    def varlen_ws(d, causal, backward=False):
+        cu = torch.tensor([0, 100, 100, 700, 1250], dtype=torch.int32)
+        q, k, v = (torch.randn(1250, 4, d, dtype=bf, requires_grad=backward) for _ in range(3))
+        out = tileflash.flash_attn_varlen_func(q, k, v, cu, cu, 600, 600, causal=causal)
+        if backward:
+            out.sum().backward()
+
     def warp_specialised(call, backward=False):
         """Run a call that must take the warp-specialised Gluon forward (kernels/attn_fwd_ws.py) and, with
         backward, the warp-specialised dK/dV kernel (kernels/attn_bwd_ws.py)."""
@@ -177,6 +184,8 @@ def _cases():
             64, False, WsBwdConfig(128, 2, True, True, keys_major=True, dq_by_rows=True)),
         "prefill fwd+bwd d128 causal, keys-major backward": backward_variant(
             128, True, WsBwdConfig(64, 2, True, True, keys_major=True)),
+        "varlen d128 causal, warp-specialised forward": warp_specialised(lambda: varlen_ws(128, True)),
+        "varlen d64, warp-specialised forward": warp_specialised(lambda: varlen_ws(64, False)),
         "prefill d64 causal fp16, warp-specialised forward": warp_specialised(lambda: tileflash.flash_attn_func(
             *(torch.randn(1, 4096, 2, 64, dtype=fp16) for _ in range(3)), causal=True)),
         "prefill d128 causal, warp-specialised forward, one CTA per tile": warp_specialised(

@@ -9,7 +9,8 @@ import tileflash
 from helpers import DEVICE, ON_SM90, attention_inputs, check_2x, check_lse
 from tileflash.heuristics import WsFwdConfig
 from tileflash.ops._launch import Mask, launch_attn_fwd_ws, sm90_target, ws_forward_config
-from tileflash.reference import attention_ref
+from tileflash.ops import prefill
+from tileflash.reference import attention_ref, attention_varlen_ref
 
 needs_sm90 = pytest.mark.skipif(not ON_SM90, reason="the warp-specialised forward runs on sm_90 only")
 
@@ -84,6 +85,38 @@ def test_ws_forward_strided_views_and_gradients():
     check_2x(out, ref, ref_lowp)
     out.sum().backward()
     assert qkv.grad is not None and torch.isfinite(qkv.grad).all()
+
+
+# Packed sequences (query lengths, key lengths, heads_q, heads_kv, head_dim, causal) — why each is here:
+VARLEN_CASES = [
+    ([300, 0, 1025, 77], [400, 12, 1025, 2000], 8, 2, 128, True),  # an empty query sequence, Sq != Sk both ways
+    ([129, 1, 640], [129, 1, 640], 4, 4, 64, False),  # a tile with one row past its sequence's end
+    ([200, 70, 5], [65, 300, 0], 4, 1, 256, True),  # MQA, d256 (64-key blocks), Sq > Sk, a sequence with no key
+]
+
+
+@needs_sm90
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=lambda c: "-".join(map(str, c[2:])))
+def test_ws_forward_varlen(case, dtype, monkeypatch):
+    """Rows and keys past a sequence's end belong to the next one: none may leak into or overwrite it."""
+    lens_q, lens_k, hq, hkv, d, causal = case
+    launches = []
+    monkeypatch.setattr(prefill, "launch_attn_fwd_ws", lambda *a, **kw: launches.append(1) or launch_attn_fwd_ws(
+        *a, **kw))
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(sum(lens_q), hq, d, generator=g).to(DEVICE, dtype)
+    k = torch.randn(sum(lens_k), hkv, d, generator=g).to(DEVICE, dtype)
+    v = torch.randn(sum(lens_k), hkv, d, generator=g).to(DEVICE, dtype)
+    cu = lambda lens: torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(DEVICE, torch.int32)  # noqa: E731
+    cu_q, cu_k = cu(lens_q), cu(lens_k)
+    out, lse = tileflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                                return_lse=True)
+    assert launches, "this case no longer takes the warp-specialised forward"
+    ref, ref_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, None, causal=causal)
+    ref_lowp, _ = attention_varlen_ref(q, k, v, cu_q, cu_k, None, causal=causal, upcast=False)
+    check_2x(out, ref, ref_lowp)
+    check_lse(lse, ref_lse)
 
 
 @needs_sm90

@@ -21,9 +21,12 @@ from registers (Q's buffer, the TMA store's staging otherwise, may already hold 
 
 Layout: q, out [B, Sq, Hq, D] and k, v [B, Sk, Hkv, D] through 4-D TMA descriptors with blocks [1, rows, 1, D], so
 rows past a sequence's end arrive as zeros and are never stored (no row masks on loads; the persistent epilogue
-masks its stores); lse [B, Hq, Sq] float32 contiguous. Scope (ops/_launch.ws_forward_config decides, else the
+masks its stores); lse [B, Hq, Sq] float32 contiguous. Varlen batches (VARLEN): the packed [total, H, D] tensors
+as [1, total, H, D], each tile's rows and keys offset by its sequence's start; rows past a sequence's end then
+load the next sequence's rows, so keys there are masked (the last partial block of a sequence always takes the
+mask) and O is stored from registers with row masks. Scope (ops/_launch.ws_forward_config decides, else the
 Triton kernel runs): 16-bit dtypes, head dims 64, 128 and 256, no window or softcap beyond causal, a positive
-softmax scale, non-varlen batches. Gluon has no CPU interpreter: the CPU suite checks this kernel's compilation for
+softmax scale; varlen without seqused_k or a paged cache. Gluon has no CPU interpreter: the CPU suite checks this kernel's compilation for
 sm_90 (tests/sm90_compile_check.py) and the GPU suite its results.
 """
 import triton
@@ -74,6 +77,17 @@ def _tile_count(num_units, PERSISTENT: gl.constexpr):
 
 
 @gluon.jit
+def _sequence(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN: gl.constexpr):
+    """(batch coordinate of the descriptors, first query row, query rows, first key, keys) of sequence b: with
+    VARLEN the packed rows [cu_seqlens[b], cu_seqlens[b + 1]) of [1, total, H, D] tensors, else all of batch b."""
+    if VARLEN:
+        q0 = gl.load(cu_seqlens_q + b)
+        k0 = gl.load(cu_seqlens_k + b)
+        return b * 0, q0, gl.load(cu_seqlens_q + b + 1) - q0, k0, gl.load(cu_seqlens_k + b + 1) - k0
+    return b, b * 0, seqlen_q, b * 0, seqlen_k
+
+
+@gluon.jit
 def _block_range(start_m, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
     """KV blocks [0, n_hi) that rows [start_m, start_m + 128) need; blocks >= full_hi need the mask (past Sk or
     past the diagonal of the tile's first row; causal is bottom-right aligned: row i sees keys <= i + Sk - Sq)."""
@@ -89,29 +103,35 @@ def _block_range(start_m, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_N: gl.
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
-              seqlen_q, seqlen_k, m_tiles, num_heads_q, group_size, num_units, CAUSAL: gl.constexpr,
-              BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+              cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, m_tiles, num_heads_q, group_size, num_units,
+              CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+              PERSISTENT: gl.constexpr, VARLEN: gl.constexpr):
     it = 0  # K/V blocks loaded so far: the position in both rings
     tiles_done = 0
     for step in range(_tile_count(num_units, PERSISTENT)):
         b, h, hk, start_m, valid = _tile(step, m_tiles, num_heads_q, group_size, PERSISTENT)
+        bd, q0, sq, k0, sk = _sequence(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN)
+        if VARLEN:
+            valid = valid & (start_m < sq)  # tiles cover the longest sequence
         if valid:
             for w in gl.static_range(2):
                 # Q's buffer is free once the consumer's last S product of the previous tile retired.
                 mbarrier.wait(q_empty.index(w), (tiles_done & 1) ^ 1)  # a fresh barrier passes parity 1 at once
                 mbarrier.expect(q_bar.index(w), q_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(q_desc, [b, start_m + w * WG_ROWS, h, 0], q_bar.index(w),
+                tma.async_copy_global_to_shared(q_desc, [bd, q0 + start_m + w * WG_ROWS, h, 0], q_bar.index(w),
                                                 q_smem.index(w))
-            full_hi, n_hi = _block_range(start_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_N)
+            full_hi, n_hi = _block_range(start_m, sq, sk, CAUSAL, BLOCK_N)
             for j in range(n_hi):
                 ks = it % K_STAGES
                 mbarrier.wait(k_empty.index(ks), ((it // K_STAGES) & 1) ^ 1)
                 mbarrier.expect(k_ready.index(ks), k_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(k_desc, [b, j * BLOCK_N, hk, 0], k_ready.index(ks), k_bufs.index(ks))
+                tma.async_copy_global_to_shared(k_desc, [bd, k0 + j * BLOCK_N, hk, 0], k_ready.index(ks),
+                                                k_bufs.index(ks))
                 vs = it % V_STAGES
                 mbarrier.wait(v_empty.index(vs), ((it // V_STAGES) & 1) ^ 1)
                 mbarrier.expect(v_ready.index(vs), v_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(v_desc, [b, j * BLOCK_N, hk, 0], v_ready.index(vs), v_bufs.index(vs))
+                tma.async_copy_global_to_shared(v_desc, [bd, k0 + j * BLOCK_N, hk, 0], v_ready.index(vs),
+                                                v_bufs.index(vs))
                 it += 1
             tiles_done += 1
 
@@ -141,10 +161,10 @@ def _softmax(s, m_i, l_i, qk_scale):
 
 @gluon.jit
 def _consumer(q_desc, o_desc, out_ptr, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready, k_empty,
-              v_empty, seqlen_q, seqlen_k, m_tiles, num_heads_q, group_size, num_units, stride_ob, stride_os,
-              stride_oh, stride_lb, stride_lh, qk_scale, WG: gl.constexpr, CAUSAL: gl.constexpr,
-              HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
-              PERSISTENT: gl.constexpr):
+              v_empty, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, m_tiles, num_heads_q, group_size, num_units,
+              stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale, WG: gl.constexpr,
+              CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
+              V_STAGES: gl.constexpr, PERSISTENT: gl.constexpr, VARLEN: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -159,8 +179,11 @@ def _consumer(q_desc, o_desc, out_ptr, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, q
     tiles_done = 0
     for step in range(_tile_count(num_units, PERSISTENT)):
         b, h, hk, start_m, valid = _tile(step, m_tiles, num_heads_q, group_size, PERSISTENT)
+        bd, q0, sq, k0, sk = _sequence(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN)
+        if VARLEN:
+            valid = valid & (start_m < sq)
         if valid:
-            full_hi, n_hi = _block_range(start_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_N)
+            full_hi, n_hi = _block_range(start_m, sq, sk, CAUSAL, BLOCK_N)
             row0 = start_m + WG * WG_ROWS
             m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
             l_i = gl.zeros([WG_ROWS], gl.float32, gl.SliceLayout(1, s_layout))
@@ -174,7 +197,7 @@ def _consumer(q_desc, o_desc, out_ptr, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, q
                 s = warpgroup_mma_wait(0, deps=(s,))
                 mbarrier.arrive(k_empty.index(ks), count=1)
                 if full_hi == 0:
-                    s = _masked(s, 0, row0, seqlen_q, seqlen_k, CAUSAL, BLOCK_N)
+                    s = _masked(s, 0, row0, sq, sk, CAUSAL, BLOCK_N)
                 p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale)
                 p = gl.convert_layout(p.to(dtype), p_layout)
                 for j in range(1, n_hi):
@@ -188,7 +211,7 @@ def _consumer(q_desc, o_desc, out_ptr, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, q
                     s = warpgroup_mma_wait(1, deps=(s,))  # products retire in order: S_j is done, PV_{j-1} may not be
                     mbarrier.arrive(k_empty.index(ks), count=1)
                     if j >= full_hi:
-                        s = _masked(s, j, row0, seqlen_q, seqlen_k, CAUSAL, BLOCK_N)
+                        s = _masked(s, j, row0, sq, sk, CAUSAL, BLOCK_N)
                     p_next, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale)
                     acc, p = warpgroup_mma_wait(0, deps=(acc, p))  # p stays live until its product has read it
                     mbarrier.arrive(v_empty.index(prev), count=1)
@@ -211,15 +234,16 @@ def _consumer(q_desc, o_desc, out_ptr, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, q
             o = (acc * gl.expand_dims(gl.convert_layout(inv_l, o_rows), 1)).to(dtype)
             lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
             rows = row0 + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, s_layout))
-            gl.store(lse_ptr + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + rows, lse,
-                     mask=rows < seqlen_q)
-            if PERSISTENT:
-                # Stored from registers: Q's buffer already holds (or receives) the next tile's Q.
+            gl.store(lse_ptr + bd.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + q0 + rows, lse,
+                     mask=rows < sq)
+            if PERSISTENT or VARLEN:
+                # Stored from registers: Q's buffer already holds (or receives) the next tile's Q; packed rows
+                # past a sequence's end belong to the next one, which a TMA store would overwrite.
                 o_rows_i = gl.expand_dims(row0 + gl.arange(0, WG_ROWS, layout=o_rows), 1)
                 cols = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout)), 0)
-                ptrs = (out_ptr + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
-                        + o_rows_i.to(gl.int64) * stride_os + cols)
-                gl.store(ptrs, o, mask=o_rows_i < seqlen_q)
+                ptrs = (out_ptr + bd.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+                        + (q0 + o_rows_i).to(gl.int64) * stride_os + cols)
+                gl.store(ptrs, o, mask=o_rows_i < sq)
             else:
                 # Through Q's buffer (every S product that read it has completed) and a TMA store, which drops
                 # rows past Sq.
@@ -231,12 +255,15 @@ def _consumer(q_desc, o_desc, out_ptr, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, q
 
 
 @gluon.jit
-def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, out_ptr, lse_ptr, seqlen_q, seqlen_k, m_tiles, num_heads_q,
-                       group_size, num_units, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale,
-                       CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
-                       V_STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, out_ptr, lse_ptr, cu_seqlens_q, cu_seqlens_k, seqlen_q,
+                       seqlen_k, m_tiles, num_heads_q, group_size, num_units, stride_ob, stride_os, stride_oh,
+                       stride_lb, stride_lh, qk_scale, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+                       BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+                       PERSISTENT: gl.constexpr, VARLEN: gl.constexpr):
     """Grid: (m_tiles * B * Hq,) or, PERSISTENT, (min(num_units, SMs),); 4 warps (the first consumer warpgroup;
-    the partitions add 5 more)."""
+    the partitions add 5 more). VARLEN (not with PERSISTENT): B sequences packed in [1, total, H, D] tensors, their
+    rows and keys from cu_seqlens_q/k (int32 [B + 1]), m_tiles from the longest; lse [1, Hq, total_q]."""
+    gl.static_assert(not (PERSISTENT and VARLEN), "persistent CTAs walk tiles of equal-length sequences")
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2, 1, WG_ROWS, 1, HEAD_DIM], q_desc.layout)
     k_bufs = gl.allocate_shared_memory(dtype, [K_STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
@@ -274,16 +301,16 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, out_ptr, lse_ptr, seqlen_
     # (Argument tuples are written out: a tuple built with + loses the constexprs' type.)
     gl.warp_specialize([
         (_consumer, (q_desc, o_desc, out_ptr, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready,
-                     k_empty, v_empty, seqlen_q, seqlen_k, m_tiles, num_heads_q, group_size, num_units, stride_ob,
-                     stride_os, stride_oh, stride_lb, stride_lh, qk_scale, WG0, CAUSAL, HEAD_DIM, BLOCK_N, K_STAGES,
-                     V_STAGES, PERSISTENT)),
+                     k_empty, v_empty, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, m_tiles, num_heads_q,
+                     group_size, num_units, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale, WG0,
+                     CAUSAL, HEAD_DIM, BLOCK_N, K_STAGES, V_STAGES, PERSISTENT, VARLEN)),
         (_consumer, (q_desc, o_desc, out_ptr, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready,
-                     k_empty, v_empty, seqlen_q, seqlen_k, m_tiles, num_heads_q, group_size, num_units, stride_ob,
-                     stride_os, stride_oh, stride_lb, stride_lh, qk_scale, WG1, CAUSAL, HEAD_DIM, BLOCK_N, K_STAGES,
-                     V_STAGES, PERSISTENT)),
+                     k_empty, v_empty, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, m_tiles, num_heads_q,
+                     group_size, num_units, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale, WG1,
+                     CAUSAL, HEAD_DIM, BLOCK_N, K_STAGES, V_STAGES, PERSISTENT, VARLEN)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready, k_empty,
-                     v_empty, seqlen_q, seqlen_k, m_tiles, num_heads_q, group_size, num_units, CAUSAL, BLOCK_N,
-                     K_STAGES, V_STAGES, PERSISTENT)),
+                     v_empty, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, m_tiles, num_heads_q, group_size,
+                     num_units, CAUSAL, BLOCK_N, K_STAGES, V_STAGES, PERSISTENT, VARLEN)),
     ], [4, 1], [240, 24])
 
 

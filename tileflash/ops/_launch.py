@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -197,15 +197,17 @@ def ws_call_ok(dtype: torch.dtype, mask: Mask) -> bool:
     return plain_mask and dtype in (torch.float16, torch.bfloat16) and sm90_target()
 
 
-def ws_forward_config(q4, k4, v4, out4, softmax_scale: float, mask: Mask) -> WsFwdConfig | None:
+def ws_forward_config(q4, k4, v4, out4, softmax_scale: float, mask: Mask,
+                      max_seqlen_k: int | None = None) -> WsFwdConfig | None:
     """The warp-specialised forward's tiles when it serves this call (sm_90, a shape heuristics.fwd_ws_config
-    takes, at most a causal mask, a positive scale, TMA-addressable tensors), else None (the Triton kernel)."""
+    takes, at most a causal mask, a positive scale, TMA-addressable tensors), else None (the Triton kernel).
+    max_seqlen_k: given for varlen batches (packed [1, total, H, D] tensors), which take one CTA per tile."""
     if not (softmax_scale > 0 and ws_call_ok(q4.dtype, mask)):
         return None
-    cfg = fwd_ws_config(q4.shape[3], mask.window_right == 0, k4.shape[1])
+    cfg = fwd_ws_config(q4.shape[3], mask.window_right == 0, k4.shape[1] if max_seqlen_k is None else max_seqlen_k)
     if cfg is None or not all(_tma_4d_ok(t) for t in (q4, k4, v4, out4)):
         return None
-    return cfg
+    return cfg if max_seqlen_k is None else replace(cfg, persistent=False)
 
 
 _GLUON_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -221,19 +223,26 @@ def _desc_4d(t: torch.Tensor, block_rows: int, block_cols: int | None = None):
     return GluonDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
-def launch_attn_fwd_ws(q4, k4, v4, out4, lse3, *, causal: bool, softmax_scale: float, config: WsFwdConfig) -> None:
-    """q4/out4 [B, Sq, Hq, D], k4/v4 [B, Sk, Hkv, D], lse3 [B, Hq, Sq] contiguous float32 (see ws_forward_config)."""
+def launch_attn_fwd_ws(q4, k4, v4, out4, lse3, *, causal: bool, softmax_scale: float, config: WsFwdConfig,
+                       cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
+                       max_seqlen_q: int = 0) -> None:
+    """q4/out4 [B, Sq, Hq, D], k4/v4 [B, Sk, Hkv, D], lse3 [B, Hq, Sq] contiguous float32 (see ws_forward_config).
+    Varlen (cu_seqlens_q/k int32 [num_seqs + 1]): q4, k4, v4, out4 [1, total, H, D] and lse3 [1, Hq, total_q]."""
+    varlen = cu_seqlens_q is not None
     b, sq, hq, d = q4.shape
+    if varlen:
+        b, sq = cu_seqlens_q.shape[0] - 1, max_seqlen_q
     m_tiles = attn_fwd_ws.m_tiles(sq)
     num_units = attn_fwd_ws.units(m_tiles, b * hq)
     grid = min(num_units, _utils.num_sms(q4.device)) if config.persistent else m_tiles * b * hq
     rows = attn_fwd_ws.ROWS_PER_WARPGROUP
     attn_fwd_ws.attn_fwd_ws_kernel[(grid,)](
         _desc_4d(q4, rows), _desc_4d(k4, config.block_n), _desc_4d(v4, config.block_n), _desc_4d(out4, rows), out4,
-        lse3, sq, k4.shape[1], m_tiles, hq, hq // k4.shape[2], num_units, out4.stride(0), out4.stride(1),
-        out4.stride(2), lse3.stride(0), lse3.stride(1), softmax_scale * math.log2(math.e), CAUSAL=causal,
+        lse3, cu_seqlens_q if varlen else lse3, cu_seqlens_k if varlen else lse3, sq, k4.shape[1], m_tiles, hq,
+        hq // k4.shape[2], num_units, 0 if varlen else out4.stride(0), out4.stride(1), out4.stride(2),
+        0 if varlen else lse3.stride(0), lse3.stride(1), softmax_scale * math.log2(math.e), CAUSAL=causal,
         HEAD_DIM=d, BLOCK_N=config.block_n, K_STAGES=config.k_stages, V_STAGES=config.v_stages,
-        PERSISTENT=config.persistent, num_warps=4)
+        PERSISTENT=config.persistent, VARLEN=varlen, num_warps=4)
 
 
 def launch_combine(o_part, lse_part, out4, lse3, pdl: bool = False) -> None:

@@ -88,10 +88,32 @@ def _varlen_forward(q, k4, v4, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax
     return out, lse
 
 
+def _varlen_forward_ws(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, mask):
+    """(out, lse [Hq, total_q]) from the warp-specialised forward over packed sequences, or None where it does not
+    serve the call (ops/_launch.ws_forward_config; no TMA descriptor over zero rows)."""
+    total_q, hq, _ = q.shape
+    if total_q == 0 or k.shape[0] == 0 or max_seqlen_q == 0 or cu_seqlens_q.shape[0] < 2:
+        return None
+    out = _utils.new_output(q.shape, q.dtype, q.device)
+    q4, k4, v4, out4 = (t.unsqueeze(0) for t in (q, k, v, out))
+    cfg = ws_forward_config(q4, k4, v4, out4, softmax_scale, mask, max_seqlen_k=max_seqlen_k)
+    if cfg is None:
+        return None
+    lse = _utils.new_output((hq, total_q), torch.float32, q.device)
+    launch_attn_fwd_ws(q4, k4, v4, out4, lse.unsqueeze(0), causal=mask.window_right == 0, softmax_scale=softmax_scale,
+                       config=cfg, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q)
+    return out, lse
+
+
 def _attn_varlen_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                           cu_seqlens_k: torch.Tensor, seqused_k: Optional[torch.Tensor], max_seqlen_q: int,
                           max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
                           softcap: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if seqused_k is None:
+        ws = _varlen_forward_ws(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                                Mask(window_left, window_right, softcap))
+        if ws is not None:
+            return ws
     return _varlen_forward(q, k.unsqueeze(0), v.unsqueeze(0), cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale,
                            window_left, window_right, softcap, k_batch_stride0=True, seqlen_k=k.shape[0],
                            cu_seqlens_k=cu_seqlens_k, seqlens_k=seqused_k)
