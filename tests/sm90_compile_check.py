@@ -127,9 +127,10 @@ def _cases():
         tileflash.flash_attn_varlen_func(q, k, v, cu, cu, 150, 150, causal=True).sum().backward()
 
     def varlen_ws(d, causal, backward=False):
-        cu = torch.tensor([0, 100, 100, 700, 1250], dtype=torch.int32)
-        q, k, v = (torch.randn(1250, 4, d, dtype=bf, requires_grad=backward) for _ in range(3))
-        out = tileflash.flash_attn_varlen_func(q, k, v, cu, cu, 600, 600, causal=causal)
+        """Packed sequences (one empty, one over 1024 keys: d64's backward takes the Gluon kernel from there)."""
+        cu = torch.tensor([0, 100, 100, 1400, 2000], dtype=torch.int32)
+        q, k, v = (torch.randn(2000, 4, d, dtype=bf, requires_grad=backward) for _ in range(3))
+        out = tileflash.flash_attn_varlen_func(q, k, v, cu, cu, 1300, 1300, causal=causal)
         if backward:
             out.sum().backward()
 
@@ -142,7 +143,7 @@ def _cases():
         kernels = (attn_fwd_ws_kernel, attn_bwd_ws_kernel) if backward else (attn_fwd_ws_kernel,)
         return lambda: _compiles(kernels, call)
 
-    def backward_variant(d, causal, config):
+    def backward_variant(d, causal, config, varlen=False):
         """A backward through the warp-specialised dK/dV kernel with a config the heuristic does not pick."""
         from tileflash.ops import backward as backward_ops
 
@@ -150,8 +151,11 @@ def _cases():
             saved = backward_ops.bwd_ws_config
             backward_ops.bwd_ws_config = lambda *args: config
             try:
-                warp_specialised(lambda: tileflash.flash_attn_func(*grad_leaves(1, 1500, 2, d), causal=causal)
-                                 .sum().backward(), backward=True)()
+                if varlen:
+                    warp_specialised(lambda: varlen_ws(d, causal, backward=True), backward=True)()
+                else:
+                    warp_specialised(lambda: tileflash.flash_attn_func(*grad_leaves(1, 1500, 2, d), causal=causal)
+                                     .sum().backward(), backward=True)()
             finally:
                 backward_ops.bwd_ws_config = saved
 
@@ -184,8 +188,10 @@ def _cases():
             64, False, WsBwdConfig(128, 2, True, True, keys_major=True, dq_by_rows=True)),
         "prefill fwd+bwd d128 causal, keys-major backward": backward_variant(
             128, True, WsBwdConfig(64, 2, True, True, keys_major=True)),
-        "varlen d128 causal, warp-specialised forward": warp_specialised(lambda: varlen_ws(128, True)),
-        "varlen d64, warp-specialised forward": warp_specialised(lambda: varlen_ws(64, False)),
+        "varlen fwd+bwd d128 causal, warp-specialised": warp_specialised(lambda: varlen_ws(128, True, True), True),
+        "varlen fwd+bwd d64, warp-specialised": warp_specialised(lambda: varlen_ws(64, False, True), True),
+        "varlen fwd+bwd d64 causal, keys-major backward": backward_variant(
+            64, True, WsBwdConfig(128, 2, True, True, keys_major=True, dq_by_rows=True), varlen=True),
         "prefill d64 causal fp16, warp-specialised forward": warp_specialised(lambda: tileflash.flash_attn_func(
             *(torch.randn(1, 4096, 2, 64, dtype=fp16) for _ in range(3)), causal=True)),
         "prefill d128 causal, warp-specialised forward, one CTA per tile": warp_specialised(

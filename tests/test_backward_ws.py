@@ -10,8 +10,8 @@ import tileflash
 from helpers import DEVICE, ON_SM90, attention_inputs, check_grads
 from tileflash.heuristics import WsBwdConfig
 from tileflash.ops import backward
-from tileflash.ops.backward import ws_backward_config
-from tileflash.reference import attention_ref
+from tileflash.ops.backward import launch_attn_bwd_ws, ws_backward_config
+from tileflash.reference import attention_ref, attention_varlen_ref
 
 needs_sm90 = pytest.mark.skipif(not ON_SM90, reason="the warp-specialised backward runs on sm_90 only")
 
@@ -35,10 +35,11 @@ def _leaves(b, sq, sk, hq, hkv, d, dtype):
     return [t.requires_grad_() for t in attention_inputs(b, sq, sk, hq, hkv, d, dtype)]
 
 
-def _takes_ws(q, k, v, causal, window=(-1, -1), softcap=0.0, varlen=False):
+def _takes_ws(q, k, v, causal, window=(-1, -1), softcap=0.0, varlen=False, seqused_k=False):
     right = 0 if causal else window[1]
     return ws_backward_config(q, k, v, torch.empty_like(q), varlen=varlen, window_left=window[0],
-                              window_right=right, softcap=softcap) is not None
+                              window_right=right, softcap=softcap, max_seqlen_k=k.shape[1],
+                              seqused_k=seqused_k) is not None
 
 
 @needs_sm90
@@ -92,6 +93,41 @@ def test_ws_backward_tile_configs(case, cfg, deterministic, monkeypatch):
                 lambda q, k, v, upcast: attention_ref(q, k, v, causal=causal, upcast=upcast), (q, k, v), dout, dlse)
 
 
+# Packed sequences (query lengths, key lengths, heads_q, heads_kv, head_dim, causal) — why each is here:
+VARLEN_CASES = [
+    ([300, 0, 1025, 77], [400, 12, 1025, 2000], 8, 2, 128, True),  # an empty query sequence, Sq != Sk both ways
+    ([1100, 60, 1300], [1030, 200, 1300], 4, 4, 64, False),  # d64 (over 1024 keys), partial blocks everywhere
+    ([1500, 9], [1200, 0], 4, 1, 64, True),  # MQA, causal Sq > Sk, a sequence with no key
+]
+
+
+@needs_sm90
+@pytest.mark.parametrize("keys_major", [False, True], ids=["rows_major", "keys_major"])
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=lambda c: "-".join(map(str, c[2:])))
+def test_ws_backward_varlen(case, keys_major, monkeypatch):
+    """Rows and keys past a sequence's end belong to the next one: no gradient may leak across."""
+    lens_q, lens_k, hq, hkv, d, causal = case
+    if keys_major:
+        cfg = (WsBwdConfig(128, 2, True, True, keys_major=True, dq_by_rows=True) if d == 64
+               else WsBwdConfig(64, 2, True, True, keys_major=True))
+        monkeypatch.setattr(backward, "bwd_ws_config", lambda *args: cfg)
+    launches = []
+    monkeypatch.setattr(backward, "launch_attn_bwd_ws",
+                        lambda *a, **kw: launches.append(1) or launch_attn_bwd_ws(*a, **kw))
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(sum(lens), h, d, generator=g).to(DEVICE, torch.bfloat16).requires_grad_()
+               for lens, h in ((lens_q, hq), (lens_k, hkv), (lens_k, hkv)))
+    cu = lambda lens: torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(DEVICE, torch.int32)  # noqa: E731
+    cu_q, cu_k = cu(lens_q), cu(lens_k)
+    dout = torch.randn(sum(lens_q), hq, d, generator=g).to(DEVICE)
+    dlse = torch.randn(hq, sum(lens_q), generator=g).to(DEVICE)
+    check_grads(lambda q, k, v: tileflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                                                 causal=causal, return_lse=True),
+                lambda q, k, v, upcast: attention_varlen_ref(q, k, v, cu_q, cu_k, None, causal=causal,
+                                                             upcast=upcast), (q, k, v), dout, dlse)
+    assert launches, "this case no longer takes the warp-specialised backward"
+
+
 @needs_sm90
 def test_ws_backward_strided_views():
     """q, k, v as views of one packed [B, S, 3, H, D] tensor (strided, TMA-aligned)."""
@@ -109,7 +145,7 @@ def test_ws_backward_declines_what_it_does_not_do():
     q, k, v = attention_inputs(1, 256, 256, 2, 2, 128, torch.bfloat16)
     assert not _takes_ws(q, k, v, causal=False, window=(64, 0))
     assert not _takes_ws(q, k, v, causal=False, softcap=5.0)
-    assert not _takes_ws(q, k, v, causal=True, varlen=True)
+    assert not _takes_ws(q, k, v, causal=True, varlen=True, seqused_k=True)
     for d in (96, 256):
         qd, kd, vd = attention_inputs(1, 256, 256, 2, 2, d, torch.bfloat16)
         assert not _takes_ws(qd, kd, vd, causal=False)

@@ -53,7 +53,8 @@ end load as zeros and are dropped from the reduce-add); lse2 (lse * log2(e), +in
 preprocess) and delta [B, Hq, Sq] float32 with a contiguous last dim, loaded with row masks (+inf past Sq, so those
 rows' P is 0), or when keys-major through 2-D TMA descriptors; dK, dV stored by pointers with key masks. Scope
 (ops/backward.ws_backward_config decides, else the Triton kernels run): 16-bit dtypes, head dims 64 and 128, no
-window or softcap beyond causal, non-varlen batches.
+window or softcap beyond causal; varlen batches without seqused_k (VARLEN: rows and keys offset by each sequence's
+start, see attn_bwd_ws_kernel).
 Gluon has no CPU interpreter: tests/sm90_compile_check.py compiles this kernel for sm_90 on the CPU, and the GPU
 suite checks its results.
 """
@@ -64,6 +65,8 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 from triton._C.libtriton import ir
+
+from .attn_fwd_ws import _sequence
 
 KEYS_PER_WARPGROUP = 64  # wgmma's M: each consumer warpgroup owns 64 keys of the CTA's 128
 BLOCK_KEYS = 2 * KEYS_PER_WARPGROUP
@@ -103,6 +106,8 @@ def _query_blocks(start_n, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl
         m_full = gl.minimum(gl.maximum((gl.maximum(key_max - diag, 0) + BLOCK_M - 1) // BLOCK_M, m_lo), m_hi)
     if start_n + BLOCK_N > seqlen_k:
         m_full = m_hi
+    m_lo = gl.where(start_n < seqlen_k, m_lo, m_hi)  # a (varlen) tile past its sequence's keys: no steps
+    m_full = gl.where(start_n < seqlen_k, m_full, m_hi)
     return m_lo, m_full, m_hi
 
 
@@ -153,24 +158,25 @@ def _load_step(t, hq, start_m, b, q_desc, do_desc, q_bufs, do_bufs, q_ready, do_
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs, lse2_bufs,
               delta_bufs, kv_bar, q_ready, do_ready, qdo_empty, seqlen_q, seqlen_k, n_tiles, num_heads_kv,
-              group_size, CAUSAL: gl.constexpr, ROTATE: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-              KEYS_MAJOR: gl.constexpr):
+              group_size, cu_seqlens_q, cu_seqlens_k, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
+              BLOCK_M: gl.constexpr, STAGES: gl.constexpr, KEYS_MAJOR: gl.constexpr, VARLEN: gl.constexpr):
     b, hk, tile, start_n = _tile(n_tiles, num_heads_kv)
+    b, q0, seqlen_q, k0, seqlen_k = _sequence(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN)
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [b, start_n, hk, 0], kv_bar, k_smem.index(0))
-    tma.async_copy_global_to_shared(v_desc, [b, start_n, hk, 0], kv_bar, v_smem.index(0))
+    tma.async_copy_global_to_shared(k_desc, [b, k0 + start_n, hk, 0], kv_bar, k_smem.index(0))
+    tma.async_copy_global_to_shared(v_desc, [b, k0 + start_n, hk, 0], kv_bar, v_smem.index(0))
     m_lo, m_full, m_hi = _query_blocks(start_n, seqlen_q, seqlen_k, CAUSAL, BLOCK_M)
     n_mask = m_full - m_lo
     n_full = m_hi - m_full
     num_heads_q = num_heads_kv * group_size
     for u in range(n_mask * group_size):
         hq, start_m = _step(u, n_mask, m_lo, tile, hk, group_size, False, BLOCK_M)
-        _load_step(u, hq, start_m, b, q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, qdo_empty, lse2_desc,
-                   delta_desc, lse2_bufs, delta_bufs, num_heads_q, STAGES, KEYS_MAJOR)
+        _load_step(u, hq, q0 + start_m, b, q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, qdo_empty,
+                   lse2_desc, delta_desc, lse2_bufs, delta_bufs, num_heads_q, STAGES, KEYS_MAJOR)
     t0 = n_mask * group_size
     for u in range(n_full * group_size):
         hq, start_m = _step(u, n_full, m_full, tile, hk, group_size, ROTATE, BLOCK_M)
-        _load_step(t0 + u, hq, start_m, b, q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, qdo_empty,
+        _load_step(t0 + u, hq, q0 + start_m, b, q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, qdo_empty,
                    lse2_desc, delta_desc, lse2_bufs, delta_bufs, num_heads_q, STAGES, KEYS_MAJOR)
 
 
@@ -189,12 +195,13 @@ def _opaque_zero(x):
 
 
 @gluon.jit
-def _load_stats(b, hq, start_m, valid, seqlen_q, lse2_ptr, delta_ptr, stride_lb, stride_lh, layout: gl.constexpr,
-                BLOCK_M: gl.constexpr):
-    """lse2 and delta of rows [start_m, start_m + BLOCK_M) of query head hq (+inf and 0 past Sq, or if not valid)."""
+def _load_stats(b, hq, q0, start_m, valid, seqlen_q, lse2_ptr, delta_ptr, stride_lb, stride_lh,
+                layout: gl.constexpr, BLOCK_M: gl.constexpr):
+    """lse2 and delta of rows [start_m, start_m + BLOCK_M) of query head hq of the sequence whose rows start at q0
+    (+inf and 0 past its Sq, or if not valid)."""
     rows = start_m + gl.arange(0, BLOCK_M, layout=layout)
     ok = (rows < seqlen_q) & valid
-    stat = b.to(gl.int64) * stride_lb + hq.to(gl.int64) * stride_lh + rows
+    stat = b.to(gl.int64) * stride_lb + hq.to(gl.int64) * stride_lh + q0 + rows
     return gl.load(lse2_ptr + stat, mask=ok, other=float("inf")), gl.load(delta_ptr + stat, mask=ok, other=0.0)
 
 
@@ -244,16 +251,18 @@ def _dq_reduce(dq_desc, b, prev_m, prev_hq, dq_w, WG: gl.constexpr, DQ_BY_ROWS: 
 
 
 @gluon.jit
-def _consume_step(t, hq, start_m, prev_hq, prev_m, next_hq, next_m, has_next, lse2, delta, dk, dv, b, start_n,
+def _consume_step(t, hq, start_m, prev_hq, prev_m, next_hq, next_m, has_next, lse2, delta, dk, dv, b, q0, start_n,
                   seqlen_q, seqlen_k, q_bufs, do_bufs, k_smem, v_smem, p_bufs, ds_bufs, lse2_bufs, delta_bufs, dq_w,
                   dq_desc, q_ready, do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, stride_lb, stride_lh,
                   qk_scale, WG: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
                   ATOMIC_DQ: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                  ONE_FENCE: gl.constexpr, KEYS_MAJOR: gl.constexpr, DQ_BY_ROWS: gl.constexpr):
-    """Step t (query head hq, rows from start_m) of a consumer warpgroup, which also finishes step t - 1 (prev_hq,
-    prev_m): its dQ product and TMA reduce-add, and the release of its Q/dO stage. Returns dK, dV and (rows-major)
-    the next step's (next_hq, next_m) lse2 and delta, loaded at the end of this step: a load at the start of a step
-    held up the fence before the dQ reduce-add, which waits for the thread's loads (session 11).
+                  ONE_FENCE: gl.constexpr, KEYS_MAJOR: gl.constexpr, DQ_BY_ROWS: gl.constexpr,
+                  VARLEN: gl.constexpr):
+    """Step t (query head hq, rows from start_m of the sequence whose rows start at q0) of a consumer warpgroup,
+    which also finishes step t - 1 (prev_hq, prev_m): its dQ product and TMA reduce-add, and the release of its
+    Q/dO stage. Returns dK, dV and (rows-major) the next step's (next_hq, next_m) lse2 and delta, loaded at the end
+    of this step: a load at the start of a step held up the fence before the dQ reduce-add, which waits for the
+    thread's loads (session 11).
 
     Order of the products, so the tensor cores have work while this warpgroup runs its softmax:
       dQ_{t-1} = dS_{t-1} K (both warpgroups' dS halves, from shared memory), S_t
@@ -316,7 +325,7 @@ def _consume_step(t, hq, start_m, prev_hq, prev_m, next_hq, next_m, has_next, ls
             dq_w.reshape([_dq_rows(BLOCK_M, DQ_BY_ROWS), _dq_cols(HEAD_DIM, DQ_BY_ROWS)]).store(dq)
             if not ONE_FENCE:
                 fence_async_shared()
-                _dq_reduce(dq_desc, b, prev_m, prev_hq, dq_w, WG, DQ_BY_ROWS, HEAD_DIM, BLOCK_M)
+                _dq_reduce(dq_desc, b, q0 + prev_m, prev_hq, dq_w, WG, DQ_BY_ROWS, HEAD_DIM, BLOCK_M)
     # dP_t is issued after dQ_{t-1} left the registers: fewer accumulators live at once. (Issued with S_t instead,
     # it also ran slower at d64, where registers are not short: it queues ahead of the other warpgroup's S.)
     mbarrier.wait(do_ready.index(stage), phase)
@@ -327,6 +336,8 @@ def _consume_step(t, hq, start_m, prev_hq, prev_m, next_hq, next_m, has_next, ls
     sc = warpgroup_mma_wait(1, deps=(sc,))
     if KEYS_MAJOR:
         lse2_row = lse2_bufs.index(stage).load(s_layout)  # [1, BLOCK_M]: each thread's query columns
+        if VARLEN:  # packed rows past the sequence's end hold the next sequence's statistics: P = 0 there
+            lse2_row = gl.where(gl.expand_dims(rows, 0) < seqlen_q, lse2_row, float("inf"))
         p = gl.exp2(sc * qk_scale - lse2_row)
     else:
         p = gl.exp2(sc * qk_scale - gl.expand_dims(lse2, 1))
@@ -352,7 +363,7 @@ def _consume_step(t, hq, start_m, prev_hq, prev_m, next_hq, next_m, has_next, ls
     if ONE_FENCE and ATOMIC_DQ:
         mbarrier.arrive(ds_ready.index(t % 2), count=1)
         if t > 0:
-            _dq_reduce(dq_desc, b, prev_m, prev_hq, dq_w, WG, DQ_BY_ROWS, HEAD_DIM, BLOCK_M)
+            _dq_reduce(dq_desc, b, q0 + prev_m, prev_hq, dq_w, WG, DQ_BY_ROWS, HEAD_DIM, BLOCK_M)
     if KEYS_MAJOR:
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_acc_layout(HEAD_DIM), k_width=2)
         p_op = gl.convert_layout(p.to(dtype), op_layout, assert_trivial=True)  # the same registers
@@ -365,8 +376,8 @@ def _consume_step(t, hq, start_m, prev_hq, prev_m, next_hq, next_m, has_next, ls
     if ATOMIC_DQ and not ONE_FENCE:
         mbarrier.arrive(ds_ready.index(t % 2), count=1)
     if not KEYS_MAJOR:
-        lse2, delta = _load_stats(b, next_hq, next_m, has_next, seqlen_q, lse2_ptr, delta_ptr, stride_lb, stride_lh,
-                                  gl.SliceLayout(1, s_layout), BLOCK_M)
+        lse2, delta = _load_stats(b, next_hq, q0, next_m, has_next, seqlen_q, lse2_ptr, delta_ptr, stride_lb,
+                                  stride_lh, gl.SliceLayout(1, s_layout), BLOCK_M)
     if KEYS_MAJOR:  # p_op and ds_op stay live until their products have read them
         dk, dv, p_op, ds_op = warpgroup_mma_wait(0, deps=(dk, dv, p_op, ds_op))
     else:  # still in flight: the accumulators are carried into step t + 1, which waits for them first
@@ -387,7 +398,7 @@ def _finish(t_end, prev_hq, prev_m, dk, dv, b, k_all, ds_bufs, dq_w, dq_desc, ds
             tma.store_wait(0)
             dq_w.reshape([_dq_rows(BLOCK_M, DQ_BY_ROWS), _dq_cols(HEAD_DIM, DQ_BY_ROWS)]).store(dq)
             fence_async_shared()
-            _dq_reduce(dq_desc, b, prev_m, prev_hq, dq_w, WG, DQ_BY_ROWS, HEAD_DIM, BLOCK_M)
+            _dq_reduce(dq_desc, b, prev_m, prev_hq, dq_w, WG, DQ_BY_ROWS, HEAD_DIM, BLOCK_M)  # prev_m: absolute
             tma.store_wait(0)
     else:
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
@@ -398,10 +409,13 @@ def _finish(t_end, prev_hq, prev_m, dk, dv, b, k_all, ds_bufs, dq_w, dq_desc, ds
 def _consumer(q_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, lse2_bufs, delta_bufs, dq_bufs,
               kv_bar, q_ready, do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, seqlen_q,
               seqlen_k, n_tiles, num_heads_kv, group_size, stride_lb, stride_lh, stride_dkb, stride_dks, stride_dkh,
-              stride_dvb, stride_dvs, stride_dvh, qk_scale, softmax_scale, WG: gl.constexpr, CAUSAL: gl.constexpr,
-              ROTATE: gl.constexpr, ATOMIC_DQ: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-              STAGES: gl.constexpr, ONE_FENCE: gl.constexpr, KEYS_MAJOR: gl.constexpr, DQ_BY_ROWS: gl.constexpr):
+              stride_dvb, stride_dvs, stride_dvh, qk_scale, softmax_scale, cu_seqlens_q, cu_seqlens_k,
+              WG: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr, ATOMIC_DQ: gl.constexpr,
+              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, ONE_FENCE: gl.constexpr,
+              KEYS_MAJOR: gl.constexpr, DQ_BY_ROWS: gl.constexpr, VARLEN: gl.constexpr):
     b, hk, tile, start_n = _tile(n_tiles, num_heads_kv)
+    # From here on b is the descriptors' batch coordinate (0 for packed sequences) and rows are the sequence's.
+    b, q0, seqlen_q, k0, seqlen_k = _sequence(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN)
     m_lo, m_full, m_hi = _query_blocks(start_n, seqlen_q, seqlen_k, CAUSAL, BLOCK_M)
     n_mask = m_full - m_lo
     n_full = m_hi - m_full
@@ -419,37 +433,38 @@ def _consumer(q_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs,
         lse2 = gl.zeros([BLOCK_M], gl.float32, stats_layout)
         delta = lse2
     else:
-        lse2, delta = _load_stats(b, prev_hq, prev_m, t_end > 0, seqlen_q, lse2_ptr, delta_ptr, stride_lb,
+        lse2, delta = _load_stats(b, prev_hq, q0, prev_m, t_end > 0, seqlen_q, lse2_ptr, delta_ptr, stride_lb,
                                   stride_lh, stats_layout, BLOCK_M)
     mbarrier.wait(kv_bar, 0)
     for u in range(t0):
         hq, start_m = _step(u, n_mask, m_lo, tile, hk, group_size, False, BLOCK_M)
         next_hq, next_m = _step_at(u + 1, t0, n_mask, n_full, m_lo, m_full, tile, hk, group_size, ROTATE, BLOCK_M)
         dk, dv, lse2, delta = _consume_step(
-            u, hq, start_m, prev_hq, prev_m, next_hq, next_m, u + 1 < t_end, lse2, delta, dk, dv, b, start_n,
+            u, hq, start_m, prev_hq, prev_m, next_hq, next_m, u + 1 < t_end, lse2, delta, dk, dv, b, q0, start_n,
             seqlen_q, seqlen_k, q_bufs, do_bufs, k_smem, v_smem, p_bufs, ds_bufs, lse2_bufs, delta_bufs, dq_w,
             dq_desc, q_ready, do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, stride_lb, stride_lh, qk_scale, WG,
-            True, CAUSAL, ATOMIC_DQ, HEAD_DIM, BLOCK_M, STAGES, ONE_FENCE, KEYS_MAJOR, DQ_BY_ROWS)
+            True, CAUSAL, ATOMIC_DQ, HEAD_DIM, BLOCK_M, STAGES, ONE_FENCE, KEYS_MAJOR, DQ_BY_ROWS, VARLEN)
         prev_hq = hq
         prev_m = start_m
     for u in range(t_end - t0):
         hq, start_m = _step(u, n_full, m_full, tile, hk, group_size, ROTATE, BLOCK_M)
         next_hq, next_m = _step(u + 1, n_full, m_full, tile, hk, group_size, ROTATE, BLOCK_M)
         dk, dv, lse2, delta = _consume_step(
-            t0 + u, hq, start_m, prev_hq, prev_m, next_hq, next_m, t0 + u + 1 < t_end, lse2, delta, dk, dv, b,
+            t0 + u, hq, start_m, prev_hq, prev_m, next_hq, next_m, t0 + u + 1 < t_end, lse2, delta, dk, dv, b, q0,
             start_n, seqlen_q, seqlen_k, q_bufs, do_bufs, k_smem, v_smem, p_bufs, ds_bufs, lse2_bufs, delta_bufs,
             dq_w, dq_desc, q_ready, do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, stride_lb, stride_lh,
-            qk_scale, WG, False, CAUSAL, ATOMIC_DQ, HEAD_DIM, BLOCK_M, STAGES, ONE_FENCE, KEYS_MAJOR, DQ_BY_ROWS)
+            qk_scale, WG, False, CAUSAL, ATOMIC_DQ, HEAD_DIM, BLOCK_M, STAGES, ONE_FENCE, KEYS_MAJOR, DQ_BY_ROWS,
+            VARLEN)
         prev_hq = hq
         prev_m = start_m
-    dk, dv = _finish(t_end, prev_hq, prev_m, dk, dv, b, k_all, ds_bufs, dq_w, dq_desc, ds_ready, WG,
+    dk, dv = _finish(t_end, prev_hq, q0 + prev_m, dk, dv, b, k_all, ds_bufs, dq_w, dq_desc, ds_ready, WG,
                      ATOMIC_DQ, HEAD_DIM, BLOCK_M, KEYS_MAJOR, DQ_BY_ROWS)
 
     # Epilogue: keys no query row sees keep dK = dV = 0; rows past Sk are not stored.
     out_keys = start_n + WG * WG_KEYS + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(1, kv_layout))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
     out_mask = gl.expand_dims(out_keys < seqlen_k, 1) & gl.expand_dims(cols < HEAD_DIM, 0)
-    key_off = gl.expand_dims(out_keys.to(gl.int64), 1)
+    key_off = gl.expand_dims((k0 + out_keys).to(gl.int64), 1)
     gl.store(dk_ptr + b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh + key_off * stride_dks
              + gl.expand_dims(cols, 0), (dk * softmax_scale).to(dtype), mask=out_mask)
     gl.store(dv_ptr + b.to(gl.int64) * stride_dvb + hk.to(gl.int64) * stride_dvh + key_off * stride_dvs
@@ -458,16 +473,21 @@ def _consumer(q_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs,
 
 @gluon.jit
 def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_desc, delta_desc, lse2_ptr, delta_ptr, dk_ptr,
-                       dv_ptr, seqlen_q, seqlen_k, n_tiles, num_heads_kv, group_size, stride_lb, stride_lh,
-                       stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, qk_scale,
-                       softmax_scale, CAUSAL: gl.constexpr, ROTATE: gl.constexpr, ATOMIC_DQ: gl.constexpr,
-                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, ONE_FENCE: gl.constexpr,
-                       KEYS_MAJOR: gl.constexpr, DQ_BY_ROWS: gl.constexpr):
+                       dv_ptr, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, n_tiles, num_heads_kv, group_size,
+                       stride_lb, stride_lh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+                       qk_scale, softmax_scale, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
+                       ATOMIC_DQ: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                       STAGES: gl.constexpr, ONE_FENCE: gl.constexpr, KEYS_MAJOR: gl.constexpr,
+                       DQ_BY_ROWS: gl.constexpr, VARLEN: gl.constexpr):
     """Grid: (n_tiles * B * Hkv,), 4 warps (the first consumer warpgroup; the partitions add 5 more). dq_desc: a
     descriptor over the fp32 dQ buffer [B, Sq, Hq, D] (zeroed; dQ without softmax_scale is added into it) with
     blocks [1, BLOCK_M / 2, 1, D] (DQ_BY_ROWS) or [1, BLOCK_M, 1, D / 2], used when ATOMIC_DQ. lse2_desc and
     delta_desc: 2-D descriptors over lse2 and delta as [B * Hq, Sq] with blocks [1, BLOCK_M] (rows past Sq load as
-    0: their Q and dO rows are 0 too, so P = 1 and dS = 0 there, and their dQ is dropped), read when KEYS_MAJOR."""
+    0: their Q and dO rows are 0 too, so P = 1 and dS = 0 there, and their dQ is dropped), read when KEYS_MAJOR.
+    VARLEN: B sequences packed in [1, total, H, D] tensors (lse2/delta [1, Hq, total_q]), their rows and keys from
+    cu_seqlens_q/k (int32 [B + 1]), n_tiles from the longest key sequence. Packed rows past a sequence's end hold
+    the next sequence's rows: their lse2 is taken as +inf (P = 0, so dS = 0, and the dQ reduce-add adds zeros into
+    the next sequence's rows); keys past its end are masked and not stored."""
     dtype: gl.constexpr = q_desc.dtype
     # A leading dim of 1 lets the consumers address K and V by index (see _consume_step).
     k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
@@ -523,16 +543,19 @@ def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_desc, delt
         (_consumer, (q_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, lse2_bufs, delta_bufs, dq_bufs,
                      kv_bar, q_ready, do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, seqlen_q,
                      seqlen_k, n_tiles, num_heads_kv, group_size, stride_lb, stride_lh, stride_dkb, stride_dks,
-                     stride_dkh, stride_dvb, stride_dvs, stride_dvh, qk_scale, softmax_scale, WG0, CAUSAL, ROTATE,
-                     ATOMIC_DQ, HEAD_DIM, BLOCK_M, STAGES, ONE_FENCE, KEYS_MAJOR, DQ_BY_ROWS)),
+                     stride_dkh, stride_dvb, stride_dvs, stride_dvh, qk_scale, softmax_scale, cu_seqlens_q,
+                     cu_seqlens_k, WG0, CAUSAL, ROTATE, ATOMIC_DQ, HEAD_DIM, BLOCK_M, STAGES, ONE_FENCE, KEYS_MAJOR,
+                     DQ_BY_ROWS, VARLEN)),
         (_consumer, (q_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, lse2_bufs, delta_bufs, dq_bufs,
                      kv_bar, q_ready, do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, seqlen_q,
                      seqlen_k, n_tiles, num_heads_kv, group_size, stride_lb, stride_lh, stride_dkb, stride_dks,
-                     stride_dkh, stride_dvb, stride_dvs, stride_dvh, qk_scale, softmax_scale, WG1, CAUSAL, ROTATE,
-                     ATOMIC_DQ, HEAD_DIM, BLOCK_M, STAGES, ONE_FENCE, KEYS_MAJOR, DQ_BY_ROWS)),
+                     stride_dkh, stride_dvb, stride_dvs, stride_dvh, qk_scale, softmax_scale, cu_seqlens_q,
+                     cu_seqlens_k, WG1, CAUSAL, ROTATE, ATOMIC_DQ, HEAD_DIM, BLOCK_M, STAGES, ONE_FENCE, KEYS_MAJOR,
+                     DQ_BY_ROWS, VARLEN)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs,
                      lse2_bufs, delta_bufs, kv_bar, q_ready, do_ready, qdo_empty, seqlen_q, seqlen_k, n_tiles,
-                     num_heads_kv, group_size, CAUSAL, ROTATE, BLOCK_M, STAGES, KEYS_MAJOR)),
+                     num_heads_kv, group_size, cu_seqlens_q, cu_seqlens_k, CAUSAL, ROTATE, BLOCK_M, STAGES,
+                     KEYS_MAJOR, VARLEN)),
     ], [4, 1], [240, 24])
 
 

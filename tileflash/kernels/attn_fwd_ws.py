@@ -79,11 +79,15 @@ def _tile_count(num_units, PERSISTENT: gl.constexpr):
 @gluon.jit
 def _sequence(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN: gl.constexpr):
     """(batch coordinate of the descriptors, first query row, query rows, first key, keys) of sequence b: with
-    VARLEN the packed rows [cu_seqlens[b], cu_seqlens[b + 1]) of [1, total, H, D] tensors, else all of batch b."""
+    VARLEN the packed rows [cu_seqlens[b], cu_seqlens[b + 1]) of [1, total, H, D] tensors (seqlen_q/k: the packed
+    row counts; entries past them, a caller's error, are clamped to them as in _masks.seq_extents, so no store
+    leaves the tensors), else all of batch b."""
     if VARLEN:
-        q0 = gl.load(cu_seqlens_q + b)
-        k0 = gl.load(cu_seqlens_k + b)
-        return b * 0, q0, gl.load(cu_seqlens_q + b + 1) - q0, k0, gl.load(cu_seqlens_k + b + 1) - k0
+        q0 = gl.minimum(gl.load(cu_seqlens_q + b), seqlen_q)
+        k0 = gl.minimum(gl.load(cu_seqlens_k + b), seqlen_k)
+        q1 = gl.minimum(gl.load(cu_seqlens_q + b + 1), seqlen_q)
+        k1 = gl.minimum(gl.load(cu_seqlens_k + b + 1), seqlen_k)
+        return b * 0, q0, q1 - q0, k0, k1 - k0
     return b, b * 0, seqlen_q, b * 0, seqlen_k
 
 

@@ -230,9 +230,9 @@ def launch_attn_fwd_ws(q4, k4, v4, out4, lse3, *, causal: bool, softmax_scale: f
     Varlen (cu_seqlens_q/k int32 [num_seqs + 1]): q4, k4, v4, out4 [1, total, H, D] and lse3 [1, Hq, total_q]."""
     varlen = cu_seqlens_q is not None
     b, sq, hq, d = q4.shape
+    m_tiles = attn_fwd_ws.m_tiles(max_seqlen_q if varlen else sq)
     if varlen:
-        b, sq = cu_seqlens_q.shape[0] - 1, max_seqlen_q
-    m_tiles = attn_fwd_ws.m_tiles(sq)
+        b = cu_seqlens_q.shape[0] - 1
     num_units = attn_fwd_ws.units(m_tiles, b * hq)
     grid = min(num_units, _utils.num_sms(q4.device)) if config.persistent else m_tiles * b * hq
     rows = attn_fwd_ws.ROWS_PER_WARPGROUP

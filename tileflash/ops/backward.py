@@ -24,24 +24,30 @@ def _strides3(t):
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def ws_backward_config(q, k, v, dout, *, varlen: bool, window_left: int, window_right: int,
-                       softcap: float) -> WsBwdConfig | None:
+def ws_backward_config(q, k, v, dout, *, varlen: bool, window_left: int, window_right: int, softcap: float,
+                       max_seqlen_k: int = 0, seqused_k: bool = False) -> WsBwdConfig | None:
     """The warp-specialised dK/dV kernel's tiles when it serves this call (sm_90, a head dim heuristics.bwd_ws_config
-    takes, at most a causal mask, non-varlen, TMA-addressable tensors), else None (the Triton kernels)."""
-    if varlen or not ws_call_ok(q.dtype, Mask(window_left, window_right, softcap)):
+    takes, at most a causal mask, TMA-addressable tensors; varlen without seqused_k, tiles by max_seqlen_k), else
+    None (the Triton kernels)."""
+    if seqused_k or not ws_call_ok(q.dtype, Mask(window_left, window_right, softcap)):
         return None
-    cfg = bwd_ws_config(q.shape[3], window_right == 0, k.shape[1])
+    cfg = bwd_ws_config(q.shape[3], window_right == 0, max_seqlen_k if varlen else k.shape[1])
     if cfg is None or not all(_tma_4d_ok(t) for t in (q, k, v, dout)):
         return None
     return cfg
 
 
 def launch_attn_bwd_ws(q4, k4, v4, do4, lse2, delta, dk4, dv4, dq_acc, *, causal: bool, softmax_scale: float,
-                       config: WsBwdConfig, atomic_dq: bool) -> None:
+                       config: WsBwdConfig, atomic_dq: bool, cu_seqlens_q: torch.Tensor | None = None,
+                       cu_seqlens_k: torch.Tensor | None = None, max_seqlen_k: int = 0) -> None:
     """q4/do4 [B, Sq, Hq, D], k4/v4/dk4/dv4 [B, Sk, Hkv, D], lse2/delta [B, Hq, Sq] float32 from _stats_like (see
-    ws_backward_config); dq_acc: the zeroed fp32 dQ buffer when atomic_dq."""
+    ws_backward_config); dq_acc: the zeroed fp32 dQ buffer when atomic_dq. Varlen (cu_seqlens_q/k int32
+    [num_seqs + 1]): every tensor [1, total, H, D] and lse2/delta [1, Hq, total_q]."""
+    varlen = cu_seqlens_q is not None
     b, sk, hkv, d = k4.shape
-    n_tiles = attn_bwd_ws.n_tiles(sk)
+    if varlen:
+        b = cu_seqlens_q.shape[0] - 1
+    n_tiles = attn_bwd_ws.n_tiles(max_seqlen_k if varlen else sk)
     keys = attn_bwd_ws.BLOCK_KEYS
     dq_rows, dq_cols = (config.block_m // 2, d) if config.dq_by_rows else (config.block_m, d // 2)
     if not atomic_dq:  # the descriptor's stand-in, never read or written
@@ -49,10 +55,11 @@ def launch_attn_bwd_ws(q4, k4, v4, do4, lse2, delta, dk4, dv4, dq_acc, *, causal
     attn_bwd_ws.attn_bwd_ws_kernel[(n_tiles * b * hkv,)](
         _desc_4d(q4, config.block_m), _desc_4d(k4, keys), _desc_4d(v4, keys), _desc_4d(do4, config.block_m),
         _desc_4d(dq_acc, dq_rows, dq_cols), _stats_desc(lse2, config.block_m), _stats_desc(delta, config.block_m),
-        lse2, delta, dk4, dv4, q4.shape[1], sk, n_tiles, hkv, q4.shape[2] // hkv, lse2.stride(0), lse2.stride(1),
-        *dk4.stride()[:3], *dv4.stride()[:3], softmax_scale * math.log2(math.e), softmax_scale, CAUSAL=causal,
-        ROTATE=not causal, ATOMIC_DQ=atomic_dq, HEAD_DIM=d, BLOCK_M=config.block_m, STAGES=config.num_stages,
-        ONE_FENCE=config.one_fence, KEYS_MAJOR=config.keys_major, DQ_BY_ROWS=config.dq_by_rows, num_warps=4)
+        lse2, delta, dk4, dv4, cu_seqlens_q if varlen else lse2, cu_seqlens_k if varlen else lse2, q4.shape[1], sk,
+        n_tiles, hkv, q4.shape[2] // hkv, lse2.stride(0), lse2.stride(1), *dk4.stride()[:3], *dv4.stride()[:3],
+        softmax_scale * math.log2(math.e), softmax_scale, CAUSAL=causal, ROTATE=not causal, ATOMIC_DQ=atomic_dq,
+        HEAD_DIM=d, BLOCK_M=config.block_m, STAGES=config.num_stages, ONE_FENCE=config.one_fence,
+        KEYS_MAJOR=config.keys_major, DQ_BY_ROWS=config.dq_by_rows, VARLEN=varlen, num_warps=4)
 
 
 def _stats_like(lse3: torch.Tensor) -> torch.Tensor:
@@ -99,14 +106,16 @@ def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, *, varlen: bool
     seq_args = (cu_seqlens_q if varlen else dummy, cu_seqlens_k if varlen else dummy,
                 seqused_k if seqused_k is not None else dummy)
     lse_strides = (0, lse2.stride(1), lse2.stride(2)) if varlen else _strides3(lse2)  # lse2 and delta
-    ws = ws_backward_config(q4, k4, v4, do4, varlen=varlen, window_left=window_left,
-                            window_right=window_right, softcap=softcap)
+    ws = ws_backward_config(q4, k4, v4, do4, varlen=varlen, window_left=window_left, window_right=window_right,
+                            softcap=softcap, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k is not None)
     atomic_dq = (ws.atomic_dq if ws is not None else cfg.atomic_dq) and not deterministic
     # Rows no program adds to (no visible key, outside every varlen sequence) keep the zeros: dQ = 0 there.
     dq_acc = torch.zeros(dq4.shape, dtype=torch.float32, device=dev) if atomic_dq else delta  # else: not read
     if ws is not None:
         launch_attn_bwd_ws(q4, k4, v4, do4, lse2, delta, dk4, dv4, dq_acc, causal=window_right == 0,
-                           softmax_scale=softmax_scale, config=ws, atomic_dq=atomic_dq)
+                           softmax_scale=softmax_scale, config=ws, atomic_dq=atomic_dq,
+                           cu_seqlens_q=cu_seqlens_q if varlen else None, cu_seqlens_k=cu_seqlens_k,
+                           max_seqlen_k=max_seqlen_k)
     else:
         _launch_dkdv(q4, k4, v4, do4, lse2, delta, dk4, dv4, dq_acc, cfg, common, seq_args, lse_strides, bstride,
                      varlen=varlen, num_batches=num_batches, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
