@@ -6,13 +6,14 @@ unreported). Shapes: one query and one key, partial tiles, MQA with Sq > Sk (row
 steps, one with whole row blocks that see no key), and keys that fit in one tile. Then the forward alone with every
 tile of heuristics.fwd_ws_config launched directly (one CTA per tile and persistent CTAs, d256's K/V rings), on
 shapes with partial tiles, an odd tile count and rows that see no key. The backward runs its opt-in variants
-(BWD_VARIANTS) too."""
+(BWD_VARIANTS) too, and packed (varlen) sequences through both kernels."""
 import sys
 
 import torch
 
 sys.path.insert(0, ".")
 import tileflash  # noqa: E402
+from tileflash import heuristics  # noqa: E402
 from tileflash.heuristics import WsBwdConfig, WsFwdConfig  # noqa: E402
 from tileflash.ops import backward  # noqa: E402
 from tileflash.ops._launch import launch_attn_fwd_ws  # noqa: E402
@@ -41,6 +42,19 @@ for (b, sq, sk, hq, hkv, d, causal), cfg, deterministic in runs:
     print((b, sq, sk, hq, hkv, d, causal, deterministic), cfg or "heuristic", "finite" if finite else "NONFINITE",
           flush=True)
 backward.bwd_ws_config = pick
+
+# Packed sequences through both kernels' varlen paths (heuristics.GLUON_VARLEN, off by default): an empty sequence,
+# one past 1024 keys, rows and keys past each sequence's end belonging to the next one.
+heuristics.GLUON_VARLEN = True
+for d, causal in ((128, True), (64, False), (64, True)):
+    cu = torch.tensor([0, 300, 300, 1700, 1777], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(1777, 4, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    out = tileflash.flash_attn_varlen_func(q, k, v, cu, cu, 1400, 1400, causal=causal)
+    out.float().square().sum().backward()
+    torch.cuda.synchronize()
+    finite = torch.isfinite(out).all().item() and all(torch.isfinite(t.grad).all().item() for t in (q, k, v))
+    print("varlen", d, causal, "finite" if finite else "NONFINITE", flush=True)
+heuristics.GLUON_VARLEN = False
 
 FWD_TILES = {128: [(128, 3, 3, False), (128, 3, 3, True)], 64: [(128, 3, 3, False), (128, 3, 3, True)],
              256: [(64, 2, 2, False), (64, 3, 2, False), (64, 3, 2, True)]}

@@ -127,12 +127,19 @@ def _cases():
         tileflash.flash_attn_varlen_func(q, k, v, cu, cu, 150, 150, causal=True).sum().backward()
 
     def varlen_ws(d, causal, backward=False):
-        """Packed sequences (one empty, one over 1024 keys: d64's backward takes the Gluon kernel from there)."""
+        """Packed sequences (one empty, one over 1024 keys: d64's backward takes the Gluon kernel from there)
+        through the Gluon kernels' varlen paths, which heuristics.GLUON_VARLEN keeps off by default."""
+        from tileflash import heuristics
+
         cu = torch.tensor([0, 100, 100, 1400, 2000], dtype=torch.int32)
         q, k, v = (torch.randn(2000, 4, d, dtype=bf, requires_grad=backward) for _ in range(3))
-        out = tileflash.flash_attn_varlen_func(q, k, v, cu, cu, 1300, 1300, causal=causal)
-        if backward:
-            out.sum().backward()
+        saved, heuristics.GLUON_VARLEN = heuristics.GLUON_VARLEN, True
+        try:
+            out = tileflash.flash_attn_varlen_func(q, k, v, cu, cu, 1300, 1300, causal=causal)
+            if backward:
+                out.sum().backward()
+        finally:
+            heuristics.GLUON_VARLEN = saved
 
     def warp_specialised(call, backward=False):
         """Run a call that must take the warp-specialised Gluon forward (kernels/attn_fwd_ws.py) and, with

@@ -8,6 +8,7 @@ import torch
 
 import tileflash
 from helpers import DEVICE, ON_SM90, attention_inputs, check_grads
+from tileflash import heuristics
 from tileflash.heuristics import WsBwdConfig
 from tileflash.ops import backward
 from tileflash.ops.backward import launch_attn_bwd_ws, ws_backward_config
@@ -107,6 +108,7 @@ VARLEN_CASES = [
 def test_ws_backward_varlen(case, keys_major, monkeypatch):
     """Rows and keys past a sequence's end belong to the next one: no gradient may leak across."""
     lens_q, lens_k, hq, hkv, d, causal = case
+    monkeypatch.setattr(heuristics, "GLUON_VARLEN", True)  # the forward's and the backward's varlen paths
     if keys_major:
         cfg = (WsBwdConfig(128, 2, True, True, keys_major=True, dq_by_rows=True) if d == 64
                else WsBwdConfig(64, 2, True, True, keys_major=True))
@@ -145,6 +147,7 @@ def test_ws_backward_declines_what_it_does_not_do():
     q, k, v = attention_inputs(1, 256, 256, 2, 2, 128, torch.bfloat16)
     assert not _takes_ws(q, k, v, causal=False, window=(64, 0))
     assert not _takes_ws(q, k, v, causal=False, softcap=5.0)
+    assert not _takes_ws(q, k, v, causal=True, varlen=True) or heuristics.GLUON_VARLEN
     assert not _takes_ws(q, k, v, causal=True, varlen=True, seqused_k=True)
     for d in (96, 256):
         qd, kd, vd = attention_inputs(1, 256, 256, 2, 2, d, torch.bfloat16)

@@ -7,6 +7,7 @@ import torch
 
 import tileflash
 from helpers import DEVICE, ON_SM90, attention_inputs, check_2x, check_lse
+from tileflash import heuristics
 from tileflash.heuristics import WsFwdConfig
 from tileflash.ops._launch import Mask, launch_attn_fwd_ws, sm90_target, ws_forward_config
 from tileflash.ops import prefill
@@ -101,6 +102,7 @@ VARLEN_CASES = [
 def test_ws_forward_varlen(case, dtype, monkeypatch):
     """Rows and keys past a sequence's end belong to the next one: none may leak into or overwrite it."""
     lens_q, lens_k, hq, hkv, d, causal = case
+    monkeypatch.setattr(heuristics, "GLUON_VARLEN", True)
     launches = []
     monkeypatch.setattr(prefill, "launch_attn_fwd_ws", lambda *a, **kw: launches.append(1) or launch_attn_fwd_ws(
         *a, **kw))

@@ -134,6 +134,12 @@ def fwd_ws_config(head_dim: int, causal: bool, seqlen_k: int) -> WsFwdConfig | N
     return None
 
 
+# Varlen batches through the warp-specialised Gluon kernels (attn_fwd_ws.py / attn_bwd_ws.py VARLEN): compiled for
+# sm_90 on the CPU (session 16) but not yet run on a GPU, so off; tests/test_prefill_ws.py and test_backward_ws.py
+# switch it on for their varlen cases. Until it is on, varlen calls take the Triton kernels.
+GLUON_VARLEN = False
+
+
 @dataclass(frozen=True)
 class WsBwdConfig:
     """The warp-specialised sm_90 dK/dV kernel (kernels/attn_bwd_ws.py): 128 keys per CTA, always."""

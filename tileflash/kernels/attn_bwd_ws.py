@@ -53,8 +53,8 @@ end load as zeros and are dropped from the reduce-add); lse2 (lse * log2(e), +in
 preprocess) and delta [B, Hq, Sq] float32 with a contiguous last dim, loaded with row masks (+inf past Sq, so those
 rows' P is 0), or when keys-major through 2-D TMA descriptors; dK, dV stored by pointers with key masks. Scope
 (ops/backward.ws_backward_config decides, else the Triton kernels run): 16-bit dtypes, head dims 64 and 128, no
-window or softcap beyond causal; varlen batches without seqused_k (VARLEN: rows and keys offset by each sequence's
-start, see attn_bwd_ws_kernel).
+window or softcap beyond causal; varlen batches without seqused_k once heuristics.GLUON_VARLEN is on (VARLEN: rows
+and keys offset by each sequence's start, see attn_bwd_ws_kernel).
 Gluon has no CPU interpreter: tests/sm90_compile_check.py compiles this kernel for sm_90 on the CPU, and the GPU
 suite checks its results.
 """

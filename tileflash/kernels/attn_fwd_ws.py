@@ -26,8 +26,9 @@ as [1, total, H, D], each tile's rows and keys offset by its sequence's start; r
 load the next sequence's rows, so keys there are masked (the last partial block of a sequence always takes the
 mask) and O is stored from registers with row masks. Scope (ops/_launch.ws_forward_config decides, else the
 Triton kernel runs): 16-bit dtypes, head dims 64, 128 and 256, no window or softcap beyond causal, a positive
-softmax scale; varlen without seqused_k or a paged cache. Gluon has no CPU interpreter: the CPU suite checks this kernel's compilation for
-sm_90 (tests/sm90_compile_check.py) and the GPU suite its results.
+softmax scale; varlen without seqused_k or a paged cache, once heuristics.GLUON_VARLEN is on. Gluon has no CPU
+interpreter: the CPU suite checks this kernel's compilation for sm_90 (tests/sm90_compile_check.py) and the GPU
+suite its results.
 """
 import triton
 from triton.experimental import gluon

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .. import _utils
+from .. import _utils, heuristics
 from ..heuristics import WsFwdConfig, combine_tiles, fwd_ws_config, padded_head_dim
 from ..kernels import attn_fwd_ws, decode_quant_mma
 from ..kernels.attn_combine import attn_combine_kernel, merge_states_kernel
@@ -202,6 +202,8 @@ def ws_forward_config(q4, k4, v4, out4, softmax_scale: float, mask: Mask,
     """The warp-specialised forward's tiles when it serves this call (sm_90, a shape heuristics.fwd_ws_config
     takes, at most a causal mask, a positive scale, TMA-addressable tensors), else None (the Triton kernel).
     max_seqlen_k: given for varlen batches (packed [1, total, H, D] tensors), which take one CTA per tile."""
+    if max_seqlen_k is not None and not heuristics.GLUON_VARLEN:
+        return None
     if not (softmax_scale > 0 and ws_call_ok(q4.dtype, mask)):
         return None
     cfg = fwd_ws_config(q4.shape[3], mask.window_right == 0, k4.shape[1] if max_seqlen_k is None else max_seqlen_k)

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from .. import _utils
+from .. import _utils, heuristics
 from ..heuristics import WsBwdConfig, bwd_config, bwd_ws_config, padded_head_dim
 from ..kernels import attn_bwd_ws
 from ..kernels.attn_bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
@@ -29,7 +29,9 @@ def ws_backward_config(q, k, v, dout, *, varlen: bool, window_left: int, window_
     """The warp-specialised dK/dV kernel's tiles when it serves this call (sm_90, a head dim heuristics.bwd_ws_config
     takes, at most a causal mask, TMA-addressable tensors; varlen without seqused_k, tiles by max_seqlen_k), else
     None (the Triton kernels)."""
-    if seqused_k or not ws_call_ok(q.dtype, Mask(window_left, window_right, softcap)):
+    if varlen and (seqused_k or not heuristics.GLUON_VARLEN):
+        return None
+    if not ws_call_ok(q.dtype, Mask(window_left, window_right, softcap)):
         return None
     cfg = bwd_ws_config(q.shape[3], window_right == 0, max_seqlen_k if varlen else k.shape[1])
     if cfg is None or not all(_tma_4d_ok(t) for t in (q, k, v, dout)):
