@@ -17,6 +17,15 @@ def attention_inputs(b, sq, sk, hq, hkv, d, dtype, seed=0):
     return mk(b, sq, hq, d), mk(b, sk, hkv, d), mk(b, sk, hkv, d)
 
 
+def packed_inputs(lens_q, lens_k, hq, hkv, d, dtype, seed=0):
+    """Seeded packed sequences on DEVICE: q [sum(lens_q), hq, d], k, v [sum(lens_k), hkv, d] and their int32
+    cu_seqlens_q, cu_seqlens_k."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=g).to(DEVICE, dtype)  # noqa: E731
+    cu = lambda lens: torch.tensor([0, *lens]).cumsum(0).to(DEVICE, torch.int32)  # noqa: E731
+    return mk(sum(lens_q), hq, d), mk(sum(lens_k), hkv, d), mk(sum(lens_k), hkv, d), cu(lens_q), cu(lens_k)
+
+
 def check_2x(out, ref32, ref_lowp, name="out") -> tuple[float, float]:
     """Pass iff max|out - ref32| <= 2 * max|ref_lowp - ref32| + atol, with no NaN anywhere (outputs are poisoned
     with NaN before launch, so an unwritten element fails here)."""

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tileflash
-from helpers import DEVICE, ON_SM90, attention_inputs, check_grads
+from helpers import DEVICE, ON_SM90, attention_inputs, check_grads, packed_inputs
 from tileflash import heuristics
 from tileflash.heuristics import WsBwdConfig
 from tileflash.ops import backward
@@ -116,11 +116,9 @@ def test_ws_backward_varlen(case, keys_major, monkeypatch):
     launches = []
     monkeypatch.setattr(backward, "launch_attn_bwd_ws",
                         lambda *a, **kw: launches.append(1) or launch_attn_bwd_ws(*a, **kw))
-    g = torch.Generator().manual_seed(4)
-    q, k, v = (torch.randn(sum(lens), h, d, generator=g).to(DEVICE, torch.bfloat16).requires_grad_()
-               for lens, h in ((lens_q, hq), (lens_k, hkv), (lens_k, hkv)))
-    cu = lambda lens: torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(DEVICE, torch.int32)  # noqa: E731
-    cu_q, cu_k = cu(lens_q), cu(lens_k)
+    q, k, v, cu_q, cu_k = packed_inputs(lens_q, lens_k, hq, hkv, d, torch.bfloat16, seed=4)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    g = torch.Generator().manual_seed(5)
     dout = torch.randn(sum(lens_q), hq, d, generator=g).to(DEVICE)
     dlse = torch.randn(hq, sum(lens_q), generator=g).to(DEVICE)
     check_grads(lambda q, k, v: tileflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tileflash
-from helpers import DEVICE, ON_SM90, attention_inputs, check_2x, check_lse
+from helpers import DEVICE, ON_SM90, attention_inputs, check_2x, check_lse, packed_inputs
 from tileflash import heuristics
 from tileflash.heuristics import WsFwdConfig
 from tileflash.ops._launch import Mask, launch_attn_fwd_ws, sm90_target, ws_forward_config
@@ -106,12 +106,7 @@ def test_ws_forward_varlen(case, dtype, monkeypatch):
     launches = []
     monkeypatch.setattr(prefill, "launch_attn_fwd_ws", lambda *a, **kw: launches.append(1) or launch_attn_fwd_ws(
         *a, **kw))
-    g = torch.Generator().manual_seed(3)
-    q = torch.randn(sum(lens_q), hq, d, generator=g).to(DEVICE, dtype)
-    k = torch.randn(sum(lens_k), hkv, d, generator=g).to(DEVICE, dtype)
-    v = torch.randn(sum(lens_k), hkv, d, generator=g).to(DEVICE, dtype)
-    cu = lambda lens: torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(DEVICE, torch.int32)  # noqa: E731
-    cu_q, cu_k = cu(lens_q), cu(lens_k)
+    q, k, v, cu_q, cu_k = packed_inputs(lens_q, lens_k, hq, hkv, d, dtype, seed=3)
     out, lse = tileflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
                                                 return_lse=True)
     assert launches, "this case no longer takes the warp-specialised forward"

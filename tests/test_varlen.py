@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import tileflash
-from helpers import DEVICE, ON_GPU, check_2x, check_lse
+from helpers import DEVICE, ON_GPU, check_2x, check_lse, packed_inputs
 from tileflash.reference import attention_varlen_ref
 
 # (query lengths, key lengths, heads_q, heads_kv, head_dim, causal, window, seqused_k) — why each is here:
@@ -21,12 +21,7 @@ if ON_GPU:
 @pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
 def test_flash_attn_varlen_func(case, dtype):
     lens_q, lens_k, hq, hkv, d, causal, window, seqused = case
-    g = torch.Generator().manual_seed(7)
-    q = torch.randn(sum(lens_q), hq, d, generator=g).to(DEVICE, dtype)
-    k = torch.randn(sum(lens_k), hkv, d, generator=g).to(DEVICE, dtype)
-    v = torch.randn(sum(lens_k), hkv, d, generator=g).to(DEVICE, dtype)
-    cu = lambda lens: torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(DEVICE, torch.int32)  # noqa: E731
-    cu_q, cu_k = cu(lens_q), cu(lens_k)
+    q, k, v, cu_q, cu_k = packed_inputs(lens_q, lens_k, hq, hkv, d, dtype, seed=7)
     used = None if seqused is None else torch.tensor(seqused, dtype=torch.int32, device=DEVICE)
     out, lse = tileflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), seqused_k=used,
                                                 causal=causal, window_size=window, return_lse=True)

@@ -133,26 +133,28 @@ def _step_at(t, t0, n_mask, n_full, m_lo, m_full, tile, head_kv, group_size, ROT
 
 
 @gluon.jit
+def _load_tile(desc, stats_desc, bar, buf, stats_buf, b, start_m, hq, num_heads_q, WITH_STATS: gl.constexpr):
+    """Rows [start_m, start_m + BLOCK_M) of head hq (Q or dO) into buf and, WITH_STATS, their lse2 or delta into
+    stats_buf, both counted on bar."""
+    if WITH_STATS:
+        mbarrier.expect(bar, desc.block_type.nbytes + stats_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(stats_desc, [b * num_heads_q + hq, start_m], bar, stats_buf)
+    else:
+        mbarrier.expect(bar, desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, [b, start_m, hq, 0], bar, buf)
+
+
+@gluon.jit
 def _load_step(t, hq, start_m, b, q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, qdo_empty, lse2_desc,
                delta_desc, lse2_bufs, delta_bufs, num_heads_q, STAGES: gl.constexpr, KEYS_MAJOR: gl.constexpr):
     """Q and dO rows [start_m, start_m + BLOCK_M) of head hq into stage t % STAGES; keys-major steps also take
     those rows' lse2 (with Q) and delta (with dO), which each thread then reads for all its query columns."""
     s = t % STAGES
     mbarrier.wait(qdo_empty.index(s), ((t // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1 at once
-    if KEYS_MAJOR:
-        mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + lse2_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(lse2_desc, [b * num_heads_q + hq, start_m], q_ready.index(s),
-                                        lse2_bufs.index(s))
-    else:
-        mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [b, start_m, hq, 0], q_ready.index(s), q_bufs.index(s))
-    if KEYS_MAJOR:
-        mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(delta_desc, [b * num_heads_q + hq, start_m], do_ready.index(s),
-                                        delta_bufs.index(s))
-    else:
-        mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(do_desc, [b, start_m, hq, 0], do_ready.index(s), do_bufs.index(s))
+    _load_tile(q_desc, lse2_desc, q_ready.index(s), q_bufs.index(s), lse2_bufs.index(s), b, start_m, hq,
+               num_heads_q, KEYS_MAJOR)
+    _load_tile(do_desc, delta_desc, do_ready.index(s), do_bufs.index(s), delta_bufs.index(s), b, start_m, hq,
+               num_heads_q, KEYS_MAJOR)
 
 
 @gluon.jit
