@@ -66,7 +66,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton._C.libtriton import ir
 
-from .attn_fwd_ws import _sequence
+from ._gluon import opaque_zero, packed_sequence
 
 KEYS_PER_WARPGROUP = 64  # wgmma's M: each consumer warpgroup owns 64 keys of the CTA's 128
 BLOCK_KEYS = 2 * KEYS_PER_WARPGROUP
@@ -163,7 +163,7 @@ def _producer(q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, k_smem, v_
               group_size, cu_seqlens_q, cu_seqlens_k, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
               BLOCK_M: gl.constexpr, STAGES: gl.constexpr, KEYS_MAJOR: gl.constexpr, VARLEN: gl.constexpr):
     b, hk, tile, start_n = _tile(n_tiles, num_heads_kv)
-    b, q0, seqlen_q, k0, seqlen_k = _sequence(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN)
+    b, q0, seqlen_q, k0, seqlen_k = packed_sequence(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN)
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [b, k0 + start_n, hk, 0], kv_bar, k_smem.index(0))
     tma.async_copy_global_to_shared(v_desc, [b, k0 + start_n, hk, 0], kv_bar, v_smem.index(0))
@@ -188,12 +188,6 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
     out-of-bounds rows are dropped). Gluon does not wrap this op of its builder in triton 3.6/3.7."""
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
-
-
-@gluon.jit
-def _opaque_zero(x):
-    """0, from an instruction with side effects, so the compiler neither folds it nor moves it out of x's loop."""
-    return gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -297,7 +291,7 @@ def _consume_step(t, hq, start_m, prev_hq, prev_m, next_hq, next_m, has_next, ls
     phase = (t // STAGES) & 1
     # The operands that stay put (K, V, P) are addressed through a zero the compiler cannot see: otherwise it hoists
     # their ~30 wgmma descriptors (one per 16-wide slice) out of the loop and spills them (RESULTS.md, session 11).
-    z = _opaque_zero(t)
+    z = opaque_zero(t)
     k_all = k_smem.index(z).reshape([BLOCK_N, HEAD_DIM])
     k_w = k_all.slice(WG * WG_KEYS, WG_KEYS, dim=0)
     v_w = v_smem.index(z).reshape([BLOCK_N, HEAD_DIM]).slice(WG * WG_KEYS, WG_KEYS, dim=0)
@@ -417,7 +411,7 @@ def _consumer(q_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs,
               KEYS_MAJOR: gl.constexpr, DQ_BY_ROWS: gl.constexpr, VARLEN: gl.constexpr):
     b, hk, tile, start_n = _tile(n_tiles, num_heads_kv)
     # From here on b is the descriptors' batch coordinate (0 for packed sequences) and rows are the sequence's.
-    b, q0, seqlen_q, k0, seqlen_k = _sequence(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN)
+    b, q0, seqlen_q, k0, seqlen_k = packed_sequence(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN)
     m_lo, m_full, m_hi = _query_blocks(start_n, seqlen_q, seqlen_k, CAUSAL, BLOCK_M)
     n_mask = m_full - m_lo
     n_full = m_hi - m_full

@@ -36,6 +36,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from ._gluon import opaque_zero, packed_sequence
+
 ROWS_PER_WARPGROUP = 64  # wgmma's M: each consumer warpgroup owns 64 query rows
 WG_ROWS = gl.constexpr(ROWS_PER_WARPGROUP)
 LN2 = gl.constexpr(0.6931471805599453)
@@ -78,21 +80,6 @@ def _tile_count(num_units, PERSISTENT: gl.constexpr):
 
 
 @gluon.jit
-def _sequence(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN: gl.constexpr):
-    """(batch coordinate of the descriptors, first query row, query rows, first key, keys) of sequence b: with
-    VARLEN the packed rows [cu_seqlens[b], cu_seqlens[b + 1]) of [1, total, H, D] tensors (seqlen_q/k: the packed
-    row counts; entries past them, a caller's error, are clamped to them as in _masks.seq_extents, so no store
-    leaves the tensors), else all of batch b."""
-    if VARLEN:
-        q0 = gl.minimum(gl.load(cu_seqlens_q + b), seqlen_q)
-        k0 = gl.minimum(gl.load(cu_seqlens_k + b), seqlen_k)
-        q1 = gl.minimum(gl.load(cu_seqlens_q + b + 1), seqlen_q)
-        k1 = gl.minimum(gl.load(cu_seqlens_k + b + 1), seqlen_k)
-        return b * 0, q0, q1 - q0, k0, k1 - k0
-    return b, b * 0, seqlen_q, b * 0, seqlen_k
-
-
-@gluon.jit
 def _block_range(start_m, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
     """KV blocks [0, n_hi) that rows [start_m, start_m + 128) need; blocks >= full_hi need the mask (past Sk or
     past the diagonal of the tile's first row; causal is bottom-right aligned: row i sees keys <= i + Sk - Sq)."""
@@ -115,7 +102,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, q_empty, k_
     tiles_done = 0
     for step in range(_tile_count(num_units, PERSISTENT)):
         b, h, hk, start_m, valid = _tile(step, m_tiles, num_heads_q, group_size, PERSISTENT)
-        bd, q0, sq, k0, sk = _sequence(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN)
+        bd, q0, sq, k0, sk = packed_sequence(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN)
         if VARLEN:
             valid = valid & (start_m < sq)  # tiles cover the longest sequence
         if valid:
@@ -143,11 +130,15 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, q_empty, k_
 
 @gluon.jit
 def _masked(s, j, row0, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Scores of keys a row may not see (past Sk, or past its diagonal) set to -inf."""
-    cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+    """Scores of keys a row may not see (past Sk, or past its diagonal) set to -inf. The column and row indices
+    carry a zero the compiler cannot see: otherwise it hoists loop-invariant parts of the causal compare out of the
+    block loop, and the persistent d128 causal tile spilled them (184 bytes of stack under triton 3.6, 17 reloads
+    per block; 0 with the zero; 3.7.1: 40 -> 24 bytes)."""
+    z = opaque_zero(j)
+    cols = j * BLOCK_N + z + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
     ok = gl.expand_dims(cols < seqlen_k, 0)
     if CAUSAL:
-        rows = row0 + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, s.type.layout))
+        rows = row0 + z + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, s.type.layout))
         ok = ok & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + seqlen_k - seqlen_q, 1))
     return gl.where(ok, s, float("-inf"))
 
@@ -184,7 +175,7 @@ def _consumer(q_desc, o_desc, out_ptr, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, q
     tiles_done = 0
     for step in range(_tile_count(num_units, PERSISTENT)):
         b, h, hk, start_m, valid = _tile(step, m_tiles, num_heads_q, group_size, PERSISTENT)
-        bd, q0, sq, k0, sk = _sequence(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN)
+        bd, q0, sq, k0, sk = packed_sequence(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN)
         if VARLEN:
             valid = valid & (start_m < sq)
         if valid:
