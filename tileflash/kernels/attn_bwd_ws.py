@@ -92,7 +92,7 @@ def _tile(n_tiles, num_heads_kv):
 
 
 @gluon.jit
-def _query_blocks(start_n, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
+def _query_blocks(start_n, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, VARLEN: gl.constexpr):
     """Query blocks [m_lo, m_hi) that see any of keys [start_n, start_n + 128), of which [m_lo, m_full) need a mask:
     all of them in the tile holding Sk's last key, else (causal, bottom-right aligned: row i sees key j iff
     j <= i + Sk - Sq) those whose first row does not see the tile's last key."""
@@ -106,8 +106,9 @@ def _query_blocks(start_n, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl
         m_full = gl.minimum(gl.maximum((gl.maximum(key_max - diag, 0) + BLOCK_M - 1) // BLOCK_M, m_lo), m_hi)
     if start_n + BLOCK_N > seqlen_k:
         m_full = m_hi
-    m_lo = gl.where(start_n < seqlen_k, m_lo, m_hi)  # a (varlen) tile past its sequence's keys: no steps
-    m_full = gl.where(start_n < seqlen_k, m_full, m_hi)
+    if VARLEN:  # a tile past its sequence's keys (the grid covers the longest): no steps
+        m_lo = gl.where(start_n < seqlen_k, m_lo, m_hi)
+        m_full = gl.where(start_n < seqlen_k, m_full, m_hi)
     return m_lo, m_full, m_hi
 
 
@@ -167,7 +168,7 @@ def _producer(q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, k_smem, v_
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [b, k0 + start_n, hk, 0], kv_bar, k_smem.index(0))
     tma.async_copy_global_to_shared(v_desc, [b, k0 + start_n, hk, 0], kv_bar, v_smem.index(0))
-    m_lo, m_full, m_hi = _query_blocks(start_n, seqlen_q, seqlen_k, CAUSAL, BLOCK_M)
+    m_lo, m_full, m_hi = _query_blocks(start_n, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, VARLEN)
     n_mask = m_full - m_lo
     n_full = m_hi - m_full
     num_heads_q = num_heads_kv * group_size
@@ -412,7 +413,7 @@ def _consumer(q_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs,
     b, hk, tile, start_n = _tile(n_tiles, num_heads_kv)
     # From here on b is the descriptors' batch coordinate (0 for packed sequences) and rows are the sequence's.
     b, q0, seqlen_q, k0, seqlen_k = packed_sequence(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN)
-    m_lo, m_full, m_hi = _query_blocks(start_n, seqlen_q, seqlen_k, CAUSAL, BLOCK_M)
+    m_lo, m_full, m_hi = _query_blocks(start_n, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, VARLEN)
     n_mask = m_full - m_lo
     n_full = m_hi - m_full
     dtype: gl.constexpr = q_desc.dtype
