@@ -44,9 +44,12 @@ LN2 = gl.constexpr(0.6931471805599453)
 
 
 @gluon.jit
-def _tile(step, m_tiles, num_heads_q, group_size, PERSISTENT: gl.constexpr):
-    """(batch, query head, KV head, first row, valid) of this CTA's step-th tile; producer and consumers walk the
-    same tiles.
+def _tile(step, m_tiles, num_heads_q, group_size, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k,
+          PERSISTENT: gl.constexpr, VARLEN: gl.constexpr):
+    """(batch coordinate of the descriptors, query head, KV head, first row, valid) of this CTA's step-th tile, then
+    its sequence's (first query row, query rows, first key, keys) as _gluon.packed_sequence gives them; producer
+    and consumers walk the same tiles. With VARLEN the tiles cover the longest sequence: rows past this one's are
+    not valid.
 
     One tile per CTA (step 0 only): the heaviest causal tiles of a head start first and the hardware hands the next
     CTA to whichever SM frees up. Persistent CTAs walk units of two tiles of one head, the i-th heaviest and the
@@ -66,7 +69,11 @@ def _tile(step, m_tiles, num_heads_q, group_size, PERSISTENT: gl.constexpr):
         rank = tile % m_tiles
         valid = tile >= 0
     h = bh % num_heads_q
-    return bh // num_heads_q, h, h // group_size, (m_tiles - 1 - rank) * (2 * WG_ROWS), valid
+    start_m = (m_tiles - 1 - rank) * (2 * WG_ROWS)
+    bd, q0, sq, k0, sk = packed_sequence(bh // num_heads_q, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN)
+    if VARLEN:
+        valid = valid & (start_m < sq)
+    return bd, h, h // group_size, start_m, valid, q0, sq, k0, sk
 
 
 @gluon.jit
@@ -101,10 +108,8 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, q_empty, k_
     it = 0  # K/V blocks loaded so far: the position in both rings
     tiles_done = 0
     for step in range(_tile_count(num_units, PERSISTENT)):
-        b, h, hk, start_m, valid = _tile(step, m_tiles, num_heads_q, group_size, PERSISTENT)
-        bd, q0, sq, k0, sk = packed_sequence(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN)
-        if VARLEN:
-            valid = valid & (start_m < sq)  # tiles cover the longest sequence
+        bd, h, hk, start_m, valid, q0, sq, k0, sk = _tile(step, m_tiles, num_heads_q, group_size, cu_seqlens_q,
+                                                          cu_seqlens_k, seqlen_q, seqlen_k, PERSISTENT, VARLEN)
         if valid:
             for w in gl.static_range(2):
                 # Q's buffer is free once the consumer's last S product of the previous tile retired.
@@ -174,10 +179,8 @@ def _consumer(q_desc, o_desc, out_ptr, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, q
     it = 0  # K/V blocks consumed so far: the position in both rings
     tiles_done = 0
     for step in range(_tile_count(num_units, PERSISTENT)):
-        b, h, hk, start_m, valid = _tile(step, m_tiles, num_heads_q, group_size, PERSISTENT)
-        bd, q0, sq, k0, sk = packed_sequence(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN)
-        if VARLEN:
-            valid = valid & (start_m < sq)
+        bd, h, hk, start_m, valid, q0, sq, k0, sk = _tile(step, m_tiles, num_heads_q, group_size, cu_seqlens_q,
+                                                          cu_seqlens_k, seqlen_q, seqlen_k, PERSISTENT, VARLEN)
         if valid:
             full_hi, n_hi = _block_range(start_m, sq, sk, CAUSAL, BLOCK_N)
             row0 = start_m + WG * WG_ROWS
@@ -245,7 +248,7 @@ def _consumer(q_desc, o_desc, out_ptr, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, q
                 # rows past Sq.
                 q.store(o)
                 fence_async_shared()
-                tma.async_copy_shared_to_global(o_desc, [b, row0, h, 0], q_smem.index(WG))
+                tma.async_copy_shared_to_global(o_desc, [bd, row0, h, 0], q_smem.index(WG))
                 tma.store_wait(0)
             tiles_done += 1
 

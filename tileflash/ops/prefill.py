@@ -94,14 +94,17 @@ def _varlen_forward_ws(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     total_q, hq, _ = q.shape
     if total_q == 0 or k.shape[0] == 0 or max_seqlen_q == 0 or cu_seqlens_q.shape[0] < 2:
         return None
-    out = _utils.new_output(q.shape, q.dtype, q.device)
-    q4, k4, v4, out4 = (t.unsqueeze(0) for t in (q, k, v, out))
-    cfg = ws_forward_config(q4, k4, v4, out4, softmax_scale, mask, max_seqlen_k=max_seqlen_k)
+    q4, k4, v4 = (t.unsqueeze(0) for t in (q, k, v))
+    # Decided before out exists (no allocation on the calls it declines): out will be a fresh contiguous tensor of
+    # q's shape, which a TMA descriptor addresses whenever q's does, so q stands in for it.
+    cfg = ws_forward_config(q4, k4, v4, q4, softmax_scale, mask, max_seqlen_k=max_seqlen_k)
     if cfg is None:
         return None
+    out = _utils.new_output(q.shape, q.dtype, q.device)
     lse = _utils.new_output((hq, total_q), torch.float32, q.device)
-    launch_attn_fwd_ws(q4, k4, v4, out4, lse.unsqueeze(0), causal=mask.window_right == 0, softmax_scale=softmax_scale,
-                       config=cfg, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q)
+    launch_attn_fwd_ws(q4, k4, v4, out.unsqueeze(0), lse.unsqueeze(0), causal=mask.window_right == 0,
+                       softmax_scale=softmax_scale, config=cfg, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                       max_seqlen_q=max_seqlen_q)
     return out, lse
 
 
