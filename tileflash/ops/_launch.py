@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .. import _utils, heuristics
+from . import direct
 from ..heuristics import WsFwdConfig, combine_tiles, fwd_ws_config, padded_head_dim
 from ..kernels import attn_fwd_ws, decode_quant_mma
 from ..kernels.attn_combine import attn_combine_kernel, merge_states_kernel
@@ -39,7 +40,12 @@ class Mask:
 def _dummy(device) -> torch.Tensor:
     """The stand-in for pointer arguments a launch does not use (never read or written): one per device, since an
     allocation per launch is a measurable part of an eager decode call's host time."""
-    return torch.empty(1, dtype=torch.int32, device=device)
+    return direct.constant(torch.empty(1, dtype=torch.int32, device=device))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """t's bytes (FP8 / e4m3 tensors are read and written as uint8 bit patterns)."""
+    return direct.derived(t.view(torch.uint8), t)
 
 
 def _strides3(t: torch.Tensor, batch_stride0: bool) -> tuple[int, int, int]:
@@ -77,7 +83,8 @@ def row_descriptors(tensors, rows: int, block_rows: int):
         mergeable = t.shape[0] == 1 or t.stride(0) == t.shape[1] * t.stride(1)
         if not (mergeable and _tma_aligned(t, dims=(1, 2))):
             return None
-        descs.append(TensorDescriptor(t, [rows, t.shape[2], d], [t.stride(1), t.stride(2), 1], [block_rows, 1, d]))
+        desc = TensorDescriptor(t, [rows, t.shape[2], d], [t.stride(1), t.stride(2), 1], [block_rows, 1, d])
+        descs.append(direct.derived(desc, t))
     return descs
 
 
@@ -111,7 +118,8 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
     if tma_tiles(config, k4.shape[1] if paged else 0, nvfp4):
         descs = row_descriptors((k4, v4), k4.shape[0] * k4.shape[1], config.block_n)
     k_arg, v_arg = descs if descs else (k4, v4)
-    return attn_fwd_kernel[grid](
+    return direct.launch(
+        attn_fwd_kernel, grid,
         q4, k_arg, v_arg, out4, lse3,
         o_part if split else dummy, lse_part if split else dummy,
         cu_seqlens_q if cu_seqlens_q is not None else dummy,
@@ -120,7 +128,7 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         block_table if paged else dummy,
         k_scale if k_scale is not None else dummy, v_scale if v_scale is not None else dummy,
         1 if k_scale is not None and k_scale.numel() > 1 else 0,
-        *((k_block_scale.view(torch.uint8), v_block_scale.view(torch.uint8), *k_block_scale.stride()[:3]) if nvfp4
+        *((_bytes(k_block_scale), _bytes(v_block_scale), *k_block_scale.stride()[:3]) if nvfp4
           else (dummy, dummy, 0, 0, 0)),
         *_strides3(q4, q_batch_stride0), *_strides3(k4, k_batch_stride0), *_strides3(v4, k_batch_stride0),
         *_strides3(out4, q_batch_stride0), *_strides3(lse3, q_batch_stride0),
@@ -152,10 +160,11 @@ def launch_decode_quant(q4, k4, v4, out4, lse3, *, seqlen_k: int, seqlens_k, seq
     nvfp4 = k_block_scale is not None
     dummy = _dummy(q4.device)
     split = num_splits > 1
-    cache = (k4, v4) if nvfp4 else (k4.view(torch.uint8), v4.view(torch.uint8))
-    scales = (k_block_scale.view(torch.uint8), v_block_scale.view(torch.uint8)) if nvfp4 else (dummy, dummy)
+    cache = (k4, v4) if nvfp4 else (_bytes(k4), _bytes(v4))
+    scales = (_bytes(k_block_scale), _bytes(v_block_scale)) if nvfp4 else (dummy, dummy)
     s_strides = k_block_scale.stride()[:3] if nvfp4 else (0, 0, 0)
-    decode_quant_mma.decode_quant_kernel[(b * hkv, num_splits)](
+    direct.launch(
+        decode_quant_mma.decode_quant_kernel, (b * hkv, num_splits),
         q4, *cache, *scales, k_scale, v_scale, out4, lse3,
         o_part if split else dummy, lse_part if split else dummy, seqlens_k, block_table if paged else dummy,
         q4.stride(0), q4.stride(1), q4.stride(2), *k4.stride()[:3], *s_strides,
@@ -222,7 +231,7 @@ def _desc_4d(t: torch.Tensor, block_rows: int, block_cols: int | None = None):
 
     block = [1, block_rows, 1, block_cols or t.shape[3]]
     layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, _GLUON_DTYPES[t.dtype]))
-    return GluonDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+    return direct.derived(GluonDescriptor(t, list(t.shape), list(t.stride()), block, layout), t)
 
 
 def launch_attn_fwd_ws(q4, k4, v4, out4, lse3, *, causal: bool, softmax_scale: float, config: WsFwdConfig,
@@ -238,7 +247,8 @@ def launch_attn_fwd_ws(q4, k4, v4, out4, lse3, *, causal: bool, softmax_scale: f
     num_units = attn_fwd_ws.units(m_tiles, b * hq)
     grid = min(num_units, _utils.num_sms(q4.device)) if config.persistent else m_tiles * b * hq
     rows = attn_fwd_ws.ROWS_PER_WARPGROUP
-    attn_fwd_ws.attn_fwd_ws_kernel[(grid,)](
+    direct.launch(
+        attn_fwd_ws.attn_fwd_ws_kernel, (grid,),
         _desc_4d(q4, rows), _desc_4d(k4, config.block_n), _desc_4d(v4, config.block_n), _desc_4d(out4, rows), out4,
         lse3, cu_seqlens_q if varlen else lse3, cu_seqlens_k if varlen else lse3, sq, k4.shape[1], m_tiles, hq,
         hq // k4.shape[2], num_units, 0 if varlen else out4.stride(0), out4.stride(1), out4.stride(2),
@@ -255,7 +265,8 @@ def launch_combine(o_part, lse_part, out4, lse3, pdl: bool = False) -> None:
     b, sq, hq, _ = out4.shape
     split_chunk, d_chunk = combine_tiles(num_splits, padded_head_dim(d))
     pdl = pdl and sm90_target()
-    attn_combine_kernel[(num_rows, _utils.cdiv(d, d_chunk))](
+    direct.launch(
+        attn_combine_kernel, (num_rows, _utils.cdiv(d, d_chunk)),
         o_part, lse_part, out4, lse3, num_splits, sq, hq, num_rows,
         out4.stride(0), out4.stride(1), out4.stride(2), lse3.stride(0), lse3.stride(1), lse3.stride(2),
         HEAD_DIM=d, D_CHUNK=d_chunk, SPLIT_CHUNK=split_chunk, INTERPRETED=_utils.is_interpreter(), PDL=pdl,
@@ -268,7 +279,8 @@ def launch_merge(oa4, la3, ob4, lb3, out4, lse3) -> None:
     b, s, h, d = out4.shape
     num_rows = b * s * h
     grid = (_utils.cdiv(num_rows, COMBINE_BLOCK_ROWS),)
-    merge_states_kernel[grid](
+    direct.launch(
+        merge_states_kernel, grid,
         oa4, la3, ob4, lb3, out4, lse3, s, h, num_rows,
         oa4.stride(0), oa4.stride(1), oa4.stride(2), la3.stride(0), la3.stride(1), la3.stride(2),
         ob4.stride(0), ob4.stride(1), ob4.stride(2), lb3.stride(0), lb3.stride(1), lb3.stride(2),
@@ -293,11 +305,12 @@ def launch_kv_append(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table,
     nvfp4 = k_block_scale is not None
     fmt = 2 if nvfp4 else (1 if k_scale is not None else 0)
     if fmt == 1:  # the kernel writes e4m3 bit patterns (see kv_append.e4m3_bits)
-        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        k_cache, v_cache = _bytes(k_cache), _bytes(v_cache)
     bs_strides = k_block_scale.stride()[:3] if nvfp4 else (0, 0, 0)
-    kv_append_kernel[(b * s_new,)](
+    direct.launch(
+        kv_append_kernel, (b * s_new,),
         k_new, v_new, k_cache, v_cache,
-        k_block_scale.view(torch.uint8) if nvfp4 else dummy, v_block_scale.view(torch.uint8) if nvfp4 else dummy,
+        _bytes(k_block_scale) if nvfp4 else dummy, _bytes(v_block_scale) if nvfp4 else dummy,
         k_scale if k_scale is not None else dummy, v_scale if v_scale is not None else dummy,
         cache_seqlens, block_table if paged else dummy,
         1 if fmt == 1 and k_scale.numel() > 1 else 0,

@@ -6,6 +6,7 @@ says so (d > 64). deterministic=True (and the Triton path at d <= 64) computes d
 products, no atomics, bitwise reproducible). See kernels/attn_bwd.py."""
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -15,7 +16,8 @@ from .. import _utils, heuristics
 from ..heuristics import WsBwdConfig, bwd_config, bwd_ws_config, padded_head_dim
 from ..kernels import attn_bwd_ws
 from ..kernels.attn_bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
-from ._launch import Mask, _desc_4d, _tma_4d_ok, row_descriptors, ws_call_ok
+from . import direct
+from ._launch import Mask, _desc_4d, _dummy, _tma_4d_ok, row_descriptors, ws_call_ok
 
 PREPROCESS_BLOCK_ROWS = 32
 
@@ -53,8 +55,9 @@ def launch_attn_bwd_ws(q4, k4, v4, do4, lse2, delta, dk4, dv4, dq_acc, *, causal
     keys = attn_bwd_ws.BLOCK_KEYS
     dq_rows, dq_cols = (config.block_m // 2, d) if config.dq_by_rows else (config.block_m, d // 2)
     if not atomic_dq:  # the descriptor's stand-in, never read or written
-        dq_acc = torch.empty(1, dq_rows, 1, dq_cols, dtype=torch.float32, device=q4.device)
-    attn_bwd_ws.attn_bwd_ws_kernel[(n_tiles * b * hkv,)](
+        dq_acc = _dq_stand_in(q4.device, dq_rows, dq_cols)
+    direct.launch(
+        attn_bwd_ws.attn_bwd_ws_kernel, (n_tiles * b * hkv,),
         _desc_4d(q4, config.block_m), _desc_4d(k4, keys), _desc_4d(v4, keys), _desc_4d(do4, config.block_m),
         _desc_4d(dq_acc, dq_rows, dq_cols), _stats_desc(lse2, config.block_m), _stats_desc(delta, config.block_m),
         lse2, delta, dk4, dv4, cu_seqlens_q if varlen else lse2, cu_seqlens_k if varlen else lse2, q4.shape[1], sk,
@@ -64,11 +67,27 @@ def launch_attn_bwd_ws(q4, k4, v4, do4, lse2, delta, dk4, dv4, dq_acc, *, causal
         KEYS_MAJOR=config.keys_major, DQ_BY_ROWS=config.dq_by_rows, VARLEN=varlen, num_warps=4)
 
 
-def _stats_like(lse3: torch.Tensor) -> torch.Tensor:
-    """An fp32 tensor shaped like lse3 [B, H, S] whose rows start 16 bytes apart (S padded to a multiple of 4 in
-    storage), so that a TMA descriptor can address it (_stats_desc)."""
+@functools.lru_cache(maxsize=None)
+def _dq_stand_in(device, rows: int, cols: int) -> torch.Tensor:
+    return direct.constant(torch.empty(1, rows, 1, cols, dtype=torch.float32, device=device))
+
+
+def _stats_numel(lse_shape) -> int:
+    """fp32 elements of one _stats_views buffer for an lse of lse_shape [B, H, S]."""
+    bv, h, s = lse_shape
+    return bv * h * _utils.cdiv(s, 4) * 4
+
+
+def _stats_views(ws: torch.Tensor, lse3: torch.Tensor):
+    """(delta, lse2) in the workspace: fp32 tensors shaped like lse3 [B, H, S] whose rows start 16 bytes apart
+    (S padded to a multiple of 4 in storage), so that a TMA descriptor can address them (_stats_desc)."""
     bv, h, s = lse3.shape
-    return torch.empty(bv, h, _utils.cdiv(s, 4) * 4, dtype=torch.float32, device=lse3.device)[:, :, :s]
+    n = _stats_numel(lse3.shape)
+    views = []
+    for i in range(2):
+        padded = direct.derived(ws[i * n:(i + 1) * n].view(bv, h, n // (bv * h) if bv * h else 0), ws)
+        views.append(direct.derived(padded[:, :, :s], padded))
+    return views
 
 
 def _stats_desc(t: torch.Tensor, block_rows: int):
@@ -78,22 +97,23 @@ def _stats_desc(t: torch.Tensor, block_rows: int):
 
     bv, h, s = t.shape
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    return GluonDescriptor(t, [bv * h, s], [t.stride(1), 1], [1, block_rows], layout)
+    return direct.derived(GluonDescriptor(t, [bv * h, s], [t.stride(1), 1], [1, block_rows], layout), t)
 
 
-def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, *, varlen: bool, num_batches: int, seqlen_q: int,
-                seqlen_k: int, max_seqlen_q: int, max_seqlen_k: int, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                softmax_scale: float, window_left: int, window_right: int, softcap: float,
-                deterministic: bool) -> None:
-    """All tensors 4-D [Bv, S, H, D] (varlen: Bv = 1 with batch strides passed as 0) and lse/dlse [Bv, H, S]."""
+def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, delta, lse2, dq_acc, *, cfg, ws, atomic_dq: bool,
+                varlen: bool, num_batches: int, seqlen_q: int, seqlen_k: int, max_seqlen_q: int, max_seqlen_k: int,
+                cu_seqlens_q, cu_seqlens_k, seqused_k, softmax_scale: float, window_left: int, window_right: int,
+                softcap: float) -> None:
+    """All tensors 4-D [Bv, S, H, D] (varlen: Bv = 1 with batch strides passed as 0) and lse/dlse [Bv, H, S];
+    delta, lse2 from _stats_views; dq_acc: the zeroed fp32 dQ buffer when atomic_dq (dq4 = its scaled copy, made
+    by the caller after these launches). cfg: the Triton kernels' tiles; ws: the Gluon dK/dV kernel's or None."""
     dev = q4.device
     hq, d = q4.shape[2], q4.shape[3]
     hkv = k4.shape[2]
     dp = padded_head_dim(d)
-    cfg = bwd_config(d, _utils.is_interpreter())
-    delta, lse2 = _stats_like(lse3), _stats_like(lse3)
     rows = lse3.numel()
-    attn_bwd_preprocess_kernel[(_utils.cdiv(rows, PREPROCESS_BLOCK_ROWS),)](
+    direct.launch(
+        attn_bwd_preprocess_kernel, (_utils.cdiv(rows, PREPROCESS_BLOCK_ROWS),),
         o4, do4, lse3, dlse3 if dlse3 is not None else delta, delta, lse2, o4.shape[1], hq, rows,
         *_strides3(o4), *_strides3(do4), *_strides3(lse3), lse2.stride(0), lse2.stride(1),
         HEAD_DIM=d, HEAD_DIM_PAD=dp, BLOCK_R=PREPROCESS_BLOCK_ROWS, HAS_DLSE=dlse3 is not None, num_warps=4)
@@ -101,18 +121,15 @@ def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, *, varlen: bool
     def bstride(t):  # varlen tensors are one packed sequence: the batch index must not move the pointer
         return (0, t.stride(1), t.stride(2)) if varlen else _strides3(t)
 
-    dummy = torch.empty(1, dtype=torch.int32, device=dev)
+    dummy = _dummy(dev)
     common = dict(HEAD_DIM=d, HEAD_DIM_PAD=dp, VARLEN_Q=varlen, VARLEN_K=varlen, HAS_SEQUSED_K=seqused_k is not None,
                   HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, SOFTCAP=softcap > 0.0,
                   TILE_DTYPE=_utils.tile_dtype(q4.dtype))
     seq_args = (cu_seqlens_q if varlen else dummy, cu_seqlens_k if varlen else dummy,
                 seqused_k if seqused_k is not None else dummy)
     lse_strides = (0, lse2.stride(1), lse2.stride(2)) if varlen else _strides3(lse2)  # lse2 and delta
-    ws = ws_backward_config(q4, k4, v4, do4, varlen=varlen, window_left=window_left, window_right=window_right,
-                            softcap=softcap, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k is not None)
-    atomic_dq = (ws.atomic_dq if ws is not None else cfg.atomic_dq) and not deterministic
-    # Rows no program adds to (no visible key, outside every varlen sequence) keep the zeros: dQ = 0 there.
-    dq_acc = torch.zeros(dq4.shape, dtype=torch.float32, device=dev) if atomic_dq else delta  # else: not read
+    if not atomic_dq:
+        dq_acc = delta  # not read
     if ws is not None:
         launch_attn_bwd_ws(q4, k4, v4, do4, lse2, delta, dk4, dv4, dq_acc, causal=window_right == 0,
                            softmax_scale=softmax_scale, config=ws, atomic_dq=atomic_dq,
@@ -124,10 +141,10 @@ def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, *, varlen: bool
                      max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, softcap=softcap,
                      window_left=window_left, window_right=window_right, atomic_dq=atomic_dq)
     if atomic_dq:
-        torch.mul(dq_acc, softmax_scale, out=dq4)
         return
     m_tiles = _utils.cdiv(max(max_seqlen_q, 1), cfg.dq_block_m)
-    attn_bwd_dq_kernel[(m_tiles * num_batches * hq,)](
+    direct.launch(
+        attn_bwd_dq_kernel, (m_tiles * num_batches * hq,),
         q4, k4, v4, do4, lse2, delta, dq4, *seq_args,
         *bstride(q4), *bstride(k4), *bstride(v4), *bstride(do4), *bstride(dq4), *lse_strides,
         seqlen_q, seqlen_k, hq, hq // hkv, m_tiles, softmax_scale, softcap, window_left, window_right,
@@ -141,7 +158,8 @@ def _launch_dkdv(q4, k4, v4, do4, lse2, delta, dk4, dv4, dq_acc, cfg, common, se
     hq, hkv = q4.shape[2], k4.shape[2]
     n_tiles = _utils.cdiv(max(max_seqlen_k, 1), cfg.dkdv_block_n)
     qdo_descs = row_descriptors((q4, do4), q4.shape[0] * q4.shape[1], cfg.dkdv_block_m) if cfg.tma else None
-    attn_bwd_dkdv_kernel[(n_tiles * num_batches * hkv,)](
+    direct.launch(
+        attn_bwd_dkdv_kernel, (n_tiles * num_batches * hkv,),
         q4, k4, v4, do4, lse2, delta, dk4, dv4, dq_acc, *(qdo_descs or (q4, do4)), 0 if varlen else q4.shape[1],
         *seq_args,
         *bstride(q4), *bstride(k4), *bstride(v4), *bstride(do4), *bstride(dk4), *bstride(dv4),
@@ -152,36 +170,99 @@ def _launch_dkdv(q4, k4, v4, do4, lse2, delta, dk4, dv4, dq_acc, cfg, common, se
         ATOMIC_DQ=atomic_dq, ROTATE=cfg.rotate and window_right < 0, QDO_DESC=qdo_descs is not None, **common)
 
 
+class BwdPlan(direct.Replayable):
+    """One backward call's host work done once: the kernels and tiles, dQ by atomics or by its own pass, the
+    launches' arguments (recorded by the first run, ops/direct.py); delta and lse2 live in the workspace."""
+
+    def __init__(self, q, k, v, dout, cu_seqlens_q, seqused_k, max_seqlen_q: int, max_seqlen_k: int,
+                 softmax_scale: float, window_left: int, window_right: int, softcap: float, deterministic: bool):
+        self.varlen = cu_seqlens_q is not None
+        self.shapes = (q.shape, k.shape, q.dtype, q.device)
+        self.empty = q.numel() == 0 or k.numel() == 0
+        if self.varlen:
+            num_batches, seqlen_q, seqlen_k = cu_seqlens_q.shape[0] - 1, q.shape[0], k.shape[0]  # packed rows
+            q4, k4, v4, do4 = (t.unsqueeze(0) for t in (q, k, v, dout))
+            self.lse_shape = (1, q.shape[1], q.shape[0])
+        else:
+            num_batches, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+            max_seqlen_q, max_seqlen_k = seqlen_q, seqlen_k
+            q4, k4, v4, do4 = q, k, v, dout
+            self.lse_shape = (q.shape[0], q.shape[2], q.shape[1])
+        self.empty = self.empty or num_batches == 0
+        self.dout_contiguous = dout.stride(-1) != 1
+        if self.dout_contiguous:
+            do4 = do4.contiguous()
+        cfg = bwd_config(q.shape[-1], _utils.is_interpreter())
+        ws = None if self.empty else ws_backward_config(
+            q4, k4, v4, do4, varlen=self.varlen, window_left=window_left, window_right=window_right,
+            softcap=softcap, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k is not None)
+        self.atomic_dq = (ws.atomic_dq if ws is not None else cfg.atomic_dq) and not deterministic
+        self.softmax_scale = softmax_scale
+        self.stats_numel = _stats_numel(self.lse_shape)
+        self.kw = dict(cfg=cfg, ws=ws, atomic_dq=self.atomic_dq, varlen=self.varlen, num_batches=num_batches,
+                       seqlen_q=seqlen_q, seqlen_k=seqlen_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                       softmax_scale=softmax_scale, window_left=window_left, window_right=window_right,
+                       softcap=softcap)
+
+    def _launch(self, q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, dq, dk, dv, dq_acc,
+                ws) -> None:
+        if self.varlen:
+            q, k, v, out, dout, dq, dk, dv, lse = (direct.derived(t.unsqueeze(0), t)
+                                                   for t in (q, k, v, out, dout, dq, dk, dv, lse))
+            if dlse is not None:
+                dlse = direct.derived(dlse.unsqueeze(0), dlse)
+            if dq_acc is not None:
+                dq_acc = direct.derived(dq_acc.unsqueeze(0), dq_acc)
+        delta, lse2 = _stats_views(ws, lse)
+        _launch_bwd(q, k, v, out, lse, dout, dlse, dq, dk, dv, delta, lse2, dq_acc, cu_seqlens_q=cu_seqlens_q,
+                    cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, **self.kw)
+
+    def run(self, q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k):
+        dq = _utils.new_output(q.shape, q.dtype, q.device)
+        dk = _utils.new_output(k.shape, k.dtype, k.device)
+        dv = _utils.new_output(v.shape, v.dtype, v.device)
+        if self.empty:
+            return dq.zero_(), dk.zero_(), dv.zero_()
+        if self.dout_contiguous:
+            dout = dout.contiguous()
+        if dlse is not None:
+            dlse = dlse.contiguous()  # read with lse's (contiguous) strides
+        # Rows no program adds to (no visible key, outside every varlen sequence) keep the zeros: dQ = 0 there.
+        dq_acc = torch.zeros(dq.shape, dtype=torch.float32, device=dq.device) if self.atomic_dq else None
+        stream = direct.current_stream(q.device)
+        ws = direct.WORKSPACE.get(q.device, stream, 2 * self.stats_numel)
+        self.execute(self._launch, (q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, dq, dk,
+                                    dv, dq_acc, ws), stream)
+        if self.atomic_dq:
+            torch.mul(dq_acc, self.softmax_scale, out=dq)
+        return dq, dk, dv
+
+
+_PLANS = direct.PlanCache()
+
+
+def attn_backward(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q: int,
+                  max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int, softcap: float,
+                  deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of flash_attn_func (cu_seqlens_q None) or flash_attn_varlen_func; lse as their forward
+    returned it, dlse its gradient or None."""
+    plan = direct.plan_for(
+        _PLANS, lambda: (*(direct.tensor_key(t) for t in (q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k,
+                                                            seqused_k)),
+                         max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap,
+                         deterministic, heuristics.GLUON_VARLEN),
+        lambda: BwdPlan(q, k, v, dout, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                        window_left, window_right, softcap, deterministic))
+    return plan.run(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k)
+
+
 def _attn_bwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                    dout: torch.Tensor, dlse: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
                    cu_seqlens_k: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor], max_seqlen_q: int,
                    max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
                    softcap: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq = _utils.new_output(q.shape, q.dtype, q.device)
-    dk = _utils.new_output(k.shape, k.dtype, k.device)
-    dv = _utils.new_output(v.shape, v.dtype, v.device)
-    if q.numel() == 0 or k.numel() == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
-    dout = dout.contiguous() if dout.stride(-1) != 1 else dout
-    dlse = dlse.contiguous() if dlse is not None else None  # read with lse's (contiguous) strides
-    varlen = cu_seqlens_q is not None
-    if varlen:
-        views = [t.unsqueeze(0) for t in (q, k, v, out, dout, dq, dk, dv)]
-        lse3, dlse3 = lse.unsqueeze(0), (dlse.unsqueeze(0) if dlse is not None else None)
-        num_batches, seqlen_q, seqlen_k = cu_seqlens_q.shape[0] - 1, q.shape[0], k.shape[0]  # packed row counts
-    else:
-        views = [q, k, v, out, dout, dq, dk, dv]
-        lse3, dlse3 = lse, dlse
-        num_batches, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
-        max_seqlen_q, max_seqlen_k = seqlen_q, seqlen_k
-    q4, k4, v4, o4, do4, dq4, dk4, dv4 = views
-    if num_batches > 0:
-        _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, varlen=varlen, num_batches=num_batches,
-                    seqlen_q=seqlen_q, seqlen_k=seqlen_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
-                    softmax_scale=softmax_scale, window_left=window_left, window_right=window_right, softcap=softcap,
-                    deterministic=deterministic)
-    return dq, dk, dv
+    return attn_backward(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+                         max_seqlen_k, softmax_scale, window_left, window_right, softcap, deterministic)
 
 
 attn_bwd_op = torch.library.custom_op("tileflash::attn_bwd", mutates_args=())(_attn_bwd_impl)

@@ -8,11 +8,13 @@ No host-device synchronisation and no value-dependent allocation, so the call ca
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from .. import _utils
+from . import direct
 from ..heuristics import (GATHER_PROGRAMS_PER_SM, LONG_SPLIT_PROGRAMS_PER_SM, MAX_SPLITS, QUANT_MMA_MAX_ROWS,
                           decode_config, num_splits_heuristic, quant_decode_config)
 from ._launch import (Mask, cache_capacity, launch_attn_fwd, launch_combine, launch_decode_quant, launch_kv_append,
@@ -79,56 +81,95 @@ def _quant_mma_config(q, k_cache, v_cache, block_table, capacity: int, sp_overla
     return cfg if aligned and k_cache.stride() == v_cache.stride() else None
 
 
-def _attn_kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: Optional[torch.Tensor],
-                     v: Optional[torch.Tensor], cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor],
-                     softmax_scale: float, window_left: int, window_right: int, softcap: float, num_splits: int,
-                     sp_overlap: bool, k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
-                     k_global_scale: Optional[torch.Tensor],
-                     v_global_scale: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class DecodeSchedule:
+    """What a decode call launches, from shapes alone (so a plan can hold it): the register-operand kernel's
+    tiles (qcfg) or the Triton kernel's (cfg), the split count, and the fp32 workspace it needs (split partials,
+    and the lse when the caller does not take it)."""
+    cfg: object
+    qcfg: object
+    num_splits: int
+    capacity: int
+    s_new: int
+    pdl: bool
+    workspace: int
+
+
+def _schedule(q, k_cache, v_cache, k, block_table, num_splits: int, sp_overlap: bool,
+              lse_in_workspace: bool) -> DecodeSchedule:
     b, sq, hq, d = q.shape
-    out = _utils.new_output(q.shape, q.dtype, q.device)
-    lse = _utils.new_output((b, hq, sq), torch.float32, q.device)
-    if b == 0:
-        return out, lse
-    # FP8: k_scale/v_scale factor out of the dots. NVFP4: the global scales do; k_scale/v_scale are block scales.
-    if k_global_scale is not None:
-        scales = dict(k_scale=k_global_scale, v_scale=v_global_scale, k_block_scale=k_scale, v_block_scale=v_scale)
-    else:
-        scales = dict(k_scale=k_scale, v_scale=v_scale)
-    s_new = 0
-    if k is not None and k.shape[1] > 0:
-        s_new = k.shape[1]
-        launch_kv_append(k, v, k_cache, v_cache, cache_seqlens, block_table, **scales)
-    if hq == 0:  # nothing to attend with; the append above still happened
-        return out, lse
+    s_new = k.shape[1] if k is not None else 0
     capacity = cache_capacity(k_cache, block_table)
+    if hq == 0:  # nothing to attend with: only the append launches
+        return DecodeSchedule(None, None, 1, capacity, s_new, False, 0)
+    cfg = None
     qcfg = _quant_mma_config(q, k_cache, v_cache, block_table, capacity, sp_overlap)
     if qcfg is not None:
         num_splits = num_splits or num_splits_heuristic(b, k_cache.shape[2], 1, capacity, qcfg.step,
                                                         _utils.num_sms(q.device), per_sm=qcfg.programs_per_sm)
     else:
         cfg, num_splits, _ = _plan(q, k_cache, block_table, num_splits)
-    o_part = lse_part = None
-    if num_splits > 1:  # one allocation for both partials (host time: see benchmarks/host_profile.py)
-        rows = b * sq * hq
-        part = _utils.new_output((num_splits * rows * (d + 1),), torch.float32, q.device)
-        o_part = part[:num_splits * rows * d].view(num_splits, rows, d)
-        lse_part = part[num_splits * rows * d:].view(num_splits, rows)
-    pdl = _combine_pdl(block_table)
-    if qcfg is not None:
-        launch_decode_quant(q, k_cache, v_cache, out, lse, seqlen_k=capacity, seqlens_k=cache_seqlens,
-                            seqlen_k_add=s_new, block_table=block_table, softmax_scale=softmax_scale,
-                            mask=Mask(window_left, window_right, softcap), config=qcfg, num_splits=num_splits,
-                            o_part=o_part, lse_part=lse_part, pdl=pdl, **scales)
+    rows = b * sq * hq
+    workspace = (num_splits * rows * (d + 1) if num_splits > 1 else 0) + (rows if lse_in_workspace else 0)
+    return DecodeSchedule(cfg, qcfg, num_splits, capacity, s_new, _combine_pdl(block_table), workspace)
+
+
+def _kv_scales(k_scale, v_scale, k_global_scale, v_global_scale) -> dict:
+    """FP8: k_scale/v_scale factor out of the dots. NVFP4: the global scales do; k_scale/v_scale are block scales."""
+    if k_global_scale is not None:
+        return dict(k_scale=k_global_scale, v_scale=v_global_scale, k_block_scale=k_scale, v_block_scale=v_scale)
+    return dict(k_scale=k_scale, v_scale=v_scale)
+
+
+def _launch_kvcache(s: DecodeSchedule, mask: Mask, softmax_scale: float, sp_overlap: bool, q, k_cache, v_cache, k,
+                    v, cache_seqlens, block_table, k_scale, v_scale, k_global_scale, v_global_scale, out, lse,
+                    ws) -> None:
+    """The launches of one decode call into out [B, Sq, Hq, D] and lse [B, Hq, Sq] (or, when lse is None, the
+    workspace's tail): the append, the attention, the split combine. ws: fp32 [>= s.workspace] or None."""
+    b, sq, hq, d = q.shape
+    scales = _kv_scales(k_scale, v_scale, k_global_scale, v_global_scale)
+    if s.s_new:
+        launch_kv_append(k, v, k_cache, v_cache, cache_seqlens, block_table, **scales)
+    if hq == 0:  # nothing to attend with; the append above still happened
+        return
+    rows = b * sq * hq
+    split = s.num_splits > 1
+    part = rows * d * s.num_splits if split else 0
+    o_part = direct.derived(ws[:part].view(s.num_splits, rows, d), ws) if split else None
+    lse_part = direct.derived(ws[part:part + s.num_splits * rows].view(s.num_splits, rows), ws) if split else None
+    if lse is None:
+        lse = direct.derived(ws[s.workspace - rows:s.workspace].view(b, hq, sq), ws)
+    if s.qcfg is not None:
+        launch_decode_quant(q, k_cache, v_cache, out, lse, seqlen_k=s.capacity, seqlens_k=cache_seqlens,
+                            seqlen_k_add=s.s_new, block_table=block_table, softmax_scale=softmax_scale, mask=mask,
+                            config=s.qcfg, num_splits=s.num_splits, o_part=o_part, lse_part=lse_part, pdl=s.pdl,
+                            **scales)
     else:
         launch_attn_fwd(q, k_cache, v_cache, out, lse, q_batch_stride0=False, k_batch_stride0=False,
-                        num_batches=b, seqlen_q=sq, seqlen_k=capacity, m_rows=sq * (hq // k_cache.shape[2]),
-                        softmax_scale=softmax_scale, mask=Mask(window_left, window_right, softcap), config=cfg,
-                        seqlens_k=cache_seqlens, seqlen_k_add=s_new, block_table=block_table, pack_gqa=True,
-                        num_splits=num_splits, sp_overlap=sp_overlap, o_part=o_part, lse_part=lse_part, pdl=pdl,
-                        **scales)
-    if num_splits > 1:
-        launch_combine(o_part, lse_part, out, lse, pdl=pdl)
+                        num_batches=b, seqlen_q=sq, seqlen_k=s.capacity, m_rows=sq * (hq // k_cache.shape[2]),
+                        softmax_scale=softmax_scale, mask=mask, config=s.cfg, seqlens_k=cache_seqlens,
+                        seqlen_k_add=s.s_new, block_table=block_table, pack_gqa=True, num_splits=s.num_splits,
+                        sp_overlap=sp_overlap, o_part=o_part, lse_part=lse_part, pdl=s.pdl, **scales)
+    if split:
+        launch_combine(o_part, lse_part, out, lse, pdl=s.pdl)
+
+
+def _attn_kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: Optional[torch.Tensor],
+                       v: Optional[torch.Tensor], cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor],
+                       softmax_scale: float, window_left: int, window_right: int, softcap: float, num_splits: int,
+                       sp_overlap: bool, k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
+                       k_global_scale: Optional[torch.Tensor],
+                       v_global_scale: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The custom op's implementation (torch.compile); eager calls take a DecodePlan."""
+    b, sq, hq, d = q.shape
+    out = _utils.new_output(q.shape, q.dtype, q.device)
+    lse = _utils.new_output((b, hq, sq), torch.float32, q.device)
+    if b == 0:
+        return out, lse
+    s = _schedule(q, k_cache, v_cache, k, block_table, num_splits, sp_overlap, lse_in_workspace=False)
+    ws = torch.empty(s.workspace, dtype=torch.float32, device=q.device) if s.workspace else None
+    _launch_kvcache(s, Mask(window_left, window_right, softcap), softmax_scale, sp_overlap, q, k_cache, v_cache,
+                    k, v, cache_seqlens, block_table, k_scale, v_scale, k_global_scale, v_global_scale, out, lse, ws)
     return out, lse
 
 
@@ -267,6 +308,100 @@ def _validate_values(k_cache, cache_seqlens, block_table, capacity: int, s_new: 
         _utils.check_block_table_values(block_table, (seqlens + s_new).tolist(), k_cache.shape[1], k_cache.shape[0])
 
 
+class DecodePlan(direct.Replayable):
+    """One decode call's host work done once (checks, tiles, splits, workspace layout, the kernels' arguments),
+    runnable per layer with that layer's q and caches. Made by `decode_plan` (or internally by every eager
+    flash_attn_with_kvcache call, keyed on its signature). Its first run records the launches (ops/direct.py);
+    later runs replay them, so a run costs a few microseconds plus the kernels. cache_seqlens, block_table and the
+    scale tensors are the plan's: change their values in place between runs (CUDA-graph replays included), not
+    the tensors."""
+
+    def __init__(self, schedule: DecodeSchedule, mask: Mask, softmax_scale: float, sp_overlap: bool, q_key,
+                 k_cache, v_cache, k, v, cache_seqlens, block_table, scales, return_lse: bool, validate: bool):
+        self.schedule, self.mask, self.softmax_scale, self.sp_overlap = schedule, mask, softmax_scale, sp_overlap
+        self.q_key = q_key
+        self.cache_keys = (direct.tensor_key(k_cache), direct.tensor_key(v_cache))
+        self.new_keys = (direct.tensor_key(k), direct.tensor_key(v))
+        self.scale_keys = tuple(direct.tensor_key(t) for t in scales)
+        self.cache_seqlens, self.block_table, self.scales = cache_seqlens, block_table, scales
+        self.return_lse, self.validate = return_lse, validate
+        self.out_shape, self.dtype, self.device = q_key[0], q_key[2], q_key[3]
+        b, sq, hq, _ = self.out_shape
+        self.lse_shape = (b, hq, sq)
+
+    def run(self, q, k_cache, v_cache, k=None, v=None, out=None, k_scale=None, v_scale=None, k_global_scale=None,
+            v_global_scale=None):
+        """flash_attn_with_kvcache(q, k_cache, v_cache, k, v, <the plan's arguments>): out [B, Sq, Hq, D] (into
+        `out` when given: contiguous, q's shape and dtype), with return_lse also lse. The tensors must have the
+        plan's shapes, strides, dtypes, devices and 16-byte alignment; scale tensors default to the plan's."""
+        given = (k_scale, v_scale, k_global_scale, v_global_scale)
+        scales = tuple(g if g is not None else p for g, p in zip(given, self.scales))
+        if (direct.tensor_key(q) != self.q_key
+                or (direct.tensor_key(k_cache), direct.tensor_key(v_cache)) != self.cache_keys
+                or (direct.tensor_key(k), direct.tensor_key(v)) != self.new_keys
+                or tuple(direct.tensor_key(t) for t in scales) != self.scale_keys):
+            raise ValueError("DecodePlan.run: q, k_cache, v_cache, k, v and scales must match the plan's shapes, "
+                             "strides, dtypes, devices and 16-byte alignment (make a plan per layout)")
+        if out is not None and (out.shape != self.out_shape or out.dtype != self.dtype or out.device != self.device
+                                or not out.is_contiguous() or out.data_ptr() & 15):
+            raise ValueError(f"out: expected a contiguous, 16-byte aligned {self.dtype} tensor of shape "
+                             f"{tuple(self.out_shape)} on {self.device}, got {tuple(out.shape)} {out.dtype}")
+        return self._run(q, k_cache, v_cache, k, v, self.cache_seqlens, self.block_table, scales, out)
+
+    def _launch(self, *slots):
+        _launch_kvcache(self.schedule, self.mask, self.softmax_scale, self.sp_overlap, *slots)
+
+    def _run(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, scales, out=None):
+        s = self.schedule
+        if self.validate:
+            _validate_values(k_cache, cache_seqlens, block_table, s.capacity, s.s_new)
+        if out is None:
+            out = _utils.new_output(self.out_shape, self.dtype, self.device)
+        lse = _utils.new_output(self.lse_shape, torch.float32, self.device) if self.return_lse else None
+        stream = direct.current_stream(self.device)
+        ws = direct.WORKSPACE.get(self.device, stream, s.workspace) if s.workspace else None
+        slots = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, *scales, out, lse, ws)
+        if self.out_shape[0]:  # an empty batch launches nothing
+            self.execute(self._launch, slots, stream)
+        return (out, lse) if self.return_lse else out
+
+
+_PLANS = direct.PlanCache()
+
+
+def _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size, softcap,
+               num_splits, return_lse, sp_overlap, validate, scales) -> DecodePlan:
+    """Check every argument (raising before any launch) and plan the call."""
+    capacity, s_new = _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, *scales)
+    left, right = _utils.check_window(window_size)
+    mask = Mask.make(causal, (left, right), _check_softcap(softcap))
+    sched = _schedule(q, k_cache, v_cache, k, block_table, int(num_splits), bool(sp_overlap),
+                      lse_in_workspace=not return_lse)
+    # On the CPU reading values costs no sync, so they are always checked there.
+    validate = bool(validate) or q.device.type == "cpu"
+    return DecodePlan(sched, mask, _utils.softmax_scale_or_default(softmax_scale, q.shape[-1]), bool(sp_overlap),
+                      direct.tensor_key(q), k_cache, v_cache, k, v, cache_seqlens, block_table, scales,
+                      bool(return_lse), validate)
+
+
+def decode_plan(q, k_cache, v_cache, cache_seqlens, block_table=None, k=None, v=None, softmax_scale=None,
+                causal=False, window_size=(-1, -1), softcap=0.0, num_splits=0, return_lse=False, sp_overlap=False,
+                validate=False, k_scale=None, v_scale=None, k_global_scale=None, v_global_scale=None,
+                dtype=torch.bfloat16) -> DecodePlan:
+    """Plan flash_attn_with_kvcache calls that share everything but q, the caches and the new k/v (the layers of
+    one decode step; FlashInfer's plan/run pattern): `plan = decode_plan(q, k_cache, v_cache, cache_seqlens, ...)`
+    once per step, then `plan.run(q, k_cache, v_cache, k, v)` per layer, graph-capturable. Arguments as
+    flash_attn_with_kvcache's; q may be a tensor or a shape (a contiguous q of `dtype` on k_cache's device);
+    k/v (new tokens, if any) give their shapes. Results equal flash_attn_with_kvcache's bitwise."""
+    if not isinstance(q, torch.Tensor):
+        q = torch.empty(tuple(q), dtype=dtype, device=k_cache.device)
+    if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError(f"cache_seqlens: expected an int32 tensor, got {type(cache_seqlens).__name__}")
+    return _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size,
+                      softcap, num_splits, return_lse, sp_overlap, validate,
+                      (k_scale, v_scale, k_global_scale, v_global_scale))
+
+
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
                             softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0, num_splits=0,
                             return_lse=False, sp_overlap=False, validate=False, k_scale=None, v_scale=None,
@@ -289,16 +424,26 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     they are the caller's contract (lengths are clamped to the capacity in the kernel; page indices are trusted).
     Returns out [B, Sq, Hq, D], and with return_lse=True (out, lse [B, Hq, Sq] float32).
     """
-    capacity, s_new = _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, k_scale,
-                                     v_scale, k_global_scale, v_global_scale)
-    cache_seqlens = cache_seqlens.contiguous()  # read with unit stride by the kernels
-    # On the CPU reading values costs no sync (but torch.compile cannot trace value-dependent checks).
-    if validate or (q.device.type == "cpu" and not torch.compiler.is_compiling()):
-        _validate_values(k_cache, cache_seqlens, block_table, capacity, s_new)
-    left, right = _utils.check_window(window_size)
-    mask = Mask.make(causal, (left, right), _check_softcap(softcap))
-    op = _utils.eager_or_op(_attn_kvcache_op, _attn_kvcache_impl)
-    out, lse = op(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                  _utils.softmax_scale_or_default(softmax_scale, q.shape[-1]), mask.window_left, mask.window_right,
-                  mask.softcap, int(num_splits), bool(sp_overlap), k_scale, v_scale, k_global_scale, v_global_scale)
-    return (out, lse) if return_lse else out
+    scales = (k_scale, v_scale, k_global_scale, v_global_scale)
+    if torch.compiler.is_compiling():
+        capacity, s_new = _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits,
+                                         *scales)
+        if validate:
+            _validate_values(k_cache, cache_seqlens, block_table, capacity, s_new)
+        left, right = _utils.check_window(window_size)
+        mask = Mask.make(causal, (left, right), _check_softcap(softcap))
+        out, lse = _attn_kvcache_op(q, k_cache, v_cache, k, v, cache_seqlens.contiguous(), block_table,
+                                    _utils.softmax_scale_or_default(softmax_scale, q.shape[-1]), mask.window_left,
+                                    mask.window_right, mask.softcap, int(num_splits), bool(sp_overlap), *scales)
+        return (out, lse) if return_lse else out
+    if isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.dim() == 1 and cache_seqlens.stride(0) != 1:
+        cache_seqlens = cache_seqlens.contiguous()  # read with unit stride by the kernels
+    plan = direct.plan_for(
+        _PLANS, lambda: (direct.tensor_key(q), direct.tensor_key(k_cache), direct.tensor_key(v_cache),
+                         direct.tensor_key(k), direct.tensor_key(v), direct.tensor_key(cache_seqlens),
+                         direct.tensor_key(block_table), softmax_scale, causal, direct.window_key(window_size),
+                         softcap, num_splits, return_lse, sp_overlap, validate,
+                         *(direct.tensor_key(t) for t in scales)),
+        lambda: _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size,
+                           softcap, num_splits, return_lse, sp_overlap, validate, scales))
+    return plan._run(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scales)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .. import _utils
+from . import direct
 from ..heuristics import gemm_config, gemm_mma_config
 from ..kernels.gemm_blockscaled import nvfp4_matmul_kernel
 from ..kernels.gemm_nvfp4_mma import nvfp4_matmul_mma_kernel
@@ -17,47 +18,59 @@ from ._launch import sm90_target
 from .quant import check_nvfp4
 
 
-def _nvfp4_matmul_impl(a: torch.Tensor, b_data: torch.Tensor, b_scales: torch.Tensor,
-                       b_global_scale: torch.Tensor) -> torch.Tensor:
-    (m, k), n = a.shape, b_data.shape[0]
-    if m == 0 or n == 0:
-        return a.new_empty((m, n))
-    if sm90_target():
-        mma_cfg = gemm_mma_config(m, n, k, num_sms=_utils.num_sms(a.device))
-        if mma_cfg is not None and _mma_operands_ok(a, b_data, b_scales):
-            return _launch_mma(a, b_data, b_scales.view(torch.uint8), b_global_scale, mma_cfg)
-    cfg = gemm_config(m, n, k, interpret=_utils.is_interpreter(), num_sms=_utils.num_sms(a.device))
-    k_per_split, split, dest = _k_slices(a, n, cfg.block_k, cfg.split_k)
-    s_bits = b_scales.view(torch.uint8)
-    grid = (_utils.cdiv(m, cfg.block_m), _utils.cdiv(n, cfg.block_n), split)
-    nvfp4_matmul_kernel[grid](
-        a, b_data, s_bits, b_global_scale, dest, m, n, k, k_per_split,
-        a.stride(0), a.stride(1), b_data.stride(0), b_data.stride(1), s_bits.stride(0), s_bits.stride(1),
-        dest.stride(-2), dest.stride(-1),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, UPCAST=_utils.upcast_tiles(),
-        SCALE_WORDS=k % 64 == 0 and cfg.block_k % 64 == 0 and s_bits.stride(1) == 1 and _utils.words_aligned(s_bits, 1),
-        SWAP_AB=cfg.swap_ab,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    return _summed(dest, a.dtype)
+class GemmPlan(direct.Replayable):
+    """One nvfp4_matmul call's kernel (the register-operand kernel for M <= 16 on sm_90, else the Triton one),
+    K slices and launch arguments; dest: out [M, N] in a's dtype, or fp32 partials [slices, M, N] that the run
+    sums afterwards (torch, in slice order)."""
+
+    def __init__(self, a, b_data, b_scales):
+        (m, k), n = a.shape, b_data.shape[0]
+        self.out_shape, self.dtype, self.device = (m, n), a.dtype, a.device
+        self.empty = m == 0 or n == 0
+        self.mma = None
+        if not self.empty and sm90_target():
+            cfg = gemm_mma_config(m, n, k, num_sms=_utils.num_sms(a.device))
+            if cfg is not None and _mma_operands_ok(a, b_data, b_scales):
+                self.mma = cfg
+        self.cfg = self.mma or gemm_config(m, n, k, interpret=_utils.is_interpreter(),
+                                           num_sms=_utils.num_sms(a.device))
+        self.k_per_split, self.split = _k_slices(k, self.cfg.block_k, self.cfg.split_k)
+
+    def run(self, a, b_data, b_scales, b_global_scale):
+        if self.empty:
+            return a.new_empty(self.out_shape)
+        dest = (_utils.new_output(self.out_shape, self.dtype, self.device) if self.split == 1
+                else torch.empty((self.split, *self.out_shape), dtype=torch.float32, device=self.device))
+        self.execute(self._launch, (a, b_data, b_scales, b_global_scale, dest), direct.current_stream(self.device))
+        return dest if dest.dim() == 2 else dest.sum(0).to(self.dtype)
+
+    def _launch(self, a, b_data, b_scales, b_global_scale, dest) -> None:
+        (m, k), n = a.shape, b_data.shape[0]
+        s_bits = direct.derived(b_scales.view(torch.uint8), b_scales)
+        cfg, kps, split = self.cfg, self.k_per_split, self.split
+        if self.mma is not None:
+            direct.launch(
+                nvfp4_matmul_mma_kernel, (cfg.programs_n, split),
+                a, b_data, s_bits, b_global_scale, dest, m, n, k, kps, kps // 2, a.stride(0), b_data.stride(0),
+                s_bits.stride(0), dest.stride(-2), dest.stride(-1), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                KS_STEPS=kps // cfg.block_k, SPLIT_K=split, num_warps=4)
+            return
+        direct.launch(
+            nvfp4_matmul_kernel, (_utils.cdiv(m, cfg.block_m), _utils.cdiv(n, cfg.block_n), split),
+            a, b_data, s_bits, b_global_scale, dest, m, n, k, kps,
+            a.stride(0), a.stride(1), b_data.stride(0), b_data.stride(1), s_bits.stride(0), s_bits.stride(1),
+            dest.stride(-2), dest.stride(-1),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, UPCAST=_utils.upcast_tiles(),
+            SCALE_WORDS=(k % 64 == 0 and cfg.block_k % 64 == 0 and s_bits.stride(1) == 1
+                         and _utils.words_aligned(s_bits, 1)),
+            SWAP_AB=cfg.swap_ab, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def _k_slices(a, n: int, block_k: int, split_k: int):
-    """(values per K slice, slices, destination) of both kernels: at most split_k slices of whole block_k steps,
-    none empty; one slice writes the output [M, N] in a's dtype, more write fp32 partials [slices, M, N]."""
-    m, k = a.shape
+def _k_slices(k: int, block_k: int, split_k: int) -> tuple[int, int]:
+    """(values per K slice, slices) of both kernels: at most split_k slices of whole block_k steps, none empty."""
     k_steps = _utils.cdiv(k, block_k)
     k_per_split = _utils.cdiv(k_steps, min(split_k, k_steps)) * block_k
-    split = _utils.cdiv(k, k_per_split)  # no empty slice
-    dest = (_utils.new_output((m, n), a.dtype, a.device) if split == 1
-            else torch.empty((split, m, n), dtype=torch.float32, device=a.device))
-    return k_per_split, split, dest
-
-
-def _summed(dest: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The output from _k_slices' destination: fp32 partials summed by torch in slice order (bitwise
-    reproducible; two small kernels with C++ launch costs, less host time than a second Triton launch)."""
-    return dest if dest.dim() == 2 else dest.sum(0).to(dtype)
+    return k_per_split, _utils.cdiv(k, k_per_split)  # no empty slice
 
 
 def _mma_operands_ok(a, b_data, b_scales) -> bool:
@@ -67,16 +80,18 @@ def _mma_operands_ok(a, b_data, b_scales) -> bool:
             and all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in (a, b_data)))
 
 
-def _launch_mma(a, b_data, s_bits, b_global_scale, cfg) -> torch.Tensor:
-    """The register-operand kernel for M <= 16 (kernels/gemm_nvfp4_mma.py, sm_90), K sliced as in the Triton
-    path."""
-    (m, k), n = a.shape, b_data.shape[0]
-    k_per_split, split, dest = _k_slices(a, n, cfg.block_k, cfg.split_k)
-    nvfp4_matmul_mma_kernel[(cfg.programs_n, split)](
-        a, b_data, s_bits, b_global_scale, dest, m, n, k, k_per_split, k_per_split // 2,
-        a.stride(0), b_data.stride(0), s_bits.stride(0), dest.stride(-2), dest.stride(-1), BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, KS_STEPS=k_per_split // cfg.block_k, SPLIT_K=split, num_warps=4)
-    return _summed(dest, a.dtype)
+_PLANS = direct.PlanCache()
+
+
+def _gemm_key(a, b_data, b_scales, b_global_scale):
+    return tuple(direct.tensor_key(t) for t in (a, b_data, b_scales, b_global_scale))
+
+
+def _nvfp4_matmul_impl(a: torch.Tensor, b_data: torch.Tensor, b_scales: torch.Tensor,
+                       b_global_scale: torch.Tensor) -> torch.Tensor:
+    plan = direct.plan_for(_PLANS, lambda: _gemm_key(a, b_data, b_scales, b_global_scale),
+                           lambda: GemmPlan(a, b_data, b_scales))
+    return plan.run(a, b_data, b_scales, b_global_scale)
 
 
 _nvfp4_matmul_op = torch.library.custom_op("tileflash::nvfp4_matmul", mutates_args=())(_nvfp4_matmul_impl)
@@ -94,6 +109,15 @@ def nvfp4_matmul(a: torch.Tensor, b_data: torch.Tensor, b_scales: torch.Tensor,
     b is an NVFP4 [N, K] matrix as returned by nvfp4_quantize: b_data [N, K/2] uint8, b_scales [N, K/16]
     float8_e4m3fn, b_global_scale float32 []. K must be a positive multiple of 16.
     """
+    if torch.compiler.is_compiling():
+        _check_matmul(a, b_data, b_scales, b_global_scale)
+        return _nvfp4_matmul_op(a, b_data, b_scales, b_global_scale)
+    plan = direct.plan_for(_PLANS, lambda: _gemm_key(a, b_data, b_scales, b_global_scale),
+                           lambda: _check_matmul(a, b_data, b_scales, b_global_scale) or GemmPlan(a, b_data, b_scales))
+    return plan.run(a, b_data, b_scales, b_global_scale)
+
+
+def _check_matmul(a, b_data, b_scales, b_global_scale) -> None:
     _utils.check_tensor("a", a, ndim=2, dtypes=_utils.SUPPORTED_DTYPES)
     if a.shape[1] == 0 or a.shape[1] % 16 != 0:
         raise ValueError(f"a: K (dimension 1) must be a positive multiple of 16 (the NVFP4 scale block), "
@@ -103,4 +127,3 @@ def nvfp4_matmul(a: torch.Tensor, b_data: torch.Tensor, b_scales: torch.Tensor,
         raise ValueError(f"b_data: expected shape (N, {a.shape[1] // 2}) (K/2 with a's K={a.shape[1]}), "
                          f"got {tuple(b_data.shape)}")
     check_nvfp4(b_data, b_scales, b_global_scale, names=("b_data", "b_scales", "b_global_scale"))
-    return _utils.eager_or_op(_nvfp4_matmul_op, _nvfp4_matmul_impl)(a, b_data, b_scales, b_global_scale)

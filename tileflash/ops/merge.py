@@ -4,21 +4,37 @@ from __future__ import annotations
 import torch
 
 from .. import _utils
+from . import direct
 from ._launch import launch_merge
 
 
+class MergePlan(direct.Replayable):
+    def __init__(self, out_a, lse_a):
+        self.out_shape, self.lse_shape, self.dtype, self.device = out_a.shape, lse_a.shape, out_a.dtype, out_a.device
+        self.three_d = out_a.dim() == 3
+
+    def _launch(self, oa, la, ob, lb, out, lse) -> None:
+        if self.three_d:  # [T, H, D] with lse [H, T] is the batch-1 case of [B, S, H, D] with [B, H, S]
+            oa, la, ob, lb, out, lse = (direct.derived(t.unsqueeze(0), t) for t in (oa, la, ob, lb, out, lse))
+        launch_merge(oa, la, ob, lb, out, lse)
+
+    def run(self, out_a, lse_a, out_b, lse_b):
+        out = _utils.new_output(self.out_shape, self.dtype, self.device)
+        lse = _utils.new_output(self.lse_shape, torch.float32, self.device)
+        if out.numel() == 0:  # nothing to launch for; an empty head dim still has LSEs to merge
+            return out, torch.logaddexp(lse_a, lse_b)
+        self.execute(self._launch, (out_a, lse_a, out_b, lse_b, out, lse), direct.current_stream(self.device))
+        return out, lse
+
+
+_PLANS = direct.PlanCache()
+
+
 def _merge_impl(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
-              lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    out = _utils.new_output(out_a.shape, out_a.dtype, out_a.device)
-    lse = _utils.new_output(lse_a.shape, torch.float32, out_a.device)
-    if out.numel() == 0:  # nothing to launch for; an empty head dim still has LSEs to merge
-        return out, torch.logaddexp(lse_a, lse_b)
-    if out_a.dim() == 3:  # [T, H, D] with lse [H, T] is the batch-1 case of [B, S, H, D] with [B, H, S]
-        launch_merge(out_a.unsqueeze(0), lse_a.unsqueeze(0), out_b.unsqueeze(0), lse_b.unsqueeze(0),
-                     out.unsqueeze(0), lse.unsqueeze(0))
-    else:
-        launch_merge(out_a, lse_a, out_b, lse_b, out, lse)
-    return out, lse
+                lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    plan = direct.plan_for(_PLANS, lambda: tuple(direct.tensor_key(t) for t in (out_a, lse_a, out_b, lse_b)),
+                           lambda: MergePlan(out_a, lse_a))
+    return plan.run(out_a, lse_a, out_b, lse_b)
 
 
 _merge_op = torch.library.custom_op("tileflash::merge_attn_states", mutates_args=())(_merge_impl)
@@ -36,6 +52,15 @@ def merge_attn_states(out_a, lse_a, out_b, lse_b):
     with lse_* [H, T] (varlen layout); lse float32, natural log, -inf for a part that saw no key (it contributes
     nothing). Returns (out, lse) with out in out_a's dtype.
     """
+    if torch.compiler.is_compiling():
+        _check_merge(out_a, lse_a, out_b, lse_b)
+        return _merge_op(out_a, lse_a, out_b, lse_b)
+    plan = direct.plan_for(_PLANS, lambda: tuple(direct.tensor_key(t) for t in (out_a, lse_a, out_b, lse_b)),
+                           lambda: _check_merge(out_a, lse_a, out_b, lse_b) or MergePlan(out_a, lse_a))
+    return plan.run(out_a, lse_a, out_b, lse_b)
+
+
+def _check_merge(out_a, lse_a, out_b, lse_b) -> None:
     _utils.check_tensor("out_a", out_a, dtypes=_utils.SUPPORTED_DTYPES + (torch.float32,))
     if out_a.dim() not in (3, 4):
         raise ValueError(f"out_a: expected [B, S, H, D] or [T, H, D], got shape {tuple(out_a.shape)}")
@@ -50,4 +75,3 @@ def merge_attn_states(out_a, lse_a, out_b, lse_b):
             raise ValueError(f"{name}: expected shape {lse_shape}, got {tuple(t.shape)}")
     for name, t in (("out_a", out_a), ("out_b", out_b)):
         _utils.check_last_dim_contiguous(name, t)
-    return _utils.eager_or_op(_merge_op, _merge_impl)(out_a, lse_a, out_b, lse_b)

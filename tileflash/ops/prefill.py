@@ -1,13 +1,16 @@
 """flash_attn_func / flash_attn_varlen_func: checks, custom ops, public functions (flash-attn's names and order)."""
 from __future__ import annotations
 
+import functools
+import math
 from typing import Optional
 
 import torch
 
-from .. import _utils
+from .. import _utils, heuristics
 from ..heuristics import fwd_config
 from . import backward as _bwd
+from . import direct
 from ._launch import Mask, launch_attn_fwd, launch_attn_fwd_ws, ws_forward_config
 
 
@@ -37,25 +40,73 @@ def _check_softcap(softcap) -> float:
     return softcap
 
 
-def _attn_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, window_left: int,
-                   window_right: int, softcap: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """deterministic only travels to the backward (saved by setup_fwd_context)."""
+class FwdPlan(direct.Replayable):
+    """One forward call's host work done once: the kernel and tiles (Gluon or Triton), the arguments of its
+    launch (recorded by the first run, ops/direct.py), the lse's home (a returned tensor, or the workspace when
+    nobody reads it). launch(*tensors, out, lse, ws) launches into out/lse (lse None: the workspace's head)."""
+
+    def __init__(self, launch, out_shape, lse_shape, dtype, device, keep_lse: bool, empty: bool):
+        self.launch, self.out_shape, self.lse_shape = launch, out_shape, lse_shape
+        self.dtype, self.device, self.keep_lse, self.empty = dtype, device, keep_lse, empty
+        self.lse_numel = 0 if keep_lse else _utils.cdiv(math.prod(lse_shape), 4) * 4
+
+    def run(self, *tensors):
+        """(out, lse) for the plan's call on these tensors (q, k, v and the index tensors of its kind)."""
+        out = _utils.new_output(self.out_shape, self.dtype, self.device)
+        lse = _utils.new_output(self.lse_shape, torch.float32, self.device) if self.keep_lse else None
+        if self.empty:  # nothing to launch: every row sees no key
+            return out, (lse.fill_(float("-inf")) if lse is not None else None)
+        stream = direct.current_stream(self.device)
+        ws = direct.WORKSPACE.get(self.device, stream, self.lse_numel) if self.lse_numel else None
+        self.execute(self.launch, (*tensors, out, lse, ws), stream)
+        return out, lse
+
+
+def _lse_or_workspace(lse, ws, shape):
+    return lse if lse is not None else direct.derived(ws[:math.prod(shape)].view(shape), ws)
+
+
+def _launch_dense(ws_cfg, cfg, mask: Mask, softmax_scale: float, q, k, v, out, lse, ws) -> None:
+    b, sq, hq, _ = q.shape
+    lse = _lse_or_workspace(lse, ws, (b, hq, sq))
+    if ws_cfg is not None:
+        launch_attn_fwd_ws(q, k, v, out, lse, causal=mask.window_right == 0, softmax_scale=softmax_scale,
+                           config=ws_cfg)
+    else:
+        launch_attn_fwd(q, k, v, out, lse, q_batch_stride0=False, k_batch_stride0=False, num_batches=b,
+                        seqlen_q=sq, seqlen_k=k.shape[1], m_rows=sq, softmax_scale=softmax_scale, mask=mask,
+                        config=cfg, sp_overlap=cfg.sp_overlap)
+
+
+def _dense_plan(q, k, v, softmax_scale: float, mask: Mask, keep_lse: bool) -> FwdPlan:
+    """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D], checked."""
     b, sq, hq, d = q.shape
     sk = k.shape[1]
-    out = _utils.new_output(q.shape, q.dtype, q.device)
-    lse = _utils.new_output((b, hq, sq), torch.float32, q.device)
-    if out.numel() == 0:
-        return out, lse.fill_(float("-inf"))
+    empty = q.numel() == 0
+    ws_cfg = cfg = None
+    if not empty:
+        # out will be a fresh contiguous tensor of q's shape, which a TMA descriptor addresses whenever q's does,
+        # so q stands in for it (None for Sk = 0 too: no TMA over 0 rows).
+        ws_cfg = ws_forward_config(q, k, v, q, softmax_scale, mask)
+        if ws_cfg is None:
+            cfg = fwd_config(d, causal=mask.window_right >= 0, interpret=_utils.is_interpreter(), seqlen_k=sk)
+    launch = functools.partial(_launch_dense, ws_cfg, cfg, mask, softmax_scale)
+    return FwdPlan(launch, q.shape, (b, hq, sq), q.dtype, q.device, keep_lse, empty)
+
+
+_DENSE_PLANS = direct.PlanCache()
+
+
+def _attn_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, window_left: int,
+                   window_right: int, softcap: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The custom op's implementation (torch.compile and the HF path that records autograd through it);
+    deterministic only travels to the backward (saved by setup_fwd_context)."""
     mask = Mask(window_left, window_right, softcap)
-    ws_cfg = ws_forward_config(q, k, v, out, softmax_scale, mask)  # None for Sk = 0 too (no TMA over 0 rows)
-    if ws_cfg is not None:
-        launch_attn_fwd_ws(q, k, v, out, lse, causal=window_right == 0, softmax_scale=softmax_scale, config=ws_cfg)
-        return out, lse
-    cfg = fwd_config(d, causal=window_right >= 0, interpret=_utils.is_interpreter(), seqlen_k=sk)
-    launch_attn_fwd(q, k, v, out, lse, q_batch_stride0=False, k_batch_stride0=False, num_batches=b,
-                    seqlen_q=sq, seqlen_k=sk, m_rows=sq, softmax_scale=softmax_scale, mask=mask, config=cfg,
-                    sp_overlap=cfg.sp_overlap)
-    return out, lse
+    plan = direct.plan_for(
+        _DENSE_PLANS, lambda: (direct.tensor_key(q), direct.tensor_key(k), direct.tensor_key(v), softmax_scale, mask,
+                               True),
+        lambda: _dense_plan(q, k, v, softmax_scale, mask, keep_lse=True))
+    return plan.run(q, k, v)
 
 
 _attn_fwd_op = torch.library.custom_op("tileflash::attn_fwd", mutates_args=())(_attn_fwd_impl)
@@ -70,56 +121,80 @@ def _(q, k, v, softmax_scale, window_left, window_right, softcap, deterministic)
 _attn_fwd_op.register_autograd(_bwd.fwd_backward, setup_context=_bwd.setup_fwd_context)
 
 
-def _varlen_forward(q, k4, v4, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
-                    softcap, **launch_kw):
-    """Allocate (out, lse [Hq, total_q]) and launch over packed queries: q [total, H, D] is viewed as
-    [1, total, H, D] with a batch stride of 0, and cu_seqlens_q gives each sequence's start."""
-    total_q, hq, d = q.shape
-    out = _utils.new_output(q.shape, q.dtype, q.device)
-    lse = _utils.new_output((hq, total_q), torch.float32, q.device)
-    num_seqs = cu_seqlens_q.shape[0] - 1
-    if total_q == 0 or num_seqs == 0 or max_seqlen_q == 0:
-        return out, lse.fill_(float("-inf"))
-    cfg = fwd_config(d, causal=window_right >= 0, interpret=_utils.is_interpreter(), seqlen_k=max_seqlen_k)
-    launch_attn_fwd(q.unsqueeze(0), k4, v4, out.unsqueeze(0), lse.unsqueeze(0), q_batch_stride0=True,
-                    num_batches=num_seqs, seqlen_q=total_q, m_rows=max_seqlen_q, softmax_scale=softmax_scale,
-                    mask=Mask(window_left, window_right, softcap), config=cfg, sp_overlap=cfg.sp_overlap,
-                    cu_seqlens_q=cu_seqlens_q, **launch_kw)
-    return out, lse
-
-
-def _varlen_forward_ws(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, mask):
-    """(out, lse [Hq, total_q]) from the warp-specialised forward over packed sequences, or None where it does not
-    serve the call (ops/_launch.ws_forward_config; no TMA descriptor over zero rows)."""
-    total_q, hq, _ = q.shape
-    if total_q == 0 or k.shape[0] == 0 or max_seqlen_q == 0 or cu_seqlens_q.shape[0] < 2:
+def _varlen_ws_config(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale, mask):
+    """The warp-specialised forward's tiles for packed sequences, or None where it does not serve the call
+    (ops/_launch.ws_forward_config; no TMA descriptor over zero rows)."""
+    if q.shape[0] == 0 or k.shape[0] == 0 or max_seqlen_q == 0 or cu_seqlens_q.shape[0] < 2:
         return None
     q4, k4, v4 = (t.unsqueeze(0) for t in (q, k, v))
-    # Decided before out exists (no allocation on the calls it declines): out will be a fresh contiguous tensor of
-    # q's shape, which a TMA descriptor addresses whenever q's does, so q stands in for it.
-    cfg = ws_forward_config(q4, k4, v4, q4, softmax_scale, mask, max_seqlen_k=max_seqlen_k)
-    if cfg is None:
-        return None
-    out = _utils.new_output(q.shape, q.dtype, q.device)
-    lse = _utils.new_output((hq, total_q), torch.float32, q.device)
-    launch_attn_fwd_ws(q4, k4, v4, out.unsqueeze(0), lse.unsqueeze(0), causal=mask.window_right == 0,
-                       softmax_scale=softmax_scale, config=cfg, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                       max_seqlen_q=max_seqlen_q)
-    return out, lse
+    # out will be a fresh contiguous tensor of q's shape, which a TMA descriptor addresses whenever q's does.
+    return ws_forward_config(q4, k4, v4, q4, softmax_scale, mask, max_seqlen_k=max_seqlen_k)
+
+
+def _launch_varlen(ws_cfg, cfg, mask: Mask, softmax_scale: float, max_seqlen_q: int, max_seqlen_k: int, paged: bool,
+                   q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, lse, ws) -> None:
+    """Packed queries q [total_q, H, D] viewed as [1, total_q, H, D] with a batch stride of 0 (cu_seqlens_q gives
+    each sequence's start); keys packed the same way, or (paged) page pools read through block_table."""
+    total_q, hq, _ = q.shape
+    lse = _lse_or_workspace(lse, ws, (hq, total_q))
+    q4, out4, lse3 = (direct.derived(t.unsqueeze(0), t) for t in (q, out, lse))
+    if paged:
+        k4, v4 = k, v
+    else:
+        k4, v4 = (direct.derived(t.unsqueeze(0), t) for t in (k, v))
+    if ws_cfg is not None:
+        launch_attn_fwd_ws(q4, k4, v4, out4, lse3, causal=mask.window_right == 0, softmax_scale=softmax_scale,
+                           config=ws_cfg, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                           max_seqlen_q=max_seqlen_q)
+        return
+    capacity = block_table.shape[1] * k.shape[1] if paged else k.shape[0]
+    launch_attn_fwd(q4, k4, v4, out4, lse3, q_batch_stride0=True, k_batch_stride0=not paged,
+                    num_batches=cu_seqlens_q.shape[0] - 1, seqlen_q=total_q, seqlen_k=capacity, m_rows=max_seqlen_q,
+                    softmax_scale=softmax_scale, mask=mask, config=cfg, sp_overlap=cfg.sp_overlap,
+                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=None if paged else cu_seqlens_k, seqlens_k=seqused_k,
+                    block_table=block_table)
+
+
+def _varlen_plan(q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_q: int, max_seqlen_k: int,
+                 softmax_scale: float, mask: Mask, keep_lse: bool) -> FwdPlan:
+    """Checked packed (or paged) arguments; plan.run(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
+    block_table)."""
+    total_q, hq, d = q.shape
+    paged = block_table is not None
+    if paged:
+        max_seqlen_k = block_table.shape[1] * k.shape[1]
+    empty = total_q == 0 or cu_seqlens_q.shape[0] < 2 or max_seqlen_q == 0
+    ws_cfg = cfg = None
+    if not empty:
+        if not paged and seqused_k is None:
+            ws_cfg = _varlen_ws_config(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale, mask)
+        if ws_cfg is None:
+            cfg = fwd_config(d, causal=mask.window_right >= 0, interpret=_utils.is_interpreter(),
+                             seqlen_k=max_seqlen_k)
+    launch = functools.partial(_launch_varlen, ws_cfg, cfg, mask, softmax_scale, max_seqlen_q, max_seqlen_k, paged)
+    return FwdPlan(launch, q.shape, (hq, total_q), q.dtype, q.device, keep_lse, empty)
+
+
+_VARLEN_PLANS = direct.PlanCache()
+
+
+def _varlen_key(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k, *args):
+    return (direct.tensor_key(q), direct.tensor_key(k), direct.tensor_key(v), direct.tensor_key(cu_seqlens_q),
+            direct.tensor_key(cu_seqlens_k), direct.tensor_key(seqused_k), direct.tensor_key(block_table),
+            max_seqlen_q, max_seqlen_k, heuristics.GLUON_VARLEN, *args)
 
 
 def _attn_varlen_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                           cu_seqlens_k: torch.Tensor, seqused_k: Optional[torch.Tensor], max_seqlen_q: int,
                           max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
                           softcap: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    if seqused_k is None:
-        ws = _varlen_forward_ws(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                                Mask(window_left, window_right, softcap))
-        if ws is not None:
-            return ws
-    return _varlen_forward(q, k.unsqueeze(0), v.unsqueeze(0), cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale,
-                           window_left, window_right, softcap, k_batch_stride0=True, seqlen_k=k.shape[0],
-                           cu_seqlens_k=cu_seqlens_k, seqlens_k=seqused_k)
+    mask = Mask(window_left, window_right, softcap)
+    plan = direct.plan_for(
+        _VARLEN_PLANS, lambda: _varlen_key(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, None, max_seqlen_q,
+                                           max_seqlen_k, softmax_scale, mask, True),
+        lambda: _varlen_plan(q, k, v, cu_seqlens_q, seqused_k, None, max_seqlen_q, max_seqlen_k, softmax_scale,
+                             mask, keep_lse=True))
+    return plan.run(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, None)
 
 
 _attn_varlen_fwd_op = torch.library.custom_op("tileflash::attn_varlen_fwd",
@@ -141,10 +216,13 @@ def _attn_varlen_paged_fwd_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
                                 max_seqlen_q: int, softmax_scale: float, window_left: int, window_right: int,
                                 softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed queries over paged keys: sequence b's keys are its first seqused_k[b] tokens in its pages."""
-    capacity = block_table.shape[1] * k_cache.shape[1]
-    return _varlen_forward(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, capacity, softmax_scale, window_left,
-                           window_right, softcap, k_batch_stride0=False, seqlen_k=capacity, seqlens_k=seqused_k,
-                           block_table=block_table)
+    mask = Mask(window_left, window_right, softcap)
+    plan = direct.plan_for(
+        _VARLEN_PLANS, lambda: _varlen_key(q, k_cache, v_cache, cu_seqlens_q, None, seqused_k, block_table,
+                                           max_seqlen_q, 0, softmax_scale, mask, True),
+        lambda: _varlen_plan(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, 0,
+                             softmax_scale, mask, keep_lse=True))
+    return plan.run(q, k_cache, v_cache, cu_seqlens_q, None, seqused_k, block_table)
 
 
 _attn_varlen_paged_fwd_op = torch.library.custom_op("tileflash::attn_varlen_paged_fwd",
@@ -172,8 +250,6 @@ def _check_paged_kv(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table) -
     _utils.check_int32("seqused_k", seqused_k, 1, q.device)
     if seqused_k.shape[0] != num_seqs:
         raise ValueError(f"seqused_k: expected {num_seqs} elements, got {seqused_k.shape[0]}")
-    if q.device.type == "cpu" and not torch.compiler.is_compiling():  # page indices: free to check on the CPU
-        _utils.check_block_table_values(block_table, seqused_k.tolist(), k_cache.shape[1], k_cache.shape[0])
 
 
 def _check_max_seqlens(**max_seqlens) -> None:
@@ -192,15 +268,64 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     dq may differ in the last bits from run to run; deterministic=True computes dq in a separate pass without
     atomics (bitwise reproducible gradients, slower).
     """
+    if torch.compiler.is_compiling():
+        mask, scale = _checked_dense(q, k, v, softmax_scale, causal, window_size, softcap)
+        out, lse = _attn_fwd_op(q, k, v, scale, mask.window_left, mask.window_right, mask.softcap,
+                                bool(deterministic))
+        return (out, lse) if return_lse else out
+    grad = _utils.needs_grad(q, k, v)
+    plan = direct.plan_for(
+        _PUBLIC_DENSE, lambda: (direct.tensor_key(q), direct.tensor_key(k), direct.tensor_key(v), softmax_scale,
+                                causal, direct.window_key(window_size), softcap, return_lse, deterministic, grad),
+        lambda: _public_dense_plan(q, k, v, softmax_scale, causal, window_size, softcap, return_lse or grad,
+                                   deterministic))
+    out, lse = _AttnFunction.apply(q, k, v, plan) if grad else plan.run(q, k, v)
+    return (out, lse) if return_lse else out
+
+
+def _checked_dense(q, k, v, softmax_scale, causal, window_size, softcap) -> tuple[Mask, float]:
     _check_qkv(q, k, v, 4)
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"k: expected batch {q.shape[0]} (q's), got {k.shape[0]}")
     left, right = _utils.check_window(window_size)
     mask = Mask.make(causal, (left, right), _check_softcap(softcap))
-    op = _utils.eager_or_op(_attn_fwd_op, _attn_fwd_impl, _utils.needs_grad(q, k, v))
-    out, lse = op(q, k, v, _utils.softmax_scale_or_default(softmax_scale, q.shape[-1]), mask.window_left,
-                  mask.window_right, mask.softcap, bool(deterministic))
-    return (out, lse) if return_lse else out
+    return mask, _utils.softmax_scale_or_default(softmax_scale, q.shape[-1])
+
+
+def _public_dense_plan(q, k, v, softmax_scale, causal, window_size, softcap, keep_lse, deterministic) -> FwdPlan:
+    mask, scale = _checked_dense(q, k, v, softmax_scale, causal, window_size, softcap)
+    plan = _dense_plan(q, k, v, scale, mask, keep_lse)
+    plan.backward_args = (None, None, None, 0, 0, scale, mask.window_left, mask.window_right, mask.softcap,
+                          bool(deterministic))
+    return plan
+
+
+_PUBLIC_DENSE = direct.PlanCache()
+_PUBLIC_VARLEN = direct.PlanCache()
+
+
+class _AttnFunction(torch.autograd.Function):
+    """Eager autograd for flash_attn_func / flash_attn_varlen_func: the plan's forward and the backward's plan,
+    without the torch.library dispatch of the custom ops (which torch.compile still traces)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan, *index):
+        out, lse = plan.run(q, k, v, *index)
+        ctx.save_for_backward(q, k, v, out, lse, *index)
+        ctx.backward_args = plan.backward_args
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, *index = ctx.saved_tensors
+        if dout is None:  # only lse was used
+            dout = torch.zeros_like(out)
+        cu_q, cu_k, seqused_k, max_q, max_k, *rest = ctx.backward_args
+        if index:  # varlen: (cu_seqlens_q, cu_seqlens_k, seqused_k, block_table None)
+            cu_q, cu_k, seqused_k = index[:3]
+        dq, dk, dv = _bwd.attn_backward(q, k, v, out, lse, dout, dlse, cu_q, cu_k, seqused_k, max_q, max_k, *rest)
+        return (dq, dk, dv, None) + (None,) * len(index)
 
 
 def _check_cu_seqlens(name: str, t, device) -> None:
@@ -224,37 +349,70 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     (cu_seqlens_k is ignored and may be None), and its queries are the last tokens of that sequence (bottom-right
     causal). Forward only.
     """
+    # The kernels index these with unit stride; a strided view (e.g. every other element) becomes a small copy.
+    cu_seqlens_q, cu_seqlens_k, seqused_k = (t.contiguous() if isinstance(t, torch.Tensor) else t
+                                             for t in (cu_seqlens_q, cu_seqlens_k, seqused_k))
+    if block_table is not None and isinstance(q, torch.Tensor) and q.device.type == "cpu" \
+            and not torch.compiler.is_compiling():  # page indices: free to check on the CPU, so checked every call
+        _check_paged_kv(q, k, v, cu_seqlens_q, seqused_k, block_table)
+        _utils.check_block_table_values(block_table, seqused_k.tolist(), k.shape[1], k.shape[0])
+    if torch.compiler.is_compiling():
+        mask, scale = _checked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q,
+                                      max_seqlen_k, softmax_scale, causal, window_size, softcap)
+        if block_table is not None:
+            out, lse = _attn_varlen_paged_fwd_op(q, k, v, cu_seqlens_q, seqused_k, block_table, int(max_seqlen_q),
+                                                 scale, mask.window_left, mask.window_right, mask.softcap)
+        else:
+            out, lse = _attn_varlen_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q),
+                                           int(max_seqlen_k), scale, mask.window_left, mask.window_right,
+                                           mask.softcap, bool(deterministic))
+        return (out, lse) if return_lse else out
+    grad = _utils.needs_grad(q, k, v)
+    plan = direct.plan_for(
+        _PUBLIC_VARLEN, lambda: _varlen_key(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
+                                            max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                                            direct.window_key(window_size), softcap, return_lse, deterministic, grad),
+        lambda: _public_varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q,
+                                    max_seqlen_k, softmax_scale, causal, window_size, softcap, return_lse or grad,
+                                    deterministic))
+    index = (cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
+    out, lse = _AttnFunction.apply(q, k, v, plan, *index) if grad else plan.run(q, k, v, *index)
+    return (out, lse) if return_lse else out
+
+
+def _checked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
+                    softmax_scale, causal, window_size, softcap) -> tuple[Mask, float]:
     if block_table is not None:
         _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
         _check_paged_kv(q, k, v, cu_seqlens_q, seqused_k, block_table)
         _check_max_seqlens(max_seqlen_q=max_seqlen_q)
         if _utils.needs_grad(q, k, v):
             raise ValueError("block_table: paged keys are forward-only; got inputs that require grad")
-        left, right = _utils.check_window(window_size)
-        mask = Mask.make(causal, (left, right), _check_softcap(softcap))
-        op = _utils.eager_or_op(_attn_varlen_paged_fwd_op, _attn_varlen_paged_fwd_impl)
-        out, lse = op(q, k, v, cu_seqlens_q.contiguous(), seqused_k.contiguous(), block_table, int(max_seqlen_q),
-                      _utils.softmax_scale_or_default(softmax_scale, q.shape[-1]), mask.window_left,
-                      mask.window_right, mask.softcap)
-        return (out, lse) if return_lse else out
-    _check_qkv(q, k, v, 3)
-    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
-    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device)
-    if cu_seqlens_k.shape[0] != cu_seqlens_q.shape[0]:
-        raise ValueError(f"cu_seqlens_k: expected {cu_seqlens_q.shape[0]} elements (cu_seqlens_q's), "
-                         f"got {cu_seqlens_k.shape[0]}")
-    if seqused_k is not None:
-        _utils.check_int32("seqused_k", seqused_k, 1, q.device)
-        if seqused_k.shape[0] != cu_seqlens_q.shape[0] - 1:
-            raise ValueError(f"seqused_k: expected {cu_seqlens_q.shape[0] - 1} elements, got {seqused_k.shape[0]}")
-    _check_max_seqlens(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    else:
+        _check_qkv(q, k, v, 3)
+        _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
+        _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device)
+        if cu_seqlens_k.shape[0] != cu_seqlens_q.shape[0]:
+            raise ValueError(f"cu_seqlens_k: expected {cu_seqlens_q.shape[0]} elements (cu_seqlens_q's), "
+                             f"got {cu_seqlens_k.shape[0]}")
+        if seqused_k is not None:
+            _utils.check_int32("seqused_k", seqused_k, 1, q.device)
+            if seqused_k.shape[0] != cu_seqlens_q.shape[0] - 1:
+                raise ValueError(f"seqused_k: expected {cu_seqlens_q.shape[0] - 1} elements, "
+                                 f"got {seqused_k.shape[0]}")
+        _check_max_seqlens(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     left, right = _utils.check_window(window_size)
     mask = Mask.make(causal, (left, right), _check_softcap(softcap))
-    # The kernels index these with unit stride; a strided view (e.g. every other element) becomes a small copy.
-    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
-    seqused_k = seqused_k.contiguous() if seqused_k is not None else None
-    op = _utils.eager_or_op(_attn_varlen_fwd_op, _attn_varlen_fwd_impl, _utils.needs_grad(q, k, v))
-    out, lse = op(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q), int(max_seqlen_k),
-                  _utils.softmax_scale_or_default(softmax_scale, q.shape[-1]), mask.window_left, mask.window_right,
-                  mask.softcap, bool(deterministic))
-    return (out, lse) if return_lse else out
+    return mask, _utils.softmax_scale_or_default(softmax_scale, q.shape[-1])
+
+
+def _public_varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
+                        softmax_scale, causal, window_size, softcap, keep_lse, deterministic) -> FwdPlan:
+    mask, scale = _checked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q,
+                                  max_seqlen_k, softmax_scale, causal, window_size, softcap)
+    max_seqlen_q, max_seqlen_k = int(max_seqlen_q), (int(max_seqlen_k) if block_table is None else 0)
+    plan = _varlen_plan(q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, scale, mask,
+                        keep_lse)
+    plan.backward_args = (None, None, None, max_seqlen_q, max_seqlen_k, scale, mask.window_left, mask.window_right,
+                          mask.softcap, bool(deterministic))
+    return plan

@@ -1,0 +1,290 @@
+"""The launch layer: every kernel launch goes through `launch`, and a public op's launches can be recorded once
+and replayed with new tensors.
+
+Why: Triton's JIT launch (`kernel[grid](...)`) binds and specialises every argument on every call (~60 for the
+attention kernel), and the launchers around it compute strides, tiles and TMA descriptors again each time: 250-640
+us of host time per eager call on the GPU machine, for kernels that run 14 us. A public op therefore keys each call
+on its *signature* (every tensor's shape, strides, dtype, device and 16-byte alignment, every scalar argument;
+`tensor_key`). The first call of a signature runs the Python launchers as before inside `record(slots)`, which
+keeps, for every launch, the compiled kernel's own launcher (what Triton's JIT ends in) and the full argument list
+with each tensor replaced by a reference to the slot it came from. Later calls of that signature call `replay`:
+the same launchers, the same constant arguments, only the pointers of this call's tensors. Everything Triton
+specialises on (dtypes, constexprs, integers equal to 1 or divisible by 16, pointer alignment) is a function of the
+signature, so a call whose alignment or strides differ has another key: it records its own launches and Triton
+compiles or picks the matching variant.
+
+A tensor a launcher passes to a kernel must be a slot (identity) or be registered with `derived` (a view of a slot,
+a TMA descriptor over one): recording refuses any other tensor, so a per-call buffer can never be baked into a
+replay. Under Triton's interpreter (`TRITON_INTERPRET=1`) nothing is recorded and launches are plain; so too with
+`TILEFLASH_DIRECT_LAUNCH=0` (the comparison point of the tests and `bench host`).
+"""
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+from triton import knobs
+
+from .. import _utils
+
+ENABLED = os.environ.get("TILEFLASH_DIRECT_LAUNCH", "1") != "0" and not _utils.is_interpreter()
+MAX_PLANS = 4096  # per op; a cache past this is emptied (shapes that never repeat, e.g. growing prefixes)
+
+_state = threading.local()
+_SLOT, _PTR, _DESC = 0, 1, 2
+
+
+def tensor_key(t):
+    """What a launch may depend on in a tensor besides its values: None for an absent argument."""
+    if t is None:
+        return None
+    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15
+
+
+class _Ptr:
+    """A pointer stand-in for a TMA descriptor's base at an offset from its slot (the launcher reads data_ptr())."""
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+@dataclass
+class _Launch:
+    """One recorded launch: the compiled kernel's launcher and its arguments, slots substituted per call."""
+    compiled: object
+    run: object
+    function: int
+    metadata: object
+    grid: tuple
+    args: list
+    subs: tuple  # (position, kind, slot, extra)
+
+    def __call__(self, slots, stream) -> None:
+        args = self.args[:]
+        for pos, kind, slot, extra in self.subs:
+            t = slots[slot]
+            if kind == _SLOT:
+                args[pos] = t
+            elif kind == _PTR:
+                args[pos] = t.data_ptr() + extra
+            else:  # a TMA descriptor: the recorded one with this call's base
+                offset, cls, fields = extra
+                desc = cls.__new__(cls)
+                desc.__dict__.update(fields)
+                desc.base = t if offset == 0 else _Ptr(t.data_ptr() + offset)
+                args[pos] = desc
+        g0, g1, g2 = self.grid
+        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        if enter.calls or leave.calls:  # a profiler listens (Triton's proton): give it what the JIT gives
+            self.run(g0, g1, g2, stream, self.function, self.metadata,
+                     self.compiled.launch_metadata(self.grid, stream, *args), enter, leave, *args)
+        else:
+            self.run(g0, g1, g2, stream, self.function, self.metadata, None, None, None, *args)
+
+
+class Recording:
+    """The launches of one call, with its tensors identified by slot (see the module docstring)."""
+
+    def __init__(self, slots):
+        # One tensor passed for two arguments (k is v) is two slots: each gets an alias of its own, so that every
+        # tensor argument names one slot even when a later call passes two tensors.
+        seen = set()
+        slots = list(slots)
+        for i, t in enumerate(slots):
+            if isinstance(t, torch.Tensor):
+                if id(t) in seen:
+                    slots[i] = t.as_strided(t.shape, t.stride(), t.storage_offset())
+                seen.add(id(slots[i]))
+        self.slots = tuple(slots)
+        self.origin = {id(t): (i, 0) for i, t in enumerate(self.slots) if t is not None}
+        self.keep = []  # derived objects stay alive while recording, so their ids stay unique
+        self.launches = []
+        self.refused = None
+
+    def derive(self, obj, base) -> None:
+        src = self.origin.get(id(base))
+        if src is None:
+            self.refused = f"a derived object's base is no slot ({type(base).__name__})"
+            return
+        slot, offset = src
+        if isinstance(obj, torch.Tensor):
+            self.origin[id(obj)] = (slot, offset + obj.data_ptr() - base.data_ptr())
+        else:
+            self.origin[id(obj)] = (slot, offset + obj.base.data_ptr() - base.data_ptr())
+        self.keep.append(obj)
+
+    def add(self, kernel, compiled, grid, args, kwargs) -> None:
+        if compiled is None or self.refused:
+            self.refused = self.refused or "a launch returned no compiled kernel"
+            return
+        names = kernel.arg_names
+        values = list(args) + [kwargs[n] if n in kwargs else kernel.params[i].default
+                               for i, n in enumerate(names) if i >= len(args)]
+        subs = []
+        for pos, value in enumerate(values):
+            is_tensor = isinstance(value, torch.Tensor)
+            if not (is_tensor or hasattr(value, "block_shape")):
+                continue
+            src = self.origin.get(id(value))
+            if src is None:
+                if is_tensor and any(value is c for c in _constants):
+                    continue
+                self.refused = f"argument {names[pos]} of {kernel.fn.__name__} is a tensor that is no slot"
+                return
+            slot, offset = src
+            if is_tensor:
+                subs.append((pos, _SLOT, slot, 0) if offset == 0 else (pos, _PTR, slot, offset))
+            else:
+                fields = dict(value.__dict__)
+                subs.append((pos, _DESC, slot, (offset, type(value), fields)))
+            values[pos] = None
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.launches.append(_Launch(compiled, compiled.run, compiled.function, compiled.packed_metadata, grid, values,
+                                     tuple(subs)))
+
+
+_constants: list = []
+
+
+def constant(t: torch.Tensor) -> torch.Tensor:
+    """Mark a tensor a replay may keep (a never-read stand-in such as the per-device dummy)."""
+    _constants.append(t)
+    return t
+
+
+def derived(obj, base):
+    """Register obj (a view of base, or a TMA descriptor whose base is base or a view of it) for the recording in
+    progress; returns obj."""
+    rec = getattr(_state, "recording", None)
+    if rec is not None:
+        rec.derive(obj, base)
+    return obj
+
+
+def launch(kernel, grid, *args, **kwargs):
+    """kernel[grid](*args, **kwargs), recorded when a recording is in progress."""
+    compiled = kernel[grid](*args, **kwargs)
+    rec = getattr(_state, "recording", None)
+    if rec is not None:
+        rec.add(kernel, compiled, grid, args, kwargs)
+    return compiled
+
+
+class record:
+    """`with record(slots) as rec: ...`: the launches inside, replayable by `replay(rec.launches, ...)` unless
+    rec.refused says why not (a developer error, raised by tests)."""
+
+    def __init__(self, slots):
+        self.rec = Recording(slots)
+
+    def __enter__(self) -> Recording:
+        if getattr(_state, "recording", None) is not None:
+            raise RuntimeError("tileflash: nested launch recordings")
+        _state.recording = self.rec
+        return self.rec
+
+    def __exit__(self, *exc) -> None:
+        _state.recording = None
+        self.rec.keep.clear()
+
+
+def replay(launches, slots, stream) -> None:
+    for step in launches:
+        step(slots, stream)
+
+
+class Replayable:
+    """A plan whose launches are recorded by its first execute and replayed by the later ones."""
+    launches = None
+    refused = None  # why the first execute's launches could not be recorded (tests require None)
+
+    def execute(self, launch_fn, slots, stream) -> None:
+        """launch_fn(*slots) launches the call's kernels through `launch`."""
+        if self.launches is not None:
+            replay(self.launches, slots, stream)
+            return
+        with record(slots) as rec:
+            launch_fn(*rec.slots)
+        if ENABLED and not rec.refused:
+            self.launches = rec.launches
+        self.refused = rec.refused
+
+
+def current_stream(device: torch.device) -> int:
+    """The raw handle of the current stream of a CUDA device (Triton launches on it); 0 elsewhere (the CPU
+    compile check's stand-in driver)."""
+    if device.type == "cuda":
+        return torch._C._cuda_getCurrentRawStream(device.index)
+    return 0
+
+
+class Workspace:
+    """fp32 scratch per (device, stream) for buffers that live within one call (split-KV partials, an lse nobody
+    returns, the backward's row statistics). Calls on one stream are ordered, so they can share it. It only grows;
+    an outgrown buffer is kept, since a captured CUDA graph may still point into it."""
+
+    def __init__(self):
+        self.buffers: dict = {}
+        self.retired: list = []
+
+    def get(self, device: torch.device, stream: int, numel: int) -> torch.Tensor:
+        key = (device, stream)
+        buf = self.buffers.get(key)
+        if buf is None or buf.numel() < numel:
+            if buf is not None:
+                self.retired.append(buf)
+            size = max(numel, 2 * buf.numel() if buf is not None else 0, 1 << 16)
+            buf = self.buffers[key] = torch.empty(size, dtype=torch.float32, device=device)
+        return buf
+
+
+WORKSPACE = Workspace()
+
+
+class PlanCache(dict):
+    """signature -> plan of one op, emptied past MAX_PLANS entries; `clear_all()` empties every op's (after a
+    monkeypatched heuristic, e.g. in a sweep)."""
+    registry: list = []
+
+    def __init__(self):
+        super().__init__()
+        PlanCache.registry.append(self)
+
+    def put(self, key, plan):
+        if len(self) >= MAX_PLANS:
+            self.clear()
+        self[key] = plan
+        return plan
+
+
+def plan_for(cache: PlanCache, key_fn, make):
+    """The plan cached under key_fn() in cache, else make()'s (cached). A key that cannot be built or hashed
+    (arguments of the wrong type) makes an uncached plan, whose checks then name the bad argument. Without direct
+    launches (the interpreter) nothing is cached: every call plans anew."""
+    if not ENABLED:
+        return make()
+    try:
+        key = key_fn()
+        plan = cache.get(key)
+    except (TypeError, AttributeError):
+        key = plan = None
+    if plan is None:
+        plan = make()
+        if key is not None:
+            cache.put(key, plan)
+    return plan
+
+
+def window_key(window_size):
+    return window_size if type(window_size) is tuple else tuple(window_size)
+
+
+def clear_all() -> None:
+    for cache in PlanCache.registry:
+        cache.clear()
