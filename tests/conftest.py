@@ -13,6 +13,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 import tileflash._utils as tf_utils  # noqa: E402
+from tileflash.ops import direct  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -22,6 +23,14 @@ def _poison_outputs():
     tf_utils.POISON_OUTPUTS = True
     yield
     tf_utils.POISON_OUTPUTS = False
+
+
+@pytest.fixture(autouse=True)
+def _fresh_plans():
+    """Tests monkeypatch heuristics, which cached plans would outlive: every test starts without plans."""
+    direct.clear_all()
+    yield
+    direct.clear_all()
 
 
 @pytest.fixture

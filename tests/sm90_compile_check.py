@@ -15,47 +15,9 @@ import sys
 os.environ.pop("TRITON_INTERPRET", None)
 
 import torch  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.backends.nvidia.driver import CudaDriver  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 
-
-class _Utils:
-    def get_device_properties(self, device):
-        return {"max_shared_mem": 232448, "multiprocessor_count": 132, "max_num_regs": 65536, "warpSize": 32}
-
-    def load_binary(self, name, kernel, shared, device):
-        return 1, 1, 0, 0, 1024  # module, function, n_regs, n_spills, max threads
-
-
-class _NoLaunch:
-    def __init__(self, src, metadata):
-        pass
-
-    def __call__(self, *args, **kwargs):
-        return None
-
-
-class Sm90CompileOnly(CudaDriver):
-    """Triton's CUDA driver minus the GPU: an sm_90 target, CPU tensors, launches that do nothing."""
-
-    utils = _Utils()
-    launcher_cls = _NoLaunch
-
-    def __init__(self):  # the real one loads libcuda
-        pass
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-    def get_active_torch_device(self):
-        return torch.device("cpu")
+from tileflash.bench.standin import Sm90CompileOnly  # noqa: E402
 
 
 def _compiles(kernels, call) -> None:

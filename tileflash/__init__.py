@@ -1,5 +1,5 @@
 """tileflash: FlashAttention-class attention kernels in Triton (prefill, varlen, split-KV paged decode)."""
-from .ops.decode import flash_attn_with_kvcache
+from .ops.decode import DecodePlan, decode_plan, flash_attn_with_kvcache
 from .ops.gemm import nvfp4_matmul
 from .ops.merge import merge_attn_states
 from .ops.prefill import flash_attn_func, flash_attn_varlen_func
@@ -7,5 +7,6 @@ from .ops.quant import fp8_dequantize, fp8_quantize, nvfp4_dequantize, nvfp4_qua
 
 __version__ = "0.1.0"
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "merge_attn_states",
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "decode_plan", "DecodePlan",
+           "merge_attn_states",
            "nvfp4_quantize", "nvfp4_dequantize", "nvfp4_matmul", "fp8_quantize", "fp8_dequantize", "__version__"]

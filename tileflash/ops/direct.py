@@ -104,11 +104,16 @@ class Recording:
         self.slots = tuple(slots)
         self.origin = {id(t): (i, 0) for i, t in enumerate(self.slots) if t is not None}
         self.keep = []  # derived objects stay alive while recording, so their ids stay unique
+        self.constant_ids = set()
         self.launches = []
         self.refused = None
 
     def derive(self, obj, base) -> None:
         src = self.origin.get(id(base))
+        if src is None and any(base is c for c in _constants):  # over a constant: a constant too
+            self.keep.append(obj)
+            self.constant_ids.add(id(obj))
+            return
         if src is None:
             self.refused = f"a derived object's base is no slot ({type(base).__name__})"
             return
@@ -133,7 +138,7 @@ class Recording:
                 continue
             src = self.origin.get(id(value))
             if src is None:
-                if is_tensor and any(value is c for c in _constants):
+                if id(value) in self.constant_ids or (is_tensor and any(value is c for c in _constants)):
                     continue
                 self.refused = f"argument {names[pos]} of {kernel.fn.__name__} is a tensor that is no slot"
                 return
@@ -208,6 +213,9 @@ class Replayable:
         """launch_fn(*slots) launches the call's kernels through `launch`."""
         if self.launches is not None:
             replay(self.launches, slots, stream)
+            return
+        if not ENABLED:  # the interpreter, or direct launches switched off: plain launches every time
+            launch_fn(*slots)
             return
         with record(slots) as rec:
             launch_fn(*rec.slots)
