@@ -27,6 +27,9 @@ from tileflash.heuristics import BwdConfig, DecodeConfig, GemmConfig, decode_blo
 from tileflash.ops import backward as bwd_ops
 from tileflash.ops import decode as decode_ops
 from tileflash.ops import gemm as gemm_ops
+from tileflash.ops import direct
+
+direct.ENABLED = False  # this script swaps heuristics and launchers, which cached plans would outlive
 
 BF16 = torch.bfloat16
 # (dkdv_block_m, dkdv_block_n, dq_block_m, dq_block_n, dkdv_warps, dkdv_stages, dq_warps, dq_stages). The default

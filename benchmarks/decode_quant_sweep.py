@@ -18,6 +18,9 @@ from tileflash.bench.timing import bench_graph_ms  # noqa: E402
 from tileflash.heuristics import QuantDecodeConfig  # noqa: E402
 from tileflash.ops import decode as decode_ops  # noqa: E402
 from tileflash.ops.quant import fp8_quantize, nvfp4_quantize  # noqa: E402
+from tileflash.ops import direct  # noqa: E402
+
+direct.ENABLED = False  # this script swaps heuristics and launchers, which cached plans would outlive
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--fmt", default="fp8,nvfp4")

@@ -17,6 +17,9 @@ from tileflash.formats import nvfp4_dequantize_ref  # noqa: E402
 from tileflash.heuristics import gemm_mma_config  # noqa: E402
 from tileflash.ops import gemm  # noqa: E402
 from tileflash.ops.quant import nvfp4_quantize  # noqa: E402
+from tileflash.ops import direct  # noqa: E402
+
+direct.ENABLED = False  # this script swaps heuristics and launchers, which cached plans would outlive
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--m", default="1,16")
@@ -46,7 +49,6 @@ for nk in map(int, args.nk.split(",")):
     w_full = torch.randn(nk, nk, device="cuda")
     b_q = nvfp4_quantize(w_full)
     w = nvfp4_dequantize_ref(*b_q)
-    s_bits = b_q[1].view(torch.uint8)
     for m in map(int, args.m.split(",")):
         a = torch.randn(m, nk, device="cuda", dtype=torch.bfloat16)
         row = {"m": m, "nk": nk}
@@ -56,8 +58,9 @@ for nk in map(int, args.nk.split(",")):
         row["triton"] = bench_graph_ms(lambda: triton_path(a, b_q)) * 1e3 if ok(out, a, w) else "ERR"
         for split, per in VARIANTS:
             cfg = gemm_mma_config(m, nk, nk, tiles_per_program=per, split_k=split)
-            out = gemm._launch_mma(a, b_q[0], s_bits, b_q[2], cfg)
-            fn = lambda cfg=cfg: gemm._launch_mma(a, b_q[0], s_bits, b_q[2], cfg)  # noqa: E731
+            plan = gemm.GemmPlan(a, b_q[0], b_q[1], mma_config=cfg)
+            out = plan.run(a, *b_q)
+            fn = lambda plan=plan: plan.run(a, *b_q)  # noqa: E731
             row[f"{split},{per}"] = bench_graph_ms(fn) * 1e3 if ok(out, a, w) else "ERR"
         rows.append(row)
         print(row, flush=True)

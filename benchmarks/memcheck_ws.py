@@ -18,6 +18,9 @@ from tileflash.heuristics import WsBwdConfig, WsFwdConfig  # noqa: E402
 from tileflash.ops import backward  # noqa: E402
 from tileflash.ops._launch import launch_attn_fwd_ws  # noqa: E402
 from tileflash.ops.backward import ws_backward_config  # noqa: E402
+from tileflash.ops import direct  # noqa: E402
+
+direct.ENABLED = False  # this script swaps heuristics and launchers, which cached plans would outlive
 
 CASES = [(1, 1, 1, 1, 1, 128, True), (2, 17, 17, 4, 4, 128, True), (1, 300, 97, 8, 1, 128, True),
          (2, 200, 1333, 4, 2, 64, False), (1, 1100, 1100, 2, 2, 64, True), (1, 1300, 1030, 2, 1, 64, True),

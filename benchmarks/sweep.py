@@ -18,6 +18,9 @@ from tileflash.bench.timing import bench_ms
 from tileflash.heuristics import FwdConfig
 from tileflash.ops import decode as decode_ops
 from tileflash.ops._launch import Mask, launch_attn_fwd
+from tileflash.ops import direct
+
+direct.ENABLED = False  # this script swaps heuristics and launchers, which cached plans would outlive
 
 # The current picks (first) against one-warpgroup tiles (64 query rows, 4 warps): small enough for two or more
 # programs per SM, so one program's softmax can run while another's MMAs do (FA3's ping-pong, left to the warp

@@ -17,6 +17,9 @@ import tileflash  # noqa: E402
 from tileflash import heuristics  # noqa: E402
 from tileflash.bench.formulas import attn_fwd_flops  # noqa: E402
 from tileflash.bench.timing import bench_ms  # noqa: E402
+from tileflash.ops import direct  # noqa: E402
+
+direct.ENABLED = False  # this script swaps heuristics and launchers, which cached plans would outlive
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--dims", default="128,64")

@@ -21,6 +21,9 @@ from tileflash.bench.formulas import attn_bwd_flops  # noqa: E402
 from tileflash.bench.timing import bench_ms  # noqa: E402
 from tileflash.heuristics import WsBwdConfig  # noqa: E402
 from tileflash.ops import backward  # noqa: E402
+from tileflash.ops import direct  # noqa: E402
+
+direct.ENABLED = False  # this script swaps heuristics and launchers, which cached plans would outlive
 
 DEFAULT_VARIANTS = "triton;64,2,1;64,2,0"  # triton: the Triton kernels; else WsBwdConfig's fields
 

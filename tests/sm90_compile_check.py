@@ -234,7 +234,10 @@ def main() -> int:
     """Exit status 1 if any case fails to compile; with --res-usage also print registers and spills."""
     driver.set_active(Sm90CompileOnly())
     failed = []
+    from tileflash.ops import direct
+
     for name, fn in _cases().items():
+        direct.clear_all()  # cases swap heuristics, which cached plans would outlive
         try:
             fn()
             print(f"ok    {name}")

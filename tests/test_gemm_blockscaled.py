@@ -173,10 +173,14 @@ def test_mma_kernel_matches_reference(m, n, k, dtype, monkeypatch):
 
 
 def _count_mma_launches(monkeypatch):
-    from tileflash.ops import gemm
+    """Count launches of the register-operand kernel (a call's first launch goes through direct.launch; later
+    calls of the same signature replay it)."""
+    from tileflash.kernels.gemm_nvfp4_mma import nvfp4_matmul_mma_kernel
+    from tileflash.ops import direct
 
-    calls, launch = [], gemm._launch_mma
-    monkeypatch.setattr(gemm, "_launch_mma", lambda *args: calls.append(1) or launch(*args))
+    calls, launch = [], direct.launch
+    monkeypatch.setattr(direct, "launch", lambda kernel, *a, **k: (
+        calls.append(1) if kernel is nvfp4_matmul_mma_kernel else None) or launch(kernel, *a, **k))
     return calls
 
 

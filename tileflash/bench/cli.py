@@ -1,5 +1,5 @@
 """Command line: ``python -m tileflash bench {prefill,decode,backward,lowp,all} [--quick] [--only LABEL]
-[--json PATH] [--plot DIR]`` (and ``torchrun ... -m tileflash bench cp``, see bench/cp.py)."""
+[--json PATH] [--plot DIR]``, ``python -m tileflash bench host [--no-launch] [--json PATH]`` (and ``torchrun ... -m tileflash bench cp``, see bench/cp.py)."""
 
 import argparse
 import json
@@ -19,7 +19,10 @@ SUITES = {
 
 def build_parser():
     p = argparse.ArgumentParser(prog="python -m tileflash bench", description=__doc__)
-    p.add_argument("suite", choices=[*SUITES, "all"])
+    p.add_argument("suite", choices=[*SUITES, "all", "host"])
+    p.add_argument("--no-launch", action="store_true",
+                   help="host: time the host path alone on CPU tensors, launches made no-ops (the default "
+                        "without a GPU)")
     p.add_argument("--json", metavar="PATH", help="write the results here (rewritten after each suite)")
     p.add_argument("--quick", action="store_true", help="only the first 3 shapes of each label")
     p.add_argument("--only", metavar="LABEL",
@@ -49,6 +52,17 @@ def environment():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    if args.suite == "host":
+        from tileflash.bench.host import run_hf_generate, run_host
+
+        no_launch = args.no_launch or not torch.cuda.is_available()
+        results = {"env": environment(), "host": run_host(no_launch=no_launch)}
+        if not no_launch:
+            results["hf_generate"] = run_hf_generate()
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+        return 0
     if not torch.cuda.is_available():
         print("tileflash bench needs a CUDA GPU; none is visible", file=sys.stderr)
         return 1

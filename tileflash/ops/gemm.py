@@ -23,12 +23,13 @@ class GemmPlan(direct.Replayable):
     K slices and launch arguments; dest: out [M, N] in a's dtype, or fp32 partials [slices, M, N] that the run
     sums afterwards (torch, in slice order)."""
 
-    def __init__(self, a, b_data, b_scales):
+    def __init__(self, a, b_data, b_scales, mma_config=None):
+        """mma_config: the register-operand kernel's tiles to take instead of the heuristic's (sweeps)."""
         (m, k), n = a.shape, b_data.shape[0]
         self.out_shape, self.dtype, self.device = (m, n), a.dtype, a.device
         self.empty = m == 0 or n == 0
-        self.mma = None
-        if not self.empty and sm90_target():
+        self.mma = mma_config
+        if self.mma is None and not self.empty and sm90_target():
             cfg = gemm_mma_config(m, n, k, num_sms=_utils.num_sms(a.device))
             if cfg is not None and _mma_operands_ok(a, b_data, b_scales):
                 self.mma = cfg

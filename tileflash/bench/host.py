@@ -1,0 +1,252 @@
+"""`python -m tileflash bench host`: what an eager call costs on the host, per public op at small shapes.
+
+For each op: the eager wall time per call (back-to-back calls, one sync at the end, median over repeats), the GPU
+time of the same call replayed from a CUDA graph (no host work), and the same two for every installed peer (SDPA
+flash / cuDNN / default, FA4, FlashInfer, torch.matmul). tileflash also runs with direct launches off
+(`tileflash plain`: Triton's JIT launch and the Python launchers on every call, what every call cost before the
+launch layer), so one run shows the layer's effect. A call whose eager time is well above its graph time is
+host-bound. Each callable's output is checked against an fp32 reference before it is timed.
+
+Without a GPU (or with --no-launch), the host path alone: CPU tensors through Triton's real compiler with launches
+made no-ops (bench/standin.py), so a host-time regression shows on any machine.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from tileflash.bench import peers
+from tileflash.bench.table import format_table
+
+CALLS = 100  # back-to-back calls per timed repeat
+REPEATS = 7
+TOL = 3e-2  # max abs error of bf16 outputs (fp32 reference of the same inputs)
+
+
+def eager_us(fn, device, calls=CALLS, repeats=REPEATS) -> float:
+    """Median over repeats of (wall time of `calls` back-to-back calls, synchronised once) / calls."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for _ in range(3):
+        fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(times)
+
+
+def graph_us(fn) -> float:
+    from tileflash.bench.timing import bench_graph_ms
+
+    return bench_graph_ms(fn) * 1000
+
+
+def _ref_attention(q, k, v, causal):
+    qt, kt, vt = (x.float().transpose(1, 2) for x in (q, k, v))
+    out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=qt.shape[1] != kt.shape[1])
+    return out.transpose(1, 2)
+
+
+def _cases(device, with_peers: bool):
+    """(op, shape, {backend: fn}, check) per row; check(out) -> max abs error of a backend's output."""
+    import tileflash
+
+    bf = torch.bfloat16
+    rnd = lambda *s: torch.randn(*s, device=device, dtype=bf)  # noqa: E731
+    note = lambda msg: print(msg, flush=True)  # noqa: E731
+    rows = []
+
+    # decode: b=1, ctx 8k, 32/8 heads, d128 (contiguous); paged 16 with a one-token append; plan.run
+    qd, kc, vc = rnd(1, 1, 32, 128), rnd(1, 8192, 8, 128), rnd(1, 8192, 8, 128)
+    lens = torch.full((1,), 8192, dtype=torch.int32, device=device)
+    ref = _ref_attention(qd, kc, vc, False)
+    check = lambda out, ref=ref: float((out.float() - ref).abs().max())  # noqa: E731
+    plan = tileflash.decode_plan(qd, kc, vc, lens)
+    backends = {"tileflash": lambda: tileflash.flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=lens),
+                "tileflash plan.run": lambda: plan.run(qd, kc, vc)}
+    if with_peers:
+        backends["sdpa"] = peers.sdpa_decode(qd, kc, vc, note=note)
+        backends["fa4"] = peers.fa4_decode(qd, kc, vc, lens, note=note)
+        if peers.available_peers()["flashinfer"]:
+            backends["flashinfer"] = peers.flashinfer_decode(qd, kc.view(128, 64, 8, 128), vc.view(128, 64, 8, 128),
+                                                             torch.arange(128, device=device,
+                                                                          dtype=torch.int32).view(1, -1),
+                                                             8192, use_tensor_cores=False, note=note)
+    rows.append(("flash_attn_with_kvcache", "b=1 ctx=8k 32/8 d128", backends, check))
+
+    pool_k, pool_v = kc.view(512, 16, 8, 128).clone(), vc.view(512, 16, 8, 128).clone()
+    table = torch.arange(512, dtype=torch.int32, device=device).view(1, 512)
+    kn, vn = kc[:, -1:].clone(), vc[:, -1:].clone()
+    lens_append = lens - 1  # the append rewrites the last token with its own values: the same attention
+    rows.append(("flash_attn_with_kvcache", "paged 16 + 1-token append", {
+        "tileflash": lambda: tileflash.flash_attn_with_kvcache(qd, pool_k, pool_v, kn, vn, cache_seqlens=lens_append,
+                                                               block_table=table)}, check))
+
+    # prefill (and forward + backward): b=1, 32 heads, d128, causal
+    for s in (128, 512, 2048):
+        q, k, v = rnd(1, s, 32, 128), rnd(1, s, 32, 128), rnd(1, s, 32, 128)
+        ref = _ref_attention(q, k, v, True)
+        check = lambda out, ref=ref: float((out.float() - ref).abs().max())  # noqa: E731
+        backends = {"tileflash": lambda q=q, k=k, v=v: tileflash.flash_attn_func(q, k, v, causal=True)}
+        if with_peers:
+            for name in ("flash", "cudnn"):
+                backends[f"sdpa_{name}"] = peers.sdpa_prefill(q, k, v, True, name, note=note)
+            backends["fa4"] = peers.fa4_prefill(q, k, v, True, note=note)
+        rows.append(("flash_attn_func", f"s={s} 32 heads d128 causal", backends, check))
+
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        dout = rnd(1, s, 32, 128)
+        grads = _fwd_bwd(lambda qg=qg, kg=kg, vg=vg: tileflash.flash_attn_func(qg, kg, vg, causal=True),
+                         (qg, kg, vg), dout)
+        backends = {"tileflash": grads}
+        if with_peers:
+            for name in ("flash", "cudnn"):
+                fwd = peers.sdpa_prefill(qg, kg, vg, True, name, note=note)
+                if fwd is not None:
+                    backends[f"sdpa_{name}"] = _fwd_bwd(fwd, (qg, kg, vg), dout)
+        leaves32 = [t.detach().float().requires_grad_() for t in (q, k, v)]
+        refs = torch.autograd.grad(_ref_attention(*leaves32, True), leaves32, dout.float())
+        rows.append(("flash_attn_func fwd+bwd", f"s={s} 32 heads d128 causal", backends,
+                     lambda grads, refs=refs: max(float((g.float() - r).abs().max() / r.abs().max())
+                                                  for g, r in zip(grads, refs))))
+
+    # NVFP4 GEMM M=1 N=K=8192 against a bf16 matmul; merge of two partial decode results
+    a = rnd(1, 8192)  # names below are not reused: the callables read them when timed
+    w = torch.randn(8192, 8192, device=device) / 8
+    wq = tileflash.nvfp4_quantize(w)
+    w_deq = tileflash.nvfp4_dequantize(*wq).to(bf)
+    ref = a.float() @ w_deq.float().T
+    scale = float(ref.abs().max())
+    backends = {"tileflash": lambda: tileflash.nvfp4_matmul(a, *wq)}
+    if with_peers:
+        backends["torch.matmul bf16"] = lambda: a @ w_deq.T
+    rows.append(("nvfp4_matmul", "M=1 N=K=8192", backends,
+                 lambda out, ref=ref, scale=scale: float((out.float() - ref).abs().max()) / max(scale, 1e-30)))
+
+    oa, ob = rnd(8, 1, 32, 128), rnd(8, 1, 32, 128)
+    la, lb = (torch.randn(8, 32, 1, device=device) for _ in range(2))
+    wa = torch.sigmoid(la - lb).transpose(1, 2).unsqueeze(-1)
+    ref = oa.float() * wa + ob.float() * (1 - wa)
+    rows.append(("merge_attn_states", "8 x 32 heads d128", {
+        "tileflash": lambda: tileflash.merge_attn_states(oa, la, ob, lb)[0]},
+        lambda out, ref=ref: float((out.float() - ref).abs().max())))
+    return rows
+
+
+def _fwd_bwd(forward, leaves, dout):
+    """A callable running forward and torch.autograd.grad of it (graph-capturable: no .grad accumulation)."""
+    def fn():
+        out = forward()
+        return torch.autograd.grad(out, leaves, dout)
+
+    return fn
+
+
+def _plain(fn):
+    """fn with direct launches off (every call through Triton's JIT launch and the Python launchers)."""
+    from tileflash.ops import direct
+
+    def plain():
+        direct.ENABLED = False
+        try:
+            return fn()
+        finally:
+            direct.ENABLED = True
+
+    return plain
+
+
+def run_host(no_launch: bool = False) -> list[dict]:
+    """Measure every row; print a table; return one record per (op, backend)."""
+    device = "cpu" if no_launch else "cuda"
+    if no_launch:
+        from triton.runtime import driver
+
+        from tileflash.bench.standin import Sm90CompileOnly
+
+        driver.set_active(Sm90CompileOnly())
+    results, table = [], []
+    for op, shape, backends, check in _cases(device, with_peers=not no_launch):
+        for name, fn in list(backends.items()) + ([("tileflash plain", _plain(backends["tileflash"]))]):
+            if fn is None:
+                continue
+            rec = {"op": op, "shape": shape, "backend": name, "eager_us": None, "graph_us": None, "max_err": None,
+                   "error": None}
+            try:
+                if not no_launch:
+                    rec["max_err"] = check(fn())
+                rec["eager_us"] = eager_us(fn, device)
+                if not no_launch and name != "tileflash plain":
+                    rec["graph_us"] = graph_us(fn)
+            except Exception as e:  # a failing backend is reported, the run goes on
+                rec["error"] = peers.short_error(e)
+                print(f"  note: {op} {shape} {name} failed: {rec['error']}", flush=True)
+            results.append(rec)
+        ours = next((r["eager_us"] for r in results[-len(backends) - 1:] if r["backend"] == "tileflash"), None)
+        for r in results[-len(backends) - 1:]:
+            if r["shape"] != shape or r["op"] != op:
+                continue
+            ok = r["max_err"] is None or r["max_err"] <= TOL
+            ratio = r["eager_us"] / ours if ours and r["eager_us"] else None
+            table.append([op, shape, r["backend"], r["eager_us"], r["graph_us"],
+                          r["eager_us"] / r["graph_us"] if r["eager_us"] and r["graph_us"] else None,
+                          ratio, "no" if not ok else None])
+    title = ("Host path: eager wall time per call (us, median of back-to-back calls, one sync) and CUDA-graph replay "
+             "(GPU time); peer/tf > 1: tileflash's eager call is faster" if not no_launch else
+             "Host path alone (CPU tensors, sm_90 stand-in driver, launches are no-ops): us per call")
+    print(format_table(["op", "shape", "backend", "eager us", "graph us", "eager/graph", "eager vs tf", "ok"],
+                       table, title=title), flush=True)
+    return results
+
+
+HF_CONFIG = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096)
+
+
+def run_hf_generate(prompt: int = 128, new_tokens: int = 128) -> list[dict]:
+    """Greedy `generate` of a Llama (HF_CONFIG, random weights, bf16, eager, batch 1) with attn_implementation
+    "sdpa" and "tileflash": tokens/s of each and how many generated tokens agree."""
+    try:
+        import transformers
+    except ImportError:
+        print("bench host: transformers is not installed; no generate row", flush=True)
+        return []
+    from tileflash.integrations.transformers import register
+
+    name = register()
+    ids = torch.randint(0, HF_CONFIG["vocab_size"], (1, prompt), generator=torch.Generator().manual_seed(0))
+    results, tokens = [], {}
+    for impl in ("sdpa", name):
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = transformers.LlamaForCausalLM._from_config(transformers.LlamaConfig(**HF_CONFIG),
+                                                               attn_implementation=impl, torch_dtype=torch.bfloat16)
+        model.eval()
+        kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        with torch.no_grad():
+            model.generate(ids.cuda(), **{**kw, "max_new_tokens": 8, "min_new_tokens": 8})  # compile, warm up
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = model.generate(ids.cuda(), **kw)
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        tokens[impl] = out[0, prompt:].cpu()
+        results.append({"impl": impl, "tokens_per_s": new_tokens / seconds})
+        del model
+    same = int((tokens["sdpa"] == tokens[name]).cumprod(0).sum())
+    for r in results:
+        r["tokens_agreeing"] = same
+    sdpa = results[0]["tokens_per_s"]
+    print(format_table(["attn_implementation", "tokens/s", "vs sdpa", "leading tokens equal"],
+                       [[r["impl"], r["tokens_per_s"], r["tokens_per_s"] / sdpa, same] for r in results],
+                       title=f"HF generate, Llama {HF_CONFIG['num_hidden_layers']} layers "
+                             f"{HF_CONFIG['num_attention_heads']}/{HF_CONFIG['num_key_value_heads']} heads d128, "
+                             f"bf16, eager, prompt {prompt}, {new_tokens} new tokens"), flush=True)
+    return results
