@@ -320,9 +320,7 @@ class DecodePlan(direct.Replayable):
                  k_cache, v_cache, k, v, cache_seqlens, block_table, scales, return_lse: bool, validate: bool):
         self.schedule, self.mask, self.softmax_scale, self.sp_overlap = schedule, mask, softmax_scale, sp_overlap
         self.q_key = q_key
-        self.cache_keys = (direct.tensor_key(k_cache), direct.tensor_key(v_cache))
-        self.new_keys = (direct.tensor_key(k), direct.tensor_key(v))
-        self.scale_keys = tuple(direct.tensor_key(t) for t in scales)
+        self.keys = (q_key, *map(direct.tensor_key, (k_cache, v_cache, k, v, *scales)))
         self.cache_seqlens, self.block_table, self.scales = cache_seqlens, block_table, scales
         self.return_lse, self.validate = return_lse, validate
         self.out_shape, self.dtype, self.device = q_key[0], q_key[2], q_key[3]
@@ -336,10 +334,7 @@ class DecodePlan(direct.Replayable):
         plan's shapes, strides, dtypes, devices and 16-byte alignment; scale tensors default to the plan's."""
         given = (k_scale, v_scale, k_global_scale, v_global_scale)
         scales = tuple(g if g is not None else p for g, p in zip(given, self.scales))
-        if (direct.tensor_key(q) != self.q_key
-                or (direct.tensor_key(k_cache), direct.tensor_key(v_cache)) != self.cache_keys
-                or (direct.tensor_key(k), direct.tensor_key(v)) != self.new_keys
-                or tuple(direct.tensor_key(t) for t in scales) != self.scale_keys):
+        if tuple(map(direct.tensor_key, (q, k_cache, v_cache, k, v, *scales))) != self.keys:
             raise ValueError("DecodePlan.run: q, k_cache, v_cache, k, v and scales must match the plan's shapes, "
                              "strides, dtypes, devices and 16-byte alignment (make a plan per layout)")
         if out is not None and (out.shape != self.out_shape or out.dtype != self.dtype or out.device != self.device
@@ -355,8 +350,10 @@ class DecodePlan(direct.Replayable):
         s = self.schedule
         if self.validate:
             _validate_values(k_cache, cache_seqlens, block_table, s.capacity, s.s_new)
-        if out is None:
-            out = _utils.new_output(self.out_shape, self.dtype, self.device)
+        if out is None:  # q's shape and dtype, contiguous
+            out = torch.empty_like(q, memory_format=torch.contiguous_format)
+            if _utils.POISON_OUTPUTS:
+                out.fill_(float("nan"))
         lse = _utils.new_output(self.lse_shape, torch.float32, self.device) if self.return_lse else None
         stream = direct.current_stream(self.device)
         ws = direct.WORKSPACE.get(self.device, stream, s.workspace) if s.workspace else None

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
 
 import torch
 from triton import knobs
@@ -54,38 +53,49 @@ class _Ptr:
         return self.ptr
 
 
-@dataclass
 class _Launch:
-    """One recorded launch: the compiled kernel's launcher and its arguments, slots substituted per call."""
-    compiled: object
-    run: object
-    function: int
-    metadata: object
-    grid: tuple
-    args: list
-    subs: tuple  # (position, kind, slot, extra)
+    """One recorded launch: the compiled kernel's launcher and its arguments, slots substituted per call. The
+    argument tuple is built by generated code (one expression per argument), so a replay costs about what the
+    launcher itself does."""
 
-    def __call__(self, slots, stream) -> None:
-        args = self.args[:]
-        for pos, kind, slot, extra in self.subs:
-            t = slots[slot]
+    def __init__(self, compiled, grid: tuple, args: list, subs: tuple):
+        self.compiled, self.grid = compiled, grid
+        env = {"run": compiled.run, "function": compiled.function, "metadata": compiled.packed_metadata,
+               "compiled": compiled, "grid": grid, "_Ptr": _Ptr}
+        by_pos = {pos: (kind, slot, extra) for pos, kind, slot, extra in subs}
+        pre, exprs = [], []
+        for pos, value in enumerate(args):
+            if pos not in by_pos:
+                if value is None or type(value) in (int, bool):
+                    exprs.append(repr(value))
+                else:
+                    env[f"c{pos}"] = value
+                    exprs.append(f"c{pos}")
+                continue
+            kind, slot, extra = by_pos[pos]
             if kind == _SLOT:
-                args[pos] = t
+                exprs.append(f"slots[{slot}]")
             elif kind == _PTR:
-                args[pos] = t.data_ptr() + extra
+                exprs.append(f"slots[{slot}].data_ptr() + {extra}")
             else:  # a TMA descriptor: the recorded one with this call's base
                 offset, cls, fields = extra
-                desc = cls.__new__(cls)
-                desc.__dict__.update(fields)
-                desc.base = t if offset == 0 else _Ptr(t.data_ptr() + offset)
-                args[pos] = desc
-        g0, g1, g2 = self.grid
-        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-        if enter.calls or leave.calls:  # a profiler listens (Triton's proton): give it what the JIT gives
-            self.run(g0, g1, g2, stream, self.function, self.metadata,
-                     self.compiled.launch_metadata(self.grid, stream, *args), enter, leave, *args)
-        else:
-            self.run(g0, g1, g2, stream, self.function, self.metadata, None, None, None, *args)
+                env[f"cls{pos}"], env[f"f{pos}"] = cls, fields
+                base = f"slots[{slot}]" if offset == 0 else f"_Ptr(slots[{slot}].data_ptr() + {offset})"
+                pre += [f"    d{pos} = cls{pos}.__new__(cls{pos})", f"    d{pos}.__dict__.update(f{pos})",
+                        f"    d{pos}.base = {base}"]
+                exprs.append(f"d{pos}")
+        g0, g1, g2 = grid
+        src = "\n".join([
+            "def call(slots, stream, hooks):", *pre,
+            f"    args = ({', '.join(exprs)},)",
+            "    if hooks is None:",
+            f"        run({g0}, {g1}, {g2}, stream, function, metadata, None, None, None, *args)",
+            "    else:  # a profiler listens (Triton's proton): give it what the JIT gives",
+            f"        run({g0}, {g1}, {g2}, stream, function, metadata, compiled.launch_metadata(grid, stream, *args),"
+            " *hooks, *args)",
+        ])
+        exec(compile(src, f"<tileflash launch of {compiled.name}>", "exec"), env)
+        self.call = env["call"]
 
 
 class Recording:
@@ -150,8 +160,7 @@ class Recording:
                 subs.append((pos, _DESC, slot, (offset, type(value), fields)))
             values[pos] = None
         grid = tuple(grid) + (1,) * (3 - len(grid))
-        self.launches.append(_Launch(compiled, compiled.run, compiled.function, compiled.packed_metadata, grid, values,
-                                     tuple(subs)))
+        self.launches.append(_Launch(compiled, grid, values, tuple(subs)))
 
 
 _constants: list = []
@@ -200,8 +209,10 @@ class record:
 
 
 def replay(launches, slots, stream) -> None:
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    hooks = (enter, leave) if enter.calls or leave.calls else None
     for step in launches:
-        step(slots, stream)
+        step.call(slots, stream, hooks)
 
 
 class Replayable:
