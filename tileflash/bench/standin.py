@@ -6,9 +6,11 @@ ptxas for sm_90 and through tileflash's whole host path, and nothing runs: tests
 every kernel this way, and `bench host --no-launch` times the host path of each op on any machine. Results are
 garbage; only compilation and host work are real.
 """
+import inspect
+
 import torch
 from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.driver import CudaDriver
+from triton.backends.nvidia.driver import CudaDriver, CudaLauncher
 
 
 class _Utils:
@@ -18,18 +20,56 @@ class _Utils:
     def load_binary(self, name, kernel, shared, device):
         return 1, 1, 0, 0, 1024  # module, function, n_regs, n_spills, max threads
 
+    @staticmethod
+    def fill_tma_descriptor(ptr, swizzle, elem_size, elem_type, block, shape, strides, padding):
+        """An 'encoded' descriptor that is its inputs (compared by the equivalence tests)."""
+        return ("tensormap", ptr, swizzle, elem_size, elem_type, tuple(block), tuple(shape), tuple(strides),
+                padding)
+
+    fill_tma_descriptor_tiled = fill_tma_descriptor  # triton 3.7's name
+
+
+_TRITON_37 = "kernel_metadata" in inspect.signature(CudaLauncher.__call__).parameters
+
 
 class NoLaunch:
-    """A compiled kernel's launcher that launches nothing; `calls`, when a list, collects every launch's arguments
-    (the equivalence tests of the direct launch path)."""
+    """A compiled kernel's launcher shaped like Triton's CudaLauncher (its TMA-descriptor wrapper in front of a C
+    launcher), whose C launcher launches nothing; `calls`, when a list, collects every launch's grid, stream,
+    function and final kernel arguments (descriptors encoded by _Utils' stand-in), as the C launcher gets them.
+    The equivalence tests of the direct launch path compare these."""
     calls = None
 
     def __init__(self, src, metadata):
-        pass
+        from triton.backends.nvidia import driver as nvidia_driver
 
-    def __call__(self, *args, **kwargs):
-        if NoLaunch.calls is not None:
-            NoLaunch.calls.append(args)
+        self.global_scratch_size = metadata.global_scratch_size
+        self.profile_scratch_size = metadata.profile_scratch_size
+        self.launch_cooperative_grid = metadata.launch_cooperative_grid
+        self.launch_pdl = metadata.launch_pdl
+        if _TRITON_37:
+            self.arg_annotations = self.kernel_signature = None
+        signature = dict(src.signature)
+        self.launch = nvidia_driver.wrap_handle_tensordesc(self._c_launcher, signature,
+                                                           getattr(metadata, "tensordesc_meta", None))
+
+    @staticmethod
+    def _c_launcher(*args):
+        if NoLaunch.calls is None:
+            return
+        # 3.7: (grid x3, stream, function, coop, pdl, metadata, launch metadata, hooks x2, scratch x2, annotations,
+        # signature, kernel arguments); 3.6: (grid x3, stream, function, coop, pdl, scratch x2, metadata, launch
+        # metadata, hooks x2, *kernel arguments)
+        kernel_args = list(args[-1]) if _TRITON_37 else list(args[13:])
+        NoLaunch.calls.append((args[:5], kernel_args))
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+        if _TRITON_37:
+            kernel_metadata, launch_metadata, enter, leave, *kernel_args = args
+            self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl,
+                        kernel_metadata, launch_metadata, enter, leave, None, None, None, None, kernel_args)
+        else:
+            self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl, None,
+                        None, *args)
 
 
 class Sm90CompileOnly(CudaDriver):

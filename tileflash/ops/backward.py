@@ -218,9 +218,7 @@ class BwdPlan(direct.Replayable):
                     cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, **self.kw)
 
     def run(self, q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k):
-        dq = _utils.new_output(q.shape, q.dtype, q.device)
-        dk = _utils.new_output(k.shape, k.dtype, k.device)
-        dv = _utils.new_output(v.shape, v.dtype, v.device)
+        dq, dk, dv = _utils.new_output_like(q), _utils.new_output_like(k), _utils.new_output_like(v)
         if self.empty:
             return dq.zero_(), dk.zero_(), dv.zero_()
         if self.dout_contiguous:
@@ -228,7 +226,7 @@ class BwdPlan(direct.Replayable):
         if dlse is not None:
             dlse = dlse.contiguous()  # read with lse's (contiguous) strides
         # Rows no program adds to (no visible key, outside every varlen sequence) keep the zeros: dQ = 0 there.
-        dq_acc = torch.zeros(dq.shape, dtype=torch.float32, device=dq.device) if self.atomic_dq else None
+        dq_acc = torch.zeros_like(dq, dtype=torch.float32) if self.atomic_dq else None
         stream = direct.current_stream(q.device)
         ws = direct.WORKSPACE.get(q.device, stream, 2 * self.stats_numel)
         self.execute(self._launch, (q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, dq, dk,

@@ -350,10 +350,8 @@ class DecodePlan(direct.Replayable):
         s = self.schedule
         if self.validate:
             _validate_values(k_cache, cache_seqlens, block_table, s.capacity, s.s_new)
-        if out is None:  # q's shape and dtype, contiguous
-            out = torch.empty_like(q, memory_format=torch.contiguous_format)
-            if _utils.POISON_OUTPUTS:
-                out.fill_(float("nan"))
+        if out is None:
+            out = _utils.new_output_like(q)
         lse = _utils.new_output(self.lse_shape, torch.float32, self.device) if self.return_lse else None
         stream = direct.current_stream(self.device)
         ws = direct.WORKSPACE.get(self.device, stream, s.workspace) if s.workspace else None

@@ -20,6 +20,8 @@ replay. Under Triton's interpreter (`TRITON_INTERPRET=1`) nothing is recorded an
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import threading
 
@@ -53,21 +55,73 @@ class _Ptr:
         return self.ptr
 
 
+def _raw_launcher(compiled):
+    """(Triton's C launcher under the TMA-descriptor wrapper, the descriptors' metadata by argument position, the
+    call convention) for a compiled kernel with descriptor arguments, or None where this triton's launcher is not
+    the shape this was written against (3.6, 3.7) or needs scratch memory: then the wrapper runs as usual."""
+    launcher = compiled.run
+    inner = getattr(launcher, "launch", None)
+    if getattr(inner, "__closure__", None) is None or launcher.global_scratch_size or launcher.profile_scratch_size:
+        return None
+    cells = dict(zip(inner.__code__.co_freevars, (c.cell_contents for c in inner.__closure__)))
+    raw, meta, indices = cells.get("launcher"), cells.get("tensordesc_meta"), cells.get("tensordesc_indices")
+    if raw is None or not meta or indices is None or any(m is None for m in meta):
+        return None
+    return raw, dict(zip(sorted(indices), meta)), _launcher_convention()
+
+
+@functools.lru_cache(maxsize=None)
+def _launcher_convention() -> str:
+    """How Triton's CudaLauncher calls its C launcher: "3.7" (kernel arguments as one list after annotations and
+    signature) or "3.6" (kernel arguments spread after the hooks)."""
+    from triton.backends.nvidia.driver import CudaLauncher
+
+    return "3.7" if "kernel_metadata" in inspect.signature(CudaLauncher.__call__).parameters else "3.6"
+
+
+class _TensorMaps(dict):
+    """A descriptor argument's expansion (Triton's make_tensordesc_arg: the encoded CUtensorMap, shape, strides) by
+    base pointer: its shape, strides and block are the recorded ones, so the pointer decides the map. Engines pass
+    the same caches every step, so the encoding (and its Python) is paid once per tensor."""
+
+    def __init__(self, cls, fields, meta):
+        super().__init__()
+        self.cls, self.fields, self.meta = cls, fields, meta
+
+    def miss(self, ptr: int):
+        from triton.backends.nvidia import driver as nvidia_driver
+
+        desc = self.cls.__new__(self.cls)
+        desc.__dict__.update(self.fields)
+        desc.base = _Ptr(ptr)
+        if len(self) >= 64:
+            self.clear()
+        expanded = self[ptr] = tuple(nvidia_driver.make_tensordesc_arg(desc, self.meta))
+        return expanded
+
+
 class _Launch:
     """One recorded launch: the compiled kernel's launcher and its arguments, slots substituted per call. The
     argument tuple is built by generated code (one expression per argument), so a replay costs about what the
-    launcher itself does."""
+    launcher itself does; TMA descriptors go to Triton's C launcher already encoded (_TensorMaps)."""
 
     def __init__(self, compiled, grid: tuple, args: list, subs: tuple):
         self.compiled, self.grid = compiled, grid
-        env = {"run": compiled.run, "function": compiled.function, "metadata": compiled.packed_metadata,
+        run = compiled.run
+        env = {"run": run, "function": compiled.function, "metadata": compiled.packed_metadata,
                "compiled": compiled, "grid": grid, "_Ptr": _Ptr}
         by_pos = {pos: (kind, slot, extra) for pos, kind, slot, extra in subs}
+        raw = _raw_launcher(compiled) if any(kind == _DESC for _, kind, _, _ in subs) else None
         pre, exprs = [], []
         for pos, value in enumerate(args):
             if pos not in by_pos:
                 if value is None or type(value) in (int, bool):
                     exprs.append(repr(value))
+                elif raw is not None and pos in raw[1]:  # a descriptor over a constant: encoded once
+                    from triton.backends.nvidia import driver as nvidia_driver
+
+                    env[f"c{pos}"] = tuple(nvidia_driver.make_tensordesc_arg(value, raw[1][pos]))
+                    exprs.append(f"*c{pos}")
                 else:
                     env[f"c{pos}"] = value
                     exprs.append(f"c{pos}")
@@ -77,7 +131,13 @@ class _Launch:
                 exprs.append(f"slots[{slot}]")
             elif kind == _PTR:
                 exprs.append(f"slots[{slot}].data_ptr() + {extra}")
-            else:  # a TMA descriptor: the recorded one with this call's base
+            elif raw is not None:  # an encoded descriptor, by its base pointer
+                offset, cls, fields = extra
+                env[f"m{pos}"] = _TensorMaps(cls, fields, raw[1][pos])
+                pre += [f"    p{pos} = slots[{slot}].data_ptr() + {offset}",
+                        f"    e{pos} = m{pos}.get(p{pos}) or m{pos}.miss(p{pos})"]
+                exprs.append(f"*e{pos}")
+            else:  # a TMA descriptor for the wrapper: the recorded one with this call's base
                 offset, cls, fields = extra
                 env[f"cls{pos}"], env[f"f{pos}"] = cls, fields
                 base = f"slots[{slot}]" if offset == 0 else f"_Ptr(slots[{slot}].data_ptr() + {offset})"
@@ -85,17 +145,46 @@ class _Launch:
                         f"    d{pos}.base = {base}"]
                 exprs.append(f"d{pos}")
         g0, g1, g2 = grid
+        if raw is None:
+            call = [f"        run({g0}, {g1}, {g2}, stream, function, metadata, None, None, None, *args)"]
+        else:
+            env["raw"] = raw[0]
+            env["coop"], env["pdl"] = run.launch_cooperative_grid, run.launch_pdl
+            if raw[2] == "3.7":
+                env["annotations"], env["signature"] = run.arg_annotations, run.kernel_signature
+                call = [f"        raw({g0}, {g1}, {g2}, stream, function, coop, pdl, metadata, None, None, None, None,"
+                        " None, annotations, signature, args)"]
+            else:
+                call = [f"        raw({g0}, {g1}, {g2}, stream, function, coop, pdl, None, None, metadata, None, None,"
+                        " None, *args)"]
         src = "\n".join([
             "def call(slots, stream, hooks):", *pre,
             f"    args = ({', '.join(exprs)},)",
-            "    if hooks is None:",
-            f"        run({g0}, {g1}, {g2}, stream, function, metadata, None, None, None, *args)",
-            "    else:  # a profiler listens (Triton's proton): give it what the JIT gives",
-            f"        run({g0}, {g1}, {g2}, stream, function, metadata, compiled.launch_metadata(grid, stream, *args),"
-            " *hooks, *args)",
+            "    if hooks is None:", *call,
+            "    else:  # a profiler listens (Triton's proton): the launcher as the JIT calls it",
+            "        replay_hooked(compiled, grid, slots, stream, hooks)",
         ])
+        env["replay_hooked"] = self._hooked
+        self._plain_args, self._subs = args, subs
         exec(compile(src, f"<tileflash launch of {compiled.name}>", "exec"), env)
         self.call = env["call"]
+
+    def _hooked(self, compiled, grid, slots, stream, hooks) -> None:
+        args = list(self._plain_args)
+        for pos, kind, slot, extra in self._subs:
+            t = slots[slot]
+            if kind == _SLOT:
+                args[pos] = t
+            elif kind == _PTR:
+                args[pos] = t.data_ptr() + extra
+            else:
+                offset, cls, fields = extra
+                desc = cls.__new__(cls)
+                desc.__dict__.update(fields)
+                desc.base = t if offset == 0 else _Ptr(t.data_ptr() + offset)
+                args[pos] = desc
+        compiled.run(*grid, stream, compiled.function, compiled.packed_metadata,
+                     compiled.launch_metadata(grid, stream, *args), *hooks, *args)
 
 
 class Recording:

@@ -19,8 +19,7 @@ class MergePlan(direct.Replayable):
         launch_merge(oa, la, ob, lb, out, lse)
 
     def run(self, out_a, lse_a, out_b, lse_b):
-        out = _utils.new_output(self.out_shape, self.dtype, self.device)
-        lse = _utils.new_output(self.lse_shape, torch.float32, self.device)
+        out, lse = _utils.new_output_like(out_a), _utils.new_output_like(lse_a)
         if out.numel() == 0:  # nothing to launch for; an empty head dim still has LSEs to merge
             return out, torch.logaddexp(lse_a, lse_b)
         self.execute(self._launch, (out_a, lse_a, out_b, lse_b, out, lse), direct.current_stream(self.device))

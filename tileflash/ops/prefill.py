@@ -52,7 +52,7 @@ class FwdPlan(direct.Replayable):
 
     def run(self, *tensors):
         """(out, lse) for the plan's call on these tensors (q, k, v and the index tensors of its kind)."""
-        out = _utils.new_output(self.out_shape, self.dtype, self.device)
+        out = _utils.new_output_like(tensors[0])  # q's shape and dtype
         lse = _utils.new_output(self.lse_shape, torch.float32, self.device) if self.keep_lse else None
         if self.empty:  # nothing to launch: every row sees no key
             return out, (lse.fill_(float("-inf")) if lse is not None else None)
