@@ -224,6 +224,17 @@ def check_cache_behaviour():
         JITFunction.run = run
 
 
+def check_empty_calls():
+    """Calls with nothing to launch (an empty GEMM dimension, an empty batch) return empty results through the
+    plans on an sm_90 target (an empty GEMM once divided by zero choosing its tiles on the H200)."""
+    for m, n in ((0, 16), (3, 0), (0, 0)):
+        a = torch.randn(m, 32, dtype=bf)
+        out = tileflash.nvfp4_matmul(a, *tileflash.nvfp4_quantize(torch.randn(n, 32)))
+        assert out.shape == (m, n), (m, n, out.shape)
+    q = torch.randn(2, 0, 4, 64, dtype=bf)
+    assert tileflash.flash_attn_func(q, q, q).shape == q.shape
+
+
 def main() -> int:
     driver.set_active(Sm90CompileOnly())
     failed = 0
@@ -241,7 +252,13 @@ def main() -> int:
     except Exception as exc:  # noqa: BLE001
         failed += 1
         print(f"FAIL  cache behaviour: {type(exc).__name__}: {str(exc)[-800:]}")
-    print(f"{failed} of {len(CASES) + 1} direct-launch checks failed")
+    try:
+        check_empty_calls()
+        print("ok    empty calls")
+    except Exception as exc:  # noqa: BLE001
+        failed += 1
+        print(f"FAIL  empty calls: {type(exc).__name__}: {str(exc)[-800:]}")
+    print(f"{failed} of {len(CASES) + 2} direct-launch checks failed")
     return 1 if failed else 0
 
 

@@ -33,6 +33,8 @@ class GemmPlan(direct.Replayable):
             cfg = gemm_mma_config(m, n, k, num_sms=_utils.num_sms(a.device))
             if cfg is not None and _mma_operands_ok(a, b_data, b_scales):
                 self.mma = cfg
+        if self.empty:  # nothing to launch (no tile for an empty output)
+            return
         self.cfg = self.mma or gemm_config(m, n, k, interpret=_utils.is_interpreter(),
                                            num_sms=_utils.num_sms(a.device))
         self.k_per_split, self.split = _k_slices(k, self.cfg.block_k, self.cfg.split_k)
