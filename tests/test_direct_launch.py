@@ -1,27 +1,18 @@
 """The direct launch path (tileflash/ops/direct.py): on the CPU against Triton's JIT launch through the sm_90
 stand-in driver (direct_launch_check.py, in a subprocess); on a GPU bitwise against the plain launch, under CUDA-graph
 capture, and through tileflash.decode_plan."""
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 import tileflash
-from helpers import ON_GPU, attention_inputs
+from helpers import ON_GPU, attention_inputs, run_standin_script
 from tileflash.ops import direct
 from tileflash.reference import kvcache_ref
-
-HERE = os.path.dirname(__file__)
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the tests below compare real launches")
 def test_replayed_launches_equal_triton_launches():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "direct_launch_check.py")], capture_output=True,
-                          text=True, env=env, timeout=600)
+    proc = run_standin_script("direct_launch_check.py")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
 

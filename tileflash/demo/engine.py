@@ -8,8 +8,8 @@ Scheduling, one engine step at a time: requests that have arrived are admitted i
 is free and the pool can hold their whole lifetime (prompt + max_new_tokens - 1 tokens, counted against the
 pages already promised to running requests, so growing a running request never fails and nothing is preempted);
 the admitted prompts are prefilled together as one varlen batch (flash_attn_varlen_func, their K/V written into
-their pages), then every running request decodes one token (flash_attn_with_kvcache with block_table,
-cache_seqlens and the new token's k/v appended in the call). Pages are taken as a sequence grows into them and
+their pages), then every running request decodes one token (tileflash.decode_plan once per step, plan.run per
+layer, with block_table, cache_seqlens and the new token's k/v appended in the call). Pages are taken as a sequence grows into them and
 returned when it finishes; the next step's admissions can use them.
 
 On a GPU each decode step replays a CUDA graph captured for the batch size rounded up to a power of two: the
@@ -91,9 +91,23 @@ def _sdpa_prefill(q, k, v, cu_seqlens, lens):
     return torch.cat(outs)
 
 
-def _tileflash_decode(q, k, v, k_cache, v_cache, seqlens, table):
-    return tileflash.flash_attn_with_kvcache(q[:, None], k_cache, v_cache, k[:, None], v[:, None],
-                                             cache_seqlens=seqlens, block_table=table)[:, 0]
+def _tileflash_decode_step(seqlens, table, plans: dict):
+    """The decode step's attention per layer through one tileflash.decode_plan per batch size (made at the first
+    layer that needs it, from its tensors' layout; seqlens and table are the engine's static buffers, whose values
+    change in place), plan.run per layer."""
+    def attn(q, k, v, k_cache, v_cache):
+        q, k, v = q[:, None], k[:, None], v[:, None]
+        plan = plans.get(q.shape[0])
+        if plan is None:
+            plan = plans[q.shape[0]] = tileflash.decode_plan(q, k_cache, v_cache, seqlens, block_table=table, k=k,
+                                                             v=v, causal=True)
+        return plan.run(q, k_cache, v_cache, k, v)[:, 0]
+
+    return attn
+
+
+def _sdpa_decode_step(seqlens, table, plans: dict):
+    return lambda q, k, v, k_cache, v_cache: _sdpa_decode(q, k, v, k_cache, v_cache, seqlens, table)
 
 
 def _sdpa_decode(q, k, v, k_cache, v_cache, seqlens, table):
@@ -108,7 +122,7 @@ def _sdpa_decode(q, k, v, k_cache, v_cache, seqlens, table):
                                           enable_gqa=True)[:, :, 0]
 
 
-BACKENDS = {"tileflash": (_tileflash_prefill, _tileflash_decode), "sdpa": (_sdpa_prefill, _sdpa_decode)}
+BACKENDS = {"tileflash": (_tileflash_prefill, _tileflash_decode_step), "sdpa": (_sdpa_prefill, _sdpa_decode_step)}
 
 
 class Engine:
@@ -121,7 +135,7 @@ class Engine:
         if max_seq_len > cfg.max_positions:
             raise ValueError(f"max_seq_len {max_seq_len} exceeds the model's {cfg.max_positions} RoPE positions")
         self.model, self.page_size, self.max_batch, self.max_seq_len = model, page_size, max_batch, max_seq_len
-        self.prefill_attn, self.decode_attn = BACKENDS[backend]
+        self.prefill_attn, self.decode_step = BACKENDS[backend]
         self.cuda_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.record_logits = record_logits
         # tileflash takes fp16/bf16 only: an fp32 model (the CPU check) runs its attention and cache in fp16.
@@ -139,6 +153,7 @@ class Engine:
         self.block_table = torch.full((rows, cdiv(max_seq_len, page_size)), self.pad_page, dtype=torch.int32,
                                       device=device)
         self._graphs = {}
+        self._decode_plans = {}  # batch size -> tileflash.DecodePlan (tileflash backend)
 
     # ---- scheduling -------------------------------------------------------------------------------------------
     def run(self, requests: list[Request]) -> RunStats:
@@ -229,10 +244,10 @@ class Engine:
         """Logits [b, vocab] for the first b rows of the static inputs; the new tokens' K/V land in the cache."""
         seqlens, table = self.seqlens[:b], self.block_table[:b]
         dt = self.attn_dtype
+        step = self.decode_step(seqlens, table, self._decode_plans)
 
         def attn(layer, q, k, v):
-            return self.decode_attn(q.to(dt), k.to(dt), v.to(dt), self.k_cache[layer], self.v_cache[layer],
-                                    seqlens, table).to(q.dtype)
+            return step(q.to(dt), k.to(dt), v.to(dt), self.k_cache[layer], self.v_cache[layer]).to(q.dtype)
 
         return self.model.logits(self.model(self.tokens[:b], seqlens.long(), attn))
 

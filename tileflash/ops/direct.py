@@ -245,7 +245,8 @@ class Recording:
             if is_tensor:
                 subs.append((pos, _SLOT, slot, 0) if offset == 0 else (pos, _PTR, slot, offset))
             else:
-                fields = dict(value.__dict__)
+                # without its base: a plan must not keep the recording call's tensors (a whole KV cache) alive
+                fields = {k: v for k, v in value.__dict__.items() if k != "base"}
                 subs.append((pos, _DESC, slot, (offset, type(value), fields)))
             values[pos] = None
         grid = tuple(grid) + (1,) * (3 - len(grid))
