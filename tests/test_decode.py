@@ -70,11 +70,12 @@ def test_kvcache(case, dtype, loop, monkeypatch):
     k_cache, v_cache, table = make_cache(b, capacity, hkv, d, dtype, page_size, g)
     q, k, v = draw_queries_and_new_kv(g, b, sq, s_new, hq, hkv, d, dtype)
     cache_seqlens = torch.tensor(seqlens, dtype=torch.int32, device=DEVICE)
-    ref, ref_lse, ref_k, ref_v = kvcache_ref(q, k_cache, v_cache, k, v, cache_seqlens, table)
-    ref_lowp, _, _, _ = kvcache_ref(q, k_cache, v_cache, k, v, cache_seqlens, table, upcast=False)
+    # causal, as engines decode (flash-attn's default is not: tests/test_dropin.py)
+    ref, ref_lse, ref_k, ref_v = kvcache_ref(q, k_cache, v_cache, k, v, cache_seqlens, table, causal=True)
+    ref_lowp, _, _, _ = kvcache_ref(q, k_cache, v_cache, k, v, cache_seqlens, table, causal=True, upcast=False)
     out, lse = tileflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
                                                  block_table=table, num_splits=num_splits, return_lse=True,
-                                                 sp_overlap=sp_overlap)
+                                                 causal=True, sp_overlap=sp_overlap)
     check_2x(out, ref, ref_lowp)
     check_lse(lse, ref_lse)
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v), "appended cache contents differ"

@@ -49,8 +49,8 @@ def _decode_worker(rank, init_file, paged, sq):
             n0, n1 = int(lens0[i]), int(lens1[i])
             whole_k[i, :n0], whole_k[i, n0:n0 + n1] = k_full[i, :n0], k_full[i, cap:cap + n1]
             whole_v[i, :n0], whole_v[i, n0:n0 + n1] = v_full[i, :n0], v_full[i, cap:cap + n1]
-        ref, ref_lse, _, _ = kvcache_ref(q, whole_k, whole_v, k_new, v_new, lens0 + lens1)
-        ref_lowp, _, _, _ = kvcache_ref(q, whole_k, whole_v, k_new, v_new, lens0 + lens1, upcast=False)
+        ref, ref_lse, _, _ = kvcache_ref(q, whole_k, whole_v, k_new, v_new, lens0 + lens1, causal=True)
+        ref_lowp, _, _, _ = kvcache_ref(q, whole_k, whole_v, k_new, v_new, lens0 + lens1, causal=True, upcast=False)
 
         mine = slice(0, cap) if rank == 0 else slice(cap, 2 * cap)
         k_shard, v_shard = k_full[:, mine].contiguous(), v_full[:, mine].contiguous()

@@ -407,7 +407,7 @@ def decode_cases(draw):
     top = capacity - s_new  # cache_seqlens + Snew <= capacity
     seqlens = tuple(draw(st.one_of(st.just(0), st.just(top), st.integers(0, top))) for _ in range(b))
     causal, window, softcap, scale = draw(masks(capacity))
-    causal = causal or draw(st.booleans())  # decode is causal by default: bias towards it
+    causal = causal or draw(st.booleans())  # engines decode causally: bias towards it
     return DecodeCase(seqlens, sq, s_new, draw(st.booleans()), hq, hkv, d, draw(st.sampled_from(DTYPES)),
                       page_size, capacity, draw(st.sampled_from([1, 0, 3])), draw(st.sampled_from([0, 0, 2])),
                       causal, window, softcap, scale, draw(num_splits(b * hkv * m_tiles)), draw(st.booleans()),

@@ -128,6 +128,8 @@ WINDOW_UNBOUNDED_FROM = 2 ** 30  # a window this wide covers any sequence int32 
 def check_window(window_size) -> tuple[int, int]:
     """(left, right) as ints >= -1. A bound of WINDOW_UNBOUNDED_FROM or more is unbounded (-1): the kernels add
     windows to int32 positions, and 2**31 - 1 there wrapped around and masked every key."""
+    if isinstance(window_size, torch.Tensor):  # flash-attn accepts a tensor of two ints
+        window_size = window_size.tolist()
     try:
         left, right = (operator.index(w) for w in window_size)  # ints and int-likes; floats are refused
     except (TypeError, ValueError):
@@ -159,8 +161,25 @@ def finite_float(name: str, x) -> float:
     return x
 
 
+class CacheCapacityError(ValueError, RuntimeError):
+    """A KV cache too small for the call: a ValueError like every argument error here, and a RuntimeError like
+    flash-attn's, so callers catching either see it."""
+
+
 def softmax_scale_or_default(softmax_scale, head_dim: int) -> float:
-    return head_dim ** -0.5 if softmax_scale is None else finite_float("softmax_scale", softmax_scale)
+    if softmax_scale is None:
+        return head_dim ** -0.5
+    scale = finite_float("softmax_scale", softmax_scale)
+    if scale == 0.0:  # uniform attention is no one's intent; flash-attn 2.x passes dropout_p in this position
+        raise ValueError("softmax_scale: expected a nonzero scale (None: 1/sqrt(head dim)), got 0.0; flash-attn "
+                         "2.x's fourth positional argument is dropout_p, which tileflash takes as a keyword")
+    return scale
+
+
+def check_dropout(dropout_p) -> None:
+    """flash-attn's dropout_p, accepted as a keyword: 0 only (tileflash has no attention dropout)."""
+    if finite_float("dropout_p", dropout_p) != 0.0:
+        raise ValueError(f"dropout_p: attention dropout is not supported, expected 0.0, got {dropout_p}")
 
 
 def check_block_table_values(block_table: torch.Tensor, used_tokens, page_size: int, num_pages: int) -> None:

@@ -84,7 +84,7 @@ def fp8_dequantize_ref(x8, scale):
     return x8.float() * scale.float().view(*([1] * (x8.dim() - 2)), -1, 1)
 
 
-def kvcache_ref(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None, causal=True,
+def kvcache_ref(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None, causal=False,
                 k_scale=None, v_scale=None, k_global_scale=None, v_global_scale=None, **kw):
     """Reference for flash_attn_with_kvcache on copies of the caches. Returns (out, lse, k_cache, v_cache) with the
     new tokens appended to the returned caches.

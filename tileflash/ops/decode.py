@@ -289,7 +289,7 @@ def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_sp
             raise ValueError(f"k, v: expected equal shapes, got {tuple(k.shape)} and {tuple(v.shape)}")
         s_new = k.shape[1]
         if s_new > capacity:
-            raise ValueError(f"k: {s_new} new tokens exceed the cache capacity of {capacity} tokens")
+            raise _utils.CacheCapacityError(f"k: {s_new} new tokens exceed the cache capacity of {capacity} tokens")
     num_splits = _utils.as_int("num_splits", num_splits)
     if not 0 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits: expected 0 (heuristic), 1 (no split) or 2..{MAX_SPLITS}, got {num_splits}")
@@ -302,8 +302,8 @@ def _validate_values(k_cache, cache_seqlens, block_table, capacity: int, s_new: 
     if seqlens.numel() and int(seqlens.min()) < 0:
         raise ValueError(f"cache_seqlens: expected values >= 0, got min {int(seqlens.min())}")
     if seqlens.numel() and int(seqlens.max()) + s_new > capacity:
-        raise ValueError(f"cache_seqlens + Snew: {int(seqlens.max())} + {s_new} exceeds the cache capacity of "
-                         f"{capacity} tokens")
+        raise _utils.CacheCapacityError(f"cache_seqlens + Snew: {int(seqlens.max())} + {s_new} exceeds the cache "
+                                        f"capacity of {capacity} tokens")
     if block_table is not None:
         _utils.check_block_table_values(block_table, (seqlens + s_new).tolist(), k_cache.shape[1], k_cache.shape[0])
 
@@ -398,7 +398,7 @@ def decode_plan(q, k_cache, v_cache, cache_seqlens, block_table=None, k=None, v=
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
-                            softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0, num_splits=0,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, num_splits=0,
                             return_lse=False, sp_overlap=False, validate=False, k_scale=None, v_scale=None,
                             k_global_scale=None, v_global_scale=None):
     """Attention of 1..16 new query tokens per sequence over a KV cache, appending new K/V in place.
@@ -406,7 +406,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     q [B, Sq, Hq, D]; k_cache/v_cache [B, S_max, Hkv, D], or paged [num_pages, page_size, Hkv, D] with
     block_table [B, max_pages] int32 (page_size 1..256, pages in any order); cache_seqlens [B] int32.
     k, v [B, Snew, Hkv, D] are written at positions cache_seqlens .. cache_seqlens + Snew, then attention runs over
-    cache_seqlens + Snew tokens (causal bottom-right aligned). num_splits: 0 heuristic, 1 none, n exactly n.
+    cache_seqlens + Snew tokens; causal=True masks bottom-right aligned (flash-attn's default, causal=False, lets
+    every new query see every new key: pass causal=True for several new tokens of one sequence). cache_seqlens may
+    be an int (every sequence's length). num_splits: 0 heuristic, 1 none, n exactly n.
     sp_overlap=True selects the S/P-overlapped inner loop (QK^T of block j+1 issued before the softmax of block j);
     the default plain loop measured as fast or faster on the H200 with triton 3.6 (benchmarks/RESULTS.md).
     FP8 caches: k_cache/v_cache in float8_e4m3fn with k_scale/v_scale (float32, [1] per tensor or [Hkv] per KV
@@ -420,6 +422,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     Returns out [B, Sq, Hq, D], and with return_lse=True (out, lse [B, Hq, Sq] float32).
     """
     scales = (k_scale, v_scale, k_global_scale, v_global_scale)
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool) and isinstance(q, torch.Tensor):
+        cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
     if torch.compiler.is_compiling():
         capacity, s_new = _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits,
                                          *scales)

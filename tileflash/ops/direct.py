@@ -391,7 +391,9 @@ def plan_for(cache: PlanCache, key_fn, make):
 
 
 def window_key(window_size):
-    return window_size if type(window_size) is tuple else tuple(window_size)
+    if type(window_size) is tuple:
+        return window_size
+    return tuple(window_size.tolist() if isinstance(window_size, torch.Tensor) else window_size)
 
 
 def clear_all() -> None:

@@ -259,15 +259,18 @@ def _check_max_seqlens(**max_seqlens) -> None:
 
 
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    return_lse=False, deterministic=False):
+                    return_lse=False, deterministic=False, dropout_p=0.0):
     """Attention over a padded batch. q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (Hq % Hkv == 0), fp16/bf16.
 
     Causal and windows are bottom-right aligned (query i sees key j iff j <= i + Sk - Sq). Returns out
     [B, Sq, Hq, D], and with return_lse=True (out, lse) with lse [B, Hq, Sq] float32, natural log.
     Differentiable in q, k, v (and through lse). Above head dim 64 the backward adds dq up with fp32 atomics, so
     dq may differ in the last bits from run to run; deterministic=True computes dq in a separate pass without
-    atomics (bitwise reproducible gradients, slower).
+    atomics (bitwise reproducible gradients, slower). The argument order is FA3's (softmax_scale fourth);
+    flash-attn 2.x's dropout_p is taken as a keyword and must be 0.
     """
+    if dropout_p:
+        _utils.check_dropout(dropout_p)
     if torch.compiler.is_compiling():
         mask, scale = _checked_dense(q, k, v, softmax_scale, causal, window_size, softcap)
         out, lse = _attn_fwd_op(q, k, v, scale, mask.window_left, mask.window_right, mask.softcap,
@@ -336,7 +339,7 @@ def _check_cu_seqlens(name: str, t, device) -> None:
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=None,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, return_lse=False,
-                           deterministic=False, block_table=None):
+                           deterministic=False, block_table=None, dropout_p=0.0):
     """Attention over packed variable-length sequences. q [total_q, Hq, D], k/v [total_k, Hkv, D];
     cu_seqlens_q/k [batch + 1] int32 offsets; optional seqused_k [batch] int32 (keys actually used per sequence).
     Empty sequences are allowed. Returns out [total_q, Hq, D] and with return_lse=True lse [Hq, total_q].
@@ -347,8 +350,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Paged keys (vLLM-style chunked prefill / prefix caching): with block_table [batch, max_pages] int32, k and v
     are page pools [num_pages, page_size, Hkv, D], sequence b's keys are the first seqused_k[b] tokens of its pages
     (cu_seqlens_k is ignored and may be None), and its queries are the last tokens of that sequence (bottom-right
-    causal). Forward only.
+    causal). Forward only. dropout_p (flash-attn 2.x) is taken as a keyword and must be 0.
     """
+    if dropout_p:
+        _utils.check_dropout(dropout_p)
     # The kernels index these with unit stride; a strided view (e.g. every other element) becomes a small copy.
     cu_seqlens_q, cu_seqlens_k, seqused_k = (t.contiguous() if isinstance(t, torch.Tensor) else t
                                              for t in (cu_seqlens_q, cu_seqlens_k, seqused_k))
