@@ -36,14 +36,12 @@ def test_cache_seqlens_as_an_int_and_window_as_a_tensor():
     assert torch.equal(want, got)
 
 
-def test_dropout_p_keyword_and_the_flash_attn_2_positional_form():
+def test_dropout_p_as_a_keyword():
     q, k, v = attention_inputs(1, 33, 33, 2, 2, 64, torch.float16)
     assert torch.equal(tileflash.flash_attn_func(q, k, v, dropout_p=0.0, causal=True),
                        tileflash.flash_attn_func(q, k, v, causal=True))
     with pytest.raises(ValueError, match="dropout_p"):
         tileflash.flash_attn_func(q, k, v, dropout_p=0.1)
-    with pytest.raises(ValueError, match="dropout_p"):  # flash-attn 2.x's flash_attn_func(q, k, v, 0.0)
-        tileflash.flash_attn_func(q, k, v, 0.0)
 
 
 def test_cache_too_small_is_a_runtime_error_too():

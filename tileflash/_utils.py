@@ -167,13 +167,7 @@ class CacheCapacityError(ValueError, RuntimeError):
 
 
 def softmax_scale_or_default(softmax_scale, head_dim: int) -> float:
-    if softmax_scale is None:
-        return head_dim ** -0.5
-    scale = finite_float("softmax_scale", softmax_scale)
-    if scale == 0.0:  # uniform attention is no one's intent; flash-attn 2.x passes dropout_p in this position
-        raise ValueError("softmax_scale: expected a nonzero scale (None: 1/sqrt(head dim)), got 0.0; flash-attn "
-                         "2.x's fourth positional argument is dropout_p, which tileflash takes as a keyword")
-    return scale
+    return head_dim ** -0.5 if softmax_scale is None else finite_float("softmax_scale", softmax_scale)
 
 
 def check_dropout(dropout_p) -> None:

@@ -267,7 +267,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     Differentiable in q, k, v (and through lse). Above head dim 64 the backward adds dq up with fp32 atomics, so
     dq may differ in the last bits from run to run; deterministic=True computes dq in a separate pass without
     atomics (bitwise reproducible gradients, slower). The argument order is FA3's (softmax_scale fourth);
-    flash-attn 2.x's dropout_p is taken as a keyword and must be 0.
+    flash-attn 2.x's dropout_p is taken as a keyword only, and must be 0.
     """
     if dropout_p:
         _utils.check_dropout(dropout_p)
