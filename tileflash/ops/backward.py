@@ -177,8 +177,6 @@ class BwdPlan(direct.Replayable):
     def __init__(self, q, k, v, dout, cu_seqlens_q, seqused_k, max_seqlen_q: int, max_seqlen_k: int,
                  softmax_scale: float, window_left: int, window_right: int, softcap: float, deterministic: bool):
         self.varlen = cu_seqlens_q is not None
-        self.shapes = (q.shape, k.shape, q.dtype, q.device)
-        self.empty = q.numel() == 0 or k.numel() == 0
         if self.varlen:
             num_batches, seqlen_q, seqlen_k = cu_seqlens_q.shape[0] - 1, q.shape[0], k.shape[0]  # packed rows
             q4, k4, v4, do4 = (t.unsqueeze(0) for t in (q, k, v, dout))
@@ -188,7 +186,7 @@ class BwdPlan(direct.Replayable):
             max_seqlen_q, max_seqlen_k = seqlen_q, seqlen_k
             q4, k4, v4, do4 = q, k, v, dout
             self.lse_shape = (q.shape[0], q.shape[2], q.shape[1])
-        self.empty = self.empty or num_batches == 0
+        self.empty = q.numel() == 0 or k.numel() == 0 or num_batches == 0
         self.dout_contiguous = dout.stride(-1) != 1
         if self.dout_contiguous:
             do4 = do4.contiguous()

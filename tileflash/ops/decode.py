@@ -313,15 +313,16 @@ class DecodePlan(direct.Replayable):
     runnable per layer with that layer's q and caches. Made by `decode_plan` (or internally by every eager
     flash_attn_with_kvcache call, keyed on its signature). Its first run records the launches (ops/direct.py);
     later runs replay them, so a run costs a few microseconds plus the kernels. cache_seqlens, block_table and the
-    scale tensors are the plan's: change their values in place between runs (CUDA-graph replays included), not
-    the tensors."""
+    scale tensors are the plan's (bound by decode_plan; the plans flash_attn_with_kvcache caches keep none, so
+    they hold no call's tensors alive): change their values in place between runs (CUDA-graph replays included),
+    not the tensors."""
+    cache_seqlens = block_table = None
+    scales = (None, None, None, None)
 
     def __init__(self, schedule: DecodeSchedule, mask: Mask, softmax_scale: float, sp_overlap: bool, q_key,
-                 k_cache, v_cache, k, v, cache_seqlens, block_table, scales, return_lse: bool, validate: bool):
+                 k_cache, v_cache, k, v, scales, return_lse: bool, validate: bool):
         self.schedule, self.mask, self.softmax_scale, self.sp_overlap = schedule, mask, softmax_scale, sp_overlap
-        self.q_key = q_key
         self.keys = (q_key, *map(direct.tensor_key, (k_cache, v_cache, k, v, *scales)))
-        self.cache_seqlens, self.block_table, self.scales = cache_seqlens, block_table, scales
         self.return_lse, self.validate = return_lse, validate
         self.out_shape, self.dtype, self.device = q_key[0], q_key[2], q_key[3]
         b, sq, hq, _ = self.out_shape
@@ -375,8 +376,7 @@ def _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sc
     # On the CPU reading values costs no sync, so they are always checked there.
     validate = bool(validate) or q.device.type == "cpu"
     return DecodePlan(sched, mask, _utils.softmax_scale_or_default(softmax_scale, q.shape[-1]), bool(sp_overlap),
-                      direct.tensor_key(q), k_cache, v_cache, k, v, cache_seqlens, block_table, scales,
-                      bool(return_lse), validate)
+                      direct.tensor_key(q), k_cache, v_cache, k, v, scales, bool(return_lse), validate)
 
 
 def decode_plan(q, k_cache, v_cache, cache_seqlens, block_table=None, k=None, v=None, softmax_scale=None,
@@ -392,9 +392,11 @@ def decode_plan(q, k_cache, v_cache, cache_seqlens, block_table=None, k=None, v=
         q = torch.empty(tuple(q), dtype=dtype, device=k_cache.device)
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
         raise TypeError(f"cache_seqlens: expected an int32 tensor, got {type(cache_seqlens).__name__}")
-    return _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size,
-                      softcap, num_splits, return_lse, sp_overlap, validate,
-                      (k_scale, v_scale, k_global_scale, v_global_scale))
+    scales = (k_scale, v_scale, k_global_scale, v_global_scale)
+    plan = _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size,
+                      softcap, num_splits, return_lse, sp_overlap, validate, scales)
+    plan.cache_seqlens, plan.block_table, plan.scales = cache_seqlens, block_table, scales
+    return plan
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,

@@ -45,9 +45,9 @@ class FwdPlan(direct.Replayable):
     launch (recorded by the first run, ops/direct.py), the lse's home (a returned tensor, or the workspace when
     nobody reads it). launch(*tensors, out, lse, ws) launches into out/lse (lse None: the workspace's head)."""
 
-    def __init__(self, launch, out_shape, lse_shape, dtype, device, keep_lse: bool, empty: bool):
-        self.launch, self.out_shape, self.lse_shape = launch, out_shape, lse_shape
-        self.dtype, self.device, self.keep_lse, self.empty = dtype, device, keep_lse, empty
+    def __init__(self, launch, lse_shape, device, keep_lse: bool, empty: bool):
+        """out is q's shape and dtype (made per run from q); lse_shape [B, Hq, Sq] or [Hq, total_q]."""
+        self.launch, self.lse_shape, self.device, self.keep_lse, self.empty = launch, lse_shape, device, keep_lse, empty
         self.lse_numel = 0 if keep_lse else _utils.cdiv(math.prod(lse_shape), 4) * 4
 
     def run(self, *tensors):
@@ -91,7 +91,7 @@ def _dense_plan(q, k, v, softmax_scale: float, mask: Mask, keep_lse: bool) -> Fw
         if ws_cfg is None:
             cfg = fwd_config(d, causal=mask.window_right >= 0, interpret=_utils.is_interpreter(), seqlen_k=sk)
     launch = functools.partial(_launch_dense, ws_cfg, cfg, mask, softmax_scale)
-    return FwdPlan(launch, q.shape, (b, hq, sq), q.dtype, q.device, keep_lse, empty)
+    return FwdPlan(launch, (b, hq, sq), q.device, keep_lse, empty)
 
 
 _DENSE_PLANS = direct.PlanCache()
@@ -172,7 +172,7 @@ def _varlen_plan(q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_q: in
             cfg = fwd_config(d, causal=mask.window_right >= 0, interpret=_utils.is_interpreter(),
                              seqlen_k=max_seqlen_k)
     launch = functools.partial(_launch_varlen, ws_cfg, cfg, mask, softmax_scale, max_seqlen_q, max_seqlen_k, paged)
-    return FwdPlan(launch, q.shape, (hq, total_q), q.dtype, q.device, keep_lse, empty)
+    return FwdPlan(launch, (hq, total_q), q.device, keep_lse, empty)
 
 
 _VARLEN_PLANS = direct.PlanCache()
