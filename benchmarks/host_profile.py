@@ -37,7 +37,10 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--calls", type=int, default=300)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--backward", action="store_true", help="split forward + backward instead (s = 128, 512)")
     args = p.parse_args()
+    if args.backward:
+        return backward(args.calls)
     dev, bf16 = "cuda", torch.bfloat16
     q = torch.randn(1, 1, 32, 128, device=dev, dtype=bf16)
     kc, vc = (torch.randn(1, 8192, 8, 128, device=dev, dtype=bf16) for _ in range(2))
@@ -87,6 +90,51 @@ def main():
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.top)
         print(f"== cProfile, {args.calls} calls of {name}\n{s.getvalue()}", flush=True)
+
+
+def _kernel_us(fn):
+    """GPU time per kernel of one call of fn (torch.profiler), as 'name: us' strings."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [f"{e.name[:60]}: {e.device_time:.1f}" for e in prof.events() if e.device_time > 0 and not e.is_async]
+
+
+def backward(calls):
+    """Forward + backward at b=1, 32 heads d128 causal: host time (no sync) and GPU time of each part, ours and
+    SDPA-flash's, so the gap of the autograd step splits into host and kernels."""
+    from tileflash.bench.timing import bench_graph_ms
+    from tileflash.ops.backward import attn_backward
+
+    F = torch.nn.functional
+    for s in (128, 512):
+        q, k, v, dout = (torch.randn(1, s, 32, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, lse = tileflash.flash_attn_func(q, k, v, causal=True, return_lse=True)
+        scale = 128 ** -0.5
+        bwd = lambda: attn_backward(q, k, v, out, lse, dout, None, None, None, None, 0, 0, scale, -1, 0, 0.0, False)
+        lt = [t.transpose(1, 2) for t in leaves]
+        pieces = {
+            "tileflash fwd": lambda: tileflash.flash_attn_func(q, k, v, causal=True),
+            "tileflash fwd+bwd (autograd.grad)": lambda: torch.autograd.grad(
+                tileflash.flash_attn_func(*leaves, causal=True), leaves, dout),
+            "tileflash attn_backward alone": bwd,
+            "torch.zeros_like fp32 [dQ]": lambda: torch.zeros_like(q, dtype=torch.float32),
+            "sdpa-flash fwd": lambda: F.scaled_dot_product_attention(*lt, is_causal=True),
+            "sdpa-flash fwd+bwd (autograd.grad)": lambda: torch.autograd.grad(
+                F.scaled_dot_product_attention(*lt, is_causal=True), leaves, dout.transpose(1, 2)),
+        }
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            for name, fn in pieces.items():
+                print(f"s={s} {name}: {_host_us(fn, calls):.1f} us host time per call", flush=True)
+            print(f"s={s} attn_backward graph replay: {bench_graph_ms(bwd) * 1e3:.1f} us GPU", flush=True)
+            for name in ("tileflash fwd+bwd (autograd.grad)", "sdpa-flash fwd+bwd (autograd.grad)"):
+                print(f"s={s} {name} kernels (us): {'; '.join(_kernel_us(pieces[name]))}", flush=True)
 
 
 if __name__ == "__main__":

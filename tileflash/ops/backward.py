@@ -105,8 +105,8 @@ def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, delta, lse2, dq
                 cu_seqlens_q, cu_seqlens_k, seqused_k, softmax_scale: float, window_left: int, window_right: int,
                 softcap: float) -> None:
     """All tensors 4-D [Bv, S, H, D] (varlen: Bv = 1 with batch strides passed as 0) and lse/dlse [Bv, H, S];
-    delta, lse2 from _stats_views; dq_acc: the zeroed fp32 dQ buffer when atomic_dq (dq4 = its scaled copy, made
-    by the caller after these launches). cfg: the Triton kernels' tiles; ws: the Gluon dK/dV kernel's or None."""
+    delta, lse2 from _stats_views; dq_acc: the fp32 dQ buffer (contiguous, like dq4) when atomic_dq, zeroed by the
+    first launch (dq4 = its scaled copy, made by the caller after these launches). cfg: the Triton kernels' tiles; ws: the Gluon dK/dV kernel's or None."""
     dev = q4.device
     hq, d = q4.shape[2], q4.shape[3]
     hkv = k4.shape[2]
@@ -114,9 +114,10 @@ def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, delta, lse2, dq
     rows = lse3.numel()
     direct.launch(
         attn_bwd_preprocess_kernel, (_utils.cdiv(rows, PREPROCESS_BLOCK_ROWS),),
-        o4, do4, lse3, dlse3 if dlse3 is not None else delta, delta, lse2, o4.shape[1], hq, rows,
-        *_strides3(o4), *_strides3(do4), *_strides3(lse3), lse2.stride(0), lse2.stride(1),
-        HEAD_DIM=d, HEAD_DIM_PAD=dp, BLOCK_R=PREPROCESS_BLOCK_ROWS, HAS_DLSE=dlse3 is not None, num_warps=4)
+        o4, do4, lse3, dlse3 if dlse3 is not None else delta, delta, lse2, dq_acc if atomic_dq else delta,
+        o4.shape[1], hq, rows, *_strides3(o4), *_strides3(do4), *_strides3(lse3), lse2.stride(0), lse2.stride(1),
+        HEAD_DIM=d, HEAD_DIM_PAD=dp, BLOCK_R=PREPROCESS_BLOCK_ROWS, HAS_DLSE=dlse3 is not None, ZERO_DQ=atomic_dq,
+        num_warps=4)
 
     def bstride(t):  # varlen tensors are one packed sequence: the batch index must not move the pointer
         return (0, t.stride(1), t.stride(2)) if varlen else _strides3(t)
@@ -223,8 +224,9 @@ class BwdPlan(direct.Replayable):
             dout = dout.contiguous()
         if dlse is not None:
             dlse = dlse.contiguous()  # read with lse's (contiguous) strides
-        # Rows no program adds to (no visible key, outside every varlen sequence) keep the zeros: dQ = 0 there.
-        dq_acc = torch.zeros_like(dq, dtype=torch.float32) if self.atomic_dq else None
+        # Zeroed by the preprocess launch; rows no program adds to (no visible key, outside every varlen sequence)
+        # keep the zeros: dQ = 0 there.
+        dq_acc = torch.empty_like(dq, dtype=torch.float32) if self.atomic_dq else None
         stream = direct.current_stream(q.device)
         ws = direct.WORKSPACE.get(q.device, stream, 2 * self.stats_numel)
         self.execute(self._launch, (q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, dq, dk,

@@ -358,12 +358,14 @@ WORKSPACE = Workspace()
 
 class PlanCache(dict):
     """signature -> plan of one op, emptied past MAX_PLANS entries; `clear_all()` empties every op's (after a
-    monkeypatched heuristic, e.g. in a sweep)."""
+    monkeypatched heuristic, e.g. in a sweep). register=False: one held by a plan (the backward plans of a forward
+    plan), emptied with it."""
     registry: list = []
 
-    def __init__(self):
+    def __init__(self, register: bool = True):
         super().__init__()
-        PlanCache.registry.append(self)
+        if register:
+            PlanCache.registry.append(self)
 
     def put(self, key, plan):
         if len(self) >= MAX_PLANS:

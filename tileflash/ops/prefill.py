@@ -49,6 +49,7 @@ class FwdPlan(direct.Replayable):
         """out is q's shape and dtype (made per run from q); lse_shape [B, Hq, Sq] or [Hq, total_q]."""
         self.launch, self.lse_shape, self.device, self.keep_lse, self.empty = launch, lse_shape, device, keep_lse, empty
         self.lse_numel = 0 if keep_lse else _utils.cdiv(math.prod(lse_shape), 4) * 4
+        self.backward_plans = direct.PlanCache(register=False)  # by dout's and dlse's signature (_AttnFunction)
 
     def run(self, *tensors):
         """(out, lse) for the plan's call on these tensors (q, k, v and the index tensors of its kind)."""
@@ -309,13 +310,14 @@ _PUBLIC_VARLEN = direct.PlanCache()
 
 class _AttnFunction(torch.autograd.Function):
     """Eager autograd for flash_attn_func / flash_attn_varlen_func: the plan's forward and the backward's plan,
-    without the torch.library dispatch of the custom ops (which torch.compile still traces)."""
+    without the torch.library dispatch of the custom ops (which torch.compile still traces). The backward plans
+    hang off the forward's: q, k, v, out and lse are fixed by its signature, so only dout and dlse key them."""
 
     @staticmethod
     def forward(ctx, q, k, v, plan, *index):
         out, lse = plan.run(q, k, v, *index)
         ctx.save_for_backward(q, k, v, out, lse, *index)
-        ctx.backward_args = plan.backward_args
+        ctx.plan = plan
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -324,10 +326,14 @@ class _AttnFunction(torch.autograd.Function):
         q, k, v, out, lse, *index = ctx.saved_tensors
         if dout is None:  # only lse was used
             dout = torch.zeros_like(out)
-        cu_q, cu_k, seqused_k, max_q, max_k, *rest = ctx.backward_args
+        cu_q, cu_k, seqused_k, max_q, max_k, *rest = ctx.plan.backward_args
         if index:  # varlen: (cu_seqlens_q, cu_seqlens_k, seqused_k, block_table None)
             cu_q, cu_k, seqused_k = index[:3]
-        dq, dk, dv = _bwd.attn_backward(q, k, v, out, lse, dout, dlse, cu_q, cu_k, seqused_k, max_q, max_k, *rest)
+        bwd = direct.plan_for(
+            ctx.plan.backward_plans,
+            lambda: (direct.tensor_key(dout), direct.tensor_key(dlse), heuristics.GLUON_VARLEN),
+            lambda: _bwd.BwdPlan(q, k, v, dout, cu_q, seqused_k, max_q, max_k, *rest))
+        dq, dk, dv = bwd.run(q, k, v, out, lse, dout, dlse, cu_q, cu_k, seqused_k)
         return (dq, dk, dv, None) + (None,) * len(index)
 
 
