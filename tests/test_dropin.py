@@ -81,3 +81,133 @@ def test_packed_entry_points_match_and_differentiate_into_the_packed_tensor():
         tileflash.flash_attn_qkvpacked_func(qkv, alibi_slopes=torch.ones(2))
     with pytest.raises(ValueError, match="qkv"):
         tileflash.flash_attn_qkvpacked_func(qkv[:, :, :2])
+
+
+# ---- flash_attn_with_kvcache's extras: cache_batch_idx, cache_leftpad, rotary ------------------------------------
+
+def _extras_case(dtype, b=3, rows=5, ctx=48, hq=4, hkv=2, d=64, s_new=2, sq=2, seed=4):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=g).to(DEVICE, dtype)  # noqa: E731
+    q, k, v = mk(b, sq, hq, d), mk(b, s_new, hkv, d), mk(b, s_new, hkv, d)
+    kc, vc = mk(rows, ctx, hkv, d), mk(rows, ctx, hkv, d)
+    return q, k, v, kc, vc
+
+
+def _rotary_tables(rows, rotary_dim, dtype, seed=5):
+    angle = torch.rand(rows, rotary_dim // 2, generator=torch.Generator().manual_seed(seed)) * 6.2832
+    return angle.cos().to(DEVICE, dtype), angle.sin().to(DEVICE, dtype)
+
+
+def _check_extras_call(q, k, v, kc, vc, **kw):
+    """flash_attn_with_kvcache against kvcache_ref (2x rule on out, lse; the caches as the reference wrote them)."""
+    kc_got, vc_got = kc.clone(), vc.clone()
+    out, lse = tileflash.flash_attn_with_kvcache(q, kc_got, vc_got, k, v, return_softmax_lse=True, **kw)
+    ref_kw = {n: kw[n] for n in kw if n != "num_splits"}
+    ref, ref_lse, kc_ref, vc_ref = kvcache_ref(q, kc, vc, k, v, **ref_kw)
+    ref_lowp, *_ = kvcache_ref(q, kc, vc, k, v, upcast=False, **ref_kw)
+    check_2x(out, ref, ref_lowp)
+    from helpers import check_lse
+    check_lse(lse, ref_lse, atol=2e-2)
+    # The rotated keys are computed in fp32 and rounded once, like the reference; an FMA may move the last bit.
+    assert torch.allclose(kc_got.float(), kc_ref.float(), atol=1e-2, rtol=1e-2)
+    assert torch.equal(vc_got, vc_ref)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])  # 3: split-KV partials and the combine
+@pytest.mark.parametrize("causal", [False, True])
+def test_cache_batch_idx_and_leftpad(causal, num_splits):
+    """Sequences read cache rows 4, 0, 2 of 5 (rows 1 and 3 stay untouched), keys from a left pad on (0 keeps the
+    whole sequence, 13 is mid-block, 20 leaves one cached key before the append)."""
+    q, k, v, kc, vc = _extras_case(torch.float16)
+    idx = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([30, 17, 21], dtype=torch.int32, device=DEVICE)
+    pad = torch.tensor([0, 13, 20], dtype=torch.int32, device=DEVICE)
+    _check_extras_call(q, k, v, kc, vc, cache_seqlens=lens, cache_batch_idx=idx, cache_leftpad=pad, causal=causal,
+                       num_splits=num_splits)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])  # GPT-NeoX halves, GPT-J pairs
+@pytest.mark.parametrize("causal,rotary_dim", [(False, 64), (True, 32)])  # 32: half the head dim passes through
+def test_rotary_embedding_of_q_and_the_new_keys(causal, rotary_dim, interleaved):
+    dtype = torch.bfloat16
+    q, k, v, kc, vc = _extras_case(dtype, b=2, rows=2, seed=6)
+    cos, sin = _rotary_tables(48, rotary_dim, dtype)
+    lens = torch.tensor([0, 29], dtype=torch.int32, device=DEVICE)  # 0: the new keys are the whole sequence
+    _check_extras_call(q, k, v, kc, vc, rotary_cos=cos, rotary_sin=sin, cache_seqlens=lens, causal=causal,
+                       rotary_interleaved=interleaved, num_splits=2)
+
+
+def test_rotary_with_an_fp8_cache_and_a_window():
+    """The append rotates before it quantizes; a window rotates q per token like causal does."""
+    q, k, v, kc, vc = _extras_case(torch.float16, b=2, rows=2, seed=7)
+    scale = torch.tensor([0.05], device=DEVICE)
+    from tileflash.reference import fp8_quantize_ref
+    kc8, vc8 = fp8_quantize_ref(kc, scale), fp8_quantize_ref(vc, scale)
+    cos, sin = _rotary_tables(64, 64, torch.float32)
+    lens = torch.tensor([11, 40], dtype=torch.int32, device=DEVICE)
+    kw = dict(rotary_cos=cos, rotary_sin=sin, cache_seqlens=lens, window_size=(9, 0), k_scale=scale, v_scale=scale)
+    kc_got, vc_got = kc8.clone(), vc8.clone()
+    out = tileflash.flash_attn_with_kvcache(q, kc_got, vc_got, k, v, **kw)
+    ref, _, kc_ref, vc_ref = kvcache_ref(q, kc8, vc8, k, v, **kw)
+    ref_lowp, *_ = kvcache_ref(q, kc8, vc8, k, v, upcast=False, **kw)
+    check_2x(out, ref, ref_lowp)
+    assert (kc_got.float() - kc_ref.float()).abs().max() <= 0.125 * kc_ref.float().abs().max()  # one e4m3 step
+    assert torch.equal(vc_got.view(torch.uint8), vc_ref.view(torch.uint8))
+
+
+def test_decode_plan_takes_the_extras():
+    q, k, v, kc, vc = _extras_case(torch.float16, seed=8)
+    idx = torch.tensor([1, 3, 0], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([9, 30, 5], dtype=torch.int32, device=DEVICE)
+    pad = torch.tensor([2, 0, 5], dtype=torch.int32, device=DEVICE)
+    cos, sin = _rotary_tables(48, 64, torch.float16)
+    kw = dict(cache_batch_idx=idx, cache_leftpad=pad, rotary_cos=cos, rotary_sin=sin, causal=True)
+    kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    want = tileflash.flash_attn_with_kvcache(q, kc1, vc1, k, v, cache_seqlens=lens, **kw)
+    plan = tileflash.decode_plan(q, kc2, vc2, lens, k=k, v=v, **kw)
+    assert torch.equal(plan.run(q, kc2, vc2, k, v), want)
+    assert torch.equal(kc1, kc2) and torch.equal(vc1, vc2)
+
+
+def test_flash_attn_2x_positional_order_and_fa3_names():
+    """flash-attn 2.x's order: (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+    cache_leftpad, block_table, softmax_scale, causal, ...); FA3 calls block_table page_table."""
+    q, kc, vc = _cache(seed=9)
+    lens = torch.tensor([30, 17], dtype=torch.int32, device=DEVICE)
+    table = torch.arange(2, dtype=torch.int32, device=DEVICE).view(2, 1)
+    want = tileflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table, causal=True)
+    got = tileflash.flash_attn_with_kvcache(q, kc, vc, None, None, None, None, lens, None, None, table, None, True)
+    assert torch.equal(want, got)
+    assert torch.equal(want, tileflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=table,
+                                                               causal=True))
+    with pytest.raises(ValueError, match="page_table"):
+        tileflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=table, block_table=table)
+
+
+def test_extras_input_errors():
+    q, k, v, kc, vc = _extras_case(torch.float16, seed=10)
+    lens = torch.full((3,), 4, dtype=torch.int32, device=DEVICE)
+    idx = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEVICE)
+    cos, sin = _rotary_tables(48, 64, torch.float16)
+    call = lambda **kw: tileflash.flash_attn_with_kvcache(q, kc, vc, **{"cache_seqlens": lens, **kw})  # noqa: E731
+    with pytest.raises(ValueError, match="k_cache: expected batch 3"):
+        call()  # 5 cache rows for 3 sequences without cache_batch_idx
+    with pytest.raises(ValueError, match="cache_batch_idx: expected values in"):
+        call(cache_batch_idx=idx + 1, validate=True)
+    with pytest.raises(ValueError, match="cache_batch_idx: expected a contiguous"):
+        call(cache_batch_idx=idx[:2])
+    with pytest.raises(ValueError, match="cache_leftpad: expected 0 <="):
+        call(cache_batch_idx=idx, cache_leftpad=lens + 1, validate=True)
+    with pytest.raises(ValueError, match="rotary_cos: rotary embedding applies to new keys"):
+        call(cache_batch_idx=idx, rotary_cos=cos, rotary_sin=sin)
+    with pytest.raises(ValueError, match="pass both or neither"):
+        call(cache_batch_idx=idx, k=k, v=v, rotary_cos=cos)
+    with pytest.raises(ValueError, match="at least 48 rows"):
+        call(cache_batch_idx=idx, k=k, v=v, rotary_cos=cos[:40], rotary_sin=sin[:40])
+    with pytest.raises(ValueError, match="rotary_dim"):
+        call(cache_batch_idx=idx, k=k, v=v, rotary_cos=torch.cat([cos, cos], 1), rotary_sin=torch.cat([sin, sin], 1))
+    pages = kc.view(-1, 16, 2, 64)
+    table = torch.arange(9, dtype=torch.int32, device=DEVICE).view(3, 3)
+    with pytest.raises(ValueError, match="cache_leftpad: not supported with a paged cache"):
+        tileflash.flash_attn_with_kvcache(q, pages, pages, cache_seqlens=lens, block_table=table,
+                                          cache_leftpad=lens)

@@ -73,6 +73,23 @@ def gather_cache(cache, block_table, seqlen: int, b: int):
     return cache[pages].reshape(-1, *cache.shape[2:])[:seqlen]
 
 
+def rotary_ref(x, cos, sin, positions, interleaved: bool, upcast: bool = True):
+    """x [S, H, D] rotated at positions [S] by cos/sin [seqlen_ro, rotary_dim / 2] (flash-attn's rotary: GPT-J pairs
+    (2i, 2i + 1) when interleaved, else GPT-NeoX pairs (i, i + rotary_dim / 2)); columns past rotary_dim unchanged.
+    upcast=False computes in x's dtype (flash-attn's torch reference), else in fp32; returns x's dtype."""
+    dt = torch.float32 if upcast else x.dtype
+    r = 2 * cos.shape[1]
+    c, s_ = (t[positions.long()].to(dt)[:, None, :] for t in (cos, sin))  # [S, 1, R/2]
+    xr = x[..., :r].to(dt)
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        rot = torch.stack((x1 * c - x2 * s_, x2 * c + x1 * s_), dim=-1).flatten(-2)
+    else:
+        x1, x2 = xr[..., : r // 2], xr[..., r // 2:]
+        rot = torch.cat((x1 * c - x2 * s_, x2 * c + x1 * s_), dim=-1)
+    return torch.cat((rot.to(x.dtype), x[..., r:]), dim=-1)
+
+
 def fp8_quantize_ref(x, scale):
     """x / scale per KV head (scale [1] or [Hkv], heads at dim -2), saturated to +-448, round to nearest even."""
     from .formats import e4m3_saturate
@@ -85,15 +102,31 @@ def fp8_dequantize_ref(x8, scale):
 
 
 def kvcache_ref(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None, causal=False,
-                k_scale=None, v_scale=None, k_global_scale=None, v_global_scale=None, **kw):
+                k_scale=None, v_scale=None, k_global_scale=None, v_global_scale=None, cache_batch_idx=None,
+                cache_leftpad=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=True, **kw):
     """Reference for flash_attn_with_kvcache on copies of the caches. Returns (out, lse, k_cache, v_cache) with the
     new tokens appended to the returned caches.
+
+    flash-attn's extras: cache_batch_idx picks each sequence's cache row; cache_leftpad drops a sequence's first
+    keys (its positions count from the pad); rotary tables rotate the new k at cache_seqlens + i (rounded to k's
+    dtype, as stored) and q at cache_seqlens + i when causal or windowed, else at cache_seqlens.
 
     FP8 caches (k_scale/v_scale): appends are quantized, attention runs on the dequantized cache (fp32; q's dtype
     for the low-precision variant). NVFP4 caches (uint8 data, e4m3 block scales k_scale/v_scale, global scales):
     the same, and the returned k_cache/v_cache are (data, block_scales) pairs."""
     from .formats import nvfp4_dequantize_ref, nvfp4_quantize_ref
 
+    b, sq = q.shape[:2]
+    s_new = 0 if k is None else k.shape[1]
+    if rotary_cos is not None:
+        per_token = causal or tuple(kw.get("window_size", (-1, -1))) != (-1, -1)
+        q_rot, k_rot = torch.empty_like(q), torch.empty_like(k)
+        for i in range(b):
+            n0 = int(cache_seqlens[i])
+            q_pos = n0 + (torch.arange(sq) if per_token else torch.zeros(sq, dtype=torch.long))
+            q_rot[i] = rotary_ref(q[i], rotary_cos, rotary_sin, q_pos, rotary_interleaved, kw.get("upcast", True))
+            k_rot[i] = rotary_ref(k[i], rotary_cos, rotary_sin, n0 + torch.arange(s_new), rotary_interleaved)
+        q, k = q_rot, k_rot
     nvfp4 = k_global_scale is not None
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
     if nvfp4:
@@ -107,24 +140,24 @@ def kvcache_ref(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_t
         else:
             new = {"k": (k,), "v": (v,)}
     stores = {"k": (k_cache, k_scale) if nvfp4 else (k_cache,), "v": (v_cache, v_scale) if nvfp4 else (v_cache,)}
-    b, sq = q.shape[:2]
-    s_new = 0 if k is None else k.shape[1]
     out = torch.empty_like(q)
     lse = torch.empty(b, q.shape[2], sq, dtype=torch.float32, device=q.device)
     page_size = k_cache.shape[1]
     for i in range(b):
         n0 = int(cache_seqlens[i])
+        row = i if cache_batch_idx is None else int(cache_batch_idx[i])  # the cache row (a paged cache: i)
         for t in range(s_new):
             pos = n0 + t
-            row, slot = (i, pos) if block_table is None else (int(block_table[i, pos // page_size]), pos % page_size)
+            at = (row, pos) if block_table is None else (int(block_table[i, pos // page_size]), pos % page_size)
             for name in ("k", "v"):
                 for dst, src in zip(stores[name], new[name]):
-                    dst[row, slot] = src[i, t]
+                    dst[at] = src[i, t]
         n = n0 + s_new
-        kk, vv = (gather_cache(x, block_table, n, i)[None] for x in (k_cache, v_cache))
+        pad = 0 if cache_leftpad is None else int(cache_leftpad[i])
+        kk, vv = (gather_cache(x, block_table, n, row)[None, pad:] for x in (k_cache, v_cache))
         if nvfp4:
-            kk = nvfp4_dequantize_ref(kk, gather_cache(k_scale, block_table, n, i)[None], k_global_scale)
-            vv = nvfp4_dequantize_ref(vv, gather_cache(v_scale, block_table, n, i)[None], v_global_scale)
+            kk = nvfp4_dequantize_ref(kk, gather_cache(k_scale, block_table, n, row)[None, pad:], k_global_scale)
+            vv = nvfp4_dequantize_ref(vv, gather_cache(v_scale, block_table, n, row)[None, pad:], v_global_scale)
         elif k_scale is not None:
             kk, vv = fp8_dequantize_ref(kk, k_scale), fp8_dequantize_ref(vv, v_scale)
         if kk.dtype != q.dtype and not kw.get("upcast", True):

@@ -8,6 +8,11 @@ Shapes (element strides are passed explicitly; the head dim must be contiguous):
   FP8 caches (decode): k/v in float8_e4m3fn with fp32 scales per tensor or per KV head (KV_SCALED).
   NVFP4 caches (decode, KV_NVFP4): k/v uint8 [.., D/2] packed e2m1 pairs, block scales e4m3 [.., D/16] at
   k/v_bscale_ptr, and the per-tensor global scales at k/v_scale_ptr (KV_SCALED too).
+  Decode extras (flash-attn's flash_attn_with_kvcache arguments): HAS_KV_BATCH reads sequence b's keys from cache
+  row kv_batch[b] (cache_batch_idx); LEFTPAD_K starts them at cache position leftpad_k[b] (cache_leftpad; the keys
+  are [leftpad, cache_seqlens + Snew), and positions count from the pad); ROTARY_DIM > 0 rotates q as it is
+  loaded (kernels/_rotary.py) at position cache_seqlens[b] + token (ROTARY_PER_TOKEN: causal or windowed calls)
+  or cache_seqlens[b] for every token (flash-attn's convention otherwise).
   Split-KV (decode): o_part [num_splits, B, Sq, Hq, D] and lse_part [num_splits, B, Sq, Hq], fp32, merged by
   attn_combine; each split holds its own normalised output and LSE (an empty split: o = 0, lse = -inf). PDL (sm_90,
   contiguous caches): the combine may launch once every program here has started (programmatic dependent launch).
@@ -23,6 +28,7 @@ import triton.language as tl
 from ._attn_inner import attn_inner
 from ._cast import store_cast
 from ._masks import LOG2E, kv_block_range, logit_scales, seq_extents
+from ._rotary import rotate_rows
 from .attn_combine import allow_dependent_launch
 from .quant import E2M1_UNIT
 
@@ -44,6 +50,7 @@ def _fp16_range(x):
 def attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, o_part_ptr, lse_part_ptr,
     cu_seqlens_q_ptr, cu_seqlens_k_ptr, seqlens_k_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr, stride_kv_scale,
+    kv_batch_ptr, leftpad_k_ptr, rotary_cos_ptr, rotary_sin_ptr, stride_ro, seqlen_ro,
     k_bscale_ptr, v_bscale_ptr, stride_bs_page, stride_bs_tok, stride_bs_h,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -60,7 +67,9 @@ def attn_fwd_kernel(
     PACK_GQA: tl.constexpr, SPLIT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     USE_DESC: tl.constexpr, SP_OVERLAP: tl.constexpr, WARP_SPEC: tl.constexpr, TILE_DTYPE: tl.constexpr,
-    TRANS: tl.constexpr, RAW_SCORES: tl.constexpr, PDL: tl.constexpr = False,
+    TRANS: tl.constexpr, RAW_SCORES: tl.constexpr, HAS_KV_BATCH: tl.constexpr = False,
+    LEFTPAD_K: tl.constexpr = False, ROTARY_DIM: tl.constexpr = 0, ROTARY_INTERLEAVED: tl.constexpr = False,
+    ROTARY_PER_TOKEN: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     allow_dependent_launch(PDL)  # the split combine that follows (ops/_launch.launch_combine)
     pid = tl.program_id(0)
@@ -75,6 +84,12 @@ def attn_fwd_kernel(
     q_start, seqlen_q, k_start, seqlen_k = seq_extents(
         b, cu_seqlens_q_ptr, cu_seqlens_k_ptr, seqlens_k_ptr, seqlen_q_static, seqlen_k_static, seqlen_k_add,
         VARLEN_Q, VARLEN_K, HAS_SEQLENS_K)
+    if LEFTPAD_K:
+        k_start = tl.minimum(tl.load(leftpad_k_ptr + b), seqlen_k)
+        seqlen_k -= k_start
+    kv_b = b  # the cache row of a contiguous cache
+    if HAS_KV_BATCH:
+        kv_b = tl.load(kv_batch_ptr + b)
     rows_total = seqlen_q * group_size if PACK_GQA else seqlen_q
     start_m = pid_m * BLOCK_M
     if start_m >= rows_total:
@@ -101,6 +116,12 @@ def attn_fwd_kernel(
     q_rows = (q_start + tok).to(tl.int64) * stride_qs + head_q.to(tl.int64) * stride_qh
     q_ptrs = q_ptr + b.to(tl.int64) * stride_qb + q_rows[:, None] + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    if ROTARY_DIM > 0:
+        ro_pos = tl.load(seqlens_k_ptr + b) + tl.zeros_like(tok)
+        if ROTARY_PER_TOKEN:
+            ro_pos += tok
+        q = rotate_rows(q, q_ptr + b.to(tl.int64) * stride_qb + q_rows, ro_pos, row_ok, offs_d, rotary_cos_ptr,
+                        rotary_sin_ptr, stride_ro, seqlen_ro, ROTARY_DIM, ROTARY_INTERLEAVED)
     q_unscale = 1.0
     if KV_SCALED:
         # Quantized caches widen exactly to fp16 (one conversion per pair; bf16 would take three), so the tiles
@@ -131,22 +152,22 @@ def attn_fwd_kernel(
     k_sbase = k_bscale_ptr + h64 * stride_bs_h  # NVFP4 block scales (unused otherwise)
     v_sbase = v_bscale_ptr + h64 * stride_bs_h
     if not PAGE_SIZE > 0:
-        k_sbase += b.to(tl.int64) * stride_bs_page
-        v_sbase += b.to(tl.int64) * stride_bs_page
+        k_sbase += kv_b.to(tl.int64) * stride_bs_page + k_start.to(tl.int64) * stride_bs_tok
+        v_sbase += kv_b.to(tl.int64) * stride_bs_page + k_start.to(tl.int64) * stride_bs_tok
     if USE_DESC:  # k_ptr / v_ptr are TMA descriptors over [rows, Hkv, D] (paged: the pool's pages x PAGE_SIZE rows)
         k_base = k_ptr
         v_base = v_ptr
         if PAGE_SIZE > 0:
             bt_ptr = block_table_ptr + b.to(tl.int64) * stride_bt
         else:
-            desc_row0 = b * desc_rows_per_batch + k_start
+            desc_row0 = kv_b * desc_rows_per_batch + k_start
             bt_ptr = block_table_ptr
     elif PAGE_SIZE > 0:  # paged: [num_pages, PAGE_SIZE, Hkv, D]
         k_base = k_ptr + head_kv.to(tl.int64) * stride_kh
         v_base = v_ptr + head_kv.to(tl.int64) * stride_vh
         bt_ptr = block_table_ptr + b.to(tl.int64) * stride_bt
     else:
-        b64, k0, h64 = b.to(tl.int64), k_start.to(tl.int64), head_kv.to(tl.int64)
+        b64, k0, h64 = kv_b.to(tl.int64), k_start.to(tl.int64), head_kv.to(tl.int64)
         k_base = k_ptr + b64 * stride_kb + k0 * stride_ks + h64 * stride_kh
         v_base = v_ptr + b64 * stride_vb + k0 * stride_vs + h64 * stride_vh
         bt_ptr = block_table_ptr

@@ -1,7 +1,9 @@
 """Append new tokens into a KV cache in place (contiguous or paged; bf16/fp16, FP8 or NVFP4).
 
-k_new, v_new: [B, Snew, Hkv, D]; token i of sequence b goes to cache position cache_seqlens[b] + i, which in a
-paged cache is page block_table[b, pos // page_size], slot pos % page_size. One program per (b, i): all heads.
+k_new, v_new: [B, Snew, Hkv, D]; token i of sequence b goes to cache position cache_seqlens[b] + i of cache row
+b (cache_batch_idx[b] with HAS_KV_BATCH), which in a paged cache is page block_table[b, pos // page_size], slot
+pos % page_size. One program per (b, i): all heads. ROTARY_DIM > 0: k is rotated at that position first
+(kernels/_rotary.py; flash-attn's rotary_cos / rotary_sin).
 Positions at or past the capacity are dropped (never written out of bounds; validate=True reports them).
 FORMAT 0 copies; 1 (FP8) stores x / scale (per tensor or per KV head) saturated to e4m3, rounded to nearest even;
 2 (NVFP4) quantizes each head vector with the cache's global scale exactly as nvfp4_quantize does: packed e2m1
@@ -10,6 +12,8 @@ pairs into the cache [.., D/2] and one e4m3 scale per 16 elements into the block
 import triton
 import triton.language as tl
 
+from ._cast import store_cast
+from ._rotary import rotate_rows
 from .quant import e4m3_encode, nvfp4_quantize_tile
 
 
@@ -22,10 +26,16 @@ def e4m3_bits(y):
 
 @triton.jit
 def _append_one(src_ptr, dst_ptr, bs_ptr, scale_ptr, src_off, dst_off, bs_off, offs_h, offs_d, stride_src_h,
-                stride_dst_h, stride_bs_h, stride_scale, head_ok, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr,
-                FORMAT: tl.constexpr):
+                stride_dst_h, stride_bs_h, stride_scale, head_ok, pos, cos_ptr, sin_ptr, stride_ro, seqlen_ro,
+                HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr, FORMAT: tl.constexpr, ROTARY_DIM: tl.constexpr,
+                INTERLEAVED: tl.constexpr, INTERPRETED: tl.constexpr):
     mask = head_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    x = tl.load(src_ptr + src_off + offs_h[:, None] * stride_src_h + offs_d[None, :], mask=mask, other=0.0)
+    rows = src_ptr + src_off + offs_h * stride_src_h
+    x = tl.load(rows[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    if ROTARY_DIM > 0:  # rounded to the source dtype, as flash-attn stores the rotated key
+        x = rotate_rows(x, rows, pos + tl.zeros_like(offs_h), head_ok, offs_d, cos_ptr, sin_ptr, stride_ro,
+                        seqlen_ro, ROTARY_DIM, INTERLEAVED)
+        x = store_cast(x, src_ptr.dtype.element_ty, INTERPRETED)
     h_off = offs_h[:, None].to(tl.int64) * stride_dst_h
     if FORMAT == 2:  # NVFP4: D is a power of two here (checked before launch), so the tile has no padding
         packed, s_bits = nvfp4_quantize_tile(x, tl.load(scale_ptr), HEADS_PAD, HEAD_DIM)
@@ -44,13 +54,15 @@ def _append_one(src_ptr, dst_ptr, bs_ptr, scale_ptr, src_off, dst_off, bs_off, o
 
 @triton.jit
 def kv_append_kernel(k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, k_bs_ptr, v_bs_ptr, k_scale_ptr, v_scale_ptr,
-                     cache_seqlens_ptr, block_table_ptr, stride_scale,
+                     cache_seqlens_ptr, block_table_ptr, kv_batch_ptr, cos_ptr, sin_ptr, stride_ro, seqlen_ro,
+                     stride_scale,
                      stride_knb, stride_kns, stride_knh, stride_vnb, stride_vns, stride_vnh,
                      stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
                      stride_bsb, stride_bss, stride_bsh,
                      stride_bt, seqlen_new, page_size, num_heads_kv, capacity,
                      HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEADS_PAD: tl.constexpr,
-                     PAGED: tl.constexpr, FORMAT: tl.constexpr):
+                     PAGED: tl.constexpr, FORMAT: tl.constexpr, HAS_KV_BATCH: tl.constexpr,
+                     ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, INTERPRETED: tl.constexpr):
     pid = tl.program_id(0)
     b = (pid // seqlen_new).to(tl.int64)
     i = pid % seqlen_new
@@ -60,6 +72,9 @@ def kv_append_kernel(k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, k_bs_ptr, v
     if PAGED:
         row = tl.load(block_table_ptr + b * stride_bt + pos // page_size).to(tl.int64)  # the page
         slot = (pos % page_size).to(tl.int64)
+    elif HAS_KV_BATCH:
+        row = tl.load(kv_batch_ptr + b).to(tl.int64)
+        slot = pos.to(tl.int64)
     else:
         row = b
         slot = pos.to(tl.int64)
@@ -69,7 +84,9 @@ def kv_append_kernel(k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, k_bs_ptr, v
     bs_off = row * stride_bsb + slot * stride_bss  # NVFP4 block scales (k and v share strides)
     _append_one(k_new_ptr, k_cache_ptr, k_bs_ptr, k_scale_ptr, b * stride_knb + i * stride_kns,
                 row * stride_kcb + slot * stride_kcs, bs_off, offs_h, offs_d, stride_knh, stride_kch, stride_bsh,
-                stride_scale, head_ok, HEAD_DIM, HEADS_PAD, FORMAT)
+                stride_scale, head_ok, pos, cos_ptr, sin_ptr, stride_ro, seqlen_ro, HEAD_DIM, HEADS_PAD, FORMAT,
+                ROTARY_DIM, INTERLEAVED, INTERPRETED)
     _append_one(v_new_ptr, v_cache_ptr, v_bs_ptr, v_scale_ptr, b * stride_vnb + i * stride_vns,
                 row * stride_vcb + slot * stride_vcs, bs_off, offs_h, offs_d, stride_vnh, stride_vch, stride_bsh,
-                stride_scale, head_ok, HEAD_DIM, HEADS_PAD, FORMAT)
+                stride_scale, head_ok, pos, cos_ptr, sin_ptr, stride_ro, seqlen_ro, HEAD_DIM, HEADS_PAD, FORMAT, 0,
+                INTERLEAVED, INTERPRETED)

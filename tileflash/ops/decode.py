@@ -63,14 +63,15 @@ def _combine_pdl(block_table) -> bool:
     return block_table is None
 
 
-def _quant_mma_config(q, k_cache, v_cache, block_table, capacity: int, sp_overlap: bool):
+def _quant_mma_config(q, k_cache, v_cache, block_table, capacity: int, sp_overlap: bool, extras: bool):
     """The register-operand decode's tiles (kernels/decode_quant_mma.py) when it serves this call, else None: a
     cache heuristics.quant_decode_config takes on sm_90, at most 16 query rows per KV head, a contiguous cache or
     power-of-two pages, 16-byte aligned K/V rows with equal K and V strides (it reads rows as 16-byte words), and
-    the plain loop (sp_overlap=True asks for the Triton kernel's S/P-overlapped loop)."""
+    the plain loop (sp_overlap=True asks for the Triton kernel's S/P-overlapped loop). extras (cache_batch_idx,
+    cache_leftpad, rotary): only the Triton kernel has them."""
     cfg = quant_decode_config(q.shape[3], KV_FORMATS.get(k_cache.dtype, "16bit"), q.shape[0] * k_cache.shape[2],
                               capacity)
-    if cfg is None or sp_overlap or not sm90_target():
+    if cfg is None or sp_overlap or extras or not sm90_target():
         return None
     if q.shape[1] * (q.shape[2] // k_cache.shape[2]) > QUANT_MMA_MAX_ROWS:
         return None
@@ -95,15 +96,15 @@ class DecodeSchedule:
     workspace: int
 
 
-def _schedule(q, k_cache, v_cache, k, block_table, num_splits: int, sp_overlap: bool,
-              lse_in_workspace: bool) -> DecodeSchedule:
+def _schedule(q, k_cache, v_cache, k, block_table, num_splits: int, sp_overlap: bool, lse_in_workspace: bool,
+              extras: bool = False) -> DecodeSchedule:
     b, sq, hq, d = q.shape
     s_new = k.shape[1] if k is not None else 0
     capacity = cache_capacity(k_cache, block_table)
     if hq == 0:  # nothing to attend with: only the append launches
         return DecodeSchedule(None, None, 1, capacity, s_new, False, 0)
     cfg = None
-    qcfg = _quant_mma_config(q, k_cache, v_cache, block_table, capacity, sp_overlap)
+    qcfg = _quant_mma_config(q, k_cache, v_cache, block_table, capacity, sp_overlap, extras)
     if qcfg is not None:
         num_splits = num_splits or num_splits_heuristic(b, k_cache.shape[2], 1, capacity, qcfg.step,
                                                         _utils.num_sms(q.device), per_sm=qcfg.programs_per_sm)
@@ -121,15 +122,17 @@ def _kv_scales(k_scale, v_scale, k_global_scale, v_global_scale) -> dict:
     return dict(k_scale=k_scale, v_scale=v_scale)
 
 
-def _launch_kvcache(s: DecodeSchedule, mask: Mask, softmax_scale: float, sp_overlap: bool, q, k_cache, v_cache, k,
-                    v, cache_seqlens, block_table, k_scale, v_scale, k_global_scale, v_global_scale, out, lse,
-                    ws) -> None:
+def _launch_kvcache(s: DecodeSchedule, mask: Mask, softmax_scale: float, sp_overlap: bool, rotary_interleaved: bool,
+                    q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos,
+                    rotary_sin, k_scale, v_scale, k_global_scale, v_global_scale, out, lse, ws) -> None:
     """The launches of one decode call into out [B, Sq, Hq, D] and lse [B, Hq, Sq] (or, when lse is None, the
     workspace's tail): the append, the attention, the split combine. ws: fp32 [>= s.workspace] or None."""
     b, sq, hq, d = q.shape
     scales = _kv_scales(k_scale, v_scale, k_global_scale, v_global_scale)
+    rotary = dict(rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved)
     if s.s_new:
-        launch_kv_append(k, v, k_cache, v_cache, cache_seqlens, block_table, **scales)
+        launch_kv_append(k, v, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx=cache_batch_idx,
+                         **rotary, **scales)
     if hq == 0:  # nothing to attend with; the append above still happened
         return
     rows = b * sq * hq
@@ -149,16 +152,20 @@ def _launch_kvcache(s: DecodeSchedule, mask: Mask, softmax_scale: float, sp_over
                         num_batches=b, seqlen_q=sq, seqlen_k=s.capacity, m_rows=sq * (hq // k_cache.shape[2]),
                         softmax_scale=softmax_scale, mask=mask, config=s.cfg, seqlens_k=cache_seqlens,
                         seqlen_k_add=s.s_new, block_table=block_table, pack_gqa=True, num_splits=s.num_splits,
-                        sp_overlap=sp_overlap, o_part=o_part, lse_part=lse_part, pdl=s.pdl, **scales)
+                        sp_overlap=sp_overlap, o_part=o_part, lse_part=lse_part, pdl=s.pdl,
+                        cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+                        rotary_per_token=mask.window_left >= 0 or mask.window_right >= 0, **rotary, **scales)
     if split:
         launch_combine(o_part, lse_part, out, lse, pdl=s.pdl)
 
 
 def _attn_kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: Optional[torch.Tensor],
                        v: Optional[torch.Tensor], cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor],
-                       softmax_scale: float, window_left: int, window_right: int, softcap: float, num_splits: int,
-                       sp_overlap: bool, k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
-                       k_global_scale: Optional[torch.Tensor],
+                       cache_batch_idx: Optional[torch.Tensor], cache_leftpad: Optional[torch.Tensor],
+                       rotary_cos: Optional[torch.Tensor], rotary_sin: Optional[torch.Tensor],
+                       rotary_interleaved: bool, softmax_scale: float, window_left: int, window_right: int,
+                       softcap: float, num_splits: int, sp_overlap: bool, k_scale: Optional[torch.Tensor],
+                       v_scale: Optional[torch.Tensor], k_global_scale: Optional[torch.Tensor],
                        v_global_scale: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """The custom op's implementation (torch.compile); eager calls take a DecodePlan."""
     b, sq, hq, d = q.shape
@@ -166,10 +173,13 @@ def _attn_kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     lse = _utils.new_output((b, hq, sq), torch.float32, q.device)
     if b == 0:
         return out, lse
-    s = _schedule(q, k_cache, v_cache, k, block_table, num_splits, sp_overlap, lse_in_workspace=False)
+    extras = (cache_batch_idx, cache_leftpad, rotary_cos)
+    s = _schedule(q, k_cache, v_cache, k, block_table, num_splits, sp_overlap, lse_in_workspace=False,
+                  extras=any(t is not None for t in extras))
     ws = torch.empty(s.workspace, dtype=torch.float32, device=q.device) if s.workspace else None
-    _launch_kvcache(s, Mask(window_left, window_right, softcap), softmax_scale, sp_overlap, q, k_cache, v_cache,
-                    k, v, cache_seqlens, block_table, k_scale, v_scale, k_global_scale, v_global_scale, out, lse, ws)
+    _launch_kvcache(s, Mask(window_left, window_right, softcap), softmax_scale, sp_overlap, rotary_interleaved, q,
+                    k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos,
+                    rotary_sin, k_scale, v_scale, k_global_scale, v_global_scale, out, lse, ws)
     return out, lse
 
 
@@ -178,8 +188,9 @@ _attn_kvcache_op = torch.library.custom_op(
 
 
 @_attn_kvcache_op.register_fake
-def _(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, window_left, window_right, softcap,
-      num_splits, sp_overlap, k_scale, v_scale, k_global_scale, v_global_scale):
+def _(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin,
+      rotary_interleaved, softmax_scale, window_left, window_right, softcap, num_splits, sp_overlap, k_scale, v_scale,
+      k_global_scale, v_global_scale):
     b, sq, hq, _ = q.shape
     return torch.empty_like(q), q.new_empty((b, hq, sq), dtype=torch.float32)
 
@@ -231,8 +242,44 @@ def _check_kv_scales(k_cache, v_cache, k_scale, v_scale, k_global_scale, v_globa
                 raise ValueError(f"{name}: expected one float32 value, got shape {tuple(t.shape)}")
 
 
+def _check_extras(q, k, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin, capacity: int):
+    """flash-attn's cache_batch_idx / cache_leftpad ([B] int32, contiguous caches only) and rotary tables
+    (rotary_cos / rotary_sin [seqlen_ro >= the cache capacity, rotary_dim / 2], q's dtype or fp32; they rotate the
+    new k, so k and v must be given)."""
+    b, dev = q.shape[0], q.device
+    for name, t in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+        if t is None:
+            continue
+        if block_table is not None:
+            raise ValueError(f"{name}: not supported with a paged cache (block_table); index pages instead")
+        _utils.check_int32(name, t, 1, dev)
+        if t.shape[0] != b or (b > 1 and t.stride(0) != 1):
+            raise ValueError(f"{name}: expected a contiguous [{b}] tensor (batch), got shape {tuple(t.shape)}")
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos, rotary_sin: pass both or neither")
+    if rotary_cos is None:
+        return
+    if k is None:
+        raise ValueError("rotary_cos: rotary embedding applies to new keys; pass k and v (flash-attn's rule)")
+    d = q.shape[-1]
+    for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        _utils.check_tensor(name, t, ndim=2, dtypes=(q.dtype, torch.float32), device=dev)
+        _utils.check_last_dim_contiguous(name, t)
+    if rotary_cos.shape != rotary_sin.shape or rotary_cos.stride() != rotary_sin.stride() \
+            or rotary_cos.dtype != rotary_sin.dtype:
+        raise ValueError(f"rotary_cos, rotary_sin: expected equal shapes, strides and dtypes, got "
+                         f"{tuple(rotary_cos.shape)} / {tuple(rotary_sin.shape)}")
+    seqlen_ro, half = rotary_cos.shape
+    if not 1 <= 2 * half <= d:
+        raise ValueError(f"rotary_cos: expected [seqlen_ro, rotary_dim / 2] with 2 <= rotary_dim <= {d} (the head "
+                         f"dim), got {tuple(rotary_cos.shape)}")
+    if seqlen_ro < capacity:
+        raise ValueError(f"rotary_cos: expected at least {capacity} rows (the cache capacity), got {seqlen_ro}")
+
+
 def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, k_scale, v_scale,
-                   k_global_scale, v_global_scale):
+                   k_global_scale, v_global_scale, cache_batch_idx=None, cache_leftpad=None, rotary_cos=None,
+                   rotary_sin=None):
     _utils.check_tensor("q", q, ndim=4, dtypes=_utils.SUPPORTED_DTYPES)
     dev = q.device
     cache_dtypes = (q.dtype, torch.float8_e4m3fn, torch.uint8)
@@ -266,9 +313,11 @@ def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_sp
             raise ValueError(f"k_cache: page size (dim 1) must be in 1..{_utils.MAX_PAGE_SIZE}, got {page_size}")
         capacity = block_table.shape[1] * page_size
     else:
-        if k_cache.shape[0] != b:
+        if k_cache.shape[0] != b and cache_batch_idx is None:
             raise ValueError(f"k_cache: expected batch {b} (q's) for a contiguous cache, got {k_cache.shape[0]} "
-                             f"(pass block_table for a paged cache)")
+                             f"(pass block_table for a paged cache, or cache_batch_idx)")
+        if k_cache.shape[0] == 0 and b:
+            raise ValueError("k_cache: a contiguous cache with no rows")
         capacity = k_cache.shape[1]
     if cache_seqlens is None:
         raise ValueError("cache_seqlens: required ([batch] int32, tokens already in each sequence's cache), got None")
@@ -290,15 +339,27 @@ def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_sp
         s_new = k.shape[1]
         if s_new > capacity:
             raise _utils.CacheCapacityError(f"k: {s_new} new tokens exceed the cache capacity of {capacity} tokens")
+    _check_extras(q, k, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin, capacity)
     num_splits = _utils.as_int("num_splits", num_splits)
     if not 0 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits: expected 0 (heuristic), 1 (no split) or 2..{MAX_SPLITS}, got {num_splits}")
     return capacity, s_new
 
 
-def _validate_values(k_cache, cache_seqlens, block_table, capacity: int, s_new: int) -> None:
-    """Checks that read device values (a host sync): lengths within capacity, page indices inside the pool."""
+def _validate_values(k_cache, cache_seqlens, block_table, capacity: int, s_new: int, cache_batch_idx=None,
+                     cache_leftpad=None) -> None:
+    """Checks that read device values (a host sync): lengths within capacity, page indices inside the pool, cache
+    rows inside the cache, left pads inside their sequences."""
     seqlens = cache_seqlens.cpu()
+    if cache_batch_idx is not None and cache_batch_idx.numel():
+        rows = cache_batch_idx.cpu()
+        if int(rows.min()) < 0 or int(rows.max()) >= k_cache.shape[0]:
+            raise ValueError(f"cache_batch_idx: expected values in [0, {k_cache.shape[0]}) (cache rows), got min "
+                             f"{int(rows.min())}, max {int(rows.max())}")
+    if cache_leftpad is not None and cache_leftpad.numel():
+        pads = cache_leftpad.cpu()
+        if int(pads.min()) < 0 or bool((pads > seqlens).any()):
+            raise ValueError("cache_leftpad: expected 0 <= cache_leftpad <= cache_seqlens for every sequence")
     if seqlens.numel() and int(seqlens.min()) < 0:
         raise ValueError(f"cache_seqlens: expected values >= 0, got min {int(seqlens.min())}")
     if seqlens.numel() and int(seqlens.max()) + s_new > capacity:
@@ -312,16 +373,17 @@ class DecodePlan(direct.Replayable):
     """One decode call's host work done once (checks, tiles, splits, workspace layout, the kernels' arguments),
     runnable per layer with that layer's q and caches. Made by `decode_plan` (or internally by every eager
     flash_attn_with_kvcache call, keyed on its signature). Its first run records the launches (ops/direct.py);
-    later runs replay them, so a run costs a few microseconds plus the kernels. cache_seqlens, block_table and the
-    scale tensors are the plan's (bound by decode_plan; the plans flash_attn_with_kvcache caches keep none, so
-    they hold no call's tensors alive): change their values in place between runs (CUDA-graph replays included),
-    not the tensors."""
-    cache_seqlens = block_table = None
+    later runs replay them, so a run costs a few microseconds plus the kernels. cache_seqlens, block_table,
+    cache_batch_idx, cache_leftpad, the rotary tables and the scale tensors are the plan's (bound by decode_plan;
+    the plans flash_attn_with_kvcache caches keep none, so they hold no call's tensors alive): change their values
+    in place between runs (CUDA-graph replays included), not the tensors."""
+    index = (None,) * 6  # cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin
     scales = (None, None, None, None)
 
-    def __init__(self, schedule: DecodeSchedule, mask: Mask, softmax_scale: float, sp_overlap: bool, q_key,
-                 k_cache, v_cache, k, v, scales, return_lse: bool, validate: bool):
+    def __init__(self, schedule: DecodeSchedule, mask: Mask, softmax_scale: float, sp_overlap: bool,
+                 rotary_interleaved: bool, q_key, k_cache, v_cache, k, v, scales, return_lse: bool, validate: bool):
         self.schedule, self.mask, self.softmax_scale, self.sp_overlap = schedule, mask, softmax_scale, sp_overlap
+        self.rotary_interleaved = rotary_interleaved
         self.keys = (q_key, *map(direct.tensor_key, (k_cache, v_cache, k, v, *scales)))
         self.return_lse, self.validate = return_lse, validate
         self.out_shape, self.dtype, self.device = q_key[0], q_key[2], q_key[3]
@@ -342,21 +404,23 @@ class DecodePlan(direct.Replayable):
                                 or not out.is_contiguous() or out.data_ptr() & 15):
             raise ValueError(f"out: expected a contiguous, 16-byte aligned {self.dtype} tensor of shape "
                              f"{tuple(self.out_shape)} on {self.device}, got {tuple(out.shape)} {out.dtype}")
-        return self._run(q, k_cache, v_cache, k, v, self.cache_seqlens, self.block_table, scales, out)
+        return self._run(q, k_cache, v_cache, k, v, self.index, scales, out)
 
     def _launch(self, *slots):
-        _launch_kvcache(self.schedule, self.mask, self.softmax_scale, self.sp_overlap, *slots)
+        _launch_kvcache(self.schedule, self.mask, self.softmax_scale, self.sp_overlap, self.rotary_interleaved,
+                        *slots)
 
-    def _run(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, scales, out=None):
+    def _run(self, q, k_cache, v_cache, k, v, index, scales, out=None):
+        """index: (cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin)."""
         s = self.schedule
         if self.validate:
-            _validate_values(k_cache, cache_seqlens, block_table, s.capacity, s.s_new)
+            _validate_values(k_cache, index[0], index[1], s.capacity, s.s_new, index[2], index[3])
         if out is None:
             out = _utils.new_output_like(q)
         lse = _utils.new_output(self.lse_shape, torch.float32, self.device) if self.return_lse else None
         stream = direct.current_stream(self.device)
         ws = direct.WORKSPACE.get(self.device, stream, s.workspace) if s.workspace else None
-        slots = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, *scales, out, lse, ws)
+        slots = (q, k_cache, v_cache, k, v, *index, *scales, out, lse, ws)
         if self.out_shape[0]:  # an empty batch launches nothing
             self.execute(self._launch, slots, stream)
         return (out, lse) if self.return_lse else out
@@ -365,52 +429,83 @@ class DecodePlan(direct.Replayable):
 _PLANS = direct.PlanCache()
 
 
-def _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size, softcap,
+def _make_plan(q, k_cache, v_cache, k, v, index, softmax_scale, causal, window_size, softcap, rotary_interleaved,
                num_splits, return_lse, sp_overlap, validate, scales) -> DecodePlan:
     """Check every argument (raising before any launch) and plan the call."""
-    capacity, s_new = _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, *scales)
+    cache_seqlens, block_table, batch_idx, leftpad, rotary_cos, rotary_sin = index
+    capacity, s_new = _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, *scales,
+                                     batch_idx, leftpad, rotary_cos, rotary_sin)
     left, right = _utils.check_window(window_size)
     mask = Mask.make(causal, (left, right), _check_softcap(softcap))
     sched = _schedule(q, k_cache, v_cache, k, block_table, int(num_splits), bool(sp_overlap),
-                      lse_in_workspace=not return_lse)
+                      lse_in_workspace=not return_lse, extras=any(t is not None for t in index[2:]))
     # On the CPU reading values costs no sync, so they are always checked there.
     validate = bool(validate) or q.device.type == "cpu"
     return DecodePlan(sched, mask, _utils.softmax_scale_or_default(softmax_scale, q.shape[-1]), bool(sp_overlap),
-                      direct.tensor_key(q), k_cache, v_cache, k, v, scales, bool(return_lse), validate)
+                      bool(rotary_interleaved), direct.tensor_key(q), k_cache, v_cache, k, v, scales,
+                      bool(return_lse), validate)
+
+
+def _block_table(block_table, page_table):
+    """flash-attn 2.x's block_table or FA3's page_table (the same argument)."""
+    if page_table is None:
+        return block_table
+    if block_table is not None:
+        raise ValueError("block_table, page_table: the same argument under two names (flash-attn 2.x's and FA3's); "
+                         "pass one")
+    return page_table
+
+
+def _check_alibi(alibi_slopes) -> None:
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes: not supported by flash_attn_with_kvcache yet")
 
 
 def decode_plan(q, k_cache, v_cache, cache_seqlens, block_table=None, k=None, v=None, softmax_scale=None,
                 causal=False, window_size=(-1, -1), softcap=0.0, num_splits=0, return_lse=False, sp_overlap=False,
                 validate=False, k_scale=None, v_scale=None, k_global_scale=None, v_global_scale=None,
-                dtype=torch.bfloat16) -> DecodePlan:
+                dtype=torch.bfloat16, *, rotary_cos=None, rotary_sin=None, cache_batch_idx=None, cache_leftpad=None,
+                rotary_interleaved=True, alibi_slopes=None) -> DecodePlan:
     """Plan flash_attn_with_kvcache calls that share everything but q, the caches and the new k/v (the layers of
     one decode step; FlashInfer's plan/run pattern): `plan = decode_plan(q, k_cache, v_cache, cache_seqlens, ...)`
     once per step, then `plan.run(q, k_cache, v_cache, k, v)` per layer, graph-capturable. Arguments as
     flash_attn_with_kvcache's; q may be a tensor or a shape (a contiguous q of `dtype` on k_cache's device);
     k/v (new tokens, if any) give their shapes. Results equal flash_attn_with_kvcache's bitwise."""
+    _check_alibi(alibi_slopes)
     if not isinstance(q, torch.Tensor):
         q = torch.empty(tuple(q), dtype=dtype, device=k_cache.device)
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
         raise TypeError(f"cache_seqlens: expected an int32 tensor, got {type(cache_seqlens).__name__}")
     scales = (k_scale, v_scale, k_global_scale, v_global_scale)
-    plan = _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size,
-                      softcap, num_splits, return_lse, sp_overlap, validate, scales)
-    plan.cache_seqlens, plan.block_table, plan.scales = cache_seqlens, block_table, scales
+    index = (cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin)
+    plan = _make_plan(q, k_cache, v_cache, k, v, index, softmax_scale, causal, window_size, softcap,
+                      rotary_interleaved, num_splits, return_lse, sp_overlap, validate, scales)
+    plan.index, plan.scales = index, scales
     return plan
 
 
-def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
-                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, num_splits=0,
-                            return_lse=False, sp_overlap=False, validate=False, k_scale=None, v_scale=None,
-                            k_global_scale=None, v_global_scale=None):
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False, *,
+                            return_lse=False, page_table=None, sp_overlap=False, validate=False, k_scale=None,
+                            v_scale=None, k_global_scale=None, v_global_scale=None):
     """Attention of 1..16 new query tokens per sequence over a KV cache, appending new K/V in place.
 
+    Arguments in flash-attn 2.x's order (FA3's page_table and return_softmax_lse names are accepted too).
     q [B, Sq, Hq, D]; k_cache/v_cache [B, S_max, Hkv, D], or paged [num_pages, page_size, Hkv, D] with
     block_table [B, max_pages] int32 (page_size 1..256, pages in any order); cache_seqlens [B] int32.
     k, v [B, Snew, Hkv, D] are written at positions cache_seqlens .. cache_seqlens + Snew, then attention runs over
     cache_seqlens + Snew tokens; causal=True masks bottom-right aligned (flash-attn's default, causal=False, lets
     every new query see every new key: pass causal=True for several new tokens of one sequence). cache_seqlens may
     be an int (every sequence's length). num_splits: 0 heuristic, 1 none, n exactly n.
+    cache_batch_idx [B] int32: the contiguous cache's row of each sequence (the cache may hold more rows than B).
+    cache_leftpad [B] int32: sequence b's keys start at cache position cache_leftpad[b] (contiguous caches; keys
+    [cache_leftpad, cache_seqlens + Snew), positions and masks counted from the pad).
+    rotary_cos / rotary_sin [seqlen_ro >= the capacity, rotary_dim / 2] (q's dtype or fp32; with k and v): the new k
+    is rotated at positions cache_seqlens + i before the append, q at cache_seqlens + i when causal or windowed and
+    at cache_seqlens otherwise; rotary_interleaved=True pairs dims (2i, 2i + 1) (GPT-J), False pairs i and
+    i + rotary_dim / 2 (GPT-NeoX). Columns past rotary_dim are not rotated (flash-attn's semantics throughout).
     sp_overlap=True selects the S/P-overlapped inner loop (QK^T of block j+1 issued before the softmax of block j);
     the default plain loop measured as fast or faster on the H200 with triton 3.6 (benchmarks/RESULTS.md).
     FP8 caches: k_cache/v_cache in float8_e4m3fn with k_scale/v_scale (float32, [1] per tensor or [Hkv] per KV
@@ -419,32 +514,39 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     float8_e4m3fn [.., S, Hkv, D/16] (one scale per 16 elements), k_global_scale/v_global_scale float32 [1]:
     K = e2m1 * k_scale * k_global_scale (tileflash.nvfp4_quantize's format); appends quantize with the global
     scale. D must be a power of two >= 32.
-    validate=True checks cache_seqlens and block_table values against the cache (costs a device sync); without it
-    they are the caller's contract (lengths are clamped to the capacity in the kernel; page indices are trusted).
-    Returns out [B, Sq, Hq, D], and with return_lse=True (out, lse [B, Hq, Sq] float32).
+    validate=True checks cache_seqlens, block_table, cache_batch_idx and cache_leftpad values against the cache
+    (costs a device sync); without it they are the caller's contract (lengths are clamped to the capacity in the
+    kernel; page and row indices are trusted).
+    Returns out [B, Sq, Hq, D], and with return_softmax_lse=True (or return_lse=True) (out, lse [B, Hq, Sq] fp32).
     """
+    _check_alibi(alibi_slopes)
+    return_lse = bool(return_lse or return_softmax_lse)
+    block_table = _block_table(block_table, page_table)
     scales = (k_scale, v_scale, k_global_scale, v_global_scale)
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool) and isinstance(q, torch.Tensor):
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
+    index = (cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin)
     if torch.compiler.is_compiling():
         capacity, s_new = _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits,
-                                         *scales)
+                                         *scales, *index[2:])
         if validate:
-            _validate_values(k_cache, cache_seqlens, block_table, capacity, s_new)
+            _validate_values(k_cache, cache_seqlens, block_table, capacity, s_new, cache_batch_idx, cache_leftpad)
         left, right = _utils.check_window(window_size)
         mask = Mask.make(causal, (left, right), _check_softcap(softcap))
-        out, lse = _attn_kvcache_op(q, k_cache, v_cache, k, v, cache_seqlens.contiguous(), block_table,
-                                    _utils.softmax_scale_or_default(softmax_scale, q.shape[-1]), mask.window_left,
-                                    mask.window_right, mask.softcap, int(num_splits), bool(sp_overlap), *scales)
+        out, lse = _attn_kvcache_op(q, k_cache, v_cache, k, v, cache_seqlens.contiguous(), *index[1:],
+                                    bool(rotary_interleaved), _utils.softmax_scale_or_default(softmax_scale,
+                                                                                              q.shape[-1]),
+                                    mask.window_left, mask.window_right, mask.softcap, int(num_splits),
+                                    bool(sp_overlap), *scales)
         return (out, lse) if return_lse else out
     if isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.dim() == 1 and cache_seqlens.stride(0) != 1:
         cache_seqlens = cache_seqlens.contiguous()  # read with unit stride by the kernels
+        index = (cache_seqlens, *index[1:])
     plan = direct.plan_for(
         _PLANS, lambda: (direct.tensor_key(q), direct.tensor_key(k_cache), direct.tensor_key(v_cache),
-                         direct.tensor_key(k), direct.tensor_key(v), direct.tensor_key(cache_seqlens),
-                         direct.tensor_key(block_table), softmax_scale, causal, direct.window_key(window_size),
-                         softcap, num_splits, return_lse, sp_overlap, validate,
-                         *(direct.tensor_key(t) for t in scales)),
-        lambda: _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size,
-                           softcap, num_splits, return_lse, sp_overlap, validate, scales))
-    return plan._run(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scales)
+                         direct.tensor_key(k), direct.tensor_key(v), *(direct.tensor_key(t) for t in index),
+                         softmax_scale, causal, direct.window_key(window_size), softcap, rotary_interleaved,
+                         num_splits, return_lse, sp_overlap, validate, *(direct.tensor_key(t) for t in scales)),
+        lambda: _make_plan(q, k_cache, v_cache, k, v, index, softmax_scale, causal, window_size, softcap,
+                           rotary_interleaved, num_splits, return_lse, sp_overlap, validate, scales))
+    return plan._run(q, k_cache, v_cache, k, v, index, scales)
