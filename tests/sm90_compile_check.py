@@ -41,10 +41,11 @@ def _cases():
     def grad_leaves(*shape, dtype=bf):
         return [torch.randn(*shape, dtype=dtype, requires_grad=True) for _ in range(3)]
 
-    def decode(fmt, d=128, append=False, paged=False, ctx=512, page=16, b=2, **call_kw):
+    def decode(fmt, d=128, append=False, paged=False, ctx=512, page=16, b=2, sq=1, extras=False, **call_kw):
+        """extras: flash-attn's cache_batch_idx (contiguous), cache_leftpad (contiguous) and rotary tables."""
         hq, hkv = 32, 8
-        q = torch.randn(b, 1, hq, d, dtype=bf)
-        lens = torch.full((b,), ctx - 1, dtype=torch.int32)
+        q = torch.randn(b, sq, hq, d, dtype=bf)
+        lens = torch.full((b,), ctx - sq, dtype=torch.int32)
         table = None
         shape = (b, ctx, hkv) if not paged else (b * ctx // page, page, hkv)
         if paged:
@@ -62,7 +63,11 @@ def _cases():
             vc = kc.clone()
             sc = torch.zeros(*shape, d // 16, dtype=torch.float8_e4m3fn)
             kw = dict(k_scale=sc, v_scale=sc.clone(), k_global_scale=torch.ones(1), v_global_scale=torch.ones(1))
-        new = torch.randn(b, 1, hkv, d, dtype=bf) if append else None
+        new = torch.randn(b, sq, hkv, d, dtype=bf) if append else None
+        if extras:
+            kw.update(rotary_cos=torch.ones(ctx, d // 4, dtype=bf), rotary_sin=torch.zeros(ctx, d // 4, dtype=bf))
+            if not paged:
+                kw.update(cache_batch_idx=torch.arange(b, dtype=torch.int32), cache_leftpad=lens // 2)
         tileflash.flash_attn_with_kvcache(q, kc, vc, new, new, cache_seqlens=lens, block_table=table, **kw, **call_kw)
 
     def register_decode(fmt, **kw):
@@ -173,6 +178,13 @@ def _cases():
         "decode 16-bit paged, page 64 (TMA tiles)": lambda: decode("16bit", paged=True, page=64),
         "decode fp8 paged, page 64 (TMA tiles)": lambda: decode("fp8", paged=True, page=64),
         "decode fp8 append": lambda: decode("fp8", append=True),
+        "decode 16-bit append, rotary, cache_batch_idx, cache_leftpad": lambda: decode("16bit", append=True,
+                                                                                  extras=True, causal=True),
+        "decode fp8 paged append, rotary (GPT-NeoX)": lambda: decode("fp8", append=True, paged=True, extras=True,
+                                                                     rotary_interleaved=False),
+        "extend 16-bit paged, 64 query tokens, rotary, causal": lambda: decode("16bit", append=True, paged=True,
+                                                                              sq=64, extras=True, causal=True),
+        "extend 16-bit contiguous, 40 query tokens": lambda: decode("16bit", append=True, sq=40),
         "decode nvfp4 append": lambda: decode("nvfp4", append=True),
         "decode nvfp4 d32 append": lambda: decode("nvfp4", d=32, append=True),
         "decode nvfp4 paged": lambda: decode("nvfp4", paged=True),

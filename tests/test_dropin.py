@@ -50,7 +50,7 @@ def test_cache_too_small_is_a_runtime_error_too():
     with pytest.raises(RuntimeError, match="capacity"):
         tileflash.flash_attn_with_kvcache(q, kc, vc, new, new, cache_seqlens=0)
     with pytest.raises(ValueError, match="capacity"):
-        tileflash.flash_attn_with_kvcache(q, kc, vc, new[:, :2], new[:, :2], cache_seqlens=7)
+        tileflash.flash_attn_with_kvcache(q, kc, vc, new[:, :2], new[:, :2], cache_seqlens=7, validate=True)
 
 
 def test_packed_entry_points_match_and_differentiate_into_the_packed_tensor():
@@ -211,3 +211,41 @@ def test_extras_input_errors():
     with pytest.raises(ValueError, match="cache_leftpad: not supported with a paged cache"):
         tileflash.flash_attn_with_kvcache(q, pages, pages, cache_seqlens=lens, block_table=table,
                                           cache_leftpad=lens)
+
+
+# ---- any number of new query tokens: an extend / chunked prefill through flash_attn_with_kvcache ----------------
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("causal", [True, False])
+def test_kvcache_extend_with_many_query_tokens(paged, causal):
+    """Sq = 37 new tokens (past the 16 decode rows: prefill tiles) appended to caches of 0 and 23 tokens, GQA 2,
+    paged with pages of 16 (a 37-token append crosses pages), with rotary."""
+    dtype = torch.bfloat16
+    g = torch.Generator().manual_seed(11)
+    mk = lambda *s: torch.randn(*s, generator=g).to(DEVICE, dtype)  # noqa: E731
+    q, k, v = mk(2, 37, 4, 64), mk(2, 37, 2, 64), mk(2, 37, 2, 64)
+    kc, vc = mk(2, 80, 2, 64), mk(2, 80, 2, 64)
+    lens = torch.tensor([0, 23], dtype=torch.int32, device=DEVICE)
+    cos, sin = _rotary_tables(80, 32, dtype)
+    kw = dict(cache_seqlens=lens, causal=causal, rotary_cos=cos, rotary_sin=sin, rotary_interleaved=False)
+    if paged:  # each sequence's 80 tokens on 5 pages of 16, in shuffled order
+        perm = torch.randperm(10, generator=g)
+        pool_k, pool_v = (torch.empty(10, 16, 2, 64, dtype=dtype, device=DEVICE) for _ in range(2))
+        pool_k[perm], pool_v[perm] = kc.reshape(10, 16, 2, 64), vc.reshape(10, 16, 2, 64)
+        table = perm.view(2, 5).to(DEVICE, torch.int32)
+        kc, vc = pool_k, pool_v
+        kw["block_table"] = table
+    _check_extras_call(q, k, v, kc, vc, **kw)
+
+
+def test_kvcache_extend_over_an_fp8_cache():
+    q, k, v, kc, vc = _extras_case(torch.float16, b=2, rows=2, ctx=64, s_new=20, sq=20, seed=12)
+    scale = torch.tensor([0.05, 0.04], device=DEVICE)
+    from tileflash.reference import fp8_quantize_ref
+    kc8, vc8 = fp8_quantize_ref(kc, scale), fp8_quantize_ref(vc, scale)
+    lens = torch.tensor([40, 3], dtype=torch.int32, device=DEVICE)
+    kw = dict(cache_seqlens=lens, causal=True, k_scale=scale, v_scale=scale)
+    out = tileflash.flash_attn_with_kvcache(q, kc8.clone(), vc8.clone(), k, v, **kw)
+    ref, *_ = kvcache_ref(q, kc8, vc8, k, v, **kw)
+    ref_lowp, *_ = kvcache_ref(q, kc8, vc8, k, v, upcast=False, **kw)
+    check_2x(out, ref, ref_lowp)

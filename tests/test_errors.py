@@ -75,7 +75,7 @@ KVCACHE_CASES = [
     ("cache_seqlens", ValueError, lambda a: a.update(cache_seqlens=None)),
     ("block_table", TypeError, lambda a: a.update(block_table=a["block_table"].long())),
     ("k, v", ValueError, lambda a: a.update(k=torch.randn(2, 1, 2, 64, **F16))),
-    ("query tokens", ValueError, lambda a: a.update(q=torch.randn(2, 17, 4, 64, **F16))),
+    ("query token", ValueError, lambda a: a.update(q=torch.randn(2, 0, 4, 64, **F16))),
     ("page size", ValueError, lambda a: a.update(k_cache=torch.randn(2, 257, 2, 64, **F16),
                                                  v_cache=torch.randn(2, 257, 2, 64, **F16))),
     ("capacity", ValueError, lambda a: a.update(cache_seqlens=torch.full((2,), 64, dtype=torch.int32, device=DEVICE),

@@ -16,12 +16,14 @@ import torch
 from .. import _utils
 from . import direct
 from ..heuristics import (GATHER_PROGRAMS_PER_SM, LONG_SPLIT_PROGRAMS_PER_SM, MAX_SPLITS, QUANT_MMA_MAX_ROWS,
-                          decode_config, num_splits_heuristic, quant_decode_config)
+                          decode_config, fwd_config, num_splits_heuristic, quant_decode_config)
 from ._launch import (Mask, cache_capacity, launch_attn_fwd, launch_combine, launch_decode_quant, launch_kv_append,
                       sm90_target, tma_tiles)
 from .prefill import _check_softcap
 
-MAX_QUERY_TOKENS = 16
+# More new query tokens than this per sequence (an extend / chunked prefill through flash_attn_with_kvcache) take
+# the prefill tiles, one query head per program and no split, instead of pack-GQA decode tiles.
+MAX_DECODE_TOKENS = 16
 
 
 KV_FORMATS = {torch.float8_e4m3fn: "fp8", torch.uint8: "nvfp4"}  # cache dtype -> format; others are 16-bit
@@ -85,8 +87,8 @@ def _quant_mma_config(q, k_cache, v_cache, block_table, capacity: int, sp_overla
 @dataclass(frozen=True)
 class DecodeSchedule:
     """What a decode call launches, from shapes alone (so a plan can hold it): the register-operand kernel's
-    tiles (qcfg) or the Triton kernel's (cfg), the split count, and the fp32 workspace it needs (split partials,
-    and the lse when the caller does not take it)."""
+    tiles (qcfg) or the Triton kernel's (cfg: decode tiles, or prefill tiles when `prefill`), the split count, and
+    the fp32 workspace it needs (split partials, and the lse when the caller does not take it)."""
     cfg: object
     qcfg: object
     num_splits: int
@@ -94,15 +96,21 @@ class DecodeSchedule:
     s_new: int
     pdl: bool
     workspace: int
+    prefill: bool = False
 
 
 def _schedule(q, k_cache, v_cache, k, block_table, num_splits: int, sp_overlap: bool, lse_in_workspace: bool,
-              extras: bool = False) -> DecodeSchedule:
+              extras: bool = False, causal_tiles: bool = False) -> DecodeSchedule:
+    """causal_tiles: the mask has a right bound (prefill tiles differ for causal calls)."""
     b, sq, hq, d = q.shape
     s_new = k.shape[1] if k is not None else 0
     capacity = cache_capacity(k_cache, block_table)
+    rows = b * sq * hq
     if hq == 0:  # nothing to attend with: only the append launches
         return DecodeSchedule(None, None, 1, capacity, s_new, False, 0)
+    if sq > MAX_DECODE_TOKENS:
+        cfg = fwd_config(d, causal=causal_tiles, interpret=_utils.is_interpreter(), seqlen_k=capacity)
+        return DecodeSchedule(cfg, None, 1, capacity, s_new, False, rows if lse_in_workspace else 0, prefill=True)
     cfg = None
     qcfg = _quant_mma_config(q, k_cache, v_cache, block_table, capacity, sp_overlap, extras)
     if qcfg is not None:
@@ -110,7 +118,6 @@ def _schedule(q, k_cache, v_cache, k, block_table, num_splits: int, sp_overlap: 
                                                         _utils.num_sms(q.device), per_sm=qcfg.programs_per_sm)
     else:
         cfg, num_splits, _ = _plan(q, k_cache, block_table, num_splits)
-    rows = b * sq * hq
     workspace = (num_splits * rows * (d + 1) if num_splits > 1 else 0) + (rows if lse_in_workspace else 0)
     return DecodeSchedule(cfg, qcfg, num_splits, capacity, s_new, _combine_pdl(block_table), workspace)
 
@@ -149,10 +156,11 @@ def _launch_kvcache(s: DecodeSchedule, mask: Mask, softmax_scale: float, sp_over
                             **scales)
     else:
         launch_attn_fwd(q, k_cache, v_cache, out, lse, q_batch_stride0=False, k_batch_stride0=False,
-                        num_batches=b, seqlen_q=sq, seqlen_k=s.capacity, m_rows=sq * (hq // k_cache.shape[2]),
-                        softmax_scale=softmax_scale, mask=mask, config=s.cfg, seqlens_k=cache_seqlens,
-                        seqlen_k_add=s.s_new, block_table=block_table, pack_gqa=True, num_splits=s.num_splits,
-                        sp_overlap=sp_overlap, o_part=o_part, lse_part=lse_part, pdl=s.pdl,
+                        num_batches=b, seqlen_q=sq, seqlen_k=s.capacity,
+                        m_rows=sq if s.prefill else sq * (hq // k_cache.shape[2]), softmax_scale=softmax_scale,
+                        mask=mask, config=s.cfg, seqlens_k=cache_seqlens, seqlen_k_add=s.s_new,
+                        block_table=block_table, pack_gqa=not s.prefill, num_splits=s.num_splits,
+                        sp_overlap=s.cfg.sp_overlap if s.prefill else sp_overlap, o_part=o_part, lse_part=lse_part, pdl=s.pdl,
                         cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
                         rotary_per_token=mask.window_left >= 0 or mask.window_right >= 0, **rotary, **scales)
     if split:
@@ -175,7 +183,7 @@ def _attn_kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         return out, lse
     extras = (cache_batch_idx, cache_leftpad, rotary_cos)
     s = _schedule(q, k_cache, v_cache, k, block_table, num_splits, sp_overlap, lse_in_workspace=False,
-                  extras=any(t is not None for t in extras))
+                  extras=any(t is not None for t in extras), causal_tiles=window_right >= 0)
     ws = torch.empty(s.workspace, dtype=torch.float32, device=q.device) if s.workspace else None
     _launch_kvcache(s, Mask(window_left, window_right, softcap), softmax_scale, sp_overlap, rotary_interleaved, q,
                     k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos,
@@ -289,8 +297,8 @@ def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_sp
         _utils.check_last_dim_contiguous(name, t)
     b, sq, hq, d = q.shape
     _utils.check_head_dim(d)
-    if not 1 <= sq <= MAX_QUERY_TOKENS:
-        raise ValueError(f"q: expected 1..{MAX_QUERY_TOKENS} query tokens per sequence (dim 1), got {sq}")
+    if sq < 1:
+        raise ValueError(f"q: expected at least one query token per sequence (dim 1), got {sq}")
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache, v_cache: expected equal shapes, got {tuple(k_cache.shape)} and "
                          f"{tuple(v_cache.shape)}")
@@ -438,7 +446,8 @@ def _make_plan(q, k_cache, v_cache, k, v, index, softmax_scale, causal, window_s
     left, right = _utils.check_window(window_size)
     mask = Mask.make(causal, (left, right), _check_softcap(softcap))
     sched = _schedule(q, k_cache, v_cache, k, block_table, int(num_splits), bool(sp_overlap),
-                      lse_in_workspace=not return_lse, extras=any(t is not None for t in index[2:]))
+                      lse_in_workspace=not return_lse, extras=any(t is not None for t in index[2:]),
+                      causal_tiles=mask.window_right >= 0)
     # On the CPU reading values costs no sync, so they are always checked there.
     validate = bool(validate) or q.device.type == "cpu"
     return DecodePlan(sched, mask, _utils.softmax_scale_or_default(softmax_scale, q.shape[-1]), bool(sp_overlap),
@@ -490,7 +499,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False, *,
                             return_lse=False, page_table=None, sp_overlap=False, validate=False, k_scale=None,
                             v_scale=None, k_global_scale=None, v_global_scale=None):
-    """Attention of 1..16 new query tokens per sequence over a KV cache, appending new K/V in place.
+    """Attention of new query tokens over a KV cache, appending new K/V in place: decode (1..16 tokens per
+    sequence: pack-GQA tiles, split-KV) or extend / chunked prefill (more tokens: prefill tiles, no split).
 
     Arguments in flash-attn 2.x's order (FA3's page_table and return_softmax_lse names are accepted too).
     q [B, Sq, Hq, D]; k_cache/v_cache [B, S_max, Hkv, D], or paged [num_pages, page_size, Hkv, D] with
@@ -498,7 +508,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     k, v [B, Snew, Hkv, D] are written at positions cache_seqlens .. cache_seqlens + Snew, then attention runs over
     cache_seqlens + Snew tokens; causal=True masks bottom-right aligned (flash-attn's default, causal=False, lets
     every new query see every new key: pass causal=True for several new tokens of one sequence). cache_seqlens may
-    be an int (every sequence's length). num_splits: 0 heuristic, 1 none, n exactly n.
+    be an int (every sequence's length). num_splits (decode): 0 heuristic, 1 none, n exactly n.
     cache_batch_idx [B] int32: the contiguous cache's row of each sequence (the cache may hold more rows than B).
     cache_leftpad [B] int32: sequence b's keys start at cache position cache_leftpad[b] (contiguous caches; keys
     [cache_leftpad, cache_seqlens + Snew), positions and masks counted from the pad).
