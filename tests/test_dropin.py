@@ -249,3 +249,45 @@ def test_kvcache_extend_over_an_fp8_cache():
     ref, *_ = kvcache_ref(q, kc8, vc8, k, v, **kw)
     ref_lowp, *_ = kvcache_ref(q, kc8, vc8, k, v, upcast=False, **kw)
     check_2x(out, ref, ref_lowp)
+
+
+def test_kvcache_packed_queries_fa3():
+    """FA3's cu_seqlens_q / max_seqlen_q over a paged cache (SGLang's extend): ragged query counts 5, 0, 19 with a
+    3-token append each, causal; per sequence against the padded reference. One query per sequence (its decode)
+    runs as the padded call, bitwise."""
+    dtype = torch.float16
+    g = torch.Generator().manual_seed(13)
+    mk = lambda *s: torch.randn(*s, generator=g).to(DEVICE, dtype)  # noqa: E731
+    lens_q = [5, 0, 19]
+    cu = torch.tensor([0, 5, 5, 24], dtype=torch.int32, device=DEVICE)
+    q, k, v = mk(24, 4, 64), mk(3, 3, 2, 64), mk(3, 3, 2, 64)
+    pool_k, pool_v = mk(12, 16, 2, 64), mk(12, 16, 2, 64)
+    table = torch.randperm(12, generator=g).view(3, 4).to(DEVICE, torch.int32)
+    lens = torch.tensor([10, 4, 30], dtype=torch.int32, device=DEVICE)
+    kc, vc = pool_k.clone(), pool_v.clone()
+    out, lse = tileflash.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, page_table=table, causal=True,
+                                                 cu_seqlens_q=cu, max_seqlen_q=19, return_softmax_lse=True)
+    assert out.shape == q.shape and lse.shape == (4, 24)
+    ref_k, ref_v = pool_k.clone(), pool_v.clone()
+    for i, n in enumerate(lens_q):
+        rows = slice(int(cu[i]), int(cu[i + 1]))
+        args = (ref_k, ref_v, k[i:i + 1], v[i:i + 1])
+        kw = dict(cache_seqlens=lens[i:i + 1], block_table=table[i:i + 1], causal=True)
+        ref, ref_lse, new_k, new_v = kvcache_ref(q[None, rows], *args, **kw)
+        ref_k.copy_(new_k), ref_v.copy_(new_v)
+        if n:
+            ref_lowp, *_ = kvcache_ref(q[None, rows], *args, upcast=False, **kw)
+            check_2x(out[rows], ref[0], ref_lowp[0])
+            assert (lse[:, rows] - ref_lse[0]).abs().max() < 2e-2
+    assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+    one = q[:3]
+    arange = torch.arange(4, dtype=torch.int32, device=DEVICE)
+    packed = tileflash.flash_attn_with_kvcache(one, pool_k, pool_v, cache_seqlens=lens, block_table=table,
+                                               cu_seqlens_q=arange, max_seqlen_q=1)
+    padded = tileflash.flash_attn_with_kvcache(one[:, None], pool_k, pool_v, cache_seqlens=lens, block_table=table)
+    assert torch.equal(packed, padded[:, 0])
+    with pytest.raises(ValueError, match="max_seqlen_q: required"):
+        tileflash.flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=lens, block_table=table, cu_seqlens_q=cu)
+    with pytest.raises(NotImplementedError, match="cu_seqlens_k_new"):
+        tileflash.flash_attn_with_kvcache(q, pool_k, pool_v, k, v, cache_seqlens=lens, block_table=table,
+                                          cu_seqlens_q=cu, max_seqlen_q=19, cu_seqlens_k_new=cu)

@@ -97,20 +97,24 @@ class DecodeSchedule:
     pdl: bool
     workspace: int
     prefill: bool = False
+    max_seqlen_q: int = 0  # > 0: q is packed [total_q, Hq, D] with cu_seqlens_q (FA3's varlen queries)
 
 
 def _schedule(q, k_cache, v_cache, k, block_table, num_splits: int, sp_overlap: bool, lse_in_workspace: bool,
-              extras: bool = False, causal_tiles: bool = False) -> DecodeSchedule:
-    """causal_tiles: the mask has a right bound (prefill tiles differ for causal calls)."""
-    b, sq, hq, d = q.shape
+              extras: bool = False, causal_tiles: bool = False, max_seqlen_q: int = 0) -> DecodeSchedule:
+    """causal_tiles: the mask has a right bound (prefill tiles differ for causal calls). max_seqlen_q > 0: packed
+    queries, which take the prefill tiles (their rows are ragged: no pack-GQA tile or split partial layout)."""
+    hq, d = q.shape[-2:]
     s_new = k.shape[1] if k is not None else 0
     capacity = cache_capacity(k_cache, block_table)
-    rows = b * sq * hq
+    rows = q.shape[:-1].numel()
     if hq == 0:  # nothing to attend with: only the append launches
         return DecodeSchedule(None, None, 1, capacity, s_new, False, 0)
-    if sq > MAX_DECODE_TOKENS:
+    if max_seqlen_q or q.shape[1] > MAX_DECODE_TOKENS:
         cfg = fwd_config(d, causal=causal_tiles, interpret=_utils.is_interpreter(), seqlen_k=capacity)
-        return DecodeSchedule(cfg, None, 1, capacity, s_new, False, rows if lse_in_workspace else 0, prefill=True)
+        return DecodeSchedule(cfg, None, 1, capacity, s_new, False, rows if lse_in_workspace else 0, prefill=True,
+                              max_seqlen_q=max_seqlen_q)
+    b = q.shape[0]
     cfg = None
     qcfg = _quant_mma_config(q, k_cache, v_cache, block_table, capacity, sp_overlap, extras)
     if qcfg is not None:
@@ -131,10 +135,11 @@ def _kv_scales(k_scale, v_scale, k_global_scale, v_global_scale) -> dict:
 
 def _launch_kvcache(s: DecodeSchedule, mask: Mask, softmax_scale: float, sp_overlap: bool, rotary_interleaved: bool,
                     q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos,
-                    rotary_sin, k_scale, v_scale, k_global_scale, v_global_scale, out, lse, ws) -> None:
-    """The launches of one decode call into out [B, Sq, Hq, D] and lse [B, Hq, Sq] (or, when lse is None, the
-    workspace's tail): the append, the attention, the split combine. ws: fp32 [>= s.workspace] or None."""
-    b, sq, hq, d = q.shape
+                    rotary_sin, cu_seqlens_q, k_scale, v_scale, k_global_scale, v_global_scale, out, lse, ws) -> None:
+    """The launches of one decode call into out [B, Sq, Hq, D] and lse [B, Hq, Sq] (packed queries: [total_q, Hq,
+    D] and [Hq, total_q]; or, when lse is None, the workspace's tail): the append, the attention, the split
+    combine. ws: fp32 [>= s.workspace] or None."""
+    hq, d = q.shape[-2:]
     scales = _kv_scales(k_scale, v_scale, k_global_scale, v_global_scale)
     rotary = dict(rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved)
     if s.s_new:
@@ -142,6 +147,20 @@ def _launch_kvcache(s: DecodeSchedule, mask: Mask, softmax_scale: float, sp_over
                          **rotary, **scales)
     if hq == 0:  # nothing to attend with; the append above still happened
         return
+    rotary_per_token = mask.window_left >= 0 or mask.window_right >= 0
+    if s.max_seqlen_q:  # packed queries: viewed as one batch row with a batch stride of 0
+        total_q = q.shape[0]
+        if lse is None:
+            lse = direct.derived(ws[:hq * total_q].view(hq, total_q), ws)
+        q4, out4, lse3 = (direct.derived(t.unsqueeze(0), t) for t in (q, out, lse))
+        launch_attn_fwd(q4, k_cache, v_cache, out4, lse3, q_batch_stride0=True, k_batch_stride0=False,
+                        num_batches=cache_seqlens.shape[0], seqlen_q=total_q, seqlen_k=s.capacity,
+                        m_rows=s.max_seqlen_q, softmax_scale=softmax_scale, mask=mask, config=s.cfg,
+                        cu_seqlens_q=cu_seqlens_q, seqlens_k=cache_seqlens, seqlen_k_add=s.s_new,
+                        block_table=block_table, sp_overlap=s.cfg.sp_overlap, cache_batch_idx=cache_batch_idx,
+                        cache_leftpad=cache_leftpad, rotary_per_token=rotary_per_token, **rotary, **scales)
+        return
+    b, sq = q.shape[:2]
     rows = b * sq * hq
     split = s.num_splits > 1
     part = rows * d * s.num_splits if split else 0
@@ -162,7 +181,7 @@ def _launch_kvcache(s: DecodeSchedule, mask: Mask, softmax_scale: float, sp_over
                         block_table=block_table, pack_gqa=not s.prefill, num_splits=s.num_splits,
                         sp_overlap=s.cfg.sp_overlap if s.prefill else sp_overlap, o_part=o_part, lse_part=lse_part, pdl=s.pdl,
                         cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
-                        rotary_per_token=mask.window_left >= 0 or mask.window_right >= 0, **rotary, **scales)
+                        rotary_per_token=rotary_per_token, **rotary, **scales)
     if split:
         launch_combine(o_part, lse_part, out, lse, pdl=s.pdl)
 
@@ -171,24 +190,34 @@ def _attn_kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                        v: Optional[torch.Tensor], cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor],
                        cache_batch_idx: Optional[torch.Tensor], cache_leftpad: Optional[torch.Tensor],
                        rotary_cos: Optional[torch.Tensor], rotary_sin: Optional[torch.Tensor],
-                       rotary_interleaved: bool, softmax_scale: float, window_left: int, window_right: int,
-                       softcap: float, num_splits: int, sp_overlap: bool, k_scale: Optional[torch.Tensor],
-                       v_scale: Optional[torch.Tensor], k_global_scale: Optional[torch.Tensor],
+                       cu_seqlens_q: Optional[torch.Tensor], max_seqlen_q: int, rotary_interleaved: bool,
+                       softmax_scale: float, window_left: int, window_right: int, softcap: float, num_splits: int,
+                       sp_overlap: bool, k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
+                       k_global_scale: Optional[torch.Tensor],
                        v_global_scale: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The custom op's implementation (torch.compile); eager calls take a DecodePlan."""
-    b, sq, hq, d = q.shape
+    """The custom op's implementation (torch.compile); eager calls take a DecodePlan. max_seqlen_q > 0 with packed
+    queries (cu_seqlens_q), else 0."""
     out = _utils.new_output(q.shape, q.dtype, q.device)
-    lse = _utils.new_output((b, hq, sq), torch.float32, q.device)
-    if b == 0:
+    lse = _utils.new_output(_lse_shape(q, max_seqlen_q), torch.float32, q.device)
+    if cache_seqlens.shape[0] == 0:
         return out, lse
     extras = (cache_batch_idx, cache_leftpad, rotary_cos)
     s = _schedule(q, k_cache, v_cache, k, block_table, num_splits, sp_overlap, lse_in_workspace=False,
-                  extras=any(t is not None for t in extras), causal_tiles=window_right >= 0)
+                  extras=any(t is not None for t in extras), causal_tiles=window_right >= 0,
+                  max_seqlen_q=max_seqlen_q)
     ws = torch.empty(s.workspace, dtype=torch.float32, device=q.device) if s.workspace else None
     _launch_kvcache(s, Mask(window_left, window_right, softcap), softmax_scale, sp_overlap, rotary_interleaved, q,
                     k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos,
-                    rotary_sin, k_scale, v_scale, k_global_scale, v_global_scale, out, lse, ws)
+                    rotary_sin, cu_seqlens_q, k_scale, v_scale, k_global_scale, v_global_scale, out, lse, ws)
     return out, lse
+
+
+def _lse_shape(q, max_seqlen_q: int) -> tuple:
+    """[B, Hq, Sq], or [Hq, total_q] for packed queries (flash-attn's varlen layout)."""
+    if max_seqlen_q:
+        return q.shape[1], q.shape[0]
+    b, sq, hq, _ = q.shape
+    return b, hq, sq
 
 
 _attn_kvcache_op = torch.library.custom_op(
@@ -197,10 +226,9 @@ _attn_kvcache_op = torch.library.custom_op(
 
 @_attn_kvcache_op.register_fake
 def _(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin,
-      rotary_interleaved, softmax_scale, window_left, window_right, softcap, num_splits, sp_overlap, k_scale, v_scale,
-      k_global_scale, v_global_scale):
-    b, sq, hq, _ = q.shape
-    return torch.empty_like(q), q.new_empty((b, hq, sq), dtype=torch.float32)
+      cu_seqlens_q, max_seqlen_q, rotary_interleaved, softmax_scale, window_left, window_right, softcap, num_splits,
+      sp_overlap, k_scale, v_scale, k_global_scale, v_global_scale):
+    return torch.empty_like(q), q.new_empty(_lse_shape(q, max_seqlen_q), dtype=torch.float32)
 
 
 def _check_kv_scales(k_cache, v_cache, k_scale, v_scale, k_global_scale, v_global_scale, num_heads_kv: int,
@@ -250,11 +278,11 @@ def _check_kv_scales(k_cache, v_cache, k_scale, v_scale, k_global_scale, v_globa
                 raise ValueError(f"{name}: expected one float32 value, got shape {tuple(t.shape)}")
 
 
-def _check_extras(q, k, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin, capacity: int):
+def _check_extras(q, b: int, k, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin, capacity: int):
     """flash-attn's cache_batch_idx / cache_leftpad ([B] int32, contiguous caches only) and rotary tables
     (rotary_cos / rotary_sin [seqlen_ro >= the cache capacity, rotary_dim / 2], q's dtype or fp32; they rotate the
     new k, so k and v must be given)."""
-    b, dev = q.shape[0], q.device
+    dev = q.device
     for name, t in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
         if t is None:
             continue
@@ -287,18 +315,31 @@ def _check_extras(q, k, block_table, cache_batch_idx, cache_leftpad, rotary_cos,
 
 def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, k_scale, v_scale,
                    k_global_scale, v_global_scale, cache_batch_idx=None, cache_leftpad=None, rotary_cos=None,
-                   rotary_sin=None):
-    _utils.check_tensor("q", q, ndim=4, dtypes=_utils.SUPPORTED_DTYPES)
+                   rotary_sin=None, cu_seqlens_q=None, max_seqlen_q=None):
+    """q [B, Sq, Hq, D], or packed [total_q, Hq, D] with cu_seqlens_q [B + 1] int32 and max_seqlen_q (FA3)."""
+    _utils.check_tensor("q", q, ndim=4 if cu_seqlens_q is None else 3, dtypes=_utils.SUPPORTED_DTYPES)
     dev = q.device
     cache_dtypes = (q.dtype, torch.float8_e4m3fn, torch.uint8)
     _utils.check_tensor("k_cache", k_cache, ndim=4, dtypes=cache_dtypes, device=dev)
     _utils.check_tensor("v_cache", v_cache, ndim=4, dtypes=(k_cache.dtype,), device=dev)
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _utils.check_last_dim_contiguous(name, t)
-    b, sq, hq, d = q.shape
+    hq, d = q.shape[-2:]
     _utils.check_head_dim(d)
-    if sq < 1:
-        raise ValueError(f"q: expected at least one query token per sequence (dim 1), got {sq}")
+    if cu_seqlens_q is None:
+        b = q.shape[0]
+        if q.shape[1] < 1:
+            raise ValueError(f"q: expected at least one query token per sequence (dim 1), got {q.shape[1]}")
+        if max_seqlen_q is not None:
+            raise ValueError("max_seqlen_q: only with cu_seqlens_q (packed queries)")
+    else:
+        _utils.check_int32("cu_seqlens_q", cu_seqlens_q, 1, dev)
+        if cu_seqlens_q.shape[0] < 2 or cu_seqlens_q.stride(0) != 1:
+            raise ValueError(f"cu_seqlens_q: expected a contiguous [batch + 1] tensor, got {tuple(cu_seqlens_q.shape)}")
+        b = cu_seqlens_q.shape[0] - 1
+        if max_seqlen_q is None or _utils.as_int("max_seqlen_q", max_seqlen_q) < 0:
+            raise ValueError(f"max_seqlen_q: required with cu_seqlens_q (>= every sequence's query count), got "
+                             f"{max_seqlen_q}")
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache, v_cache: expected equal shapes, got {tuple(k_cache.shape)} and "
                          f"{tuple(v_cache.shape)}")
@@ -347,7 +388,7 @@ def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_sp
         s_new = k.shape[1]
         if s_new > capacity:
             raise _utils.CacheCapacityError(f"k: {s_new} new tokens exceed the cache capacity of {capacity} tokens")
-    _check_extras(q, k, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin, capacity)
+    _check_extras(q, b, k, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin, capacity)
     num_splits = _utils.as_int("num_splits", num_splits)
     if not 0 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits: expected 0 (heuristic), 1 (no split) or 2..{MAX_SPLITS}, got {num_splits}")
@@ -385,18 +426,20 @@ class DecodePlan(direct.Replayable):
     cache_batch_idx, cache_leftpad, the rotary tables and the scale tensors are the plan's (bound by decode_plan;
     the plans flash_attn_with_kvcache caches keep none, so they hold no call's tensors alive): change their values
     in place between runs (CUDA-graph replays included), not the tensors."""
-    index = (None,) * 6  # cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin
+    # cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin, cu_seqlens_q
+    index = (None,) * 7
     scales = (None, None, None, None)
 
     def __init__(self, schedule: DecodeSchedule, mask: Mask, softmax_scale: float, sp_overlap: bool,
-                 rotary_interleaved: bool, q_key, k_cache, v_cache, k, v, scales, return_lse: bool, validate: bool):
+                 rotary_interleaved: bool, q_key, k_cache, v_cache, k, v, scales, return_lse: bool, validate: bool,
+                 batch: int):
         self.schedule, self.mask, self.softmax_scale, self.sp_overlap = schedule, mask, softmax_scale, sp_overlap
-        self.rotary_interleaved = rotary_interleaved
+        self.rotary_interleaved, self.batch = rotary_interleaved, batch
         self.keys = (q_key, *map(direct.tensor_key, (k_cache, v_cache, k, v, *scales)))
         self.return_lse, self.validate = return_lse, validate
         self.out_shape, self.dtype, self.device = q_key[0], q_key[2], q_key[3]
-        b, sq, hq, _ = self.out_shape
-        self.lse_shape = (b, hq, sq)
+        self.lse_shape = (self.out_shape[1], self.out_shape[0]) if schedule.max_seqlen_q else \
+            (self.out_shape[0], self.out_shape[2], self.out_shape[1])
 
     def run(self, q, k_cache, v_cache, k=None, v=None, out=None, k_scale=None, v_scale=None, k_global_scale=None,
             v_global_scale=None):
@@ -419,7 +462,8 @@ class DecodePlan(direct.Replayable):
                         *slots)
 
     def _run(self, q, k_cache, v_cache, k, v, index, scales, out=None):
-        """index: (cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin)."""
+        """index: (cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin,
+        cu_seqlens_q)."""
         s = self.schedule
         if self.validate:
             _validate_values(k_cache, index[0], index[1], s.capacity, s.s_new, index[2], index[3])
@@ -429,7 +473,7 @@ class DecodePlan(direct.Replayable):
         stream = direct.current_stream(self.device)
         ws = direct.WORKSPACE.get(self.device, stream, s.workspace) if s.workspace else None
         slots = (q, k_cache, v_cache, k, v, *index, *scales, out, lse, ws)
-        if self.out_shape[0]:  # an empty batch launches nothing
+        if self.batch:  # an empty batch launches nothing
             self.execute(self._launch, slots, stream)
         return (out, lse) if self.return_lse else out
 
@@ -438,21 +482,22 @@ _PLANS = direct.PlanCache()
 
 
 def _make_plan(q, k_cache, v_cache, k, v, index, softmax_scale, causal, window_size, softcap, rotary_interleaved,
-               num_splits, return_lse, sp_overlap, validate, scales) -> DecodePlan:
+               num_splits, return_lse, sp_overlap, validate, scales, max_seqlen_q=None) -> DecodePlan:
     """Check every argument (raising before any launch) and plan the call."""
-    cache_seqlens, block_table, batch_idx, leftpad, rotary_cos, rotary_sin = index
+    cache_seqlens, block_table, batch_idx, leftpad, rotary_cos, rotary_sin, cu_seqlens_q = index
     capacity, s_new = _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, *scales,
-                                     batch_idx, leftpad, rotary_cos, rotary_sin)
+                                     batch_idx, leftpad, rotary_cos, rotary_sin, cu_seqlens_q, max_seqlen_q)
     left, right = _utils.check_window(window_size)
     mask = Mask.make(causal, (left, right), _check_softcap(softcap))
+    packed = cu_seqlens_q is not None  # its tiles need at least one row
     sched = _schedule(q, k_cache, v_cache, k, block_table, int(num_splits), bool(sp_overlap),
-                      lse_in_workspace=not return_lse, extras=any(t is not None for t in index[2:]),
-                      causal_tiles=mask.window_right >= 0)
+                      lse_in_workspace=not return_lse, extras=any(t is not None for t in index[2:6]),
+                      causal_tiles=mask.window_right >= 0, max_seqlen_q=max(int(max_seqlen_q), 1) if packed else 0)
     # On the CPU reading values costs no sync, so they are always checked there.
     validate = bool(validate) or q.device.type == "cpu"
     return DecodePlan(sched, mask, _utils.softmax_scale_or_default(softmax_scale, q.shape[-1]), bool(sp_overlap),
                       bool(rotary_interleaved), direct.tensor_key(q), k_cache, v_cache, k, v, scales,
-                      bool(return_lse), validate)
+                      bool(return_lse), validate, cache_seqlens.shape[0])
 
 
 def _block_table(block_table, page_table):
@@ -486,7 +531,7 @@ def decode_plan(q, k_cache, v_cache, cache_seqlens, block_table=None, k=None, v=
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
         raise TypeError(f"cache_seqlens: expected an int32 tensor, got {type(cache_seqlens).__name__}")
     scales = (k_scale, v_scale, k_global_scale, v_global_scale)
-    index = (cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin)
+    index = (cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin, None)
     plan = _make_plan(q, k_cache, v_cache, k, v, index, softmax_scale, causal, window_size, softcap,
                       rotary_interleaved, num_splits, return_lse, sp_overlap, validate, scales)
     plan.index, plan.scales = index, scales
@@ -497,8 +542,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False, *,
-                            return_lse=False, page_table=None, sp_overlap=False, validate=False, k_scale=None,
-                            v_scale=None, k_global_scale=None, v_global_scale=None):
+                            return_lse=False, page_table=None, cu_seqlens_q=None, max_seqlen_q=None,
+                            cu_seqlens_k_new=None, sp_overlap=False, validate=False, k_scale=None, v_scale=None,
+                            k_global_scale=None, v_global_scale=None):
     """Attention of new query tokens over a KV cache, appending new K/V in place: decode (1..16 tokens per
     sequence: pack-GQA tiles, split-KV) or extend / chunked prefill (more tokens: prefill tiles, no split).
 
@@ -527,23 +573,54 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     validate=True checks cache_seqlens, block_table, cache_batch_idx and cache_leftpad values against the cache
     (costs a device sync); without it they are the caller's contract (lengths are clamped to the capacity in the
     kernel; page and row indices are trusted).
+    FA3's packed queries: q [total_q, Hq, D] with cu_seqlens_q [B + 1] int32 and max_seqlen_q (SGLang's extend and
+    decode); out [total_q, Hq, D], lse [Hq, total_q]. When every sequence has max_seqlen_q tokens (total_q =
+    B * max_seqlen_q, e.g. one each in decode) the call runs as the padded one; ragged queries take the prefill
+    tiles. New k/v stay [B, Snew, Hkv, D] (varlen appends, cu_seqlens_k_new, are not supported).
     Returns out [B, Sq, Hq, D], and with return_softmax_lse=True (or return_lse=True) (out, lse [B, Hq, Sq] fp32).
     """
     _check_alibi(alibi_slopes)
+    if cu_seqlens_k_new is not None:
+        raise NotImplementedError("cu_seqlens_k_new: varlen appends are not supported; pass k, v as [B, Snew, Hkv, "
+                                  "D] (or append into the cache yourself and pass k=v=None)")
     return_lse = bool(return_lse or return_softmax_lse)
     block_table = _block_table(block_table, page_table)
+    if cu_seqlens_q is not None and isinstance(q, torch.Tensor) and q.dim() == 3 and isinstance(max_seqlen_q, int) \
+            and cu_seqlens_q.dim() == 1 and max_seqlen_q > 0 and q.shape[0] == (cu_seqlens_q.shape[0] - 1) * max_seqlen_q:
+        # Every sequence holds exactly max_seqlen_q queries: the padded call, with its decode tiles and splits.
+        total_q, hq, d = q.shape
+        res = _kvcache(q.view(-1, max_seqlen_q, hq, d), k_cache, v_cache, k, v, rotary_cos, rotary_sin,
+                       cache_seqlens, cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
+                       window_size, softcap, rotary_interleaved, num_splits, return_lse, None, None, sp_overlap,
+                       validate, k_scale, v_scale, k_global_scale, v_global_scale)
+        if not return_lse:
+            return res.view(total_q, hq, d)
+        out, lse = res
+        return out.view(total_q, hq, d), lse.transpose(0, 1).reshape(hq, total_q)
+    return _kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                    block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits,
+                    return_lse, cu_seqlens_q, max_seqlen_q, sp_overlap, validate, k_scale, v_scale, k_global_scale,
+                    v_global_scale)
+
+
+def _kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+             block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits, return_lse,
+             cu_seqlens_q, max_seqlen_q, sp_overlap, validate, k_scale, v_scale, k_global_scale, v_global_scale):
+    """flash_attn_with_kvcache without its argument aliases: plan (cached per signature) and run."""
     scales = (k_scale, v_scale, k_global_scale, v_global_scale)
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool) and isinstance(q, torch.Tensor):
-        cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
-    index = (cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin)
+        batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
+        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+    index = (cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin, cu_seqlens_q)
     if torch.compiler.is_compiling():
         capacity, s_new = _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits,
-                                         *scales, *index[2:])
+                                         *scales, *index[2:], max_seqlen_q)
         if validate:
             _validate_values(k_cache, cache_seqlens, block_table, capacity, s_new, cache_batch_idx, cache_leftpad)
         left, right = _utils.check_window(window_size)
         mask = Mask.make(causal, (left, right), _check_softcap(softcap))
-        out, lse = _attn_kvcache_op(q, k_cache, v_cache, k, v, cache_seqlens.contiguous(), *index[1:],
+        packed_max = max(int(max_seqlen_q), 1) if cu_seqlens_q is not None else 0
+        out, lse = _attn_kvcache_op(q, k_cache, v_cache, k, v, cache_seqlens.contiguous(), *index[1:], packed_max,
                                     bool(rotary_interleaved), _utils.softmax_scale_or_default(softmax_scale,
                                                                                               q.shape[-1]),
                                     mask.window_left, mask.window_right, mask.softcap, int(num_splits),
@@ -556,7 +633,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         _PLANS, lambda: (direct.tensor_key(q), direct.tensor_key(k_cache), direct.tensor_key(v_cache),
                          direct.tensor_key(k), direct.tensor_key(v), *(direct.tensor_key(t) for t in index),
                          softmax_scale, causal, direct.window_key(window_size), softcap, rotary_interleaved,
-                         num_splits, return_lse, sp_overlap, validate, *(direct.tensor_key(t) for t in scales)),
+                         num_splits, return_lse, sp_overlap, validate, max_seqlen_q,
+                         *(direct.tensor_key(t) for t in scales)),
         lambda: _make_plan(q, k_cache, v_cache, k, v, index, softmax_scale, causal, window_size, softcap,
-                           rotary_interleaved, num_splits, return_lse, sp_overlap, validate, scales))
+                           rotary_interleaved, num_splits, return_lse, sp_overlap, validate, scales, max_seqlen_q))
     return plan._run(q, k_cache, v_cache, k, v, index, scales)
