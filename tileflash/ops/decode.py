@@ -63,14 +63,15 @@ def _combine_pdl(block_table) -> bool:
     return block_table is None
 
 
-def _quant_mma_config(q, k_cache, v_cache, block_table, capacity: int, sp_overlap: bool):
+def _quant_mma_config(q, k_cache, v_cache, block_table, capacity: int, sp_overlap: bool, alibi: bool = False):
     """The register-operand decode's tiles (kernels/decode_quant_mma.py) when it serves this call, else None: a
     cache heuristics.quant_decode_config takes on sm_90, at most 16 query rows per KV head, a contiguous cache or
-    power-of-two pages, 16-byte aligned K/V rows with equal K and V strides (it reads rows as 16-byte words), and
-    the plain loop (sp_overlap=True asks for the Triton kernel's S/P-overlapped loop)."""
+    power-of-two pages, 16-byte aligned K/V rows with equal K and V strides (it reads rows as 16-byte words), no
+    ALiBi (it has no bias), and the plain loop (sp_overlap=True asks for the Triton kernel's S/P-overlapped
+    loop)."""
     cfg = quant_decode_config(q.shape[3], KV_FORMATS.get(k_cache.dtype, "16bit"), q.shape[0] * k_cache.shape[2],
                               capacity)
-    if cfg is None or sp_overlap or not sm90_target():
+    if cfg is None or sp_overlap or alibi or not sm90_target():
         return None
     if q.shape[1] * (q.shape[2] // k_cache.shape[2]) > QUANT_MMA_MAX_ROWS:
         return None
@@ -96,14 +97,14 @@ class DecodeSchedule:
 
 
 def _schedule(q, k_cache, v_cache, k, block_table, num_splits: int, sp_overlap: bool,
-              lse_in_workspace: bool) -> DecodeSchedule:
+              lse_in_workspace: bool, alibi: bool) -> DecodeSchedule:
     b, sq, hq, d = q.shape
     s_new = k.shape[1] if k is not None else 0
     capacity = cache_capacity(k_cache, block_table)
     if hq == 0:  # nothing to attend with: only the append launches
         return DecodeSchedule(None, None, 1, capacity, s_new, False, 0)
     cfg = None
-    qcfg = _quant_mma_config(q, k_cache, v_cache, block_table, capacity, sp_overlap)
+    qcfg = _quant_mma_config(q, k_cache, v_cache, block_table, capacity, sp_overlap, alibi)
     if qcfg is not None:
         num_splits = num_splits or num_splits_heuristic(b, k_cache.shape[2], 1, capacity, qcfg.step,
                                                         _utils.num_sms(q.device), per_sm=qcfg.programs_per_sm)
@@ -122,8 +123,8 @@ def _kv_scales(k_scale, v_scale, k_global_scale, v_global_scale) -> dict:
 
 
 def _launch_kvcache(s: DecodeSchedule, mask: Mask, softmax_scale: float, sp_overlap: bool, q, k_cache, v_cache, k,
-                    v, cache_seqlens, block_table, k_scale, v_scale, k_global_scale, v_global_scale, out, lse,
-                    ws) -> None:
+                    v, cache_seqlens, block_table, k_scale, v_scale, k_global_scale, v_global_scale, alibi_slopes,
+                    out, lse, ws) -> None:
     """The launches of one decode call into out [B, Sq, Hq, D] and lse [B, Hq, Sq] (or, when lse is None, the
     workspace's tail): the append, the attention, the split combine. ws: fp32 [>= s.workspace] or None."""
     b, sq, hq, d = q.shape
@@ -149,7 +150,8 @@ def _launch_kvcache(s: DecodeSchedule, mask: Mask, softmax_scale: float, sp_over
                         num_batches=b, seqlen_q=sq, seqlen_k=s.capacity, m_rows=sq * (hq // k_cache.shape[2]),
                         softmax_scale=softmax_scale, mask=mask, config=s.cfg, seqlens_k=cache_seqlens,
                         seqlen_k_add=s.s_new, block_table=block_table, pack_gqa=True, num_splits=s.num_splits,
-                        sp_overlap=sp_overlap, o_part=o_part, lse_part=lse_part, pdl=s.pdl, **scales)
+                        sp_overlap=sp_overlap, o_part=o_part, lse_part=lse_part, pdl=s.pdl,
+                        alibi_slopes=alibi_slopes, **scales)
     if split:
         launch_combine(o_part, lse_part, out, lse, pdl=s.pdl)
 
@@ -158,18 +160,20 @@ def _attn_kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                        v: Optional[torch.Tensor], cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor],
                        softmax_scale: float, window_left: int, window_right: int, softcap: float, num_splits: int,
                        sp_overlap: bool, k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
-                       k_global_scale: Optional[torch.Tensor],
-                       v_global_scale: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                       k_global_scale: Optional[torch.Tensor], v_global_scale: Optional[torch.Tensor],
+                       alibi_slopes: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """The custom op's implementation (torch.compile); eager calls take a DecodePlan."""
     b, sq, hq, d = q.shape
     out = _utils.new_output(q.shape, q.dtype, q.device)
     lse = _utils.new_output((b, hq, sq), torch.float32, q.device)
     if b == 0:
         return out, lse
-    s = _schedule(q, k_cache, v_cache, k, block_table, num_splits, sp_overlap, lse_in_workspace=False)
+    s = _schedule(q, k_cache, v_cache, k, block_table, num_splits, sp_overlap, lse_in_workspace=False,
+                  alibi=alibi_slopes is not None)
     ws = torch.empty(s.workspace, dtype=torch.float32, device=q.device) if s.workspace else None
     _launch_kvcache(s, Mask(window_left, window_right, softcap), softmax_scale, sp_overlap, q, k_cache, v_cache,
-                    k, v, cache_seqlens, block_table, k_scale, v_scale, k_global_scale, v_global_scale, out, lse, ws)
+                    k, v, cache_seqlens, block_table, k_scale, v_scale, k_global_scale, v_global_scale, alibi_slopes,
+                    out, lse, ws)
     return out, lse
 
 
@@ -179,7 +183,7 @@ _attn_kvcache_op = torch.library.custom_op(
 
 @_attn_kvcache_op.register_fake
 def _(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, window_left, window_right, softcap,
-      num_splits, sp_overlap, k_scale, v_scale, k_global_scale, v_global_scale):
+      num_splits, sp_overlap, k_scale, v_scale, k_global_scale, v_global_scale, alibi_slopes):
     b, sq, hq, _ = q.shape
     return torch.empty_like(q), q.new_empty((b, hq, sq), dtype=torch.float32)
 
@@ -232,7 +236,7 @@ def _check_kv_scales(k_cache, v_cache, k_scale, v_scale, k_global_scale, v_globa
 
 
 def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, k_scale, v_scale,
-                   k_global_scale, v_global_scale):
+                   k_global_scale, v_global_scale, alibi_slopes):
     _utils.check_tensor("q", q, ndim=4, dtypes=_utils.SUPPORTED_DTYPES)
     dev = q.device
     cache_dtypes = (q.dtype, torch.float8_e4m3fn, torch.uint8)
@@ -254,6 +258,7 @@ def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_sp
     if hkv == 0 or hq % hkv != 0:
         raise ValueError(f"k_cache: number of KV heads must divide the query heads, got Hq={hq}, Hkv={hkv}")
     _check_kv_scales(k_cache, v_cache, k_scale, v_scale, k_global_scale, v_global_scale, hkv, d, dev)
+    _utils.check_alibi_slopes(alibi_slopes, b, hq, dev)
     if block_table is not None:
         _utils.check_int32("block_table", block_table, 2, dev)
         if block_table.shape[0] != b:
@@ -314,9 +319,9 @@ class DecodePlan(direct.Replayable):
     flash_attn_with_kvcache call, keyed on its signature). Its first run records the launches (ops/direct.py);
     later runs replay them, so a run costs a few microseconds plus the kernels. cache_seqlens, block_table and the
     scale tensors are the plan's (bound by decode_plan; the plans flash_attn_with_kvcache caches keep none, so
-    they hold no call's tensors alive): change their values in place between runs (CUDA-graph replays included),
-    not the tensors."""
-    cache_seqlens = block_table = None
+    they hold no call's tensors alive), and so are the ALiBi slopes: change their values in place between runs
+    (CUDA-graph replays included), not the tensors."""
+    cache_seqlens = block_table = alibi_slopes = None
     scales = (None, None, None, None)
 
     def __init__(self, schedule: DecodeSchedule, mask: Mask, softmax_scale: float, sp_overlap: bool, q_key,
@@ -342,12 +347,13 @@ class DecodePlan(direct.Replayable):
                                 or not out.is_contiguous() or out.data_ptr() & 15):
             raise ValueError(f"out: expected a contiguous, 16-byte aligned {self.dtype} tensor of shape "
                              f"{tuple(self.out_shape)} on {self.device}, got {tuple(out.shape)} {out.dtype}")
-        return self._run(q, k_cache, v_cache, k, v, self.cache_seqlens, self.block_table, scales, out)
+        return self._run(q, k_cache, v_cache, k, v, self.cache_seqlens, self.block_table, scales, self.alibi_slopes,
+                         out)
 
     def _launch(self, *slots):
         _launch_kvcache(self.schedule, self.mask, self.softmax_scale, self.sp_overlap, *slots)
 
-    def _run(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, scales, out=None):
+    def _run(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, scales, alibi_slopes, out=None):
         s = self.schedule
         if self.validate:
             _validate_values(k_cache, cache_seqlens, block_table, s.capacity, s.s_new)
@@ -356,7 +362,7 @@ class DecodePlan(direct.Replayable):
         lse = _utils.new_output(self.lse_shape, torch.float32, self.device) if self.return_lse else None
         stream = direct.current_stream(self.device)
         ws = direct.WORKSPACE.get(self.device, stream, s.workspace) if s.workspace else None
-        slots = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, *scales, out, lse, ws)
+        slots = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, *scales, alibi_slopes, out, lse, ws)
         if self.out_shape[0]:  # an empty batch launches nothing
             self.execute(self._launch, slots, stream)
         return (out, lse) if self.return_lse else out
@@ -366,13 +372,14 @@ _PLANS = direct.PlanCache()
 
 
 def _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size, softcap,
-               num_splits, return_lse, sp_overlap, validate, scales) -> DecodePlan:
+               num_splits, return_lse, sp_overlap, validate, scales, alibi_slopes) -> DecodePlan:
     """Check every argument (raising before any launch) and plan the call."""
-    capacity, s_new = _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, *scales)
+    capacity, s_new = _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, *scales,
+                                     alibi_slopes)
     left, right = _utils.check_window(window_size)
     mask = Mask.make(causal, (left, right), _check_softcap(softcap))
     sched = _schedule(q, k_cache, v_cache, k, block_table, int(num_splits), bool(sp_overlap),
-                      lse_in_workspace=not return_lse)
+                      lse_in_workspace=not return_lse, alibi=alibi_slopes is not None)
     # On the CPU reading values costs no sync, so they are always checked there.
     validate = bool(validate) or q.device.type == "cpu"
     return DecodePlan(sched, mask, _utils.softmax_scale_or_default(softmax_scale, q.shape[-1]), bool(sp_overlap),
@@ -382,7 +389,7 @@ def _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sc
 def decode_plan(q, k_cache, v_cache, cache_seqlens, block_table=None, k=None, v=None, softmax_scale=None,
                 causal=False, window_size=(-1, -1), softcap=0.0, num_splits=0, return_lse=False, sp_overlap=False,
                 validate=False, k_scale=None, v_scale=None, k_global_scale=None, v_global_scale=None,
-                dtype=torch.bfloat16) -> DecodePlan:
+                dtype=torch.bfloat16, alibi_slopes=None) -> DecodePlan:
     """Plan flash_attn_with_kvcache calls that share everything but q, the caches and the new k/v (the layers of
     one decode step; FlashInfer's plan/run pattern): `plan = decode_plan(q, k_cache, v_cache, cache_seqlens, ...)`
     once per step, then `plan.run(q, k_cache, v_cache, k, v)` per layer, graph-capturable. Arguments as
@@ -394,15 +401,16 @@ def decode_plan(q, k_cache, v_cache, cache_seqlens, block_table=None, k=None, v=
         raise TypeError(f"cache_seqlens: expected an int32 tensor, got {type(cache_seqlens).__name__}")
     scales = (k_scale, v_scale, k_global_scale, v_global_scale)
     plan = _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size,
-                      softcap, num_splits, return_lse, sp_overlap, validate, scales)
+                      softcap, num_splits, return_lse, sp_overlap, validate, scales, alibi_slopes)
     plan.cache_seqlens, plan.block_table, plan.scales = cache_seqlens, block_table, scales
+    plan.alibi_slopes = alibi_slopes
     return plan
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, num_splits=0,
                             return_lse=False, sp_overlap=False, validate=False, k_scale=None, v_scale=None,
-                            k_global_scale=None, v_global_scale=None):
+                            k_global_scale=None, v_global_scale=None, alibi_slopes=None):
     """Attention of 1..16 new query tokens per sequence over a KV cache, appending new K/V in place.
 
     q [B, Sq, Hq, D]; k_cache/v_cache [B, S_max, Hkv, D], or paged [num_pages, page_size, Hkv, D] with
@@ -421,6 +429,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     scale. D must be a power of two >= 32.
     validate=True checks cache_seqlens and block_table values against the cache (costs a device sync); without it
     they are the caller's contract (lengths are clamped to the capacity in the kernel; page indices are trusted).
+    alibi_slopes: fp32 [Hq] or [B, Hq], as in flash_attn_func, with Sk = cache_seqlens + Snew (after the append).
     Returns out [B, Sq, Hq, D], and with return_lse=True (out, lse [B, Hq, Sq] float32).
     """
     scales = (k_scale, v_scale, k_global_scale, v_global_scale)
@@ -428,14 +437,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
     if torch.compiler.is_compiling():
         capacity, s_new = _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits,
-                                         *scales)
+                                         *scales, alibi_slopes)
         if validate:
             _validate_values(k_cache, cache_seqlens, block_table, capacity, s_new)
         left, right = _utils.check_window(window_size)
         mask = Mask.make(causal, (left, right), _check_softcap(softcap))
         out, lse = _attn_kvcache_op(q, k_cache, v_cache, k, v, cache_seqlens.contiguous(), block_table,
                                     _utils.softmax_scale_or_default(softmax_scale, q.shape[-1]), mask.window_left,
-                                    mask.window_right, mask.softcap, int(num_splits), bool(sp_overlap), *scales)
+                                    mask.window_right, mask.softcap, int(num_splits), bool(sp_overlap), *scales,
+                                    alibi_slopes)
         return (out, lse) if return_lse else out
     if isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.dim() == 1 and cache_seqlens.stride(0) != 1:
         cache_seqlens = cache_seqlens.contiguous()  # read with unit stride by the kernels
@@ -444,7 +454,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
                          direct.tensor_key(k), direct.tensor_key(v), direct.tensor_key(cache_seqlens),
                          direct.tensor_key(block_table), softmax_scale, causal, direct.window_key(window_size),
                          softcap, num_splits, return_lse, sp_overlap, validate,
-                         *(direct.tensor_key(t) for t in scales)),
+                         *(direct.tensor_key(t) for t in (*scales, alibi_slopes))),
         lambda: _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size,
-                           softcap, num_splits, return_lse, sp_overlap, validate, scales))
-    return plan._run(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scales)
+                           softcap, num_splits, return_lse, sp_overlap, validate, scales, alibi_slopes))
+    return plan._run(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scales, alibi_slopes)
