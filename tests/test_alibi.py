@@ -1,6 +1,8 @@
 """flash-attn's alibi_slopes (a bias -slope * |i + Sk - Sq - j| on the scaled, softcapped score) through every
 forward path, the backward, decode and the input checks, against the pure-PyTorch references (2x rule). Slopes
 are drawn per case and include 0 (a head without bias) and steep ones (0.5: distant keys all but vanish)."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -106,13 +108,17 @@ def _decode_inputs(b, ctx, hkv, page, seed):
     return q, mk(pages, page, hkv, 32), mk(pages, page, hkv, 32), table, kn, vn
 
 
-@pytest.mark.parametrize("page, num_splits, per_batch, sp_overlap", [
-    (None, 1, False, False),  # contiguous, one program per sequence and KV head
-    (None, 3, True, False),  # split-KV: each split biases its own keys, the combine merges
-    (8, 2, True, True),  # paged (pages shorter than a step: gathered rows), S/P-overlapped loop
+@pytest.mark.parametrize("page, num_splits, per_batch, sp_overlap, trans", [
+    (None, 1, False, False, False),  # contiguous, one program per sequence and KV head
+    (None, 3, True, False, True),  # split-KV: each split biases its own keys; transposed scores s^T [N, M]
+    (8, 2, True, True, True),  # paged (pages shorter than a step: gathered rows), S/P-overlapped loop
 ])
-def test_kvcache_alibi(page, num_splits, per_batch, sp_overlap):
-    """Sk is each sequence's length after the append (cache_seqlens + Snew)."""
+def test_kvcache_alibi(page, num_splits, per_batch, sp_overlap, trans, monkeypatch):
+    """Sk is each sequence's length after the append (cache_seqlens + Snew). trans: the decode tiles' transposed
+    products (the GPU's choice for quantized caches), forced whatever the heuristic picks."""
+    picked = decode_ops.decode_config
+    monkeypatch.setattr(decode_ops, "decode_config", lambda *a, **k: dataclasses.replace(picked(*a, **k),
+                                                                                         trans=trans))
     b, ctx, hkv = 2, 48, 2
     q, kc, vc, table, kn, vn = _decode_inputs(b, ctx, hkv, page, seed=num_splits)
     lens = torch.tensor([5, 37], dtype=torch.int32, device=DEVICE)

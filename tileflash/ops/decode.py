@@ -317,10 +317,10 @@ class DecodePlan(direct.Replayable):
     """One decode call's host work done once (checks, tiles, splits, workspace layout, the kernels' arguments),
     runnable per layer with that layer's q and caches. Made by `decode_plan` (or internally by every eager
     flash_attn_with_kvcache call, keyed on its signature). Its first run records the launches (ops/direct.py);
-    later runs replay them, so a run costs a few microseconds plus the kernels. cache_seqlens, block_table and the
-    scale tensors are the plan's (bound by decode_plan; the plans flash_attn_with_kvcache caches keep none, so
-    they hold no call's tensors alive), and so are the ALiBi slopes: change their values in place between runs
-    (CUDA-graph replays included), not the tensors."""
+    later runs replay them, so a run costs a few microseconds plus the kernels. cache_seqlens, block_table, the
+    scale tensors and the ALiBi slopes are the plan's (bound by decode_plan; the plans flash_attn_with_kvcache
+    caches keep none, so they hold no call's tensors alive): change their values in place between runs (CUDA-graph
+    replays included), not the tensors."""
     cache_seqlens = block_table = alibi_slopes = None
     scales = (None, None, None, None)
 
@@ -394,7 +394,8 @@ def decode_plan(q, k_cache, v_cache, cache_seqlens, block_table=None, k=None, v=
     one decode step; FlashInfer's plan/run pattern): `plan = decode_plan(q, k_cache, v_cache, cache_seqlens, ...)`
     once per step, then `plan.run(q, k_cache, v_cache, k, v)` per layer, graph-capturable. Arguments as
     flash_attn_with_kvcache's; q may be a tensor or a shape (a contiguous q of `dtype` on k_cache's device);
-    k/v (new tokens, if any) give their shapes. Results equal flash_attn_with_kvcache's bitwise."""
+    k/v (new tokens, if any) give their shapes; cache_seqlens, block_table, the scales and alibi_slopes are bound
+    to the plan. Results equal flash_attn_with_kvcache's bitwise."""
     if not isinstance(q, torch.Tensor):
         q = torch.empty(tuple(q), dtype=dtype, device=k_cache.device)
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
