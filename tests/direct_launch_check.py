@@ -85,6 +85,11 @@ def check_equivalence(name, fn, tensors, record=None):
     return len(replayed)
 
 
+def _tensor_kwargs(kw) -> list:
+    """The tensors among a call's keyword arguments (alibi_slopes), so launches name their pointers too."""
+    return [t for t in kw.values() if isinstance(t, torch.Tensor)]
+
+
 def _decode(fmt="16bit", paged=False, append=False, page=16, d=128, b=2, ctx=512, same_kv=False, **kw):
     hq, hkv = 32, 8
     q = torch.randn(b, 1, hq, d, dtype=bf)
@@ -104,7 +109,7 @@ def _decode(fmt="16bit", paged=False, append=False, page=16, d=128, b=2, ctx=512
     new = [torch.randn(b, 1, hkv, d, dtype=bf) for _ in range(2)] if append else [None, None]
     if same_kv:  # one tensor for both caches and both new rows (slots must still be told apart)
         vc, new = kc, [new[0], new[0]]
-    tensors = [t for t in (q, kc, vc, lens, table, *new, *extra.values()) if t is not None]
+    tensors = [t for t in (q, kc, vc, lens, table, *new, *extra.values(), *_tensor_kwargs(kw)) if t is not None]
 
     def fn():
         tileflash.flash_attn_with_kvcache(q, kc, vc, *new, cache_seqlens=lens, block_table=table, **extra, **kw)
@@ -122,7 +127,7 @@ def _prefill(b, s, hq, hkv, d, dtype=bf, backward=False, **kw):
         if backward:
             out.backward(dout)
 
-    return fn, [q, k, v, dout]
+    return fn, [q, k, v, dout, *_tensor_kwargs(kw)]
 
 
 def _varlen(d=64, backward=False, paged=False, **kw):
@@ -170,6 +175,10 @@ CASES = {
     "prefill fwd+bwd d64 causal (Triton backward)": lambda: _prefill(2, 200, 4, 2, 64, backward=True, causal=True),
     "prefill fwd+bwd d128 fp16 (Gluon backward, atomic dQ)": lambda: _prefill(1, 300, 2, 2, 128, fp16, True),
     "prefill fwd+bwd d128 deterministic": lambda: _prefill(1, 200, 2, 1, 128, backward=True, deterministic=True),
+    "prefill fwd+bwd d128 causal alibi [B, Hq] (slopes a slot)": lambda: _prefill(
+        2, 150, 4, 2, 128, backward=True, causal=True, alibi_slopes=torch.rand(2, 4)),
+    "decode paged append, split, alibi [Hq]": lambda: _decode(paged=True, append=True, num_splits=3,
+                                                              alibi_slopes=torch.rand(32)),
     "varlen fwd+bwd d64 causal": lambda: _varlen(backward=True, causal=True),
     "varlen paged": lambda: _varlen(paged=True, causal=True),
     "merge [B, S, H, D]": lambda: _merge(False),

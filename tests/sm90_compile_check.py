@@ -142,7 +142,23 @@ def _cases():
         _compiles((kern,) if mma else (), lambda: tileflash.nvfp4_matmul(torch.randn(m, k, dtype=dtype),
                                                                          *tileflash.nvfp4_quantize(torch.randn(n, k))))
 
+    def alibi_on_triton(call, backward=False):
+        """Run a call with alibi_slopes whose shape would take a Gluon kernel: it must compile the Triton kernels'
+        ALIBI variants instead (the forward; with backward also the dK/dV and dQ kernels)."""
+        from tileflash.kernels.attn_bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
+        from tileflash.kernels.attn_fwd import attn_fwd_kernel
+
+        kernels = (attn_fwd_kernel, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel) if backward else (attn_fwd_kernel,)
+        return lambda: _compiles(kernels, call)
+
     return {
+        "prefill fwd+bwd d128 causal GQA alibi [B, Hq], deterministic (Triton kernels)": alibi_on_triton(
+            lambda: tileflash.flash_attn_func(
+                torch.randn(2, 300, 8, 128, dtype=bf, requires_grad=True),
+                *(torch.randn(2, 333, 2, 128, dtype=bf, requires_grad=True) for _ in range(2)), causal=True,
+                deterministic=True, alibi_slopes=torch.rand(2, 8)).sum().backward(), backward=True),
+        "decode nvfp4 paged split alibi [Hq] (Triton kernel, not register operands)": alibi_on_triton(
+            lambda: decode("nvfp4", paged=True, b=8, ctx=4096, num_splits=2, alibi_slopes=torch.rand(32))),
         "prefill fwd+bwd d64 causal": lambda: tileflash.flash_attn_func(*grad_leaves(2, 300, 4, 64),
                                                                         causal=True).sum().backward(),
         "prefill fwd+bwd d128 window softcap": lambda: tileflash.flash_attn_func(

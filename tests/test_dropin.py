@@ -77,8 +77,12 @@ def test_packed_entry_points_match_and_differentiate_into_the_packed_tensor():
     assert torch.equal(out, tileflash.flash_attn_varlen_func(*flat.unbind(1), cu, cu, 20, 20, causal=True))
     out = tileflash.flash_attn_varlen_kvpacked_func(flat[:, 0], flat[:, 1:], cu, cu, 20, 20)
     assert torch.equal(out, tileflash.flash_attn_varlen_func(*flat.unbind(1), cu, cu, 20, 20))
+    slopes = torch.tensor([0.5, 0.125], device=DEVICE)  # forwarded to flash_attn_varlen_func
+    out = tileflash.flash_attn_varlen_qkvpacked_func(flat, cu, 20, causal=True, alibi_slopes=slopes)
+    assert torch.equal(out, tileflash.flash_attn_varlen_func(*flat.unbind(1), cu, cu, 20, 20, causal=True,
+                                                             alibi_slopes=slopes))
     with pytest.raises(ValueError, match="alibi_slopes"):
-        tileflash.flash_attn_qkvpacked_func(qkv, alibi_slopes=torch.ones(2))
+        tileflash.flash_attn_qkvpacked_func(qkv, alibi_slopes=torch.ones(3, device=DEVICE))
     with pytest.raises(ValueError, match="qkv"):
         tileflash.flash_attn_qkvpacked_func(qkv[:, :, :2])
 

@@ -139,6 +139,18 @@ def check_window(window_size) -> tuple[int, int]:
     return tuple(-1 if w >= WINDOW_UNBOUNDED_FROM else w for w in (left, right))
 
 
+def check_alibi_slopes(alibi_slopes, batch: int, num_heads: int, device) -> None:
+    """flash-attn's alibi_slopes (None: no ALiBi): fp32 [Hq] (every sequence's) or [batch, Hq], last dim
+    contiguous (the kernels read slope b * stride(0) + head)."""
+    if alibi_slopes is None:
+        return
+    check_tensor("alibi_slopes", alibi_slopes, dtypes=(torch.float32,), device=device)
+    if tuple(alibi_slopes.shape) not in ((num_heads,), (batch, num_heads)):
+        raise ValueError(f"alibi_slopes: expected shape [{num_heads}] or [{batch}, {num_heads}] (Hq, or batch x Hq), "
+                         f"got {tuple(alibi_slopes.shape)}")
+    check_last_dim_contiguous("alibi_slopes", alibi_slopes)
+
+
 def check_int32(name: str, t, ndim: int, device) -> None:
     check_tensor(name, t, ndim=ndim, dtypes=(torch.int32,), device=device)
 

@@ -27,8 +27,19 @@ def visible_mask(seqlen_q: int, seqlen_k: int, causal: bool = False, window_size
     return ok
 
 
-def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, upcast=True):
-    """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] -> (out [B, Sq, Hq, D] in q's dtype, lse [B, Hq, Sq] float32)."""
+def alibi_bias(alibi_slopes, seqlen_q: int, seqlen_k: int) -> torch.Tensor:
+    """[B or 1, Hq, Sq, Sk] float32: flash-attn's ALiBi bias -slope * |i + Sk - Sq - j| for slopes [Hq] or [B, Hq]."""
+    slopes = alibi_slopes.float()
+    slopes = slopes.view(1, -1) if slopes.dim() == 1 else slopes
+    i = torch.arange(seqlen_q, device=slopes.device, dtype=torch.float32)[:, None]
+    j = torch.arange(seqlen_k, device=slopes.device, dtype=torch.float32)[None, :]
+    return -slopes[:, :, None, None] * (i + (seqlen_k - seqlen_q) - j).abs()
+
+
+def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, upcast=True,
+                  alibi_slopes=None):
+    """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] -> (out [B, Sq, Hq, D] in q's dtype, lse [B, Hq, Sq] float32).
+    alibi_slopes [Hq] or [B, Hq]: alibi_bias is added after the scale and softcap, before the mask."""
     dtype = q.dtype
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
@@ -40,6 +51,8 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1
     s = torch.einsum("bqhd,bkhd->bhqk", q, k).float() * scale
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
+    if alibi_slopes is not None:
+        s = s + alibi_bias(alibi_slopes, sq, sk)
     ok = visible_mask(sq, sk, causal, window_size, device=q.device)
     s = s.masked_fill(~ok, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # -inf for rows that see no key
@@ -48,8 +61,16 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1
     return out.to(dtype), lse
 
 
-def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None, **kw):
-    """Packed sequences: q [total_q, Hq, D], k/v [total_k, Hkv, D] -> (out [total_q, Hq, D], lse [Hq, total_q])."""
+def _slopes_of(alibi_slopes, b: int):
+    """Sequence b's ALiBi slopes [Hq] from slopes [Hq] (shared) or [batch, Hq]; None stays None."""
+    if alibi_slopes is None or alibi_slopes.dim() == 1:
+        return alibi_slopes
+    return alibi_slopes[b]
+
+
+def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None, alibi_slopes=None, **kw):
+    """Packed sequences: q [total_q, Hq, D], k/v [total_k, Hkv, D] -> (out [total_q, Hq, D], lse [Hq, total_q]).
+    alibi_slopes [Hq] or [batch, Hq]: positions and lengths are each sequence's."""
     out = torch.zeros_like(q)
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
@@ -59,7 +80,8 @@ def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None, **
             k1 = k0 + min(int(seqused_k[i]), k1 - k0)
         if q1 == q0:
             continue
-        o, l = attention_ref(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], **kw)
+        o, l = attention_ref(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1],
+                             alibi_slopes=_slopes_of(alibi_slopes, i), **kw)
         out[q0:q1], lse[:, q0:q1] = o[0], l[0]
     return out, lse
 
@@ -103,7 +125,8 @@ def fp8_dequantize_ref(x8, scale):
 
 def kvcache_ref(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None, causal=False,
                 k_scale=None, v_scale=None, k_global_scale=None, v_global_scale=None, cache_batch_idx=None,
-                cache_leftpad=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=True, **kw):
+                cache_leftpad=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=True, alibi_slopes=None,
+                **kw):
     """Reference for flash_attn_with_kvcache on copies of the caches. Returns (out, lse, k_cache, v_cache) with the
     new tokens appended to the returned caches.
 
@@ -113,7 +136,8 @@ def kvcache_ref(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_t
 
     FP8 caches (k_scale/v_scale): appends are quantized, attention runs on the dequantized cache (fp32; q's dtype
     for the low-precision variant). NVFP4 caches (uint8 data, e4m3 block scales k_scale/v_scale, global scales):
-    the same, and the returned k_cache/v_cache are (data, block_scales) pairs."""
+    the same, and the returned k_cache/v_cache are (data, block_scales) pairs. alibi_slopes [Hq] or [B, Hq]: Sk is
+    the sequence's length after the append."""
     from .formats import nvfp4_dequantize_ref, nvfp4_quantize_ref
 
     b, sq = q.shape[:2]
@@ -162,7 +186,7 @@ def kvcache_ref(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_t
             kk, vv = fp8_dequantize_ref(kk, k_scale), fp8_dequantize_ref(vv, v_scale)
         if kk.dtype != q.dtype and not kw.get("upcast", True):
             kk, vv = kk.to(q.dtype), vv.to(q.dtype)
-        o, l = attention_ref(q[i: i + 1], kk, vv, causal=causal, **kw)
+        o, l = attention_ref(q[i: i + 1], kk, vv, causal=causal, alibi_slopes=_slopes_of(alibi_slopes, i), **kw)
         out[i], lse[i] = o[0], l[0]
     if nvfp4:
         return out, lse, (k_cache, k_scale), (v_cache, v_scale)

@@ -6,12 +6,13 @@ Notation (per program): a tile of BLOCK_M query rows and the KV tokens [lo, hi) 
   s:      [BLOCK_M, BLOCK_N] scores in log2 units (scaled by softmax_scale * log2(e)) so the softmax uses exp2
   m_i:    running row max of s (log2 units), l_i: running row sum of exp2(s - m_i), acc: unnormalised output (fp32)
 Each row r carries its query position q_pos[r] in key coordinates (bottom-right aligned: i + seqlen_k - seqlen_q),
-so one mask helper serves plain prefill rows and pack-GQA decode rows (several heads sharing a position).
+so one mask helper serves plain prefill rows and pack-GQA decode rows (several heads sharing a position), and the
+ALiBi bias -slope * |q_pos - key| (flash-attn's alibi_slopes) needs no other coordinates.
 """
 import triton
 import triton.language as tl
 
-from ._masks import LOG2E, visible
+from ._masks import LOG2E, alibi_distance, visible
 from .quant import NVFP4_SCALE_WORDS, nvfp4_unpack_tile
 
 
@@ -105,12 +106,14 @@ def _per_key(x, TRANS: tl.constexpr):
 
 
 @triton.jit
-def _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right,
+def _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right, alibi_slope,
             SOFTCAP: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-            TRANS: tl.constexpr, RAW_SCORES: tl.constexpr):
-    """s = mask(softcap(q k^T * scale)) in log2 units; TRANS: q holds q^T and s comes out as s^T [N, M].
-    RAW_SCORES (a positive scale known on the host, no softcap; not with quantized caches, whose scales live on the
-    device): s stays q k^T and _softmax_pv applies the scale inside exp2's argument."""
+            TRANS: tl.constexpr, RAW_SCORES: tl.constexpr, ALIBI: tl.constexpr):
+    """s = mask(softcap(q k^T * scale) + alibi) in log2 units; TRANS: q holds q^T and s comes out as s^T [N, M].
+    RAW_SCORES (a positive scale known on the host, no softcap, no ALiBi; not with quantized caches, whose scales
+    live on the device): s stays q k^T and _softmax_pv applies the scale inside exp2's argument.
+    ALIBI: alibi_slope holds each row's slope times log2(e) ([M]); the bias is a bias, not a mask, so unmasked
+    blocks add it too."""
     if TRANS:
         s = tl.dot(k, q)
     else:
@@ -120,6 +123,8 @@ def _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left,
         s = qk_scale * tanh(s * softcap_scale)
     elif not RAW_SCORES:
         s = s * qk_scale
+    if ALIBI:
+        s = s - _per_row(alibi_slope, TRANS) * alibi_distance(_per_row(q_pos, TRANS), _per_key(offs_n, TRANS))
     if MASK:
         ok = visible(_per_row(q_pos, TRANS), _per_key(offs_n, TRANS), seqlen_k, window_left, window_right, HAS_LEFT,
                      HAS_RIGHT)
@@ -156,11 +161,11 @@ def _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS: tl.constexpr, RAW_SCORES: 
 @triton.jit
 def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr, stride_k_page, stride_k_tok,
                stride_v_page, stride_v_tok, sstride_page, sstride_tok, desc_row0, head_kv, offs_d, seqlen_k, lo, hi,
-               qk_scale, softcap_scale, window_left, window_right, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-               MASK: tl.constexpr, PAGE_SIZE: tl.constexpr, USE_DESC: tl.constexpr, KV_NVFP4: tl.constexpr,
-               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, SP_OVERLAP: tl.constexpr,
-               WARP_SPEC: tl.constexpr, TILE_DTYPE: tl.constexpr, TRANS: tl.constexpr,
-               RAW_SCORES: tl.constexpr):
+               qk_scale, softcap_scale, window_left, window_right, alibi_slope, HEAD_DIM: tl.constexpr,
+               BLOCK_N: tl.constexpr, MASK: tl.constexpr, PAGE_SIZE: tl.constexpr, USE_DESC: tl.constexpr,
+               KV_NVFP4: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+               SP_OVERLAP: tl.constexpr, WARP_SPEC: tl.constexpr, TILE_DTYPE: tl.constexpr, TRANS: tl.constexpr,
+               RAW_SCORES: tl.constexpr, ALIBI: tl.constexpr):
     """Accumulate KV tokens [lo, hi) (lo, hi multiples of BLOCK_N) into (acc, m_i, l_i).
 
     MASK=False is the fast path for blocks that are fully visible to every row (no per-element masks).
@@ -176,7 +181,7 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
                                  sstride_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC,
                                  KV_NVFP4, MASK, TILE_DTYPE)
             s = _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right,
-                        SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES)
+                        alibi_slope, SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES, ALIBI)
             for start_n in range(lo, hi, BLOCK_N):
                 v, _ = _kv_tile(v_base, v_sbase, start_n, seqlen_k, bt_ptr, stride_v_page, stride_v_tok,
                                 sstride_page, sstride_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE,
@@ -187,7 +192,8 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
                                           stride_k_tok, sstride_page, sstride_tok, desc_row0, head_kv, offs_d,
                                           HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4, MASK, TILE_DTYPE)
                 s_next = _scores(q, k_next, qk_scale, softcap_scale, q_pos, next_n, seqlen_k, window_left,
-                                 window_right, SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES)
+                                 window_right, alibi_slope, SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES,
+                                 ALIBI)
                 acc, m_i, l_i = _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS, RAW_SCORES)
                 s = s_next
     else:
@@ -195,25 +201,25 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
             acc, m_i, l_i = _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr,
                                         stride_k_page, stride_k_tok, stride_v_page, stride_v_tok, sstride_page,
                                         sstride_tok, desc_row0, head_kv, offs_d, seqlen_k, start_n, qk_scale,
-                                        softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_N, MASK,
-                                        PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE,
-                                        TRANS, RAW_SCORES)
+                                        softcap_scale, window_left, window_right, alibi_slope, HEAD_DIM,
+                                        BLOCK_N, MASK, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT, HAS_RIGHT,
+                                        SOFTCAP, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI)
     return acc, m_i, l_i
 
 
 @triton.jit
 def _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr, stride_k_page, stride_k_tok,
                 stride_v_page, stride_v_tok, sstride_page, sstride_tok, desc_row0, head_kv, offs_d, seqlen_k, start_n,
-                qk_scale, softcap_scale, window_left, window_right, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                MASK: tl.constexpr, PAGE_SIZE: tl.constexpr, USE_DESC: tl.constexpr, KV_NVFP4: tl.constexpr,
-                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, TILE_DTYPE: tl.constexpr,
-                TRANS: tl.constexpr, RAW_SCORES: tl.constexpr):
+                qk_scale, softcap_scale, window_left, window_right, alibi_slope, HEAD_DIM: tl.constexpr,
+                BLOCK_N: tl.constexpr, MASK: tl.constexpr, PAGE_SIZE: tl.constexpr, USE_DESC: tl.constexpr,
+                KV_NVFP4: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+                TILE_DTYPE: tl.constexpr, TRANS: tl.constexpr, RAW_SCORES: tl.constexpr, ALIBI: tl.constexpr):
     """One block of the plain loop: load K, scores, load V, online softmax and PV."""
     k, offs_n = _kv_tile(k_base, k_sbase, start_n, seqlen_k, bt_ptr, stride_k_page, stride_k_tok, sstride_page,
                          sstride_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4,
                          MASK, TILE_DTYPE)
-    s = _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right, SOFTCAP, MASK,
-                HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES)
+    s = _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right, alibi_slope,
+                SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES, ALIBI)
     v, _ = _kv_tile(v_base, v_sbase, start_n, seqlen_k, bt_ptr, stride_v_page, stride_v_tok, sstride_page,
                     sstride_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4, MASK,
                     TILE_DTYPE)

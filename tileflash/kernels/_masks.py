@@ -2,7 +2,8 @@
 
 Positions are bottom-right aligned: query token i of a sequence with Sq queries and Sk keys sits at key position
 q_pos = i + Sk - Sq (diag = Sk - Sq). Query i sees key j iff j < Sk, j <= q_pos + window_right (causal is a right
-window of 0) and j >= q_pos - window_left; an absent bound (HAS_* False) is unbounded.
+window of 0) and j >= q_pos - window_left; an absent bound (HAS_* False) is unbounded. ALiBi biases the score of
+(q_pos, j) by -slope * |q_pos - j| (alibi_distance).
 """
 import triton
 import triton.language as tl
@@ -22,6 +23,13 @@ def visible(q_pos, k_pos, seqlen_k, window_left, window_right, HAS_LEFT: tl.cons
     if HAS_LEFT:
         ok = ok & (k_pos >= q_pos - window_left)
     return ok
+
+
+@triton.jit
+def alibi_distance(q_pos, k_pos):
+    """|q_pos - k_pos| as fp32 over the broadcast of the two: the ALiBi bias is -slope times this (flash-attn's
+    -alibi_slope * |i + seqlen_k - seqlen_q - j|, the same for causal calls, so the lse is flash-attn's)."""
+    return tl.abs(q_pos - k_pos).to(tl.float32)
 
 
 @triton.jit

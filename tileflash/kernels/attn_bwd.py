@@ -5,6 +5,7 @@ rows with a batch stride of 0 and cu_seqlens offsets); lse, delta [B, Hq, Sq] fp
 With logits z = softmax_scale * q.k (softcap: z = cap * tanh(softmax_scale * q.k / cap)), P = exp(z - lse):
   dV = P^T dO,   dP = dO V^T,   dZ = P * (dP - delta),   delta = rowsum(dO * O) - dlse,
   dS = dZ * dz/d(q.k) with dz/d(q.k) = softmax_scale (softcap: softmax_scale * (1 - tanh^2)),
+  (ALiBi adds -slope * |q_pos - key| to z: P is recomputed with it; it has no gradient in q, k, v),
   dQ = dS K,   dK = dS^T Q.
 (-dlse folds the gradient of a returned lse into delta: d lse / dz = P.)
 
@@ -45,7 +46,7 @@ import triton.language as tl
 
 from ._attn_inner import tanh
 from ._cast import store_cast
-from ._masks import LOG2E, kv_block_range, logit_scales, q_block_range, seq_extents, visible
+from ._masks import LOG2E, alibi_distance, kv_block_range, logit_scales, q_block_range, seq_extents, visible
 
 
 @triton.jit
@@ -102,9 +103,10 @@ def _load_rows(ptr, rows, row_ok, offs_d, stride_s, HEAD_DIM: tl.constexpr, TILE
 
 @triton.jit
 def _probs_and_dscores(q, k, v, do, lse2, delta, q_pos, k_pos, seqlen_k, qk_scale, softcap_scale, window_left,
-                       window_right, MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                       SOFTCAP: tl.constexpr, KEYS_MAJOR: tl.constexpr):
-    """Recompute P from the saved lse (lse2 = lse * log2(e), +inf for rows that saw no key) and return
+                       window_right, alibi_slope, MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                       SOFTCAP: tl.constexpr, KEYS_MAJOR: tl.constexpr, ALIBI: tl.constexpr):
+    """Recompute P from the saved lse (lse2 = lse * log2(e), +inf for rows that saw no key), with the forward's
+    ALiBi bias when ALIBI (alibi_slope: the head's slope times log2(e); the bias has no gradient), and return
     (P, dS / softmax_scale) for one block: [BM, BN] tiles, or with KEYS_MAJOR their transposes [BN, BM], which the
     dK/dV program feeds to its MMAs as the register operand as they come out of the accumulator (a transpose of
     P and dS would move each through shared memory every step)."""
@@ -121,6 +123,8 @@ def _probs_and_dscores(q, k, v, do, lse2, delta, q_pos, k_pos, seqlen_k, qk_scal
         s = qk_scale * t
     else:
         s = s * qk_scale
+    if ALIBI:
+        s = s - alibi_slope * alibi_distance(qp, kp)
     p = tl.math.exp2(s - lse_b)
     if MASK:
         p = tl.where(visible(qp, kp, seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT), p, 0.0)
@@ -132,6 +136,16 @@ def _probs_and_dscores(q, k, v, do, lse2, delta, q_pos, k_pos, seqlen_k, qk_scal
     if SOFTCAP:
         ds = ds * (1.0 - t * t)
     return p, ds
+
+
+@triton.jit
+def _alibi_slope(alibi_ptr, b, stride_alibi_b, head_q, ALIBI: tl.constexpr):
+    """Query head head_q's ALiBi slope in log2 units (the scores' units) for sequence b; 0.0 (unread) without
+    ALIBI (one return: see _row_stats)."""
+    slope = 0.0
+    if ALIBI:
+        slope = tl.load(alibi_ptr + b * stride_alibi_b + head_q) * LOG2E
+    return slope
 
 
 @triton.jit
@@ -151,10 +165,10 @@ def _row_stats(lse2_ptr, delta_ptr, b, h, tok, row_ok, stride_lb, stride_lh, str
 @triton.jit
 def _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, q_desc, do_desc, desc_row0, lse2_ptr, delta_ptr, b, head_q,
                  stride_lb, stride_lh, stride_ls, stride_qs, stride_dos, stride_dqs, q_start, offs_d, offs_n, diag,
-                 seqlen_q, seqlen_k, lo, hi, rot, qk_scale, softcap_scale, window_left, window_right,
+                 seqlen_q, seqlen_k, lo, hi, rot, qk_scale, softcap_scale, window_left, window_right, alibi_slope,
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr,
                  HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, TILE_DTYPE: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                 QDO_DESC: tl.constexpr):
+                 QDO_DESC: tl.constexpr, ALIBI: tl.constexpr):
     """dV += P^T dO and dK += dS^T Q (dS without softmax_scale) over query blocks [lo, hi) of one head (multiples
     of BLOCK_M), starting at block rot and wrapping around; with ATOMIC_DQ also dQ += dS K, added in fp32 into
     dq_base's rows (relaxed: only the sum matters). QDO_DESC: unmasked blocks read Q and dO through TMA
@@ -178,8 +192,8 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, q_desc, do_desc, desc_r
         lse2, delta = _row_stats(lse2_ptr, delta_ptr, b, head_q, q_start + tok, row_ok, stride_lb, stride_lh,
                                  stride_ls, not MASK)
         p_t, ds_t = _probs_and_dscores(q, k, v, do, lse2, delta, tok + diag, offs_n, seqlen_k, qk_scale,
-                                       softcap_scale, window_left, window_right, MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                                       True)
+                                       softcap_scale, window_left, window_right, alibi_slope, MASK, HAS_LEFT,
+                                       HAS_RIGHT, SOFTCAP, True, ALIBI)
         dv = tl.dot(p_t.to(do.dtype), do, dv)
         ds_t = ds_t.to(q.dtype)
         dk = tl.dot(ds_t, q, dk)
@@ -203,11 +217,11 @@ def attn_bwd_dkdv_kernel(
     stride_dob, stride_dos, stride_doh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
     stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh, stride_ls,
     seqlen_q_static, seqlen_k_static, num_heads_kv, group_size, n_tiles,
-    softmax_scale, softcap, window_left, window_right,
+    softmax_scale, softcap, window_left, window_right, alibi_ptr, stride_alibi_b,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     VARLEN_Q: tl.constexpr, VARLEN_K: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, TILE_DTYPE: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, ROTATE: tl.constexpr, QDO_DESC: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, ROTATE: tl.constexpr, QDO_DESC: tl.constexpr, ALIBI: tl.constexpr,
 ):
     """dK, dV of one KV block of one KV head; with ATOMIC_DQ also the block's share of dQ (dq_acc, fp32, without
     softmax_scale). ROTATE: the programs of one head start their unmasked query blocks at different blocks (their
@@ -254,23 +268,24 @@ def attn_bwd_dkdv_kernel(
         q_base = q_ptr + b64 * stride_qb + head_q.to(tl.int64) * stride_qh
         do_base = do_ptr + b64 * stride_dob + head_q.to(tl.int64) * stride_doh
         dq_base = dq_acc_ptr + b64 * stride_dqb + head_q.to(tl.int64) * stride_dqh
+        alibi_slope = _alibi_slope(alibi_ptr, b, stride_alibi_b, head_q, ALIBI)
         # Masked blocks at the diagonal, unmasked interior (staggered start), masked blocks at the left window edge
         # (one call each: MASK is a compile-time constant and Triton unrolls no loop over a tuple).
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, q_desc, do_desc, desc_row0, lse2_ptr, delta_ptr,
                               b, head_q, stride_lb, stride_lh, stride_ls, stride_qs, stride_dos, stride_dqs, q_start,
                               offs_d, offs_n, diag, seqlen_q, seqlen_k, m_lo * BLOCK_M, full_lo * BLOCK_M, 0, qk_scale,
-                              softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_M, True, HAS_LEFT,
-                              HAS_RIGHT, SOFTCAP, TILE_DTYPE, ATOMIC_DQ, QDO_DESC)
+                              softcap_scale, window_left, window_right, alibi_slope, HEAD_DIM, BLOCK_M, True,
+                              HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE, ATOMIC_DQ, QDO_DESC, ALIBI)
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, q_desc, do_desc, desc_row0, lse2_ptr, delta_ptr,
                               b, head_q, stride_lb, stride_lh, stride_ls, stride_qs, stride_dos, stride_dqs, q_start,
                               offs_d, offs_n, diag, seqlen_q, seqlen_k, full_lo * BLOCK_M, full_hi * BLOCK_M, rot,
-                              qk_scale, softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_M, False, HAS_LEFT,
-                              HAS_RIGHT, SOFTCAP, TILE_DTYPE, ATOMIC_DQ, QDO_DESC)
+                              qk_scale, softcap_scale, window_left, window_right, alibi_slope, HEAD_DIM, BLOCK_M,
+                              False, HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE, ATOMIC_DQ, QDO_DESC, ALIBI)
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, q_desc, do_desc, desc_row0, lse2_ptr, delta_ptr,
                               b, head_q, stride_lb, stride_lh, stride_ls, stride_qs, stride_dos, stride_dqs, q_start,
                               offs_d, offs_n, diag, seqlen_q, seqlen_k, full_hi * BLOCK_M, m_hi * BLOCK_M, 0, qk_scale,
-                              softcap_scale, window_left, window_right, HEAD_DIM, BLOCK_M, True, HAS_LEFT,
-                              HAS_RIGHT, SOFTCAP, TILE_DTYPE, ATOMIC_DQ, QDO_DESC)
+                              softcap_scale, window_left, window_right, alibi_slope, HEAD_DIM, BLOCK_M, True,
+                              HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE, ATOMIC_DQ, QDO_DESC, ALIBI)
     dk = dk * softmax_scale
     interpreted: tl.constexpr = TILE_DTYPE == tl.float32  # tiles are fp32 only in the interpreter
     store_ok = (offs_n[:, None] < stored_k) & (offs_d[None, :] < HEAD_DIM)
@@ -283,9 +298,9 @@ def attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_blocks(dq, q, do, lse2, delta, q_pos, k_base, v_base, stride_ks, stride_vs, k_start, offs_d, seqlen_k,
-               lo, hi, qk_scale, softcap_scale, window_left, window_right, HEAD_DIM: tl.constexpr,
+               lo, hi, qk_scale, softcap_scale, window_left, window_right, alibi_slope, HEAD_DIM: tl.constexpr,
                BLOCK_N: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-               SOFTCAP: tl.constexpr, TILE_DTYPE: tl.constexpr):
+               SOFTCAP: tl.constexpr, TILE_DTYPE: tl.constexpr, ALIBI: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         key_ok = offs_n < seqlen_k
@@ -293,7 +308,8 @@ def _dq_blocks(dq, q, do, lse2, delta, q_pos, k_base, v_base, stride_ks, stride_
         k = _load_rows(k_base, k_start + offs_n, key_ok, offs_d, stride_ks, HEAD_DIM, TILE_DTYPE, not MASK)
         v = _load_rows(v_base, k_start + offs_n, key_ok, offs_d, stride_vs, HEAD_DIM, TILE_DTYPE, not MASK)
         p, ds = _probs_and_dscores(q, k, v, do, lse2, delta, q_pos, offs_n, seqlen_k, qk_scale, softcap_scale,
-                                   window_left, window_right, MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP, False)
+                                   window_left, window_right, alibi_slope, MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP, False,
+                                   ALIBI)
         dq = tl.dot(ds.to(k.dtype), k, dq)
     return dq
 
@@ -306,10 +322,11 @@ def attn_bwd_dq_kernel(
     stride_dob, stride_dos, stride_doh, stride_dqb, stride_dqs, stride_dqh,
     stride_lb, stride_lh, stride_ls,
     seqlen_q_static, seqlen_k_static, num_heads_q, group_size, m_tiles,
-    softmax_scale, softcap, window_left, window_right,
+    softmax_scale, softcap, window_left, window_right, alibi_ptr, stride_alibi_b,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     VARLEN_Q: tl.constexpr, VARLEN_K: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, TILE_DTYPE: tl.constexpr,
+    ALIBI: tl.constexpr,
 ):
     pid = tl.program_id(0)
     start_m = (m_tiles - 1 - pid % m_tiles) * BLOCK_M  # heaviest causal tiles first
@@ -340,16 +357,17 @@ def attn_bwd_dq_kernel(
     v_base = v_ptr + b64 * stride_vb + head_kv.to(tl.int64) * stride_vh
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     q_pos = tok + diag
+    alibi_slope = _alibi_slope(alibi_ptr, b, stride_alibi_b, head_q, ALIBI)
     # Masked blocks at the left window edge, unmasked interior, masked blocks at the diagonal / end.
     dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, k_base, v_base, stride_ks, stride_vs, k_start, offs_d, seqlen_k,
-                    n_lo * BLOCK_N, full_lo * BLOCK_N, qk_scale, softcap_scale, window_left, window_right, HEAD_DIM,
-                    BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE)
+                    n_lo * BLOCK_N, full_lo * BLOCK_N, qk_scale, softcap_scale, window_left, window_right,
+                    alibi_slope, HEAD_DIM, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE, ALIBI)
     dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, k_base, v_base, stride_ks, stride_vs, k_start, offs_d, seqlen_k,
                     full_lo * BLOCK_N, full_hi * BLOCK_N, qk_scale, softcap_scale, window_left, window_right,
-                    HEAD_DIM, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE)
+                    alibi_slope, HEAD_DIM, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE, ALIBI)
     dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, k_base, v_base, stride_ks, stride_vs, k_start, offs_d, seqlen_k,
-                    full_hi * BLOCK_N, n_hi * BLOCK_N, qk_scale, softcap_scale, window_left, window_right, HEAD_DIM,
-                    BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE)
+                    full_hi * BLOCK_N, n_hi * BLOCK_N, qk_scale, softcap_scale, window_left, window_right,
+                    alibi_slope, HEAD_DIM, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE, ALIBI)
     dq = dq * softmax_scale
     interpreted: tl.constexpr = TILE_DTYPE == tl.float32  # tiles are fp32 only in the interpreter
     rows = (q_start + tok).to(tl.int64)

@@ -5,6 +5,7 @@ Shapes (element strides are passed explicitly; the head dim must be contiguous):
   k, v: [B, Sk, Hkv, D]      contiguous / varlen like q; or paged [num_pages, page_size, Hkv, D] + block_table
   out:  like q, in q's dtype
   lse:  [B, Hq, Sq] (varlen: [Hq, total_q]) float32, natural log; -inf for rows that see no key
+  alibi:  fp32 slopes [Hq] or [B, Hq] (ALIBI; stride_alibi_b 0 for [Hq]): scores get -slope * |q_pos - key|.
   FP8 caches (decode): k/v in float8_e4m3fn with fp32 scales per tensor or per KV head (KV_SCALED).
   NVFP4 caches (decode, KV_NVFP4): k/v uint8 [.., D/2] packed e2m1 pairs, block scales e4m3 [.., D/16] at
   k/v_bscale_ptr, and the per-tensor global scales at k/v_scale_ptr (KV_SCALED too).
@@ -60,14 +61,14 @@ def attn_fwd_kernel(
     stride_bt,
     seqlen_q_static, seqlen_k_static, seqlen_k_add, desc_rows_per_batch,
     num_heads_q, group_size, m_tiles, rows_per_split,
-    softmax_scale, softcap, window_left, window_right,
+    softmax_scale, softcap, window_left, window_right, alibi_ptr, stride_alibi_b,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     VARLEN_Q: tl.constexpr, VARLEN_K: tl.constexpr, HAS_SEQLENS_K: tl.constexpr,
     PAGE_SIZE: tl.constexpr, KV_SCALED: tl.constexpr, KV_NVFP4: tl.constexpr,
     PACK_GQA: tl.constexpr, SPLIT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     USE_DESC: tl.constexpr, SP_OVERLAP: tl.constexpr, WARP_SPEC: tl.constexpr, TILE_DTYPE: tl.constexpr,
-    TRANS: tl.constexpr, RAW_SCORES: tl.constexpr, HAS_KV_BATCH: tl.constexpr = False,
+    TRANS: tl.constexpr, RAW_SCORES: tl.constexpr, ALIBI: tl.constexpr, HAS_KV_BATCH: tl.constexpr = False,
     LEFTPAD_K: tl.constexpr = False, ROTARY_DIM: tl.constexpr = 0, ROTARY_INTERLEAVED: tl.constexpr = False,
     ROTARY_PER_TOKEN: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
@@ -180,6 +181,9 @@ def attn_fwd_kernel(
         if KV_NVFP4:  # unpacked NVFP4 tiles are e2m1 * scale / E2M1_UNIT
             softmax_scale = softmax_scale * E2M1_UNIT
     qk_scale, softcap_scale = logit_scales(softmax_scale, softcap, SOFTCAP)
+    alibi_slope = 0.0  # not read without ALIBI
+    if ALIBI:  # each row's slope in log2 units, like the scores (pack-GQA rows differ in head)
+        alibi_slope = tl.load(alibi_ptr + b * stride_alibi_b + head_q) * LOG2E
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -190,20 +194,20 @@ def attn_fwd_kernel(
             acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr, stride_kb, stride_ks, stride_vb,
             stride_vs, stride_bs_page, stride_bs_tok, desc_row0, head_kv, offs_d, seqlen_k,
             tl.maximum(s_lo, n_lo) * BLOCK_N, tl.minimum(s_hi, full_lo) * BLOCK_N, qk_scale, softcap_scale,
-            window_left, window_right, HEAD_DIM, BLOCK_N, True, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT, HAS_RIGHT,
-            SOFTCAP, SP_OVERLAP, WARP_SPEC, TILE_DTYPE, TRANS, RAW_SCORES)
+            window_left, window_right, alibi_slope, HEAD_DIM, BLOCK_N, True, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT,
+            HAS_RIGHT, SOFTCAP, SP_OVERLAP, WARP_SPEC, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI)
     acc, m_i, l_i = attn_inner(
         acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr, stride_kb, stride_ks, stride_vb,
         stride_vs, stride_bs_page, stride_bs_tok, desc_row0, head_kv, offs_d, seqlen_k,
         tl.maximum(s_lo, full_lo) * BLOCK_N, tl.minimum(s_hi, full_hi) * BLOCK_N, qk_scale, softcap_scale,
-        window_left, window_right, HEAD_DIM, BLOCK_N, False, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT, HAS_RIGHT,
-        SOFTCAP, SP_OVERLAP, WARP_SPEC, TILE_DTYPE, TRANS, RAW_SCORES)
+        window_left, window_right, alibi_slope, HEAD_DIM, BLOCK_N, False, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT,
+        HAS_RIGHT, SOFTCAP, SP_OVERLAP, WARP_SPEC, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI)
     acc, m_i, l_i = attn_inner(
         acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr, stride_kb, stride_ks, stride_vb,
         stride_vs, stride_bs_page, stride_bs_tok, desc_row0, head_kv, offs_d, seqlen_k,
         tl.maximum(s_lo, full_hi) * BLOCK_N, tl.minimum(s_hi, n_hi) * BLOCK_N, qk_scale, softcap_scale,
-        window_left, window_right, HEAD_DIM, BLOCK_N, True, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT, HAS_RIGHT,
-        SOFTCAP, SP_OVERLAP, WARP_SPEC, TILE_DTYPE, TRANS, RAW_SCORES)
+        window_left, window_right, alibi_slope, HEAD_DIM, BLOCK_N, True, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT,
+        HAS_RIGHT, SOFTCAP, SP_OVERLAP, WARP_SPEC, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI)
 
     # ---- epilogue: normalise; rows that saw no key give out = 0 and lse = -inf ---------------------------
     seen = l_i > 0.0

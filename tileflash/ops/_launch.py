@@ -88,14 +88,23 @@ def row_descriptors(tensors, rows: int, block_rows: int):
     return descs
 
 
+def alibi_args(alibi_slopes, dummy) -> tuple:
+    """(slopes, batch stride) for a kernel's alibi_ptr, stride_alibi_b: [Hq] slopes are every batch's (stride 0);
+    without ALiBi the dummy, never read."""
+    if alibi_slopes is None:
+        return dummy, 0
+    return alibi_slopes, alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0
+
+
 def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_stride0: bool, num_batches: int,
                     seqlen_q: int, seqlen_k: int, m_rows: int, softmax_scale: float, mask: Mask, config,
                     cu_seqlens_q=None, cu_seqlens_k=None, seqlens_k=None, seqlen_k_add: int = 0,
                     block_table=None, pack_gqa: bool = False, num_splits: int = 1, sp_overlap: bool = False,
                     o_part=None, lse_part=None, k_scale=None, v_scale=None, k_block_scale=None, v_block_scale=None,
-                    pdl: bool = False, cache_batch_idx=None, cache_leftpad=None, rotary_cos=None, rotary_sin=None,
-                    rotary_interleaved: bool = False, rotary_per_token: bool = False):
+                    pdl: bool = False, alibi_slopes=None, cache_batch_idx=None, cache_leftpad=None, rotary_cos=None,
+                    rotary_sin=None, rotary_interleaved: bool = False, rotary_per_token: bool = False):
     """q4/out4 [Bq, Sq, Hq, D]; k4/v4 [Bk, Sk, Hkv, D] (paged: [pages, page_size, Hkv, D]); lse3 [Bq, Hq, Sq].
+    alibi_slopes: fp32 [Hq] or [num_batches, Hq] (checked by the public functions), or None.
 
     m_rows: rows per (batch, head program) = max query tokens (x group size when packing).
     cache_batch_idx / cache_leftpad [Bq] int32, rotary_cos / rotary_sin [seqlen_ro, rotary_dim / 2] (q rotated
@@ -140,7 +149,7 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         block_table.stride(0) if paged else 0,
         seqlen_q, seqlen_k, seqlen_k_add, 0 if k_batch_stride0 else k4.shape[1],
         hq, group, m_tiles, num_batches * seqlen_q * hq,
-        softmax_scale, mask.softcap, mask.window_left, mask.window_right,
+        softmax_scale, mask.softcap, mask.window_left, mask.window_right, *alibi_args(alibi_slopes, dummy),
         HEAD_DIM=d, HEAD_DIM_PAD=padded_head_dim(d), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         VARLEN_Q=cu_seqlens_q is not None, VARLEN_K=cu_seqlens_k is not None, HAS_SEQLENS_K=seqlens_k is not None,
         PAGE_SIZE=k4.shape[1] if paged else 0, KV_SCALED=k_scale is not None, KV_NVFP4=kv_nvfp4, PACK_GQA=pack_gqa,
@@ -148,9 +157,10 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         HAS_LEFT=mask.window_left >= 0, HAS_RIGHT=mask.window_right >= 0, SOFTCAP=mask.softcap > 0.0,
         USE_DESC=descs is not None, SP_OVERLAP=sp_overlap, WARP_SPEC=config.warp_spec and not sp_overlap,
         TILE_DTYPE=_utils.tile_dtype(torch.float16 if k_scale is not None else q4.dtype),
-        TRANS=config.trans, RAW_SCORES=softmax_scale > 0 and mask.softcap == 0.0 and k_scale is None,
-        HAS_KV_BATCH=cache_batch_idx is not None, LEFTPAD_K=cache_leftpad is not None,
-        ROTARY_DIM=2 * rotary_cos.shape[1] if rotary_cos is not None else 0,
+        TRANS=config.trans,
+        RAW_SCORES=softmax_scale > 0 and mask.softcap == 0.0 and k_scale is None and alibi_slopes is None,
+        ALIBI=alibi_slopes is not None, HAS_KV_BATCH=cache_batch_idx is not None,
+        LEFTPAD_K=cache_leftpad is not None, ROTARY_DIM=2 * rotary_cos.shape[1] if rotary_cos is not None else 0,
         ROTARY_INTERLEAVED=bool(rotary_interleaved), ROTARY_PER_TOKEN=bool(rotary_per_token),
         PDL=pdl and split and sm90_target(), num_warps=config.num_warps, num_stages=config.num_stages,
     )
@@ -207,21 +217,22 @@ def _tma_4d_ok(t: torch.Tensor) -> bool:
     return _tma_aligned(t, dims=(0, 1, 2)) and all(0 < n < 2 ** 31 for n in t.shape)
 
 
-def ws_call_ok(dtype: torch.dtype, mask: Mask) -> bool:
+def ws_call_ok(dtype: torch.dtype, mask: Mask, alibi: bool) -> bool:
     """What both warp-specialised Gluon kernels (forward and dK/dV) need of a call beyond shapes and layouts: a
-    16-bit dtype, at most a causal mask (no left window, no softcap) and an sm_90 target."""
+    16-bit dtype, at most a causal mask (no left window, no softcap), no ALiBi (they have no bias) and an sm_90
+    target."""
     plain_mask = mask.window_left < 0 and mask.window_right in (-1, 0) and mask.softcap == 0.0
-    return plain_mask and dtype in (torch.float16, torch.bfloat16) and sm90_target()
+    return plain_mask and not alibi and dtype in (torch.float16, torch.bfloat16) and sm90_target()
 
 
-def ws_forward_config(q4, k4, v4, out4, softmax_scale: float, mask: Mask,
-                      max_seqlen_k: int | None = None) -> WsFwdConfig | None:
+def ws_forward_config(q4, k4, v4, out4, softmax_scale: float, mask: Mask, max_seqlen_k: int | None = None,
+                      alibi: bool = False) -> WsFwdConfig | None:
     """The warp-specialised forward's tiles when it serves this call (sm_90, a shape heuristics.fwd_ws_config
-    takes, at most a causal mask, a positive scale, TMA-addressable tensors), else None (the Triton kernel).
-    max_seqlen_k: given for varlen batches (packed [1, total, H, D] tensors), which take one CTA per tile."""
+    takes, at most a causal mask, no ALiBi, a positive scale, TMA-addressable tensors), else None (the Triton
+    kernel). max_seqlen_k: given for varlen batches (packed [1, total, H, D] tensors), which take one CTA per tile."""
     if max_seqlen_k is not None and not heuristics.GLUON_VARLEN:
         return None
-    if not (softmax_scale > 0 and ws_call_ok(q4.dtype, mask)):
+    if not (softmax_scale > 0 and ws_call_ok(q4.dtype, mask, alibi)):
         return None
     cfg = fwd_ws_config(q4.shape[3], mask.window_right == 0, k4.shape[1] if max_seqlen_k is None else max_seqlen_k)
     if cfg is None or not all(_tma_4d_ok(t) for t in (q4, k4, v4, out4)):

@@ -17,7 +17,7 @@ from ..heuristics import WsBwdConfig, bwd_config, bwd_ws_config, padded_head_dim
 from ..kernels import attn_bwd_ws
 from ..kernels.attn_bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
 from . import direct
-from ._launch import Mask, _desc_4d, _dummy, _tma_4d_ok, row_descriptors, ws_call_ok
+from ._launch import Mask, _desc_4d, _dummy, _tma_4d_ok, alibi_args, row_descriptors, ws_call_ok
 
 PREPROCESS_BLOCK_ROWS = 32
 
@@ -27,13 +27,13 @@ def _strides3(t):
 
 
 def ws_backward_config(q, k, v, dout, *, varlen: bool, window_left: int, window_right: int, softcap: float,
-                       max_seqlen_k: int = 0, seqused_k: bool = False) -> WsBwdConfig | None:
+                       max_seqlen_k: int = 0, seqused_k: bool = False, alibi: bool = False) -> WsBwdConfig | None:
     """The warp-specialised dK/dV kernel's tiles when it serves this call (sm_90, a head dim heuristics.bwd_ws_config
-    takes, at most a causal mask, TMA-addressable tensors; varlen without seqused_k, tiles by max_seqlen_k), else
-    None (the Triton kernels)."""
+    takes, at most a causal mask, no ALiBi, TMA-addressable tensors; varlen without seqused_k, tiles by
+    max_seqlen_k), else None (the Triton kernels)."""
     if varlen and (seqused_k or not heuristics.GLUON_VARLEN):
         return None
-    if not ws_call_ok(q.dtype, Mask(window_left, window_right, softcap)):
+    if not ws_call_ok(q.dtype, Mask(window_left, window_right, softcap), alibi):
         return None
     cfg = bwd_ws_config(q.shape[3], window_right == 0, max_seqlen_k if varlen else k.shape[1])
     if cfg is None or not all(_tma_4d_ok(t) for t in (q, k, v, dout)):
@@ -102,11 +102,12 @@ def _stats_desc(t: torch.Tensor, block_rows: int):
 
 def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, delta, lse2, dq_acc, *, cfg, ws, atomic_dq: bool,
                 varlen: bool, num_batches: int, seqlen_q: int, seqlen_k: int, max_seqlen_q: int, max_seqlen_k: int,
-                cu_seqlens_q, cu_seqlens_k, seqused_k, softmax_scale: float, window_left: int, window_right: int,
-                softcap: float) -> None:
+                cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, softmax_scale: float, window_left: int,
+                window_right: int, softcap: float) -> None:
     """All tensors 4-D [Bv, S, H, D] (varlen: Bv = 1 with batch strides passed as 0) and lse/dlse [Bv, H, S];
     delta, lse2 from _stats_views; dq_acc: the fp32 dQ buffer (contiguous, like dq4) when atomic_dq, zeroed by the
-    first launch (dq4 = its scaled copy, made by the caller after these launches). cfg: the Triton kernels' tiles; ws: the Gluon dK/dV kernel's or None."""
+    first launch (dq4 = its scaled copy, made by the caller after these launches). cfg: the Triton kernels' tiles;
+    ws: the Gluon dK/dV kernel's or None (never with alibi_slopes: fp32 [Hq] or [num_batches, Hq], or None)."""
     dev = q4.device
     hq, d = q4.shape[2], q4.shape[3]
     hkv = k4.shape[2]
@@ -125,7 +126,8 @@ def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, delta, lse2, dq
     dummy = _dummy(dev)
     common = dict(HEAD_DIM=d, HEAD_DIM_PAD=dp, VARLEN_Q=varlen, VARLEN_K=varlen, HAS_SEQUSED_K=seqused_k is not None,
                   HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, SOFTCAP=softcap > 0.0,
-                  TILE_DTYPE=_utils.tile_dtype(q4.dtype))
+                  TILE_DTYPE=_utils.tile_dtype(q4.dtype), ALIBI=alibi_slopes is not None)
+    alibi = alibi_args(alibi_slopes, dummy)
     seq_args = (cu_seqlens_q if varlen else dummy, cu_seqlens_k if varlen else dummy,
                 seqused_k if seqused_k is not None else dummy)
     lse_strides = (0, lse2.stride(1), lse2.stride(2)) if varlen else _strides3(lse2)  # lse2 and delta
@@ -138,7 +140,7 @@ def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, delta, lse2, dq
                            max_seqlen_k=max_seqlen_k)
     else:
         _launch_dkdv(q4, k4, v4, do4, lse2, delta, dk4, dv4, dq_acc, cfg, common, seq_args, lse_strides, bstride,
-                     varlen=varlen, num_batches=num_batches, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                     alibi, varlen=varlen, num_batches=num_batches, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                      max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, softcap=softcap,
                      window_left=window_left, window_right=window_right, atomic_dq=atomic_dq)
     if atomic_dq:
@@ -148,12 +150,12 @@ def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, delta, lse2, dq
         attn_bwd_dq_kernel, (m_tiles * num_batches * hq,),
         q4, k4, v4, do4, lse2, delta, dq4, *seq_args,
         *bstride(q4), *bstride(k4), *bstride(v4), *bstride(do4), *bstride(dq4), *lse_strides,
-        seqlen_q, seqlen_k, hq, hq // hkv, m_tiles, softmax_scale, softcap, window_left, window_right,
+        seqlen_q, seqlen_k, hq, hq // hkv, m_tiles, softmax_scale, softcap, window_left, window_right, *alibi,
         BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, num_warps=cfg.dq_warps, num_stages=cfg.dq_stages, **common)
 
 
-def _launch_dkdv(q4, k4, v4, do4, lse2, delta, dk4, dv4, dq_acc, cfg, common, seq_args, lse_strides, bstride, *,
-                 varlen, num_batches, seqlen_q, seqlen_k, max_seqlen_k, softmax_scale, softcap, window_left,
+def _launch_dkdv(q4, k4, v4, do4, lse2, delta, dk4, dv4, dq_acc, cfg, common, seq_args, lse_strides, bstride, alibi,
+                 *, varlen, num_batches, seqlen_q, seqlen_k, max_seqlen_k, softmax_scale, softcap, window_left,
                  window_right, atomic_dq):
     """The Triton dK/dV kernel (kernels/attn_bwd.py), every variant."""
     hq, hkv = q4.shape[2], k4.shape[2]
@@ -165,7 +167,7 @@ def _launch_dkdv(q4, k4, v4, do4, lse2, delta, dk4, dv4, dq_acc, cfg, common, se
         *seq_args,
         *bstride(q4), *bstride(k4), *bstride(v4), *bstride(do4), *bstride(dk4), *bstride(dv4),
         *(bstride(dq_acc) if atomic_dq else (0, 0, 0)), *lse_strides,
-        seqlen_q, seqlen_k, hkv, hq // hkv, n_tiles, softmax_scale, softcap, window_left, window_right,
+        seqlen_q, seqlen_k, hkv, hq // hkv, n_tiles, softmax_scale, softcap, window_left, window_right, *alibi,
         BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
         # Bounded on the right (causal), the programs already start at staggered query blocks (their diagonals).
         ATOMIC_DQ=atomic_dq, ROTATE=cfg.rotate and window_right < 0, QDO_DESC=qdo_descs is not None, **common)
@@ -175,7 +177,7 @@ class BwdPlan(direct.Replayable):
     """One backward call's host work done once: the kernels and tiles, dQ by atomics or by its own pass, the
     launches' arguments (recorded by the first run, ops/direct.py); delta and lse2 live in the workspace."""
 
-    def __init__(self, q, k, v, dout, cu_seqlens_q, seqused_k, max_seqlen_q: int, max_seqlen_k: int,
+    def __init__(self, q, k, v, dout, cu_seqlens_q, seqused_k, alibi_slopes, max_seqlen_q: int, max_seqlen_k: int,
                  softmax_scale: float, window_left: int, window_right: int, softcap: float, deterministic: bool):
         self.varlen = cu_seqlens_q is not None
         if self.varlen:
@@ -194,7 +196,8 @@ class BwdPlan(direct.Replayable):
         cfg = bwd_config(q.shape[-1], _utils.is_interpreter())
         ws = None if self.empty else ws_backward_config(
             q4, k4, v4, do4, varlen=self.varlen, window_left=window_left, window_right=window_right,
-            softcap=softcap, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k is not None)
+            softcap=softcap, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k is not None,
+            alibi=alibi_slopes is not None)
         self.atomic_dq = (ws.atomic_dq if ws is not None else cfg.atomic_dq) and not deterministic
         self.softmax_scale = softmax_scale
         self.stats_numel = _stats_numel(self.lse_shape)
@@ -203,8 +206,8 @@ class BwdPlan(direct.Replayable):
                        softmax_scale=softmax_scale, window_left=window_left, window_right=window_right,
                        softcap=softcap)
 
-    def _launch(self, q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, dq, dk, dv, dq_acc,
-                ws) -> None:
+    def _launch(self, q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, dq, dk, dv,
+                dq_acc, ws) -> None:
         if self.varlen:
             q, k, v, out, dout, dq, dk, dv, lse = (direct.derived(t.unsqueeze(0), t)
                                                    for t in (q, k, v, out, dout, dq, dk, dv, lse))
@@ -214,9 +217,9 @@ class BwdPlan(direct.Replayable):
                 dq_acc = direct.derived(dq_acc.unsqueeze(0), dq_acc)
         delta, lse2 = _stats_views(ws, lse)
         _launch_bwd(q, k, v, out, lse, dout, dlse, dq, dk, dv, delta, lse2, dq_acc, cu_seqlens_q=cu_seqlens_q,
-                    cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, **self.kw)
+                    cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, alibi_slopes=alibi_slopes, **self.kw)
 
-    def run(self, q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k):
+    def run(self, q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes):
         dq, dk, dv = _utils.new_output_like(q), _utils.new_output_like(k), _utils.new_output_like(v)
         if self.empty:
             return dq.zero_(), dk.zero_(), dv.zero_()
@@ -229,8 +232,8 @@ class BwdPlan(direct.Replayable):
         dq_acc = torch.empty_like(dq, dtype=torch.float32) if self.atomic_dq else None
         stream = direct.current_stream(q.device)
         ws = direct.WORKSPACE.get(q.device, stream, 2 * self.stats_numel)
-        self.execute(self._launch, (q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, dq, dk,
-                                    dv, dq_acc, ws), stream)
+        self.execute(self._launch, (q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                                    alibi_slopes, dq, dk, dv, dq_acc, ws), stream)
         if self.atomic_dq:
             torch.mul(dq_acc, self.softmax_scale, out=dq)
         return dq, dk, dv
@@ -241,26 +244,27 @@ _PLANS = direct.PlanCache()
 
 def attn_backward(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q: int,
                   max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int, softcap: float,
-                  deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  deterministic: bool, alibi_slopes=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of flash_attn_func (cu_seqlens_q None) or flash_attn_varlen_func; lse as their forward
-    returned it, dlse its gradient or None."""
+    returned it, dlse its gradient or None, alibi_slopes the forward's."""
     plan = direct.plan_for(
         _PLANS, lambda: (*(direct.tensor_key(t) for t in (q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k,
-                                                            seqused_k)),
+                                                            seqused_k, alibi_slopes)),
                          max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap,
                          deterministic, heuristics.GLUON_VARLEN),
-        lambda: BwdPlan(q, k, v, dout, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                        window_left, window_right, softcap, deterministic))
-    return plan.run(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k)
+        lambda: BwdPlan(q, k, v, dout, cu_seqlens_q, seqused_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
+                        softmax_scale, window_left, window_right, softcap, deterministic))
+    return plan.run(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes)
 
 
 def _attn_bwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                    dout: torch.Tensor, dlse: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
                    cu_seqlens_k: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor], max_seqlen_q: int,
                    max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
-                   softcap: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   softcap: float, deterministic: bool,
+                   alibi_slopes: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return attn_backward(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
-                         max_seqlen_k, softmax_scale, window_left, window_right, softcap, deterministic)
+                         max_seqlen_k, softmax_scale, window_left, window_right, softcap, deterministic, alibi_slopes)
 
 
 attn_bwd_op = torch.library.custom_op("tileflash::attn_bwd", mutates_args=())(_attn_bwd_impl)
@@ -268,34 +272,35 @@ attn_bwd_op = torch.library.custom_op("tileflash::attn_bwd", mutates_args=())(_a
 
 @attn_bwd_op.register_fake
 def _(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
-      softmax_scale, window_left, window_right, softcap, deterministic):
+      softmax_scale, window_left, window_right, softcap, deterministic, alibi_slopes):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 # ---- autograd formulas registered on the forward custom ops ----------------------------------------------------
 
 def setup_fwd_context(ctx, inputs, output):
-    q, k, v, softmax_scale, window_left, window_right, softcap, deterministic = inputs
+    q, k, v, softmax_scale, window_left, window_right, softcap, deterministic, alibi_slopes = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
     ctx.args = (softmax_scale, window_left, window_right, softcap, deterministic)
 
 
 def fwd_backward(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = attn_bwd_op(q, k, v, out, lse, dout, dlse, None, None, None, 0, 0, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None
+    q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
+    dq, dk, dv = attn_bwd_op(q, k, v, out, lse, dout, dlse, None, None, None, 0, 0, *ctx.args, alibi_slopes)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 def setup_varlen_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
-     window_right, softcap, deterministic) = inputs
+     window_right, softcap, deterministic, alibi_slopes) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes)
     ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, deterministic)
 
 
 def varlen_backward(ctx, dout, dlse):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k = ctx.saved_tensors
-    dq, dk, dv = attn_bwd_op(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes = ctx.saved_tensors
+    dq, dk, dv = attn_bwd_op(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, *ctx.args,
+                             alibi_slopes)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
