@@ -358,6 +358,8 @@ def test_suites_call_real_tileflash_cpu(monkeypatch):
     rows = suites.run_prefill(PREFILL_TINY, out=lambda s: None)
     rows += suites.run_decode(DECODE_TINY + [{**s, "kv": "fp8"} for s in DECODE_TINY], out=lambda s: None)
     rows += suites.run_backward(PREFILL_TINY, out=lambda s: None)
+    rows += suites.run_extend([{"batch": 2, "prefix": 40, "sq": 20, "hq": 4, "hkv": 2, "d": 64, "page_size": 16,
+                                "label": "page16"}], out=lambda s: None)
     for row in rows:
         for name, rec in row["backends"].items():
             if name.startswith("tileflash"):

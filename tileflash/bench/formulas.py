@@ -12,6 +12,12 @@ def attn_fwd_flops(batch, nheads, seqlen_q, seqlen_k, headdim, causal=False):
     return flops // 2 if causal else flops
 
 
+def extend_flops(batch, nheads, seqlen_q, prefix, headdim):
+    """Causal attention of seqlen_q new queries over prefix cached keys plus themselves (bottom-right aligned):
+    query i sees prefix + i + 1 keys."""
+    return 4 * batch * nheads * headdim * (seqlen_q * prefix + seqlen_q * (seqlen_q + 1) // 2)
+
+
 def attn_bwd_flops(batch, nheads, seqlen_q, seqlen_k, headdim, causal=False):
     """Backward does five matmuls to forward's two: 2.5x."""
     return 5 * attn_fwd_flops(batch, nheads, seqlen_q, seqlen_k, headdim, causal) // 2

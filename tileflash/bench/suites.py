@@ -17,6 +17,7 @@ from tileflash.bench.formulas import (
     attn_bwd_flops,
     attn_fwd_flops,
     decode_kv_bytes,
+    extend_flops,
     gbps,
     gemm_flops,
     gemm_weight_bytes,
@@ -89,6 +90,16 @@ GEMM_SHAPES = [
     for m in (1, 16, 128, 1024, 4096)
 ]
 LOWP_SHAPES = LOWP_DECODE_SHAPES + GEMM_SHAPES
+
+# Extend / chunked prefill over a paged cache (SGLang's flash_attn_with_kvcache with many new queries): batch 4,
+# 32/8 heads d128, a 4096-token cached prefix, new queries causal after it; the same pages through
+# flash_attn_varlen_func(block_table=...) alongside.
+EXTEND_SHAPES = [
+    {"batch": 4, "prefix": 4096, "sq": sq, "hq": 32, "hkv": 8, "d": 128, "page_size": ps, "label": f"page{ps}"}
+    for ps in (16, 64)
+    for sq in (64, 256, 1024, 2048)
+]
+EXTEND_BACKENDS = ("tileflash_kvcache", "tileflash_varlen")
 
 PREFILL_BACKENDS = ("tileflash", "sdpa_flash", "sdpa_cudnn", "fa4")
 BACKWARD_BACKENDS = ("tileflash", "tileflash_det", "sdpa_flash", "sdpa_cudnn")
@@ -438,6 +449,67 @@ def run_decode(shapes=None, out=print):
     return _run(DECODE_SHAPES if shapes is None else shapes, _decode_one,
                 lambda s, r: f"decode {s['label']} b={s['batch']} ctx={s['ctx']} (us): {_summary(r['backends'], 'us')}",
                 decode_table, out)
+
+
+def _extend_one(shape, tf, note):
+    """Check both calls on sequence 0 (heads of the first KV head) against the fp32 reference over the gathered
+    keys, then time them."""
+    from tileflash.reference import attention_ref, gather_cache
+
+    b, prefix, sq, hq, hkv, d, ps = (shape[k] for k in ("batch", "prefix", "sq", "hq", "hkv", "d", "page_size"))
+    total = prefix + sq
+    pages_per_seq = -(-total // ps)
+    pool_k, pool_v = (_randn(b * pages_per_seq, ps, hkv, d) for _ in range(2))
+    table = torch.randperm(b * pages_per_seq, device=DEVICE).view(b, pages_per_seq).to(torch.int32)
+    lens = torch.full((b,), total, dtype=torch.int32, device=DEVICE)
+    q = _randn(b, sq, hq, d)
+    cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=DEVICE)
+    g = hq // hkv
+    kk, vv = (gather_cache(x, table, total, 0)[None, :, :1] for x in (pool_k, pool_v))
+    ref, _ = attention_ref(q[:1, :, :g], kk, vv, causal=True)
+
+    def check(out):
+        return max_abs_err(out.view(b, sq, hq, d)[:1, :, :g], ref.float())
+
+    builders = {
+        "tileflash_kvcache": lambda: lambda: tf.flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=lens,
+                                                                        block_table=table, causal=True),
+        "tileflash_varlen": lambda: lambda: tf.flash_attn_varlen_func(
+            q.view(-1, hq, d), pool_k, pool_v, cu_q, cu_q, sq, total, seqused_k=lens, causal=True,
+            block_table=table),
+    }
+    flops = extend_flops(b, hq, sq, prefix, d)
+    results = {}
+    for name, build in builders.items():
+        rec = _measure(name, build, check, note)
+        if rec is not None:
+            rec["TFLOP/s"] = tflops(flops, rec["ms"]) if rec["ms"] else None
+        results[name] = rec
+    kv_ms, vl_ms = (_field({"backends": results}, n, "ms") for n in EXTEND_BACKENDS)
+    return {**shape, "flops": flops, "backends": results, "kvcache_vs_varlen": vl_ms / kv_ms if kv_ms and vl_ms else None}
+
+
+def extend_table(rows):
+    headers = ["page", "Sq", "prefix", "kvcache us", "varlen us", "kvcache TFLOP/s", "varlen TFLOP/s",
+               "varlen/kvcache", "%GEMM", "failed"]
+    body = [
+        [r["page_size"], r["sq"], r["prefix"], *(1e3 * _field(r, n, "ms") if _field(r, n, "ms") else None
+                                                 for n in EXTEND_BACKENDS),
+         *(_field(r, n, "TFLOP/s") for n in EXTEND_BACKENDS), r["kvcache_vs_varlen"],
+         100 * _field(r, "tileflash_kvcache", "TFLOP/s") / BF16_GEMM_TFLOPS
+         if _field(r, "tileflash_kvcache", "TFLOP/s") else None, _failed(r)]
+        for r in rows
+    ]
+    title = ("Extend over a paged cache (batch 4, 32/8 heads d128, causal after a 4096-token prefix), bf16: "
+             "flash_attn_with_kvcache vs flash_attn_varlen_func on the same pages; > 1: kvcache faster")
+    return format_table(headers, body, title=title)
+
+
+def run_extend(shapes=None, out=print):
+    """Check and time flash_attn_with_kvcache with many new queries against flash_attn_varlen_func(block_table)."""
+    return _run(EXTEND_SHAPES if shapes is None else shapes, _extend_one,
+                lambda s, r: f"extend {s['label']} sq={s['sq']} (TFLOP/s): {_summary(r['backends'], 'TFLOP/s')}",
+                extend_table, out)
 
 
 def _gemm_one(shape, tf, note):
