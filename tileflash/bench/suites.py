@@ -178,6 +178,17 @@ def _measure(name, build, check, note, tol=TOL):
     return rec
 
 
+def _measure_tflops(builders, check, note, flops):
+    """_measure each backend of builders, adding TFLOP/s for the given FLOP count."""
+    results = {}
+    for name, build in builders.items():
+        rec = _measure(name, build, check, note)
+        if rec is not None:
+            rec["TFLOP/s"] = tflops(flops, rec["ms"]) if rec["ms"] else None
+        results[name] = rec
+    return results
+
+
 def _best_ms(results, names):
     times = [results[n]["ms"] for n in names if results.get(n) and results[n]["ok"] and results[n]["ms"]]
     return min(times, default=None)
@@ -221,12 +232,7 @@ def _prefill_one(shape, tf, note):
         "fa4": lambda: peers.fa4_prefill(q, k, v, causal, note),
     }
     flops = attn_fwd_flops(b, h, s, s, d, causal)
-    results = {}
-    for name, build in builders.items():
-        rec = _measure(name, build, check, note)
-        if rec is not None:
-            rec["TFLOP/s"] = tflops(flops, rec["ms"]) if rec["ms"] else None
-        results[name] = rec
+    results = _measure_tflops(builders, check, note, flops)
     tf_tflops = results["tileflash"]["TFLOP/s"]
     return {
         **shape,
@@ -479,12 +485,7 @@ def _extend_one(shape, tf, note):
             block_table=table),
     }
     flops = extend_flops(b, hq, sq, prefix, d)
-    results = {}
-    for name, build in builders.items():
-        rec = _measure(name, build, check, note)
-        if rec is not None:
-            rec["TFLOP/s"] = tflops(flops, rec["ms"]) if rec["ms"] else None
-        results[name] = rec
+    results = _measure_tflops(builders, check, note, flops)
     kv_ms, vl_ms = (_field({"backends": results}, n, "ms") for n in EXTEND_BACKENDS)
     return {**shape, "flops": flops, "backends": results, "kvcache_vs_varlen": vl_ms / kv_ms if kv_ms and vl_ms else None}
 
