@@ -487,7 +487,8 @@ def _extend_one(shape, tf, note):
     flops = extend_flops(b, hq, sq, prefix, d)
     results = _measure_tflops(builders, check, note, flops)
     kv_ms, vl_ms = (_field({"backends": results}, n, "ms") for n in EXTEND_BACKENDS)
-    return {**shape, "flops": flops, "backends": results, "kvcache_vs_varlen": vl_ms / kv_ms if kv_ms and vl_ms else None}
+    return {**shape, "flops": flops, "backends": results,
+            "kvcache_vs_varlen": vl_ms / kv_ms if kv_ms and vl_ms else None}
 
 
 def extend_table(rows):

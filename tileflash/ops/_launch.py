@@ -140,7 +140,8 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         block_table if paged else dummy,
         k_scale if k_scale is not None else dummy, v_scale if v_scale is not None else dummy,
         1 if k_scale is not None and k_scale.numel() > 1 else 0,
-        cache_batch_idx if cache_batch_idx is not None else dummy, cache_leftpad if cache_leftpad is not None else dummy,
+        cache_batch_idx if cache_batch_idx is not None else dummy,
+        cache_leftpad if cache_leftpad is not None else dummy,
         *_rotary_args(rotary_cos, rotary_sin, dummy),
         *((_bytes(k_block_scale), _bytes(v_block_scale), *k_block_scale.stride()[:3]) if nvfp4
           else (dummy, dummy, 0, 0, 0)),

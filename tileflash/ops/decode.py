@@ -228,8 +228,8 @@ _attn_kvcache_op = torch.library.custom_op(
 
 @_attn_kvcache_op.register_fake
 def _(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin,
-      cu_seqlens_q, alibi_slopes, max_seqlen_q, rotary_interleaved, softmax_scale, window_left, window_right, softcap, num_splits,
-      sp_overlap, k_scale, v_scale, k_global_scale, v_global_scale):
+      cu_seqlens_q, alibi_slopes, max_seqlen_q, rotary_interleaved, softmax_scale, window_left, window_right, softcap,
+      num_splits, sp_overlap, k_scale, v_scale, k_global_scale, v_global_scale):
     return torch.empty_like(q), q.new_empty(_lse_shape(q, max_seqlen_q), dtype=torch.float32)
 
 
@@ -426,9 +426,9 @@ class DecodePlan(direct.Replayable):
     runnable per layer with that layer's q and caches. Made by `decode_plan` (or internally by every eager
     flash_attn_with_kvcache call, keyed on its signature). Its first run records the launches (ops/direct.py);
     later runs replay them, so a run costs a few microseconds plus the kernels. cache_seqlens, block_table,
-    cache_batch_idx, cache_leftpad, the rotary tables, the ALiBi slopes and the scale tensors are the plan's (bound by decode_plan;
-    the plans flash_attn_with_kvcache caches keep none, so they hold no call's tensors alive): change their values
-    in place between runs (CUDA-graph replays included), not the tensors."""
+    cache_batch_idx, cache_leftpad, the rotary tables, the ALiBi slopes and the scale tensors are the plan's (bound
+    by decode_plan; the plans flash_attn_with_kvcache caches keep none, so they hold no call's tensors alive):
+    change their values in place between runs (CUDA-graph replays included), not the tensors."""
     # cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin, cu_seqlens_q, alibi_slopes
     index = (None,) * 8
     scales = (None, None, None, None)
@@ -587,7 +587,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     return_lse = bool(return_lse or return_softmax_lse)
     block_table = _block_table(block_table, page_table)
     if cu_seqlens_q is not None and isinstance(q, torch.Tensor) and q.dim() == 3 and isinstance(max_seqlen_q, int) \
-            and cu_seqlens_q.dim() == 1 and max_seqlen_q > 0 and q.shape[0] == (cu_seqlens_q.shape[0] - 1) * max_seqlen_q:
+            and cu_seqlens_q.dim() == 1 and 0 < max_seqlen_q and q.shape[0] == (len(cu_seqlens_q) - 1) * max_seqlen_q:
         # Every sequence holds exactly max_seqlen_q queries: the padded call, with its decode tiles and splits.
         total_q, hq, d = q.shape
         res = _kvcache(q.view(-1, max_seqlen_q, hq, d), k_cache, v_cache, k, v, rotary_cos, rotary_sin,
