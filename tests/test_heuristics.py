@@ -118,13 +118,15 @@ def test_quant_decode_config(d, fmt, programs, capacity, expected):
         assert c.step == c.block_n * c.num_warps == c.block_n * 4
 
 
-@pytest.mark.parametrize("sq, hq, page, sp_overlap, taken", [
-    (1, 32, None, False, True), (4, 32, 16, False, True), (1, 32, 1, False, True),  # contiguous, pages 16 and 1
-    (5, 32, None, False, False),  # 20 rows > 16
-    (1, 32, 12, False, False),  # a non-power-of-two page
-    (1, 32, None, True, False),  # the S/P-overlapped loop is the Triton kernel's
+@pytest.mark.parametrize("sq, hq, page, sp_overlap, extras, taken", [
+    (1, 32, None, False, False, True), (4, 32, 16, False, False, True),  # contiguous, pages 16
+    (1, 32, 1, False, False, True),  # pages of 1
+    (5, 32, None, False, False, False),  # 20 rows > 16
+    (1, 32, 12, False, False, False),  # a non-power-of-two page
+    (1, 32, None, True, False, False),  # the S/P-overlapped loop is the Triton kernel's
+    (1, 32, None, False, True, False),  # rotary, cache_batch_idx, cache_leftpad, ALiBi: the Triton kernel's
 ])
-def test_quant_mma_dispatch(sq, hq, page, sp_overlap, taken, monkeypatch):
+def test_quant_mma_dispatch(sq, hq, page, sp_overlap, extras, taken, monkeypatch):
     """ops.decode._quant_mma_config on shapes (CPU tensors, an sm_90 target assumed)."""
     monkeypatch.setattr(decode_ops, "sm90_target", lambda: True)
     ctx, hkv, d = 32768, 8, 128
@@ -132,7 +134,7 @@ def test_quant_mma_dispatch(sq, hq, page, sp_overlap, taken, monkeypatch):
     cache = torch.zeros(*shape, d // 2, dtype=torch.uint8)
     table = None if page is None else torch.zeros(1, ctx // page, dtype=torch.int32)
     q = torch.zeros(1, sq, hq, d, dtype=torch.bfloat16)
-    cfg = decode_ops._quant_mma_config(q, cache, cache, table, ctx, sp_overlap)
+    cfg = decode_ops._quant_mma_config(q, cache, cache, table, ctx, sp_overlap, extras)
     assert (cfg is not None) == taken
 
 
