@@ -295,3 +295,15 @@ def test_kvcache_packed_queries_fa3():
     with pytest.raises(NotImplementedError, match="cu_seqlens_k_new"):
         tileflash.flash_attn_with_kvcache(q, pool_k, pool_v, k, v, cache_seqlens=lens, block_table=table,
                                           cu_seqlens_q=cu, max_seqlen_q=19, cu_seqlens_k_new=cu)
+
+
+@pytest.mark.parametrize("page_size", [512, 300])  # flash-attn 2.x's multiples of 256, and any size past 256
+def test_kvcache_pages_above_256_tokens(page_size):
+    """A 2-token append from position 510 (crosses a 300-token page, stays in a 512 one) and a 3-token sequence,
+    split-KV over two pages per sequence."""
+    q, k, v, _, _ = _extras_case(torch.float16, b=2, rows=2, seed=14)
+    g = torch.Generator().manual_seed(15)
+    pool_k, pool_v = (torch.randn(5, page_size, 2, 64, generator=g).to(DEVICE, torch.float16) for _ in range(2))
+    table = torch.tensor([[3, 0], [1, 4]], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([510, 3], dtype=torch.int32, device=DEVICE)
+    _check_extras_call(q, k, v, pool_k, pool_v, cache_seqlens=lens, block_table=table, causal=True, num_splits=2)

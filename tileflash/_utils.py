@@ -13,7 +13,6 @@ import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
-MAX_PAGE_SIZE = 256  # tokens per page of a paged KV cache
 
 # The Triton interpreter holds bf16 as raw uint16 and does arithmetic on the bits, so kernels widen tiles to fp32
 # when interpreting (a constexpr; GPU numerics are untouched). Tests switch this off to show a bf16 test can fail.

@@ -360,8 +360,8 @@ def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_sp
             raise ValueError(f"block_table: last dimension must be contiguous (stride 1), got stride "
                              f"{block_table.stride(1)}")
         page_size = k_cache.shape[1]
-        if not 1 <= page_size <= _utils.MAX_PAGE_SIZE:
-            raise ValueError(f"k_cache: page size (dim 1) must be in 1..{_utils.MAX_PAGE_SIZE}, got {page_size}")
+        if page_size < 1:  # any size: the kernels read one table entry per token (or per TMA box)
+            raise ValueError(f"k_cache: page size (dim 1) must be >= 1, got {page_size}")
         capacity = block_table.shape[1] * page_size
     else:
         if k_cache.shape[0] != b and cache_batch_idx is None:
@@ -551,7 +551,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     Arguments in flash-attn 2.x's order (FA3's page_table and return_softmax_lse names are accepted too).
     q [B, Sq, Hq, D]; k_cache/v_cache [B, S_max, Hkv, D], or paged [num_pages, page_size, Hkv, D] with
-    block_table [B, max_pages] int32 (page_size 1..256, pages in any order); cache_seqlens [B] int32.
+    block_table [B, max_pages] int32 (any page size, pages in any order); cache_seqlens [B] int32.
     k, v [B, Snew, Hkv, D] are written at positions cache_seqlens .. cache_seqlens + Snew, then attention runs over
     cache_seqlens + Snew tokens; causal=True masks bottom-right aligned (flash-attn's default, causal=False, lets
     every new query see every new key: pass causal=True for several new tokens of one sequence). cache_seqlens may
