@@ -307,3 +307,33 @@ def test_kvcache_pages_above_256_tokens(page_size):
     table = torch.tensor([[3, 0], [1, 4]], dtype=torch.int32, device=DEVICE)
     lens = torch.tensor([510, 3], dtype=torch.int32, device=DEVICE)
     _check_extras_call(q, k, v, pool_k, pool_v, cache_seqlens=lens, block_table=table, causal=True, num_splits=2)
+
+
+# ---- head dims that are not multiples of 8: padded in registers, not in memory ----------------------------------
+
+@pytest.mark.parametrize("d", [59, 20])
+def test_head_dims_not_multiples_of_8_forward_and_backward(d):
+    from helpers import check_grads
+    q, k, v = attention_inputs(2, 37, 45, 4, 2, d, torch.bfloat16, seed=16)
+    run = lambda q, k, v: tileflash.flash_attn_func(q, k, v, causal=True, return_lse=True)  # noqa: E731
+    ref = lambda q, k, v, upcast: attention_ref(q, k, v, causal=True, upcast=upcast)  # noqa: E731
+    out, lse = run(q, k, v)
+    check_2x(out, ref(q, k, v, True)[0], ref(q, k, v, False)[0])
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    g = torch.Generator().manual_seed(17)
+    dout = torch.randn(out.shape, generator=g).to(DEVICE, out.dtype)
+    check_grads(run, ref, leaves, dout, torch.zeros_like(lse))
+
+
+def test_head_dim_59_through_varlen_and_the_cache():
+    from tileflash.reference import attention_varlen_ref
+    from helpers import packed_inputs
+    q, k, v, cu_q, cu_k = packed_inputs([7, 0, 19], [30, 5, 19], 4, 2, 59, torch.float16, seed=18)
+    out = tileflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 19, 30, causal=True)
+    check_2x(out, attention_varlen_ref(q, k, v, cu_q, cu_k, causal=True)[0],
+             attention_varlen_ref(q, k, v, cu_q, cu_k, causal=True, upcast=False)[0])
+    qd, kn, vn, kc, vc = _extras_case(torch.float16, b=2, rows=2, d=59, seed=19)
+    cos, sin = _rotary_tables(48, 58, torch.float16)
+    lens = torch.tensor([20, 41], dtype=torch.int32, device=DEVICE)
+    _check_extras_call(qd, kn, vn, kc, vc, cache_seqlens=lens, causal=True, num_splits=2, rotary_cos=cos,
+                       rotary_sin=sin, rotary_interleaved=False)

@@ -22,7 +22,7 @@ FUNC_CASES = [
     ("k", TypeError, lambda q, k, v: (q, k.bfloat16(), v)),  # dtype mismatch
     ("q", ValueError, lambda q, k, v: (q[0], k, v)),  # rank
     ("KV heads", ValueError, lambda q, k, v: (q[:, :, :3], k, v)),  # Hq % Hkv != 0
-    ("head dim", ValueError, lambda q, k, v: (q[..., :60], k[..., :60], v[..., :60])),  # not a multiple of 8
+    ("head dim", ValueError, lambda q, k, v: (q[..., :0], k[..., :0], v[..., :0])),  # empty
     ("k, v", ValueError, lambda q, k, v: (q, k, v[:, :3])),  # k/v shape mismatch
     ("last dimension", ValueError, lambda q, k, v: (_noncontig_last(q), k, v)),
     ("batch", ValueError, lambda q, k, v: (q, k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1))),
