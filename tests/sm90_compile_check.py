@@ -201,6 +201,10 @@ def _cases():
         "extend 16-bit paged, 64 query tokens, rotary, causal": lambda: decode("16bit", append=True, paged=True,
                                                                               sq=64, extras=True, causal=True),
         "extend 16-bit contiguous, 40 query tokens": lambda: decode("16bit", append=True, sq=40),
+        "decode 16-bit d59 append, rotary, split": lambda: decode("16bit", d=59, append=True, extras=True,
+                                                                 num_splits=4),
+        "prefill fwd+bwd d59 causal (masked pointer loads)": lambda: tileflash.flash_attn_func(
+            *grad_leaves(2, 300, 4, 59), causal=True).sum().backward(),
         "decode nvfp4 append": lambda: decode("nvfp4", append=True),
         "decode nvfp4 d32 append": lambda: decode("nvfp4", d=32, append=True),
         "decode nvfp4 paged": lambda: decode("nvfp4", paged=True),

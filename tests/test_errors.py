@@ -166,9 +166,14 @@ def test_varlen_paged_errors():
         tileflash.flash_attn_varlen_func(q, pool, pool, cu, None, 6, 30, block_table=table)
     with pytest.raises(ValueError, match="block_table: expected a \\[1, max_pages\\]"):
         tileflash.flash_attn_varlen_func(q, pool, pool, cu, None, 6, 30, seqused_k=used, block_table=table.repeat(2, 1))
-    with pytest.raises(ValueError, match="block_table: paged keys are forward-only"):
-        tileflash.flash_attn_varlen_func(q.requires_grad_(), pool, pool, cu, None, 6, 30, seqused_k=used,
-                                         block_table=table)
+    # Inputs that require grad are accepted (flash-attn's behaviour); the backward says it does not exist rather
+    # than give gradients that ignore the pages.
+    out = tileflash.flash_attn_varlen_func(q.requires_grad_(), pool, pool, cu, None, 6, 30, seqused_k=used,
+                                           block_table=table)
+    assert torch.equal(out, tileflash.flash_attn_varlen_func(q.detach(), pool, pool, cu, None, 6, 30,
+                                                             seqused_k=used, block_table=table))
+    with pytest.raises(RuntimeError, match="paged keys have no backward"):
+        out.sum().backward()
 
 
 def test_fp8_and_nvfp4_refuse_gpus_older_than_sm89(monkeypatch):

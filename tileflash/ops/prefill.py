@@ -337,6 +337,10 @@ class _AttnFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        if ctx.plan.backward_args is None:
+            raise RuntimeError("flash_attn_varlen_func with block_table: paged keys have no backward (inputs that "
+                               "require grad are accepted, as flash-attn does, for forward-only use); gather the pages "
+                               "into packed k/v to differentiate")
         q, k, v, out, lse, alibi_slopes, *index = ctx.saved_tensors
         if dout is None:  # only lse was used
             dout = torch.zeros_like(out)
@@ -416,8 +420,6 @@ def _checked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
         _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
         _check_paged_kv(q, k, v, cu_seqlens_q, seqused_k, block_table)
         _check_max_seqlens(max_seqlen_q=max_seqlen_q)
-        if _utils.needs_grad(q, k, v):
-            raise ValueError("block_table: paged keys are forward-only; got inputs that require grad")
     else:
         _check_qkv(q, k, v, 3)
         _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
@@ -445,6 +447,7 @@ def _public_varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_ta
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), (int(max_seqlen_k) if block_table is None else 0)
     plan = _varlen_plan(q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, scale, mask,
                         keep_lse, alibi=alibi_slopes is not None)
-    plan.backward_args = (None, None, None, max_seqlen_q, max_seqlen_k, scale, mask.window_left, mask.window_right,
-                          mask.softcap, bool(deterministic))
+    plan.backward_args = None if block_table is not None else (
+        None, None, None, max_seqlen_q, max_seqlen_k, scale, mask.window_left, mask.window_right, mask.softcap,
+        bool(deterministic))
     return plan
