@@ -201,6 +201,12 @@ def _cases():
         "extend 16-bit paged, 64 query tokens, rotary, causal": lambda: decode("16bit", append=True, paged=True,
                                                                               sq=64, extras=True, causal=True),
         "extend 16-bit contiguous, 40 query tokens": lambda: decode("16bit", append=True, sq=40),
+        "decode 16-bit paged, packed appends (cu_seqlens_k_new)": lambda: tileflash.flash_attn_with_kvcache(
+            torch.randn(2, 1, 32, 128, dtype=bf), torch.zeros(64, 16, 8, 128, dtype=bf),
+            torch.zeros(64, 16, 8, 128, dtype=bf), torch.randn(5, 8, 128, dtype=bf), torch.randn(5, 8, 128, dtype=bf),
+            cache_seqlens=torch.tensor([100, 7], dtype=torch.int32),
+            block_table=torch.arange(64, dtype=torch.int32).view(2, 32),
+            cu_seqlens_k_new=torch.tensor([0, 2, 5], dtype=torch.int32)),
         "decode 16-bit d59 append, rotary, split": lambda: decode("16bit", d=59, append=True, extras=True,
                                                                  num_splits=4),
         "prefill fwd+bwd d59 causal (masked pointer loads)": lambda: tileflash.flash_attn_func(

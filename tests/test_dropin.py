@@ -292,9 +292,49 @@ def test_kvcache_packed_queries_fa3():
     assert torch.equal(packed, padded[:, 0])
     with pytest.raises(ValueError, match="max_seqlen_q: required"):
         tileflash.flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=lens, block_table=table, cu_seqlens_q=cu)
-    with pytest.raises(NotImplementedError, match="cu_seqlens_k_new"):
-        tileflash.flash_attn_with_kvcache(q, pool_k, pool_v, k, v, cache_seqlens=lens, block_table=table,
-                                          cu_seqlens_q=cu, max_seqlen_q=19, cu_seqlens_k_new=cu)
+    with pytest.raises(ValueError, match="cu_seqlens_k_new: expected a contiguous \\[4\\]"):
+        tileflash.flash_attn_with_kvcache(q, pool_k, pool_v, k[0], v[0], cache_seqlens=lens, block_table=table,
+                                          cu_seqlens_q=cu, max_seqlen_q=19, cu_seqlens_k_new=cu[:3])
+
+
+@pytest.mark.parametrize("packed_q", [True, False])
+def test_kvcache_packed_appends_fa3(packed_q):
+    """FA3's cu_seqlens_k_new: sequences append 4, 0 and 7 packed new tokens (with rotary), against the per-sequence
+    reference; queries packed and ragged (5, 0, 19: the prefill tiles) or one per sequence (decode tiles, split)."""
+    dtype = torch.float16
+    g = torch.Generator().manual_seed(20)
+    mk = lambda *s: torch.randn(*s, generator=g).to(DEVICE, dtype)  # noqa: E731
+    lens_q = [5, 0, 19] if packed_q else [1, 1, 1]
+    cu_q = torch.tensor([0, *lens_q], device=DEVICE).cumsum(0).to(torch.int32)
+    cu_new = torch.tensor([0, 4, 4, 11], dtype=torch.int32, device=DEVICE)
+    q, k, v = mk(sum(lens_q), 4, 64), mk(11, 2, 64), mk(11, 2, 64)
+    pool_k, pool_v = mk(12, 16, 2, 64), mk(12, 16, 2, 64)
+    table = torch.randperm(12, generator=g).view(3, 4).to(DEVICE, torch.int32)
+    lens = torch.tensor([10, 4, 30], dtype=torch.int32, device=DEVICE)
+    cos, sin = _rotary_tables(64, 32, dtype)
+    kw = dict(cache_seqlens=lens, block_table=table, causal=True, rotary_cos=cos, rotary_sin=sin)
+    kc, vc = pool_k.clone(), pool_v.clone()
+    qa = dict(cu_seqlens_q=cu_q, max_seqlen_q=max(lens_q)) if packed_q else {}
+    out = tileflash.flash_attn_with_kvcache(q if packed_q else q[:, None], kc, vc, k, v, cu_seqlens_k_new=cu_new,
+                                            num_splits=2, **qa, **kw)
+    out = out.view(q.shape)
+    ref_k, ref_v = pool_k.clone(), pool_v.clone()
+    for i, n in enumerate(lens_q):
+        rows, new = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_new[i]), int(cu_new[i + 1]))
+        one = dict(cache_seqlens=lens[i:i + 1], block_table=table[i:i + 1], causal=True, rotary_cos=cos,
+                   rotary_sin=sin)
+        kn, vn = (k[None, new], v[None, new]) if new.stop > new.start else (None, None)
+        qi = q[None, rows]
+        if kn is None:  # no new keys to rotate (the reference's rule): q is still rotated, at cache_seqlens + i
+            from tileflash.reference import rotary_ref
+            one = {n_: a for n_, a in one.items() if not n_.startswith("rotary")}
+            qi = rotary_ref(qi[0], cos, sin, int(lens[i]) + torch.arange(n), True)[None]
+        ref, _, new_k, new_v = kvcache_ref(qi, ref_k, ref_v, kn, vn, **one)
+        if n:
+            ref_lowp, *_ = kvcache_ref(qi, ref_k, ref_v, kn, vn, upcast=False, **one)
+            check_2x(out[rows], ref[0], ref_lowp[0])
+        ref_k.copy_(new_k), ref_v.copy_(new_v)
+    assert torch.allclose(kc.float(), ref_k.float(), atol=1e-2, rtol=1e-2) and torch.equal(vc, ref_v)
 
 
 @pytest.mark.parametrize("page_size", [512, 300])  # flash-attn 2.x's multiples of 256, and any size past 256

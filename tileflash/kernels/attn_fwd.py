@@ -13,7 +13,8 @@ Shapes (element strides are passed explicitly; the head dim must be contiguous):
   row kv_batch[b] (cache_batch_idx); LEFTPAD_K starts them at cache position leftpad_k[b] (cache_leftpad; the keys
   are [leftpad, cache_seqlens + Snew), and positions count from the pad); ROTARY_DIM > 0 rotates q as it is
   loaded (kernels/_rotary.py) at position cache_seqlens[b] + token (ROTARY_PER_TOKEN: causal or windowed calls)
-  or cache_seqlens[b] for every token (flash-attn's convention otherwise).
+  or cache_seqlens[b] for every token (flash-attn's convention otherwise); VARLEN_K_NEW adds sequence b's
+  cu_k_new[b + 1] - cu_k_new[b] appended tokens to its keys (FA3's cu_seqlens_k_new).
   Split-KV (decode): o_part [num_splits, B, Sq, Hq, D] and lse_part [num_splits, B, Sq, Hq], fp32, merged by
   attn_combine; each split holds its own normalised output and LSE (an empty split: o = 0, lse = -inf). PDL (sm_90,
   contiguous caches): the combine may launch once every program here has started (programmatic dependent launch).
@@ -51,7 +52,7 @@ def _fp16_range(x):
 def attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, o_part_ptr, lse_part_ptr,
     cu_seqlens_q_ptr, cu_seqlens_k_ptr, seqlens_k_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr, stride_kv_scale,
-    kv_batch_ptr, leftpad_k_ptr, rotary_cos_ptr, rotary_sin_ptr, stride_ro, seqlen_ro,
+    kv_batch_ptr, leftpad_k_ptr, rotary_cos_ptr, rotary_sin_ptr, stride_ro, seqlen_ro, cu_k_new_ptr,
     k_bscale_ptr, v_bscale_ptr, stride_bs_page, stride_bs_tok, stride_bs_h,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -70,7 +71,7 @@ def attn_fwd_kernel(
     USE_DESC: tl.constexpr, SP_OVERLAP: tl.constexpr, WARP_SPEC: tl.constexpr, TILE_DTYPE: tl.constexpr,
     TRANS: tl.constexpr, RAW_SCORES: tl.constexpr, ALIBI: tl.constexpr, HAS_KV_BATCH: tl.constexpr = False,
     LEFTPAD_K: tl.constexpr = False, ROTARY_DIM: tl.constexpr = 0, ROTARY_INTERLEAVED: tl.constexpr = False,
-    ROTARY_PER_TOKEN: tl.constexpr = False, PDL: tl.constexpr = False,
+    ROTARY_PER_TOKEN: tl.constexpr = False, VARLEN_K_NEW: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     allow_dependent_launch(PDL)  # the split combine that follows (ops/_launch.launch_combine)
     pid = tl.program_id(0)
@@ -85,6 +86,9 @@ def attn_fwd_kernel(
     q_start, seqlen_q, k_start, seqlen_k = seq_extents(
         b, cu_seqlens_q_ptr, cu_seqlens_k_ptr, seqlens_k_ptr, seqlen_q_static, seqlen_k_static, seqlen_k_add,
         VARLEN_Q, VARLEN_K, HAS_SEQLENS_K)
+    if VARLEN_K_NEW:  # this sequence's appended tokens (FA3's cu_seqlens_k_new), never past the cache
+        new = tl.load(cu_k_new_ptr + b + 1) - tl.load(cu_k_new_ptr + b)
+        seqlen_k = tl.minimum(seqlen_k + new, seqlen_k_static)
     if LEFTPAD_K:
         k_start = tl.minimum(tl.load(leftpad_k_ptr + b), seqlen_k)
         seqlen_k -= k_start

@@ -3,7 +3,8 @@
 k_new, v_new: [B, Snew, Hkv, D]; token i of sequence b goes to cache position cache_seqlens[b] + i of cache row
 b (cache_batch_idx[b] with HAS_KV_BATCH), which in a paged cache is page block_table[b, pos // page_size], slot
 pos % page_size. One program per (b, i): all heads. ROTARY_DIM > 0: k is rotated at that position first
-(kernels/_rotary.py; flash-attn's rotary_cos / rotary_sin).
+(kernels/_rotary.py; flash-attn's rotary_cos / rotary_sin). VARLEN_NEW (FA3's cu_seqlens_k_new): k_new, v_new are
+packed [total_new, Hkv, D] and program t appends packed token t to the sequence whose [cu[b], cu[b + 1]) holds it.
 Positions at or past the capacity are dropped (never written out of bounds; validate=True reports them).
 FORMAT 0 copies; 1 (FP8) stores x / scale (per tensor or per KV head) saturated to e4m3, rounded to nearest even;
 2 (NVFP4) quantizes each head vector with the cache's global scale exactly as nvfp4_quantize does: packed e2m1
@@ -55,19 +56,33 @@ def _append_one(src_ptr, dst_ptr, bs_ptr, scale_ptr, src_off, dst_off, bs_off, o
 @triton.jit
 def kv_append_kernel(k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, k_bs_ptr, v_bs_ptr, k_scale_ptr, v_scale_ptr,
                      cache_seqlens_ptr, block_table_ptr, kv_batch_ptr, cos_ptr, sin_ptr, stride_ro, seqlen_ro,
-                     stride_scale,
+                     cu_new_ptr, num_batches, stride_scale,
                      stride_knb, stride_kns, stride_knh, stride_vnb, stride_vns, stride_vnh,
                      stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
                      stride_bsb, stride_bss, stride_bsh,
                      stride_bt, seqlen_new, page_size, num_heads_kv, capacity,
                      HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEADS_PAD: tl.constexpr,
                      PAGED: tl.constexpr, FORMAT: tl.constexpr, HAS_KV_BATCH: tl.constexpr,
-                     ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, INTERPRETED: tl.constexpr):
+                     ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, INTERPRETED: tl.constexpr,
+                     VARLEN_NEW: tl.constexpr = False, BATCH_PAD: tl.constexpr = 1):
     pid = tl.program_id(0)
-    b = (pid // seqlen_new).to(tl.int64)
-    i = pid % seqlen_new
+    if VARLEN_NEW:  # the sequence holding packed token pid: how many sequences end at or before it
+        offs_b = tl.arange(0, BATCH_PAD)
+        ends = tl.load(cu_new_ptr + 1 + offs_b, mask=offs_b < num_batches, other=2147483647)
+        b = tl.minimum(tl.sum((ends <= pid).to(tl.int32), 0), num_batches - 1).to(tl.int64)
+        i = pid - tl.load(cu_new_ptr + b)
+        seq_end = tl.load(cu_new_ptr + b + 1)  # tokens past cu[B] belong to no sequence
+        src_b = 0
+        src_i = pid
+    else:
+        b = (pid // seqlen_new).to(tl.int64)
+        i = pid % seqlen_new
+        seq_end = pid + 1
+        src_b = b
+        src_i = i
     pos = tl.load(cache_seqlens_ptr + b) + i
-    if pos >= capacity:  # cache_seqlens + Snew past the cache (validate=True reports it): never write out of bounds
+    # cache_seqlens + Snew past the cache (validate=True reports it): never write out of bounds
+    if (pos >= capacity) | (pid >= seq_end):
         return
     if PAGED:
         row = tl.load(block_table_ptr + b * stride_bt + pos // page_size).to(tl.int64)  # the page
@@ -82,11 +97,11 @@ def kv_append_kernel(k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, k_bs_ptr, v
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     head_ok = offs_h < num_heads_kv
     bs_off = row * stride_bsb + slot * stride_bss  # NVFP4 block scales (k and v share strides)
-    _append_one(k_new_ptr, k_cache_ptr, k_bs_ptr, k_scale_ptr, b * stride_knb + i * stride_kns,
+    _append_one(k_new_ptr, k_cache_ptr, k_bs_ptr, k_scale_ptr, src_b * stride_knb + src_i * stride_kns,
                 row * stride_kcb + slot * stride_kcs, bs_off, offs_h, offs_d, stride_knh, stride_kch, stride_bsh,
                 stride_scale, head_ok, pos, cos_ptr, sin_ptr, stride_ro, seqlen_ro, HEAD_DIM, HEADS_PAD, FORMAT,
                 ROTARY_DIM, INTERLEAVED, INTERPRETED)
-    _append_one(v_new_ptr, v_cache_ptr, v_bs_ptr, v_scale_ptr, b * stride_vnb + i * stride_vns,
+    _append_one(v_new_ptr, v_cache_ptr, v_bs_ptr, v_scale_ptr, src_b * stride_vnb + src_i * stride_vns,
                 row * stride_vcb + slot * stride_vcs, bs_off, offs_h, offs_d, stride_vnh, stride_vch, stride_bsh,
                 stride_scale, head_ok, pos, cos_ptr, sin_ptr, stride_ro, seqlen_ro, HEAD_DIM, HEADS_PAD, FORMAT, 0,
                 INTERLEAVED, INTERPRETED)

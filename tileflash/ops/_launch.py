@@ -102,13 +102,15 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
                     block_table=None, pack_gqa: bool = False, num_splits: int = 1, sp_overlap: bool = False,
                     o_part=None, lse_part=None, k_scale=None, v_scale=None, k_block_scale=None, v_block_scale=None,
                     pdl: bool = False, alibi_slopes=None, cache_batch_idx=None, cache_leftpad=None, rotary_cos=None,
-                    rotary_sin=None, rotary_interleaved: bool = False, rotary_per_token: bool = False):
+                    rotary_sin=None, rotary_interleaved: bool = False, rotary_per_token: bool = False,
+                    cu_seqlens_k_new=None):
     """q4/out4 [Bq, Sq, Hq, D]; k4/v4 [Bk, Sk, Hkv, D] (paged: [pages, page_size, Hkv, D]); lse3 [Bq, Hq, Sq].
     alibi_slopes: fp32 [Hq] or [num_batches, Hq] (checked by the public functions), or None.
 
     m_rows: rows per (batch, head program) = max query tokens (x group size when packing).
     cache_batch_idx / cache_leftpad [Bq] int32, rotary_cos / rotary_sin [seqlen_ro, rotary_dim / 2] (q rotated
-    at seqlens_k positions): flash_attn_with_kvcache's arguments (kernels/attn_fwd.py).
+    at seqlens_k positions), cu_seqlens_k_new [Bq + 1] int32 (tokens appended per sequence, added to seqlens_k):
+    flash_attn_with_kvcache's arguments (kernels/attn_fwd.py).
     pdl: a split launch lets launch_combine(..., pdl=True) start as its programmatic dependent (sm_90 only).
     """
     dev = q4.device
@@ -142,7 +144,7 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         1 if k_scale is not None and k_scale.numel() > 1 else 0,
         cache_batch_idx if cache_batch_idx is not None else dummy,
         cache_leftpad if cache_leftpad is not None else dummy,
-        *_rotary_args(rotary_cos, rotary_sin, dummy),
+        *_rotary_args(rotary_cos, rotary_sin, dummy), cu_seqlens_k_new if cu_seqlens_k_new is not None else dummy,
         *((_bytes(k_block_scale), _bytes(v_block_scale), *k_block_scale.stride()[:3]) if nvfp4
           else (dummy, dummy, 0, 0, 0)),
         *_strides3(q4, q_batch_stride0), *_strides3(k4, k_batch_stride0), *_strides3(v4, k_batch_stride0),
@@ -163,7 +165,7 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         ALIBI=alibi_slopes is not None, HAS_KV_BATCH=cache_batch_idx is not None,
         LEFTPAD_K=cache_leftpad is not None, ROTARY_DIM=2 * rotary_cos.shape[1] if rotary_cos is not None else 0,
         ROTARY_INTERLEAVED=bool(rotary_interleaved), ROTARY_PER_TOKEN=bool(rotary_per_token),
-        PDL=pdl and split and sm90_target(), num_warps=config.num_warps, num_stages=config.num_stages,
+        VARLEN_K_NEW=cu_seqlens_k_new is not None, PDL=pdl and split and sm90_target(), num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
 
@@ -317,12 +319,16 @@ def cache_capacity(k_cache, block_table) -> int:
 
 def launch_kv_append(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table, k_scale=None, v_scale=None,
                      k_block_scale=None, v_block_scale=None, cache_batch_idx=None, rotary_cos=None, rotary_sin=None,
-                     rotary_interleaved: bool = False) -> None:
-    """Write new tokens into the cache (row cache_batch_idx[b] of a contiguous cache when given), k rotated first
-    when rotary_cos/rotary_sin [seqlen_ro, rotary_dim / 2] are given. FP8 caches (k_scale/v_scale per tensor or
-    KV head) and NVFP4 caches (uint8 data, e4m3 block scales, k_scale/v_scale = global scales) quantize them in
-    the kernel."""
+                     rotary_interleaved: bool = False, cu_seqlens_k_new=None) -> None:
+    """Write new tokens k_new/v_new [B, Snew, Hkv, D] (packed [total_new, Hkv, D] with cu_seqlens_k_new) into the
+    cache (row cache_batch_idx[b] of a contiguous cache when given), k rotated first when rotary_cos/rotary_sin
+    [seqlen_ro, rotary_dim / 2] are given. FP8 caches (k_scale/v_scale per tensor or KV head) and NVFP4 caches
+    (uint8 data, e4m3 block scales, k_scale/v_scale = global scales) quantize them in the kernel."""
+    varlen = cu_seqlens_k_new is not None
+    if varlen:  # one packed sequence of tokens, each program finding its own sequence
+        k_new, v_new = (direct.derived(t.unsqueeze(0), t) for t in (k_new, v_new))
     b, s_new, hkv, d = k_new.shape
+    batches = cache_seqlens.shape[0]
     paged = block_table is not None
     dummy = _dummy(k_new.device)
     nvfp4 = k_block_scale is not None
@@ -332,12 +338,12 @@ def launch_kv_append(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table,
     bs_strides = k_block_scale.stride()[:3] if nvfp4 else (0, 0, 0)
     rotary = rotary_cos is not None
     direct.launch(
-        kv_append_kernel, (b * s_new,),
+        kv_append_kernel, (b * s_new,),  # varlen: b = 1, s_new = total_new
         k_new, v_new, k_cache, v_cache,
         _bytes(k_block_scale) if nvfp4 else dummy, _bytes(v_block_scale) if nvfp4 else dummy,
         k_scale if k_scale is not None else dummy, v_scale if v_scale is not None else dummy,
         cache_seqlens, block_table if paged else dummy, cache_batch_idx if cache_batch_idx is not None else dummy,
-        *_rotary_args(rotary_cos, rotary_sin, dummy),
+        *_rotary_args(rotary_cos, rotary_sin, dummy), cu_seqlens_k_new if varlen else dummy, batches,
         1 if fmt == 1 and k_scale.numel() > 1 else 0,
         k_new.stride(0), k_new.stride(1), k_new.stride(2), v_new.stride(0), v_new.stride(1), v_new.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
@@ -345,7 +351,8 @@ def launch_kv_append(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table,
         k_cache.shape[1] if paged else 1, hkv, cache_capacity(k_cache, block_table),
         HEAD_DIM=d, HEAD_DIM_PAD=padded_head_dim(d), HEADS_PAD=_utils.next_pow2(hkv), PAGED=paged, FORMAT=fmt,
         HAS_KV_BATCH=cache_batch_idx is not None, ROTARY_DIM=2 * rotary_cos.shape[1] if rotary else 0,
-        INTERLEAVED=bool(rotary_interleaved), INTERPRETED=_utils.is_interpreter(), num_warps=4,
+        INTERLEAVED=bool(rotary_interleaved), INTERPRETED=_utils.is_interpreter(), VARLEN_NEW=varlen,
+        BATCH_PAD=_utils.next_pow2(batches) if varlen else 1, num_warps=4,
     )
 
 

@@ -98,22 +98,24 @@ class DecodeSchedule:
     workspace: int
     prefill: bool = False
     max_seqlen_q: int = 0  # > 0: q is packed [total_q, Hq, D] with cu_seqlens_q (FA3's varlen queries)
+    varlen_new: bool = False  # k, v are packed [total_new, Hkv, D] with cu_seqlens_k_new (s_new is then 0)
 
 
 def _schedule(q, k_cache, v_cache, k, block_table, num_splits: int, sp_overlap: bool, lse_in_workspace: bool,
-              extras: bool = False, causal_tiles: bool = False, max_seqlen_q: int = 0) -> DecodeSchedule:
+              extras: bool = False, causal_tiles: bool = False, max_seqlen_q: int = 0,
+              varlen_new: bool = False) -> DecodeSchedule:
     """causal_tiles: the mask has a right bound (prefill tiles differ for causal calls). max_seqlen_q > 0: packed
     queries, which take the prefill tiles (their rows are ragged: no pack-GQA tile or split partial layout)."""
     hq, d = q.shape[-2:]
-    s_new = k.shape[1] if k is not None else 0
+    s_new = k.shape[1] if k is not None and not varlen_new else 0
     capacity = cache_capacity(k_cache, block_table)
     rows = q.shape[:-1].numel()
     if hq == 0:  # nothing to attend with: only the append launches
-        return DecodeSchedule(None, None, 1, capacity, s_new, False, 0)
+        return DecodeSchedule(None, None, 1, capacity, s_new, False, 0, varlen_new=varlen_new)
     if max_seqlen_q or q.shape[1] > MAX_DECODE_TOKENS:
         cfg = fwd_config(d, causal=causal_tiles, interpret=_utils.is_interpreter(), seqlen_k=capacity)
         return DecodeSchedule(cfg, None, 1, capacity, s_new, False, rows if lse_in_workspace else 0, prefill=True,
-                              max_seqlen_q=max_seqlen_q)
+                              max_seqlen_q=max_seqlen_q, varlen_new=varlen_new)
     b = q.shape[0]
     cfg = None
     qcfg = _quant_mma_config(q, k_cache, v_cache, block_table, capacity, sp_overlap, extras)
@@ -123,7 +125,8 @@ def _schedule(q, k_cache, v_cache, k, block_table, num_splits: int, sp_overlap: 
     else:
         cfg, num_splits, _ = _plan(q, k_cache, block_table, num_splits)
     workspace = (num_splits * rows * (d + 1) if num_splits > 1 else 0) + (rows if lse_in_workspace else 0)
-    return DecodeSchedule(cfg, qcfg, num_splits, capacity, s_new, _combine_pdl(block_table), workspace)
+    return DecodeSchedule(cfg, qcfg, num_splits, capacity, s_new, _combine_pdl(block_table), workspace,
+                          varlen_new=varlen_new)
 
 
 def _kv_scales(k_scale, v_scale, k_global_scale, v_global_scale) -> dict:
@@ -135,19 +138,20 @@ def _kv_scales(k_scale, v_scale, k_global_scale, v_global_scale) -> dict:
 
 def _launch_kvcache(s: DecodeSchedule, mask: Mask, softmax_scale: float, sp_overlap: bool, rotary_interleaved: bool,
                     q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos,
-                    rotary_sin, cu_seqlens_q, alibi_slopes, k_scale, v_scale, k_global_scale, v_global_scale, out, lse,
-                    ws) -> None:
+                    rotary_sin, cu_seqlens_q, alibi_slopes, cu_seqlens_k_new, k_scale, v_scale, k_global_scale,
+                    v_global_scale, out, lse, ws) -> None:
     """The launches of one decode call into out [B, Sq, Hq, D] and lse [B, Hq, Sq] (packed queries: [total_q, Hq,
     D] and [Hq, total_q]; or, when lse is None, the workspace's tail): the append, the attention, the split
     combine. ws: fp32 [>= s.workspace] or None."""
     hq, d = q.shape[-2:]
     scales = _kv_scales(k_scale, v_scale, k_global_scale, v_global_scale)
     rotary = dict(rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved)
-    if s.s_new:
+    if s.s_new or s.varlen_new:
         launch_kv_append(k, v, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx=cache_batch_idx,
-                         **rotary, **scales)
+                         cu_seqlens_k_new=cu_seqlens_k_new, **rotary, **scales)
     extras = dict(cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, alibi_slopes=alibi_slopes,
-                  rotary_per_token=mask.window_left >= 0 or mask.window_right >= 0, **rotary)
+                  rotary_per_token=mask.window_left >= 0 or mask.window_right >= 0, cu_seqlens_k_new=cu_seqlens_k_new,
+                  **rotary)
     if hq == 0:  # nothing to attend with; the append above still happened
         return
     if s.max_seqlen_q:  # packed queries: viewed as one batch row with a batch stride of 0
@@ -190,8 +194,8 @@ def _attn_kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                        v: Optional[torch.Tensor], cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor],
                        cache_batch_idx: Optional[torch.Tensor], cache_leftpad: Optional[torch.Tensor],
                        rotary_cos: Optional[torch.Tensor], rotary_sin: Optional[torch.Tensor],
-                       cu_seqlens_q: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor], max_seqlen_q: int,
-                       rotary_interleaved: bool,
+                       cu_seqlens_q: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
+                       cu_seqlens_k_new: Optional[torch.Tensor], max_seqlen_q: int, rotary_interleaved: bool,
                        softmax_scale: float, window_left: int, window_right: int, softcap: float, num_splits: int,
                        sp_overlap: bool, k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
                        k_global_scale: Optional[torch.Tensor],
@@ -202,15 +206,15 @@ def _attn_kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     lse = _utils.new_output(_lse_shape(q, max_seqlen_q), torch.float32, q.device)
     if cache_seqlens.shape[0] == 0:
         return out, lse
-    extras = (cache_batch_idx, cache_leftpad, rotary_cos, alibi_slopes)
+    extras = (cache_batch_idx, cache_leftpad, rotary_cos, alibi_slopes, cu_seqlens_k_new)
     s = _schedule(q, k_cache, v_cache, k, block_table, num_splits, sp_overlap, lse_in_workspace=False,
                   extras=any(t is not None for t in extras), causal_tiles=window_right >= 0,
-                  max_seqlen_q=max_seqlen_q)
+                  max_seqlen_q=max_seqlen_q, varlen_new=cu_seqlens_k_new is not None)
     ws = torch.empty(s.workspace, dtype=torch.float32, device=q.device) if s.workspace else None
     _launch_kvcache(s, Mask(window_left, window_right, softcap), softmax_scale, sp_overlap, rotary_interleaved, q,
                     k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos,
-                    rotary_sin, cu_seqlens_q, alibi_slopes, k_scale, v_scale, k_global_scale, v_global_scale, out,
-                    lse, ws)
+                    rotary_sin, cu_seqlens_q, alibi_slopes, cu_seqlens_k_new, k_scale, v_scale, k_global_scale,
+                    v_global_scale, out, lse, ws)
     return out, lse
 
 
@@ -228,7 +232,7 @@ _attn_kvcache_op = torch.library.custom_op(
 
 @_attn_kvcache_op.register_fake
 def _(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin,
-      cu_seqlens_q, alibi_slopes, max_seqlen_q, rotary_interleaved, softmax_scale, window_left, window_right, softcap,
+      cu_seqlens_q, alibi_slopes, cu_seqlens_k_new, max_seqlen_q, rotary_interleaved, softmax_scale, window_left, window_right, softcap,
       num_splits, sp_overlap, k_scale, v_scale, k_global_scale, v_global_scale):
     return torch.empty_like(q), q.new_empty(_lse_shape(q, max_seqlen_q), dtype=torch.float32)
 
@@ -317,8 +321,9 @@ def _check_extras(q, b: int, k, block_table, cache_batch_idx, cache_leftpad, rot
 
 def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, k_scale, v_scale,
                    k_global_scale, v_global_scale, cache_batch_idx=None, cache_leftpad=None, rotary_cos=None,
-                   rotary_sin=None, cu_seqlens_q=None, max_seqlen_q=None, alibi_slopes=None):
-    """q [B, Sq, Hq, D], or packed [total_q, Hq, D] with cu_seqlens_q [B + 1] int32 and max_seqlen_q (FA3)."""
+                   rotary_sin=None, cu_seqlens_q=None, max_seqlen_q=None, alibi_slopes=None, cu_seqlens_k_new=None):
+    """q [B, Sq, Hq, D], or packed [total_q, Hq, D] with cu_seqlens_q [B + 1] int32 and max_seqlen_q (FA3); k, v
+    [B, Snew, Hkv, D], or packed [total_new, Hkv, D] with cu_seqlens_k_new [B + 1] int32 (FA3)."""
     _utils.check_tensor("q", q, ndim=4 if cu_seqlens_q is None else 3, dtypes=_utils.SUPPORTED_DTYPES)
     dev = q.device
     cache_dtypes = (q.dtype, torch.float8_e4m3fn, torch.uint8)
@@ -379,15 +384,25 @@ def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_sp
         given = lambda t: "None" if t is None else "a tensor"  # noqa: E731
         raise ValueError(f"k, v: pass both new keys and new values, or neither; got k={given(k)}, v={given(v)}")
     s_new = 0
+    packed_new = cu_seqlens_k_new is not None
+    if packed_new:
+        if k is None:
+            raise ValueError("cu_seqlens_k_new: given without k and v (the new tokens it indexes)")
+        _utils.check_int32("cu_seqlens_k_new", cu_seqlens_k_new, 1, dev)
+        if cu_seqlens_k_new.shape[0] != b + 1 or cu_seqlens_k_new.stride(0) != 1:
+            raise ValueError(f"cu_seqlens_k_new: expected a contiguous [{b + 1}] tensor (batch + 1), got "
+                             f"{tuple(cu_seqlens_k_new.shape)}")
     if k is not None:
         for name, t in (("k", k), ("v", v)):
-            _utils.check_tensor(name, t, ndim=4, dtypes=(q.dtype,), device=dev)
+            _utils.check_tensor(name, t, ndim=3 if packed_new else 4, dtypes=(q.dtype,), device=dev)
             _utils.check_last_dim_contiguous(name, t)
-            if tuple(t.shape) != (b, t.shape[1], hkv, d):
+            if packed_new and tuple(t.shape[1:]) != (hkv, d):
+                raise ValueError(f"{name}: expected shape [total_new, {hkv}, {d}], got {tuple(t.shape)}")
+            if not packed_new and tuple(t.shape) != (b, t.shape[1], hkv, d):
                 raise ValueError(f"{name}: expected shape [{b}, Snew, {hkv}, {d}], got {tuple(t.shape)}")
         if k.shape != v.shape:
             raise ValueError(f"k, v: expected equal shapes, got {tuple(k.shape)} and {tuple(v.shape)}")
-        s_new = k.shape[1]
+        s_new = 0 if packed_new else k.shape[1]
         if s_new > capacity:
             raise _utils.CacheCapacityError(f"k: {s_new} new tokens exceed the cache capacity of {capacity} tokens")
     _check_extras(q, b, k, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin, capacity)
@@ -399,9 +414,10 @@ def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_sp
 
 
 def _validate_values(k_cache, cache_seqlens, block_table, capacity: int, s_new: int, cache_batch_idx=None,
-                     cache_leftpad=None) -> None:
+                     cache_leftpad=None, cu_seqlens_k_new=None) -> None:
     """Checks that read device values (a host sync): lengths within capacity, page indices inside the pool, cache
-    rows inside the cache, left pads inside their sequences."""
+    rows inside the cache, left pads inside their sequences; packed appends (cu_seqlens_k_new) non-decreasing,
+    each sequence's count in place of s_new."""
     seqlens = cache_seqlens.cpu()
     if cache_batch_idx is not None and cache_batch_idx.numel():
         rows = cache_batch_idx.cpu()
@@ -414,11 +430,17 @@ def _validate_values(k_cache, cache_seqlens, block_table, capacity: int, s_new: 
             raise ValueError("cache_leftpad: expected 0 <= cache_leftpad <= cache_seqlens for every sequence")
     if seqlens.numel() and int(seqlens.min()) < 0:
         raise ValueError(f"cache_seqlens: expected values >= 0, got min {int(seqlens.min())}")
-    if seqlens.numel() and int(seqlens.max()) + s_new > capacity:
-        raise _utils.CacheCapacityError(f"cache_seqlens + Snew: {int(seqlens.max())} + {s_new} exceeds the cache "
-                                        f"capacity of {capacity} tokens")
+    new = s_new
+    if cu_seqlens_k_new is not None:
+        new = cu_seqlens_k_new.cpu().diff()
+        if new.numel() and int(new.min()) < 0:
+            raise ValueError("cu_seqlens_k_new: expected non-decreasing offsets")
+    used = seqlens + new
+    if used.numel() and int(used.max()) > capacity:
+        raise _utils.CacheCapacityError(f"cache_seqlens + Snew: {int(used.max())} tokens exceed the cache capacity "
+                                        f"of {capacity} tokens")
     if block_table is not None:
-        _utils.check_block_table_values(block_table, (seqlens + s_new).tolist(), k_cache.shape[1], k_cache.shape[0])
+        _utils.check_block_table_values(block_table, used.tolist(), k_cache.shape[1], k_cache.shape[0])
 
 
 class DecodePlan(direct.Replayable):
@@ -429,8 +451,9 @@ class DecodePlan(direct.Replayable):
     cache_batch_idx, cache_leftpad, the rotary tables, the ALiBi slopes and the scale tensors are the plan's (bound
     by decode_plan; the plans flash_attn_with_kvcache caches keep none, so they hold no call's tensors alive):
     change their values in place between runs (CUDA-graph replays included), not the tensors."""
-    # cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin, cu_seqlens_q, alibi_slopes
-    index = (None,) * 8
+    # cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin, cu_seqlens_q, alibi_slopes,
+    # cu_seqlens_k_new
+    index = (None,) * 9
     scales = (None, None, None, None)
 
     def __init__(self, schedule: DecodeSchedule, mask: Mask, softmax_scale: float, sp_overlap: bool,
@@ -466,10 +489,10 @@ class DecodePlan(direct.Replayable):
 
     def _run(self, q, k_cache, v_cache, k, v, index, scales, out=None):
         """index: (cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin,
-        cu_seqlens_q, alibi_slopes)."""
+        cu_seqlens_q, alibi_slopes, cu_seqlens_k_new)."""
         s = self.schedule
         if self.validate:
-            _validate_values(k_cache, index[0], index[1], s.capacity, s.s_new, index[2], index[3])
+            _validate_values(k_cache, index[0], index[1], s.capacity, s.s_new, index[2], index[3], index[8])
         if out is None:
             out = _utils.new_output_like(q)
         lse = _utils.new_output(self.lse_shape, torch.float32, self.device) if self.return_lse else None
@@ -487,17 +510,19 @@ _PLANS = direct.PlanCache()
 def _make_plan(q, k_cache, v_cache, k, v, index, softmax_scale, causal, window_size, softcap, rotary_interleaved,
                num_splits, return_lse, sp_overlap, validate, scales, max_seqlen_q=None) -> DecodePlan:
     """Check every argument (raising before any launch) and plan the call."""
-    cache_seqlens, block_table, batch_idx, leftpad, rotary_cos, rotary_sin, cu_seqlens_q, alibi_slopes = index
+    cache_seqlens, block_table, batch_idx, leftpad, rotary_cos, rotary_sin, cu_seqlens_q, alibi_slopes, cu_k_new = \
+        index
     capacity, s_new = _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, *scales,
                                      batch_idx, leftpad, rotary_cos, rotary_sin, cu_seqlens_q, max_seqlen_q,
-                                     alibi_slopes)
+                                     alibi_slopes, cu_k_new)
     left, right = _utils.check_window(window_size)
     mask = Mask.make(causal, (left, right), _check_softcap(softcap))
     packed = cu_seqlens_q is not None  # its tiles need at least one row
     sched = _schedule(q, k_cache, v_cache, k, block_table, int(num_splits), bool(sp_overlap),
                       lse_in_workspace=not return_lse,
-                      extras=any(t is not None for t in (batch_idx, leftpad, rotary_cos, alibi_slopes)),
-                      causal_tiles=mask.window_right >= 0, max_seqlen_q=max(int(max_seqlen_q), 1) if packed else 0)
+                      extras=any(t is not None for t in (batch_idx, leftpad, rotary_cos, alibi_slopes, cu_k_new)),
+                      causal_tiles=mask.window_right >= 0, max_seqlen_q=max(int(max_seqlen_q), 1) if packed else 0,
+                      varlen_new=cu_k_new is not None)
     # On the CPU reading values costs no sync, so they are always checked there.
     validate = bool(validate) or q.device.type == "cpu"
     return DecodePlan(sched, mask, _utils.softmax_scale_or_default(softmax_scale, q.shape[-1]), bool(sp_overlap),
@@ -532,7 +557,8 @@ def decode_plan(q, k_cache, v_cache, cache_seqlens, block_table=None, k=None, v=
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
         raise TypeError(f"cache_seqlens: expected an int32 tensor, got {type(cache_seqlens).__name__}")
     scales = (k_scale, v_scale, k_global_scale, v_global_scale)
-    index = (cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin, None, alibi_slopes)
+    index = (cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin, None, alibi_slopes,
+             None)
     plan = _make_plan(q, k_cache, v_cache, k, v, index, softmax_scale, causal, window_size, softcap,
                       rotary_interleaved, num_splits, return_lse, sp_overlap, validate, scales)
     plan.index, plan.scales = index, scales
@@ -577,13 +603,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     FA3's packed queries: q [total_q, Hq, D] with cu_seqlens_q [B + 1] int32 and max_seqlen_q (SGLang's extend and
     decode); out [total_q, Hq, D], lse [Hq, total_q]. When every sequence has max_seqlen_q tokens (total_q =
     B * max_seqlen_q, e.g. one each in decode) the call runs as the padded one; ragged queries take the prefill
-    tiles. New k/v stay [B, Snew, Hkv, D] (varlen appends, cu_seqlens_k_new, are not supported).
+    tiles. FA3's packed appends: k, v [total_new, Hkv, D] with cu_seqlens_k_new [B + 1] int32 (sequence b appends
+    k[cu[b]:cu[b + 1]] at cache_seqlens[b]).
     alibi_slopes: fp32 [Hq] or [B, Hq], as in flash_attn_func, with Sk = cache_seqlens + Snew (after the append).
     Returns out [B, Sq, Hq, D], and with return_softmax_lse=True (or return_lse=True) (out, lse [B, Hq, Sq] fp32).
     """
-    if cu_seqlens_k_new is not None:
-        raise NotImplementedError("cu_seqlens_k_new: varlen appends are not supported; pass k, v as [B, Snew, Hkv, "
-                                  "D] (or append into the cache yourself and pass k=v=None)")
     return_lse = bool(return_lse or return_softmax_lse)
     block_table = _block_table(block_table, page_table)
     if cu_seqlens_q is not None and isinstance(q, torch.Tensor) and q.dim() == 3 and isinstance(max_seqlen_q, int) \
@@ -593,33 +617,34 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         res = _kvcache(q.view(-1, max_seqlen_q, hq, d), k_cache, v_cache, k, v, rotary_cos, rotary_sin,
                        cache_seqlens, cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
                        window_size, softcap, rotary_interleaved, alibi_slopes, num_splits, return_lse, None, None,
-                       sp_overlap, validate, k_scale, v_scale, k_global_scale, v_global_scale)
+                       cu_seqlens_k_new, sp_overlap, validate, k_scale, v_scale, k_global_scale, v_global_scale)
         if not return_lse:
             return res.view(total_q, hq, d)
         out, lse = res
         return out.view(total_q, hq, d), lse.transpose(0, 1).reshape(hq, total_q)
     return _kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                     block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
-                    num_splits, return_lse, cu_seqlens_q, max_seqlen_q, sp_overlap, validate, k_scale, v_scale,
-                    k_global_scale, v_global_scale)
+                    num_splits, return_lse, cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new, sp_overlap, validate,
+                    k_scale, v_scale, k_global_scale, v_global_scale)
 
 
 def _kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
              block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
-             return_lse, cu_seqlens_q, max_seqlen_q, sp_overlap, validate, k_scale, v_scale, k_global_scale,
-             v_global_scale):
+             return_lse, cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new, sp_overlap, validate, k_scale, v_scale,
+             k_global_scale, v_global_scale):
     """flash_attn_with_kvcache without its argument aliases: plan (cached per signature) and run."""
     scales = (k_scale, v_scale, k_global_scale, v_global_scale)
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool) and isinstance(q, torch.Tensor):
         batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
     index = (cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin, cu_seqlens_q,
-             alibi_slopes)
+             alibi_slopes, cu_seqlens_k_new)
     if torch.compiler.is_compiling():
         capacity, s_new = _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits,
-                                         *scales, *index[2:7], max_seqlen_q, alibi_slopes)
+                                         *scales, *index[2:7], max_seqlen_q, alibi_slopes, cu_seqlens_k_new)
         if validate:
-            _validate_values(k_cache, cache_seqlens, block_table, capacity, s_new, cache_batch_idx, cache_leftpad)
+            _validate_values(k_cache, cache_seqlens, block_table, capacity, s_new, cache_batch_idx, cache_leftpad,
+                             cu_seqlens_k_new)
         left, right = _utils.check_window(window_size)
         mask = Mask.make(causal, (left, right), _check_softcap(softcap))
         packed_max = max(int(max_seqlen_q), 1) if cu_seqlens_q is not None else 0
