@@ -46,13 +46,14 @@ def test_flash_attn_func_sink(case):
 
 
 def test_rows_without_keys_give_zero_and_the_sink():
-    """Causal Sq > Sk: the first Sq - Sk query rows see no key, so out = 0 and lse = sink_h exactly."""
+    """Causal Sq > Sk: the first Sq - Sk query rows see no key, so out = 0 and lse = sink_h (up to the rounding
+    of the kernel's log2-unit round trip)."""
     q, k, v = attention_inputs(1, 21, 5, 2, 2, 32, torch.float16, seed=3)
     sink = _sink(2, seed=3)
     out, lse = tileflash.flash_attn_func(q, k, v, causal=True, return_lse=True, learnable_sink=sink)
     unseen = 21 - 5
     assert torch.equal(out[:, :unseen], torch.zeros_like(out[:, :unseen]))
-    assert torch.equal(lse[0, :, :unseen], sink[:, None].expand(2, unseen))
+    torch.testing.assert_close(lse[0, :, :unseen], sink[:, None].expand(2, unseen), rtol=1e-6, atol=0.0)
 
 
 def test_sink_changes_the_result():
@@ -247,5 +248,8 @@ def test_compile_with_sink_matches_eager():
     eager_loss, eager_dec = block(q, k, v, sink)
     loss, dec = torch.compile(block, fullgraph=True, backend="aot_eager")(q, k, v, sink)
     assert torch.equal(loss, eager_loss) and torch.equal(dec, eager_dec)
-    for a, b in zip(torch.autograd.grad(eager_loss, (q, k, v, sink)), torch.autograd.grad(loss, (q, k, v, sink))):
+    eager_grads, grads_ = torch.autograd.grad(eager_loss, (q, k, v, sink)), torch.autograd.grad(loss, (q, k, v, sink))
+    for a, b in zip(eager_grads[:3], grads_[:3]):
         assert torch.equal(a, b)
+    # d sink adds rows up with fp32 atomics, whose order a GPU does not fix: equal up to rounding.
+    torch.testing.assert_close(eager_grads[3], grads_[3], rtol=1e-5, atol=1e-6)
