@@ -151,6 +151,18 @@ def _cases():
         kernels = (attn_fwd_kernel, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel) if backward else (attn_fwd_kernel,)
         return lambda: _compiles(kernels, call)
 
+    def sinks_on_triton(call, backward=False):
+        """Run a call with learnable_sink whose shape would take a Gluon or register-operand kernel: it must compile
+        the Triton kernels' HAS_SINK variants instead (the forward or the split combine; with backward also the
+        preprocess that adds d sink and the dK/dV kernel)."""
+        from tileflash.kernels.attn_bwd import attn_bwd_dkdv_kernel, attn_bwd_preprocess_kernel
+        from tileflash.kernels.attn_combine import attn_combine_kernel
+        from tileflash.kernels.attn_fwd import attn_fwd_kernel
+
+        kernels = (attn_fwd_kernel, attn_bwd_preprocess_kernel, attn_bwd_dkdv_kernel) if backward else \
+            (attn_fwd_kernel, attn_combine_kernel)
+        return lambda: _compiles(kernels, call)
+
     return {
         "prefill fwd+bwd d128 causal GQA alibi [B, Hq], deterministic (Triton kernels)": alibi_on_triton(
             lambda: tileflash.flash_attn_func(
@@ -159,6 +171,13 @@ def _cases():
                 deterministic=True, alibi_slopes=torch.rand(2, 8)).sum().backward(), backward=True),
         "decode nvfp4 paged split alibi [Hq] (Triton kernel, not register operands)": alibi_on_triton(
             lambda: decode("nvfp4", paged=True, b=8, ctx=4096, num_splits=2, alibi_slopes=torch.rand(32))),
+        "prefill fwd+bwd d128 GQA learnable_sink (Triton kernels, d sink in the preprocess)": sinks_on_triton(
+            lambda: tileflash.flash_attn_func(
+                torch.randn(2, 300, 8, 128, dtype=bf, requires_grad=True),
+                *(torch.randn(2, 333, 2, 128, dtype=bf, requires_grad=True) for _ in range(2)),
+                learnable_sink=torch.rand(8, requires_grad=True)).sum().backward(), backward=True),
+        "decode nvfp4 split learnable_sink (Triton kernel, the sink in the combine)": sinks_on_triton(
+            lambda: decode("nvfp4", b=8, ctx=4096, num_splits=2, learnable_sink=torch.rand(32))),
         "prefill fwd+bwd d64 causal": lambda: tileflash.flash_attn_func(*grad_leaves(2, 300, 4, 64),
                                                                         causal=True).sum().backward(),
         "prefill fwd+bwd d128 window softcap": lambda: tileflash.flash_attn_func(

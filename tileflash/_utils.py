@@ -88,7 +88,8 @@ def eager_or_op(op, impl, grad: bool = False):
 
 
 def needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    """Whether autograd must record a call on these tensors (a non-tensor is an absent or not yet checked input)."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -150,6 +151,18 @@ def check_alibi_slopes(alibi_slopes, batch: int, num_heads: int, device) -> None
         raise ValueError(f"alibi_slopes: expected shape [{num_heads}] or [{batch}, {num_heads}] (Hq, or batch x Hq), "
                          f"got {tuple(alibi_slopes.shape)}")
     check_last_dim_contiguous("alibi_slopes", alibi_slopes)
+
+
+def check_learnable_sink(learnable_sink, num_heads: int, device) -> None:
+    """FA4's learnable_sink (None: no sink): fp32 [Hq] on q's device, contiguous (the kernels read sink[head])."""
+    if learnable_sink is None:
+        return
+    check_tensor("learnable_sink", learnable_sink, dtypes=(torch.float32,), device=device)
+    if tuple(learnable_sink.shape) != (num_heads,):
+        raise ValueError(f"learnable_sink: expected shape [{num_heads}] (one logit per query head), "
+                         f"got {tuple(learnable_sink.shape)}")
+    if not learnable_sink.is_contiguous():
+        raise ValueError(f"learnable_sink: expected a contiguous tensor, got strides {learnable_sink.stride()}")
 
 
 def check_int32(name: str, t, ndim: int, device) -> None:

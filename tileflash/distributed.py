@@ -147,9 +147,9 @@ def _ring_backward(q, k, v, out, lse, dout, dlse, group, causal, softmax_scale, 
         kc, vc = two(kv[0]), two(kv[1])
         dkc, dvc = dkv[0].chunk(2, dim=1), dkv[1].chunk(2, dim=1)  # views: the adds below land in dkv
         for i, j, diagonal in _visible_pairs(q_ids, (holder, 2 * world - 1 - holder), causal):
-            dq_p, dk_p, dv_p = _attn_bwd_impl(q_c[i], kc[j], vc[j], o_c[i], lse_c[i], do_c[i], dlse_c[i], None,
-                                              None, None, 0, 0, scale, -1, 0 if diagonal else -1, softcap,
-                                              False, None)
+            dq_p, dk_p, dv_p, _ = _attn_bwd_impl(q_c[i], kc[j], vc[j], o_c[i], lse_c[i], do_c[i], dlse_c[i],
+                                                 None, None, None, 0, 0, scale, -1, 0 if diagonal else -1, softcap,
+                                                 False, None, None)
             dq[i] += dq_p.float()
             dkc[j].add_(dk_p.float())
             dvc[j].add_(dv_p.float())

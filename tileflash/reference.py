@@ -37,9 +37,11 @@ def alibi_bias(alibi_slopes, seqlen_q: int, seqlen_k: int) -> torch.Tensor:
 
 
 def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, upcast=True,
-                  alibi_slopes=None):
+                  alibi_slopes=None, learnable_sink=None):
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] -> (out [B, Sq, Hq, D] in q's dtype, lse [B, Hq, Sq] float32).
-    alibi_slopes [Hq] or [B, Hq]: alibi_bias is added after the scale and softcap, before the mask."""
+    alibi_slopes [Hq] or [B, Hq]: alibi_bias is added after the scale and softcap, before the mask.
+    learnable_sink [Hq]: one more logit column per row (unscaled, never masked) with no value: it enters the
+    logsumexp, so lse includes it and p = exp(s - lse) sums to less than 1 (autograd reaches the sink)."""
     dtype = q.dtype
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
@@ -55,7 +57,11 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1
         s = s + alibi_bias(alibi_slopes, sq, sk)
     ok = visible_mask(sq, sk, causal, window_size, device=q.device)
     s = s.masked_fill(~ok, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)  # -inf for rows that see no key
+    if learnable_sink is None:
+        lse = torch.logsumexp(s, dim=-1)  # -inf for rows that see no key
+    else:
+        sink = learnable_sink.float()[None, :, None, None].expand(b, hq, sq, 1)
+        lse = torch.logsumexp(torch.cat([s, sink], dim=-1), dim=-1)  # >= sink: out = 0 where no key is seen
     p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
     out = torch.einsum("bhqk,bkhd->bqhd", p.to(v.dtype), v)
     return out.to(dtype), lse
@@ -70,7 +76,8 @@ def _slopes_of(alibi_slopes, b: int):
 
 def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None, alibi_slopes=None, **kw):
     """Packed sequences: q [total_q, Hq, D], k/v [total_k, Hkv, D] -> (out [total_q, Hq, D], lse [Hq, total_q]).
-    alibi_slopes [Hq] or [batch, Hq]: positions and lengths are each sequence's."""
+    alibi_slopes [Hq] or [batch, Hq]: positions and lengths are each sequence's. learnable_sink [Hq] (through kw):
+    every sequence's."""
     out = torch.zeros_like(q)
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
@@ -137,7 +144,7 @@ def kvcache_ref(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_t
     FP8 caches (k_scale/v_scale): appends are quantized, attention runs on the dequantized cache (fp32; q's dtype
     for the low-precision variant). NVFP4 caches (uint8 data, e4m3 block scales k_scale/v_scale, global scales):
     the same, and the returned k_cache/v_cache are (data, block_scales) pairs. alibi_slopes [Hq] or [B, Hq]: Sk is
-    the sequence's length after the append."""
+    the sequence's length after the append. learnable_sink [Hq] (through kw): as in attention_ref."""
     from .formats import nvfp4_dequantize_ref, nvfp4_quantize_ref
 
     b, sq = q.shape[:2]

@@ -3,7 +3,8 @@
 A part is (o, lse): o [rows, D] normalised over its own keys, lse [rows] natural log (-inf = the part saw no key).
 Merged: lse = log(sum_i exp(lse_i)), o = sum_i exp(lse_i - lse) * o_i; when every part is empty, o = 0, lse = -inf.
 Rows are (b, s, h) triples of an output laid out [B, S, H, D] with an lse laid out [B, H, S] (flash-attn's layout;
-a 3-D [T, H, D] / [H, T] pair is the case B = 1).
+a 3-D [T, H, D] / [H, T] pair is the case B = 1). The split combine can add a sink (FA4's learnable_sink, fp32
+[H]): one more part with lse = sink[h] and o = 0, which the split partials leave out so that it counts once.
 """
 import triton
 import triton.language as tl
@@ -52,9 +53,9 @@ def _rows(seqlen, num_heads, num_rows, BLOCK_R: tl.constexpr):
 
 @triton.jit
 def attn_combine_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, num_splits, seqlen, num_heads, num_rows,
-                        stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
+                        stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls, sink_ptr,
                         HEAD_DIM: tl.constexpr, D_CHUNK: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
-                        INTERPRETED: tl.constexpr, PDL: tl.constexpr = False):
+                        INTERPRETED: tl.constexpr, PDL: tl.constexpr = False, HAS_SINK: tl.constexpr = False):
     """Grid (rows, HEAD_DIM / D_CHUNK): one program per row and D_CHUNK of its columns. o_part [num_splits,
     num_rows, HEAD_DIM], lse_part [num_splits, num_rows], contiguous fp32. SPLIT_CHUNK splits are read as one tile
     and their LSEs and outputs are loaded together, so with up to SPLIT_CHUNK splits a program makes one memory
@@ -84,6 +85,14 @@ def attn_combine_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, num_splits, 
         w = tl.exp(lse_c - m_safe)
         acc = acc * alpha + tl.sum(w[:, None] * o_c, 0)
         l = l * alpha + tl.sum(w, 0)
+        m = m_new
+    if HAS_SINK:  # the sink as one more part with o = 0: only m and l take it
+        sink = tl.load(sink_ptr + h)
+        m_new = tl.maximum(m, sink)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        acc = acc * alpha
+        l = l * alpha + tl.exp(sink - m_safe)
         m = m_new
     seen = l > 0.0
     o = acc * tl.where(seen, 1.0 / tl.where(seen, l, 1.0), 0.0)

@@ -6,6 +6,8 @@ Shapes (element strides are passed explicitly; the head dim must be contiguous):
   out:  like q, in q's dtype
   lse:  [B, Hq, Sq] (varlen: [Hq, total_q]) float32, natural log; -inf for rows that see no key
   alibi:  fp32 slopes [Hq] or [B, Hq] (ALIBI; stride_alibi_b 0 for [Hq]): scores get -slope * |q_pos - key|.
+  sink:   fp32 [Hq] (HAS_SINK; FA4's learnable_sink): one more logit per row with no value, in the softmax's sum and
+          the lse (a row that sees no key: out = 0, lse = sink); split partials leave it to attn_combine.
   FP8 caches (decode): k/v in float8_e4m3fn with fp32 scales per tensor or per KV head (KV_SCALED).
   NVFP4 caches (decode, KV_NVFP4): k/v uint8 [.., D/2] packed e2m1 pairs, block scales e4m3 [.., D/16] at
   k/v_bscale_ptr, and the per-tensor global scales at k/v_scale_ptr (KV_SCALED too).
@@ -49,6 +51,16 @@ def _fp16_range(x):
 
 
 @triton.jit
+def _fold_sink(m_i, l_i, sink2):
+    """Fold one value-less logit sink2 (log2 units, like m_i) into each row's (m_i, l_i); also returns the factor
+    exp2(m_old - m_new) that rescales acc. m_i = -inf rows get m = sink2, l = 1, factor 0."""
+    m_new = tl.maximum(m_i, sink2)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a -inf sink on an unseen row: exp2 gives 0, not NaN
+    alpha = tl.math.exp2(m_i - m_safe)
+    return m_new, l_i * alpha + tl.math.exp2(sink2 - m_safe), alpha
+
+
+@triton.jit
 def attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, o_part_ptr, lse_part_ptr,
     cu_seqlens_q_ptr, cu_seqlens_k_ptr, seqlens_k_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr, stride_kv_scale,
@@ -62,7 +74,7 @@ def attn_fwd_kernel(
     stride_bt,
     seqlen_q_static, seqlen_k_static, seqlen_k_add, desc_rows_per_batch,
     num_heads_q, group_size, m_tiles, rows_per_split,
-    softmax_scale, softcap, window_left, window_right, alibi_ptr, stride_alibi_b,
+    softmax_scale, softcap, window_left, window_right, alibi_ptr, stride_alibi_b, sink_ptr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     VARLEN_Q: tl.constexpr, VARLEN_K: tl.constexpr, HAS_SEQLENS_K: tl.constexpr,
     PAGE_SIZE: tl.constexpr, KV_SCALED: tl.constexpr, KV_NVFP4: tl.constexpr,
@@ -72,6 +84,7 @@ def attn_fwd_kernel(
     TRANS: tl.constexpr, RAW_SCORES: tl.constexpr, ALIBI: tl.constexpr, HAS_KV_BATCH: tl.constexpr = False,
     LEFTPAD_K: tl.constexpr = False, ROTARY_DIM: tl.constexpr = 0, ROTARY_INTERLEAVED: tl.constexpr = False,
     ROTARY_PER_TOKEN: tl.constexpr = False, VARLEN_K_NEW: tl.constexpr = False, PDL: tl.constexpr = False,
+    HAS_SINK: tl.constexpr = False,
 ):
     allow_dependent_launch(PDL)  # the split combine that follows (ops/_launch.launch_combine)
     pid = tl.program_id(0)
@@ -213,9 +226,12 @@ def attn_fwd_kernel(
         window_left, window_right, alibi_slope, HEAD_DIM, BLOCK_N, True, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT,
         HAS_RIGHT, SOFTCAP, SP_OVERLAP, WARP_SPEC, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI)
 
-    # ---- epilogue: normalise; rows that saw no key give out = 0 and lse = -inf ---------------------------
+    # ---- epilogue: normalise; rows that saw no key give out = 0 and lse = -inf (with a sink: lse = sink) --
+    acc_scale = 1.0
+    if HAS_SINK and not SPLIT:  # split partials stay sink-free: attn_combine adds the sink once per row
+        m_i, l_i, acc_scale = _fold_sink(m_i, l_i, tl.load(sink_ptr + head_q) * LOG2E)
     seen = l_i > 0.0
-    inv_l = tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0)
+    inv_l = tl.where(seen, acc_scale / tl.where(seen, l_i, 1.0), 0.0)
     if KV_SCALED:
         inv_l = inv_l * tl.load(v_scale_ptr + head_kv * stride_kv_scale)
         if KV_NVFP4:

@@ -103,9 +103,10 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
                     o_part=None, lse_part=None, k_scale=None, v_scale=None, k_block_scale=None, v_block_scale=None,
                     pdl: bool = False, alibi_slopes=None, cache_batch_idx=None, cache_leftpad=None, rotary_cos=None,
                     rotary_sin=None, rotary_interleaved: bool = False, rotary_per_token: bool = False,
-                    cu_seqlens_k_new=None):
+                    cu_seqlens_k_new=None, learnable_sink=None):
     """q4/out4 [Bq, Sq, Hq, D]; k4/v4 [Bk, Sk, Hkv, D] (paged: [pages, page_size, Hkv, D]); lse3 [Bq, Hq, Sq].
     alibi_slopes: fp32 [Hq] or [num_batches, Hq] (checked by the public functions), or None.
+    learnable_sink: fp32 [Hq] or None; a split launch leaves it out of its partials (launch_combine adds it).
 
     m_rows: rows per (batch, head program) = max query tokens (x group size when packing).
     cache_batch_idx / cache_leftpad [Bq] int32, rotary_cos / rotary_sin [seqlen_ro, rotary_dim / 2] (q rotated
@@ -153,6 +154,7 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         seqlen_q, seqlen_k, seqlen_k_add, 0 if k_batch_stride0 else k4.shape[1],
         hq, group, m_tiles, num_batches * seqlen_q * hq,
         softmax_scale, mask.softcap, mask.window_left, mask.window_right, *alibi_args(alibi_slopes, dummy),
+        learnable_sink if learnable_sink is not None else dummy,
         HEAD_DIM=d, HEAD_DIM_PAD=padded_head_dim(d), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         VARLEN_Q=cu_seqlens_q is not None, VARLEN_K=cu_seqlens_k is not None, HAS_SEQLENS_K=seqlens_k is not None,
         PAGE_SIZE=k4.shape[1] if paged else 0, KV_SCALED=k_scale is not None, KV_NVFP4=kv_nvfp4, PACK_GQA=pack_gqa,
@@ -165,7 +167,8 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         ALIBI=alibi_slopes is not None, HAS_KV_BATCH=cache_batch_idx is not None,
         LEFTPAD_K=cache_leftpad is not None, ROTARY_DIM=2 * rotary_cos.shape[1] if rotary_cos is not None else 0,
         ROTARY_INTERLEAVED=bool(rotary_interleaved), ROTARY_PER_TOKEN=bool(rotary_per_token),
-        VARLEN_K_NEW=cu_seqlens_k_new is not None, PDL=pdl and split and sm90_target(), num_warps=config.num_warps, num_stages=config.num_stages,
+        VARLEN_K_NEW=cu_seqlens_k_new is not None, PDL=pdl and split and sm90_target(),
+        HAS_SINK=learnable_sink is not None, num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
 
@@ -220,22 +223,22 @@ def _tma_4d_ok(t: torch.Tensor) -> bool:
     return _tma_aligned(t, dims=(0, 1, 2)) and all(0 < n < 2 ** 31 for n in t.shape)
 
 
-def ws_call_ok(dtype: torch.dtype, mask: Mask, alibi: bool) -> bool:
+def ws_call_ok(dtype: torch.dtype, mask: Mask, alibi: bool, sink: bool = False) -> bool:
     """What both warp-specialised Gluon kernels (forward and dK/dV) need of a call beyond shapes and layouts: a
-    16-bit dtype, at most a causal mask (no left window, no softcap), no ALiBi (they have no bias) and an sm_90
-    target."""
+    16-bit dtype, at most a causal mask (no left window, no softcap), no ALiBi (they have no bias), no sink (no
+    extra logit, no d sink) and an sm_90 target."""
     plain_mask = mask.window_left < 0 and mask.window_right in (-1, 0) and mask.softcap == 0.0
-    return plain_mask and not alibi and dtype in (torch.float16, torch.bfloat16) and sm90_target()
+    return plain_mask and not alibi and not sink and dtype in (torch.float16, torch.bfloat16) and sm90_target()
 
 
 def ws_forward_config(q4, k4, v4, out4, softmax_scale: float, mask: Mask, max_seqlen_k: int | None = None,
-                      alibi: bool = False) -> WsFwdConfig | None:
+                      alibi: bool = False, sink: bool = False) -> WsFwdConfig | None:
     """The warp-specialised forward's tiles when it serves this call (sm_90, a shape heuristics.fwd_ws_config
-    takes, at most a causal mask, no ALiBi, a positive scale, TMA-addressable tensors), else None (the Triton
+    takes, at most a causal mask, no ALiBi, no sink, a positive scale, TMA-addressable tensors), else None (the Triton
     kernel). max_seqlen_k: given for varlen batches (packed [1, total, H, D] tensors), which take one CTA per tile."""
     if max_seqlen_k is not None and not heuristics.GLUON_VARLEN:
         return None
-    if not (softmax_scale > 0 and ws_call_ok(q4.dtype, mask, alibi)):
+    if not (softmax_scale > 0 and ws_call_ok(q4.dtype, mask, alibi, sink)):
         return None
     cfg = fwd_ws_config(q4.shape[3], mask.window_right == 0, k4.shape[1] if max_seqlen_k is None else max_seqlen_k)
     if cfg is None or not all(_tma_4d_ok(t) for t in (q4, k4, v4, out4)):
@@ -279,8 +282,9 @@ def launch_attn_fwd_ws(q4, k4, v4, out4, lse3, *, causal: bool, softmax_scale: f
         PERSISTENT=config.persistent, VARLEN=varlen, num_warps=4)
 
 
-def launch_combine(o_part, lse_part, out4, lse3, pdl: bool = False) -> None:
-    """Merge split partials o_part [splits, B*Sq*Hq, D], lse_part [splits, B*Sq*Hq] into out4 / lse3. pdl (taken on
+def launch_combine(o_part, lse_part, out4, lse3, pdl: bool = False, learnable_sink=None) -> None:
+    """Merge split partials o_part [splits, B*Sq*Hq, D], lse_part [splits, B*Sq*Hq] into out4 / lse3, with the
+    sink (fp32 [Hq] or None) added once per row, not per split. pdl (taken on
     sm_90 only): launch it as a programmatic dependent of the kernel before it on the stream, so its launch
     overlaps that kernel's tail (the split decode kernels allow it once all their programs have started)."""
     num_splits, num_rows, d = o_part.shape
@@ -291,8 +295,9 @@ def launch_combine(o_part, lse_part, out4, lse3, pdl: bool = False) -> None:
         attn_combine_kernel, (num_rows, _utils.cdiv(d, d_chunk)),
         o_part, lse_part, out4, lse3, num_splits, sq, hq, num_rows,
         out4.stride(0), out4.stride(1), out4.stride(2), lse3.stride(0), lse3.stride(1), lse3.stride(2),
+        learnable_sink if learnable_sink is not None else lse_part,
         HEAD_DIM=d, D_CHUNK=d_chunk, SPLIT_CHUNK=split_chunk, INTERPRETED=_utils.is_interpreter(), PDL=pdl,
-        num_warps=4, **({"launch_pdl": True} if pdl else {}),
+        HAS_SINK=learnable_sink is not None, num_warps=4, **({"launch_pdl": True} if pdl else {}),
     )
 
 

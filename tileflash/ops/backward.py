@@ -27,13 +27,14 @@ def _strides3(t):
 
 
 def ws_backward_config(q, k, v, dout, *, varlen: bool, window_left: int, window_right: int, softcap: float,
-                       max_seqlen_k: int = 0, seqused_k: bool = False, alibi: bool = False) -> WsBwdConfig | None:
+                       max_seqlen_k: int = 0, seqused_k: bool = False, alibi: bool = False,
+                       sink: bool = False) -> WsBwdConfig | None:
     """The warp-specialised dK/dV kernel's tiles when it serves this call (sm_90, a head dim heuristics.bwd_ws_config
-    takes, at most a causal mask, no ALiBi, TMA-addressable tensors; varlen without seqused_k, tiles by
+    takes, at most a causal mask, no ALiBi, no sink, TMA-addressable tensors; varlen without seqused_k, tiles by
     max_seqlen_k), else None (the Triton kernels)."""
     if varlen and (seqused_k or not heuristics.GLUON_VARLEN):
         return None
-    if not ws_call_ok(q.dtype, Mask(window_left, window_right, softcap), alibi):
+    if not ws_call_ok(q.dtype, Mask(window_left, window_right, softcap), alibi, sink):
         return None
     cfg = bwd_ws_config(q.shape[3], window_right == 0, max_seqlen_k if varlen else k.shape[1])
     if cfg is None or not all(_tma_4d_ok(t) for t in (q, k, v, dout)):
@@ -102,12 +103,13 @@ def _stats_desc(t: torch.Tensor, block_rows: int):
 
 def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, delta, lse2, dq_acc, *, cfg, ws, atomic_dq: bool,
                 varlen: bool, num_batches: int, seqlen_q: int, seqlen_k: int, max_seqlen_q: int, max_seqlen_k: int,
-                cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, softmax_scale: float, window_left: int,
-                window_right: int, softcap: float) -> None:
+                cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, learnable_sink, dsink, softmax_scale: float,
+                window_left: int, window_right: int, softcap: float) -> None:
     """All tensors 4-D [Bv, S, H, D] (varlen: Bv = 1 with batch strides passed as 0) and lse/dlse [Bv, H, S];
     delta, lse2 from _stats_views; dq_acc: the fp32 dQ buffer (contiguous, like dq4) when atomic_dq, zeroed by the
     first launch (dq4 = its scaled copy, made by the caller after these launches). cfg: the Triton kernels' tiles;
-    ws: the Gluon dK/dV kernel's or None (never with alibi_slopes: fp32 [Hq] or [num_batches, Hq], or None)."""
+    ws: the Gluon dK/dV kernel's or None (never with alibi_slopes: fp32 [Hq] or [num_batches, Hq], or None, nor
+    with learnable_sink: fp32 [Hq] or None). dsink: fp32 [Hq], zeroed, which the preprocess adds d sink into."""
     dev = q4.device
     hq, d = q4.shape[2], q4.shape[3]
     hkv = k4.shape[2]
@@ -116,9 +118,10 @@ def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, delta, lse2, dq
     direct.launch(
         attn_bwd_preprocess_kernel, (_utils.cdiv(rows, PREPROCESS_BLOCK_ROWS),),
         o4, do4, lse3, dlse3 if dlse3 is not None else delta, delta, lse2, dq_acc if atomic_dq else delta,
-        o4.shape[1], hq, rows, *_strides3(o4), *_strides3(do4), *_strides3(lse3), lse2.stride(0), lse2.stride(1),
+        *((learnable_sink, dsink) if learnable_sink is not None else (delta, delta)), o4.shape[1], hq, rows,
+        *_strides3(o4), *_strides3(do4), *_strides3(lse3), lse2.stride(0), lse2.stride(1),
         HEAD_DIM=d, HEAD_DIM_PAD=dp, BLOCK_R=PREPROCESS_BLOCK_ROWS, HAS_DLSE=dlse3 is not None, ZERO_DQ=atomic_dq,
-        num_warps=4)
+        HAS_SINK=learnable_sink is not None, num_warps=4)
 
     def bstride(t):  # varlen tensors are one packed sequence: the batch index must not move the pointer
         return (0, t.stride(1), t.stride(2)) if varlen else _strides3(t)
@@ -175,10 +178,12 @@ def _launch_dkdv(q4, k4, v4, do4, lse2, delta, dk4, dv4, dq_acc, cfg, common, se
 
 class BwdPlan(direct.Replayable):
     """One backward call's host work done once: the kernels and tiles, dQ by atomics or by its own pass, the
-    launches' arguments (recorded by the first run, ops/direct.py); delta and lse2 live in the workspace."""
+    launches' arguments (recorded by the first run, ops/direct.py); delta and lse2 live in the workspace.
+    run returns (dq, dk, dv, dsink), dsink fp32 [Hq] with a learnable_sink, else None."""
 
-    def __init__(self, q, k, v, dout, cu_seqlens_q, seqused_k, alibi_slopes, max_seqlen_q: int, max_seqlen_k: int,
-                 softmax_scale: float, window_left: int, window_right: int, softcap: float, deterministic: bool):
+    def __init__(self, q, k, v, dout, cu_seqlens_q, seqused_k, alibi_slopes, learnable_sink, max_seqlen_q: int,
+                 max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int, softcap: float,
+                 deterministic: bool):
         self.varlen = cu_seqlens_q is not None
         if self.varlen:
             num_batches, seqlen_q, seqlen_k = cu_seqlens_q.shape[0] - 1, q.shape[0], k.shape[0]  # packed rows
@@ -197,7 +202,7 @@ class BwdPlan(direct.Replayable):
         ws = None if self.empty else ws_backward_config(
             q4, k4, v4, do4, varlen=self.varlen, window_left=window_left, window_right=window_right,
             softcap=softcap, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k is not None,
-            alibi=alibi_slopes is not None)
+            alibi=alibi_slopes is not None, sink=learnable_sink is not None)
         self.atomic_dq = (ws.atomic_dq if ws is not None else cfg.atomic_dq) and not deterministic
         self.softmax_scale = softmax_scale
         self.stats_numel = _stats_numel(self.lse_shape)
@@ -206,8 +211,8 @@ class BwdPlan(direct.Replayable):
                        softmax_scale=softmax_scale, window_left=window_left, window_right=window_right,
                        softcap=softcap)
 
-    def _launch(self, q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, dq, dk, dv,
-                dq_acc, ws) -> None:
+    def _launch(self, q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes,
+                learnable_sink, dq, dk, dv, dsink, dq_acc, ws) -> None:
         if self.varlen:
             q, k, v, out, dout, dq, dk, dv, lse = (direct.derived(t.unsqueeze(0), t)
                                                    for t in (q, k, v, out, dout, dq, dk, dv, lse))
@@ -217,12 +222,16 @@ class BwdPlan(direct.Replayable):
                 dq_acc = direct.derived(dq_acc.unsqueeze(0), dq_acc)
         delta, lse2 = _stats_views(ws, lse)
         _launch_bwd(q, k, v, out, lse, dout, dlse, dq, dk, dv, delta, lse2, dq_acc, cu_seqlens_q=cu_seqlens_q,
-                    cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, alibi_slopes=alibi_slopes, **self.kw)
+                    cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, alibi_slopes=alibi_slopes,
+                    learnable_sink=learnable_sink, dsink=dsink, **self.kw)
 
-    def run(self, q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes):
+    def run(self, q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes,
+            learnable_sink):
         dq, dk, dv = _utils.new_output_like(q), _utils.new_output_like(k), _utils.new_output_like(v)
+        # Zeroed here, not by a launch: every preprocess program adds its rows' shares into it.
+        dsink = torch.zeros_like(learnable_sink) if learnable_sink is not None else None
         if self.empty:
-            return dq.zero_(), dk.zero_(), dv.zero_()
+            return dq.zero_(), dk.zero_(), dv.zero_(), dsink
         if self.dout_contiguous:
             dout = dout.contiguous()
         if dlse is not None:
@@ -233,10 +242,10 @@ class BwdPlan(direct.Replayable):
         stream = direct.current_stream(q.device)
         ws = direct.WORKSPACE.get(q.device, stream, 2 * self.stats_numel)
         self.execute(self._launch, (q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                                    alibi_slopes, dq, dk, dv, dq_acc, ws), stream)
+                                    alibi_slopes, learnable_sink, dq, dk, dv, dsink, dq_acc, ws), stream)
         if self.atomic_dq:
             torch.mul(dq_acc, self.softmax_scale, out=dq)
-        return dq, dk, dv
+        return dq, dk, dv, dsink
 
 
 _PLANS = direct.PlanCache()
@@ -244,27 +253,33 @@ _PLANS = direct.PlanCache()
 
 def attn_backward(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q: int,
                   max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int, softcap: float,
-                  deterministic: bool, alibi_slopes=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of flash_attn_func (cu_seqlens_q None) or flash_attn_varlen_func; lse as their forward
-    returned it, dlse its gradient or None, alibi_slopes the forward's."""
+                  deterministic: bool, alibi_slopes=None, learnable_sink=None):
+    """(dq, dk, dv, dsink) of flash_attn_func (cu_seqlens_q None) or flash_attn_varlen_func; lse as their forward
+    returned it, dlse its gradient or None, alibi_slopes and learnable_sink the forward's (dsink None without a
+    sink)."""
     plan = direct.plan_for(
         _PLANS, lambda: (*(direct.tensor_key(t) for t in (q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k,
-                                                            seqused_k, alibi_slopes)),
+                                                            seqused_k, alibi_slopes, learnable_sink)),
                          max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap,
                          deterministic, heuristics.GLUON_VARLEN),
-        lambda: BwdPlan(q, k, v, dout, cu_seqlens_q, seqused_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
-                        softmax_scale, window_left, window_right, softcap, deterministic))
-    return plan.run(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes)
+        lambda: BwdPlan(q, k, v, dout, cu_seqlens_q, seqused_k, alibi_slopes, learnable_sink, max_seqlen_q,
+                        max_seqlen_k, softmax_scale, window_left, window_right, softcap, deterministic))
+    return plan.run(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes,
+                    learnable_sink)
 
 
 def _attn_bwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                    dout: torch.Tensor, dlse: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
                    cu_seqlens_k: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor], max_seqlen_q: int,
                    max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
-                   softcap: float, deterministic: bool,
-                   alibi_slopes: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return attn_backward(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
-                         max_seqlen_k, softmax_scale, window_left, window_right, softcap, deterministic, alibi_slopes)
+                   softcap: float, deterministic: bool, alibi_slopes: Optional[torch.Tensor],
+                   learnable_sink: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                    torch.Tensor]:
+    """The op's (dq, dk, dv, dsink): a schema has no optional outputs, so without a sink dsink is empty ([0])."""
+    dq, dk, dv, dsink = attn_backward(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                                      max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap,
+                                      deterministic, alibi_slopes, learnable_sink)
+    return dq, dk, dv, dsink if dsink is not None else q.new_empty(0, dtype=torch.float32)
 
 
 attn_bwd_op = torch.library.custom_op("tileflash::attn_bwd", mutates_args=())(_attn_bwd_impl)
@@ -272,35 +287,43 @@ attn_bwd_op = torch.library.custom_op("tileflash::attn_bwd", mutates_args=())(_a
 
 @attn_bwd_op.register_fake
 def _(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
-      softmax_scale, window_left, window_right, softcap, deterministic, alibi_slopes):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+      softmax_scale, window_left, window_right, softcap, deterministic, alibi_slopes, learnable_sink):
+    dsink_len = learnable_sink.shape[0] if learnable_sink is not None else 0
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), q.new_empty(dsink_len, dtype=torch.float32)
 
 
 # ---- autograd formulas registered on the forward custom ops ----------------------------------------------------
 
+def _sink_grad(dsink, learnable_sink):
+    """The op's dsink as autograd wants it: None for an absent sink (the op returns an empty tensor then)."""
+    return dsink if learnable_sink is not None else None
+
+
 def setup_fwd_context(ctx, inputs, output):
-    q, k, v, softmax_scale, window_left, window_right, softcap, deterministic, alibi_slopes = inputs
+    q, k, v, softmax_scale, window_left, window_right, softcap, deterministic, alibi_slopes, learnable_sink = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, learnable_sink)
     ctx.args = (softmax_scale, window_left, window_right, softcap, deterministic)
 
 
 def fwd_backward(ctx, dout, dlse):
-    q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
-    dq, dk, dv = attn_bwd_op(q, k, v, out, lse, dout, dlse, None, None, None, 0, 0, *ctx.args, alibi_slopes)
-    return dq, dk, dv, None, None, None, None, None, None
+    q, k, v, out, lse, alibi_slopes, learnable_sink = ctx.saved_tensors
+    dq, dk, dv, dsink = attn_bwd_op(q, k, v, out, lse, dout, dlse, None, None, None, 0, 0, *ctx.args, alibi_slopes,
+                                    learnable_sink)
+    return dq, dk, dv, None, None, None, None, None, None, _sink_grad(dsink, learnable_sink)
 
 
 def setup_varlen_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
-     window_right, softcap, deterministic, alibi_slopes) = inputs
+     window_right, softcap, deterministic, alibi_slopes, learnable_sink) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, learnable_sink)
     ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, deterministic)
 
 
 def varlen_backward(ctx, dout, dlse):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes = ctx.saved_tensors
-    dq, dk, dv = attn_bwd_op(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, *ctx.args,
-                             alibi_slopes)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, learnable_sink = ctx.saved_tensors
+    dq, dk, dv, dsink = attn_bwd_op(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                                    *ctx.args, alibi_slopes, learnable_sink)
+    return (dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None,
+            _sink_grad(dsink, learnable_sink))

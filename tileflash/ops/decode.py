@@ -70,7 +70,7 @@ def _quant_mma_config(q, k_cache, v_cache, block_table, capacity: int, sp_overla
     cache heuristics.quant_decode_config takes on sm_90, at most 16 query rows per KV head, a contiguous cache or
     power-of-two pages, 16-byte aligned K/V rows with equal K and V strides (it reads rows as 16-byte words), and
     the plain loop (sp_overlap=True asks for the Triton kernel's S/P-overlapped loop). extras (cache_batch_idx,
-    cache_leftpad, rotary, ALiBi): only the Triton kernel has them."""
+    cache_leftpad, rotary, ALiBi, learnable_sink): only the Triton kernel has them."""
     cfg = quant_decode_config(q.shape[3], KV_FORMATS.get(k_cache.dtype, "16bit"), q.shape[0] * k_cache.shape[2],
                               capacity)
     if cfg is None or sp_overlap or extras or not sm90_target():
@@ -138,11 +138,11 @@ def _kv_scales(k_scale, v_scale, k_global_scale, v_global_scale) -> dict:
 
 def _launch_kvcache(s: DecodeSchedule, mask: Mask, softmax_scale: float, sp_overlap: bool, rotary_interleaved: bool,
                     q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos,
-                    rotary_sin, cu_seqlens_q, alibi_slopes, cu_seqlens_k_new, k_scale, v_scale, k_global_scale,
-                    v_global_scale, out, lse, ws) -> None:
+                    rotary_sin, cu_seqlens_q, alibi_slopes, cu_seqlens_k_new, learnable_sink, k_scale, v_scale,
+                    k_global_scale, v_global_scale, out, lse, ws) -> None:
     """The launches of one decode call into out [B, Sq, Hq, D] and lse [B, Hq, Sq] (packed queries: [total_q, Hq,
     D] and [Hq, total_q]; or, when lse is None, the workspace's tail): the append, the attention, the split
-    combine. ws: fp32 [>= s.workspace] or None."""
+    combine (which adds learnable_sink once: the split partials leave it out). ws: fp32 [>= s.workspace] or None."""
     hq, d = q.shape[-2:]
     scales = _kv_scales(k_scale, v_scale, k_global_scale, v_global_scale)
     rotary = dict(rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved)
@@ -151,7 +151,7 @@ def _launch_kvcache(s: DecodeSchedule, mask: Mask, softmax_scale: float, sp_over
                          cu_seqlens_k_new=cu_seqlens_k_new, **rotary, **scales)
     extras = dict(cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, alibi_slopes=alibi_slopes,
                   rotary_per_token=mask.window_left >= 0 or mask.window_right >= 0, cu_seqlens_k_new=cu_seqlens_k_new,
-                  **rotary)
+                  learnable_sink=learnable_sink, **rotary)
     if hq == 0:  # nothing to attend with; the append above still happened
         return
     if s.max_seqlen_q:  # packed queries: viewed as one batch row with a batch stride of 0
@@ -187,7 +187,7 @@ def _launch_kvcache(s: DecodeSchedule, mask: Mask, softmax_scale: float, sp_over
                         sp_overlap=s.cfg.sp_overlap if s.prefill else sp_overlap, o_part=o_part, lse_part=lse_part,
                         pdl=s.pdl, **extras, **scales)
     if split:
-        launch_combine(o_part, lse_part, out, lse, pdl=s.pdl)
+        launch_combine(o_part, lse_part, out, lse, pdl=s.pdl, learnable_sink=learnable_sink)
 
 
 def _attn_kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: Optional[torch.Tensor],
@@ -195,7 +195,8 @@ def _attn_kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                        cache_batch_idx: Optional[torch.Tensor], cache_leftpad: Optional[torch.Tensor],
                        rotary_cos: Optional[torch.Tensor], rotary_sin: Optional[torch.Tensor],
                        cu_seqlens_q: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
-                       cu_seqlens_k_new: Optional[torch.Tensor], max_seqlen_q: int, rotary_interleaved: bool,
+                       cu_seqlens_k_new: Optional[torch.Tensor], learnable_sink: Optional[torch.Tensor],
+                       max_seqlen_q: int, rotary_interleaved: bool,
                        softmax_scale: float, window_left: int, window_right: int, softcap: float, num_splits: int,
                        sp_overlap: bool, k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
                        k_global_scale: Optional[torch.Tensor],
@@ -206,15 +207,15 @@ def _attn_kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     lse = _utils.new_output(_lse_shape(q, max_seqlen_q), torch.float32, q.device)
     if cache_seqlens.shape[0] == 0:
         return out, lse
-    extras = (cache_batch_idx, cache_leftpad, rotary_cos, alibi_slopes, cu_seqlens_k_new)
+    extras = (cache_batch_idx, cache_leftpad, rotary_cos, alibi_slopes, cu_seqlens_k_new, learnable_sink)
     s = _schedule(q, k_cache, v_cache, k, block_table, num_splits, sp_overlap, lse_in_workspace=False,
                   extras=any(t is not None for t in extras), causal_tiles=window_right >= 0,
                   max_seqlen_q=max_seqlen_q, varlen_new=cu_seqlens_k_new is not None)
     ws = torch.empty(s.workspace, dtype=torch.float32, device=q.device) if s.workspace else None
     _launch_kvcache(s, Mask(window_left, window_right, softcap), softmax_scale, sp_overlap, rotary_interleaved, q,
                     k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos,
-                    rotary_sin, cu_seqlens_q, alibi_slopes, cu_seqlens_k_new, k_scale, v_scale, k_global_scale,
-                    v_global_scale, out, lse, ws)
+                    rotary_sin, cu_seqlens_q, alibi_slopes, cu_seqlens_k_new, learnable_sink, k_scale, v_scale,
+                    k_global_scale, v_global_scale, out, lse, ws)
     return out, lse
 
 
@@ -232,8 +233,8 @@ _attn_kvcache_op = torch.library.custom_op(
 
 @_attn_kvcache_op.register_fake
 def _(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin,
-      cu_seqlens_q, alibi_slopes, cu_seqlens_k_new, max_seqlen_q, rotary_interleaved, softmax_scale, window_left, window_right, softcap,
-      num_splits, sp_overlap, k_scale, v_scale, k_global_scale, v_global_scale):
+      cu_seqlens_q, alibi_slopes, cu_seqlens_k_new, learnable_sink, max_seqlen_q, rotary_interleaved, softmax_scale,
+      window_left, window_right, softcap, num_splits, sp_overlap, k_scale, v_scale, k_global_scale, v_global_scale):
     return torch.empty_like(q), q.new_empty(_lse_shape(q, max_seqlen_q), dtype=torch.float32)
 
 
@@ -321,7 +322,8 @@ def _check_extras(q, b: int, k, block_table, cache_batch_idx, cache_leftpad, rot
 
 def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, k_scale, v_scale,
                    k_global_scale, v_global_scale, cache_batch_idx=None, cache_leftpad=None, rotary_cos=None,
-                   rotary_sin=None, cu_seqlens_q=None, max_seqlen_q=None, alibi_slopes=None, cu_seqlens_k_new=None):
+                   rotary_sin=None, cu_seqlens_q=None, max_seqlen_q=None, alibi_slopes=None, cu_seqlens_k_new=None,
+                   learnable_sink=None):
     """q [B, Sq, Hq, D], or packed [total_q, Hq, D] with cu_seqlens_q [B + 1] int32 and max_seqlen_q (FA3); k, v
     [B, Snew, Hkv, D], or packed [total_new, Hkv, D] with cu_seqlens_k_new [B + 1] int32 (FA3)."""
     _utils.check_tensor("q", q, ndim=4 if cu_seqlens_q is None else 3, dtypes=_utils.SUPPORTED_DTYPES)
@@ -407,6 +409,7 @@ def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_sp
             raise _utils.CacheCapacityError(f"k: {s_new} new tokens exceed the cache capacity of {capacity} tokens")
     _check_extras(q, b, k, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin, capacity)
     _utils.check_alibi_slopes(alibi_slopes, b, hq, dev)
+    _utils.check_learnable_sink(learnable_sink, hq, dev)
     num_splits = _utils.as_int("num_splits", num_splits)
     if not 0 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits: expected 0 (heuristic), 1 (no split) or 2..{MAX_SPLITS}, got {num_splits}")
@@ -448,12 +451,12 @@ class DecodePlan(direct.Replayable):
     runnable per layer with that layer's q and caches. Made by `decode_plan` (or internally by every eager
     flash_attn_with_kvcache call, keyed on its signature). Its first run records the launches (ops/direct.py);
     later runs replay them, so a run costs a few microseconds plus the kernels. cache_seqlens, block_table,
-    cache_batch_idx, cache_leftpad, the rotary tables, the ALiBi slopes and the scale tensors are the plan's (bound
-    by decode_plan; the plans flash_attn_with_kvcache caches keep none, so they hold no call's tensors alive):
-    change their values in place between runs (CUDA-graph replays included), not the tensors."""
+    cache_batch_idx, cache_leftpad, the rotary tables, the ALiBi slopes, the sink and the scale tensors are the
+    plan's (bound by decode_plan; the plans flash_attn_with_kvcache caches keep none, so they hold no call's tensors
+    alive): change their values in place between runs (CUDA-graph replays included), not the tensors."""
     # cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin, cu_seqlens_q, alibi_slopes,
-    # cu_seqlens_k_new
-    index = (None,) * 9
+    # cu_seqlens_k_new, learnable_sink
+    index = (None,) * 10
     scales = (None, None, None, None)
 
     def __init__(self, schedule: DecodeSchedule, mask: Mask, softmax_scale: float, sp_overlap: bool,
@@ -489,7 +492,7 @@ class DecodePlan(direct.Replayable):
 
     def _run(self, q, k_cache, v_cache, k, v, index, scales, out=None):
         """index: (cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin,
-        cu_seqlens_q, alibi_slopes, cu_seqlens_k_new)."""
+        cu_seqlens_q, alibi_slopes, cu_seqlens_k_new, learnable_sink)."""
         s = self.schedule
         if self.validate:
             _validate_values(k_cache, index[0], index[1], s.capacity, s.s_new, index[2], index[3], index[8])
@@ -510,17 +513,18 @@ _PLANS = direct.PlanCache()
 def _make_plan(q, k_cache, v_cache, k, v, index, softmax_scale, causal, window_size, softcap, rotary_interleaved,
                num_splits, return_lse, sp_overlap, validate, scales, max_seqlen_q=None) -> DecodePlan:
     """Check every argument (raising before any launch) and plan the call."""
-    cache_seqlens, block_table, batch_idx, leftpad, rotary_cos, rotary_sin, cu_seqlens_q, alibi_slopes, cu_k_new = \
-        index
+    cache_seqlens, block_table, batch_idx, leftpad, rotary_cos, rotary_sin, cu_seqlens_q, alibi_slopes, cu_k_new, \
+        learnable_sink = index
     capacity, s_new = _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, *scales,
                                      batch_idx, leftpad, rotary_cos, rotary_sin, cu_seqlens_q, max_seqlen_q,
-                                     alibi_slopes, cu_k_new)
+                                     alibi_slopes, cu_k_new, learnable_sink)
     left, right = _utils.check_window(window_size)
     mask = Mask.make(causal, (left, right), _check_softcap(softcap))
     packed = cu_seqlens_q is not None  # its tiles need at least one row
     sched = _schedule(q, k_cache, v_cache, k, block_table, int(num_splits), bool(sp_overlap),
                       lse_in_workspace=not return_lse,
-                      extras=any(t is not None for t in (batch_idx, leftpad, rotary_cos, alibi_slopes, cu_k_new)),
+                      extras=any(t is not None for t in (batch_idx, leftpad, rotary_cos, alibi_slopes, cu_k_new,
+                                                         learnable_sink)),
                       causal_tiles=mask.window_right >= 0, max_seqlen_q=max(int(max_seqlen_q), 1) if packed else 0,
                       varlen_new=cu_k_new is not None)
     # On the CPU reading values costs no sync, so they are always checked there.
@@ -544,13 +548,13 @@ def decode_plan(q, k_cache, v_cache, cache_seqlens, block_table=None, k=None, v=
                 causal=False, window_size=(-1, -1), softcap=0.0, num_splits=0, return_lse=False, sp_overlap=False,
                 validate=False, k_scale=None, v_scale=None, k_global_scale=None, v_global_scale=None,
                 dtype=torch.bfloat16, *, rotary_cos=None, rotary_sin=None, cache_batch_idx=None, cache_leftpad=None,
-                rotary_interleaved=True, alibi_slopes=None) -> DecodePlan:
+                rotary_interleaved=True, alibi_slopes=None, learnable_sink=None) -> DecodePlan:
     """Plan flash_attn_with_kvcache calls that share everything but q, the caches and the new k/v (the layers of
     one decode step; FlashInfer's plan/run pattern): `plan = decode_plan(q, k_cache, v_cache, cache_seqlens, ...)`
     once per step, then `plan.run(q, k_cache, v_cache, k, v)` per layer, graph-capturable. Arguments as
     flash_attn_with_kvcache's; q may be a tensor or a shape (a contiguous q of `dtype` on k_cache's device);
     k/v (new tokens, if any) give their shapes; cache_seqlens, block_table, the scales and the other index tensors
-    (rotary tables, cache_batch_idx, cache_leftpad, alibi_slopes) are bound to the plan. Results equal
+    (rotary tables, cache_batch_idx, cache_leftpad, alibi_slopes, learnable_sink) are bound to the plan. Results equal
     flash_attn_with_kvcache's bitwise."""
     if not isinstance(q, torch.Tensor):
         q = torch.empty(tuple(q), dtype=dtype, device=k_cache.device)
@@ -558,7 +562,7 @@ def decode_plan(q, k_cache, v_cache, cache_seqlens, block_table=None, k=None, v=
         raise TypeError(f"cache_seqlens: expected an int32 tensor, got {type(cache_seqlens).__name__}")
     scales = (k_scale, v_scale, k_global_scale, v_global_scale)
     index = (cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin, None, alibi_slopes,
-             None)
+             None, learnable_sink)
     plan = _make_plan(q, k_cache, v_cache, k, v, index, softmax_scale, causal, window_size, softcap,
                       rotary_interleaved, num_splits, return_lse, sp_overlap, validate, scales)
     plan.index, plan.scales = index, scales
@@ -571,7 +575,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False, *,
                             return_lse=False, page_table=None, cu_seqlens_q=None, max_seqlen_q=None,
                             cu_seqlens_k_new=None, sp_overlap=False, validate=False, k_scale=None, v_scale=None,
-                            k_global_scale=None, v_global_scale=None):
+                            k_global_scale=None, v_global_scale=None, learnable_sink=None):
     """Attention of new query tokens over a KV cache, appending new K/V in place: decode (1..16 tokens per
     sequence: pack-GQA tiles, split-KV) or extend / chunked prefill (more tokens: prefill tiles, no split).
 
@@ -606,6 +610,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     tiles. FA3's packed appends: k, v [total_new, Hkv, D] with cu_seqlens_k_new [B + 1] int32 (sequence b appends
     k[cu[b]:cu[b + 1]] at cache_seqlens[b]).
     alibi_slopes: fp32 [Hq] or [B, Hq], as in flash_attn_func, with Sk = cache_seqlens + Snew (after the append).
+    learnable_sink: fp32 [Hq], as in flash_attn_func (forward only here); split-KV adds it once, in the combine.
     Returns out [B, Sq, Hq, D], and with return_softmax_lse=True (or return_lse=True) (out, lse [B, Hq, Sq] fp32).
     """
     return_lse = bool(return_lse or return_softmax_lse)
@@ -617,7 +622,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         res = _kvcache(q.view(-1, max_seqlen_q, hq, d), k_cache, v_cache, k, v, rotary_cos, rotary_sin,
                        cache_seqlens, cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
                        window_size, softcap, rotary_interleaved, alibi_slopes, num_splits, return_lse, None, None,
-                       cu_seqlens_k_new, sp_overlap, validate, k_scale, v_scale, k_global_scale, v_global_scale)
+                       cu_seqlens_k_new, sp_overlap, validate, k_scale, v_scale, k_global_scale, v_global_scale,
+                       learnable_sink)
         if not return_lse:
             return res.view(total_q, hq, d)
         out, lse = res
@@ -625,23 +631,24 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     return _kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                     block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
                     num_splits, return_lse, cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new, sp_overlap, validate,
-                    k_scale, v_scale, k_global_scale, v_global_scale)
+                    k_scale, v_scale, k_global_scale, v_global_scale, learnable_sink)
 
 
 def _kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
              block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
              return_lse, cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new, sp_overlap, validate, k_scale, v_scale,
-             k_global_scale, v_global_scale):
+             k_global_scale, v_global_scale, learnable_sink):
     """flash_attn_with_kvcache without its argument aliases: plan (cached per signature) and run."""
     scales = (k_scale, v_scale, k_global_scale, v_global_scale)
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool) and isinstance(q, torch.Tensor):
         batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
     index = (cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin, cu_seqlens_q,
-             alibi_slopes, cu_seqlens_k_new)
+             alibi_slopes, cu_seqlens_k_new, learnable_sink)
     if torch.compiler.is_compiling():
         capacity, s_new = _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits,
-                                         *scales, *index[2:7], max_seqlen_q, alibi_slopes, cu_seqlens_k_new)
+                                         *scales, *index[2:7], max_seqlen_q, alibi_slopes, cu_seqlens_k_new,
+                                         learnable_sink)
         if validate:
             _validate_values(k_cache, cache_seqlens, block_table, capacity, s_new, cache_batch_idx, cache_leftpad,
                              cu_seqlens_k_new)

@@ -67,7 +67,8 @@ def _lse_or_workspace(lse, ws, shape):
     return lse if lse is not None else direct.derived(ws[:math.prod(shape)].view(shape), ws)
 
 
-def _launch_dense(ws_cfg, cfg, mask: Mask, softmax_scale: float, q, k, v, alibi_slopes, out, lse, ws) -> None:
+def _launch_dense(ws_cfg, cfg, mask: Mask, softmax_scale: float, q, k, v, alibi_slopes, learnable_sink, out, lse,
+                  ws) -> None:
     b, sq, hq, _ = q.shape
     lse = _lse_or_workspace(lse, ws, (b, hq, sq))
     if ws_cfg is not None:
@@ -76,11 +77,13 @@ def _launch_dense(ws_cfg, cfg, mask: Mask, softmax_scale: float, q, k, v, alibi_
     else:
         launch_attn_fwd(q, k, v, out, lse, q_batch_stride0=False, k_batch_stride0=False, num_batches=b,
                         seqlen_q=sq, seqlen_k=k.shape[1], m_rows=sq, softmax_scale=softmax_scale, mask=mask,
-                        config=cfg, sp_overlap=cfg.sp_overlap, alibi_slopes=alibi_slopes)
+                        config=cfg, sp_overlap=cfg.sp_overlap, alibi_slopes=alibi_slopes,
+                        learnable_sink=learnable_sink)
 
 
-def _dense_plan(q, k, v, softmax_scale: float, mask: Mask, keep_lse: bool, alibi: bool) -> FwdPlan:
-    """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D], checked; plan.run(q, k, v, alibi_slopes) (None unless alibi)."""
+def _dense_plan(q, k, v, softmax_scale: float, mask: Mask, keep_lse: bool, alibi: bool, sink: bool) -> FwdPlan:
+    """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D], checked; plan.run(q, k, v, alibi_slopes, learnable_sink) (None
+    unless alibi / sink)."""
     b, sq, hq, d = q.shape
     sk = k.shape[1]
     empty = q.numel() == 0
@@ -88,7 +91,7 @@ def _dense_plan(q, k, v, softmax_scale: float, mask: Mask, keep_lse: bool, alibi
     if not empty:
         # out will be a fresh contiguous tensor of q's shape, which a TMA descriptor addresses whenever q's does,
         # so q stands in for it (None for Sk = 0 too: no TMA over 0 rows).
-        ws_cfg = ws_forward_config(q, k, v, q, softmax_scale, mask, alibi=alibi)
+        ws_cfg = ws_forward_config(q, k, v, q, softmax_scale, mask, alibi=alibi, sink=sink)
         if ws_cfg is None:
             cfg = fwd_config(d, causal=mask.window_right >= 0, interpret=_utils.is_interpreter(), seqlen_k=sk)
     launch = functools.partial(_launch_dense, ws_cfg, cfg, mask, softmax_scale)
@@ -100,22 +103,24 @@ _DENSE_PLANS = direct.PlanCache()
 
 def _attn_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, window_left: int,
                    window_right: int, softcap: float, deterministic: bool,
-                   alibi_slopes: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                   alibi_slopes: Optional[torch.Tensor],
+                   learnable_sink: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """The custom op's implementation (torch.compile and the HF path that records autograd through it);
     deterministic only travels to the backward (saved by setup_fwd_context)."""
     mask = Mask(window_left, window_right, softcap)
     plan = direct.plan_for(
         _DENSE_PLANS, lambda: (direct.tensor_key(q), direct.tensor_key(k), direct.tensor_key(v), softmax_scale, mask,
-                               direct.tensor_key(alibi_slopes), True),
-        lambda: _dense_plan(q, k, v, softmax_scale, mask, keep_lse=True, alibi=alibi_slopes is not None))
-    return plan.run(q, k, v, alibi_slopes)
+                               direct.tensor_key(alibi_slopes), direct.tensor_key(learnable_sink), True),
+        lambda: _dense_plan(q, k, v, softmax_scale, mask, keep_lse=True, alibi=alibi_slopes is not None,
+                            sink=learnable_sink is not None))
+    return plan.run(q, k, v, alibi_slopes, learnable_sink)
 
 
 _attn_fwd_op = torch.library.custom_op("tileflash::attn_fwd", mutates_args=())(_attn_fwd_impl)
 
 
 @_attn_fwd_op.register_fake
-def _(q, k, v, softmax_scale, window_left, window_right, softcap, deterministic, alibi_slopes):
+def _(q, k, v, softmax_scale, window_left, window_right, softcap, deterministic, alibi_slopes, learnable_sink):
     b, sq, hq, _ = q.shape
     return torch.empty_like(q), q.new_empty((b, hq, sq), dtype=torch.float32)
 
@@ -123,18 +128,20 @@ def _(q, k, v, softmax_scale, window_left, window_right, softcap, deterministic,
 _attn_fwd_op.register_autograd(_bwd.fwd_backward, setup_context=_bwd.setup_fwd_context)
 
 
-def _varlen_ws_config(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale, mask, alibi: bool):
+def _varlen_ws_config(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale, mask, alibi: bool,
+                      sink: bool):
     """The warp-specialised forward's tiles for packed sequences, or None where it does not serve the call
     (ops/_launch.ws_forward_config; no TMA descriptor over zero rows)."""
     if q.shape[0] == 0 or k.shape[0] == 0 or max_seqlen_q == 0 or cu_seqlens_q.shape[0] < 2:
         return None
     q4, k4, v4 = (t.unsqueeze(0) for t in (q, k, v))
     # out will be a fresh contiguous tensor of q's shape, which a TMA descriptor addresses whenever q's does.
-    return ws_forward_config(q4, k4, v4, q4, softmax_scale, mask, max_seqlen_k=max_seqlen_k, alibi=alibi)
+    return ws_forward_config(q4, k4, v4, q4, softmax_scale, mask, max_seqlen_k=max_seqlen_k, alibi=alibi, sink=sink)
 
 
 def _launch_varlen(ws_cfg, cfg, mask: Mask, softmax_scale: float, max_seqlen_q: int, max_seqlen_k: int, paged: bool,
-                   q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, lse, ws) -> None:
+                   q, k, v, alibi_slopes, learnable_sink, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out,
+                   lse, ws) -> None:
     """Packed queries q [total_q, H, D] viewed as [1, total_q, H, D] with a batch stride of 0 (cu_seqlens_q gives
     each sequence's start); keys packed the same way, or (paged) page pools read through block_table."""
     total_q, hq, _ = q.shape
@@ -154,13 +161,13 @@ def _launch_varlen(ws_cfg, cfg, mask: Mask, softmax_scale: float, max_seqlen_q: 
                     num_batches=cu_seqlens_q.shape[0] - 1, seqlen_q=total_q, seqlen_k=capacity, m_rows=max_seqlen_q,
                     softmax_scale=softmax_scale, mask=mask, config=cfg, sp_overlap=cfg.sp_overlap,
                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=None if paged else cu_seqlens_k, seqlens_k=seqused_k,
-                    block_table=block_table, alibi_slopes=alibi_slopes)
+                    block_table=block_table, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink)
 
 
 def _varlen_plan(q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_q: int, max_seqlen_k: int,
-                 softmax_scale: float, mask: Mask, keep_lse: bool, alibi: bool) -> FwdPlan:
-    """Checked packed (or paged) arguments; plan.run(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k,
-    block_table)."""
+                 softmax_scale: float, mask: Mask, keep_lse: bool, alibi: bool, sink: bool) -> FwdPlan:
+    """Checked packed (or paged) arguments; plan.run(q, k, v, alibi_slopes, learnable_sink, cu_seqlens_q,
+    cu_seqlens_k, seqused_k, block_table)."""
     total_q, hq, d = q.shape
     paged = block_table is not None
     if paged:
@@ -170,7 +177,7 @@ def _varlen_plan(q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_q: in
     if not empty:
         if not paged and seqused_k is None:
             ws_cfg = _varlen_ws_config(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale, mask,
-                                       alibi)
+                                       alibi, sink)
         if ws_cfg is None:
             cfg = fwd_config(d, causal=mask.window_right >= 0, interpret=_utils.is_interpreter(),
                              seqlen_k=max_seqlen_k)
@@ -181,9 +188,10 @@ def _varlen_plan(q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_q: in
 _VARLEN_PLANS = direct.PlanCache()
 
 
-def _varlen_key(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q,
-                max_seqlen_k, *args):
+def _varlen_key(q, k, v, alibi_slopes, learnable_sink, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
+                max_seqlen_q, max_seqlen_k, *args):
     return (direct.tensor_key(q), direct.tensor_key(k), direct.tensor_key(v), direct.tensor_key(alibi_slopes),
+            direct.tensor_key(learnable_sink),
             direct.tensor_key(cu_seqlens_q), direct.tensor_key(cu_seqlens_k), direct.tensor_key(seqused_k),
             direct.tensor_key(block_table), max_seqlen_q, max_seqlen_k, heuristics.GLUON_VARLEN, *args)
 
@@ -192,14 +200,15 @@ def _attn_varlen_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
                           cu_seqlens_k: torch.Tensor, seqused_k: Optional[torch.Tensor], max_seqlen_q: int,
                           max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
                           softcap: float, deterministic: bool,
-                          alibi_slopes: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                          alibi_slopes: Optional[torch.Tensor],
+                          learnable_sink: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     mask = Mask(window_left, window_right, softcap)
     plan = direct.plan_for(
-        _VARLEN_PLANS, lambda: _varlen_key(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, None,
-                                           max_seqlen_q, max_seqlen_k, softmax_scale, mask, True),
+        _VARLEN_PLANS, lambda: _varlen_key(q, k, v, alibi_slopes, learnable_sink, cu_seqlens_q, cu_seqlens_k,
+                                           seqused_k, None, max_seqlen_q, max_seqlen_k, softmax_scale, mask, True),
         lambda: _varlen_plan(q, k, v, cu_seqlens_q, seqused_k, None, max_seqlen_q, max_seqlen_k, softmax_scale,
-                             mask, keep_lse=True, alibi=alibi_slopes is not None))
-    return plan.run(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, None)
+                             mask, keep_lse=True, alibi=alibi_slopes is not None, sink=learnable_sink is not None))
+    return plan.run(q, k, v, alibi_slopes, learnable_sink, cu_seqlens_q, cu_seqlens_k, seqused_k, None)
 
 
 _attn_varlen_fwd_op = torch.library.custom_op("tileflash::attn_varlen_fwd",
@@ -208,7 +217,7 @@ _attn_varlen_fwd_op = torch.library.custom_op("tileflash::attn_varlen_fwd",
 
 @_attn_varlen_fwd_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
-      window_right, softcap, deterministic, alibi_slopes):
+      window_right, softcap, deterministic, alibi_slopes, learnable_sink):
     total_q, hq, _ = q.shape
     return torch.empty_like(q), q.new_empty((hq, total_q), dtype=torch.float32)
 
@@ -219,16 +228,17 @@ _attn_varlen_fwd_op.register_autograd(_bwd.varlen_backward, setup_context=_bwd.s
 def _attn_varlen_paged_fwd_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor, block_table: torch.Tensor,
                                 max_seqlen_q: int, softmax_scale: float, window_left: int, window_right: int,
-                                softcap: float,
-                                alibi_slopes: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                                softcap: float, alibi_slopes: Optional[torch.Tensor],
+                                learnable_sink: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed queries over paged keys: sequence b's keys are its first seqused_k[b] tokens in its pages."""
     mask = Mask(window_left, window_right, softcap)
     plan = direct.plan_for(
-        _VARLEN_PLANS, lambda: _varlen_key(q, k_cache, v_cache, alibi_slopes, cu_seqlens_q, None, seqused_k,
-                                           block_table, max_seqlen_q, 0, softmax_scale, mask, True),
+        _VARLEN_PLANS, lambda: _varlen_key(q, k_cache, v_cache, alibi_slopes, learnable_sink, cu_seqlens_q, None,
+                                           seqused_k, block_table, max_seqlen_q, 0, softmax_scale, mask, True),
         lambda: _varlen_plan(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, 0,
-                             softmax_scale, mask, keep_lse=True, alibi=alibi_slopes is not None))
-    return plan.run(q, k_cache, v_cache, alibi_slopes, cu_seqlens_q, None, seqused_k, block_table)
+                             softmax_scale, mask, keep_lse=True, alibi=alibi_slopes is not None,
+                             sink=learnable_sink is not None))
+    return plan.run(q, k_cache, v_cache, alibi_slopes, learnable_sink, cu_seqlens_q, None, seqused_k, block_table)
 
 
 _attn_varlen_paged_fwd_op = torch.library.custom_op("tileflash::attn_varlen_paged_fwd",
@@ -237,7 +247,7 @@ _attn_varlen_paged_fwd_op = torch.library.custom_op("tileflash::attn_varlen_page
 
 @_attn_varlen_paged_fwd_op.register_fake
 def _(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, softmax_scale, window_left,
-      window_right, softcap, alibi_slopes):
+      window_right, softcap, alibi_slopes, learnable_sink):
     total_q, hq, _ = q.shape
     return torch.empty_like(q), q.new_empty((hq, total_q), dtype=torch.float32)
 
@@ -265,7 +275,7 @@ def _check_max_seqlens(**max_seqlens) -> None:
 
 
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    return_lse=False, deterministic=False, dropout_p=0.0, alibi_slopes=None):
+                    return_lse=False, deterministic=False, dropout_p=0.0, alibi_slopes=None, learnable_sink=None):
     """Attention over a padded batch. q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (Hq % Hkv == 0), fp16/bf16.
 
     Causal and windows are bottom-right aligned (query i sees key j iff j <= i + Sk - Sq). Returns out
@@ -276,42 +286,48 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     flash-attn 2.x's dropout_p is taken as a keyword only, and must be 0.
     alibi_slopes: fp32 [Hq] or [B, Hq] (flash-attn's ALiBi): -slope * |i + Sk - Sq - j| is added to the score of
     query i and key j after softmax_scale (and softcap), causal or not; gradients flow to q, k, v, not the slopes.
+    learnable_sink: fp32 [Hq] (FA4's attention sink): one more logit per query head in every row's softmax, with no
+    value: p_ij = exp(s_ij) / (exp(sink_h) + sum_k exp(s_ik)), not scaled or softcapped; lse includes it, and a row
+    that sees no key gives out = 0, lse = sink_h. Differentiable (the sink gets its gradient too).
     """
     if dropout_p:
         _utils.check_dropout(dropout_p)
     if torch.compiler.is_compiling():
-        mask, scale = _checked_dense(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes)
+        mask, scale = _checked_dense(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                     learnable_sink)
         out, lse = _attn_fwd_op(q, k, v, scale, mask.window_left, mask.window_right, mask.softcap,
-                                bool(deterministic), alibi_slopes)
+                                bool(deterministic), alibi_slopes, learnable_sink)
         return (out, lse) if return_lse else out
-    grad = _utils.needs_grad(q, k, v)
+    grad = _utils.needs_grad(q, k, v, learnable_sink)
     plan = direct.plan_for(
         _PUBLIC_DENSE, lambda: (direct.tensor_key(q), direct.tensor_key(k), direct.tensor_key(v), softmax_scale,
                                 causal, direct.window_key(window_size), softcap, return_lse, deterministic, grad,
-                                direct.tensor_key(alibi_slopes)),
+                                direct.tensor_key(alibi_slopes), direct.tensor_key(learnable_sink)),
         lambda: _public_dense_plan(q, k, v, softmax_scale, causal, window_size, softcap, return_lse or grad,
-                                   deterministic, alibi_slopes))
+                                   deterministic, alibi_slopes, learnable_sink))
     if grad:
-        out, lse = _AttnFunction.apply(q, k, v, plan, alibi_slopes)
+        out, lse = _AttnFunction.apply(q, k, v, plan, alibi_slopes, learnable_sink)
     else:
-        out, lse = plan.run(q, k, v, alibi_slopes)
+        out, lse = plan.run(q, k, v, alibi_slopes, learnable_sink)
     return (out, lse) if return_lse else out
 
 
-def _checked_dense(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes) -> tuple[Mask, float]:
+def _checked_dense(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                   learnable_sink) -> tuple[Mask, float]:
     _check_qkv(q, k, v, 4)
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"k: expected batch {q.shape[0]} (q's), got {k.shape[0]}")
     _utils.check_alibi_slopes(alibi_slopes, q.shape[0], q.shape[2], q.device)
+    _utils.check_learnable_sink(learnable_sink, q.shape[2], q.device)
     left, right = _utils.check_window(window_size)
     mask = Mask.make(causal, (left, right), _check_softcap(softcap))
     return mask, _utils.softmax_scale_or_default(softmax_scale, q.shape[-1])
 
 
 def _public_dense_plan(q, k, v, softmax_scale, causal, window_size, softcap, keep_lse, deterministic,
-                       alibi_slopes) -> FwdPlan:
-    mask, scale = _checked_dense(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes)
-    plan = _dense_plan(q, k, v, scale, mask, keep_lse, alibi=alibi_slopes is not None)
+                       alibi_slopes, learnable_sink) -> FwdPlan:
+    mask, scale = _checked_dense(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, learnable_sink)
+    plan = _dense_plan(q, k, v, scale, mask, keep_lse, alibi=alibi_slopes is not None, sink=learnable_sink is not None)
     plan.backward_args = (None, None, None, 0, 0, scale, mask.window_left, mask.window_right, mask.softcap,
                           bool(deterministic))
     return plan
@@ -324,13 +340,13 @@ _PUBLIC_VARLEN = direct.PlanCache()
 class _AttnFunction(torch.autograd.Function):
     """Eager autograd for flash_attn_func / flash_attn_varlen_func: the plan's forward and the backward's plan,
     without the torch.library dispatch of the custom ops (which torch.compile still traces). The backward plans
-    hang off the forward's: q, k, v, out, lse and alibi_slopes are fixed by its signature, so only dout and dlse
-    key them."""
+    hang off the forward's: q, k, v, out, lse, alibi_slopes and learnable_sink are fixed by its signature, so only
+    dout and dlse key them."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan, alibi_slopes, *index):
-        out, lse = plan.run(q, k, v, alibi_slopes, *index)
-        ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, *index)
+    def forward(ctx, q, k, v, plan, alibi_slopes, learnable_sink, *index):
+        out, lse = plan.run(q, k, v, alibi_slopes, learnable_sink, *index)
+        ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, learnable_sink, *index)
         ctx.plan = plan
         ctx.set_materialize_grads(False)
         return out, lse
@@ -341,7 +357,7 @@ class _AttnFunction(torch.autograd.Function):
             raise RuntimeError("flash_attn_varlen_func with block_table: paged keys have no backward (inputs that "
                                "require grad are accepted, as flash-attn does, for forward-only use); gather the pages "
                                "into packed k/v to differentiate")
-        q, k, v, out, lse, alibi_slopes, *index = ctx.saved_tensors
+        q, k, v, out, lse, alibi_slopes, learnable_sink, *index = ctx.saved_tensors
         if dout is None:  # only lse was used
             dout = torch.zeros_like(out)
         cu_q, cu_k, seqused_k, max_q, max_k, *rest = ctx.plan.backward_args
@@ -350,9 +366,10 @@ class _AttnFunction(torch.autograd.Function):
         bwd = direct.plan_for(
             ctx.plan.backward_plans,
             lambda: (direct.tensor_key(dout), direct.tensor_key(dlse), heuristics.GLUON_VARLEN),
-            lambda: _bwd.BwdPlan(q, k, v, dout, cu_q, seqused_k, alibi_slopes, max_q, max_k, *rest))
-        dq, dk, dv = bwd.run(q, k, v, out, lse, dout, dlse, cu_q, cu_k, seqused_k, alibi_slopes)
-        return (dq, dk, dv, None, None) + (None,) * len(index)
+            lambda: _bwd.BwdPlan(q, k, v, dout, cu_q, seqused_k, alibi_slopes, learnable_sink, max_q, max_k, *rest))
+        dq, dk, dv, dsink = bwd.run(q, k, v, out, lse, dout, dlse, cu_q, cu_k, seqused_k, alibi_slopes,
+                                    learnable_sink)
+        return (dq, dk, dv, None, None, dsink) + (None,) * len(index)
 
 
 def _check_cu_seqlens(name: str, t, device) -> None:
@@ -363,7 +380,8 @@ def _check_cu_seqlens(name: str, t, device) -> None:
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=None,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, return_lse=False,
-                           deterministic=False, block_table=None, dropout_p=0.0, alibi_slopes=None):
+                           deterministic=False, block_table=None, dropout_p=0.0, alibi_slopes=None,
+                           learnable_sink=None):
     """Attention over packed variable-length sequences. q [total_q, Hq, D], k/v [total_k, Hkv, D];
     cu_seqlens_q/k [batch + 1] int32 offsets; optional seqused_k [batch] int32 (keys actually used per sequence).
     Empty sequences are allowed. Returns out [total_q, Hq, D] and with return_lse=True lse [Hq, total_q].
@@ -376,6 +394,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     (cu_seqlens_k is ignored and may be None), and its queries are the last tokens of that sequence (bottom-right
     causal). Forward only. dropout_p (flash-attn 2.x) is taken as a keyword and must be 0.
     alibi_slopes: fp32 [Hq] or [batch, Hq], as in flash_attn_func, with i, j, Sq and Sk those of each sequence.
+    learnable_sink: fp32 [Hq], as in flash_attn_func (every sequence's rows; rows of an empty key range: out 0, lse
+    sink_h).
     """
     if dropout_p:
         _utils.check_dropout(dropout_p)
@@ -388,34 +408,35 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         _utils.check_block_table_values(block_table, seqused_k.tolist(), k.shape[1], k.shape[0])
     if torch.compiler.is_compiling():
         mask, scale = _checked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q,
-                                      max_seqlen_k, softmax_scale, causal, window_size, softcap, alibi_slopes)
+                                      max_seqlen_k, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                      learnable_sink)
         if block_table is not None:
             out, lse = _attn_varlen_paged_fwd_op(q, k, v, cu_seqlens_q, seqused_k, block_table, int(max_seqlen_q),
                                                  scale, mask.window_left, mask.window_right, mask.softcap,
-                                                 alibi_slopes)
+                                                 alibi_slopes, learnable_sink)
         else:
             out, lse = _attn_varlen_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q),
                                            int(max_seqlen_k), scale, mask.window_left, mask.window_right,
-                                           mask.softcap, bool(deterministic), alibi_slopes)
+                                           mask.softcap, bool(deterministic), alibi_slopes, learnable_sink)
         return (out, lse) if return_lse else out
-    grad = _utils.needs_grad(q, k, v)
+    grad = _utils.needs_grad(q, k, v, learnable_sink)
     plan = direct.plan_for(
-        _PUBLIC_VARLEN, lambda: _varlen_key(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                                            block_table, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+        _PUBLIC_VARLEN, lambda: _varlen_key(q, k, v, alibi_slopes, learnable_sink, cu_seqlens_q, cu_seqlens_k,
+                                            seqused_k, block_table, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                                             direct.window_key(window_size), softcap, return_lse, deterministic, grad),
         lambda: _public_varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q,
                                     max_seqlen_k, softmax_scale, causal, window_size, softcap, return_lse or grad,
-                                    deterministic, alibi_slopes))
+                                    deterministic, alibi_slopes, learnable_sink))
     index = (cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
     if grad:
-        out, lse = _AttnFunction.apply(q, k, v, plan, alibi_slopes, *index)
+        out, lse = _AttnFunction.apply(q, k, v, plan, alibi_slopes, learnable_sink, *index)
     else:
-        out, lse = plan.run(q, k, v, alibi_slopes, *index)
+        out, lse = plan.run(q, k, v, alibi_slopes, learnable_sink, *index)
     return (out, lse) if return_lse else out
 
 
 def _checked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
-                    softmax_scale, causal, window_size, softcap, alibi_slopes) -> tuple[Mask, float]:
+                    softmax_scale, causal, window_size, softcap, alibi_slopes, learnable_sink) -> tuple[Mask, float]:
     if block_table is not None:
         _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
         _check_paged_kv(q, k, v, cu_seqlens_q, seqused_k, block_table)
@@ -434,6 +455,7 @@ def _checked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
                                  f"got {seqused_k.shape[0]}")
         _check_max_seqlens(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     _utils.check_alibi_slopes(alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1], q.device)
+    _utils.check_learnable_sink(learnable_sink, q.shape[1], q.device)
     left, right = _utils.check_window(window_size)
     mask = Mask.make(causal, (left, right), _check_softcap(softcap))
     return mask, _utils.softmax_scale_or_default(softmax_scale, q.shape[-1])
@@ -441,12 +463,13 @@ def _checked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
 
 def _public_varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
                         softmax_scale, causal, window_size, softcap, keep_lse, deterministic,
-                        alibi_slopes) -> FwdPlan:
+                        alibi_slopes, learnable_sink) -> FwdPlan:
     mask, scale = _checked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q,
-                                  max_seqlen_k, softmax_scale, causal, window_size, softcap, alibi_slopes)
+                                  max_seqlen_k, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                  learnable_sink)
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), (int(max_seqlen_k) if block_table is None else 0)
     plan = _varlen_plan(q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, scale, mask,
-                        keep_lse, alibi=alibi_slopes is not None)
+                        keep_lse, alibi=alibi_slopes is not None, sink=learnable_sink is not None)
     plan.backward_args = None if block_table is not None else (
         None, None, None, max_seqlen_q, max_seqlen_k, scale, mask.window_left, mask.window_right, mask.softcap,
         bool(deterministic))
