@@ -253,3 +253,22 @@ def test_compile_with_sink_matches_eager():
         assert torch.equal(a, b)
     # d sink adds rows up with fp32 atomics, whose order a GPU does not fix: equal up to rounding.
     torch.testing.assert_close(eager_grads[3], grads_[3], rtol=1e-5, atol=1e-6)
+
+
+def test_varlen_rows_outside_every_sequence_stay_out_of_the_sink_gradient():
+    """Packed rows past cu_seqlens_q[-1] are never written by the forward (NaN here: outputs are poisoned), so the
+    sink gradient must not sum them: it equals the gradient without those rows."""
+    lens = [6, 11]
+    q, k, v, cu_q, cu_k = packed_inputs(lens, lens, 4, 2, 32, torch.float16, seed=7)
+    pad = torch.randn(3, 4, 32, generator=torch.Generator().manual_seed(8)).to(DEVICE, torch.float16)
+    g = torch.Generator().manual_seed(9)
+    dout = torch.randn(q.shape, generator=g).to(DEVICE)
+
+    def d_sink(q_rows):
+        sink = _sink(4, seed=7).requires_grad_()
+        out = tileflash.flash_attn_varlen_func(q_rows, k, v, cu_q, cu_k, 11, 11, causal=True, learnable_sink=sink)
+        (grad,) = torch.autograd.grad((out[:q.shape[0]].float() * dout).sum(), sink)
+        return grad
+
+    want, got = d_sink(q), d_sink(torch.cat([q, pad]))
+    assert torch.isfinite(got).all() and torch.allclose(got, want, atol=1e-4, rtol=1e-4)

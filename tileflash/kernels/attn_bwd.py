@@ -51,18 +51,20 @@ from ._masks import LOG2E, alibi_distance, kv_block_range, logit_scales, q_block
 
 @triton.jit
 def attn_bwd_preprocess_kernel(o_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, dq_acc_ptr, sink_ptr, dsink_ptr,
-                               seqlen, num_heads, num_rows,
+                               cu_seqlens_q_ptr, num_seqs, seqlen, num_heads, num_rows,
                                stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh,
                                stride_lb, stride_lh, stride_ls, stride_sb, stride_sh,
                                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
-                               HAS_DLSE: tl.constexpr, ZERO_DQ: tl.constexpr, HAS_SINK: tl.constexpr = False):
+                               HAS_DLSE: tl.constexpr, ZERO_DQ: tl.constexpr, HAS_SINK: tl.constexpr = False,
+                               VARLEN: tl.constexpr = False):
     """delta = rowsum(dO * O) - dlse and lse2 = lse in log2 units (+inf for rows that saw no key, so their P is 0)
     for rows (b, s, h) of [B, S, H, D]; dlse laid out like lse, delta and lse2 with strides (stride_sb, stride_sh,
     1) (ops/backward._stats_like pads their rows for TMA). ZERO_DQ: also zero the rows of dq_acc (contiguous fp32
     [B, S, H, D]) that the dK/dV kernel then adds dQ into, which spares the caller a fill kernel (its launch cost
     ~8-16 us of host time per backward on the GPU machine). HAS_SINK: add each row's share of d sink,
     -exp(sink[h] - lse) * delta (the lse includes the sink), into dsink (fp32 [H], zeroed by the caller: every
-    program adds to it). Converting lse once here
+    program adds to it; VARLEN: packed rows past cu_seqlens_q[num_seqs] belong to no sequence, and their unwritten
+    lse stays out of the sum). Converting lse once here
     spares the main loops a compare, a multiply and a select per query row and step, which the keys-major dK/dV
     program repeats for every query column a thread holds (48 of its 710 SASS instructions per step at d128)."""
     r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
@@ -85,8 +87,11 @@ def attn_bwd_preprocess_kernel(o_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2
     lse = tl.load(lse_ptr + lse_off, mask=row_ok, other=0.0)
     tl.store(lse2_ptr + stat_off, tl.where(lse == float("-inf"), float("inf"), lse * LOG2E), mask=row_ok)
     if HAS_SINK:
-        sink = tl.load(sink_ptr + h, mask=row_ok, other=0.0)
-        tl.atomic_add(dsink_ptr + h, -tl.exp(sink - lse) * delta, mask=row_ok)
+        sink_ok = row_ok
+        if VARLEN:
+            sink_ok = sink_ok & (s < tl.load(cu_seqlens_q_ptr + num_seqs))
+        sink = tl.load(sink_ptr + h, mask=sink_ok, other=0.0)
+        tl.atomic_add(dsink_ptr + h, -tl.exp(sink - lse) * delta, mask=sink_ok)
     if ZERO_DQ:
         tl.store(dq_acc_ptr + r[:, None] * HEAD_DIM + offs_d[None, :], tl.zeros_like(o), mask=mask)
 

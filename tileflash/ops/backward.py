@@ -118,10 +118,11 @@ def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, delta, lse2, dq
     direct.launch(
         attn_bwd_preprocess_kernel, (_utils.cdiv(rows, PREPROCESS_BLOCK_ROWS),),
         o4, do4, lse3, dlse3 if dlse3 is not None else delta, delta, lse2, dq_acc if atomic_dq else delta,
-        *((learnable_sink, dsink) if learnable_sink is not None else (delta, delta)), o4.shape[1], hq, rows,
+        *((learnable_sink, dsink) if learnable_sink is not None else (delta, delta)),
+        cu_seqlens_q if varlen else delta, num_batches, o4.shape[1], hq, rows,
         *_strides3(o4), *_strides3(do4), *_strides3(lse3), lse2.stride(0), lse2.stride(1),
         HEAD_DIM=d, HEAD_DIM_PAD=dp, BLOCK_R=PREPROCESS_BLOCK_ROWS, HAS_DLSE=dlse3 is not None, ZERO_DQ=atomic_dq,
-        HAS_SINK=learnable_sink is not None, num_warps=4)
+        HAS_SINK=learnable_sink is not None, VARLEN=varlen, num_warps=4)
 
     def bstride(t):  # varlen tensors are one packed sequence: the batch index must not move the pointer
         return (0, t.stride(1), t.stride(2)) if varlen else _strides3(t)
