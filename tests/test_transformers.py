@@ -78,3 +78,32 @@ def test_padding_free_packed_batch(models, calls):
     assert calls
     err, bound = error_and_bound(out, ref32, ref16)
     assert err <= bound, (err, bound)
+
+
+def test_gpt_oss_attention_sinks():
+    """gpt-oss passes its per-head sinks as s_aux: a tiny random gpt-oss (sliding and full layers, sinks drawn far
+    from zero) gives eager's logits within the 2x rule. transformers sends models that list their own flash kernels
+    (gpt-oss does) to those when the name says "flash", so tileflash registers under another name for them."""
+    name = tf_hf.register("tileattn")
+    cfg = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+               layer_types=["sliding_attention", "full_attention"], max_position_embeddings=256)
+    torch.manual_seed(0)
+    base = transformers.GptOssForCausalLM(transformers.GptOssConfig(**cfg)).eval()
+    with torch.no_grad():
+        for layer in base.model.layers:
+            layer.self_attn.sinks.uniform_(-2.0, 3.0)
+
+    def build(impl, dtype):
+        m = transformers.AutoModelForCausalLM.from_config(transformers.GptOssConfig(**cfg),
+                                                          attn_implementation=impl).eval()
+        m.load_state_dict(base.state_dict())
+        return m.to(DEVICE, dtype)
+
+    ids = torch.randint(0, 128, (2, 21), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    with torch.no_grad():
+        logits = {k: build(impl, dt)(ids).logits.float()
+                  for k, impl, dt in (("ref32", "eager", torch.float32), ("eager16", "eager", torch.float16),
+                                      ("tileflash", name, torch.float16))}
+    err, bound = error_and_bound(logits["tileflash"], logits["ref32"], logits["eager16"])
+    assert err <= bound, (err, bound)

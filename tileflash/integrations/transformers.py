@@ -54,6 +54,8 @@ def tileflash_attention_forward(module, query, key, value, attention_mask, dropo
     # transformers' sliding window counts the current token; flash-attn's left window does not.
     window = (sliding_window - 1, sliding_window - 1) if sliding_window else (-1, -1)
     kw = dict(softmax_scale=scaling, causal=causal, window_size=window, softcap=softcap or 0.0)
+    if kwargs.get("s_aux") is not None:  # gpt-oss's per-head attention sinks
+        kw["learnable_sink"] = kwargs["s_aux"].float()
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     packed = None if cu_q is not None else _packed_from_position_ids(kwargs.get("position_ids"))
