@@ -360,6 +360,8 @@ def test_suites_call_real_tileflash_cpu(monkeypatch):
     rows += suites.run_backward(PREFILL_TINY, out=lambda s: None)
     rows += suites.run_extend([{"batch": 2, "prefix": 40, "sq": 20, "hq": 4, "hkv": 2, "d": 64, "page_size": 16,
                                 "label": "page16"}], out=lambda s: None)
+    rows += suites.run_sinks([{"kind": kind, "batch": 2, "seqlen": 40, "nheads": 4, "hkv": 2, "d": 32, "window": w,
+                               "label": kind} for kind, w in (("prefill", 15), ("decode", None))], out=lambda s: None)
     for row in rows:
         for name, rec in row["backends"].items():
             if name.startswith("tileflash"):

@@ -1,4 +1,4 @@
-"""Command line: ``python -m tileflash bench {prefill,decode,backward,lowp,extend,all} [--quick] [--only LABEL]
+"""Command line: ``python -m tileflash bench {prefill,decode,backward,lowp,extend,sinks,all} [--quick] [--only LABEL]
 [--json PATH] [--plot DIR]``, ``python -m tileflash bench host [--no-launch] [--json PATH]`` (and ``torchrun ... -m tileflash bench cp``, see bench/cp.py)."""
 
 import argparse
@@ -15,6 +15,7 @@ SUITES = {
     "backward": (suites.BACKWARD_SHAPES, suites.run_backward),
     "lowp": (suites.LOWP_SHAPES, suites.run_lowp),  # FP8-cache decode grid, then the NVFP4 GEMM grid
     "extend": (suites.EXTEND_SHAPES, suites.run_extend),  # many new queries over a paged cache
+    "sinks": (suites.SINK_SHAPES, suites.run_sinks),  # the same calls with and without learnable_sink
 }
 
 

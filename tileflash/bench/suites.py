@@ -101,6 +101,20 @@ EXTEND_SHAPES = [
 ]
 EXTEND_BACKENDS = ("tileflash_kvcache", "tileflash_varlen")
 
+# Attention sinks (issue 28): the same call with and without learnable_sink. Prefill d128 causal and gpt-oss's shape
+# (d64, a 128-token sliding window), 16k tokens per batch; decode as CUDA-graph replay.
+SINK_SHAPES = [
+    {"kind": "prefill", "batch": 4, "seqlen": 4096, "nheads": 16, "hkv": 16, "d": 128, "window": None,
+     "label": "sink-prefill-causal"},
+    {"kind": "prefill", "batch": 4, "seqlen": 4096, "nheads": 64, "hkv": 8, "d": 64, "window": 127,
+     "label": "sink-prefill-window"},
+    {"kind": "decode", "batch": 1, "seqlen": 32768, "nheads": 32, "hkv": 8, "d": 128, "window": None,
+     "label": "sink-decode-b1"},
+    {"kind": "decode", "batch": 32, "seqlen": 8192, "nheads": 32, "hkv": 8, "d": 128, "window": None,
+     "label": "sink-decode-b32"},
+]
+SINK_BACKENDS = ("tileflash", "tileflash_sink")
+
 PREFILL_BACKENDS = ("tileflash", "sdpa_flash", "sdpa_cudnn", "fa4")
 BACKWARD_BACKENDS = ("tileflash", "tileflash_det", "sdpa_flash", "sdpa_cudnn")
 TILEFLASH_DECODE = ("tileflash", "tileflash_sp", "tileflash_graph")
@@ -512,6 +526,50 @@ def run_extend(shapes=None, out=print):
     return _run(EXTEND_SHAPES if shapes is None else shapes, _extend_one,
                 lambda s, r: f"extend {s['label']} sq={s['sq']} (TFLOP/s): {_summary(r['backends'], 'TFLOP/s')}",
                 extend_table, out)
+
+
+def _sinks_one(shape, tf, note):
+    """One call with and without a sink, both checked against the fp32 reference with the sink on a slice."""
+    from tileflash.reference import attention_ref
+
+    b, s, h, hkv, d, window = (shape[k] for k in ("batch", "seqlen", "nheads", "hkv", "d", "window"))
+    decode = shape["kind"] == "decode"
+    q = _randn(b, 1 if decode else s, h, d)
+    k, v = _randn(b, s, hkv, d), _randn(b, s, hkv, d)
+    sink = torch.randn(h, device=DEVICE) * 2
+    kw = dict(causal=True, window_size=(window, 0) if window else (-1, -1))
+    g = h // hkv
+    refs = [attention_ref(q[:1, :, :g], k[:1, :, :1], v[:1, :, :1], learnable_sink=x, **kw)[0].float()
+            for x in (None, sink[:g])]
+    lens = torch.full((b,), s, dtype=torch.int32, device=DEVICE)
+
+    def call(with_sink):
+        extra = dict(learnable_sink=sink) if with_sink else {}
+        if decode:
+            return graphed(lambda: tf.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, **kw, **extra))
+        return lambda: tf.flash_attn_func(q, k, v, **kw, **extra)
+
+    results = {name: _measure(name, lambda w=name.endswith("sink"): call(w),
+                              lambda out, w=name.endswith("sink"): max_abs_err(out[:1, :, :g], refs[w]),
+                              note)
+               for name in SINK_BACKENDS}
+    base, with_sink = (_field({"backends": results}, n, "ms") for n in SINK_BACKENDS)
+    return {**shape, "backends": results, "sink_cost_pct": 100 * (with_sink / base - 1) if base and with_sink else None}
+
+
+def sinks_table(rows):
+    headers = ["shape", "B", "S", "H/Hkv", "d", "no sink us", "sink us", "cost %", "failed"]
+    body = [[r["label"], r["batch"], r["seqlen"], f"{r['nheads']}/{r['hkv']}", r["d"],
+             *(1e3 * _field(r, n, "ms") if _field(r, n, "ms") else None for n in SINK_BACKENDS), r["sink_cost_pct"],
+             _failed(r)] for r in rows]
+    return format_table(headers, body, title="Attention sinks: the same call with and without learnable_sink (bf16; "
+                                             "decode as CUDA-graph replay); target cost <= 3%")
+
+
+def run_sinks(shapes=None, out=print):
+    """Time tileflash with and without learnable_sink (issue 28's <= 3% cost)."""
+    return _run(SINK_SHAPES if shapes is None else shapes, _sinks_one,
+                lambda s, r: f"sinks {s['label']}: cost {format_cell(r['sink_cost_pct'])} %", sinks_table, out)
 
 
 def _gemm_one(shape, tf, note):
