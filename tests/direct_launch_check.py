@@ -86,7 +86,8 @@ def check_equivalence(name, fn, tensors, record=None):
 
 
 def _tensor_kwargs(kw) -> list:
-    """The tensors among a call's keyword arguments (alibi_slopes), so launches name their pointers too."""
+    """The tensors among a call's keyword arguments (alibi_slopes, learnable_sink, rotary tables, ...), so launches
+    name their pointers too."""
     return [t for t in kw.values() if isinstance(t, torch.Tensor)]
 
 
@@ -179,6 +180,12 @@ CASES = {
         2, 150, 4, 2, 128, backward=True, causal=True, alibi_slopes=torch.rand(2, 4)),
     "decode paged append, split, alibi [Hq]": lambda: _decode(paged=True, append=True, num_splits=3,
                                                               alibi_slopes=torch.rand(32)),
+    "prefill fwd+bwd d128 causal learnable_sink (sink and d sink slots)": lambda: _prefill(
+        2, 150, 4, 2, 128, backward=True, causal=True, learnable_sink=torch.randn(4, requires_grad=True)),
+    "decode append, split, sink, rotary, cache_batch_idx, cache_leftpad": lambda: _decode(
+        append=True, num_splits=3, causal=True, learnable_sink=torch.randn(32), cache_batch_idx=torch.tensor(
+            [1, 0], dtype=torch.int32), cache_leftpad=torch.tensor([3, 100], dtype=torch.int32),
+        rotary_cos=torch.randn(512, 32, dtype=bf), rotary_sin=torch.randn(512, 32, dtype=bf)),
     "varlen fwd+bwd d64 causal": lambda: _varlen(backward=True, causal=True),
     "varlen paged": lambda: _varlen(paged=True, causal=True),
     "merge [B, S, H, D]": lambda: _merge(False),
