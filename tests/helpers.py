@@ -80,3 +80,40 @@ def run_standin_script(name: str, timeout: int = 600):
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), env.get("PYTHONPATH", "")])
     return subprocess.run([sys.executable, os.path.join(here, name)], capture_output=True, text=True, env=env,
                           timeout=timeout)
+
+
+def decode_inputs(b, ctx, hkv, page, seed):
+    """q [b, 3, 4, 32] (pack-GQA rows of 3 tokens x 2 heads per KV head), caches [b, ctx] or pages of `page` in
+    reversed order, a 2-token append."""
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=g).to(DEVICE, torch.float16)  # noqa: E731
+    q, kn, vn = mk(b, 3, 4, 32), mk(b, 2, hkv, 32), mk(b, 2, hkv, 32)
+    if page is None:
+        return q, mk(b, ctx, hkv, 32), mk(b, ctx, hkv, 32), None, kn, vn
+    pages = b * ctx // page
+    table = torch.arange(pages - 1, -1, -1, dtype=torch.int32).view(b, -1).to(DEVICE)
+    return q, mk(pages, page, hkv, 32), mk(pages, page, hkv, 32), table, kn, vn
+
+
+KERNEL_ONLY = ("num_splits", "sp_overlap")  # flash_attn_with_kvcache arguments that do not change the result
+
+
+def check_kvcache_call(q, k, v, kc, vc, lse_atol=2e-2, **kw):
+    """flash_attn_with_kvcache (on copies of the caches) against kvcache_ref: the 2x rule on out, lse within
+    lse_atol, the appended V exactly and K too, unless rotated (rotated keys are computed in fp32 and rounded once
+    like the reference's, but an FMA may move the last bit)."""
+    import tileflash
+    from tileflash.reference import kvcache_ref
+
+    kc_got, vc_got = kc.clone(), vc.clone()
+    out, lse = tileflash.flash_attn_with_kvcache(q, kc_got, vc_got, k, v, return_softmax_lse=True, **kw)
+    ref_kw = {n: a for n, a in kw.items() if n not in KERNEL_ONLY}
+    ref, ref_lse, kc_ref, vc_ref = kvcache_ref(q, kc, vc, k, v, **ref_kw)
+    ref_lowp, *_ = kvcache_ref(q, kc, vc, k, v, upcast=False, **ref_kw)
+    check_2x(out, ref, ref_lowp)
+    check_lse(lse, ref_lse, atol=lse_atol)
+    if kw.get("rotary_cos") is None:
+        assert torch.equal(kc_got, kc_ref)
+    else:
+        assert torch.allclose(kc_got.float(), kc_ref.float(), atol=1e-2, rtol=1e-2)
+    assert torch.equal(vc_got, vc_ref)

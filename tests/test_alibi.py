@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import tileflash
-from helpers import DEVICE, attention_inputs, check_2x, check_grads, check_lse, packed_inputs
-from tileflash.ops import _launch
+from helpers import (DEVICE, attention_inputs, check_2x, check_grads, check_kvcache_call, check_lse, decode_inputs,
+                     packed_inputs)
 from tileflash.ops import decode as decode_ops
-from tileflash.reference import attention_ref, attention_varlen_ref, kvcache_ref
+from tileflash.reference import attention_ref, attention_varlen_ref
 
 
 def _slopes(*shape, seed=0):
@@ -95,19 +95,6 @@ def test_varlen_alibi_forward_and_backward():
                 dlse)
 
 
-def _decode_inputs(b, ctx, hkv, page, seed):
-    """q [b, 3, 4, 32] (pack-GQA rows of 3 tokens x 2 heads per KV head), caches [b, ctx] or pages of `page` in
-    reversed order, a 2-token append."""
-    g = torch.Generator().manual_seed(seed)
-    mk = lambda *s: torch.randn(*s, generator=g).to(DEVICE, torch.float16)  # noqa: E731
-    q, kn, vn = mk(b, 3, 4, 32), mk(b, 2, hkv, 32), mk(b, 2, hkv, 32)
-    if page is None:
-        return q, mk(b, ctx, hkv, 32), mk(b, ctx, hkv, 32), None, kn, vn
-    pages = b * ctx // page
-    table = torch.arange(pages - 1, -1, -1, dtype=torch.int32).view(b, -1).to(DEVICE)
-    return q, mk(pages, page, hkv, 32), mk(pages, page, hkv, 32), table, kn, vn
-
-
 @pytest.mark.parametrize("page, num_splits, per_batch, sp_overlap, trans", [
     (None, 1, False, False, False),  # contiguous, one program per sequence and KV head
     (None, 3, True, False, True),  # split-KV: each split biases its own keys; transposed scores s^T [N, M]
@@ -120,31 +107,11 @@ def test_kvcache_alibi(page, num_splits, per_batch, sp_overlap, trans, monkeypat
     monkeypatch.setattr(decode_ops, "decode_config", lambda *a, **k: dataclasses.replace(picked(*a, **k),
                                                                                          trans=trans))
     b, ctx, hkv = 2, 48, 2
-    q, kc, vc, table, kn, vn = _decode_inputs(b, ctx, hkv, page, seed=num_splits)
+    q, kc, vc, table, kn, vn = decode_inputs(b, ctx, hkv, page, seed=num_splits)
     lens = torch.tensor([5, 37], dtype=torch.int32, device=DEVICE)
     slopes = _slopes(*((b, 4) if per_batch else (4,)), seed=num_splits)
-    kw = dict(cache_seqlens=lens, block_table=table, causal=True, alibi_slopes=slopes)
-    ref32, ref_lse, ref_kc, ref_vc = kvcache_ref(q, kc, vc, kn, vn, **kw)
-    ref_lowp = kvcache_ref(q, kc, vc, kn, vn, upcast=False, **kw)[0]
-    out, lse = tileflash.flash_attn_with_kvcache(q, kc, vc, kn, vn, num_splits=num_splits, sp_overlap=sp_overlap,
-                                                 return_lse=True, **kw)
-    check_2x(out, ref32, ref_lowp)
-    check_lse(lse, ref_lse)
-    assert torch.equal(kc, ref_kc) and torch.equal(vc, ref_vc)
-
-
-def test_decode_plan_run_equals_flash_attn_with_kvcache_with_alibi():
-    q, kc, vc, table, kn, vn = _decode_inputs(2, 48, 2, 16, seed=4)
-    lens = torch.tensor([20, 3], dtype=torch.int32, device=DEVICE)
-    slopes = _slopes(2, 4, seed=4)
-    kc2, vc2 = kc.clone(), vc.clone()
-    plan = tileflash.decode_plan(q, kc, vc, lens, block_table=table, k=kn, v=vn, causal=True, num_splits=2,
-                                 return_lse=True, alibi_slopes=slopes)
-    got = plan.run(q, kc, vc, kn, vn)
-    want = tileflash.flash_attn_with_kvcache(q, kc2, vc2, kn, vn, cache_seqlens=lens, block_table=table, causal=True,
-                                             num_splits=2, return_lse=True, alibi_slopes=slopes)
-    for a, w in zip(got, want):
-        assert torch.equal(a, w)
+    check_kvcache_call(q, kn, vn, kc, vc, lse_atol=1e-3, cache_seqlens=lens, block_table=table, causal=True,
+                       alibi_slopes=slopes, num_splits=num_splits, sp_overlap=sp_overlap)
 
 
 def _bad_slopes():
@@ -176,26 +143,6 @@ def test_alibi_input_errors(entry):
     for slopes, exc, message in _bad_slopes():
         with pytest.raises(exc, match=message):
             calls[entry](slopes)
-
-
-def test_gluon_and_register_operand_kernels_refuse_alibi(monkeypatch):
-    """On sm_90 the calls below take the warp-specialised forward/backward and the register-operand NVFP4 decode;
-    with ALiBi (which those kernels lack) they take the Triton kernels. Shapes only: nothing launches."""
-    from tileflash.ops.backward import ws_backward_config
-
-    monkeypatch.setattr(_launch, "sm90_target", lambda: True)
-    monkeypatch.setattr(decode_ops, "sm90_target", lambda: True)
-    q, k, v = (torch.zeros(1, 1024, 2, 128, dtype=torch.bfloat16) for _ in range(3))
-    mask = _launch.Mask.make(True, (-1, -1), 0.0)
-    for alibi in (False, True):
-        assert (_launch.ws_forward_config(q, k, v, q, 0.1, mask, alibi=alibi) is None) == alibi
-        assert (ws_backward_config(q, k, v, q, varlen=False, window_left=-1, window_right=0, softcap=0.0,
-                                   alibi=alibi) is None) == alibi
-    ctx = 32768
-    cache = torch.zeros(1, ctx, 8, 64, dtype=torch.uint8)
-    qd = torch.zeros(1, 1, 32, 128, dtype=torch.bfloat16)
-    for alibi in (False, True):
-        assert (decode_ops._quant_mma_config(qd, cache, cache, None, ctx, False, alibi) is None) == alibi
 
 
 def test_compile_with_alibi_matches_eager():

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import tileflash
-from helpers import DEVICE, attention_inputs, check_2x
+from helpers import DEVICE, attention_inputs, check_2x, check_kvcache_call
 from tileflash.reference import attention_ref, kvcache_ref
 
 
@@ -102,21 +102,6 @@ def _rotary_tables(rows, rotary_dim, dtype, seed=5):
     return angle.cos().to(DEVICE, dtype), angle.sin().to(DEVICE, dtype)
 
 
-def _check_extras_call(q, k, v, kc, vc, **kw):
-    """flash_attn_with_kvcache against kvcache_ref (2x rule on out, lse; the caches as the reference wrote them)."""
-    kc_got, vc_got = kc.clone(), vc.clone()
-    out, lse = tileflash.flash_attn_with_kvcache(q, kc_got, vc_got, k, v, return_softmax_lse=True, **kw)
-    ref_kw = {n: kw[n] for n in kw if n != "num_splits"}
-    ref, ref_lse, kc_ref, vc_ref = kvcache_ref(q, kc, vc, k, v, **ref_kw)
-    ref_lowp, *_ = kvcache_ref(q, kc, vc, k, v, upcast=False, **ref_kw)
-    check_2x(out, ref, ref_lowp)
-    from helpers import check_lse
-    check_lse(lse, ref_lse, atol=2e-2)
-    # The rotated keys are computed in fp32 and rounded once, like the reference; an FMA may move the last bit.
-    assert torch.allclose(kc_got.float(), kc_ref.float(), atol=1e-2, rtol=1e-2)
-    assert torch.equal(vc_got, vc_ref)
-
-
 @pytest.mark.parametrize("num_splits", [1, 3])  # 3: split-KV partials and the combine
 @pytest.mark.parametrize("causal", [False, True])
 def test_cache_batch_idx_and_leftpad(causal, num_splits):
@@ -126,7 +111,7 @@ def test_cache_batch_idx_and_leftpad(causal, num_splits):
     idx = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEVICE)
     lens = torch.tensor([30, 17, 21], dtype=torch.int32, device=DEVICE)
     pad = torch.tensor([0, 13, 20], dtype=torch.int32, device=DEVICE)
-    _check_extras_call(q, k, v, kc, vc, cache_seqlens=lens, cache_batch_idx=idx, cache_leftpad=pad, causal=causal,
+    check_kvcache_call(q, k, v, kc, vc, cache_seqlens=lens, cache_batch_idx=idx, cache_leftpad=pad, causal=causal,
                        num_splits=num_splits)
 
 
@@ -137,7 +122,7 @@ def test_rotary_embedding_of_q_and_the_new_keys(causal, rotary_dim, interleaved)
     q, k, v, kc, vc = _extras_case(dtype, b=2, rows=2, seed=6)
     cos, sin = _rotary_tables(48, rotary_dim, dtype)
     lens = torch.tensor([0, 29], dtype=torch.int32, device=DEVICE)  # 0: the new keys are the whole sequence
-    _check_extras_call(q, k, v, kc, vc, rotary_cos=cos, rotary_sin=sin, cache_seqlens=lens, causal=causal,
+    check_kvcache_call(q, k, v, kc, vc, rotary_cos=cos, rotary_sin=sin, cache_seqlens=lens, causal=causal,
                        rotary_interleaved=interleaved, num_splits=2)
 
 
@@ -239,7 +224,7 @@ def test_kvcache_extend_with_many_query_tokens(paged, causal):
         table = perm.view(2, 5).to(DEVICE, torch.int32)
         kc, vc = pool_k, pool_v
         kw["block_table"] = table
-    _check_extras_call(q, k, v, kc, vc, **kw)
+    check_kvcache_call(q, k, v, kc, vc, **kw)
 
 
 def test_kvcache_extend_over_an_fp8_cache():
@@ -346,7 +331,7 @@ def test_kvcache_pages_above_256_tokens(page_size):
     pool_k, pool_v = (torch.randn(5, page_size, 2, 64, generator=g).to(DEVICE, torch.float16) for _ in range(2))
     table = torch.tensor([[3, 0], [1, 4]], dtype=torch.int32, device=DEVICE)
     lens = torch.tensor([510, 3], dtype=torch.int32, device=DEVICE)
-    _check_extras_call(q, k, v, pool_k, pool_v, cache_seqlens=lens, block_table=table, causal=True, num_splits=2)
+    check_kvcache_call(q, k, v, pool_k, pool_v, cache_seqlens=lens, block_table=table, causal=True, num_splits=2)
 
 
 # ---- head dims that are not multiples of 8: padded in registers, not in memory ----------------------------------
@@ -375,5 +360,5 @@ def test_head_dim_59_through_varlen_and_the_cache():
     qd, kn, vn, kc, vc = _extras_case(torch.float16, b=2, rows=2, d=59, seed=19)
     cos, sin = _rotary_tables(48, 58, torch.float16)
     lens = torch.tensor([20, 41], dtype=torch.int32, device=DEVICE)
-    _check_extras_call(qd, kn, vn, kc, vc, cache_seqlens=lens, causal=True, num_splits=2, rotary_cos=cos,
+    check_kvcache_call(qd, kn, vn, kc, vc, cache_seqlens=lens, causal=True, num_splits=2, rotary_cos=cos,
                        rotary_sin=sin, rotary_interleaved=False)

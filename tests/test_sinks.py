@@ -8,10 +8,11 @@ import pytest
 import torch
 
 import tileflash
-from helpers import DEVICE, attention_inputs, check_2x, check_lse, grads, packed_inputs
+from helpers import (DEVICE, attention_inputs, check_2x, check_kvcache_call, check_lse, decode_inputs, grads,
+                     packed_inputs)
 from tileflash.ops import _launch
 from tileflash.ops import decode as decode_ops
-from tileflash.reference import attention_ref, attention_varlen_ref, kvcache_ref
+from tileflash.reference import attention_ref, attention_varlen_ref
 
 
 def _sink(hq, seed=0):
@@ -124,19 +125,6 @@ def test_varlen_sink_forward_and_backward():
         lambda q, k, v, **s: attention_varlen_ref(q, k, v, cu_q, cu_k, **kw, **s), leaves, sink, dout, dlse)
 
 
-def _decode_inputs(b, ctx, hkv, page, seed):
-    """q [b, 3, 4, 32] (pack-GQA rows of 3 tokens x 2 heads per KV head), caches [b, ctx] or pages of `page` in
-    reversed order, a 2-token append."""
-    g = torch.Generator().manual_seed(seed)
-    mk = lambda *s: torch.randn(*s, generator=g).to(DEVICE, torch.float16)  # noqa: E731
-    q, kn, vn = mk(b, 3, 4, 32), mk(b, 2, hkv, 32), mk(b, 2, hkv, 32)
-    if page is None:
-        return q, mk(b, ctx, hkv, 32), mk(b, ctx, hkv, 32), None, kn, vn
-    pages = b * ctx // page
-    table = torch.arange(pages - 1, -1, -1, dtype=torch.int32).view(b, -1).to(DEVICE)
-    return q, mk(pages, page, hkv, 32), mk(pages, page, hkv, 32), table, kn, vn
-
-
 @pytest.mark.parametrize("page, num_splits, trans", [
     (None, 1, False),  # contiguous, one program per sequence and KV head: the sink in the kernel's epilogue
     (None, 3, True),  # split-KV: partials without the sink, the combine adds it once; transposed products
@@ -149,29 +137,10 @@ def test_kvcache_sink(page, num_splits, trans, monkeypatch):
     monkeypatch.setattr(decode_ops, "decode_config", lambda *a, **k: dataclasses.replace(picked(*a, **k),
                                                                                          trans=trans))
     b, ctx, hkv = 2, 48, 2
-    q, kc, vc, table, kn, vn = _decode_inputs(b, ctx, hkv, page, seed=num_splits)
+    q, kc, vc, table, kn, vn = decode_inputs(b, ctx, hkv, page, seed=num_splits)
     lens = torch.tensor([5, 37], dtype=torch.int32, device=DEVICE)
-    kw = dict(cache_seqlens=lens, block_table=table, causal=True, learnable_sink=_sink(4, seed=num_splits))
-    ref32, ref_lse, ref_kc, ref_vc = kvcache_ref(q, kc, vc, kn, vn, **kw)
-    ref_lowp = kvcache_ref(q, kc, vc, kn, vn, upcast=False, **kw)[0]
-    out, lse = tileflash.flash_attn_with_kvcache(q, kc, vc, kn, vn, num_splits=num_splits, return_lse=True, **kw)
-    check_2x(out, ref32, ref_lowp)
-    check_lse(lse, ref_lse)
-    assert torch.equal(kc, ref_kc) and torch.equal(vc, ref_vc)
-
-
-def test_decode_plan_run_equals_flash_attn_with_kvcache_with_sink():
-    q, kc, vc, table, kn, vn = _decode_inputs(2, 48, 2, 16, seed=4)
-    lens = torch.tensor([20, 3], dtype=torch.int32, device=DEVICE)
-    sink = _sink(4, seed=4)
-    kc2, vc2 = kc.clone(), vc.clone()
-    plan = tileflash.decode_plan(q, kc, vc, lens, block_table=table, k=kn, v=vn, causal=True, num_splits=2,
-                                 return_lse=True, learnable_sink=sink)
-    got = plan.run(q, kc, vc, kn, vn)
-    want = tileflash.flash_attn_with_kvcache(q, kc2, vc2, kn, vn, cache_seqlens=lens, block_table=table, causal=True,
-                                             num_splits=2, return_lse=True, learnable_sink=sink)
-    for a, w in zip(got, want):
-        assert torch.equal(a, w)
+    check_kvcache_call(q, kn, vn, kc, vc, lse_atol=1e-3, cache_seqlens=lens, block_table=table, causal=True,
+                       learnable_sink=_sink(4, seed=num_splits), num_splits=num_splits)
 
 
 def _bad_sinks():
@@ -205,20 +174,22 @@ def test_sink_input_errors(entry):
             calls[entry](sink)
 
 
-def test_gluon_and_register_operand_kernels_refuse_sinks(monkeypatch):
+@pytest.mark.parametrize("extra", ["sink", "alibi"])
+def test_gluon_and_register_operand_kernels_refuse_per_head_tensors(extra, monkeypatch):
     """On sm_90 the calls below take the warp-specialised forward/backward and the register-operand NVFP4 decode;
-    with a sink (which those kernels lack) they take the Triton kernels. Shapes only: nothing launches."""
+    with a sink or ALiBi slopes (which those kernels lack) they take the Triton kernels. Shapes only: nothing
+    launches."""
     from tileflash.ops.backward import ws_backward_config
 
     monkeypatch.setattr(_launch, "sm90_target", lambda: True)
     monkeypatch.setattr(decode_ops, "sm90_target", lambda: True)
     q, k, v = (torch.zeros(1, 1024, 2, 128, dtype=torch.bfloat16) for _ in range(3))
     mask = _launch.Mask.make(True, (-1, -1), 0.0)
-    for sink in (False, True):
-        assert (_launch.ws_forward_config(q, k, v, q, 0.1, mask, sink=sink) is None) == sink
+    for on in (False, True):
+        assert (_launch.ws_forward_config(q, k, v, q, 0.1, mask, **{extra: on}) is None) == on
         assert (ws_backward_config(q, k, v, q, varlen=False, window_left=-1, window_right=0, softcap=0.0,
-                                   sink=sink) is None) == sink
-    # decode_plan hands the sink to the register-operand dispatch as an extra (which that dispatch refuses).
+                                   **{extra: on}) is None) == on
+    # decode_plan hands the tensor to the register-operand dispatch as an extra (which that dispatch refuses).
     seen_extras = []
     picked = decode_ops._quant_mma_config
     monkeypatch.setattr(decode_ops, "_quant_mma_config",
@@ -226,8 +197,9 @@ def test_gluon_and_register_operand_kernels_refuse_sinks(monkeypatch):
     kc = torch.zeros(1, 64, 2, 32, dtype=torch.float16, device=DEVICE)
     qd = torch.zeros(1, 1, 4, 32, dtype=torch.float16, device=DEVICE)
     lens = torch.tensor([9], dtype=torch.int32, device=DEVICE)
-    for sink in (None, _sink(4)):
-        tileflash.decode_plan(qd, kc, kc, lens, learnable_sink=sink)
+    name = "learnable_sink" if extra == "sink" else "alibi_slopes"
+    for t in (None, _sink(4)):
+        tileflash.decode_plan(qd, kc, kc, lens, **{name: t})
     assert seen_extras == [False, True]
 
 
@@ -272,3 +244,18 @@ def test_varlen_rows_outside_every_sequence_stay_out_of_the_sink_gradient():
 
     want, got = d_sink(q), d_sink(torch.cat([q, pad]))
     assert torch.isfinite(got).all() and torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("extra", ["learnable_sink", "alibi_slopes"])  # the per-head tensors a decode plan binds
+def test_decode_plan_run_equals_flash_attn_with_kvcache_with_per_head_tensors(extra):
+    q, kc, vc, table, kn, vn = decode_inputs(2, 48, 2, 16, seed=4)
+    lens = torch.tensor([20, 3], dtype=torch.int32, device=DEVICE)
+    kw = {extra: _sink(4, seed=4) if extra == "learnable_sink" else _sink(4, seed=4) / 10}
+    kc2, vc2 = kc.clone(), vc.clone()
+    plan = tileflash.decode_plan(q, kc, vc, lens, block_table=table, k=kn, v=vn, causal=True, num_splits=2,
+                                 return_lse=True, **kw)
+    got = plan.run(q, kc, vc, kn, vn)
+    want = tileflash.flash_attn_with_kvcache(q, kc2, vc2, kn, vn, cache_seqlens=lens, block_table=table, causal=True,
+                                             num_splits=2, return_lse=True, **kw)
+    for a, w in zip(got, want):
+        assert torch.equal(a, w)
