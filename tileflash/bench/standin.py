@@ -73,13 +73,13 @@ class NoLaunch:
 
 
 class Sm90CompileOnly(CudaDriver):
-    """Triton's CUDA driver minus the GPU."""
+    """Triton's CUDA driver minus the GPU; `arch` picks another target (80, 100, 120: the compile check's --arch)."""
 
     utils = _Utils()
     launcher_cls = NoLaunch
 
-    def __init__(self):  # the real one loads libcuda
-        pass
+    def __init__(self, arch: int = 90):  # the real one loads libcuda
+        self.arch = arch
 
     def get_current_device(self):
         return 0
@@ -88,7 +88,7 @@ class Sm90CompileOnly(CudaDriver):
         return 0
 
     def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
+        return GPUTarget("cuda", self.arch, 32)
 
     def get_active_torch_device(self):
         return torch.device("cpu")
