@@ -46,6 +46,14 @@ def check_lse(lse, ref_lse, atol=1e-3):
         assert err <= atol, f"lse: max error {err:.3e} > {atol}"
 
 
+def check_out_lse(got, ref_fn):
+    """got = (out, lse) against ref_fn(upcast) -> (out, lse): the 2x rule on out, check_lse on lse."""
+    out, lse = got
+    ref32, ref_lse = ref_fn(upcast=True)
+    check_2x(out, ref32, ref_fn(upcast=False)[0])
+    check_lse(lse, ref_lse)
+
+
 def grads(fn, inputs, dout, dlse):
     """Gradients of sum(out * dout) + sum(lse * dlse) (rows with lse = -inf, which saw no key, contribute nothing)
     with respect to inputs, where fn(*inputs) returns (out, lse)."""

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tileflash
-from helpers import (DEVICE, attention_inputs, check_2x, check_kvcache_call, check_lse, decode_inputs, grads,
+from helpers import (DEVICE, attention_inputs, check_2x, check_kvcache_call, check_out_lse, decode_inputs, grads,
                      packed_inputs)
 from tileflash.ops import _launch
 from tileflash.ops import decode as decode_ops
@@ -19,13 +19,6 @@ def _sink(hq, seed=0):
     """fp32 [hq] logits in [1, 5]."""
     g = torch.Generator().manual_seed(seed)
     return (1.0 + 4.0 * torch.rand(hq, generator=g)).to(DEVICE)
-
-
-def _check_out_lse(got, ref_fn):
-    out, lse = got
-    ref32, ref_lse = ref_fn(upcast=True)
-    check_2x(out, ref32, ref_fn(upcast=False)[0])
-    check_lse(lse, ref_lse)
 
 
 # (batch, Sq, Sk, Hq, Hkv, D, causal, window, softcap, dtype) — interpreter tiles: 32 query rows, 16 keys.
@@ -42,7 +35,7 @@ def test_flash_attn_func_sink(case):
     b, sq, sk, hq, hkv, d, causal, window, softcap, dtype = case
     q, k, v = attention_inputs(b, sq, sk, hq, hkv, d, dtype, seed=sq + sk)
     kw = dict(causal=causal, window_size=window, softcap=softcap, learnable_sink=_sink(hq, seed=sq))
-    _check_out_lse(tileflash.flash_attn_func(q, k, v, return_lse=True, **kw),
+    check_out_lse(tileflash.flash_attn_func(q, k, v, return_lse=True, **kw),
                    lambda upcast: attention_ref(q, k, v, upcast=upcast, **kw))
 
 
@@ -113,7 +106,7 @@ def test_varlen_sink_forward_and_backward():
     q, k, v, cu_q, cu_k = packed_inputs(lens_q, lens_k, hq, hkv, d, torch.float16, seed=2)
     sink = _sink(hq, seed=2)
     kw = dict(causal=True)
-    _check_out_lse(tileflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 21, 21, return_lse=True,
+    check_out_lse(tileflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 21, 21, return_lse=True,
                                                     learnable_sink=sink, **kw),
                    lambda upcast: attention_varlen_ref(q, k, v, cu_q, cu_k, upcast=upcast, learnable_sink=sink, **kw))
     g = torch.Generator().manual_seed(3)
@@ -155,23 +148,37 @@ def _bad_sinks():
     ]
 
 
+def _bad_slopes():
+    """(slopes, exception, message) for q of 2 sequences x 4 heads."""
+    return [
+        (torch.ones(4, dtype=torch.float16, device=DEVICE), TypeError, "alibi_slopes: expected dtype"),
+        ([0.5] * 4, TypeError, "alibi_slopes: expected a torch.Tensor"),
+        (torch.ones(4, device="meta"), ValueError, "alibi_slopes: expected device"),
+        (torch.ones(3, device=DEVICE), ValueError, r"alibi_slopes: expected shape \[4\] or \[2, 4\]"),
+        (torch.ones(3, 4, device=DEVICE), ValueError, r"alibi_slopes: expected shape \[4\] or \[2, 4\]"),
+        (torch.ones(2, 4, 1, device=DEVICE), ValueError, "alibi_slopes: expected shape"),
+        (torch.ones(2, 8, device=DEVICE)[:, ::2], ValueError, "alibi_slopes: last dimension must be contiguous"),
+    ]
+
+
 @pytest.mark.parametrize("entry", ["func", "varlen", "kvcache", "decode_plan", "qkvpacked"])
-def test_sink_input_errors(entry):
-    """Raised before any launch by every entry point."""
+@pytest.mark.parametrize("name, bad_values", [("learnable_sink", _bad_sinks), ("alibi_slopes", _bad_slopes)])
+def test_per_head_tensor_input_errors(name, bad_values, entry):
+    """Raised before any launch by every entry point; for varlen the batch is the number of sequences."""
     q, k, v = attention_inputs(2, 5, 5, 4, 4, 32, torch.float16)
     cu = torch.tensor([0, 5, 10], dtype=torch.int32, device=DEVICE)
     lens = torch.tensor([1, 2], dtype=torch.int32, device=DEVICE)
     calls = {
-        "func": lambda s: tileflash.flash_attn_func(q, k, v, learnable_sink=s),
-        "varlen": lambda s: tileflash.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu,
-                                                             cu, 5, 5, learnable_sink=s),
-        "kvcache": lambda s: tileflash.flash_attn_with_kvcache(q[:, :1], k, v, cache_seqlens=lens, learnable_sink=s),
-        "decode_plan": lambda s: tileflash.decode_plan(q[:, :1], k, v, lens, learnable_sink=s),
-        "qkvpacked": lambda s: tileflash.flash_attn_qkvpacked_func(torch.stack([q, k, v], 2), learnable_sink=s),
+        "func": lambda kw: tileflash.flash_attn_func(q, k, v, **kw),
+        "varlen": lambda kw: tileflash.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu,
+                                                              cu, 5, 5, **kw),
+        "kvcache": lambda kw: tileflash.flash_attn_with_kvcache(q[:, :1], k, v, cache_seqlens=lens, **kw),
+        "decode_plan": lambda kw: tileflash.decode_plan(q[:, :1], k, v, lens, **kw),
+        "qkvpacked": lambda kw: tileflash.flash_attn_qkvpacked_func(torch.stack([q, k, v], 2), **kw),
     }
-    for sink, exc, message in _bad_sinks():
+    for value, exc, message in bad_values():
         with pytest.raises(exc, match=message):
-            calls[entry](sink)
+            calls[entry]({name: value})
 
 
 @pytest.mark.parametrize("extra", ["sink", "alibi"])

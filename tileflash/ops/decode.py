@@ -84,6 +84,12 @@ def _quant_mma_config(q, k_cache, v_cache, block_table, capacity: int, sp_overla
     return cfg if aligned and k_cache.stride() == v_cache.stride() else None
 
 
+def _triton_only(cache_batch_idx, cache_leftpad, rotary_cos, alibi_slopes, cu_seqlens_k_new, learnable_sink) -> bool:
+    """Whether a call passes an argument only the Triton decode kernel has (the register-operand one does not)."""
+    return any(t is not None for t in (cache_batch_idx, cache_leftpad, rotary_cos, alibi_slopes, cu_seqlens_k_new,
+                                       learnable_sink))
+
+
 @dataclass(frozen=True)
 class DecodeSchedule:
     """What a decode call launches, from shapes alone (so a plan can hold it): the register-operand kernel's
@@ -207,9 +213,9 @@ def _attn_kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     lse = _utils.new_output(_lse_shape(q, max_seqlen_q), torch.float32, q.device)
     if cache_seqlens.shape[0] == 0:
         return out, lse
-    extras = (cache_batch_idx, cache_leftpad, rotary_cos, alibi_slopes, cu_seqlens_k_new, learnable_sink)
+    extras = _triton_only(cache_batch_idx, cache_leftpad, rotary_cos, alibi_slopes, cu_seqlens_k_new, learnable_sink)
     s = _schedule(q, k_cache, v_cache, k, block_table, num_splits, sp_overlap, lse_in_workspace=False,
-                  extras=any(t is not None for t in extras), causal_tiles=window_right >= 0,
+                  extras=extras, causal_tiles=window_right >= 0,
                   max_seqlen_q=max_seqlen_q, varlen_new=cu_seqlens_k_new is not None)
     ws = torch.empty(s.workspace, dtype=torch.float32, device=q.device) if s.workspace else None
     _launch_kvcache(s, Mask(window_left, window_right, softcap), softmax_scale, sp_overlap, rotary_interleaved, q,
@@ -523,8 +529,7 @@ def _make_plan(q, k_cache, v_cache, k, v, index, softmax_scale, causal, window_s
     packed = cu_seqlens_q is not None  # its tiles need at least one row
     sched = _schedule(q, k_cache, v_cache, k, block_table, int(num_splits), bool(sp_overlap),
                       lse_in_workspace=not return_lse,
-                      extras=any(t is not None for t in (batch_idx, leftpad, rotary_cos, alibi_slopes, cu_k_new,
-                                                         learnable_sink)),
+                      extras=_triton_only(batch_idx, leftpad, rotary_cos, alibi_slopes, cu_k_new, learnable_sink),
                       causal_tiles=mask.window_right >= 0, max_seqlen_q=max(int(max_seqlen_q), 1) if packed else 0,
                       varlen_new=cu_k_new is not None)
     # On the CPU reading values costs no sync, so they are always checked there.
