@@ -4,7 +4,7 @@
   backward  bwd, bwd-d64, bwd-d128, bwd-d256, bwd-softcap, bwd-det, bwd-det-d64, bwd-16k, bwd-rotate, bwd-tma;
   decode    decode, decode-quant, decode-paged, decode-paged-tma, decode-page16-tma, decode-page16-stages,
             decode-small, decode-mqa, decode-d64, decode-quant-small, decode-quant-wide, decode-quant-overlap,
-            decode-large;
+            decode-large, decode-mla;
   GEMM      gemm, gemm-small, gemm-occupancy.
 Each config is forced by replacing the heuristic the op reads (tileflash.ops.*.{bwd,decode,gemm}_config), checked
 against a reference, then timed (decode: CUDA-graph replay). The winners go into tileflash/heuristics.py with the
@@ -160,6 +160,15 @@ GEMM_CONFIGS = [(16, 32, 128, 4, 4, 4), (16, 32, 128, 4, 4, 3),  # plain product
 # and more K slices give the grid those programs. sm_90 builds on the CPU, triton 3.7.
 GEMM_OCCUPANCY_CONFIGS = [(16, 64, 128, 4, 4, 4, True), (16, 64, 128, 4, 4, 8, True), (16, 32, 128, 4, 4, 8, True),
                           (16, 32, 128, 4, 4, 16, True), (16, 64, 64, 4, 4, 8, True), (16, 64, 64, 4, 4, 16, True)]
+# MLA decode (qv, latent 512 + rotary 64, one KV head): (Hq, b, ctx) and (block_n, warps, stages, trans) per tile
+# rows (16: Hq = 16, 64: Hq = 128). sm_90 builds on the CPU (triton 3.7, 64-token steps need under 227 KB of shared
+# memory): 64 rows spill 80-336 B at 8 warps (32 tokens, 3 stages: 80 B), 1.3-3.9 KB at 4 warps, 400+ B at 16;
+# 16 rows do not spill at 4 or 8 warps except transposed 64-token steps.
+MLA_SHAPES = [(128, 32, 4096), (128, 1, 32768), (128, 128, 1024), (16, 32, 4096), (16, 1, 32768), (16, 8, 32768)]
+MLA_CONFIGS = {64: [(32, 8, 2, False), (32, 8, 3, False), (64, 8, 2, False), (16, 8, 4, False), (64, 8, 1, False)],
+               16: [(64, 4, 2, False), (64, 8, 3, False), (32, 8, 3, False), (32, 4, 3, True), (64, 8, 2, False),
+                    (32, 4, 2, False)]}
+MLA_SPLITS = (0, 1, 2, 4, 8, 33, 66, 132)
 GEMM_SHAPES = [(1, 4096), (16, 4096), (1, 8192), (16, 8192), (128, 8192), (1024, 8192)]  # (M, N = K)
 SMALL_M_SHAPES = GEMM_SHAPES[:4]
 
@@ -321,6 +330,44 @@ def sweep_decode_small(rows, shapes=SMALL_SHAPES, configs=SMALL_CONFIGS, splits=
     decode_ops.decode_config = orig
 
 
+def sweep_mla(rows, shapes=MLA_SHAPES, configs=MLA_CONFIGS, splits=MLA_SPLITS):
+    """MLA decode (qv): graph-replay time per (tile config, forced split count), errors against the fp32 reference
+    of the concatenated query and key; the row keeps the best count."""
+    orig = decode_ops.mla_decode_config
+    for hq, b, ctx in shapes:
+        q, qv = (torch.randn(b, 1, hq, d, device="cuda", dtype=BF16) for d in (64, 512))
+        kc, vc = (torch.randn(b, ctx, 1, d, device="cuda", dtype=BF16) for d in (64, 512))
+        lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+        n = min(b, 2)
+        ref = F.scaled_dot_product_attention(torch.cat([q[:n], qv[:n]], -1).float().transpose(1, 2),
+                                             torch.cat([kc[:n], vc[:n]], -1).float().transpose(1, 2),
+                                             vc[:n].float().transpose(1, 2), enable_gqa=True).transpose(1, 2)
+        nbytes = (kc.numel() + vc.numel()) * 2
+        flops = 2 * b * hq * ctx * (576 + 512)
+        block_m = decode_block_m(hq)
+        for cfg_t in configs[block_m]:
+            bn, w, st, trans = cfg_t
+            _force(decode_ops, "mla_decode_config", DecodeConfig(block_m, bn, w, st, trans=trans))
+            times, err = {}, 0.0
+            try:
+                for ns in splits:
+                    if b * ns > 8 * 132 * 4:
+                        continue
+                    call = lambda: tileflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens,  # noqa: E731
+                                                                     num_splits=ns, qv=qv)
+                    err = max(err, (call()[:n].float() - ref).abs().max().item())
+                    times[ns] = bench_ms(graphed(call)) * 1e3
+                t, ns = min((t, ns) for ns, t in times.items())
+                rows.append(["mla", f"H={hq} b={b} ctx={ctx}", str(cfg_t),
+                             f"best {t:.1f} us @ {ns} ({nbytes / t / 1e6:.2f} TB/s, {flops / t / 1e6:.0f} TFLOP/s); "
+                             + " ".join(f"{k}:{v:.1f}" for k, v in times.items()), f"{err:.1e}"])
+            except Exception as exc:  # noqa: BLE001
+                rows.append(["mla", f"H={hq} b={b} ctx={ctx}", str(cfg_t), "FAILED", repr(exc)[:60]])
+            print(rows[-1], flush=True)
+        del kc, vc
+    decode_ops.mla_decode_config = orig
+
+
 def sweep_gemm(rows, shapes=GEMM_SHAPES, configs=GEMM_CONFIGS):
     """Eager and CUDA-graph times: at decode-sized M an eager call is bound by the host (Python checks and
     launches), so the graph column is the kernel's own speed."""
@@ -371,6 +418,7 @@ def main(argv=None):
              "gemm-small": lambda r: sweep_gemm(r, SMALL_M_SHAPES),
              "gemm-occupancy": lambda r: sweep_gemm(r, SMALL_M_SHAPES, GEMM_OCCUPANCY_CONFIGS),
              "decode-small": sweep_decode_small,
+             "decode-mla": sweep_mla,
              "decode-mqa": lambda r: sweep_decode_small(r, MQA_SHAPES, MQA_CONFIGS, (0, 4, 8, 16, 33, 66)),
              "decode-d64": lambda r: sweep_decode_small(r, D64_SHAPES, D64_CONFIGS, (0, 1, 2, 4, 16, 33)),
              "decode-quant-small": lambda r: sweep_decode_small(r, QUANT_SMALL_SHAPES, QUANT_SMALL_CONFIGS,

@@ -71,6 +71,16 @@ def _cases():
                 kw.update(cache_batch_idx=torch.arange(b, dtype=torch.int32), cache_leftpad=lens // 2)
         tileflash.flash_attn_with_kvcache(q, kc, vc, new, new, cache_seqlens=lens, block_table=table, **kw, **call_kw)
 
+    def mla(hq, sq=1, page=0, append=False, b=2, ctx=1024, **call_kw):
+        """MLA decode through qv: a 64-wide rotary key and a 512-wide latent (the value), one KV head."""
+        q, qv = torch.randn(b, sq, hq, 64, dtype=bf), torch.randn(b, sq, hq, 512, dtype=bf)
+        rows = (b * ctx // page, page) if page else (b, ctx)
+        kc, vc = torch.zeros(*rows, 1, 64, dtype=bf), torch.zeros(*rows, 1, 512, dtype=bf)
+        table = torch.arange(rows[0], dtype=torch.int32).view(b, -1) if page else None
+        new = (torch.randn(b, sq, 1, 64, dtype=bf), torch.randn(b, sq, 1, 512, dtype=bf)) if append else (None, None)
+        tileflash.flash_attn_with_kvcache(q, kc, vc, *new, cache_seqlens=torch.full((b,), ctx - sq, dtype=torch.int32),
+                                          block_table=table, qv=qv, **call_kw)
+
     def register_decode(fmt, **kw):
         """A decode that must take the register-operand Gluon kernel (kernels/decode_quant_mma.py); FP8 (which the
         heuristic leaves to the Triton kernel) is forced through it."""
@@ -152,17 +162,22 @@ def _cases():
         kernels = (attn_fwd_kernel, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel) if backward else (attn_fwd_kernel,)
         return lambda: _compiles(kernels, call)
 
-    def sinks_on_triton(call, backward=False):
-        """Run a call with learnable_sink whose shape would take a Gluon or register-operand kernel: it must compile
-        the Triton kernels' HAS_SINK variants instead (the forward or the split combine; with backward also the
-        preprocess that adds d sink and the dK/dV kernel)."""
-        from tileflash.kernels.attn_bwd import attn_bwd_dkdv_kernel, attn_bwd_preprocess_kernel
+    def sink_on_gluon(call):
+        """Run a forward and backward with learnable_sink on a shape the warp-specialised kernels take: it must
+        compile the Gluon forward's HAS_SINK variant and the preprocess's (d sink); the dK/dV kernel has no sink
+        variant (it sees the sink through the lse)."""
+        from tileflash.kernels.attn_bwd import attn_bwd_preprocess_kernel
+        from tileflash.kernels.attn_fwd_ws import attn_fwd_ws_kernel
+
+        return lambda: _compiles((attn_fwd_ws_kernel, attn_bwd_preprocess_kernel), call)
+
+    def sinks_on_triton(call):
+        """Run a decode with learnable_sink whose shape would take the register-operand kernel: it must compile
+        the Triton kernel's HAS_SINK variant and the split combine instead."""
         from tileflash.kernels.attn_combine import attn_combine_kernel
         from tileflash.kernels.attn_fwd import attn_fwd_kernel
 
-        kernels = (attn_fwd_kernel, attn_bwd_preprocess_kernel, attn_bwd_dkdv_kernel) if backward else \
-            (attn_fwd_kernel, attn_combine_kernel)
-        return lambda: _compiles(kernels, call)
+        return lambda: _compiles((attn_fwd_kernel, attn_combine_kernel), call)
 
     return {
         "prefill fwd+bwd d128 causal GQA alibi [B, Hq], deterministic (Triton kernels)": alibi_on_triton(
@@ -172,11 +187,14 @@ def _cases():
                 deterministic=True, alibi_slopes=torch.rand(2, 8)).sum().backward(), backward=True),
         "decode nvfp4 paged split alibi [Hq] (Triton kernel, not register operands)": alibi_on_triton(
             lambda: decode("nvfp4", paged=True, b=8, ctx=4096, num_splits=2, alibi_slopes=torch.rand(32))),
-        "prefill fwd+bwd d128 GQA learnable_sink (Triton kernels, d sink in the preprocess)": sinks_on_triton(
+        "prefill fwd+bwd d128 GQA fp16 learnable_sink (Gluon forward, d sink in the preprocess)": sink_on_gluon(
             lambda: tileflash.flash_attn_func(
-                torch.randn(2, 300, 8, 128, dtype=bf, requires_grad=True),
-                *(torch.randn(2, 333, 2, 128, dtype=bf, requires_grad=True) for _ in range(2)),
-                learnable_sink=torch.rand(8, requires_grad=True)).sum().backward(), backward=True),
+                torch.randn(2, 300, 8, 128, dtype=fp16, requires_grad=True),
+                *(torch.randn(2, 333, 2, 128, dtype=fp16, requires_grad=True) for _ in range(2)),
+                learnable_sink=torch.rand(8, requires_grad=True)).sum().backward()),
+        "prefill d128 causal learnable_sink, warp-specialised forward, persistent": warp_specialised(
+            lambda: tileflash.flash_attn_func(*(torch.randn(2, 4096, 16, 128, dtype=bf) for _ in range(3)),
+                                              causal=True, learnable_sink=torch.rand(16))),
         "decode nvfp4 split learnable_sink (Triton kernel, the sink in the combine)": sinks_on_triton(
             lambda: decode("nvfp4", b=8, ctx=4096, num_splits=2, learnable_sink=torch.rand(32))),
         "prefill fwd+bwd d64 causal": lambda: tileflash.flash_attn_func(*grad_leaves(2, 300, 4, 64),
@@ -231,6 +249,8 @@ def _cases():
                                                                  num_splits=4),
         "prefill fwd+bwd d59 causal (masked pointer loads)": lambda: tileflash.flash_attn_func(
             *grad_leaves(2, 300, 4, 59), causal=True).sum().backward(),
+        "decode MLA H=128 (qv, latent 512), split": lambda: mla(128, num_splits=4),
+        "decode MLA H=16 paged page 64, append, causal Sq=2": lambda: mla(16, sq=2, page=64, append=True, causal=True),
         "decode nvfp4 append": lambda: decode("nvfp4", append=True),
         "decode nvfp4 d32 append": lambda: decode("nvfp4", d=32, append=True),
         "decode nvfp4 paged": lambda: decode("nvfp4", paged=True),

@@ -360,6 +360,10 @@ def test_suites_call_real_tileflash_cpu(monkeypatch):
     rows += suites.run_backward(PREFILL_TINY, out=lambda s: None)
     rows += suites.run_extend([{"batch": 2, "prefix": 40, "sq": 20, "hq": 4, "hkv": 2, "d": 64, "page_size": 16,
                                 "label": "page16"}], out=lambda s: None)
+    monkeypatch.setattr(suites, "rotating_graph_ms", lambda fns: 0.5)
+    monkeypatch.setattr(suites, "rotation_copies", lambda nbytes: 2)
+    rows += suites.run_decode([{"kind": "mla", "hq": 16, "batch": 2, "ctx": 32, "page_size": ps, "label": "mla"}
+                               for ps in (None, 16)], out=lambda s: None)
     rows += suites.run_sinks([{"kind": kind, "batch": 2, "seqlen": 40, "nheads": 4, "hkv": 2, "d": 32, "window": w,
                                "label": kind} for kind, w in (("prefill", 15), ("decode", None))], out=lambda s: None)
     for row in rows:
@@ -571,3 +575,18 @@ def test_flush_flag_defaults_to_do_bench_and_accepts_read():
     assert cli.build_parser().parse_args(["decode", "--flush", "read"]).flush == "read"
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["decode", "--flush", "none"])
+
+
+def test_mla_set_and_roofline():
+    """The MLA set covers issue 28's grid (H = 16 and 128, b = 1..128, ctx 1k..32k, page 64), and its roofline
+    counts 576 x 2 bytes per token and 2 x H x (576 + 512) FLOPs per token and query row."""
+    from tileflash.bench import timing
+
+    shapes = suites.MLA_SHAPES
+    assert {s["hq"] for s in shapes} == {16, 128} and {s["page_size"] for s in shapes} == {None, 64}
+    assert min(s["batch"] for s in shapes) == 1 and max(s["batch"] for s in shapes) == 128
+    assert min(s["ctx"] for s in shapes) == 1024 and max(s["ctx"] for s in shapes) == 32768
+    assert all(s["label"].startswith(f"mla-h{s['hq']}") for s in shapes)
+    assert formulas.mla_decode_bytes(3, 10) == 3 * 10 * 576 * 2
+    assert formulas.mla_decode_flops(2, 128, 1, 10) == 2 * 2 * 128 * 10 * (576 + 512)
+    assert timing.rotation_copies(10 * 2 ** 20) == 10 and timing.rotation_copies(300 * 2 ** 20) == 2

@@ -259,3 +259,19 @@ def test_decode_plan(shape, expected, monkeypatch):
         k_cache, table = torch.empty(b, ctx, hkv, d, device="meta", dtype=torch.bfloat16), None
     cfg, splits, capacity = decode_ops._plan(q, k_cache, table, num_splits)
     assert (cfg.block_n, splits, capacity) == (*expected, ctx)
+
+
+def test_mla_decode_tiles_and_splits():
+    """MLA (qv) tiles by rows (heuristics.MLA_TILES, run 125), and the split counts they lead to: the 64-row tile
+    (one program per SM) takes one wave: at b=1 ctx 32k 66 splits of its two M tiles, the measured best."""
+    from tileflash.heuristics import mla_decode_config
+
+    got = [(c.block_m, c.block_n, c.num_warps, c.num_stages, c.resident_per_sm)
+           for c in map(mla_decode_config, (16, 32, 128))]
+    assert got == [(16, 64, 4, 2, 0), (32, 64, 4, 2, 0), (64, 64, 8, 2, 1)]
+    assert mla_decode_config(128, interpret=True).block_n == 16
+    big = mla_decode_config(128)
+    one_wave = dict(resident_per_sm=1, per_sm=1)  # ops/decode._plan's MLA count
+    assert num_splits_heuristic(1, 1, 2, 32768, big.block_n, 132, **one_wave) == 66
+    assert num_splits_heuristic(32, 1, 2, 4096, big.block_n, 132, **one_wave) == 2
+    assert num_splits_heuristic(128, 1, 2, 1024, big.block_n, 132, **one_wave) == 1

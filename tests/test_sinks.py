@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import tileflash
-from helpers import (DEVICE, attention_inputs, check_2x, check_kvcache_call, check_out_lse, decode_inputs, grads,
-                     packed_inputs)
+from helpers import (DEVICE, ON_SM90, attention_inputs, check_2x, check_kvcache_call, check_out_lse, decode_inputs,
+                     grads, packed_inputs)
 from tileflash.ops import _launch
 from tileflash.ops import decode as decode_ops
 from tileflash.reference import attention_ref, attention_varlen_ref
@@ -182,9 +182,10 @@ def test_per_head_tensor_input_errors(name, bad_values, entry):
 
 
 @pytest.mark.parametrize("extra", ["sink", "alibi"])
-def test_gluon_and_register_operand_kernels_refuse_per_head_tensors(extra, monkeypatch):
-    """On sm_90 the calls below take the warp-specialised forward/backward and the register-operand NVFP4 decode;
-    with a sink or ALiBi slopes (which those kernels lack) they take the Triton kernels. Shapes only: nothing
+def test_which_kernels_take_per_head_tensors(extra, monkeypatch):
+    """On sm_90 the calls below take the warp-specialised forward/backward and the register-operand NVFP4 decode.
+    ALiBi slopes (a bias those kernels lack) send them to the Triton kernels; a sink only the register-operand
+    decode refuses (the Gluon forward folds it in, its dK/dV sees it through the lse). Shapes only: nothing
     launches."""
     from tileflash.ops.backward import ws_backward_config
 
@@ -193,9 +194,10 @@ def test_gluon_and_register_operand_kernels_refuse_per_head_tensors(extra, monke
     q, k, v = (torch.zeros(1, 1024, 2, 128, dtype=torch.bfloat16) for _ in range(3))
     mask = _launch.Mask.make(True, (-1, -1), 0.0)
     for on in (False, True):
-        assert (_launch.ws_forward_config(q, k, v, q, 0.1, mask, **{extra: on}) is None) == on
+        refused = on and extra == "alibi"
+        assert (_launch.ws_forward_config(q, k, v, q, 0.1, mask, alibi=on and extra == "alibi") is None) == refused
         assert (ws_backward_config(q, k, v, q, varlen=False, window_left=-1, window_right=0, softcap=0.0,
-                                   **{extra: on}) is None) == on
+                                   alibi=on and extra == "alibi") is None) == refused
     # decode_plan hands the tensor to the register-operand dispatch as an extra (which that dispatch refuses).
     seen_extras = []
     picked = decode_ops._quant_mma_config
@@ -208,6 +210,24 @@ def test_gluon_and_register_operand_kernels_refuse_per_head_tensors(extra, monke
     for t in (None, _sink(4)):
         tileflash.decode_plan(qd, kc, kc, lens, **{name: t})
     assert seen_extras == [False, True]
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the warp-specialised Gluon kernels run on sm_90 only")
+@pytest.mark.parametrize("causal", [False, True])
+def test_sink_through_the_gluon_kernels(causal):
+    """A shape the warp-specialised forward and dK/dV kernels take: the sink folded into the forward's epilogue,
+    d sink from the preprocess, against the fp32 reference."""
+    b, s, hq, hkv, d = 2, 1100, 4, 2, 128
+    q, k, v = attention_inputs(b, s, s, hq, hkv, d, torch.bfloat16, seed=11)
+    mask = _launch.Mask.make(causal, (-1, -1), 0.0)
+    assert _launch.ws_forward_config(q, k, v, q, d ** -0.5, mask) is not None
+    g = torch.Generator().manual_seed(11)
+    dout = torch.randn(b, s, hq, d, generator=g).to(DEVICE)
+    dlse = torch.randn(b, hq, s, generator=g).to(DEVICE)
+    _check_grads_with_sink(
+        lambda q, k, v, **kw: tileflash.flash_attn_func(q, k, v, causal=causal, return_lse=True, **kw),
+        lambda q, k, v, **kw: attention_ref(q, k, v, causal=causal, **kw),
+        tuple(t.requires_grad_() for t in (q, k, v)), _sink(hq, seed=11) + 4.0, dout, dlse)
 
 
 def test_compile_with_sink_matches_eager():

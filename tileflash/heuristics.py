@@ -269,6 +269,28 @@ def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_fo
                         resident_per_sm=resident)
 
 
+# MLA decode (qv; a latent of up to 512 that is both V and most of the key, DeepSeek-V2/V3): (KV tokens per step,
+# warps, stages, programs an SM holds) by tile rows. The [rows, 512] fp32 accumulator takes two warpgroups at 64
+# rows; qv stays in shared memory. Pointer loads (a TMA box spans at most 256 elements). Run 125 (`config_sweep.py
+# decode-mla`, graph replay, us at the best split count / at the split rule's): 64 rows (H=128) b=32 ctx 4k 155.9
+# with 64-token 2-stage steps vs 181.8-292.4 for 16/32-token steps or 1 stage, b=1 ctx 32k 60.4 (at 66 splits: one
+# 221 KB program per SM, hence resident 1; the rule's 132 ran 84.0), b=128 ctx 1k 154.3; 16 rows (H=16) with 64
+# tokens, 4 warps, 2 stages: b=32 ctx 4k 59.8, b=1 ctx 32k 29.9, b=8 ctx 32k 95.2 at the rule's count (best of
+# six configs within 4-11%: 8 warps 3 stages took b=32 57.7 at 4 splits, but 103.1 at b=8). 32 rows take the
+# 16-row steps (not measured).
+MLA_TILES = {16: (64, 4, 2, 0), 32: (64, 4, 2, 0), 64: (64, 8, 2, 1)}
+
+
+def mla_decode_config(group_rows: int, interpret: bool = False) -> DecodeConfig:
+    """MLA's pack-GQA tiles: decode_block_m rows (16..64), MLA_TILES's steps."""
+    block_m = decode_block_m(group_rows)
+    if interpret:
+        return DecodeConfig(block_m=block_m, block_n=16, num_warps=4, num_stages=1)
+    block_n, warps, stages, resident = MLA_TILES[block_m]
+    return DecodeConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
+                        resident_per_sm=resident)
+
+
 MAX_SPLITS = 256
 # Small paged caches read by per-token pointer gathers (pages shorter than a step) aim at three programs per SM
 # instead of two: shorter programs, each of whose first K/V loads waits on its block-table entries. Run 48

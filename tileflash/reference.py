@@ -133,7 +133,7 @@ def fp8_dequantize_ref(x8, scale):
 def kvcache_ref(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None, causal=False,
                 k_scale=None, v_scale=None, k_global_scale=None, v_global_scale=None, cache_batch_idx=None,
                 cache_leftpad=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=True, alibi_slopes=None,
-                **kw):
+                qv=None, **kw):
     """Reference for flash_attn_with_kvcache on copies of the caches. Returns (out, lse, k_cache, v_cache) with the
     new tokens appended to the returned caches.
 
@@ -144,7 +144,9 @@ def kvcache_ref(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_t
     FP8 caches (k_scale/v_scale): appends are quantized, attention runs on the dequantized cache (fp32; q's dtype
     for the low-precision variant). NVFP4 caches (uint8 data, e4m3 block scales k_scale/v_scale, global scales):
     the same, and the returned k_cache/v_cache are (data, block_scales) pairs. alibi_slopes [Hq] or [B, Hq]: Sk is
-    the sequence's length after the append. learnable_sink [Hq] (through kw): as in attention_ref."""
+    the sequence's length after the append. learnable_sink [Hq] (through kw): as in attention_ref.
+    qv [B, Sq, Hq, Dv] (MLA): the queries' latent part, whose keys are the values (v_cache is Dv wide): attention
+    of [q, qv] over [k, v] with values v; the default scale is 1 / sqrt(D + Dv)."""
     from .formats import nvfp4_dequantize_ref, nvfp4_quantize_ref
 
     b, sq = q.shape[:2]
@@ -171,7 +173,7 @@ def kvcache_ref(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_t
         else:
             new = {"k": (k,), "v": (v,)}
     stores = {"k": (k_cache, k_scale) if nvfp4 else (k_cache,), "v": (v_cache, v_scale) if nvfp4 else (v_cache,)}
-    out = torch.empty_like(q)
+    out = torch.empty_like(q if qv is None else qv)
     lse = torch.empty(b, q.shape[2], sq, dtype=torch.float32, device=q.device)
     page_size = k_cache.shape[1]
     for i in range(b):
@@ -193,7 +195,10 @@ def kvcache_ref(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_t
             kk, vv = fp8_dequantize_ref(kk, k_scale), fp8_dequantize_ref(vv, v_scale)
         if kk.dtype != q.dtype and not kw.get("upcast", True):
             kk, vv = kk.to(q.dtype), vv.to(q.dtype)
-        o, l = attention_ref(q[i: i + 1], kk, vv, causal=causal, alibi_slopes=_slopes_of(alibi_slopes, i), **kw)
+        qq = q[i: i + 1]
+        if qv is not None:
+            qq, kk = torch.cat([qq, qv[i: i + 1]], -1), torch.cat([kk, vv], -1)
+        o, l = attention_ref(qq, kk, vv, causal=causal, alibi_slopes=_slopes_of(alibi_slopes, i), **kw)
         out[i], lse[i] = o[0], l[0]
     if nvfp4:
         return out, lse, (k_cache, k_scale), (v_cache, v_scale)

@@ -11,7 +11,7 @@ from tileflash.bench import peers, suites, timing
 
 SUITES = {
     "prefill": (suites.PREFILL_SHAPES, suites.run_prefill),
-    "decode": (suites.DECODE_SHAPES, suites.run_decode),
+    "decode": (suites.DECODE_SHAPES + suites.MLA_SHAPES, suites.run_decode),  # GQA grid, then MLA (qv)
     "backward": (suites.BACKWARD_SHAPES, suites.run_backward),
     "lowp": (suites.LOWP_SHAPES, suites.run_lowp),  # FP8-cache decode grid, then the NVFP4 GEMM grid
     "extend": (suites.EXTEND_SHAPES, suites.run_extend),  # many new queries over a paged cache

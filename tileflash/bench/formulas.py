@@ -28,6 +28,16 @@ def decode_kv_bytes(batch, seqlen_k, nheads_kv, headdim, dtype_bytes=2):
     return 2 * batch * seqlen_k * nheads_kv * headdim * dtype_bytes
 
 
+def mla_decode_bytes(batch, seqlen_k, rope_dim=64, latent_dim=512, dtype_bytes=2):
+    """Bytes an MLA decode step must read: one rotary key and one latent (also the value) per token."""
+    return batch * seqlen_k * (rope_dim + latent_dim) * dtype_bytes
+
+
+def mla_decode_flops(batch, nheads, seqlen_q, seqlen_k, rope_dim=64, latent_dim=512):
+    """Per query row and token: the score over rope + latent dims and the latent-wide PV, 2 FLOPs per MAC."""
+    return 2 * batch * nheads * seqlen_q * seqlen_k * (rope_dim + 2 * latent_dim)
+
+
 def gemm_flops(m, n, k):
     """One multiply and one add per (m, n, k): 2*M*N*K."""
     return 2 * m * n * k

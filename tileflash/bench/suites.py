@@ -21,11 +21,13 @@ from tileflash.bench.formulas import (
     gbps,
     gemm_flops,
     gemm_weight_bytes,
+    mla_decode_bytes,
+    mla_decode_flops,
     nvfp4_weight_bytes,
     tflops,
 )
 from tileflash.bench.table import format_cell, format_table
-from tileflash.bench.timing import bench_ms, graphed
+from tileflash.bench.timing import bench_ms, graphed, rotating_graph_ms, rotation_copies
 
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
@@ -114,6 +116,18 @@ SINK_SHAPES = [
      "label": "sink-decode-b32"},
 ]
 SINK_BACKENDS = ("tileflash", "tileflash_sink")
+
+# MLA decode (issue 28; DeepSeek-V2/V3: a 512-wide latent that is V and most of the key, a 64-wide rotary key, one
+# KV head): H = 128 is compute-bound, H = 16 memory-bound. Graph replay over input copies larger than the L2.
+MLA_SHAPES = [
+    {"kind": "mla", "hq": hq, "batch": b, "ctx": ctx, "page_size": ps,
+     "label": f"mla-h{hq}" + (f"-page{ps}" if ps else "")}
+    for hq, b, ctx, ps in ((128, 1, 4096, None), (128, 1, 32768, None), (128, 32, 4096, None), (128, 32, 16384, None),
+                           (128, 128, 1024, None), (128, 128, 4096, None), (128, 32, 4096, 64),
+                           (16, 1, 32768, None), (16, 8, 32768, None), (16, 32, 4096, None), (16, 128, 1024, None),
+                           (16, 128, 4096, None), (16, 32, 4096, 64), (16, 8, 32768, 64))
+]
+MLA_BACKENDS = ("tileflash_graph", "tileflash", "sdpa_graph")
 
 PREFILL_BACKENDS = ("tileflash", "sdpa_flash", "sdpa_cudnn", "fa4")
 BACKWARD_BACKENDS = ("tileflash", "tileflash_det", "sdpa_flash", "sdpa_cudnn")
@@ -465,10 +479,95 @@ def decode_table(rows):
 
 def run_decode(shapes=None, out=print):
     """Check and time tileflash.flash_attn_with_kvcache (eager, S/P-overlapped loop, CUDA graph) and its
-    peers on each shape; print a table and return one JSON-serialisable dict per shape."""
-    return _run(DECODE_SHAPES if shapes is None else shapes, _decode_one,
-                lambda s, r: f"decode {s['label']} b={s['batch']} ctx={s['ctx']} (us): {_summary(r['backends'], 'us')}",
-                decode_table, out)
+    peers on each shape, then the MLA set (qv); print a table per set and return one JSON-serialisable dict per
+    shape."""
+    shapes = DECODE_SHAPES + MLA_SHAPES if shapes is None else shapes
+    gqa, mla = [s for s in shapes if s.get("kind") != "mla"], [s for s in shapes if s.get("kind") == "mla"]
+    rows = []
+    if gqa:
+        rows += _run(gqa, _decode_one, lambda s, r: f"decode {s['label']} b={s['batch']} ctx={s['ctx']} (us): "
+                                                    f"{_summary(r['backends'], 'us')}", decode_table, out)
+    if mla:
+        rows += _run(mla, _mla_one, lambda s, r: f"decode {s['label']} b={s['batch']} ctx={s['ctx']} (us): "
+                                                 f"{_summary(r['backends'], 'us')}", mla_table, out)
+    return rows
+
+
+def _mla_one(shape, tf, note):
+    """tileflash's MLA decode (qv) over copies of the latent cache whose sum exceeds the L2, checked on the first
+    two sequences against the fp32 reference of the concatenated query and key; SDPA on a cache stored as 576-wide
+    keys and 512-wide values (what attention without qv reads)."""
+    hq, b, ctx, ps = (shape[k] for k in ("hq", "batch", "ctx", "page_size"))
+    nbytes = mla_decode_bytes(b, ctx)
+    copies = rotation_copies(nbytes)
+    seqlens = torch.full((b,), ctx, dtype=torch.int32, device=DEVICE)
+    table = None
+    if ps:  # pages in random order, as an allocator hands them out after some churn
+        table = torch.randperm(b * ctx // ps, device=DEVICE).to(torch.int32).view(b, -1)
+    inputs = []
+    for _ in range(copies):
+        q, qv = _randn(b, 1, hq, 64), _randn(b, 1, hq, 512)
+        shape_kv = (b * ctx // ps, ps) if ps else (b, ctx)
+        inputs.append((q, qv, _randn(*shape_kv, 1, 64), _randn(*shape_kv, 1, 512)))
+
+    def logical(x):
+        return x if table is None else x[table.long()].reshape(b, ctx, 1, x.shape[-1])
+
+    q, qv, kc, vc = inputs[0]
+    n = min(b, 2)
+    k_seq, v_seq = logical(kc)[:n], logical(vc)[:n]
+    ref = reference_fp32(torch.cat([q[:n], qv[:n]], -1), torch.cat([k_seq, v_seq], -1), v_seq, causal=False)
+
+    def check(out):
+        return max_abs_err(out[:n], ref)
+
+    def call(x):
+        return lambda: tf.flash_attn_with_kvcache(x[0], x[2], x[3], cache_seqlens=seqlens, block_table=table, qv=x[1])
+
+    def sdpa():
+        k_full, v_full = torch.cat([logical(kc), logical(vc)], -1), logical(vc)
+        return peers.sdpa_decode(torch.cat([q, qv], -1), k_full, v_full, note)
+
+    results = {}
+    for name in MLA_BACKENDS:
+        rec = {"us": None, "max_err": None, "ok": False, "error": None}
+        try:
+            if name == "sdpa_graph":
+                fn = sdpa()
+                if fn is None:
+                    continue
+                rec["max_err"] = check(fn())
+                rec["us"] = bench_ms(graphed(fn)) * 1e3  # one copy (the peer's cache layout is not ours)
+            else:
+                rec["max_err"] = check(call(inputs[0])())
+                rec["us"] = (rotating_graph_ms([call(x) for x in inputs]) if name == "tileflash_graph"
+                             else bench_ms(call(inputs[0]))) * 1e3
+            rec["ok"] = rec["max_err"] <= TOL
+            if not rec["ok"]:
+                note(f"  FAIL: {name} max err {rec['max_err']:.3g} > {TOL}")
+        except Exception as e:  # noqa: BLE001 - a failing backend is a result
+            rec["error"] = peers.short_error(e)
+            note(f"  note: {name} failed: {rec['error']}")
+        results[name] = rec
+    us = results["tileflash_graph"]["us"]
+    flops = mla_decode_flops(b, hq, 1, ctx)
+    return {**shape, "kv_bytes": nbytes, "copies": copies, "backends": results,
+            "TB/s": nbytes / us / 1e6 if us else None, "TFLOP/s": flops / us / 1e6 if us else None}
+
+
+def mla_table(rows):
+    headers = ["set", "B", "ctx", "tf-graph us", "tf eager us", "TB/s", "%copy", "TFLOP/s", "%GEMM", "SDPA-graph us",
+               "tf/SDPA", "failed"]
+    body = []
+    for r in rows:
+        ours, sdpa = _field(r, "tileflash_graph", "us"), _field(r, "sdpa_graph", "us")
+        body.append([r["label"], r["batch"], r["ctx"], ours, _field(r, "tileflash", "us"), r["TB/s"],
+                     100 * r["TB/s"] / COPY_TBPS if r["TB/s"] else None, r["TFLOP/s"],
+                     100 * r["TFLOP/s"] / BF16_GEMM_TFLOPS if r["TFLOP/s"] else None, sdpa,
+                     sdpa / ours if ours and sdpa else None, _failed(r)])
+    title = ("MLA decode (qv: latent 512 + rotary 64, one KV head, Sq=1), bf16, microseconds; tf-graph: graph replay "
+             "over input copies > 2x L2; roofline: bytes 576 x 2 per token, FLOPs 2 x H x (576 + 512) per token")
+    return format_table(headers, body, title=title)
 
 
 def _extend_one(shape, tf, note):

@@ -76,3 +76,30 @@ def graphed(fn, warmup_iters=3):
 def bench_graph_ms(fn, warmup=25, rep=100):
     """Median milliseconds of one replay of ``fn`` captured in a CUDA graph (no launch overhead)."""
     return bench_ms(graphed(fn), warmup=warmup, rep=rep)
+
+
+L2_BYTES = 50 * 2 ** 20  # the H200's L2
+
+
+def rotation_copies(nbytes: int, l2_bytes: int = L2_BYTES) -> int:
+    """How many copies of a call's inputs (nbytes each) together hold at least twice the L2."""
+    return max(2, -(-2 * l2_bytes // max(nbytes, 1)))
+
+
+def rotating_graph_ms(fns, warmup=10, rep=50) -> float:
+    """Milliseconds per call of the callables fns, each reading its own copy of the inputs (together larger than the
+    L2, so every call reads HBM), captured back to back in one CUDA graph and replayed without a flush in between:
+    how an engine calls decode, layer after layer. Median over rep replays."""
+    import torch
+
+    replay = graphed(lambda: [fn() for fn in fns])
+    for _ in range(warmup):
+        replay()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+    for s, e in zip(starts, ends):
+        s.record()
+        replay()
+        e.record()
+    torch.cuda.synchronize()
+    return float(torch.tensor([s.elapsed_time(e) for s, e in zip(starts, ends)]).median()) / len(fns)

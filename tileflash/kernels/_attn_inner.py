@@ -108,16 +108,21 @@ def _per_key(x, TRANS: tl.constexpr):
 @triton.jit
 def _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right, alibi_slope,
             SOFTCAP: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-            TRANS: tl.constexpr, RAW_SCORES: tl.constexpr, ALIBI: tl.constexpr):
+            TRANS: tl.constexpr, RAW_SCORES: tl.constexpr, ALIBI: tl.constexpr, qv=None, v=None,
+            HAS_QV: tl.constexpr = False):
     """s = mask(softcap(q k^T * scale) + alibi) in log2 units; TRANS: q holds q^T and s comes out as s^T [N, M].
     RAW_SCORES (a positive scale known on the host, no softcap, no ALiBi; not with quantized caches, whose scales
     live on the device): s stays q k^T and _softmax_pv applies the scale inside exp2's argument.
     ALIBI: alibi_slope holds each row's slope times log2(e) ([M]); the bias is a bias, not a mask, so unmasked
-    blocks add it too."""
+    blocks add it too. HAS_QV (MLA): the values are keys too, s = q k^T + qv v^T."""
     if TRANS:
         s = tl.dot(k, q)
+        if HAS_QV:
+            s = tl.dot(v, qv, s)
     else:
         s = tl.dot(q, tl.trans(k))
+        if HAS_QV:
+            s = tl.dot(qv, tl.trans(v), s)
     if SOFTCAP:
         # softcap * tanh(x / softcap); qk_scale already holds softcap * log2(e).
         s = qk_scale * tanh(s * softcap_scale)
@@ -165,7 +170,8 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
                BLOCK_N: tl.constexpr, MASK: tl.constexpr, PAGE_SIZE: tl.constexpr, USE_DESC: tl.constexpr,
                KV_NVFP4: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                SP_OVERLAP: tl.constexpr, WARP_SPEC: tl.constexpr, TILE_DTYPE: tl.constexpr, TRANS: tl.constexpr,
-               RAW_SCORES: tl.constexpr, ALIBI: tl.constexpr):
+               RAW_SCORES: tl.constexpr, ALIBI: tl.constexpr, qv, offs_dv, HEAD_DIM_V: tl.constexpr,
+               HAS_QV: tl.constexpr):
     """Accumulate KV tokens [lo, hi) (lo, hi multiples of BLOCK_N) into (acc, m_i, l_i).
 
     MASK=False is the fast path for blocks that are fully visible to every row (no per-element masks).
@@ -174,8 +180,10 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
     specialisation (producer warps for loads, consumer warps for MMA and softmax).
     TRANS=True computes the transposed products s^T = K q^T and acc^T += V^T P^T (q holds q^T [DP, M], acc holds
     acc^T): with decode's few query rows the KV tokens and the head dim fill the MMA's M side instead of padding.
+    V tiles are HEAD_DIM_V wide (offs_dv); HAS_QV (MLA) adds qv v^T to the scores (the plain loop only).
     """
     if SP_OVERLAP:
+        tl.static_assert(not HAS_QV, "MLA (qv) takes the plain loop")
         if lo < hi:
             k, offs_n = _kv_tile(k_base, k_sbase, lo, seqlen_k, bt_ptr, stride_k_page, stride_k_tok, sstride_page,
                                  sstride_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC,
@@ -184,8 +192,8 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
                         alibi_slope, SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES, ALIBI)
             for start_n in range(lo, hi, BLOCK_N):
                 v, _ = _kv_tile(v_base, v_sbase, start_n, seqlen_k, bt_ptr, stride_v_page, stride_v_tok,
-                                sstride_page, sstride_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE,
-                                USE_DESC, KV_NVFP4, MASK, TILE_DTYPE)
+                                sstride_page, sstride_tok, desc_row0, head_kv, offs_dv, HEAD_DIM_V, BLOCK_N,
+                                PAGE_SIZE, USE_DESC, KV_NVFP4, MASK, TILE_DTYPE)
                 # Next block's scores first (clamped to the last block on the final step; the result is unused).
                 next_start = tl.minimum(start_n + BLOCK_N, hi - BLOCK_N)
                 k_next, next_n = _kv_tile(k_base, k_sbase, next_start, seqlen_k, bt_ptr, stride_k_page,
@@ -203,7 +211,8 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
                                         sstride_tok, desc_row0, head_kv, offs_d, seqlen_k, start_n, qk_scale,
                                         softcap_scale, window_left, window_right, alibi_slope, HEAD_DIM,
                                         BLOCK_N, MASK, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT, HAS_RIGHT,
-                                        SOFTCAP, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI)
+                                        SOFTCAP, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv, HEAD_DIM_V,
+                                        HAS_QV)
     return acc, m_i, l_i
 
 
@@ -213,14 +222,22 @@ def _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_pt
                 qk_scale, softcap_scale, window_left, window_right, alibi_slope, HEAD_DIM: tl.constexpr,
                 BLOCK_N: tl.constexpr, MASK: tl.constexpr, PAGE_SIZE: tl.constexpr, USE_DESC: tl.constexpr,
                 KV_NVFP4: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                TILE_DTYPE: tl.constexpr, TRANS: tl.constexpr, RAW_SCORES: tl.constexpr, ALIBI: tl.constexpr):
-    """One block of the plain loop: load K, scores, load V, online softmax and PV."""
+                TILE_DTYPE: tl.constexpr, TRANS: tl.constexpr, RAW_SCORES: tl.constexpr, ALIBI: tl.constexpr, qv,
+                offs_dv, HEAD_DIM_V: tl.constexpr, HAS_QV: tl.constexpr):
+    """One block of the plain loop: load K, scores, load V, online softmax and PV (MLA: V before the scores)."""
     k, offs_n = _kv_tile(k_base, k_sbase, start_n, seqlen_k, bt_ptr, stride_k_page, stride_k_tok, sstride_page,
                          sstride_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4,
                          MASK, TILE_DTYPE)
-    s = _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right, alibi_slope,
-                SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES, ALIBI)
-    v, _ = _kv_tile(v_base, v_sbase, start_n, seqlen_k, bt_ptr, stride_v_page, stride_v_tok, sstride_page,
-                    sstride_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4, MASK,
-                    TILE_DTYPE)
+    if HAS_QV:
+        v, _ = _kv_tile(v_base, v_sbase, start_n, seqlen_k, bt_ptr, stride_v_page, stride_v_tok, sstride_page,
+                        sstride_tok, desc_row0, head_kv, offs_dv, HEAD_DIM_V, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4,
+                        MASK, TILE_DTYPE)
+        s = _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right, alibi_slope,
+                    SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES, ALIBI, qv, v, True)
+    else:
+        s = _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right, alibi_slope,
+                    SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES, ALIBI)
+        v, _ = _kv_tile(v_base, v_sbase, start_n, seqlen_k, bt_ptr, stride_v_page, stride_v_tok, sstride_page,
+                        sstride_tok, desc_row0, head_kv, offs_dv, HEAD_DIM_V, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4,
+                        MASK, TILE_DTYPE)
     return _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS, RAW_SCORES)

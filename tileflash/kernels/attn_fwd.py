@@ -8,6 +8,9 @@ Shapes (element strides are passed explicitly; the head dim must be contiguous):
   alibi:  fp32 slopes [Hq] or [B, Hq] (ALIBI; stride_alibi_b 0 for [Hq]): scores get -slope * |q_pos - key|.
   sink:   fp32 [Hq] (HAS_SINK; FA4's learnable_sink): one more logit per row with no value, in the softmax's sum and
           the lse (a row that sees no key: out = 0, lse = sink); split partials leave it to attn_combine.
+  HEAD_DIM_V: V's (and out's) head dim, HEAD_DIM's unless V differs. HAS_QV (MLA, FA3's qv): qv [B, Sq, Hq,
+          HEAD_DIM_V] is a second query part whose keys are the values themselves: s = q k^T + qv v^T (DeepSeek's
+          latent cache as V, its rotary part as K), so each latent byte is read once for both products.
   FP8 caches (decode): k/v in float8_e4m3fn with fp32 scales per tensor or per KV head (KV_SCALED).
   NVFP4 caches (decode, KV_NVFP4): k/v uint8 [.., D/2] packed e2m1 pairs, block scales e4m3 [.., D/16] at
   k/v_bscale_ptr, and the per-tensor global scales at k/v_scale_ptr (KV_SCALED too).
@@ -75,6 +78,7 @@ def attn_fwd_kernel(
     seqlen_q_static, seqlen_k_static, seqlen_k_add, desc_rows_per_batch,
     num_heads_q, group_size, m_tiles, rows_per_split,
     softmax_scale, softcap, window_left, window_right, alibi_ptr, stride_alibi_b, sink_ptr,
+    qv_ptr, stride_qvb, stride_qvs, stride_qvh,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     VARLEN_Q: tl.constexpr, VARLEN_K: tl.constexpr, HAS_SEQLENS_K: tl.constexpr,
     PAGE_SIZE: tl.constexpr, KV_SCALED: tl.constexpr, KV_NVFP4: tl.constexpr,
@@ -84,7 +88,8 @@ def attn_fwd_kernel(
     TRANS: tl.constexpr, RAW_SCORES: tl.constexpr, ALIBI: tl.constexpr, HAS_KV_BATCH: tl.constexpr = False,
     LEFTPAD_K: tl.constexpr = False, ROTARY_DIM: tl.constexpr = 0, ROTARY_INTERLEAVED: tl.constexpr = False,
     ROTARY_PER_TOKEN: tl.constexpr = False, VARLEN_K_NEW: tl.constexpr = False, PDL: tl.constexpr = False,
-    HAS_SINK: tl.constexpr = False,
+    HAS_SINK: tl.constexpr = False, HEAD_DIM_V: tl.constexpr = 0, HEAD_DIM_V_PAD: tl.constexpr = 0,
+    HAS_QV: tl.constexpr = False,
 ):
     allow_dependent_launch(PDL)  # the split combine that follows (ops/_launch.launch_combine)
     pid = tl.program_id(0)
@@ -147,11 +152,19 @@ def attn_fwd_kernel(
         # down to 2^-22 of the max), undone in the logit scale.
         q, q_unscale = _fp16_range(q)
     q = q.to(TILE_DTYPE)
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
+    qv = q  # not read without HAS_QV
+    if HAS_QV:
+        qv_rows = (q_start + tok).to(tl.int64) * stride_qvs + head_q.to(tl.int64) * stride_qvh
+        qv = tl.load(qv_ptr + b.to(tl.int64) * stride_qvb + qv_rows[:, None] + offs_dv[None, :],
+                     mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0).to(TILE_DTYPE)
     if TRANS:  # transposed products (see attn_inner): q^T and acc^T
         q = tl.trans(q)
-        acc = tl.zeros([HEAD_DIM_PAD, BLOCK_M], dtype=tl.float32)
+        if HAS_QV:
+            qv = tl.trans(qv)
+        acc = tl.zeros([HEAD_DIM_V_PAD, BLOCK_M], dtype=tl.float32)
     else:
-        acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PAD], dtype=tl.float32)
 
     # ---- KV block range: [n_lo, n_hi) needed at all, [full_lo, full_hi) visible to every row --------------
     n_lo, full_lo, full_hi, n_hi = kv_block_range(tok_min, tok_max, diag, seqlen_k, window_left, window_right,
@@ -212,19 +225,22 @@ def attn_fwd_kernel(
             stride_vs, stride_bs_page, stride_bs_tok, desc_row0, head_kv, offs_d, seqlen_k,
             tl.maximum(s_lo, n_lo) * BLOCK_N, tl.minimum(s_hi, full_lo) * BLOCK_N, qk_scale, softcap_scale,
             window_left, window_right, alibi_slope, HEAD_DIM, BLOCK_N, True, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT,
-            HAS_RIGHT, SOFTCAP, SP_OVERLAP, WARP_SPEC, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI)
+            HAS_RIGHT, SOFTCAP, SP_OVERLAP, WARP_SPEC, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv,
+            HEAD_DIM_V, HAS_QV)
     acc, m_i, l_i = attn_inner(
         acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr, stride_kb, stride_ks, stride_vb,
         stride_vs, stride_bs_page, stride_bs_tok, desc_row0, head_kv, offs_d, seqlen_k,
         tl.maximum(s_lo, full_lo) * BLOCK_N, tl.minimum(s_hi, full_hi) * BLOCK_N, qk_scale, softcap_scale,
         window_left, window_right, alibi_slope, HEAD_DIM, BLOCK_N, False, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT,
-        HAS_RIGHT, SOFTCAP, SP_OVERLAP, WARP_SPEC, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI)
+        HAS_RIGHT, SOFTCAP, SP_OVERLAP, WARP_SPEC, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv,
+            HEAD_DIM_V, HAS_QV)
     acc, m_i, l_i = attn_inner(
         acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr, stride_kb, stride_ks, stride_vb,
         stride_vs, stride_bs_page, stride_bs_tok, desc_row0, head_kv, offs_d, seqlen_k,
         tl.maximum(s_lo, full_hi) * BLOCK_N, tl.minimum(s_hi, n_hi) * BLOCK_N, qk_scale, softcap_scale,
         window_left, window_right, alibi_slope, HEAD_DIM, BLOCK_N, True, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT,
-        HAS_RIGHT, SOFTCAP, SP_OVERLAP, WARP_SPEC, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI)
+        HAS_RIGHT, SOFTCAP, SP_OVERLAP, WARP_SPEC, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv,
+            HEAD_DIM_V, HAS_QV)
 
     # ---- epilogue: normalise; rows that saw no key give out = 0 and lse = -inf (with a sink: lse = sink) --
     acc_scale = 1.0
@@ -240,15 +256,15 @@ def attn_fwd_kernel(
         acc = tl.trans(acc)
     o = acc * inv_l[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) / LOG2E, float("-inf"))
-    d_ok = offs_d[None, :] < HEAD_DIM
+    d_ok = offs_dv[None, :] < HEAD_DIM_V
     if SPLIT:
-        # o_part [splits, B, Sq, Hq, D] and lse_part [splits, B, Sq, Hq], contiguous fp32; rows_per_split = B*Sq*Hq.
+        # o_part [splits, B, Sq, Hq, Dv] and lse_part [splits, B, Sq, Hq], contiguous fp32; rows_per_split = B*Sq*Hq.
         part = split.to(tl.int64) * rows_per_split + ((b * seqlen_q_static + tok) * num_heads_q + head_q).to(tl.int64)
-        tl.store(o_part_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None] & d_ok)
+        tl.store(o_part_ptr + part[:, None] * HEAD_DIM_V + offs_dv[None, :], o, mask=row_ok[:, None] & d_ok)
         tl.store(lse_part_ptr + part, lse, mask=row_ok)
     else:
         o_rows = (q_start + tok).to(tl.int64) * stride_os + head_q.to(tl.int64) * stride_oh
-        o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + o_rows[:, None] + offs_d[None, :]
+        o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + o_rows[:, None] + offs_dv[None, :]
         interpreted: tl.constexpr = TILE_DTYPE == tl.float32  # tiles are fp32 only in the interpreter
         tl.store(o_ptrs, store_cast(o, out_ptr.dtype.element_ty, interpreted), mask=row_ok[:, None] & d_ok)
         l_ptrs = lse_ptr + b.to(tl.int64) * stride_lb + head_q.to(tl.int64) * stride_lh \

@@ -26,7 +26,8 @@ as [1, total, H, D], each tile's rows and keys offset by its sequence's start; r
 load the next sequence's rows, so keys there are masked (the last partial block of a sequence always takes the
 mask) and O is stored from registers with row masks. Scope (ops/_launch.ws_forward_config decides, else the
 Triton kernel runs): 16-bit dtypes, head dims 64, 128 and 256, no window or softcap beyond causal, a positive
-softmax scale; varlen without seqused_k or a paged cache, once heuristics.GLUON_VARLEN is on. Gluon has no CPU
+softmax scale, a learnable sink or none (HAS_SINK: fp32 [Hq], folded into each row's sum once, in the
+epilogue); varlen without seqused_k or a paged cache, once heuristics.GLUON_VARLEN is on. Gluon has no CPU
 interpreter: the CPU suite checks this kernel's compilation for sm_90 (tests/sm90_compile_check.py) and the GPU
 suite its results.
 """
@@ -41,6 +42,7 @@ from ._gluon import opaque_zero, packed_sequence
 ROWS_PER_WARPGROUP = 64  # wgmma's M: each consumer warpgroup owns 64 query rows
 WG_ROWS = gl.constexpr(ROWS_PER_WARPGROUP)
 LN2 = gl.constexpr(0.6931471805599453)
+LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit
@@ -161,11 +163,23 @@ def _softmax(s, m_i, l_i, qk_scale):
 
 
 @gluon.jit
+def _normaliser(m_i, l_i, sink2, HAS_SINK: gl.constexpr):
+    """(m_i, l_i, the factor acc takes before 1 / l_i) with the sink sink2 folded in (log2 units, like m_i): the
+    Triton kernel's _fold_sink. A row that saw no key gets m = sink, l = 1, factor 0 (out = 0, lse = sink)."""
+    if HAS_SINK:
+        m_new = gl.maximum(m_i, sink2)
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a -inf sink on an unseen row: 0, not NaN
+        alpha = gl.exp2(m_i - m_safe)
+        return m_new, l_i * alpha + gl.exp2(sink2 - m_safe), alpha
+    return m_i, l_i, gl.full_like(l_i, 1.0)
+
+
+@gluon.jit
 def _consumer(q_desc, o_desc, out_ptr, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready, k_empty,
               v_empty, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, m_tiles, num_heads_q, group_size, num_units,
-              stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale, WG: gl.constexpr,
+              stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale, sink_ptr, WG: gl.constexpr,
               CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
-              V_STAGES: gl.constexpr, PERSISTENT: gl.constexpr, VARLEN: gl.constexpr):
+              V_STAGES: gl.constexpr, PERSISTENT: gl.constexpr, VARLEN: gl.constexpr, HAS_SINK: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -182,6 +196,9 @@ def _consumer(q_desc, o_desc, out_ptr, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, q
         bd, h, hk, start_m, valid, q0, sq, k0, sk = _tile(step, m_tiles, num_heads_q, group_size, cu_seqlens_q,
                                                           cu_seqlens_k, seqlen_q, seqlen_k, PERSISTENT, VARLEN)
         if valid:
+            sink2 = 0.0
+            if HAS_SINK:  # loaded at the tile's start: its latency hides behind the loop, not the epilogue's
+                sink2 = gl.load(sink_ptr + h) * LOG2E
             full_hi, n_hi = _block_range(start_m, sq, sk, CAUSAL, BLOCK_N)
             row0 = start_m + WG * WG_ROWS
             m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
@@ -227,9 +244,10 @@ def _consumer(q_desc, o_desc, out_ptr, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, q
             elif PERSISTENT:
                 mbarrier.arrive(q_empty.index(WG), count=1)
 
-            # Epilogue: rows that saw no key give out = 0 and lse = -inf.
+            # Epilogue: rows that saw no key give out = 0 and lse = -inf (with a sink: lse = sink).
+            m_i, l_i, acc_scale = _normaliser(m_i, l_i, sink2, HAS_SINK)
             seen = l_i > 0.0
-            inv_l = gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0)
+            inv_l = gl.where(seen, acc_scale / gl.where(seen, l_i, 1.0), 0.0)
             o = (acc * gl.expand_dims(gl.convert_layout(inv_l, o_rows), 1)).to(dtype)
             lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
             rows = row0 + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, s_layout))
@@ -256,9 +274,9 @@ def _consumer(q_desc, o_desc, out_ptr, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, q
 @gluon.jit
 def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, out_ptr, lse_ptr, cu_seqlens_q, cu_seqlens_k, seqlen_q,
                        seqlen_k, m_tiles, num_heads_q, group_size, num_units, stride_ob, stride_os, stride_oh,
-                       stride_lb, stride_lh, qk_scale, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+                       stride_lb, stride_lh, qk_scale, sink_ptr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
                        BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
-                       PERSISTENT: gl.constexpr, VARLEN: gl.constexpr):
+                       PERSISTENT: gl.constexpr, VARLEN: gl.constexpr, HAS_SINK: gl.constexpr):
     """Grid: (m_tiles * B * Hq,) or, PERSISTENT, (min(num_units, SMs),); 4 warps (the first consumer warpgroup;
     the partitions add 5 more). VARLEN (not with PERSISTENT): B sequences packed in [1, total, H, D] tensors, their
     rows and keys from cu_seqlens_q/k (int32 [B + 1]), m_tiles from the longest; lse [1, Hq, total_q]."""
@@ -301,12 +319,12 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, out_ptr, lse_ptr, cu_seql
     gl.warp_specialize([
         (_consumer, (q_desc, o_desc, out_ptr, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready,
                      k_empty, v_empty, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, m_tiles, num_heads_q,
-                     group_size, num_units, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale, WG0,
-                     CAUSAL, HEAD_DIM, BLOCK_N, K_STAGES, V_STAGES, PERSISTENT, VARLEN)),
+                     group_size, num_units, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale, sink_ptr,
+                     WG0, CAUSAL, HEAD_DIM, BLOCK_N, K_STAGES, V_STAGES, PERSISTENT, VARLEN, HAS_SINK)),
         (_consumer, (q_desc, o_desc, out_ptr, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready,
                      k_empty, v_empty, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, m_tiles, num_heads_q,
-                     group_size, num_units, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale, WG1,
-                     CAUSAL, HEAD_DIM, BLOCK_N, K_STAGES, V_STAGES, PERSISTENT, VARLEN)),
+                     group_size, num_units, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale, sink_ptr,
+                     WG1, CAUSAL, HEAD_DIM, BLOCK_N, K_STAGES, V_STAGES, PERSISTENT, VARLEN, HAS_SINK)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready, k_empty,
                      v_empty, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, m_tiles, num_heads_q, group_size,
                      num_units, CAUSAL, BLOCK_N, K_STAGES, V_STAGES, PERSISTENT, VARLEN)),

@@ -1,14 +1,15 @@
 """Append new tokens into a KV cache in place (contiguous or paged; bf16/fp16, FP8 or NVFP4).
 
-k_new, v_new: [B, Snew, Hkv, D]; token i of sequence b goes to cache position cache_seqlens[b] + i of cache row
-b (cache_batch_idx[b] with HAS_KV_BATCH), which in a paged cache is page block_table[b, pos // page_size], slot
-pos % page_size. One program per (b, i): all heads. ROTARY_DIM > 0: k is rotated at that position first
-(kernels/_rotary.py; flash-attn's rotary_cos / rotary_sin). VARLEN_NEW (FA3's cu_seqlens_k_new): k_new, v_new are
-packed [total_new, Hkv, D] and program t appends packed token t to the sequence whose [cu[b], cu[b + 1]) holds it.
-Positions at or past the capacity are dropped (never written out of bounds; validate=True reports them).
-FORMAT 0 copies; 1 (FP8) stores x / scale (per tensor or per KV head) saturated to e4m3, rounded to nearest even;
-2 (NVFP4) quantizes each head vector with the cache's global scale exactly as nvfp4_quantize does: packed e2m1
-pairs into the cache [.., D/2] and one e4m3 scale per 16 elements into the block-scale tensor [.., D/16].
+k_new, v_new: [B, Snew, Hkv, D] (v: HEAD_DIM_V wide, MLA's latent next to its rotary keys); token i of sequence b
+goes to cache position cache_seqlens[b] + i of cache row b (cache_batch_idx[b] with HAS_KV_BATCH), which in a paged
+cache is page block_table[b, pos // page_size], slot pos % page_size. One program per (b, i): all heads. ROTARY_DIM >
+0: k is rotated at that position first (kernels/_rotary.py; flash-attn's rotary_cos / rotary_sin). VARLEN_NEW (FA3's
+cu_seqlens_k_new): k_new, v_new are packed [total_new, Hkv, D] and program t appends packed token t to the sequence
+whose [cu[b], cu[b + 1]) holds it. Positions at or past the capacity are dropped (never written out of bounds;
+validate=True reports them). FORMAT 0 copies; 1 (FP8) stores x / scale (per tensor or per KV head) saturated to e4m3,
+rounded to nearest even; 2 (NVFP4) quantizes each head vector with the cache's global scale exactly as nvfp4_quantize
+does: packed e2m1 pairs into the cache [.., D/2] and one e4m3 scale per 16 elements into the block-scale tensor [..,
+D/16].
 """
 import triton
 import triton.language as tl
@@ -64,7 +65,8 @@ def kv_append_kernel(k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, k_bs_ptr, v
                      HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEADS_PAD: tl.constexpr,
                      PAGED: tl.constexpr, FORMAT: tl.constexpr, HAS_KV_BATCH: tl.constexpr,
                      ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, INTERPRETED: tl.constexpr,
-                     VARLEN_NEW: tl.constexpr = False, BATCH_PAD: tl.constexpr = 1):
+                     VARLEN_NEW: tl.constexpr = False, BATCH_PAD: tl.constexpr = 1, HEAD_DIM_V: tl.constexpr = 0,
+                     HEAD_DIM_V_PAD: tl.constexpr = 0):
     pid = tl.program_id(0)
     if VARLEN_NEW:  # the sequence holding packed token pid: how many sequences end at or before it
         offs_b = tl.arange(0, BATCH_PAD)
@@ -102,6 +104,6 @@ def kv_append_kernel(k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, k_bs_ptr, v
                 stride_scale, head_ok, pos, cos_ptr, sin_ptr, stride_ro, seqlen_ro, HEAD_DIM, HEADS_PAD, FORMAT,
                 ROTARY_DIM, INTERLEAVED, INTERPRETED)
     _append_one(v_new_ptr, v_cache_ptr, v_bs_ptr, v_scale_ptr, src_b * stride_vnb + src_i * stride_vns,
-                row * stride_vcb + slot * stride_vcs, bs_off, offs_h, offs_d, stride_vnh, stride_vch, stride_bsh,
-                stride_scale, head_ok, pos, cos_ptr, sin_ptr, stride_ro, seqlen_ro, HEAD_DIM, HEADS_PAD, FORMAT, 0,
-                INTERLEAVED, INTERPRETED)
+                row * stride_vcb + slot * stride_vcs, bs_off, offs_h, tl.arange(0, HEAD_DIM_V_PAD), stride_vnh,
+                stride_vch, stride_bsh, stride_scale, head_ok, pos, cos_ptr, sin_ptr, stride_ro, seqlen_ro,
+                HEAD_DIM_V, HEADS_PAD, FORMAT, 0, INTERLEAVED, INTERPRETED)

@@ -75,11 +75,13 @@ def row_descriptors(tensors, rows: int, block_rows: int):
     tile never reaches past D, and for at least one row (a descriptor's dims must be positive; an empty tensor,
     e.g. Sk = 0, takes the pointer path). The forward reads K/V through them (paged: a pool [pages, page_size, ...]
     viewed as pages x page_size rows), the backward Q/dO."""
-    d = tensors[0].shape[3]
-    if d != padded_head_dim(d) or not 0 < rows < 2 ** 31:  # TMA coordinates are int32
+    if not 0 < rows < 2 ** 31:  # TMA coordinates are int32
         return None
     descs = []
     for t in tensors:
+        d = t.shape[3]
+        if d != padded_head_dim(d) or d > 256:  # a TMA box spans at most 256 elements per dimension
+            return None
         mergeable = t.shape[0] == 1 or t.stride(0) == t.shape[1] * t.stride(1)
         if not (mergeable and _tma_aligned(t, dims=(1, 2))):
             return None
@@ -103,8 +105,9 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
                     o_part=None, lse_part=None, k_scale=None, v_scale=None, k_block_scale=None, v_block_scale=None,
                     pdl: bool = False, alibi_slopes=None, cache_batch_idx=None, cache_leftpad=None, rotary_cos=None,
                     rotary_sin=None, rotary_interleaved: bool = False, rotary_per_token: bool = False,
-                    cu_seqlens_k_new=None, learnable_sink=None):
-    """q4/out4 [Bq, Sq, Hq, D]; k4/v4 [Bk, Sk, Hkv, D] (paged: [pages, page_size, Hkv, D]); lse3 [Bq, Hq, Sq].
+                    cu_seqlens_k_new=None, learnable_sink=None, qv=None):
+    """q4 [Bq, Sq, Hq, D]; k4/v4 [Bk, Sk, Hkv, D] (paged: [pages, page_size, Hkv, D]); out4 [Bq, Sq, Hq, Dv] (Dv:
+    v4's head dim); lse3 [Bq, Hq, Sq]. qv [Bq, Sq, Hq, Dv] or None: MLA's latent queries (scores add qv v^T).
     alibi_slopes: fp32 [Hq] or [num_batches, Hq] (checked by the public functions), or None.
     learnable_sink: fp32 [Hq] or None; a split launch leaves it out of its partials (launch_combine adds it).
 
@@ -116,6 +119,7 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
     """
     dev = q4.device
     hq, d = q4.shape[2], q4.shape[3]  # q's head dim (an NVFP4 cache stores d / 2 bytes per head)
+    dv = out4.shape[3]
     hkv = k4.shape[2]
     group = hq // hkv
     heads_prog = hkv if pack_gqa else hq
@@ -155,6 +159,7 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         hq, group, m_tiles, num_batches * seqlen_q * hq,
         softmax_scale, mask.softcap, mask.window_left, mask.window_right, *alibi_args(alibi_slopes, dummy),
         learnable_sink if learnable_sink is not None else dummy,
+        *((qv, *_strides3(qv, q_batch_stride0)) if qv is not None else (dummy, 0, 0, 0)),
         HEAD_DIM=d, HEAD_DIM_PAD=padded_head_dim(d), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         VARLEN_Q=cu_seqlens_q is not None, VARLEN_K=cu_seqlens_k is not None, HAS_SEQLENS_K=seqlens_k is not None,
         PAGE_SIZE=k4.shape[1] if paged else 0, KV_SCALED=k_scale is not None, KV_NVFP4=kv_nvfp4, PACK_GQA=pack_gqa,
@@ -168,7 +173,8 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         LEFTPAD_K=cache_leftpad is not None, ROTARY_DIM=2 * rotary_cos.shape[1] if rotary_cos is not None else 0,
         ROTARY_INTERLEAVED=bool(rotary_interleaved), ROTARY_PER_TOKEN=bool(rotary_per_token),
         VARLEN_K_NEW=cu_seqlens_k_new is not None, PDL=pdl and split and sm90_target(),
-        HAS_SINK=learnable_sink is not None, num_warps=config.num_warps, num_stages=config.num_stages,
+        HAS_SINK=learnable_sink is not None, HEAD_DIM_V=dv, HEAD_DIM_V_PAD=padded_head_dim(dv), HAS_QV=qv is not None,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
 
@@ -223,22 +229,23 @@ def _tma_4d_ok(t: torch.Tensor) -> bool:
     return _tma_aligned(t, dims=(0, 1, 2)) and all(0 < n < 2 ** 31 for n in t.shape)
 
 
-def ws_call_ok(dtype: torch.dtype, mask: Mask, alibi: bool, sink: bool = False) -> bool:
+def ws_call_ok(dtype: torch.dtype, mask: Mask, alibi: bool) -> bool:
     """What both warp-specialised Gluon kernels (forward and dK/dV) need of a call beyond shapes and layouts: a
-    16-bit dtype, at most a causal mask (no left window, no softcap), no ALiBi (they have no bias), no sink (no
-    extra logit, no d sink) and an sm_90 target."""
+    16-bit dtype, at most a causal mask (no left window, no softcap), no ALiBi (they have no bias) and an sm_90
+    target. A learnable sink is fine: the forward folds it in, the dK/dV kernel sees it only through the lse (the
+    preprocess adds d sink)."""
     plain_mask = mask.window_left < 0 and mask.window_right in (-1, 0) and mask.softcap == 0.0
-    return plain_mask and not alibi and not sink and dtype in (torch.float16, torch.bfloat16) and sm90_target()
+    return plain_mask and not alibi and dtype in (torch.float16, torch.bfloat16) and sm90_target()
 
 
 def ws_forward_config(q4, k4, v4, out4, softmax_scale: float, mask: Mask, max_seqlen_k: int | None = None,
-                      alibi: bool = False, sink: bool = False) -> WsFwdConfig | None:
+                      alibi: bool = False) -> WsFwdConfig | None:
     """The warp-specialised forward's tiles when it serves this call (sm_90, a shape heuristics.fwd_ws_config
-    takes, at most a causal mask, no ALiBi, no sink, a positive scale, TMA-addressable tensors), else None (the Triton
+    takes, at most a causal mask, no ALiBi, a positive scale, TMA-addressable tensors), else None (the Triton
     kernel). max_seqlen_k: given for varlen batches (packed [1, total, H, D] tensors), which take one CTA per tile."""
     if max_seqlen_k is not None and not heuristics.GLUON_VARLEN:
         return None
-    if not (softmax_scale > 0 and ws_call_ok(q4.dtype, mask, alibi, sink)):
+    if not (softmax_scale > 0 and ws_call_ok(q4.dtype, mask, alibi)):
         return None
     cfg = fwd_ws_config(q4.shape[3], mask.window_right == 0, k4.shape[1] if max_seqlen_k is None else max_seqlen_k)
     if cfg is None or not all(_tma_4d_ok(t) for t in (q4, k4, v4, out4)):
@@ -261,9 +268,10 @@ def _desc_4d(t: torch.Tensor, block_rows: int, block_cols: int | None = None):
 
 def launch_attn_fwd_ws(q4, k4, v4, out4, lse3, *, causal: bool, softmax_scale: float, config: WsFwdConfig,
                        cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
-                       max_seqlen_q: int = 0) -> None:
-    """q4/out4 [B, Sq, Hq, D], k4/v4 [B, Sk, Hkv, D], lse3 [B, Hq, Sq] contiguous float32 (see ws_forward_config).
-    Varlen (cu_seqlens_q/k int32 [num_seqs + 1]): q4, k4, v4, out4 [1, total, H, D] and lse3 [1, Hq, total_q]."""
+                       max_seqlen_q: int = 0, learnable_sink: torch.Tensor | None = None) -> None:
+    """q4/out4 [B, Sq, Hq, D], k4/v4 [B, Sk, Hkv, D], lse3 [B, Hq, Sq] contiguous float32 (see ws_forward_config);
+    learnable_sink fp32 [Hq] or None. Varlen (cu_seqlens_q/k int32 [num_seqs + 1]): q4, k4, v4, out4 [1, total, H,
+    D] and lse3 [1, Hq, total_q]."""
     varlen = cu_seqlens_q is not None
     b, sq, hq, d = q4.shape
     m_tiles = attn_fwd_ws.m_tiles(max_seqlen_q if varlen else sq)
@@ -277,9 +285,10 @@ def launch_attn_fwd_ws(q4, k4, v4, out4, lse3, *, causal: bool, softmax_scale: f
         _desc_4d(q4, rows), _desc_4d(k4, config.block_n), _desc_4d(v4, config.block_n), _desc_4d(out4, rows), out4,
         lse3, cu_seqlens_q if varlen else lse3, cu_seqlens_k if varlen else lse3, sq, k4.shape[1], m_tiles, hq,
         hq // k4.shape[2], num_units, 0 if varlen else out4.stride(0), out4.stride(1), out4.stride(2),
-        0 if varlen else lse3.stride(0), lse3.stride(1), softmax_scale * math.log2(math.e), CAUSAL=causal,
+        0 if varlen else lse3.stride(0), lse3.stride(1), softmax_scale * math.log2(math.e),
+        learnable_sink if learnable_sink is not None else lse3, CAUSAL=causal,
         HEAD_DIM=d, BLOCK_N=config.block_n, K_STAGES=config.k_stages, V_STAGES=config.v_stages,
-        PERSISTENT=config.persistent, VARLEN=varlen, num_warps=4)
+        PERSISTENT=config.persistent, VARLEN=varlen, HAS_SINK=learnable_sink is not None, num_warps=4)
 
 
 def launch_combine(o_part, lse_part, out4, lse3, pdl: bool = False, learnable_sink=None) -> None:
@@ -333,6 +342,7 @@ def launch_kv_append(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table,
     if varlen:  # one packed sequence of tokens, each program finding its own sequence
         k_new, v_new = (direct.derived(t.unsqueeze(0), t) for t in (k_new, v_new))
     b, s_new, hkv, d = k_new.shape
+    dv = v_new.shape[3]
     batches = cache_seqlens.shape[0]
     paged = block_table is not None
     dummy = _dummy(k_new.device)
@@ -357,7 +367,8 @@ def launch_kv_append(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table,
         HEAD_DIM=d, HEAD_DIM_PAD=padded_head_dim(d), HEADS_PAD=_utils.next_pow2(hkv), PAGED=paged, FORMAT=fmt,
         HAS_KV_BATCH=cache_batch_idx is not None, ROTARY_DIM=2 * rotary_cos.shape[1] if rotary else 0,
         INTERLEAVED=bool(rotary_interleaved), INTERPRETED=_utils.is_interpreter(), VARLEN_NEW=varlen,
-        BATCH_PAD=_utils.next_pow2(batches) if varlen else 1, num_warps=4,
+        BATCH_PAD=_utils.next_pow2(batches) if varlen else 1, HEAD_DIM_V=dv, HEAD_DIM_V_PAD=padded_head_dim(dv),
+        num_warps=4,
     )
 
 

@@ -27,14 +27,13 @@ def _strides3(t):
 
 
 def ws_backward_config(q, k, v, dout, *, varlen: bool, window_left: int, window_right: int, softcap: float,
-                       max_seqlen_k: int = 0, seqused_k: bool = False, alibi: bool = False,
-                       sink: bool = False) -> WsBwdConfig | None:
+                       max_seqlen_k: int = 0, seqused_k: bool = False, alibi: bool = False) -> WsBwdConfig | None:
     """The warp-specialised dK/dV kernel's tiles when it serves this call (sm_90, a head dim heuristics.bwd_ws_config
-    takes, at most a causal mask, no ALiBi, no sink, TMA-addressable tensors; varlen without seqused_k, tiles by
+    takes, at most a causal mask, no ALiBi, TMA-addressable tensors; varlen without seqused_k, tiles by
     max_seqlen_k), else None (the Triton kernels)."""
     if varlen and (seqused_k or not heuristics.GLUON_VARLEN):
         return None
-    if not ws_call_ok(q.dtype, Mask(window_left, window_right, softcap), alibi, sink):
+    if not ws_call_ok(q.dtype, Mask(window_left, window_right, softcap), alibi):
         return None
     cfg = bwd_ws_config(q.shape[3], window_right == 0, max_seqlen_k if varlen else k.shape[1])
     if cfg is None or not all(_tma_4d_ok(t) for t in (q, k, v, dout)):
@@ -203,7 +202,7 @@ class BwdPlan(direct.Replayable):
         ws = None if self.empty else ws_backward_config(
             q4, k4, v4, do4, varlen=self.varlen, window_left=window_left, window_right=window_right,
             softcap=softcap, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k is not None,
-            alibi=alibi_slopes is not None, sink=learnable_sink is not None)
+            alibi=alibi_slopes is not None)
         self.atomic_dq = (ws.atomic_dq if ws is not None else cfg.atomic_dq) and not deterministic
         self.softmax_scale = softmax_scale
         self.stats_numel = _stats_numel(self.lse_shape)

@@ -16,7 +16,7 @@ import torch
 from .. import _utils
 from . import direct
 from ..heuristics import (GATHER_PROGRAMS_PER_SM, LONG_SPLIT_PROGRAMS_PER_SM, MAX_SPLITS, QUANT_MMA_MAX_ROWS,
-                          decode_config, fwd_config, num_splits_heuristic, quant_decode_config)
+                          decode_config, fwd_config, mla_decode_config, num_splits_heuristic, quant_decode_config)
 from ._launch import (Mask, cache_capacity, launch_attn_fwd, launch_combine, launch_decode_quant, launch_kv_append,
                       sm90_target, tma_tiles)
 from .prefill import _check_softcap
@@ -26,12 +26,14 @@ from .prefill import _check_softcap
 MAX_DECODE_TOKENS = 16
 
 
+MAX_LATENT_DIM = 512  # MLA (qv): DeepSeek-V2/V3's latent width; wider accumulators would not fit the registers
+
 KV_FORMATS = {torch.float8_e4m3fn: "fp8", torch.uint8: "nvfp4"}  # cache dtype -> format; others are 16-bit
 
 
-def _plan(q, k_cache, block_table, num_splits: int):
+def _plan(q, k_cache, block_table, num_splits: int, mla: bool = False):
     """(config, num_splits, capacity) from shapes only: the tile, the split count, then the tile again knowing how
-    many tokens each program streams."""
+    many tokens each program streams. mla: MLA's tiles (qv; heuristics.mla_decode_config)."""
     b, sq, hq, d = q.shape
     hkv = k_cache.shape[2]
     rows = sq * (hq // hkv)
@@ -49,6 +51,12 @@ def _plan(q, k_cache, block_table, num_splits: int):
                                                   per_sm=GATHER_PROGRAMS_PER_SM if gathers else 2,
                                                   long_per_sm=LONG_SPLIT_PROGRAMS_PER_SM if block_table is None else 0)
 
+    if mla:  # a 64-row tile fills an SM: one wave of splits at most (run 125: a second ran 84.0 us vs 60.4, its
+        # extra partials being [rows, 512] fp32 each)
+        cfg = mla_decode_config(rows, _utils.is_interpreter())
+        return cfg, num_splits or num_splits_heuristic(b, hkv, _utils.cdiv(rows, cfg.block_m), capacity, cfg.block_n,
+                                                       sms, cfg.resident_per_sm,
+                                                       per_sm=cfg.resident_per_sm or 2), capacity
     cfg = tiles()
     splits = count(cfg)
     long_cfg = tiles(tokens_per_program=capacity // splits)
@@ -105,34 +113,37 @@ class DecodeSchedule:
     prefill: bool = False
     max_seqlen_q: int = 0  # > 0: q is packed [total_q, Hq, D] with cu_seqlens_q (FA3's varlen queries)
     varlen_new: bool = False  # k, v are packed [total_new, Hkv, D] with cu_seqlens_k_new (s_new is then 0)
+    mla: bool = False  # qv given: MLA's tiles, V (and out) v_cache's head dim wide
 
 
 def _schedule(q, k_cache, v_cache, k, block_table, num_splits: int, sp_overlap: bool, lse_in_workspace: bool,
               extras: bool = False, causal_tiles: bool = False, max_seqlen_q: int = 0,
-              varlen_new: bool = False) -> DecodeSchedule:
+              varlen_new: bool = False, mla: bool = False) -> DecodeSchedule:
     """causal_tiles: the mask has a right bound (prefill tiles differ for causal calls). max_seqlen_q > 0: packed
-    queries, which take the prefill tiles (their rows are ragged: no pack-GQA tile or split partial layout)."""
-    hq, d = q.shape[-2:]
+    queries, which take the prefill tiles (their rows are ragged: no pack-GQA tile or split partial layout).
+    mla: qv is given (its calls are checked to be decode-sized: at most MAX_DECODE_TOKENS, not ragged)."""
+    hq = q.shape[-2]
+    dv = v_cache.shape[-1] if mla else q.shape[-1]  # the partials' width
     s_new = k.shape[1] if k is not None and not varlen_new else 0
     capacity = cache_capacity(k_cache, block_table)
     rows = q.shape[:-1].numel()
     if hq == 0:  # nothing to attend with: only the append launches
         return DecodeSchedule(None, None, 1, capacity, s_new, False, 0, varlen_new=varlen_new)
     if max_seqlen_q or q.shape[1] > MAX_DECODE_TOKENS:
-        cfg = fwd_config(d, causal=causal_tiles, interpret=_utils.is_interpreter(), seqlen_k=capacity)
+        cfg = fwd_config(q.shape[-1], causal=causal_tiles, interpret=_utils.is_interpreter(), seqlen_k=capacity)
         return DecodeSchedule(cfg, None, 1, capacity, s_new, False, rows if lse_in_workspace else 0, prefill=True,
                               max_seqlen_q=max_seqlen_q, varlen_new=varlen_new)
     b = q.shape[0]
     cfg = None
-    qcfg = _quant_mma_config(q, k_cache, v_cache, block_table, capacity, sp_overlap, extras)
+    qcfg = None if mla else _quant_mma_config(q, k_cache, v_cache, block_table, capacity, sp_overlap, extras)
     if qcfg is not None:
         num_splits = num_splits or num_splits_heuristic(b, k_cache.shape[2], 1, capacity, qcfg.step,
                                                         _utils.num_sms(q.device), per_sm=qcfg.programs_per_sm)
     else:
-        cfg, num_splits, _ = _plan(q, k_cache, block_table, num_splits)
-    workspace = (num_splits * rows * (d + 1) if num_splits > 1 else 0) + (rows if lse_in_workspace else 0)
+        cfg, num_splits, _ = _plan(q, k_cache, block_table, num_splits, mla)
+    workspace = (num_splits * rows * (dv + 1) if num_splits > 1 else 0) + (rows if lse_in_workspace else 0)
     return DecodeSchedule(cfg, qcfg, num_splits, capacity, s_new, _combine_pdl(block_table), workspace,
-                          varlen_new=varlen_new)
+                          varlen_new=varlen_new, mla=mla)
 
 
 def _kv_scales(k_scale, v_scale, k_global_scale, v_global_scale) -> dict:
@@ -145,11 +156,12 @@ def _kv_scales(k_scale, v_scale, k_global_scale, v_global_scale) -> dict:
 def _launch_kvcache(s: DecodeSchedule, mask: Mask, softmax_scale: float, sp_overlap: bool, rotary_interleaved: bool,
                     q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos,
                     rotary_sin, cu_seqlens_q, alibi_slopes, cu_seqlens_k_new, learnable_sink, k_scale, v_scale,
-                    k_global_scale, v_global_scale, out, lse, ws) -> None:
-    """The launches of one decode call into out [B, Sq, Hq, D] and lse [B, Hq, Sq] (packed queries: [total_q, Hq,
-    D] and [Hq, total_q]; or, when lse is None, the workspace's tail): the append, the attention, the split
-    combine (which adds learnable_sink once: the split partials leave it out). ws: fp32 [>= s.workspace] or None."""
-    hq, d = q.shape[-2:]
+                    k_global_scale, v_global_scale, out, lse, ws, qv=None) -> None:
+    """The launches of one decode call into out [B, Sq, Hq, Dv] and lse [B, Hq, Sq] (packed queries: [total_q, Hq,
+    Dv] and [Hq, total_q]; or, when lse is None, the workspace's tail): the append, the attention, the split
+    combine (which adds learnable_sink once: the split partials leave it out). ws: fp32 [>= s.workspace] or None.
+    qv [B, Sq, Hq, Dv] (MLA) or None; Dv is out's head dim."""
+    hq, d = out.shape[-2:]
     scales = _kv_scales(k_scale, v_scale, k_global_scale, v_global_scale)
     rotary = dict(rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved)
     if s.s_new or s.varlen_new:
@@ -157,7 +169,7 @@ def _launch_kvcache(s: DecodeSchedule, mask: Mask, softmax_scale: float, sp_over
                          cu_seqlens_k_new=cu_seqlens_k_new, **rotary, **scales)
     extras = dict(cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, alibi_slopes=alibi_slopes,
                   rotary_per_token=mask.window_left >= 0 or mask.window_right >= 0, cu_seqlens_k_new=cu_seqlens_k_new,
-                  learnable_sink=learnable_sink, **rotary)
+                  learnable_sink=learnable_sink, qv=qv, **rotary)
     if hq == 0:  # nothing to attend with; the append above still happened
         return
     if s.max_seqlen_q:  # packed queries: viewed as one batch row with a batch stride of 0
@@ -205,23 +217,23 @@ def _attn_kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                        max_seqlen_q: int, rotary_interleaved: bool,
                        softmax_scale: float, window_left: int, window_right: int, softcap: float, num_splits: int,
                        sp_overlap: bool, k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
-                       k_global_scale: Optional[torch.Tensor],
-                       v_global_scale: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                       k_global_scale: Optional[torch.Tensor], v_global_scale: Optional[torch.Tensor],
+                       qv: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """The custom op's implementation (torch.compile); eager calls take a DecodePlan. max_seqlen_q > 0 with packed
     queries (cu_seqlens_q), else 0."""
-    out = _utils.new_output(q.shape, q.dtype, q.device)
+    out = _utils.new_output((qv if qv is not None else q).shape, q.dtype, q.device)
     lse = _utils.new_output(_lse_shape(q, max_seqlen_q), torch.float32, q.device)
     if cache_seqlens.shape[0] == 0:
         return out, lse
     extras = _triton_only(cache_batch_idx, cache_leftpad, rotary_cos, alibi_slopes, cu_seqlens_k_new, learnable_sink)
     s = _schedule(q, k_cache, v_cache, k, block_table, num_splits, sp_overlap, lse_in_workspace=False,
                   extras=extras, causal_tiles=window_right >= 0,
-                  max_seqlen_q=max_seqlen_q, varlen_new=cu_seqlens_k_new is not None)
+                  max_seqlen_q=max_seqlen_q, varlen_new=cu_seqlens_k_new is not None, mla=qv is not None)
     ws = torch.empty(s.workspace, dtype=torch.float32, device=q.device) if s.workspace else None
     _launch_kvcache(s, Mask(window_left, window_right, softcap), softmax_scale, sp_overlap, rotary_interleaved, q,
                     k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos,
                     rotary_sin, cu_seqlens_q, alibi_slopes, cu_seqlens_k_new, learnable_sink, k_scale, v_scale,
-                    k_global_scale, v_global_scale, out, lse, ws)
+                    k_global_scale, v_global_scale, out, lse, ws, qv)
     return out, lse
 
 
@@ -240,8 +252,9 @@ _attn_kvcache_op = torch.library.custom_op(
 @_attn_kvcache_op.register_fake
 def _(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin,
       cu_seqlens_q, alibi_slopes, cu_seqlens_k_new, learnable_sink, max_seqlen_q, rotary_interleaved, softmax_scale,
-      window_left, window_right, softcap, num_splits, sp_overlap, k_scale, v_scale, k_global_scale, v_global_scale):
-    return torch.empty_like(q), q.new_empty(_lse_shape(q, max_seqlen_q), dtype=torch.float32)
+      window_left, window_right, softcap, num_splits, sp_overlap, k_scale, v_scale, k_global_scale, v_global_scale,
+      qv):
+    return torch.empty_like(qv if qv is not None else q), q.new_empty(_lse_shape(q, max_seqlen_q), dtype=torch.float32)
 
 
 def _check_kv_scales(k_cache, v_cache, k_scale, v_scale, k_global_scale, v_global_scale, num_heads_kv: int,
@@ -326,12 +339,37 @@ def _check_extras(q, b: int, k, block_table, cache_batch_idx, cache_leftpad, rot
         raise ValueError(f"rotary_cos: expected at least {capacity} rows (the cache capacity), got {seqlen_ro}")
 
 
+def _check_qv(q, qv, k_cache, v_cache) -> None:
+    """MLA (FA3's qv): qv [B, Sq, Hq, Dv] in q's dtype, Dv = v_cache's head dim (the latent, <= MAX_LATENT_DIM),
+    16-bit caches whose shapes differ only in the head dim, and decode-sized calls (at most MAX_DECODE_TOKENS query
+    tokens per sequence, packed queries only when all have the same count)."""
+    _utils.check_tensor("qv", qv, ndim=q.dim(), dtypes=(q.dtype,), device=q.device)
+    _utils.check_last_dim_contiguous("qv", qv)
+    dv = v_cache.shape[3]
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(f"k_cache, v_cache: expected equal shapes but the head dim, got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}")
+    if not 1 <= dv <= MAX_LATENT_DIM:
+        raise ValueError(f"v_cache: MLA's latent head dim must be 1..{MAX_LATENT_DIM}, got {dv}")
+    if tuple(qv.shape) != (*q.shape[:-1], dv):
+        raise ValueError(f"qv: expected shape {(*q.shape[:-1], dv)} (q's, with v_cache's head dim), got "
+                         f"{tuple(qv.shape)}")
+    if k_cache.dtype != q.dtype:
+        raise ValueError(f"qv: MLA takes {q.dtype} caches (q's dtype), got {k_cache.dtype}")
+    if q.dim() == 3:
+        raise ValueError("qv: packed queries (cu_seqlens_q) only when every sequence has max_seqlen_q of them")
+    if q.shape[1] > MAX_DECODE_TOKENS:
+        raise ValueError(f"qv: MLA decode takes at most {MAX_DECODE_TOKENS} query tokens per sequence, got "
+                         f"{q.shape[1]}")
+
+
 def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, k_scale, v_scale,
                    k_global_scale, v_global_scale, cache_batch_idx=None, cache_leftpad=None, rotary_cos=None,
                    rotary_sin=None, cu_seqlens_q=None, max_seqlen_q=None, alibi_slopes=None, cu_seqlens_k_new=None,
-                   learnable_sink=None):
+                   learnable_sink=None, qv=None):
     """q [B, Sq, Hq, D], or packed [total_q, Hq, D] with cu_seqlens_q [B + 1] int32 and max_seqlen_q (FA3); k, v
-    [B, Snew, Hkv, D], or packed [total_new, Hkv, D] with cu_seqlens_k_new [B + 1] int32 (FA3)."""
+    [B, Snew, Hkv, D], or packed [total_new, Hkv, D] with cu_seqlens_k_new [B + 1] int32 (FA3). MLA (qv [B, Sq, Hq,
+    Dv]): v_cache and v are Dv wide."""
     _utils.check_tensor("q", q, ndim=4 if cu_seqlens_q is None else 3, dtypes=_utils.SUPPORTED_DTYPES)
     dev = q.device
     cache_dtypes = (q.dtype, torch.float8_e4m3fn, torch.uint8)
@@ -355,9 +393,12 @@ def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_sp
         if max_seqlen_q is None or _utils.as_int("max_seqlen_q", max_seqlen_q) < 0:
             raise ValueError(f"max_seqlen_q: required with cu_seqlens_q (>= every sequence's query count), got "
                              f"{max_seqlen_q}")
-    if k_cache.shape != v_cache.shape:
+    dv = v_cache.shape[3] if qv is not None else d
+    if qv is not None:
+        _check_qv(q, qv, k_cache, v_cache)
+    elif k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache, v_cache: expected equal shapes, got {tuple(k_cache.shape)} and "
-                         f"{tuple(v_cache.shape)}")
+                         f"{tuple(v_cache.shape)} (different head dims need qv: MLA)")
     hkv = k_cache.shape[2]
     cache_d = k_cache.shape[3] * (2 if k_cache.dtype == torch.uint8 else 1)  # NVFP4 packs two values per byte
     if cache_d != d:
@@ -401,15 +442,16 @@ def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_sp
             raise ValueError(f"cu_seqlens_k_new: expected a contiguous [{b + 1}] tensor (batch + 1), got "
                              f"{tuple(cu_seqlens_k_new.shape)}")
     if k is not None:
-        for name, t in (("k", k), ("v", v)):
+        for name, t, width in (("k", k, d), ("v", v, dv)):
             _utils.check_tensor(name, t, ndim=3 if packed_new else 4, dtypes=(q.dtype,), device=dev)
             _utils.check_last_dim_contiguous(name, t)
-            if packed_new and tuple(t.shape[1:]) != (hkv, d):
-                raise ValueError(f"{name}: expected shape [total_new, {hkv}, {d}], got {tuple(t.shape)}")
-            if not packed_new and tuple(t.shape) != (b, t.shape[1], hkv, d):
-                raise ValueError(f"{name}: expected shape [{b}, Snew, {hkv}, {d}], got {tuple(t.shape)}")
-        if k.shape != v.shape:
-            raise ValueError(f"k, v: expected equal shapes, got {tuple(k.shape)} and {tuple(v.shape)}")
+            if packed_new and tuple(t.shape[1:]) != (hkv, width):
+                raise ValueError(f"{name}: expected shape [total_new, {hkv}, {width}], got {tuple(t.shape)}")
+            if not packed_new and tuple(t.shape) != (b, t.shape[1], hkv, width):
+                raise ValueError(f"{name}: expected shape [{b}, Snew, {hkv}, {width}], got {tuple(t.shape)}")
+        if k.shape[:-1] != v.shape[:-1]:
+            raise ValueError(f"k, v: expected equal shapes but the head dim, got {tuple(k.shape)} and "
+                             f"{tuple(v.shape)}")
         s_new = 0 if packed_new else k.shape[1]
         if s_new > capacity:
             raise _utils.CacheCapacityError(f"k: {s_new} new tokens exceed the cache capacity of {capacity} tokens")
@@ -467,47 +509,50 @@ class DecodePlan(direct.Replayable):
 
     def __init__(self, schedule: DecodeSchedule, mask: Mask, softmax_scale: float, sp_overlap: bool,
                  rotary_interleaved: bool, q_key, k_cache, v_cache, k, v, scales, return_lse: bool, validate: bool,
-                 batch: int):
+                 batch: int, qv=None):
         self.schedule, self.mask, self.softmax_scale, self.sp_overlap = schedule, mask, softmax_scale, sp_overlap
         self.rotary_interleaved, self.batch = rotary_interleaved, batch
-        self.keys = (q_key, *map(direct.tensor_key, (k_cache, v_cache, k, v, *scales)))
+        self.keys = (q_key, *map(direct.tensor_key, (k_cache, v_cache, k, v, *scales, qv)))
         self.return_lse, self.validate = return_lse, validate
         self.out_shape, self.dtype, self.device = q_key[0], q_key[2], q_key[3]
+        if qv is not None:  # MLA: out is the latent's width
+            self.out_shape = tuple(qv.shape)
         self.lse_shape = (self.out_shape[1], self.out_shape[0]) if schedule.max_seqlen_q else \
             (self.out_shape[0], self.out_shape[2], self.out_shape[1])
 
     def run(self, q, k_cache, v_cache, k=None, v=None, out=None, k_scale=None, v_scale=None, k_global_scale=None,
-            v_global_scale=None):
-        """flash_attn_with_kvcache(q, k_cache, v_cache, k, v, <the plan's arguments>): out [B, Sq, Hq, D] (into
-        `out` when given: contiguous, q's shape and dtype), with return_lse also lse. The tensors must have the
-        plan's shapes, strides, dtypes, devices and 16-byte alignment; scale tensors default to the plan's."""
+            v_global_scale=None, qv=None):
+        """flash_attn_with_kvcache(q, k_cache, v_cache, k, v, <the plan's arguments>, qv=qv): out [B, Sq, Hq, D]
+        (MLA: qv's shape; into `out` when given: contiguous, that shape and q's dtype), with return_lse also lse. The
+        tensors must have the plan's shapes, strides, dtypes, devices and 16-byte alignment (qv: given exactly when
+        the plan's was); scale tensors default to the plan's."""
         given = (k_scale, v_scale, k_global_scale, v_global_scale)
         scales = tuple(g if g is not None else p for g, p in zip(given, self.scales))
-        if tuple(map(direct.tensor_key, (q, k_cache, v_cache, k, v, *scales))) != self.keys:
-            raise ValueError("DecodePlan.run: q, k_cache, v_cache, k, v and scales must match the plan's shapes, "
+        if tuple(map(direct.tensor_key, (q, k_cache, v_cache, k, v, *scales, qv))) != self.keys:
+            raise ValueError("DecodePlan.run: q, k_cache, v_cache, k, v, scales and qv must match the plan's shapes, "
                              "strides, dtypes, devices and 16-byte alignment (make a plan per layout)")
         if out is not None and (out.shape != self.out_shape or out.dtype != self.dtype or out.device != self.device
                                 or not out.is_contiguous() or out.data_ptr() & 15):
             raise ValueError(f"out: expected a contiguous, 16-byte aligned {self.dtype} tensor of shape "
                              f"{tuple(self.out_shape)} on {self.device}, got {tuple(out.shape)} {out.dtype}")
-        return self._run(q, k_cache, v_cache, k, v, self.index, scales, out)
+        return self._run(q, k_cache, v_cache, k, v, self.index, scales, out, qv)
 
     def _launch(self, *slots):
         _launch_kvcache(self.schedule, self.mask, self.softmax_scale, self.sp_overlap, self.rotary_interleaved,
                         *slots)
 
-    def _run(self, q, k_cache, v_cache, k, v, index, scales, out=None):
+    def _run(self, q, k_cache, v_cache, k, v, index, scales, out=None, qv=None):
         """index: (cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin,
         cu_seqlens_q, alibi_slopes, cu_seqlens_k_new, learnable_sink)."""
         s = self.schedule
         if self.validate:
             _validate_values(k_cache, index[0], index[1], s.capacity, s.s_new, index[2], index[3], index[8])
         if out is None:
-            out = _utils.new_output_like(q)
+            out = _utils.new_output_like(qv if qv is not None else q)
         lse = _utils.new_output(self.lse_shape, torch.float32, self.device) if self.return_lse else None
         stream = direct.current_stream(self.device)
         ws = direct.WORKSPACE.get(self.device, stream, s.workspace) if s.workspace else None
-        slots = (q, k_cache, v_cache, k, v, *index, *scales, out, lse, ws)
+        slots = (q, k_cache, v_cache, k, v, *index, *scales, out, lse, ws, qv)
         if self.batch:  # an empty batch launches nothing
             self.execute(self._launch, slots, stream)
         return (out, lse) if self.return_lse else out
@@ -517,13 +562,15 @@ _PLANS = direct.PlanCache()
 
 
 def _make_plan(q, k_cache, v_cache, k, v, index, softmax_scale, causal, window_size, softcap, rotary_interleaved,
-               num_splits, return_lse, sp_overlap, validate, scales, max_seqlen_q=None) -> DecodePlan:
+               num_splits, return_lse, sp_overlap, validate, scales, max_seqlen_q=None, qv=None) -> DecodePlan:
     """Check every argument (raising before any launch) and plan the call."""
     cache_seqlens, block_table, batch_idx, leftpad, rotary_cos, rotary_sin, cu_seqlens_q, alibi_slopes, cu_k_new, \
         learnable_sink = index
     capacity, s_new = _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, *scales,
                                      batch_idx, leftpad, rotary_cos, rotary_sin, cu_seqlens_q, max_seqlen_q,
-                                     alibi_slopes, cu_k_new, learnable_sink)
+                                     alibi_slopes, cu_k_new, learnable_sink, qv)
+    if qv is not None and sp_overlap:
+        raise ValueError("sp_overlap: not with qv (MLA takes the plain loop)")
     left, right = _utils.check_window(window_size)
     mask = Mask.make(causal, (left, right), _check_softcap(softcap))
     packed = cu_seqlens_q is not None  # its tiles need at least one row
@@ -531,12 +578,17 @@ def _make_plan(q, k_cache, v_cache, k, v, index, softmax_scale, causal, window_s
                       lse_in_workspace=not return_lse,
                       extras=_triton_only(batch_idx, leftpad, rotary_cos, alibi_slopes, cu_k_new, learnable_sink),
                       causal_tiles=mask.window_right >= 0, max_seqlen_q=max(int(max_seqlen_q), 1) if packed else 0,
-                      varlen_new=cu_k_new is not None)
+                      varlen_new=cu_k_new is not None, mla=qv is not None)
     # On the CPU reading values costs no sync, so they are always checked there.
     validate = bool(validate) or q.device.type == "cpu"
-    return DecodePlan(sched, mask, _utils.softmax_scale_or_default(softmax_scale, q.shape[-1]), bool(sp_overlap),
+    return DecodePlan(sched, mask, _default_scale(softmax_scale, q, qv), bool(sp_overlap),
                       bool(rotary_interleaved), direct.tensor_key(q), k_cache, v_cache, k, v, scales,
-                      bool(return_lse), validate, cache_seqlens.shape[0])
+                      bool(return_lse), validate, cache_seqlens.shape[0], qv)
+
+
+def _default_scale(softmax_scale, q, qv) -> float:
+    """softmax_scale, else 1 / sqrt of the score's dot length (with qv, FA3's: q's and qv's head dims)."""
+    return _utils.softmax_scale_or_default(softmax_scale, q.shape[-1] + (qv.shape[-1] if qv is not None else 0))
 
 
 def _block_table(block_table, page_table):
@@ -553,23 +605,25 @@ def decode_plan(q, k_cache, v_cache, cache_seqlens, block_table=None, k=None, v=
                 causal=False, window_size=(-1, -1), softcap=0.0, num_splits=0, return_lse=False, sp_overlap=False,
                 validate=False, k_scale=None, v_scale=None, k_global_scale=None, v_global_scale=None,
                 dtype=torch.bfloat16, *, rotary_cos=None, rotary_sin=None, cache_batch_idx=None, cache_leftpad=None,
-                rotary_interleaved=True, alibi_slopes=None, learnable_sink=None) -> DecodePlan:
+                rotary_interleaved=True, alibi_slopes=None, learnable_sink=None, qv=None) -> DecodePlan:
     """Plan flash_attn_with_kvcache calls that share everything but q, the caches and the new k/v (the layers of
     one decode step; FlashInfer's plan/run pattern): `plan = decode_plan(q, k_cache, v_cache, cache_seqlens, ...)`
     once per step, then `plan.run(q, k_cache, v_cache, k, v)` per layer, graph-capturable. Arguments as
     flash_attn_with_kvcache's; q may be a tensor or a shape (a contiguous q of `dtype` on k_cache's device);
     k/v (new tokens, if any) give their shapes; cache_seqlens, block_table, the scales and the other index tensors
     (rotary tables, cache_batch_idx, cache_leftpad, alibi_slopes, learnable_sink) are bound to the plan. Results equal
-    flash_attn_with_kvcache's bitwise."""
+    flash_attn_with_kvcache's bitwise. qv (MLA), like q, a tensor or a shape: then every run passes its qv."""
     if not isinstance(q, torch.Tensor):
         q = torch.empty(tuple(q), dtype=dtype, device=k_cache.device)
+    if qv is not None and not isinstance(qv, torch.Tensor):
+        qv = torch.empty(tuple(qv), dtype=q.dtype, device=q.device)
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
         raise TypeError(f"cache_seqlens: expected an int32 tensor, got {type(cache_seqlens).__name__}")
     scales = (k_scale, v_scale, k_global_scale, v_global_scale)
     index = (cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin, None, alibi_slopes,
              None, learnable_sink)
     plan = _make_plan(q, k_cache, v_cache, k, v, index, softmax_scale, causal, window_size, softcap,
-                      rotary_interleaved, num_splits, return_lse, sp_overlap, validate, scales)
+                      rotary_interleaved, num_splits, return_lse, sp_overlap, validate, scales, qv=qv)
     plan.index, plan.scales = index, scales
     return plan
 
@@ -580,7 +634,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False, *,
                             return_lse=False, page_table=None, cu_seqlens_q=None, max_seqlen_q=None,
                             cu_seqlens_k_new=None, sp_overlap=False, validate=False, k_scale=None, v_scale=None,
-                            k_global_scale=None, v_global_scale=None, learnable_sink=None):
+                            k_global_scale=None, v_global_scale=None, learnable_sink=None, qv=None):
     """Attention of new query tokens over a KV cache, appending new K/V in place: decode (1..16 tokens per
     sequence: pack-GQA tiles, split-KV) or extend / chunked prefill (more tokens: prefill tiles, no split).
 
@@ -616,6 +670,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     k[cu[b]:cu[b + 1]] at cache_seqlens[b]).
     alibi_slopes: fp32 [Hq] or [B, Hq], as in flash_attn_func, with Sk = cache_seqlens + Snew (after the append).
     learnable_sink: fp32 [Hq], as in flash_attn_func (forward only here); split-KV adds it once, in the combine.
+    MLA (DeepSeek-V2/V3's latent attention, FA3's qv): qv [B, Sq, Hq, Dv] holds the queries' latent part and q
+    their rotary part [.., D]; k_cache [.., Hkv, D] the keys' rotary part and v_cache [.., Hkv, Dv] the latent,
+    which is both the rest of the key and the value: score = q . k + qv . v, out [B, Sq, Hq, Dv]. Dv <= 512,
+    16-bit caches, at most 16 query tokens per sequence; k, v append rotary rows and latent rows. The default
+    softmax_scale is 1 / sqrt(D + Dv) (FA3's).
     Returns out [B, Sq, Hq, D], and with return_softmax_lse=True (or return_lse=True) (out, lse [B, Hq, Sq] fp32).
     """
     return_lse = bool(return_lse or return_softmax_lse)
@@ -623,26 +682,27 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if cu_seqlens_q is not None and isinstance(q, torch.Tensor) and q.dim() == 3 and isinstance(max_seqlen_q, int) \
             and cu_seqlens_q.dim() == 1 and 0 < max_seqlen_q and q.shape[0] == (len(cu_seqlens_q) - 1) * max_seqlen_q:
         # Every sequence holds exactly max_seqlen_q queries: the padded call, with its decode tiles and splits.
-        total_q, hq, d = q.shape
-        res = _kvcache(q.view(-1, max_seqlen_q, hq, d), k_cache, v_cache, k, v, rotary_cos, rotary_sin,
+        total_q, hq = q.shape[:2]
+        padded = lambda t: t if t is None else t.view(-1, max_seqlen_q, hq, t.shape[-1])  # noqa: E731
+        res = _kvcache(padded(q), k_cache, v_cache, k, v, rotary_cos, rotary_sin,
                        cache_seqlens, cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
                        window_size, softcap, rotary_interleaved, alibi_slopes, num_splits, return_lse, None, None,
                        cu_seqlens_k_new, sp_overlap, validate, k_scale, v_scale, k_global_scale, v_global_scale,
-                       learnable_sink)
+                       learnable_sink, padded(qv) if isinstance(qv, torch.Tensor) and qv.dim() == 3 else qv)
         if not return_lse:
-            return res.view(total_q, hq, d)
+            return res.view(total_q, hq, res.shape[-1])
         out, lse = res
-        return out.view(total_q, hq, d), lse.transpose(0, 1).reshape(hq, total_q)
+        return out.view(total_q, hq, out.shape[-1]), lse.transpose(0, 1).reshape(hq, total_q)
     return _kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                     block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
                     num_splits, return_lse, cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new, sp_overlap, validate,
-                    k_scale, v_scale, k_global_scale, v_global_scale, learnable_sink)
+                    k_scale, v_scale, k_global_scale, v_global_scale, learnable_sink, qv)
 
 
 def _kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
              block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
              return_lse, cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new, sp_overlap, validate, k_scale, v_scale,
-             k_global_scale, v_global_scale, learnable_sink):
+             k_global_scale, v_global_scale, learnable_sink, qv=None):
     """flash_attn_with_kvcache without its argument aliases: plan (cached per signature) and run."""
     scales = (k_scale, v_scale, k_global_scale, v_global_scale)
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool) and isinstance(q, torch.Tensor):
@@ -653,7 +713,9 @@ def _kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
     if torch.compiler.is_compiling():
         capacity, s_new = _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits,
                                          *scales, *index[2:7], max_seqlen_q, alibi_slopes, cu_seqlens_k_new,
-                                         learnable_sink)
+                                         learnable_sink, qv)
+        if qv is not None and sp_overlap:
+            raise ValueError("sp_overlap: not with qv (MLA takes the plain loop)")
         if validate:
             _validate_values(k_cache, cache_seqlens, block_table, capacity, s_new, cache_batch_idx, cache_leftpad,
                              cu_seqlens_k_new)
@@ -661,10 +723,9 @@ def _kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
         mask = Mask.make(causal, (left, right), _check_softcap(softcap))
         packed_max = max(int(max_seqlen_q), 1) if cu_seqlens_q is not None else 0
         out, lse = _attn_kvcache_op(q, k_cache, v_cache, k, v, cache_seqlens.contiguous(), *index[1:], packed_max,
-                                    bool(rotary_interleaved), _utils.softmax_scale_or_default(softmax_scale,
-                                                                                              q.shape[-1]),
+                                    bool(rotary_interleaved), _default_scale(softmax_scale, q, qv),
                                     mask.window_left, mask.window_right, mask.softcap, int(num_splits),
-                                    bool(sp_overlap), *scales)
+                                    bool(sp_overlap), *scales, qv)
         return (out, lse) if return_lse else out
     if isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.dim() == 1 and cache_seqlens.stride(0) != 1:
         cache_seqlens = cache_seqlens.contiguous()  # read with unit stride by the kernels
@@ -674,7 +735,8 @@ def _kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
                          direct.tensor_key(k), direct.tensor_key(v), *(direct.tensor_key(t) for t in index),
                          softmax_scale, causal, direct.window_key(window_size), softcap, rotary_interleaved,
                          num_splits, return_lse, sp_overlap, validate, max_seqlen_q,
-                         *(direct.tensor_key(t) for t in scales)),
+                         *(direct.tensor_key(t) for t in (*scales, qv))),
         lambda: _make_plan(q, k_cache, v_cache, k, v, index, softmax_scale, causal, window_size, softcap,
-                           rotary_interleaved, num_splits, return_lse, sp_overlap, validate, scales, max_seqlen_q))
-    return plan._run(q, k_cache, v_cache, k, v, index, scales)
+                           rotary_interleaved, num_splits, return_lse, sp_overlap, validate, scales, max_seqlen_q,
+                           qv))
+    return plan._run(q, k_cache, v_cache, k, v, index, scales, qv=qv)

@@ -73,7 +73,7 @@ def _launch_dense(ws_cfg, cfg, mask: Mask, softmax_scale: float, q, k, v, alibi_
     lse = _lse_or_workspace(lse, ws, (b, hq, sq))
     if ws_cfg is not None:
         launch_attn_fwd_ws(q, k, v, out, lse, causal=mask.window_right == 0, softmax_scale=softmax_scale,
-                           config=ws_cfg)
+                           config=ws_cfg, learnable_sink=learnable_sink)
     else:
         launch_attn_fwd(q, k, v, out, lse, q_batch_stride0=False, k_batch_stride0=False, num_batches=b,
                         seqlen_q=sq, seqlen_k=k.shape[1], m_rows=sq, softmax_scale=softmax_scale, mask=mask,
@@ -81,7 +81,7 @@ def _launch_dense(ws_cfg, cfg, mask: Mask, softmax_scale: float, q, k, v, alibi_
                         learnable_sink=learnable_sink)
 
 
-def _dense_plan(q, k, v, softmax_scale: float, mask: Mask, keep_lse: bool, alibi: bool, sink: bool) -> FwdPlan:
+def _dense_plan(q, k, v, softmax_scale: float, mask: Mask, keep_lse: bool, alibi: bool) -> FwdPlan:
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D], checked; plan.run(q, k, v, alibi_slopes, learnable_sink) (None
     unless alibi / sink)."""
     b, sq, hq, d = q.shape
@@ -91,7 +91,7 @@ def _dense_plan(q, k, v, softmax_scale: float, mask: Mask, keep_lse: bool, alibi
     if not empty:
         # out will be a fresh contiguous tensor of q's shape, which a TMA descriptor addresses whenever q's does,
         # so q stands in for it (None for Sk = 0 too: no TMA over 0 rows).
-        ws_cfg = ws_forward_config(q, k, v, q, softmax_scale, mask, alibi=alibi, sink=sink)
+        ws_cfg = ws_forward_config(q, k, v, q, softmax_scale, mask, alibi=alibi)
         if ws_cfg is None:
             cfg = fwd_config(d, causal=mask.window_right >= 0, interpret=_utils.is_interpreter(), seqlen_k=sk)
     launch = functools.partial(_launch_dense, ws_cfg, cfg, mask, softmax_scale)
@@ -111,8 +111,7 @@ def _attn_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sc
     plan = direct.plan_for(
         _DENSE_PLANS, lambda: (direct.tensor_key(q), direct.tensor_key(k), direct.tensor_key(v), softmax_scale, mask,
                                direct.tensor_key(alibi_slopes), direct.tensor_key(learnable_sink), True),
-        lambda: _dense_plan(q, k, v, softmax_scale, mask, keep_lse=True, alibi=alibi_slopes is not None,
-                            sink=learnable_sink is not None))
+        lambda: _dense_plan(q, k, v, softmax_scale, mask, keep_lse=True, alibi=alibi_slopes is not None))
     return plan.run(q, k, v, alibi_slopes, learnable_sink)
 
 
@@ -128,15 +127,14 @@ def _(q, k, v, softmax_scale, window_left, window_right, softcap, deterministic,
 _attn_fwd_op.register_autograd(_bwd.fwd_backward, setup_context=_bwd.setup_fwd_context)
 
 
-def _varlen_ws_config(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale, mask, alibi: bool,
-                      sink: bool):
+def _varlen_ws_config(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale, mask, alibi: bool):
     """The warp-specialised forward's tiles for packed sequences, or None where it does not serve the call
     (ops/_launch.ws_forward_config; no TMA descriptor over zero rows)."""
     if q.shape[0] == 0 or k.shape[0] == 0 or max_seqlen_q == 0 or cu_seqlens_q.shape[0] < 2:
         return None
     q4, k4, v4 = (t.unsqueeze(0) for t in (q, k, v))
     # out will be a fresh contiguous tensor of q's shape, which a TMA descriptor addresses whenever q's does.
-    return ws_forward_config(q4, k4, v4, q4, softmax_scale, mask, max_seqlen_k=max_seqlen_k, alibi=alibi, sink=sink)
+    return ws_forward_config(q4, k4, v4, q4, softmax_scale, mask, max_seqlen_k=max_seqlen_k, alibi=alibi)
 
 
 def _launch_varlen(ws_cfg, cfg, mask: Mask, softmax_scale: float, max_seqlen_q: int, max_seqlen_k: int, paged: bool,
@@ -154,7 +152,7 @@ def _launch_varlen(ws_cfg, cfg, mask: Mask, softmax_scale: float, max_seqlen_q: 
     if ws_cfg is not None:
         launch_attn_fwd_ws(q4, k4, v4, out4, lse3, causal=mask.window_right == 0, softmax_scale=softmax_scale,
                            config=ws_cfg, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                           max_seqlen_q=max_seqlen_q)
+                           max_seqlen_q=max_seqlen_q, learnable_sink=learnable_sink)
         return
     capacity = block_table.shape[1] * k.shape[1] if paged else k.shape[0]
     launch_attn_fwd(q4, k4, v4, out4, lse3, q_batch_stride0=True, k_batch_stride0=not paged,
@@ -165,7 +163,7 @@ def _launch_varlen(ws_cfg, cfg, mask: Mask, softmax_scale: float, max_seqlen_q: 
 
 
 def _varlen_plan(q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_q: int, max_seqlen_k: int,
-                 softmax_scale: float, mask: Mask, keep_lse: bool, alibi: bool, sink: bool) -> FwdPlan:
+                 softmax_scale: float, mask: Mask, keep_lse: bool, alibi: bool) -> FwdPlan:
     """Checked packed (or paged) arguments; plan.run(q, k, v, alibi_slopes, learnable_sink, cu_seqlens_q,
     cu_seqlens_k, seqused_k, block_table)."""
     total_q, hq, d = q.shape
@@ -177,7 +175,7 @@ def _varlen_plan(q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_q: in
     if not empty:
         if not paged and seqused_k is None:
             ws_cfg = _varlen_ws_config(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale, mask,
-                                       alibi, sink)
+                                       alibi)
         if ws_cfg is None:
             cfg = fwd_config(d, causal=mask.window_right >= 0, interpret=_utils.is_interpreter(),
                              seqlen_k=max_seqlen_k)
@@ -207,7 +205,7 @@ def _attn_varlen_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
         _VARLEN_PLANS, lambda: _varlen_key(q, k, v, alibi_slopes, learnable_sink, cu_seqlens_q, cu_seqlens_k,
                                            seqused_k, None, max_seqlen_q, max_seqlen_k, softmax_scale, mask, True),
         lambda: _varlen_plan(q, k, v, cu_seqlens_q, seqused_k, None, max_seqlen_q, max_seqlen_k, softmax_scale,
-                             mask, keep_lse=True, alibi=alibi_slopes is not None, sink=learnable_sink is not None))
+                             mask, keep_lse=True, alibi=alibi_slopes is not None))
     return plan.run(q, k, v, alibi_slopes, learnable_sink, cu_seqlens_q, cu_seqlens_k, seqused_k, None)
 
 
@@ -236,8 +234,7 @@ def _attn_varlen_paged_fwd_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         _VARLEN_PLANS, lambda: _varlen_key(q, k_cache, v_cache, alibi_slopes, learnable_sink, cu_seqlens_q, None,
                                            seqused_k, block_table, max_seqlen_q, 0, softmax_scale, mask, True),
         lambda: _varlen_plan(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, 0,
-                             softmax_scale, mask, keep_lse=True, alibi=alibi_slopes is not None,
-                             sink=learnable_sink is not None))
+                             softmax_scale, mask, keep_lse=True, alibi=alibi_slopes is not None))
     return plan.run(q, k_cache, v_cache, alibi_slopes, learnable_sink, cu_seqlens_q, None, seqused_k, block_table)
 
 
@@ -327,7 +324,7 @@ def _checked_dense(q, k, v, softmax_scale, causal, window_size, softcap, alibi_s
 def _public_dense_plan(q, k, v, softmax_scale, causal, window_size, softcap, keep_lse, deterministic,
                        alibi_slopes, learnable_sink) -> FwdPlan:
     mask, scale = _checked_dense(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, learnable_sink)
-    plan = _dense_plan(q, k, v, scale, mask, keep_lse, alibi=alibi_slopes is not None, sink=learnable_sink is not None)
+    plan = _dense_plan(q, k, v, scale, mask, keep_lse, alibi=alibi_slopes is not None)
     plan.backward_args = (None, None, None, 0, 0, scale, mask.window_left, mask.window_right, mask.softcap,
                           bool(deterministic))
     return plan
@@ -469,7 +466,7 @@ def _public_varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_ta
                                   learnable_sink)
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), (int(max_seqlen_k) if block_table is None else 0)
     plan = _varlen_plan(q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, scale, mask,
-                        keep_lse, alibi=alibi_slopes is not None, sink=learnable_sink is not None)
+                        keep_lse, alibi=alibi_slopes is not None)
     plan.backward_args = None if block_table is not None else (
         None, None, None, max_seqlen_q, max_seqlen_k, scale, mask.window_left, mask.window_right, mask.softcap,
         bool(deterministic))
