@@ -4,7 +4,7 @@
   backward  bwd, bwd-d64, bwd-d128, bwd-d256, bwd-softcap, bwd-det, bwd-det-d64, bwd-16k, bwd-rotate, bwd-tma;
   decode    decode, decode-quant, decode-paged, decode-paged-tma, decode-page16-tma, decode-page16-stages,
             decode-small, decode-mqa, decode-d64, decode-quant-small, decode-quant-wide, decode-quant-overlap,
-            decode-large, decode-mla;
+            decode-large, decode-mla, decode-mla-h128;
   GEMM      gemm, gemm-small, gemm-occupancy.
 Each config is forced by replacing the heuristic the op reads (tileflash.ops.*.{bwd,decode,gemm}_config), checked
 against a reference, then timed (decode: CUDA-graph replay). The winners go into tileflash/heuristics.py with the
@@ -165,7 +165,12 @@ GEMM_OCCUPANCY_CONFIGS = [(16, 64, 128, 4, 4, 4, True), (16, 64, 128, 4, 4, 8, T
 # memory): 64 rows spill 80-336 B at 8 warps (32 tokens, 3 stages: 80 B), 1.3-3.9 KB at 4 warps, 400+ B at 16;
 # 16 rows do not spill at 4 or 8 warps except transposed 64-token steps.
 MLA_SHAPES = [(128, 32, 4096), (128, 1, 32768), (128, 128, 1024), (16, 32, 4096), (16, 1, 32768), (16, 8, 32768)]
-MLA_CONFIGS = {64: [(32, 8, 2, False), (32, 8, 3, False), (64, 8, 2, False), (16, 8, 4, False), (64, 8, 1, False)],
+# Transposed products at 64 rows (s^T = K q^T, acc^T = V^T P^T: the 512 latent columns on the MMA's M side, split
+# between the warpgroups; sm_90 build, triton 3.7): 32-token 3-stage steps 232 registers, no spills; 64-token 2 / 1
+# stages spill 784 / 1032 B, 128-token 1 stage 504 B. Run 128 (`decode-mla-h128`): none beats the plain 64-token
+# 2-stage pick (b=32 ctx 4k 189.3 / 245.1 / 195.7 us vs 157.0; b=1 ctx 32k 64.2 / 83.5 / 70.1 vs 60.5).
+MLA_CONFIGS = {64: [(32, 8, 2, False), (32, 8, 3, False), (64, 8, 2, False), (16, 8, 4, False), (64, 8, 1, False),
+                    (32, 8, 3, True), (64, 8, 2, True), (128, 8, 1, True)],
                16: [(64, 4, 2, False), (64, 8, 3, False), (32, 8, 3, False), (32, 4, 3, True), (64, 8, 2, False),
                     (32, 4, 2, False)]}
 MLA_SPLITS = (0, 1, 2, 4, 8, 33, 66, 132)
@@ -419,6 +424,7 @@ def main(argv=None):
              "gemm-occupancy": lambda r: sweep_gemm(r, SMALL_M_SHAPES, GEMM_OCCUPANCY_CONFIGS),
              "decode-small": sweep_decode_small,
              "decode-mla": sweep_mla,
+             "decode-mla-h128": lambda r: sweep_mla(r, [s for s in MLA_SHAPES if s[0] == 128]),
              "decode-mqa": lambda r: sweep_decode_small(r, MQA_SHAPES, MQA_CONFIGS, (0, 4, 8, 16, 33, 66)),
              "decode-d64": lambda r: sweep_decode_small(r, D64_SHAPES, D64_CONFIGS, (0, 1, 2, 4, 16, 33)),
              "decode-quant-small": lambda r: sweep_decode_small(r, QUANT_SMALL_SHAPES, QUANT_SMALL_CONFIGS,
