@@ -127,3 +127,19 @@ def test_mla_tiles_are_mla_config():
     q, qv, kc, vc, _, _ = _mla_inputs(1, 1, 128, 32, None)
     s = decode_ops._schedule(q, kc, vc, None, None, 0, False, lse_in_workspace=True, mla=True)
     assert s.qcfg is None and s.mla and s.cfg.block_m == 64
+
+
+def test_mla_compile_matches_eager():
+    """The custom op carries qv (its schema and fake implementation give out qv's shape)."""
+    q, qv, kc, vc, table, (kn, vn) = _mla_inputs(2, 1, 16, 32, 16, s_new=1, seed=4)
+    lens = torch.tensor([20, 9], dtype=torch.int32, device=DEVICE)
+
+    def step(q, qv, kc, vc):
+        return tileflash.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens, block_table=table, qv=qv,
+                                                 num_splits=2)
+
+    eager_kc, eager_vc = kc.clone(), vc.clone()
+    eager = step(q, qv, eager_kc, eager_vc)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(q, qv, kc, vc)
+    assert compiled.shape == (2, 1, 16, LATENT)
+    assert torch.equal(compiled, eager) and torch.equal(kc, eager_kc) and torch.equal(vc, eager_vc)
