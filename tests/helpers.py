@@ -76,9 +76,9 @@ def check_grads(run, ref_run, inputs, dout, dlse):
 
 
 
-def run_standin_script(name: str, timeout: int = 600):
-    """Run tests/<name> in a subprocess without TRITON_INTERPRET (it installs the sm_90 stand-in driver, which
-    replaces the process's active Triton driver); returns the completed process."""
+def run_standin_script(name: str, *args: str, timeout: int = 600):
+    """Run tests/<name> (with command-line args) in a subprocess without TRITON_INTERPRET (it installs the
+    stand-in driver, which replaces the process's active Triton driver); returns the completed process."""
     import os
     import subprocess
     import sys
@@ -86,8 +86,8 @@ def run_standin_script(name: str, timeout: int = 600):
     here = os.path.dirname(__file__)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, os.path.join(here, name)], capture_output=True, text=True, env=env,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, os.path.join(here, name), *args], capture_output=True, text=True,
+                          env=env, timeout=timeout)
 
 
 def decode_inputs(b, ctx, hkv, page, seed):

@@ -1,14 +1,16 @@
-"""Compile the kernels behind every public op for sm_90 (H100/H200) on a machine without a GPU.
+"""Compile the kernels behind every public op for a GPU target on a machine without a GPU (sm_90 by default).
 
 The CPU test suite runs kernels through Triton's interpreter, which executes Python: it never runs Triton's GPU
 compiler, so code the interpreter accepts can still fail to compile for the GPU (a `return` inside a static `if`,
-shapes the layout passes reject). This script installs a stand-in for Triton's CUDA driver that reports an sm_90
-target and turns launches into no-ops, then calls each op on CPU tensors: every kernel goes through the real
-compiler and ptxas (bundled with triton) for sm_90, and nothing runs. Results are garbage; only compilation is
-checked. Usage: `python tests/sm90_compile_check.py [--res-usage] [--arch 80|100|120]` (exit status 1 if any
-case fails to compile; --arch: another target, whose cases expecting sm_90's Gluon kernels fail by design (issue 33);
---res-usage prints registers and stack bytes, i.e. spills, of every compiled variant). Run by
-tests/test_sm90_compile.py in a subprocess, since it replaces the process's active Triton driver.
+shapes the layout passes reject). This script installs a stand-in for Triton's CUDA driver that reports the target
+and turns launches into no-ops, then calls each op on CPU tensors: every kernel goes through the real compiler and
+ptxas (bundled with triton) for that target, and nothing runs. Results are garbage; only compilation is checked.
+Usage: `python tests/sm90_compile_check.py [--res-usage] [--arch 80|90|100|120] [--only "NAME|NAME"]` (exit status 1
+if any case fails to compile; --only keeps the cases whose names contain one of the fragments; --res-usage prints
+registers and stack bytes, i.e. spills, of every compiled variant). Off sm_90 the cases that take the Gluon sm_90
+kernels there must compile without them (the dispatch declines them by its capability check), the cases that force a
+Gluon kernel's config are skipped, and below sm_89 so are the FP8 / NVFP4 ones (the ops refuse such GPUs before any
+launch). Run by tests/test_sm90_compile.py in a subprocess, since it replaces the process's active Triton driver.
 """
 import os
 import sys
@@ -21,21 +23,36 @@ from triton.runtime import driver  # noqa: E402
 from tileflash.bench.standin import Sm90CompileOnly  # noqa: E402
 
 
+def _variants(kernels) -> list:
+    return [sum(len(c[0]) for c in kern.device_caches.values()) for kern in kernels]
+
+
 def _compiles(kernels, call) -> None:
     """Run call; raise unless it compiled a new variant of every kernel in kernels (the call took those kernels)."""
-    def variants():
-        return [sum(len(c[0]) for c in kern.device_caches.values()) for kern in kernels]
-
-    before = variants()
+    before = _variants(kernels)
     call()
-    for kern, n0, n1 in zip(kernels, before, variants()):
+    for kern, n0, n1 in zip(kernels, before, _variants(kernels)):
         if n1 <= n0:
             raise AssertionError(f"{kern.fn.__name__} did not compile for this call")
 
 
-def _cases():
+def _avoids(kernels, call) -> None:
+    """Run call; raise if it compiled any of kernels (off sm_90: the dispatch must decline the Gluon kernels by
+    its capability check, and the call compile through the Triton kernels)."""
+    before = _variants(kernels)
+    call()
+    for kern, n0, n1 in zip(kernels, before, _variants(kernels)):
+        if n1 > n0:
+            raise AssertionError(f"{kern.fn.__name__} compiled for a target it does not serve")
+
+
+def _cases(arch: int = 90):
+    """name -> case (a callable; None: the case exercises an sm_90-only kernel with a forced config and is skipped
+    on other targets). Off sm_90 the cases that take the Gluon kernels there must compile without them."""
     import tileflash
     from tileflash.heuristics import WsBwdConfig
+
+    sm90 = arch == 90
 
     bf, fp16 = torch.bfloat16, torch.float16
 
@@ -88,6 +105,9 @@ def _cases():
         from tileflash.kernels.decode_quant_mma import decode_quant_kernel as kern
         from tileflash.ops import decode as decode_ops
 
+        if not sm90:
+            return None
+
         def case():
             saved = decode_ops.quant_decode_config
             if fmt == "fp8":
@@ -126,11 +146,14 @@ def _cases():
         from tileflash.kernels.attn_fwd_ws import attn_fwd_ws_kernel
 
         kernels = (attn_fwd_ws_kernel, attn_bwd_ws_kernel) if backward else (attn_fwd_ws_kernel,)
-        return lambda: _compiles(kernels, call)
+        return (lambda: _compiles(kernels, call)) if sm90 else (lambda: _avoids(kernels, call))
 
     def backward_variant(d, causal, config, varlen=False):
         """A backward through the warp-specialised dK/dV kernel with a config the heuristic does not pick."""
         from tileflash.ops import backward as backward_ops
+
+        if not sm90:
+            return None
 
         def case():
             saved = backward_ops.bwd_ws_config
@@ -150,7 +173,7 @@ def _cases():
         """An nvfp4_matmul call; mma: it must take the register-operand Gluon kernel (kernels/gemm_nvfp4_mma.py)."""
         from tileflash.kernels.gemm_nvfp4_mma import nvfp4_matmul_mma_kernel as kern
 
-        _compiles((kern,) if mma else (), lambda: tileflash.nvfp4_matmul(torch.randn(m, k, dtype=dtype),
+        (_compiles if sm90 else _avoids)((kern,) if mma else (), lambda: tileflash.nvfp4_matmul(torch.randn(m, k, dtype=dtype),
                                                                          *tileflash.nvfp4_quantize(torch.randn(n, k))))
 
     def alibi_on_triton(call, backward=False):
@@ -169,6 +192,8 @@ def _cases():
         from tileflash.kernels.attn_bwd import attn_bwd_preprocess_kernel
         from tileflash.kernels.attn_fwd_ws import attn_fwd_ws_kernel
 
+        if not sm90:
+            return lambda: _avoids((attn_fwd_ws_kernel,), call)
         return lambda: _compiles((attn_fwd_ws_kernel, attn_bwd_preprocess_kernel), call)
 
     def sinks_on_triton(call):
@@ -308,6 +333,12 @@ def _resource_usage():
                               f"constexprs={list(consts.values())}{serialised}")
 
 
+def _needs_fp8(name: str) -> bool:
+    """Cases of FP8 / NVFP4 kernels (FP8 and NVFP4 caches, NVFP4 dequantization, the NVFP4 GEMM): their e4m3
+    conversions need sm_89+. (fp8_quantize is torch code; nvfp4_quantize's kernel builds e4m3 bits by integer ops.)"""
+    return any(word in name for word in ("decode fp8", "nvfp4", "gemm"))
+
+
 def main() -> int:
     """Exit status 1 if any case fails to compile; with --res-usage also print registers and spills."""
     arch = int(sys.argv[sys.argv.index("--arch") + 1]) if "--arch" in sys.argv else 90
@@ -315,8 +346,16 @@ def main() -> int:
     failed = []
     from tileflash.ops import direct
 
-    for name, fn in _cases().items():
+    cases = _cases(arch)
+    if "--only" in sys.argv:  # name fragments separated by "|": the cases whose names hold one of them
+        wanted = sys.argv[sys.argv.index("--only") + 1].split("|")
+        cases = {name: fn for name, fn in cases.items() if any(w in name for w in wanted)}
+    for name, fn in cases.items():
         direct.clear_all()  # cases swap heuristics, which cached plans would outlive
+        if fn is None or (arch < 89 and _needs_fp8(name)):
+            print(f"skip  {name}: " + ("an sm_90 kernel's forced config" if fn is None else
+                                       "FP8 / NVFP4 kernels need sm_89+ (the ops refuse older GPUs)"))
+            continue
         try:
             fn()
             print(f"ok    {name}")
@@ -325,7 +364,7 @@ def main() -> int:
                 exc = exc.__cause__
             failed.append(name)
             print(f"FAIL  {name}: {type(exc).__name__}: {str(exc)[-600:]}")
-    print(f"{len(failed)} of {len(_cases())} cases failed to compile for sm_{arch}")
+    print(f"{len(failed)} of {len(cases)} cases failed to compile for sm_{arch}")
     if "--res-usage" in sys.argv:
         _resource_usage()
     return 1 if failed else 0

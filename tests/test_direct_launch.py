@@ -119,3 +119,29 @@ def test_graph_captured_plan_run_follows_new_lengths_and_pages():
         want = tileflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table, causal=True)
         assert torch.equal(out, want)
         assert (out.float() - ref).abs().max() < 2e-2
+
+
+def test_launch_drops_stages_that_overflow_shared_memory():
+    """A variant over the target's shared memory is launched again with one stage fewer (down to one); other
+    resource errors, and an overflow at one stage, reach the caller."""
+    from triton.runtime.errors import OutOfResources
+
+    class Kernel:
+        def __init__(self, fits_at, resource="shared memory"):
+            self.fits_at, self.resource, self.tried = fits_at, resource, []
+
+        def __getitem__(self, grid):
+            def run(*args, num_stages=direct.TRITON_DEFAULT_STAGES, **kwargs):
+                self.tried.append(num_stages)
+                if num_stages > self.fits_at:
+                    raise OutOfResources(100, 99, self.resource)
+                return "compiled"
+            return run
+
+    k = Kernel(fits_at=1)
+    assert direct.launch(k, (1,), 7, num_stages=3) == "compiled" and k.tried == [3, 2, 1]
+    k = Kernel(fits_at=2)
+    assert direct.launch(k, (1,)) == "compiled" and k.tried == [3, 2]
+    for kernel in (Kernel(fits_at=0), Kernel(fits_at=1, resource="registers")):
+        with pytest.raises(OutOfResources):
+            direct.launch(kernel, (1,), num_stages=2)

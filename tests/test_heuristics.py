@@ -206,6 +206,32 @@ def test_bwd_config(d, expected):
     assert c.dkdv_block_n * padded_head_dim(d) <= 128 * 128  # K, V, dK, dV of one program fit 8 warps' registers
 
 
+@pytest.mark.parametrize("arch", [100, 103])
+def test_bwd_config_fits_blackwell_tensor_memory(arch):
+    """sm_10x keeps the dK/dV program's accumulators in 512 columns of tensor memory: dK and dV (D each), S^T and
+    dP^T (query rows each) and the atomic dQ step (D) must fit; other targets keep the H200's tiles."""
+    for d in (64, 128):
+        c = bwd_config(d, arch=arch)
+        assert 3 * d + 2 * c.dkdv_block_m <= 512 or not c.atomic_dq
+        assert 2 * d + 2 * c.dkdv_block_m <= 512
+    assert bwd_config(128, arch=None) == bwd_config(128)
+
+
+@pytest.mark.parametrize("arch", [80, 89, 120])
+def test_small_shared_memory_targets_take_smaller_tiles(arch):
+    """Under 200 KB of shared memory per block the d128/d256 dK/dV tiles and the d256 forward tile shrink (the
+    H200's needed 112-128 KB at one stage); d64 and the d128 forward keep the H200's."""
+    from tileflash.heuristics import SHARED_MEM_PER_BLOCK
+
+    assert SHARED_MEM_PER_BLOCK[arch] < 200 * 1024
+    for d in (128, 256):
+        small, big = bwd_config(d, arch=arch), bwd_config(d)
+        assert small.dkdv_block_m * small.dkdv_block_n < big.dkdv_block_m * big.dkdv_block_n
+    assert bwd_config(64, arch=arch) == bwd_config(64)
+    assert fwd_config(256, arch=arch).block_m < fwd_config(256).block_m
+    assert fwd_config(128, arch=arch) == fwd_config(128)
+
+
 # (num_splits, padded head dim) -> (splits per load, columns per program): every split in one load, 4096 values
 @pytest.mark.parametrize("args, expected", [
     ((2, 128), (2, 128)),  # two splits: whole rows
@@ -275,3 +301,15 @@ def test_mla_decode_tiles_and_splits():
     assert num_splits_heuristic(1, 1, 2, 32768, big.block_n, 132, **one_wave) == 66
     assert num_splits_heuristic(32, 1, 2, 4096, big.block_n, 132, **one_wave) == 2
     assert num_splits_heuristic(128, 1, 2, 1024, big.block_n, 132, **one_wave) == 1
+
+
+def test_mla_decode_tiles_off_the_h200():
+    """Compiled-only targets: sm_10x takes 32-token steps at 64 rows; targets under 200 KB of shared memory per
+    block (A100, Ada, consumer Blackwell) take 16-row tiles whatever the head count."""
+    from tileflash.heuristics import SHARED_MEM_PER_BLOCK, mla_decode_config
+
+    assert mla_decode_config(128, arch=100).block_n == 32 and mla_decode_config(16, arch=100) == mla_decode_config(16)
+    for arch in (80, 89, 120):
+        assert SHARED_MEM_PER_BLOCK[arch] < 200 * 1024
+        assert {mla_decode_config(rows, arch=arch).block_m for rows in (16, 64, 128)} == {16}
+    assert mla_decode_config(128, arch=None) == mla_decode_config(128)

@@ -51,6 +51,11 @@ class BwdConfig:
     tma: bool = False  # dK/dV programs read unmasked Q/dO blocks through TMA descriptors (power-of-two head dims)
 
 
+# Shared memory one block may use, by compute capability (CUDA's limits: A100 163 KB, Ada and consumer Blackwell
+# 99 KB, H100/H200 and B200 227 KB).
+SHARED_MEM_PER_BLOCK = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 103: 232448, 120: 101376}
+
+
 def padded_head_dim(d: int) -> int:
     """Head dims are padded inside the kernel to a power of two (>= 16, the smallest tl.dot K)."""
     return max(16, next_pow2(d))
@@ -63,7 +68,8 @@ def padded_head_dim(d: int) -> int:
 ONE_WARPGROUP_MAX_KEYS = 4096
 
 
-def fwd_config(head_dim: int, causal: bool = False, interpret: bool = False, seqlen_k: int = 2 ** 30) -> FwdConfig:
+def fwd_config(head_dim: int, causal: bool = False, interpret: bool = False, seqlen_k: int = 2 ** 30,
+               arch: int | None = 90) -> FwdConfig:
     """Measured on the H200 (benchmarks/sweep.py, s=4096, bf16, 2026-11-30; TFLOP/s in brackets).
     seqlen_k: keys per sequence (varlen: the longest). Warp specialisation measured no gain on sm_90 with triton
     3.6 (within 1%), so it stays off."""
@@ -89,6 +95,9 @@ def fwd_config(head_dim: int, causal: bool = False, interpret: bool = False, seq
         # d = 256: a 128x128 S tile plus a 128x256 accumulator exceeds the register file; 3 stages exceed shared
         # memory. TMA: 524 vs 489.
         cfg = FwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, tma=True)
+        if SHARED_MEM_PER_BLOCK.get(arch, SHARED_MEM_PER_BLOCK[90]) < 200 * 1024:
+            # Under 200 KB per block (compiled only): Q, K and V of 128 x 64 rows take 128 KB at one stage.
+            cfg = FwdConfig(block_m=64, block_n=32, num_warps=4, num_stages=2, tma=True)
     if interpret:
         # Small tiles keep the interpreter fast and put several KV blocks in short test sequences; K/V arrive the
         # GPU's way (TMA descriptors or pointers), so the CPU suite runs that load path too (a zero-row descriptor
@@ -177,7 +186,7 @@ def bwd_ws_config(head_dim: int, causal: bool, seqlen_k: int) -> WsBwdConfig | N
     return None
 
 
-def bwd_config(head_dim: int, interpret: bool = False) -> BwdConfig:
+def bwd_config(head_dim: int, interpret: bool = False, arch: int | None = 90) -> BwdConfig:
     """Backward tiles per head dim, measured on the H200 (benchmarks/config_sweep.py bwd-d64 / bwd-d128 / bwd-det,
     bf16, 16k tokens at s = 4096, 2048/d heads, TFLOP/s = 2.5 x forward FLOPs / t, 2026-11-30):
       d64:  the separate dQ pass with (64, 64, 128, 32, warps 4/8, stages 3/3): 298 full / 288 causal (session 2);
@@ -195,14 +204,23 @@ def bwd_config(head_dim: int, interpret: bool = False) -> BwdConfig:
     with TMA spills (86-92 B) and lost (300.6 vs 354.1), so it keeps pointers.
     Fields: dK/dV (query rows per step, keys per program), dQ (query rows per program, keys per step), then warps
     and stages of each kernel, whether dQ is added up with atomics by default, the staggered starts, and TMA loads
-    of Q/dO in the dK/dV interior (power-of-two head dims only; the launcher takes pointers otherwise)."""
+    of Q/dO in the dK/dV interior (power-of-two head dims only; the launcher takes pointers otherwise).
+    arch (the target's compute capability): sm_10x (B200) keeps tl.dot accumulators in tensor memory (512 columns
+    of 32 bits), which d128's 64-row dK/dV step overflows (576: dK, dV, S^T, dP^T and dQ); it takes 32 rows (448
+    columns). Compiled for sm_100 on the CPU only, never timed."""
     if interpret:
         return BwdConfig(16, 16, 16, 16, 4, 1, 4, 1, rotate=True, tma=True)
     d = padded_head_dim(head_dim)
+    if d > 64 and SHARED_MEM_PER_BLOCK.get(arch, SHARED_MEM_PER_BLOCK[90]) < 200 * 1024:
+        # Under 200 KB of shared memory per block (A100, Ada, consumer Blackwell; compiled only): K, V, Q and dO
+        # tiles of half the rows (d128's H200 tile needed 112 KB at one stage, over a 99 KB limit).
+        return BwdConfig(32, 64, 64, 64, 4, 2, 4, 2, rotate=True) if d <= 128 else \
+            BwdConfig(16, 32, 32, 32, 4, 2, 4, 1, rotate=True)
     if d <= 64:
         return BwdConfig(64, 64, 128, 32, 4, 3, 8, 3, atomic_dq=False, tma=True)
     if d <= 128:
-        return BwdConfig(64, 128, 128, 64, 8, 3, 8, 2, rotate=True)
+        tensor_memory = arch is not None and arch // 10 == 10
+        return BwdConfig(32 if tensor_memory else 64, 128, 128, 64, 8, 3, 8, 2, rotate=True)
     return BwdConfig(32, 32, 64, 32, 4, 2, 8, 1, rotate=True)
 
 
@@ -281,12 +299,19 @@ def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_fo
 MLA_TILES = {16: (64, 4, 2, 0), 32: (64, 4, 2, 0), 64: (64, 8, 2, 1)}
 
 
-def mla_decode_config(group_rows: int, interpret: bool = False) -> DecodeConfig:
-    """MLA's pack-GQA tiles: decode_block_m rows (16..64), MLA_TILES's steps."""
+def mla_decode_config(group_rows: int, interpret: bool = False, arch: int | None = 90) -> DecodeConfig:
+    """MLA's pack-GQA tiles: decode_block_m rows (16..64), MLA_TILES's steps. Off the H200 (compiled on the CPU,
+    never timed): sm_10x takes 32-token steps at 64 rows (Blackwell's MMA keeps its operands in shared memory,
+    where the 64-token tile needed 281 KB), and targets with under 200 KB of shared memory per block take 16-row
+    tiles (a 64-row tile's qv alone is 64 KB) of 32 tokens."""
     block_m = decode_block_m(group_rows)
     if interpret:
         return DecodeConfig(block_m=block_m, block_n=16, num_warps=4, num_stages=1)
+    if SHARED_MEM_PER_BLOCK.get(arch, SHARED_MEM_PER_BLOCK[90]) < 200 * 1024:
+        return DecodeConfig(block_m=16, block_n=32, num_warps=4, num_stages=2)
     block_n, warps, stages, resident = MLA_TILES[block_m]
+    if arch is not None and arch // 10 == 10 and block_m == 64:
+        block_n = 32
     return DecodeConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
                         resident_per_sm=resident)
 

@@ -12,10 +12,18 @@ import torch
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.driver import CudaDriver, CudaLauncher
 
+from tileflash.heuristics import SHARED_MEM_PER_BLOCK
+
 
 class _Utils:
+    """Device properties of the target (kernels over its shared memory fail to load, as they would on that GPU)."""
+
+    def __init__(self, max_shared_mem: int = SHARED_MEM_PER_BLOCK[90]):
+        self.max_shared_mem = max_shared_mem
+
     def get_device_properties(self, device):
-        return {"max_shared_mem": 232448, "multiprocessor_count": 132, "max_num_regs": 65536, "warpSize": 32}
+        return {"max_shared_mem": self.max_shared_mem, "multiprocessor_count": 132, "max_num_regs": 65536,
+                "warpSize": 32}
 
     def load_binary(self, name, kernel, shared, device):
         return 1, 1, 0, 0, 1024  # module, function, n_regs, n_spills, max threads
@@ -75,11 +83,11 @@ class NoLaunch:
 class Sm90CompileOnly(CudaDriver):
     """Triton's CUDA driver minus the GPU; `arch` picks another target (80, 100, 120: the compile check's --arch)."""
 
-    utils = _Utils()
     launcher_cls = NoLaunch
 
     def __init__(self, arch: int = 90):  # the real one loads libcuda
         self.arch = arch
+        self.utils = _Utils(SHARED_MEM_PER_BLOCK[arch])
 
     def get_current_device(self):
         return 0

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ._masks import LOG2E, alibi_distance, visible
-from .quant import NVFP4_SCALE_WORDS, nvfp4_unpack_tile
+from .quant import NVFP4_PURE_ASM, NVFP4_SCALE_WORDS, nvfp4_unpack_tile
 
 
 @triton.jit
@@ -41,7 +41,7 @@ def _kv_tile(base, sbase, start_n, seqlen_k, bt_ptr, stride_page, stride_tok, ss
     [rows, Hkv, D], contiguous or a page pool whose pages hold whole tiles; columns past D arrive as zeros), or by
     pointers (contiguous or paged, any page size). Rows at or past seqlen_k
     are zero when MASK_N (with a descriptor they belong to the next sequence: never let them reach P @ V).
-    KV_NVFP4 (NVFP4_SCALE_BYTES or _WORDS): base holds packed e2m1 pairs [.., D/2] and sbase the e4m3 scale of each
+    KV_NVFP4 (NVFP4_SCALE_BYTES or _WORDS, plus NVFP4_PURE_ASM off sm_90): base holds packed e2m1 pairs [.., D/2] and sbase the e4m3 scale of each
     16 elements [.., D/16] (strides sstride_*); the tile is decoded in registers (e2m1 x e4m3 is exact in fp16/bf16)
     and the per-tensor global scale is folded in by the caller."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -50,7 +50,8 @@ def _kv_tile(base, sbase, start_n, seqlen_k, bt_ptr, stride_page, stride_tok, ss
         row_off = _kv_row_offsets(offs_n, seqlen_k, bt_ptr, stride_page, stride_tok, PAGE_SIZE, MASK_N)
         offs_b = tl.arange(0, HEAD_DIM // 2)
         s_off = _kv_row_offsets(offs_n, seqlen_k, bt_ptr, sstride_page, sstride_tok, PAGE_SIZE, MASK_N)
-        if KV_NVFP4 == NVFP4_SCALE_WORDS:  # rows of scales 4-byte aligned: four scales per int32
+        scale_words: tl.constexpr = KV_NVFP4 % NVFP4_PURE_ASM == NVFP4_SCALE_WORDS
+        if scale_words:  # rows of scales 4-byte aligned: four scales per int32
             s_ptrs = (sbase + s_off[:, None]).to(tl.pointer_type(tl.int32)) + tl.arange(0, HEAD_DIM // 64)[None, :]
         else:
             s_ptrs = sbase + s_off[:, None] + tl.arange(0, HEAD_DIM // 16)[None, :]
@@ -60,7 +61,8 @@ def _kv_tile(base, sbase, start_n, seqlen_k, bt_ptr, stride_page, stride_tok, ss
         else:
             packed = tl.load(base + row_off[:, None] + offs_b[None, :])
             s_bits = tl.load(s_ptrs)
-        t = nvfp4_unpack_tile(packed, s_bits, BLOCK_N, HEAD_DIM, False)  # side effects: see nvfp4_unpack_tile
+        pure: tl.constexpr = KV_NVFP4 >= NVFP4_PURE_ASM  # side effects: see nvfp4_unpack_tile
+        t = nvfp4_unpack_tile(packed, s_bits, BLOCK_N, HEAD_DIM, pure)
     elif USE_DESC:
         if PAGE_SIZE > 0:  # the launcher takes descriptors only when a page holds whole tiles
             row = tl.load(bt_ptr + start_n // PAGE_SIZE) * PAGE_SIZE + start_n % PAGE_SIZE

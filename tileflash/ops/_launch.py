@@ -15,7 +15,7 @@ from ..kernels import attn_fwd_ws, decode_quant_mma
 from ..kernels.attn_combine import attn_combine_kernel, merge_states_kernel
 from ..kernels.attn_fwd import attn_fwd_kernel
 from ..kernels.kv_append import kv_append_kernel
-from ..kernels.quant import NVFP4_SCALE_BYTES, NVFP4_SCALE_WORDS
+from ..kernels.quant import NVFP4_PURE_ASM, NVFP4_SCALE_BYTES, NVFP4_SCALE_WORDS
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 COMBINE_BLOCK_ROWS = 16
@@ -133,6 +133,8 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
     if nvfp4:  # int32 scale words need 4-byte aligned scale rows (d >= 64 is a whole number of words per row)
         aligned = d >= 64 and all(_utils.words_aligned(t, 3) for t in (k_block_scale, v_block_scale))
         kv_nvfp4 = NVFP4_SCALE_WORDS if aligned else NVFP4_SCALE_BYTES
+        if not sm90_target():
+            kv_nvfp4 += NVFP4_PURE_ASM
     descs = None
     if tma_tiles(config, k4.shape[1] if paged else 0, nvfp4):
         descs = row_descriptors((k4, v4), k4.shape[0] * k4.shape[1], config.block_n)
@@ -210,18 +212,24 @@ def launch_decode_quant(q4, k4, v4, out4, lse3, *, seqlen_k: int, seqlens_k, seq
     )
 
 
-def sm90_target() -> bool:
-    """Whether kernels compile for sm_90 (H100/H200): Triton's active target, not torch's device, so the CPU
-    compile check (tests/sm90_compile_check.py) takes the same paths as the GPU."""
+def target_arch() -> int | None:
+    """The CUDA compute capability kernels compile for (80, 90, 100, 120, ...), from Triton's active target, not
+    torch's device, so the CPU compile check (tests/sm90_compile_check.py --arch) takes the same paths as that GPU;
+    None in the interpreter or without a CUDA driver."""
     if _utils.is_interpreter():
-        return False
+        return None
     try:
         import triton
 
         target = triton.runtime.driver.active.get_current_target()
     except Exception:  # no usable GPU driver
-        return False
-    return target.backend == "cuda" and target.arch == 90
+        return None
+    return target.arch if target.backend == "cuda" else None
+
+
+def sm90_target() -> bool:
+    """Whether kernels compile for sm_90 (H100/H200), where the Gluon kernels run."""
+    return target_arch() == 90
 
 
 def _tma_4d_ok(t: torch.Tensor) -> bool:

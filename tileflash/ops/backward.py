@@ -17,7 +17,7 @@ from ..heuristics import WsBwdConfig, bwd_config, bwd_ws_config, padded_head_dim
 from ..kernels import attn_bwd_ws
 from ..kernels.attn_bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
 from . import direct
-from ._launch import Mask, _desc_4d, _dummy, _tma_4d_ok, alibi_args, row_descriptors, ws_call_ok
+from ._launch import Mask, _desc_4d, _dummy, _tma_4d_ok, alibi_args, row_descriptors, target_arch, ws_call_ok
 
 PREPROCESS_BLOCK_ROWS = 32
 
@@ -198,7 +198,7 @@ class BwdPlan(direct.Replayable):
         self.dout_contiguous = dout.stride(-1) != 1
         if self.dout_contiguous:
             do4 = do4.contiguous()
-        cfg = bwd_config(q.shape[-1], _utils.is_interpreter())
+        cfg = bwd_config(q.shape[-1], _utils.is_interpreter(), target_arch())
         ws = None if self.empty else ws_backward_config(
             q4, k4, v4, do4, varlen=self.varlen, window_left=window_left, window_right=window_right,
             softcap=softcap, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k is not None,

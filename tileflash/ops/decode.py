@@ -18,7 +18,7 @@ from . import direct
 from ..heuristics import (GATHER_PROGRAMS_PER_SM, LONG_SPLIT_PROGRAMS_PER_SM, MAX_SPLITS, QUANT_MMA_MAX_ROWS,
                           decode_config, fwd_config, mla_decode_config, num_splits_heuristic, quant_decode_config)
 from ._launch import (Mask, cache_capacity, launch_attn_fwd, launch_combine, launch_decode_quant, launch_kv_append,
-                      sm90_target, tma_tiles)
+                      sm90_target, target_arch, tma_tiles)
 from .prefill import _check_softcap
 
 # More new query tokens than this per sequence (an extend / chunked prefill through flash_attn_with_kvcache) take
@@ -53,7 +53,7 @@ def _plan(q, k_cache, block_table, num_splits: int, mla: bool = False):
 
     if mla:  # a 64-row tile fills an SM: one wave of splits at most (run 125: a second ran 84.0 us vs 60.4, its
         # extra partials being [rows, 512] fp32 each)
-        cfg = mla_decode_config(rows, _utils.is_interpreter())
+        cfg = mla_decode_config(rows, _utils.is_interpreter(), target_arch())
         return cfg, num_splits or num_splits_heuristic(b, hkv, _utils.cdiv(rows, cfg.block_m), capacity, cfg.block_n,
                                                        sms, cfg.resident_per_sm,
                                                        per_sm=cfg.resident_per_sm or 2), capacity
@@ -130,7 +130,8 @@ def _schedule(q, k_cache, v_cache, k, block_table, num_splits: int, sp_overlap: 
     if hq == 0:  # nothing to attend with: only the append launches
         return DecodeSchedule(None, None, 1, capacity, s_new, False, 0, varlen_new=varlen_new)
     if max_seqlen_q or q.shape[1] > MAX_DECODE_TOKENS:
-        cfg = fwd_config(q.shape[-1], causal=causal_tiles, interpret=_utils.is_interpreter(), seqlen_k=capacity)
+        cfg = fwd_config(q.shape[-1], causal=causal_tiles, interpret=_utils.is_interpreter(), seqlen_k=capacity,
+                         arch=target_arch())
         return DecodeSchedule(cfg, None, 1, capacity, s_new, False, rows if lse_in_workspace else 0, prefill=True,
                               max_seqlen_q=max_seqlen_q, varlen_new=varlen_new)
     b = q.shape[0]

@@ -27,6 +27,7 @@ import threading
 
 import torch
 from triton import knobs
+from triton.runtime.errors import OutOfResources
 
 from .. import _utils
 
@@ -271,9 +272,22 @@ def derived(obj, base):
     return obj
 
 
+TRITON_DEFAULT_STAGES = 3  # a @triton.jit launch without num_stages
+
+
 def launch(kernel, grid, *args, **kwargs):
-    """kernel[grid](*args, **kwargs), recorded when a recording is in progress."""
-    compiled = kernel[grid](*args, **kwargs)
+    """kernel[grid](*args, **kwargs), recorded when a recording is in progress. A Triton kernel whose pipeline
+    stages need more shared memory than the target has (tiles measured on the H200's 227 KB, compiled for a 99 KB
+    consumer GPU) is launched with one stage fewer, down to one: stages change the speed, never the result."""
+    while True:
+        try:
+            compiled = kernel[grid](*args, **kwargs)
+            break
+        except OutOfResources as exc:
+            stages = kwargs.get("num_stages", TRITON_DEFAULT_STAGES)
+            if "shared memory" not in str(exc) or stages <= 1:
+                raise
+            kwargs = {**kwargs, "num_stages": stages - 1}
     rec = getattr(_state, "recording", None)
     if rec is not None:
         rec.add(kernel, compiled, grid, args, kwargs)

@@ -11,7 +11,7 @@ from .. import _utils, heuristics
 from ..heuristics import fwd_config
 from . import backward as _bwd
 from . import direct
-from ._launch import Mask, launch_attn_fwd, launch_attn_fwd_ws, ws_forward_config
+from ._launch import Mask, launch_attn_fwd, launch_attn_fwd_ws, target_arch, ws_forward_config
 
 
 def _check_qkv(q, k, v, ndim: int, kv_ndim: int | None = None) -> None:
@@ -93,7 +93,8 @@ def _dense_plan(q, k, v, softmax_scale: float, mask: Mask, keep_lse: bool, alibi
         # so q stands in for it (None for Sk = 0 too: no TMA over 0 rows).
         ws_cfg = ws_forward_config(q, k, v, q, softmax_scale, mask, alibi=alibi)
         if ws_cfg is None:
-            cfg = fwd_config(d, causal=mask.window_right >= 0, interpret=_utils.is_interpreter(), seqlen_k=sk)
+            cfg = fwd_config(d, causal=mask.window_right >= 0, interpret=_utils.is_interpreter(), seqlen_k=sk,
+                             arch=target_arch())
     launch = functools.partial(_launch_dense, ws_cfg, cfg, mask, softmax_scale)
     return FwdPlan(launch, (b, hq, sq), q.device, keep_lse, empty)
 
@@ -178,7 +179,7 @@ def _varlen_plan(q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_q: in
                                        alibi)
         if ws_cfg is None:
             cfg = fwd_config(d, causal=mask.window_right >= 0, interpret=_utils.is_interpreter(),
-                             seqlen_k=max_seqlen_k)
+                             seqlen_k=max_seqlen_k, arch=target_arch())
     launch = functools.partial(_launch_varlen, ws_cfg, cfg, mask, softmax_scale, max_seqlen_q, max_seqlen_k, paged)
     return FwdPlan(launch, (hq, total_q), q.device, keep_lse, empty)
 
