@@ -286,6 +286,7 @@ def _cases(arch: int = 90):
         "decode fp8 d64, register operands (forced)": register_decode("fp8", d=64, paged=True, page=64),
         "nvfp4_dequantize": lambda: tileflash.nvfp4_dequantize(*tileflash.nvfp4_quantize(torch.randn(64, 128))),
         "fp8_quantize": lambda: tileflash.fp8_quantize(torch.randn(64, 128, dtype=bf)),
+        "nvfp4_quantize": lambda: tileflash.nvfp4_quantize(torch.randn(64, 128, dtype=bf)),
         "gemm M=1 (split-K), register operands": lambda: gemm(1, 4096, 4096, mma=True),
         "gemm M=16 fp16, K tail, one slice, register operands": lambda: gemm(16, 200, 416, torch.float16, mma=True),
         "gemm M=128": lambda: gemm(128, 512, 1024),
@@ -336,7 +337,7 @@ def _resource_usage():
 def _needs_fp8(name: str) -> bool:
     """Cases of FP8 / NVFP4 kernels (FP8 and NVFP4 caches, NVFP4 dequantization, the NVFP4 GEMM): their e4m3
     conversions need sm_89+. (fp8_quantize is torch code; nvfp4_quantize's kernel builds e4m3 bits by integer ops.)"""
-    return any(word in name for word in ("decode fp8", "nvfp4", "gemm"))
+    return any(word in name for word in ("decode fp8", "decode nvfp4", "nvfp4_dequantize", "gemm"))
 
 
 def main() -> int:

@@ -15,7 +15,7 @@ CUDA = torch.cuda.is_available()
 OTHER_TARGETS = {
     100: "prefill fwd+bwd d128 window softcap|decode nvfp4 split learnable_sink|decode MLA H=128",
     120: "prefill fwd+bwd d256|decode MLA H=128|prefill d64 causal fp16, warp-specialised forward",
-    80: "prefill fwd+bwd d128 window softcap|decode nvfp4 append",
+    80: "prefill fwd+bwd d128 window softcap|decode nvfp4 append|nvfp4_quantize",
 }
 
 
