@@ -88,11 +88,14 @@ def _cases(arch: int = 90):
                 kw.update(cache_batch_idx=torch.arange(b, dtype=torch.int32), cache_leftpad=lens // 2)
         tileflash.flash_attn_with_kvcache(q, kc, vc, new, new, cache_seqlens=lens, block_table=table, **kw, **call_kw)
 
-    def mla(hq, sq=1, page=0, append=False, b=2, ctx=1024, **call_kw):
+    def mla(hq, sq=1, page=0, append=False, b=2, ctx=1024, fp8=False, **call_kw):
         """MLA decode through qv: a 64-wide rotary key and a 512-wide latent (the value), one KV head."""
         q, qv = torch.randn(b, sq, hq, 64, dtype=bf), torch.randn(b, sq, hq, 512, dtype=bf)
         rows = (b * ctx // page, page) if page else (b, ctx)
-        kc, vc = torch.zeros(*rows, 1, 64, dtype=bf), torch.zeros(*rows, 1, 512, dtype=bf)
+        cache = torch.float8_e4m3fn if fp8 else bf
+        kc, vc = torch.zeros(*rows, 1, 64, dtype=cache), torch.zeros(*rows, 1, 512, dtype=cache)
+        if fp8:
+            call_kw.update(k_scale=torch.ones(1), v_scale=torch.ones(1))
         table = torch.arange(rows[0], dtype=torch.int32).view(b, -1) if page else None
         new = (torch.randn(b, sq, 1, 64, dtype=bf), torch.randn(b, sq, 1, 512, dtype=bf)) if append else (None, None)
         tileflash.flash_attn_with_kvcache(q, kc, vc, *new, cache_seqlens=torch.full((b,), ctx - sq, dtype=torch.int32),
@@ -173,8 +176,9 @@ def _cases(arch: int = 90):
         """An nvfp4_matmul call; mma: it must take the register-operand Gluon kernel (kernels/gemm_nvfp4_mma.py)."""
         from tileflash.kernels.gemm_nvfp4_mma import nvfp4_matmul_mma_kernel as kern
 
-        (_compiles if sm90 else _avoids)((kern,) if mma else (), lambda: tileflash.nvfp4_matmul(torch.randn(m, k, dtype=dtype),
-                                                                         *tileflash.nvfp4_quantize(torch.randn(n, k))))
+        call = lambda: tileflash.nvfp4_matmul(torch.randn(m, k, dtype=dtype),  # noqa: E731
+                                              *tileflash.nvfp4_quantize(torch.randn(n, k)))
+        (_compiles if sm90 else _avoids)((kern,) if mma else (), call)
 
     def alibi_on_triton(call, backward=False):
         """Run a call with alibi_slopes whose shape would take a Gluon kernel: it must compile the Triton kernels'
@@ -276,6 +280,7 @@ def _cases(arch: int = 90):
             *grad_leaves(2, 300, 4, 59), causal=True).sum().backward(),
         "decode MLA H=128 (qv, latent 512), split": lambda: mla(128, num_splits=4),
         "decode MLA H=16 paged page 64, append, causal Sq=2": lambda: mla(16, sq=2, page=64, append=True, causal=True),
+        "decode fp8 MLA H=128 latent, append, split": lambda: mla(128, append=True, fp8=True, num_splits=3),
         "decode nvfp4 append": lambda: decode("nvfp4", append=True),
         "decode nvfp4 d32 append": lambda: decode("nvfp4", d=32, append=True),
         "decode nvfp4 paged": lambda: decode("nvfp4", paged=True),

@@ -33,8 +33,7 @@ def test_padded_head_dim(d, expected):
 ])
 def test_fwd_config(d, causal, seqlen_k, block_m, block_n, warps, stages, tma):
     c = fwd_config(d, causal, seqlen_k=seqlen_k)
-    assert (c.block_m, c.block_n, c.num_warps, c.num_stages, c.tma, c.warp_spec) == \
-        (block_m, block_n, warps, stages, tma, False)
+    assert (c.block_m, c.block_n, c.num_warps, c.num_stages, c.tma) == (block_m, block_n, warps, stages, tma)
 
 
 @pytest.mark.parametrize("d, causal", [(64, False), (64, True), (128, False), (128, True), (256, True), (40, False)])

@@ -48,6 +48,19 @@ def test_mla_decode(case):
                        causal=causal)
 
 
+@pytest.mark.parametrize("page, splits", [(None, 1), (16, 3)])
+def test_mla_fp8_latent_cache(page, splits):
+    """An e4m3 latent cache with its own scale (and the rotary keys with theirs): the score's two parts carry
+    different scales, so qv is rescaled by v_scale / k_scale in the kernel; appends quantize both."""
+    from tileflash.reference import fp8_quantize_ref
+
+    q, qv, kc, vc, table, (kn, vn) = _mla_inputs(2, 1, 16, 64, page, s_new=1, seed=21)
+    k_scale, v_scale = (torch.tensor([s], device=DEVICE) for s in (0.01, 0.013))
+    lens = torch.tensor([40, 62], dtype=torch.int32, device=DEVICE)
+    check_kvcache_call(q, kn, vn, fp8_quantize_ref(kc, k_scale), fp8_quantize_ref(vc, v_scale), qv=qv,
+                       cache_seqlens=lens, block_table=table, num_splits=splits, k_scale=k_scale, v_scale=v_scale)
+
+
 def test_mla_sink_and_gqa_latent():
     """The other decode features stay available with qv: a learnable sink (split: added once, in the combine) and
     several KV heads of a narrower latent."""
@@ -90,9 +103,9 @@ def _bad(name):
         kw["qv"] = qv[..., :256]
     elif name == "qv_dtype":
         kw["qv"] = qv.half()
-    elif name == "fp8_cache":
-        args[1:] = [kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)]
-        kw.update(k_scale=torch.ones(1, device=DEVICE), v_scale=torch.ones(1, device=DEVICE))
+    elif name == "nvfp4_cache":
+        args[1:] = [torch.zeros(1, 32, 1, ROPE // 2, dtype=torch.uint8, device=DEVICE),
+                    torch.zeros(1, 32, 1, LATENT // 2, dtype=torch.uint8, device=DEVICE)]
     elif name == "too_many_tokens":
         args[0], kw["qv"] = q.expand(1, 17, 16, ROPE), qv.expand(1, 17, 16, LATENT)
     elif name == "sp_overlap":
@@ -111,7 +124,7 @@ def _bad(name):
 
 
 @pytest.mark.parametrize("name, match", [
-    ("qv_shape", "qv: expected shape"), ("qv_dtype", "qv"), ("fp8_cache", "qv: MLA takes"),
+    ("qv_shape", "qv: expected shape"), ("qv_dtype", "qv"), ("nvfp4_cache", "qv: MLA takes"),
     ("too_many_tokens", "at most 16"), ("sp_overlap", "sp_overlap"), ("latent_too_wide", "1..512"),
     ("no_qv", "different head dims need qv"), ("new_v_width", "v: expected shape"), ("ragged_packed", "packed"),
 ])

@@ -17,7 +17,6 @@ class FwdConfig:
     num_warps: int
     num_stages: int
     tma: bool = False  # K/V through TMA tensor descriptors (when strides allow; else pointers)
-    warp_spec: bool = False  # Triton warp specialisation of the KV loop
     trans: bool = False  # transposed products: decode only (DecodeConfig)
     sp_overlap: bool = False  # QK^T of block j+1 issued before the softmax of block j (attn_inner's SP_OVERLAP)
 
@@ -30,7 +29,6 @@ class DecodeConfig:
     num_stages: int
     tma: bool = False  # K/V through TMA tensor descriptors: contiguous caches, and page pools whose pages hold whole
     # tiles (page size a multiple of block_n; others, and NVFP4 caches, take pointers)
-    warp_spec: bool = False  # always off for decode (no gain measured); the launcher reads it for both configs
     trans: bool = False  # s^T = K q^T, acc^T += V^T P^T: KV tokens and head dim on the MMA's M side
     resident_per_sm: int = 0  # programs an SM holds at once when that limits splitting (0: it does not); splits
     # then fill whole waves of resident_per_sm x SMs programs
@@ -71,8 +69,8 @@ ONE_WARPGROUP_MAX_KEYS = 4096
 def fwd_config(head_dim: int, causal: bool = False, interpret: bool = False, seqlen_k: int = 2 ** 30,
                arch: int | None = 90) -> FwdConfig:
     """Measured on the H200 (benchmarks/sweep.py, s=4096, bf16, 2026-11-30; TFLOP/s in brackets).
-    seqlen_k: keys per sequence (varlen: the longest). Warp specialisation measured no gain on sm_90 with triton
-    3.6 (within 1%), so it stays off."""
+    seqlen_k: keys per sequence (varlen: the longest). Triton's warp specialisation of this loop measured no gain
+    on sm_90 with triton 3.6 (within 1%) and was removed (the Gluon forward is the warp-specialised one)."""
     d = padded_head_dim(head_dim)
     if d <= 64 and causal and seqlen_k <= ONE_WARPGROUP_MAX_KEYS:
         # One warpgroup per program, as for d128 (run 48, `sweep.py --dims 64`, TFLOP/s, causal s = 2k / 4k / 16k):

@@ -171,15 +171,15 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
                qk_scale, softcap_scale, window_left, window_right, alibi_slope, HEAD_DIM: tl.constexpr,
                BLOCK_N: tl.constexpr, MASK: tl.constexpr, PAGE_SIZE: tl.constexpr, USE_DESC: tl.constexpr,
                KV_NVFP4: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-               SP_OVERLAP: tl.constexpr, WARP_SPEC: tl.constexpr, TILE_DTYPE: tl.constexpr, TRANS: tl.constexpr,
+               SP_OVERLAP: tl.constexpr, TILE_DTYPE: tl.constexpr, TRANS: tl.constexpr,
                RAW_SCORES: tl.constexpr, ALIBI: tl.constexpr, qv, offs_dv, HEAD_DIM_V: tl.constexpr,
                HAS_QV: tl.constexpr):
     """Accumulate KV tokens [lo, hi) (lo, hi multiples of BLOCK_N) into (acc, m_i, l_i).
 
     MASK=False is the fast path for blocks that are fully visible to every row (no per-element masks).
     SP_OVERLAP=True issues QK^T of block j+1 before the softmax of block j (FA4's S/P ping-pong), so the MMA
-    and the next loads overlap the exp2 work; False is the plain loop, which WARP_SPEC hands to Triton's warp
-    specialisation (producer warps for loads, consumer warps for MMA and softmax).
+    and the next loads overlap the exp2 work; False is the plain loop (Triton's warp specialisation of it measured
+    no gain on sm_90 and was removed: the sm_90 prefill's producer/consumer split is the Gluon kernel's).
     TRANS=True computes the transposed products s^T = K q^T and acc^T += V^T P^T (q holds q^T [DP, M], acc holds
     acc^T): with decode's few query rows the KV tokens and the head dim fill the MMA's M side instead of padding.
     V tiles are HEAD_DIM_V wide (offs_dv); HAS_QV (MLA) adds qv v^T to the scores (the plain loop only).
@@ -207,7 +207,7 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
                 acc, m_i, l_i = _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS, RAW_SCORES)
                 s = s_next
     else:
-        for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
+        for start_n in range(lo, hi, BLOCK_N):
             acc, m_i, l_i = _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr,
                                         stride_k_page, stride_k_tok, stride_v_page, stride_v_tok, sstride_page,
                                         sstride_tok, desc_row0, head_kv, offs_d, seqlen_k, start_n, qk_scale,

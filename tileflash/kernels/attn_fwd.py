@@ -41,16 +41,20 @@ from .quant import E2M1_UNIT
 
 
 @triton.jit
-def _fp16_range(x):
-    """(x * 2^k, 2^-k) with k chosen so the largest finite |x| lands in [2^8, 2^9) (k = 0 when there is none).
+def _finite_amax(x):
+    """The largest finite |x| of a tile (0 when there is none), fp32."""
+    xf = x.to(tl.float32)
+    return tl.max(tl.max(tl.where(tl.abs(xf) < float("inf"), tl.abs(xf), 0.0), 1), 0)
+
+
+@triton.jit
+def _fp16_range(amax):
+    """(2^k, 2^-k) with k chosen so amax (a tile's largest finite |x|) times 2^k lands in [2^8, 2^9) (k = 0 for 0).
     inf and NaN pass through without moving k, so they stay in their own rows. One k per tile: a row more than 2^22
     times smaller than the tile's largest value reaches fp16's subnormals (pack-GQA rows are heads of one group)."""
-    xf = x.to(tl.float32)
-    amax = tl.max(tl.max(tl.where(tl.abs(xf) < float("inf"), tl.abs(xf), 0.0), 1), 0)
     e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent of max|x|
     k = tl.where(e == 0, 0, tl.minimum(tl.maximum(135 - e, -126), 126))  # 2^k and 2^-k stay normal fp32
-    scale = ((127 + k) << 23).to(tl.float32, bitcast=True)
-    return xf * scale, ((127 - k) << 23).to(tl.float32, bitcast=True)
+    return ((127 + k) << 23).to(tl.float32, bitcast=True), ((127 - k) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -84,7 +88,7 @@ def attn_fwd_kernel(
     PAGE_SIZE: tl.constexpr, KV_SCALED: tl.constexpr, KV_NVFP4: tl.constexpr,
     PACK_GQA: tl.constexpr, SPLIT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-    USE_DESC: tl.constexpr, SP_OVERLAP: tl.constexpr, WARP_SPEC: tl.constexpr, TILE_DTYPE: tl.constexpr,
+    USE_DESC: tl.constexpr, SP_OVERLAP: tl.constexpr, TILE_DTYPE: tl.constexpr,
     TRANS: tl.constexpr, RAW_SCORES: tl.constexpr, ALIBI: tl.constexpr, HAS_KV_BATCH: tl.constexpr = False,
     LEFTPAD_K: tl.constexpr = False, ROTARY_DIM: tl.constexpr = 0, ROTARY_INTERLEAVED: tl.constexpr = False,
     ROTARY_PER_TOKEN: tl.constexpr = False, VARLEN_K_NEW: tl.constexpr = False, PDL: tl.constexpr = False,
@@ -145,19 +149,27 @@ def attn_fwd_kernel(
             ro_pos += tok
         q = rotate_rows(q, q_ptr + b.to(tl.int64) * stride_qb + q_rows, ro_pos, row_ok, offs_d, rotary_cos_ptr,
                         rotary_sin_ptr, stride_ro, seqlen_ro, ROTARY_DIM, ROTARY_INTERLEAVED)
-    q_unscale = 1.0
-    if KV_SCALED:
-        # Quantized caches widen exactly to fp16 (one conversion per pair; bf16 would take three), so the tiles
-        # are fp16: q is scaled by a power of two that puts max|q| in [2^8, 2^9) (no overflow, full precision
-        # down to 2^-22 of the max), undone in the logit scale.
-        q, q_unscale = _fp16_range(q)
-    q = q.to(TILE_DTYPE)
     offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
     qv = q  # not read without HAS_QV
     if HAS_QV:
         qv_rows = (q_start + tok).to(tl.int64) * stride_qvs + head_q.to(tl.int64) * stride_qvh
         qv = tl.load(qv_ptr + b.to(tl.int64) * stride_qvb + qv_rows[:, None] + offs_dv[None, :],
-                     mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0).to(TILE_DTYPE)
+                     mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+    q_unscale = 1.0
+    if KV_SCALED:
+        # Quantized caches widen exactly to fp16 (one conversion per pair; bf16 would take three), so the tiles
+        # are fp16: q is scaled by a power of two that puts max|q| in [2^8, 2^9) (no overflow, full precision
+        # down to 2^-22 of the max), undone in the logit scale.
+        amax = _finite_amax(q)
+        if HAS_QV:  # FP8 latent: s = k_scale (q . k8 + qv (v_scale / k_scale) . v8), both parts under one 2^k
+            qv = qv.to(tl.float32) * (tl.load(v_scale_ptr + head_kv * stride_kv_scale)
+                                      / tl.load(k_scale_ptr + head_kv * stride_kv_scale))
+            amax = tl.maximum(amax, _finite_amax(qv))
+        q_scale, q_unscale = _fp16_range(amax)
+        q = q.to(tl.float32) * q_scale
+        qv = qv * q_scale
+    q = q.to(TILE_DTYPE)
+    qv = qv.to(TILE_DTYPE)
     if TRANS:  # transposed products (see attn_inner): q^T and acc^T
         q = tl.trans(q)
         if HAS_QV:
@@ -225,21 +237,21 @@ def attn_fwd_kernel(
             stride_vs, stride_bs_page, stride_bs_tok, desc_row0, head_kv, offs_d, seqlen_k,
             tl.maximum(s_lo, n_lo) * BLOCK_N, tl.minimum(s_hi, full_lo) * BLOCK_N, qk_scale, softcap_scale,
             window_left, window_right, alibi_slope, HEAD_DIM, BLOCK_N, True, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT,
-            HAS_RIGHT, SOFTCAP, SP_OVERLAP, WARP_SPEC, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv,
+            HAS_RIGHT, SOFTCAP, SP_OVERLAP, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv,
             HEAD_DIM_V, HAS_QV)
     acc, m_i, l_i = attn_inner(
         acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr, stride_kb, stride_ks, stride_vb,
         stride_vs, stride_bs_page, stride_bs_tok, desc_row0, head_kv, offs_d, seqlen_k,
         tl.maximum(s_lo, full_lo) * BLOCK_N, tl.minimum(s_hi, full_hi) * BLOCK_N, qk_scale, softcap_scale,
         window_left, window_right, alibi_slope, HEAD_DIM, BLOCK_N, False, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT,
-        HAS_RIGHT, SOFTCAP, SP_OVERLAP, WARP_SPEC, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv,
+        HAS_RIGHT, SOFTCAP, SP_OVERLAP, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv,
             HEAD_DIM_V, HAS_QV)
     acc, m_i, l_i = attn_inner(
         acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr, stride_kb, stride_ks, stride_vb,
         stride_vs, stride_bs_page, stride_bs_tok, desc_row0, head_kv, offs_d, seqlen_k,
         tl.maximum(s_lo, full_hi) * BLOCK_N, tl.minimum(s_hi, n_hi) * BLOCK_N, qk_scale, softcap_scale,
         window_left, window_right, alibi_slope, HEAD_DIM, BLOCK_N, True, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT,
-        HAS_RIGHT, SOFTCAP, SP_OVERLAP, WARP_SPEC, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv,
+        HAS_RIGHT, SOFTCAP, SP_OVERLAP, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv,
             HEAD_DIM_V, HAS_QV)
 
     # ---- epilogue: normalise; rows that saw no key give out = 0 and lse = -inf (with a sink: lse = sink) --

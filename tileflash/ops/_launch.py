@@ -167,7 +167,7 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         PAGE_SIZE=k4.shape[1] if paged else 0, KV_SCALED=k_scale is not None, KV_NVFP4=kv_nvfp4, PACK_GQA=pack_gqa,
         SPLIT=split,
         HAS_LEFT=mask.window_left >= 0, HAS_RIGHT=mask.window_right >= 0, SOFTCAP=mask.softcap > 0.0,
-        USE_DESC=descs is not None, SP_OVERLAP=sp_overlap, WARP_SPEC=config.warp_spec and not sp_overlap,
+        USE_DESC=descs is not None, SP_OVERLAP=sp_overlap,
         TILE_DTYPE=_utils.tile_dtype(torch.float16 if k_scale is not None else q4.dtype),
         TRANS=config.trans,
         RAW_SCORES=softmax_scale > 0 and mask.softcap == 0.0 and k_scale is None and alibi_slopes is None,

@@ -341,11 +341,13 @@ def _check_extras(q, b: int, k, block_table, cache_batch_idx, cache_leftpad, rot
 
 
 def _check_qv(q, qv, k_cache, v_cache) -> None:
-    """MLA (FA3's qv): qv [B, Sq, Hq, Dv] in q's dtype, Dv = v_cache's head dim (the latent, <= MAX_LATENT_DIM),
-    16-bit caches whose shapes differ only in the head dim, and decode-sized calls (at most MAX_DECODE_TOKENS query
+    """MLA (FA3's qv): qv [B, Sq, Hq, Dv] in q's dtype, Dv = v_cache's head dim (the latent, <= MAX_LATENT_DIM), 16-bit
+    or FP8 caches whose shapes differ only in the head dim, and decode-sized calls (at most MAX_DECODE_TOKENS query
     tokens per sequence, packed queries only when all have the same count)."""
     _utils.check_tensor("qv", qv, ndim=q.dim(), dtypes=(q.dtype,), device=q.device)
     _utils.check_last_dim_contiguous("qv", qv)
+    if k_cache.dtype not in (q.dtype, torch.float8_e4m3fn):
+        raise ValueError(f"qv: MLA takes {q.dtype} (q's dtype) or float8_e4m3fn caches, got {k_cache.dtype}")
     dv = v_cache.shape[3]
     if k_cache.shape[:3] != v_cache.shape[:3]:
         raise ValueError(f"k_cache, v_cache: expected equal shapes but the head dim, got {tuple(k_cache.shape)} and "
@@ -355,8 +357,6 @@ def _check_qv(q, qv, k_cache, v_cache) -> None:
     if tuple(qv.shape) != (*q.shape[:-1], dv):
         raise ValueError(f"qv: expected shape {(*q.shape[:-1], dv)} (q's, with v_cache's head dim), got "
                          f"{tuple(qv.shape)}")
-    if k_cache.dtype != q.dtype:
-        raise ValueError(f"qv: MLA takes {q.dtype} caches (q's dtype), got {k_cache.dtype}")
     if q.dim() == 3:
         raise ValueError("qv: packed queries (cu_seqlens_q) only when every sequence has max_seqlen_q of them")
     if q.shape[1] > MAX_DECODE_TOKENS:
@@ -671,11 +671,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     k[cu[b]:cu[b + 1]] at cache_seqlens[b]).
     alibi_slopes: fp32 [Hq] or [B, Hq], as in flash_attn_func, with Sk = cache_seqlens + Snew (after the append).
     learnable_sink: fp32 [Hq], as in flash_attn_func (forward only here); split-KV adds it once, in the combine.
-    MLA (DeepSeek-V2/V3's latent attention, FA3's qv): qv [B, Sq, Hq, Dv] holds the queries' latent part and q
-    their rotary part [.., D]; k_cache [.., Hkv, D] the keys' rotary part and v_cache [.., Hkv, Dv] the latent,
-    which is both the rest of the key and the value: score = q . k + qv . v, out [B, Sq, Hq, Dv]. Dv <= 512,
-    16-bit caches, at most 16 query tokens per sequence; k, v append rotary rows and latent rows. The default
-    softmax_scale is 1 / sqrt(D + Dv) (FA3's).
+    MLA (DeepSeek-V2/V3's latent attention, FA3's qv): qv [B, Sq, Hq, Dv] holds the queries' latent part and q their
+    rotary part [.., D]; k_cache [.., Hkv, D] the keys' rotary part and v_cache [.., Hkv, Dv] the latent, which is both
+    the rest of the key and the value: score = q . k + qv . v, out [B, Sq, Hq, Dv]. Dv <= 512, 16-bit or FP8 caches
+    (k_scale for the rotary keys, v_scale for the latent), at most 16 query tokens per sequence; k, v append rotary rows
+    and latent rows. The default softmax_scale is 1 / sqrt(D + Dv) (FA3's).
     Returns out [B, Sq, Hq, D], and with return_softmax_lse=True (or return_lse=True) (out, lse [B, Hq, Sq] fp32).
     """
     return_lse = bool(return_lse or return_softmax_lse)
