@@ -28,6 +28,7 @@ from tileflash.bench.formulas import (
 )
 from tileflash.bench.table import format_cell, format_table
 from tileflash.bench.timing import bench_ms, graphed, rotating_graph_ms, rotation_copies
+from tileflash.formats import e4m3_saturate
 
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
@@ -126,6 +127,9 @@ MLA_SHAPES = [
                            (128, 128, 1024, None), (128, 128, 4096, None), (128, 32, 4096, 64),
                            (16, 1, 32768, None), (16, 8, 32768, None), (16, 32, 4096, None), (16, 128, 1024, None),
                            (16, 128, 4096, None), (16, 32, 4096, 64), (16, 8, 32768, 64))
+] + [  # an e4m3 latent cache (per-tensor scales): half the bytes
+    {"kind": "mla", "hq": hq, "batch": b, "ctx": ctx, "page_size": None, "kv": "fp8", "label": f"mla-h{hq}-fp8"}
+    for hq, b, ctx in ((128, 32, 4096), (128, 1, 32768), (16, 8, 32768), (16, 128, 4096))
 ]
 MLA_BACKENDS = ("tileflash_graph", "tileflash", "sdpa_graph")
 
@@ -498,34 +502,46 @@ def _mla_one(shape, tf, note):
     two sequences against the fp32 reference of the concatenated query and key; SDPA on a cache stored as 576-wide
     keys and 512-wide values (what attention without qv reads)."""
     hq, b, ctx, ps = (shape[k] for k in ("hq", "batch", "ctx", "page_size"))
-    nbytes = mla_decode_bytes(b, ctx)
+    fp8 = shape.get("kv") == "fp8"
+    nbytes = mla_decode_bytes(b, ctx, dtype_bytes=1 if fp8 else 2)
     copies = rotation_copies(nbytes)
     seqlens = torch.full((b,), ctx, dtype=torch.int32, device=DEVICE)
     table = None
     if ps:  # pages in random order, as an allocator hands them out after some churn
         table = torch.randperm(b * ctx // ps, device=DEVICE).to(torch.int32).view(b, -1)
     inputs = []
+    scales = {}
+    if fp8:  # every backend sees the dequantized values (peers in bf16)
+        scales = dict(k_scale=torch.full((1,), 4.5 / 448, device=DEVICE), v_scale=torch.full((1,), 4.5 / 448,
+                                                                                              device=DEVICE))
     for _ in range(copies):
         q, qv = _randn(b, 1, hq, 64), _randn(b, 1, hq, 512)
         shape_kv = (b * ctx // ps, ps) if ps else (b, ctx)
-        inputs.append((q, qv, _randn(*shape_kv, 1, 64), _randn(*shape_kv, 1, 512)))
+        kc, vc = _randn(*shape_kv, 1, 64), _randn(*shape_kv, 1, 512)
+        if fp8:
+            kc, vc = (e4m3_saturate(x.float() / scales["k_scale"]) for x in (kc, vc))
+        inputs.append((q, qv, kc, vc))
+
+    def values(x):  # a cache as the attention sees it, in DTYPE
+        return x if not fp8 else (x.float() * scales["k_scale"]).to(DTYPE)
 
     def logical(x):
         return x if table is None else x[table.long()].reshape(b, ctx, 1, x.shape[-1])
 
     q, qv, kc, vc = inputs[0]
     n = min(b, 2)
-    k_seq, v_seq = logical(kc)[:n], logical(vc)[:n]
+    k_seq, v_seq = logical(values(kc))[:n], logical(values(vc))[:n]
     ref = reference_fp32(torch.cat([q[:n], qv[:n]], -1), torch.cat([k_seq, v_seq], -1), v_seq, causal=False)
 
     def check(out):
         return max_abs_err(out[:n], ref)
 
     def call(x):
-        return lambda: tf.flash_attn_with_kvcache(x[0], x[2], x[3], cache_seqlens=seqlens, block_table=table, qv=x[1])
+        return lambda: tf.flash_attn_with_kvcache(x[0], x[2], x[3], cache_seqlens=seqlens, block_table=table, qv=x[1],
+                                                  **scales)
 
     def sdpa():
-        k_full, v_full = torch.cat([logical(kc), logical(vc)], -1), logical(vc)
+        k_full, v_full = torch.cat([logical(values(kc)), logical(values(vc))], -1), logical(values(vc))
         return peers.sdpa_decode(torch.cat([q, qv], -1), k_full, v_full, note)
 
     results = {}
