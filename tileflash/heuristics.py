@@ -54,6 +54,17 @@ class BwdConfig:
 SHARED_MEM_PER_BLOCK = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 103: 232448, 120: 101376}
 
 
+def small_shared_memory(arch: int | None) -> bool:
+    """Under 200 KB of shared memory per block (A100, Ada, consumer Blackwell): the H200's tiles do not fit there.
+    arch None (the interpreter, no driver) counts as the H200's."""
+    return SHARED_MEM_PER_BLOCK.get(arch, SHARED_MEM_PER_BLOCK[90]) < 200 * 1024
+
+
+def tensor_memory(arch: int | None) -> bool:
+    """sm_10x (B200): Triton keeps tl.dot accumulators in tensor memory (512 columns of 32 bits per SM)."""
+    return arch is not None and arch // 10 == 10
+
+
 def padded_head_dim(d: int) -> int:
     """Head dims are padded inside the kernel to a power of two (>= 16, the smallest tl.dot K)."""
     return max(16, next_pow2(d))
@@ -93,7 +104,7 @@ def fwd_config(head_dim: int, causal: bool = False, interpret: bool = False, seq
         # d = 256: a 128x128 S tile plus a 128x256 accumulator exceeds the register file; 3 stages exceed shared
         # memory. TMA: 524 vs 489.
         cfg = FwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, tma=True)
-        if SHARED_MEM_PER_BLOCK.get(arch, SHARED_MEM_PER_BLOCK[90]) < 200 * 1024:
+        if small_shared_memory(arch):
             # Under 200 KB per block (compiled only): Q, K and V of 128 x 64 rows take 128 KB at one stage.
             cfg = FwdConfig(block_m=64, block_n=32, num_warps=4, num_stages=2, tma=True)
     if interpret:
@@ -209,7 +220,7 @@ def bwd_config(head_dim: int, interpret: bool = False, arch: int | None = 90) ->
     if interpret:
         return BwdConfig(16, 16, 16, 16, 4, 1, 4, 1, rotate=True, tma=True)
     d = padded_head_dim(head_dim)
-    if d > 64 and SHARED_MEM_PER_BLOCK.get(arch, SHARED_MEM_PER_BLOCK[90]) < 200 * 1024:
+    if d > 64 and small_shared_memory(arch):
         # Under 200 KB of shared memory per block (A100, Ada, consumer Blackwell; compiled only): K, V, Q and dO
         # tiles of half the rows (d128's H200 tile needed 112 KB at one stage, over a 99 KB limit).
         return BwdConfig(32, 64, 64, 64, 4, 2, 4, 2, rotate=True) if d <= 128 else \
@@ -217,8 +228,7 @@ def bwd_config(head_dim: int, interpret: bool = False, arch: int | None = 90) ->
     if d <= 64:
         return BwdConfig(64, 64, 128, 32, 4, 3, 8, 3, atomic_dq=False, tma=True)
     if d <= 128:
-        tensor_memory = arch is not None and arch // 10 == 10
-        return BwdConfig(32 if tensor_memory else 64, 128, 128, 64, 8, 3, 8, 2, rotate=True)
+        return BwdConfig(32 if tensor_memory(arch) else 64, 128, 128, 64, 8, 3, 8, 2, rotate=True)
     return BwdConfig(32, 32, 64, 32, 4, 2, 8, 1, rotate=True)
 
 
@@ -305,10 +315,10 @@ def mla_decode_config(group_rows: int, interpret: bool = False, arch: int | None
     block_m = decode_block_m(group_rows)
     if interpret:
         return DecodeConfig(block_m=block_m, block_n=16, num_warps=4, num_stages=1)
-    if SHARED_MEM_PER_BLOCK.get(arch, SHARED_MEM_PER_BLOCK[90]) < 200 * 1024:
+    if small_shared_memory(arch):
         return DecodeConfig(block_m=16, block_n=32, num_warps=4, num_stages=2)
     block_n, warps, stages, resident = MLA_TILES[block_m]
-    if arch is not None and arch // 10 == 10 and block_m == 64:
+    if tensor_memory(arch) and block_m == 64:
         block_n = 32
     return DecodeConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
                         resident_per_sm=resident)

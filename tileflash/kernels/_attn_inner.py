@@ -41,9 +41,9 @@ def _kv_tile(base, sbase, start_n, seqlen_k, bt_ptr, stride_page, stride_tok, ss
     [rows, Hkv, D], contiguous or a page pool whose pages hold whole tiles; columns past D arrive as zeros), or by
     pointers (contiguous or paged, any page size). Rows at or past seqlen_k
     are zero when MASK_N (with a descriptor they belong to the next sequence: never let them reach P @ V).
-    KV_NVFP4 (NVFP4_SCALE_BYTES or _WORDS, plus NVFP4_PURE_ASM off sm_90): base holds packed e2m1 pairs [.., D/2] and sbase the e4m3 scale of each
-    16 elements [.., D/16] (strides sstride_*); the tile is decoded in registers (e2m1 x e4m3 is exact in fp16/bf16)
-    and the per-tensor global scale is folded in by the caller."""
+    KV_NVFP4 (NVFP4_SCALE_BYTES or _WORDS, plus NVFP4_PURE_ASM off sm_90): base holds packed e2m1 pairs [.., D/2]
+    and sbase the e4m3 scale of each 16 elements [.., D/16] (strides sstride_*); the tile is decoded in registers
+    (e2m1 x e4m3 is exact in fp16/bf16) and the per-tensor global scale is folded in by the caller."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     if KV_NVFP4:
         row_ok = offs_n[:, None] < seqlen_k

@@ -167,7 +167,8 @@ def attn_fwd_kernel(
             amax = tl.maximum(amax, _finite_amax(qv))
         q_scale, q_unscale = _fp16_range(amax)
         q = q.to(tl.float32) * q_scale
-        qv = qv * q_scale
+        if HAS_QV:
+            qv = qv * q_scale
     q = q.to(TILE_DTYPE)
     qv = qv.to(TILE_DTYPE)
     if TRANS:  # transposed products (see attn_inner): q^T and acc^T

@@ -38,11 +38,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from ._gluon import opaque_zero, packed_sequence
+from ._masks import LOG2E
 
 ROWS_PER_WARPGROUP = 64  # wgmma's M: each consumer warpgroup owns 64 query rows
 WG_ROWS = gl.constexpr(ROWS_PER_WARPGROUP)
 LN2 = gl.constexpr(0.6931471805599453)
-LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit

@@ -38,10 +38,16 @@ def _plan(q, k_cache, block_table, num_splits: int, mla: bool = False):
     hkv = k_cache.shape[2]
     rows = sq * (hq // hkv)
     capacity = cache_capacity(k_cache, block_table)
+    sms = _utils.num_sms(q.device)
+    if mla:  # a 64-row tile fills an SM: one wave of splits at most (run 125: a second ran 84.0 us vs 60.4, its
+        # extra partials being [rows, 512] fp32 each)
+        cfg = mla_decode_config(rows, _utils.is_interpreter(), target_arch())
+        return cfg, num_splits or num_splits_heuristic(b, hkv, _utils.cdiv(rows, cfg.block_m), capacity, cfg.block_n,
+                                                       sms, cfg.resident_per_sm,
+                                                       per_sm=cfg.resident_per_sm or 2), capacity
     tiles = functools.partial(decode_config, d, rows, _utils.is_interpreter(),
                               kv_format=KV_FORMATS.get(k_cache.dtype, "16bit"), paged=block_table is not None,
                               kv_tokens=b * capacity * hkv)
-    sms = _utils.num_sms(q.device)
 
     def count(cfg):  # the asked count, else the heuristic's for this tile
         gathers = (block_table is not None and not cfg.resident_per_sm
@@ -51,12 +57,6 @@ def _plan(q, k_cache, block_table, num_splits: int, mla: bool = False):
                                                   per_sm=GATHER_PROGRAMS_PER_SM if gathers else 2,
                                                   long_per_sm=LONG_SPLIT_PROGRAMS_PER_SM if block_table is None else 0)
 
-    if mla:  # a 64-row tile fills an SM: one wave of splits at most (run 125: a second ran 84.0 us vs 60.4, its
-        # extra partials being [rows, 512] fp32 each)
-        cfg = mla_decode_config(rows, _utils.is_interpreter(), target_arch())
-        return cfg, num_splits or num_splits_heuristic(b, hkv, _utils.cdiv(rows, cfg.block_m), capacity, cfg.block_n,
-                                                       sms, cfg.resident_per_sm,
-                                                       per_sm=cfg.resident_per_sm or 2), capacity
     cfg = tiles()
     splits = count(cfg)
     long_cfg = tiles(tokens_per_program=capacity // splits)
