@@ -3,8 +3,8 @@
 #   PYTHONPATH=$PWD bash benchmarks/gpu_session.sh PHASE [PHASE ...]
 # Phases: tests (every test file in its own process, in parallel, on GPU $TEST_GPU; TEST_SKIP=fuzz leaves one out),
 #         test-sets (TEST_SETS="tests/x.py:k expression|...": one process per set, in parallel),
-#         memcheck, memcheck-ws (the Gluon kernels: benchmarks/memcheck_ws.py), leak,
-#         bench-SUITE (decode, prefill, backward, lowp; on GPU $BENCH_GPU), sweep-FAMILY (benchmarks/config_sweep.py
+#         memcheck, memcheck-ws (the Gluon kernels: benchmarks/tools/memcheck_ws.py), leak,
+#         bench-SUITE (decode, prefill, backward, lowp; on GPU $BENCH_GPU), sweep-FAMILY (python -m tileflash sweep
 #         FAMILY on GPU $BENCH_GPU), cp (torchrun over 2 GPUs), demo.
 # On a 2-GPU machine run `tests` and the benchmarks at the same time: TEST_GPU=0 BENCH_GPU=1.
 set -u
@@ -15,7 +15,7 @@ step() { local t=$1; shift; echo "== $* (limit ${t}s)"; timeout "$t" "$@"; echo 
 
 run_tests() {  # one process per file: compiling dominates, and it is CPU-bound
   local pids=() f
-  for f in tests/test_*.py; do
+  for f in tests/*/test_*.py; do
     [[ -n ${TEST_SKIP:-} && $f == *$TEST_SKIP* ]] && continue  # e.g. TEST_SKIP=fuzz
     local gpus=$TEST_GPU; [[ $f == *distributed* ]] && gpus=${ALL_GPUS:-$TEST_GPU}  # NCCL: one GPU per rank
     CUDA_VISIBLE_DEVICES=$gpus timeout "${TEST_LIMIT:-330}" python3 -m pytest "$f" -q -p no:cacheprovider \
@@ -47,13 +47,13 @@ for phase in "$@"; do
     test-sets) run_test_sets ;;
     memcheck)  # graph capture needs the caching allocator, which memcheck needs off: the graph test is excluded
       CUDA_VISIBLE_DEVICES=$TEST_GPU PYTORCH_NO_CUDA_MEMORY_CACHING=1 step 300 compute-sanitizer --tool memcheck \
-        --error-exitcode 9 python3 -m pytest tests/test_decode.py tests/test_merge.py tests/test_backward.py \
-        tests/test_quant.py tests/test_varlen.py tests/test_gemm_blockscaled.py -q -p no:cacheprovider -k "not graph and not overlap" \
+        --error-exitcode 9 python3 -m pytest tests/ops/test_kvcache.py tests/ops/test_merge.py tests/ops/test_backward.py \
+        tests/lowp/test_quant.py tests/ops/test_varlen.py tests/lowp/test_gemm.py -q -p no:cacheprovider -k "not graph and not overlap" \
         > "$OUT/memcheck.log" 2>&1
       grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -2 ;;
     memcheck-ws)
       CUDA_VISIBLE_DEVICES=$TEST_GPU PYTORCH_NO_CUDA_MEMORY_CACHING=1 step 300 compute-sanitizer --tool memcheck \
-        --error-exitcode 9 python3 benchmarks/memcheck_ws.py > "$OUT/memcheck_ws.log" 2>&1
+        --error-exitcode 9 python3 benchmarks/tools/memcheck_ws.py > "$OUT/memcheck_ws.log" 2>&1
       grep -cE "finite|written" "$OUT/memcheck_ws.log"; grep -E "ERROR SUMMARY|NONFINITE|UNWRITTEN" "$OUT/memcheck_ws.log" ;;
     leak) CUDA_VISIBLE_DEVICES=$TEST_GPU step 120 python3 benchmarks/leak_check.py > "$OUT/leak.log" 2>&1
       tail -n 2 "$OUT/leak.log" ;;
@@ -62,11 +62,11 @@ for phase in "$@"; do
         --json "$OUT/$suite.json" ${BENCH_ARGS:-} > "$OUT/bench_$suite.log" 2>&1
       tail -n 40 "$OUT/bench_$suite.log" ;;
     cp) step 200 torchrun --nproc-per-node 2 -m tileflash bench cp > "$OUT/cp.log" 2>&1; tail -n 30 "$OUT/cp.log" ;;
-    sweep-*) family=${phase#sweep-}  # a config_sweep.py family on GPU $BENCH_GPU (run it on an idle host)
-      CUDA_VISIBLE_DEVICES=$BENCH_GPU step "${BENCH_LIMIT:-300}" python3 benchmarks/config_sweep.py "$family" \
+    sweep-*) family=${phase#sweep-}  # `python -m tileflash sweep FAMILY $SWEEP_ARGS` on GPU $BENCH_GPU
+      CUDA_VISIBLE_DEVICES=$BENCH_GPU step "${BENCH_LIMIT:-300}" python3 -m tileflash sweep "$family" ${SWEEP_ARGS:-} \
         --json "$OUT/sweep_$family.json" > "$OUT/sweep_$family.log" 2>&1
-      grep "^\[" "$OUT/sweep_$family.log" | cut -c1-200 ;;
-    demo) CUDA_VISIBLE_DEVICES=$TEST_GPU step 120 python3 -m tileflash demo --preset small > "$OUT/demo.log" 2>&1
+      tail -n 40 "$OUT/sweep_$family.log" ;;
+    demo) CUDA_VISIBLE_DEVICES=$TEST_GPU step 120 python3 -m examples.serving --preset small > "$OUT/demo.log" 2>&1
       tail -n 8 "$OUT/demo.log" ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac

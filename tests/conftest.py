@@ -1,5 +1,6 @@
 """Test setup: without a GPU, kernels run through Triton's interpreter. TRITON_INTERPRET must be set before any
 @triton.jit decorator runs, i.e. before tileflash is imported."""
+import contextlib
 import os
 
 import torch
@@ -13,7 +14,8 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 import tileflash._utils as tf_utils  # noqa: E402
-from tileflash.ops import direct  # noqa: E402
+from tileflash import config  # noqa: E402
+from tileflash.launch import direct  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -27,10 +29,17 @@ def _poison_outputs():
 
 @pytest.fixture(autouse=True)
 def _fresh_plans():
-    """Tests monkeypatch heuristics, which cached plans would outlive: every test starts without plans."""
+    """Every test starts without cached plans (a test may patch what planning sees, e.g. the target)."""
     direct.clear_all()
     yield
     direct.clear_all()
+
+
+@pytest.fixture
+def override():
+    """override(kind=config, ...): tileflash.config.override for the rest of the test (see tileflash/config.py)."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **forced: stack.enter_context(config.override(**forced))
 
 
 @pytest.fixture

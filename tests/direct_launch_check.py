@@ -1,4 +1,4 @@
-"""The direct launch path (tileflash/ops/direct.py) against Triton's own JIT launch, without a GPU.
+"""The direct launch path (tileflash/launch/direct.py) against Triton's own JIT launch, without a GPU.
 
 With the sm_90 stand-in driver (tileflash/bench/standin.py: real compiler, launches that only collect their
 arguments), each case calls a public op three times on the same tensors: the first call records its launches, the
@@ -7,7 +7,7 @@ replay must hand every compiled kernel's launcher the same arguments as the plai
 descriptors field by field; output buffers are fresh allocations in each call and compare as such). Then the
 cache behaviour: a call with new tensors of the same signature replays without Triton's JIT; a misaligned view or
 a stride of 1 where there was none makes another plan and Triton another variant. Usage:
-`python tests/direct_launch_check.py` (exit status 1 on any failure); run by tests/test_direct_launch.py in a
+`python tests/direct_launch_check.py` (exit status 1 on any failure); run by tests/launch/test_direct_launch.py in a
 subprocess, since it replaces the process's active Triton driver.
 """
 import os
@@ -21,7 +21,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 import tileflash  # noqa: E402
 from tileflash.bench.standin import NoLaunch, Sm90CompileOnly  # noqa: E402
-from tileflash.ops import direct  # noqa: E402
+from tileflash.launch import direct  # noqa: E402
 
 bf, fp16 = torch.bfloat16, torch.float16
 

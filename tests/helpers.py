@@ -2,7 +2,8 @@
 gradients."""
 import torch
 
-from tileflash.reference import error_and_bound
+import tileflash
+from tileflash.reference import error_and_bound, kvcache_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"
@@ -125,3 +126,44 @@ def check_kvcache_call(q, k, v, kc, vc, lse_atol=2e-2, **kw):
     else:
         assert torch.allclose(kc_got.float(), kc_ref.float(), atol=1e-2, rtol=1e-2)
     assert torch.equal(vc_got, vc_ref)
+
+
+def make_cache(batch, capacity, hkv, d, dtype, page_size, gen, spare_pages=3):
+    """Contiguous [B, capacity, Hkv, D] (page_size None) or a paged pool in random order with unused pages."""
+    if page_size is None:
+        k = torch.randn(batch, capacity, hkv, d, generator=gen)
+        return k.to(DEVICE, dtype), torch.randn_like(k).to(DEVICE, dtype), None
+    pages_per_seq = -(-capacity // page_size)
+    num_pages = batch * pages_per_seq + spare_pages
+    k = torch.randn(num_pages, page_size, hkv, d, generator=gen)
+    v = torch.randn(num_pages, page_size, hkv, d, generator=gen)
+    perm = torch.randperm(num_pages, generator=gen)[: batch * pages_per_seq]
+    table = perm.reshape(batch, pages_per_seq).to(torch.int32)
+    return k.to(DEVICE, dtype), v.to(DEVICE, dtype), table.to(DEVICE)
+
+
+def draw_queries_and_new_kv(g, b, sq, s_new, hq, hkv, d, dtype):
+    """q [B, Sq, Hq, D] and, when s_new > 0, the new k, v [B, Snew, Hkv, D] to append (else None, None)."""
+    q = torch.randn(b, sq, hq, d, generator=g).to(DEVICE, dtype)
+    if not s_new:
+        return q, None, None
+    k = torch.randn(b, s_new, hkv, d, generator=g).to(DEVICE, dtype)
+    return q, k, torch.randn(b, s_new, hkv, d, generator=g).to(DEVICE, dtype)
+
+
+def check_quantized_decode(g, seqlens, sq, s_new, hq, hkv, d, dtype, table, k_cache, v_cache, num_splits, scales,
+                            **mask):
+    """Draw q (and k, v when s_new) from g, run flash_attn_with_kvcache on the quantized caches (appending in
+    place; mask: window_size / softcap) and check out and lse against kvcache_ref with the 2x rule; returns the
+    reference's appended caches."""
+    b = len(seqlens)
+    q, k, v = draw_queries_and_new_kv(g, b, sq, s_new, hq, hkv, d, dtype)
+    cache_seqlens = torch.tensor(seqlens, dtype=torch.int32, device=DEVICE)
+    kw = dict(cache_seqlens=cache_seqlens, block_table=table, **scales, **mask)
+    ref, ref_lse, ref_k, ref_v = kvcache_ref(q, k_cache, v_cache, k, v, **kw)
+    ref_lowp, _, _, _ = kvcache_ref(q, k_cache, v_cache, k, v, upcast=False, **kw)
+    out, lse = tileflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, num_splits=num_splits, return_lse=True,
+                                                 **kw)
+    check_2x(out, ref, ref_lowp)
+    check_lse(lse, ref_lse)
+    return ref_k, ref_v

@@ -10,7 +10,7 @@ if any case fails to compile; --only keeps the cases whose names contain one of 
 registers and stack bytes, i.e. spills, of every compiled variant). Off sm_90 the cases that take the Gluon sm_90
 kernels there must compile without them (the dispatch declines them by its capability check), the cases that force a
 Gluon kernel's config are skipped, and below sm_89 so are the FP8 / NVFP4 ones (the ops refuse such GPUs before any
-launch). Run by tests/test_sm90_compile.py in a subprocess, since it replaces the process's active Triton driver.
+launch). Run by tests/kernels/test_compile_targets.py in a subprocess, since it replaces the process's active Triton driver.
 """
 import os
 import sys
@@ -50,7 +50,7 @@ def _cases(arch: int = 90):
     """name -> case (a callable; None: the case exercises an sm_90-only kernel with a forced config and is skipped
     on other targets). Off sm_90 the cases that take the Gluon kernels there must compile without them."""
     import tileflash
-    from tileflash.heuristics import WsBwdConfig
+    from tileflash.plan import WsBwdConfig
 
     sm90 = arch == 90
 
@@ -102,23 +102,18 @@ def _cases(arch: int = 90):
                                           block_table=table, qv=qv, **call_kw)
 
     def register_decode(fmt, **kw):
-        """A decode that must take the register-operand Gluon kernel (kernels/decode_quant_mma.py); FP8 (which the
+        """A decode that must take the register-operand Gluon kernel (kernels/gluon/decode_mma.py); FP8 (which the
         heuristic leaves to the Triton kernel) is forced through it."""
-        from tileflash.heuristics import QuantDecodeConfig
-        from tileflash.kernels.decode_quant_mma import decode_quant_kernel as kern
-        from tileflash.ops import decode as decode_ops
+        from tileflash import config
+        from tileflash.kernels.gluon.decode_mma import decode_quant_kernel as kern
+        from tileflash.plan import QuantDecodeConfig
 
         if not sm90:
             return None
 
         def case():
-            saved = decode_ops.quant_decode_config
-            if fmt == "fp8":
-                decode_ops.quant_decode_config = lambda *a, **k: QuantDecodeConfig(16, 4, 2)
-            try:
+            with config.override(**({"quant_decode": QuantDecodeConfig(16, 4, 2)} if fmt == "fp8" else {})):
                 _compiles((kern,), lambda: decode(fmt, ctx=4096, **kw))
-            finally:
-                decode_ops.quant_decode_config = saved
 
         return case
 
@@ -129,52 +124,42 @@ def _cases(arch: int = 90):
 
     def varlen_ws(d, causal, backward=False):
         """Packed sequences (one empty, one over 1024 keys: d64's backward takes the Gluon kernel from there)
-        through the Gluon kernels' varlen paths, which heuristics.GLUON_VARLEN keeps off by default."""
-        from tileflash import heuristics
-
+        through the Gluon kernels' varlen paths."""
         cu = torch.tensor([0, 100, 100, 1400, 2000], dtype=torch.int32)
         q, k, v = (torch.randn(2000, 4, d, dtype=bf, requires_grad=backward) for _ in range(3))
-        saved, heuristics.GLUON_VARLEN = heuristics.GLUON_VARLEN, True
-        try:
-            out = tileflash.flash_attn_varlen_func(q, k, v, cu, cu, 1300, 1300, causal=causal)
-            if backward:
-                out.sum().backward()
-        finally:
-            heuristics.GLUON_VARLEN = saved
+        out = tileflash.flash_attn_varlen_func(q, k, v, cu, cu, 1300, 1300, causal=causal)
+        if backward:
+            out.sum().backward()
 
     def warp_specialised(call, backward=False):
-        """Run a call that must take the warp-specialised Gluon forward (kernels/attn_fwd_ws.py) and, with
-        backward, the warp-specialised dK/dV kernel (kernels/attn_bwd_ws.py)."""
-        from tileflash.kernels.attn_bwd_ws import attn_bwd_ws_kernel
-        from tileflash.kernels.attn_fwd_ws import attn_fwd_ws_kernel
+        """Run a call that must take the warp-specialised Gluon forward (kernels/gluon/attn_fwd.py) and, with
+        backward, the warp-specialised dK/dV kernel (kernels/gluon/attn_bwd.py)."""
+        from tileflash.kernels.gluon.attn_bwd import attn_bwd_ws_kernel
+        from tileflash.kernels.gluon.attn_fwd import attn_fwd_ws_kernel
 
         kernels = (attn_fwd_ws_kernel, attn_bwd_ws_kernel) if backward else (attn_fwd_ws_kernel,)
         return (lambda: _compiles(kernels, call)) if sm90 else (lambda: _avoids(kernels, call))
 
     def backward_variant(d, causal, config, varlen=False):
         """A backward through the warp-specialised dK/dV kernel with a config the heuristic does not pick."""
-        from tileflash.ops import backward as backward_ops
+        from tileflash import config as tf_config
 
         if not sm90:
             return None
 
         def case():
-            saved = backward_ops.bwd_ws_config
-            backward_ops.bwd_ws_config = lambda *args: config
-            try:
+            with tf_config.override(bwd_ws=config):
                 if varlen:
                     warp_specialised(lambda: varlen_ws(d, causal, backward=True), backward=True)()
                 else:
                     warp_specialised(lambda: tileflash.flash_attn_func(*grad_leaves(1, 1500, 2, d), causal=causal)
                                      .sum().backward(), backward=True)()
-            finally:
-                backward_ops.bwd_ws_config = saved
 
         return case
 
     def gemm(m, n, k, dtype=bf, mma=False):
-        """An nvfp4_matmul call; mma: it must take the register-operand Gluon kernel (kernels/gemm_nvfp4_mma.py)."""
-        from tileflash.kernels.gemm_nvfp4_mma import nvfp4_matmul_mma_kernel as kern
+        """An nvfp4_matmul call; mma: it must take the register-operand Gluon kernel (lowp/kernels/gemm_mma.py)."""
+        from tileflash.lowp.kernels.gemm_mma import nvfp4_matmul_mma_kernel as kern
 
         call = lambda: tileflash.nvfp4_matmul(torch.randn(m, k, dtype=dtype),  # noqa: E731
                                               *tileflash.nvfp4_quantize(torch.randn(n, k)))
@@ -183,8 +168,8 @@ def _cases(arch: int = 90):
     def alibi_on_triton(call, backward=False):
         """Run a call with alibi_slopes whose shape would take a Gluon kernel: it must compile the Triton kernels'
         ALIBI variants instead (the forward; with backward also the dK/dV and dQ kernels)."""
-        from tileflash.kernels.attn_bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
-        from tileflash.kernels.attn_fwd import attn_fwd_kernel
+        from tileflash.kernels.triton.attn_bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
+        from tileflash.kernels.triton.attn_fwd import attn_fwd_kernel
 
         kernels = (attn_fwd_kernel, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel) if backward else (attn_fwd_kernel,)
         return lambda: _compiles(kernels, call)
@@ -193,8 +178,8 @@ def _cases(arch: int = 90):
         """Run a forward and backward with learnable_sink on a shape the warp-specialised kernels take: it must
         compile the Gluon forward's HAS_SINK variant and the preprocess's (d sink); the dK/dV kernel has no sink
         variant (it sees the sink through the lse)."""
-        from tileflash.kernels.attn_bwd import attn_bwd_preprocess_kernel
-        from tileflash.kernels.attn_fwd_ws import attn_fwd_ws_kernel
+        from tileflash.kernels.gluon.attn_fwd import attn_fwd_ws_kernel
+        from tileflash.kernels.triton.attn_bwd import attn_bwd_preprocess_kernel
 
         if not sm90:
             return lambda: _avoids((attn_fwd_ws_kernel,), call)
@@ -203,8 +188,8 @@ def _cases(arch: int = 90):
     def sinks_on_triton(call):
         """Run a decode with learnable_sink whose shape would take the register-operand kernel: it must compile
         the Triton kernel's HAS_SINK variant and the split combine instead."""
-        from tileflash.kernels.attn_combine import attn_combine_kernel
-        from tileflash.kernels.attn_fwd import attn_fwd_kernel
+        from tileflash.kernels.triton.attn_fwd import attn_fwd_kernel
+        from tileflash.kernels.triton.combine import attn_combine_kernel
 
         return lambda: _compiles((attn_fwd_kernel, attn_combine_kernel), call)
 
@@ -308,14 +293,15 @@ def _resource_usage():
 
     import triton
 
-    from tileflash.kernels import (attn_bwd, attn_bwd_ws, attn_combine, attn_fwd, attn_fwd_ws, decode_quant_mma,
-                                   gemm_blockscaled, gemm_nvfp4_mma, kv_append, quant)
+    from tileflash.kernels.gluon import attn_bwd as attn_bwd_ws, attn_fwd as attn_fwd_ws, decode_mma
+    from tileflash.kernels.triton import attn_bwd, attn_fwd, combine, kv_append
+    from tileflash.lowp.kernels import gemm_dequant, gemm_mma, quant
 
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     tool, ptxas = os.path.join(bin_dir, "cuobjdump"), os.path.join(bin_dir, "ptxas")
     with tempfile.TemporaryDirectory() as tmp:
-        for mod in (attn_fwd, attn_fwd_ws, attn_bwd, attn_bwd_ws, attn_combine, kv_append, quant, gemm_blockscaled,
-                    gemm_nvfp4_mma, decode_quant_mma):
+        for mod in (attn_fwd, attn_fwd_ws, attn_bwd, attn_bwd_ws, combine, kv_append, quant, gemm_dequant, gemm_mma,
+                    decode_mma):
             for name in sorted(dir(mod)):
                 fn = getattr(mod, name)
                 for caches in getattr(fn, "device_caches", {}).values():
@@ -350,14 +336,14 @@ def main() -> int:
     arch = int(sys.argv[sys.argv.index("--arch") + 1]) if "--arch" in sys.argv else 90
     driver.set_active(Sm90CompileOnly(arch))
     failed = []
-    from tileflash.ops import direct
+    from tileflash.launch import direct
 
     cases = _cases(arch)
     if "--only" in sys.argv:  # name fragments separated by "|": the cases whose names hold one of them
         wanted = sys.argv[sys.argv.index("--only") + 1].split("|")
         cases = {name: fn for name, fn in cases.items() if any(w in name for w in wanted)}
     for name, fn in cases.items():
-        direct.clear_all()  # cases swap heuristics, which cached plans would outlive
+        direct.clear_all()  # each case plans afresh
         if fn is None or (arch < 89 and _needs_fp8(name)):
             print(f"skip  {name}: " + ("an sm_90 kernel's forced config" if fn is None else
                                        "FP8 / NVFP4 kernels need sm_89+ (the ops refuse older GPUs)"))

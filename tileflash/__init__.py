@@ -1,11 +1,11 @@
 """tileflash: FlashAttention-class attention kernels in Triton (prefill, varlen, split-KV paged decode)."""
-from .ops.decode import DecodePlan, decode_plan, flash_attn_with_kvcache
-from .ops.gemm import nvfp4_matmul
+from .ops.kvcache import DecodePlan, decode_plan, flash_attn_with_kvcache
+from .lowp.gemm import nvfp4_matmul
 from .ops.merge import merge_attn_states
 from .ops.packed import (flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_kvpacked_func,
                          flash_attn_varlen_qkvpacked_func)
 from .ops.prefill import flash_attn_func, flash_attn_varlen_func
-from .ops.quant import fp8_dequantize, fp8_quantize, nvfp4_dequantize, nvfp4_quantize
+from .lowp.quant import fp8_dequantize, fp8_quantize, nvfp4_dequantize, nvfp4_quantize
 
 __version__ = "0.1.0"
 

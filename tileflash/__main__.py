@@ -1,6 +1,7 @@
 """`python -m tileflash` runs the self-check (and a short benchmark on a GPU);
 `python -m tileflash bench {prefill,decode,backward,lowp,all}` runs the benchmark suites;
-`python -m tileflash demo [--help]` serves a small Llama through a paged-KV engine on tileflash attention."""
+`python -m tileflash sweep FAMILY ...` tunes tiles (tileflash/bench/sweep.py);
+the serving demo is an example: `python -m examples.serving [--help]` from the repository root."""
 import os
 import sys
 
@@ -15,9 +16,9 @@ def main(argv=None) -> int:
     if argv and argv[0] == "bench":
         from tileflash.bench.cli import main as bench_main
         return bench_main(argv[1:]) or 0
-    if argv and argv[0] == "demo":
-        from tileflash.demo import main as demo_main
-        return demo_main(argv[1:])
+    if argv and argv[0] == "sweep":
+        from tileflash.bench.sweep import main as sweep_main
+        return sweep_main(argv[1:])
     if argv and argv[0] != "check":
         print(__doc__)
         return 2

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from . import _utils
-from .ops._launch import launch_combine
+from .launch.forward import launch_combine
 from .ops.backward import _attn_bwd_impl
-from .ops.decode import flash_attn_with_kvcache
+from .ops.kvcache import flash_attn_with_kvcache
 from .ops.merge import merge_attn_states
 from .ops.prefill import flash_attn_func
 

@@ -121,7 +121,7 @@ def rotary_ref(x, cos, sin, positions, interleaved: bool, upcast: bool = True):
 
 def fp8_quantize_ref(x, scale):
     """x / scale per KV head (scale [1] or [Hkv], heads at dim -2), saturated to +-448, round to nearest even."""
-    from .formats import e4m3_saturate
+    from .lowp.formats import e4m3_saturate
 
     return e4m3_saturate(x.float() / scale.float().view(*([1] * (x.dim() - 2)), -1, 1))
 
@@ -147,7 +147,7 @@ def kvcache_ref(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_t
     the sequence's length after the append. learnable_sink [Hq] (through kw): as in attention_ref.
     qv [B, Sq, Hq, Dv] (MLA): the queries' latent part, whose keys are the values (v_cache is Dv wide): attention
     of [q, qv] over [k, v] with values v; the default scale is 1 / sqrt(D + Dv)."""
-    from .formats import nvfp4_dequantize_ref, nvfp4_quantize_ref
+    from .lowp.formats import nvfp4_dequantize_ref, nvfp4_quantize_ref
 
     b, sq = q.shape[:2]
     s_new = 0 if k is None else k.shape[1]

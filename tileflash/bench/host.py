@@ -165,7 +165,7 @@ def _fwd_bwd(forward, leaves, dout):
 
 def _plain(fn):
     """fn with direct launches off (every call through Triton's JIT launch and the Python launchers)."""
-    from tileflash.ops import direct
+    from tileflash.launch import direct
 
     def plain():
         direct.ENABLED = False

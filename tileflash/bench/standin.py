@@ -12,7 +12,7 @@ import torch
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.driver import CudaDriver, CudaLauncher
 
-from tileflash.heuristics import SHARED_MEM_PER_BLOCK
+from tileflash.plan.target import SHARED_MEM_PER_BLOCK
 
 
 class _Utils:

@@ -28,7 +28,7 @@ from tileflash.bench.formulas import (
 )
 from tileflash.bench.table import format_cell, format_table
 from tileflash.bench.timing import bench_ms, graphed, rotating_graph_ms, rotation_copies
-from tileflash.formats import e4m3_saturate
+from tileflash.lowp.formats import e4m3_saturate
 
 DEVICE = "cuda"
 DTYPE = torch.bfloat16

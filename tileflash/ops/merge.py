@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 
 from .. import _utils
-from . import direct
-from ._launch import launch_merge
+from ..launch import direct
+from ..launch.forward import launch_merge
 
 
 class MergePlan(direct.Replayable):

@@ -7,11 +7,13 @@ from typing import Optional
 
 import torch
 
-from .. import _utils, heuristics
-from ..heuristics import fwd_config
+from .. import _utils, config
 from . import backward as _bwd
-from . import direct
-from ._launch import Mask, launch_attn_fwd, launch_attn_fwd_ws, target_arch, ws_forward_config
+from ..launch import direct
+from ..launch.backward import BwdPlan
+from ..launch.forward import launch_attn_fwd, launch_attn_fwd_ws
+from ..plan.prefill import Mask, fwd_config, ws_forward_config
+from ..plan.target import target_arch
 
 
 def _check_qkv(q, k, v, ndim: int, kv_ndim: int | None = None) -> None:
@@ -33,7 +35,7 @@ def _check_qkv(q, k, v, ndim: int, kv_ndim: int | None = None) -> None:
     _utils.check_head_dim(d)
 
 
-def _check_softcap(softcap) -> float:
+def check_softcap(softcap) -> float:
     softcap = _utils.finite_float("softcap", softcap)
     if softcap < 0:
         raise ValueError(f"softcap: expected >= 0 (0 disables it), got {softcap}")
@@ -42,7 +44,7 @@ def _check_softcap(softcap) -> float:
 
 class FwdPlan(direct.Replayable):
     """One forward call's host work done once: the kernel and tiles (Gluon or Triton), the arguments of its
-    launch (recorded by the first run, ops/direct.py), the lse's home (a returned tensor, or the workspace when
+    launch (recorded by the first run, launch/direct.py), the lse's home (a returned tensor, or the workspace when
     nobody reads it). launch(*tensors, out, lse, ws) launches into out/lse (lse None: the workspace's head)."""
 
     def __init__(self, launch, lse_shape, device, keep_lse: bool, empty: bool):
@@ -93,8 +95,8 @@ def _dense_plan(q, k, v, softmax_scale: float, mask: Mask, keep_lse: bool, alibi
         # so q stands in for it (None for Sk = 0 too: no TMA over 0 rows).
         ws_cfg = ws_forward_config(q, k, v, q, softmax_scale, mask, alibi=alibi)
         if ws_cfg is None:
-            cfg = fwd_config(d, causal=mask.window_right >= 0, interpret=_utils.is_interpreter(), seqlen_k=sk,
-                             arch=target_arch())
+            cfg = config.chosen("fwd", fwd_config(d, causal=mask.window_right >= 0, interpret=_utils.is_interpreter(),
+                                                  seqlen_k=sk, arch=target_arch()))
     launch = functools.partial(_launch_dense, ws_cfg, cfg, mask, softmax_scale)
     return FwdPlan(launch, (b, hq, sq), q.device, keep_lse, empty)
 
@@ -130,7 +132,7 @@ _attn_fwd_op.register_autograd(_bwd.fwd_backward, setup_context=_bwd.setup_fwd_c
 
 def _varlen_ws_config(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale, mask, alibi: bool):
     """The warp-specialised forward's tiles for packed sequences, or None where it does not serve the call
-    (ops/_launch.ws_forward_config; no TMA descriptor over zero rows)."""
+    (plan.prefill.ws_forward_config; no TMA descriptor over zero rows)."""
     if q.shape[0] == 0 or k.shape[0] == 0 or max_seqlen_q == 0 or cu_seqlens_q.shape[0] < 2:
         return None
     q4, k4, v4 = (t.unsqueeze(0) for t in (q, k, v))
@@ -178,8 +180,8 @@ def _varlen_plan(q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_q: in
             ws_cfg = _varlen_ws_config(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale, mask,
                                        alibi)
         if ws_cfg is None:
-            cfg = fwd_config(d, causal=mask.window_right >= 0, interpret=_utils.is_interpreter(),
-                             seqlen_k=max_seqlen_k, arch=target_arch())
+            cfg = config.chosen("fwd", fwd_config(d, causal=mask.window_right >= 0, interpret=_utils.is_interpreter(),
+                                                  seqlen_k=max_seqlen_k, arch=target_arch()))
     launch = functools.partial(_launch_varlen, ws_cfg, cfg, mask, softmax_scale, max_seqlen_q, max_seqlen_k, paged)
     return FwdPlan(launch, (hq, total_q), q.device, keep_lse, empty)
 
@@ -192,7 +194,7 @@ def _varlen_key(q, k, v, alibi_slopes, learnable_sink, cu_seqlens_q, cu_seqlens_
     return (direct.tensor_key(q), direct.tensor_key(k), direct.tensor_key(v), direct.tensor_key(alibi_slopes),
             direct.tensor_key(learnable_sink),
             direct.tensor_key(cu_seqlens_q), direct.tensor_key(cu_seqlens_k), direct.tensor_key(seqused_k),
-            direct.tensor_key(block_table), max_seqlen_q, max_seqlen_k, heuristics.GLUON_VARLEN, *args)
+            direct.tensor_key(block_table), max_seqlen_q, max_seqlen_k, *args)
 
 
 def _attn_varlen_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -318,7 +320,7 @@ def _checked_dense(q, k, v, softmax_scale, causal, window_size, softcap, alibi_s
     _utils.check_alibi_slopes(alibi_slopes, q.shape[0], q.shape[2], q.device)
     _utils.check_learnable_sink(learnable_sink, q.shape[2], q.device)
     left, right = _utils.check_window(window_size)
-    mask = Mask.make(causal, (left, right), _check_softcap(softcap))
+    mask = Mask.make(causal, (left, right), check_softcap(softcap))
     return mask, _utils.softmax_scale_or_default(softmax_scale, q.shape[-1])
 
 
@@ -363,8 +365,8 @@ class _AttnFunction(torch.autograd.Function):
             cu_q, cu_k, seqused_k = index[:3]
         bwd = direct.plan_for(
             ctx.plan.backward_plans,
-            lambda: (direct.tensor_key(dout), direct.tensor_key(dlse), heuristics.GLUON_VARLEN),
-            lambda: _bwd.BwdPlan(q, k, v, dout, cu_q, seqused_k, alibi_slopes, learnable_sink, max_q, max_k, *rest))
+            lambda: (direct.tensor_key(dout), direct.tensor_key(dlse)),
+            lambda: BwdPlan(q, k, v, dout, cu_q, seqused_k, alibi_slopes, learnable_sink, max_q, max_k, *rest))
         dq, dk, dv, dsink = bwd.run(q, k, v, out, lse, dout, dlse, cu_q, cu_k, seqused_k, alibi_slopes,
                                     learnable_sink)
         return (dq, dk, dv, None, None, dsink) + (None,) * len(index)
@@ -455,7 +457,7 @@ def _checked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
     _utils.check_alibi_slopes(alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1], q.device)
     _utils.check_learnable_sink(learnable_sink, q.shape[1], q.device)
     left, right = _utils.check_window(window_size)
-    mask = Mask.make(causal, (left, right), _check_softcap(softcap))
+    mask = Mask.make(causal, (left, right), check_softcap(softcap))
     return mask, _utils.softmax_scale_or_default(softmax_scale, q.shape[-1])
 
 

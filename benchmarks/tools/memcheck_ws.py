@@ -1,0 +1,68 @@
+"""GPU: small forward + backward calls that take the warp-specialised Gluon kernels (kernels/gluon/attn_fwd.py,
+kernels/gluon/attn_bwd.py), both dQ modes, for compute-sanitizer. Usage on the H200:
+`PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 9 python benchmarks/memcheck_ws.py`
+(without the environment variable, an access that lands in another block of torch's caching allocator goes
+unreported). Shapes: one query and one key, partial tiles, MQA with Sq > Sk (rows that see no key), d64 (128-row
+steps, one with whole row blocks that see no key), and keys that fit in one tile. Then the forward alone with every
+tile of plan.fwd_ws_config launched directly (one CTA per tile and persistent CTAs, d256's K/V rings), on
+shapes with partial tiles, an odd tile count and rows that see no key. The backward runs its opt-in variants
+(BWD_VARIANTS) too, and packed (varlen) sequences through both kernels."""
+import sys
+
+import torch
+
+sys.path.insert(0, ".")
+import tileflash  # noqa: E402
+from tileflash import config  # noqa: E402
+from tileflash.launch.forward import launch_attn_fwd_ws  # noqa: E402
+from tileflash.plan import WsBwdConfig, WsFwdConfig, ws_backward_config  # noqa: E402
+
+CASES = [(1, 1, 1, 1, 1, 128, True), (2, 17, 17, 4, 4, 128, True), (1, 300, 97, 8, 1, 128, True),
+         (2, 200, 1333, 4, 2, 64, False), (1, 1100, 1100, 2, 2, 64, True), (1, 1300, 1030, 2, 1, 64, True),
+         (1, 700, 40, 4, 2, 128, True)]  # d64 needs more than 1024 keys (plan.bwd_ws_config)
+# The backward's opt-in variants (plan.WsBwdConfig: keys-major scores, dQ split by rows) on every case of
+# their head dim, besides the heuristic's pick (None).
+BWD_VARIANTS = {128: [None, WsBwdConfig(64, 2, True, True, keys_major=True)],
+                64: [None, WsBwdConfig(128, 2, True, True, keys_major=True, dq_by_rows=True),
+                     WsBwdConfig(128, 2, True, True, dq_by_rows=True)]}
+runs = [(case, cfg, det) for case in CASES for cfg in BWD_VARIANTS[case[5]] for det in (False, True)]
+for (b, sq, sk, hq, hkv, d, causal), cfg, deterministic in runs:
+    forced = config.override(**({} if cfg is None else {"bwd_ws": cfg}))
+    forced.__enter__()
+    q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    assert ws_backward_config(q, k, v, q, varlen=False, window_left=-1, window_right=0 if causal else -1,
+                              softcap=0.0) is not None, "this case no longer takes the Gluon backward"
+    out = tileflash.flash_attn_func(q, k, v, causal=causal, deterministic=deterministic)
+    out.float().square().sum().backward()
+    torch.cuda.synchronize()
+    finite = all(torch.isfinite(t.grad).all().item() for t in (q, k, v))
+    print((b, sq, sk, hq, hkv, d, causal, deterministic), cfg or "heuristic", "finite" if finite else "NONFINITE",
+          flush=True)
+    forced.__exit__(None, None, None)
+
+# Packed sequences through both kernels' varlen paths: an empty sequence, one past 1024 keys, rows and keys past
+# each sequence's end belonging to the next one.
+for d, causal in ((128, True), (64, False), (64, True)):
+    cu = torch.tensor([0, 300, 300, 1700, 1777], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(1777, 4, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    out = tileflash.flash_attn_varlen_func(q, k, v, cu, cu, 1400, 1400, causal=causal)
+    out.float().square().sum().backward()
+    torch.cuda.synchronize()
+    finite = torch.isfinite(out).all().item() and all(torch.isfinite(t.grad).all().item() for t in (q, k, v))
+    print("varlen", d, causal, "finite" if finite else "NONFINITE", flush=True)
+
+FWD_TILES = {128: [(128, 3, 3, False), (128, 3, 3, True)], 64: [(128, 3, 3, False), (128, 3, 3, True)],
+             256: [(64, 2, 2, False), (64, 3, 2, False), (64, 3, 2, True)]}
+for b, sq, sk, hq, hkv, causal in [(1, 1, 1, 1, 1, True), (2, 1100, 1300, 16, 4, True), (1, 300, 97, 8, 1, True),
+                                   (2, 17, 333, 4, 2, False)]:
+    for d, tiles in FWD_TILES.items():
+        for tile in tiles:
+            q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16)
+            k, v = (torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            out = torch.full_like(q, float("nan"))
+            lse = torch.full((b, hq, sq), float("nan"), device="cuda")
+            launch_attn_fwd_ws(q, k, v, out, lse, causal=causal, softmax_scale=d ** -0.5, config=WsFwdConfig(*tile))
+            torch.cuda.synchronize()
+            written = not torch.isnan(out).any().item() and not torch.isnan(lse).any().item()
+            print("forward", (b, sq, sk, hq, hkv, d, causal), tile, "written" if written else "UNWRITTEN", flush=True)

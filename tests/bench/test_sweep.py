@@ -1,0 +1,37 @@
+"""`python -m tileflash sweep`: its variant grammar and families (the timing itself needs a GPU)."""
+import dataclasses
+
+import pytest
+
+from tileflash import config
+from tileflash.bench import sweep
+from tileflash.plan import DecodeConfig, WsBwdConfig
+
+
+def test_vary_is_a_cartesian_product_split_into_config_fields_and_call_arguments():
+    variants = sweep.parse_vary(["block_n=32,64", "tma=0,1", "num_splits=0,8"], DecodeConfig)
+    assert len(variants) == 8
+    assert variants[0] == ({"block_n": 32, "tma": False}, {"num_splits": 0})
+    assert variants[-1] == ({"block_n": 64, "tma": True}, {"num_splits": 8})
+
+
+def test_vary_values_parse_as_numbers_bools_or_strings():
+    [(cfg, call)] = sweep.parse_vary(["keys_major=true", "block_m=128", "fmt=fp8"], WsBwdConfig)
+    assert cfg == {"keys_major": True, "block_m": 128} and call == {"fmt": "fp8"}
+    with pytest.raises(SystemExit):
+        sweep.parse_vary(["block_m"], WsBwdConfig)
+
+
+@pytest.mark.parametrize("name", sorted(sweep.FAMILIES))
+def test_every_family_overrides_a_known_kind_with_its_dataclass(name):
+    family = sweep.FAMILIES[name]
+    assert family.kind in config.KINDS and all(k in config.KINDS for k in family.also)
+    assert family.config.__name__ in config.KINDS[family.kind]
+    assert dataclasses.is_dataclass(family.config) and family.shapes
+    assert name in sweep.FAMILY_HELP
+
+
+def test_sweep_needs_a_gpu(monkeypatch, capsys):
+    monkeypatch.setattr(sweep.torch.cuda, "is_available", lambda: False)
+    assert sweep.main(["decode"]) == 2
+    assert "needs a GPU" in capsys.readouterr().err

@@ -1,0 +1,136 @@
+"""The warp-specialised sm_90 forward (kernels/gluon/attn_fwd.py) against the reference, and which calls take it.
+
+Gluon kernels have no CPU interpreter: on the CPU only the dispatch is checked (the kernel's sm_90 compilation is
+in tests/kernels/test_compile_targets.py); the numerical cases run on an sm_90 GPU."""
+import pytest
+import torch
+
+import tileflash
+from helpers import DEVICE, ON_SM90, attention_inputs, check_2x, check_lse, packed_inputs
+from tileflash.plan import WsFwdConfig
+from tileflash.plan import Mask, sm90_target, ws_forward_config
+from tileflash.launch.forward import launch_attn_fwd_ws
+from tileflash.ops import prefill
+from tileflash.reference import attention_ref, attention_varlen_ref
+
+needs_sm90 = pytest.mark.skipif(not ON_SM90, reason="the warp-specialised forward runs on sm_90 only")
+
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal) — why each is here:
+CASES = [
+    (1, 1, 1, 1, 1, 128, True),  # one query, one key: one CTA, one masked block
+    (2, 17, 17, 4, 4, 128, True),  # a partial tile: rows past Sq arrive as zeros and are never stored
+    (2, 1000, 1100, 16, 4, 128, False),  # GQA 4, Sk not a multiple of 128: the last block is masked
+    (2, 1000, 1100, 16, 4, 128, True),  # causal Sq < Sk: the diagonal shifted by Sk - Sq
+    (1, 300, 97, 8, 1, 128, True),  # MQA, causal Sq > Sk: the first rows see no key (out 0, lse -inf)
+    (3, 1024, 2000, 6, 3, 64, False),  # d64 non-causal
+    (1, 2500, 2500, 2, 2, 64, True),  # d64 causal, 20 tiles: 10 units of a heavy and a light tile
+    (2, 600, 700, 8, 2, 64, True),  # d64 causal with short rows (persistent CTAs; they took the Triton tile)
+    (1, 4096, 4096, 2, 1, 128, True),  # many full blocks: the ring wraps over all three stages many times
+    (2, 700, 900, 4, 2, 256, True),  # d256, <= 1024 keys: two K stages
+    (1, 1500, 1300, 2, 1, 256, False),  # d256 with three K and two V stages, Sq > Sk
+]
+
+
+def _takes_ws(q, k, v, causal, scale=1.0, window=(-1, -1), softcap=0.0):
+    out = torch.empty_like(q)
+    mask = Mask.make(causal, window, softcap)
+    return ws_forward_config(q, k, v, out, scale, mask) is not None
+
+
+@needs_sm90
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_ws_forward(case, dtype):
+    b, sq, sk, hq, hkv, d, causal = case
+    q, k, v = attention_inputs(b, sq, sk, hq, hkv, d, dtype)
+    assert _takes_ws(q, k, v, causal)
+    out, lse = tileflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    ref, ref_lse = attention_ref(q, k, v, causal=causal)
+    ref_lowp, _ = attention_ref(q, k, v, causal=causal, upcast=False)
+    check_2x(out, ref, ref_lowp)
+    check_lse(lse, ref_lse)
+
+
+@needs_sm90
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d, block_n, k_stages, v_stages, persistent", [
+    (128, 128, 3, 3, False), (128, 128, 2, 2, False), (64, 128, 3, 3, False), (64, 128, 4, 3, False),
+    (256, 64, 2, 2, False), (256, 64, 3, 2, False),  # d256: three K and two V stages fill 224 KB of shared memory
+    (128, 128, 3, 3, True), (64, 128, 3, 3, True), (256, 64, 3, 2, True),
+])
+def test_ws_forward_tile_configs(d, block_n, k_stages, v_stages, persistent, causal):
+    """Every tile the sweeps measure (benchmarks/ws_sweep.py), launched directly into NaN-poisoned outputs: the K
+    and V rings of different depths wrap at different blocks (Sk spans 11-21 blocks), Sq < Sk shifts the diagonal,
+    and 9 tiles per head make 5 units of which the last is one tile alone: 160 units walked by 132 persistent CTAs."""
+    q, k, v = attention_inputs(2, 1100, 1300, 16, 4, d, torch.bfloat16)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((2, 16, 1100), float("nan"), device=DEVICE)
+    scale = d ** -0.5
+    launch_attn_fwd_ws(q, k, v, out, lse, causal=causal, softmax_scale=scale,
+                       config=WsFwdConfig(block_n, k_stages, v_stages, persistent))
+    ref, ref_lse = attention_ref(q, k, v, causal=causal, softmax_scale=scale)
+    ref_lowp, _ = attention_ref(q, k, v, causal=causal, softmax_scale=scale, upcast=False)
+    check_2x(out, ref, ref_lowp)
+    check_lse(lse, ref_lse)
+
+
+@needs_sm90
+def test_ws_forward_strided_views_and_gradients():
+    """q, k, v as views of one packed [B, S, 3, H, D] tensor (strided, TMA-aligned), through autograd."""
+    qkv = torch.randn(2, 333, 3, 4, 128, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    q, k, v = qkv.unbind(2)
+    assert _takes_ws(q, k, v, causal=True)
+    out = tileflash.flash_attn_func(q, k, v, causal=True)
+    ref, _ = attention_ref(q, k, v, causal=True)
+    ref_lowp, _ = attention_ref(q, k, v, causal=True, upcast=False)
+    check_2x(out, ref, ref_lowp)
+    out.sum().backward()
+    assert qkv.grad is not None and torch.isfinite(qkv.grad).all()
+
+
+# Packed sequences (query lengths, key lengths, heads_q, heads_kv, head_dim, causal) — why each is here:
+VARLEN_CASES = [
+    ([300, 0, 1025, 77], [400, 12, 1025, 2000], 8, 2, 128, True),  # an empty query sequence, Sq != Sk both ways
+    ([129, 1, 640], [129, 1, 640], 4, 4, 64, False),  # a tile with one row past its sequence's end
+    ([200, 70, 5], [65, 300, 0], 4, 1, 256, True),  # MQA, d256 (64-key blocks), Sq > Sk, a sequence with no key
+]
+
+
+@needs_sm90
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=lambda c: "-".join(map(str, c[2:])))
+def test_ws_forward_varlen(case, dtype, monkeypatch):
+    """Rows and keys past a sequence's end belong to the next one: none may leak into or overwrite it."""
+    lens_q, lens_k, hq, hkv, d, causal = case
+    launches = []
+    monkeypatch.setattr(prefill, "launch_attn_fwd_ws", lambda *a, **kw: launches.append(1) or launch_attn_fwd_ws(
+        *a, **kw))
+    q, k, v, cu_q, cu_k = packed_inputs(lens_q, lens_k, hq, hkv, d, dtype, seed=3)
+    out, lse = tileflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                                return_lse=True)
+    assert launches, "this case no longer takes the warp-specialised forward"
+    ref, ref_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, None, causal=causal)
+    ref_lowp, _ = attention_varlen_ref(q, k, v, cu_q, cu_k, None, causal=causal, upcast=False)
+    check_2x(out, ref, ref_lowp)
+    check_lse(lse, ref_lse)
+
+
+@needs_sm90
+def test_ws_forward_declines_what_it_does_not_do():
+    q, k, v = attention_inputs(1, 256, 256, 2, 2, 128, torch.bfloat16)
+    assert not _takes_ws(q, k, v, causal=False, window=(64, 0))
+    assert not _takes_ws(q, k, v, causal=False, softcap=5.0)
+    assert not _takes_ws(q, k, v, causal=False, scale=-1.0)
+    q96, k96, v96 = attention_inputs(1, 256, 256, 2, 2, 96, torch.bfloat16)
+    assert not _takes_ws(q96, k96, v96, causal=False)
+    flat = torch.randn(1 * 256 * 2 * 128 + 1, device=DEVICE, dtype=torch.bfloat16)
+    misaligned = flat[1:].view(1, 256, 2, 128)  # base not 16-byte aligned: no TMA descriptor
+    assert not _takes_ws(misaligned, k, v, causal=False)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="checks the CPU suite's dispatch")
+def test_no_ws_forward_without_an_sm90_target():
+    """Under the interpreter (the CPU suite) every call takes the Triton kernel."""
+    assert not sm90_target()
+    q, k, v = attention_inputs(1, 256, 256, 2, 2, 128, torch.bfloat16)
+    assert not _takes_ws(q, k, v, causal=True)

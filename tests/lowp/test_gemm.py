@@ -1,0 +1,272 @@
+"""nvfp4_matmul against a.float() @ dequant(b).T (the reference dequantizer), with the 2x rule; its tile table;
+bad input."""
+import pytest
+import torch
+
+import tileflash._utils as tf_utils
+from helpers import DEVICE, ON_GPU, ON_SM90, check_2x
+from tileflash.lowp.formats import E4M3, nvfp4_dequantize_ref
+from tileflash.plan import GemmConfig, GemmMmaConfig, gemm_config, gemm_mma_config
+from tileflash.lowp.gemm import nvfp4_matmul
+from tileflash.lowp.quant import nvfp4_dequantize, nvfp4_quantize
+
+
+def _inputs(m, n, k, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(m, k, generator=g).to(DEVICE, dtype)
+    b = torch.randn(n, k, generator=g) * torch.exp2(torch.randint(-3, 4, (n, k), generator=g).float())
+    return a, nvfp4_quantize(b.to(DEVICE))
+
+
+def _check(a, b_q, out):
+    w = nvfp4_dequantize_ref(*b_q)
+    return check_2x(out, a.float() @ w.T, a @ w.to(a.dtype).T)
+
+
+SHAPES = [
+    (1, 32, 16),  # M = 1 (decode): one row of a 16-row tile; K = one scale block, half of a 32-wide K step
+    (17, 48, 96),  # odd M across two M tiles; N = 1.5 N tiles; three K steps
+    (33, 64, 80),  # K = 2.5 K steps: the last step holds one scale block, the rest masked
+    (16, 16, 32),  # exactly one tile in M and K; N half a tile
+    (5, 40, 112),  # decode-sized M with K split in two slices (the second ends in a masked half step)
+]
+
+
+@pytest.mark.parametrize("m, n, k", SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in SHAPES])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_matches_reference(m, n, k, dtype):
+    a, b_q = _inputs(m, n, k, dtype, seed=m + n + k)
+    out = nvfp4_matmul(a, *b_q)
+    assert out.dtype == dtype and out.shape == (m, n)
+    _check(a, b_q, out)
+
+
+def test_strided_operands():
+    # a transposed (column-major), b_data / b_scales with a row stride larger than their width.
+    a_t, (data, scales, gs) = _inputs(48, 24, 64, torch.float16, seed=3)
+    a = a_t.t().contiguous().t()[:24]
+    wide_data = torch.zeros(24, 64, dtype=torch.uint8, device=DEVICE)
+    wide_data[:, :32] = data
+    wide_scales = torch.zeros(24, 8, dtype=torch.uint8, device=DEVICE)
+    wide_scales[:, :4] = scales.view(torch.uint8)
+    b_q = (wide_data[:, :32], wide_scales[:, :4].view(E4M3.dtype), gs)
+    out = nvfp4_matmul(a, *b_q)
+    _check(a, (data, scales, gs), out)
+
+
+@pytest.mark.parametrize("swap_ab", [False, True], ids=["plain", "swapped"])
+@pytest.mark.parametrize("scale_row_bytes", [8, 10], ids=["words", "bytes"])
+def test_scale_words_and_byte_fallback(override, scale_row_bytes, swap_ab):
+    """64-wide K steps read the block scales as int32 words of four when their rows are 4-byte aligned (here with
+    split K and a masked last N tile); a 10-byte row stride falls back to byte loads. Both decode the same, with
+    plain (c = a w^T) and swapped (c^T = w a^T) products."""
+    override(gemm=GemmConfig(16, 32, 64, 4, 1, split_k=2, swap_ab=swap_ab))
+    a, (data, scales, gs) = _inputs(3, 40, 128, torch.bfloat16, seed=6)
+    wide = torch.zeros(40, scale_row_bytes, dtype=torch.uint8, device=DEVICE)
+    wide[:, :8] = scales.view(torch.uint8)
+    out = nvfp4_matmul(a, data, wide[:, :8].view(E4M3.dtype), gs)
+    _check(a, (data, scales, gs), out)
+
+
+def test_scale_words_decode_every_e4m3_byte_like_bytes(override):
+    """Every e4m3 scale byte (incl. negatives, subnormals and the NaN codes 0x7F / 0xFF) decodes the same from int32
+    words (inline PTX on the GPU) as from bytes: column n of the GEMM uses scale byte n for its first block."""
+    override(gemm=GemmConfig(16, 32, 64, 4, 1, split_k=1))
+    a, (data, scales, gs) = _inputs(4, 256, 128, torch.float16, seed=8)
+    s_bytes = scales.view(torch.uint8).clone()
+    s_bytes[:, 0] = torch.arange(256, dtype=torch.uint8, device=DEVICE)
+    outs = []
+    for row_bytes in (8, 12, 10):  # row strides 8 and 12 are 4-byte aligned (words); 10 is not (bytes)
+        wide = torch.zeros(256, row_bytes, dtype=torch.uint8, device=DEVICE)
+        wide[:, :8] = s_bytes
+        outs.append(nvfp4_matmul(a, data, wide[:, :8].view(E4M3.dtype), gs))
+    for out in outs[:2]:
+        torch.testing.assert_close(out, outs[2], rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(outs[2][:, 0x7F]).all() and torch.isnan(outs[2][:, 0xFF]).all()
+
+
+def test_nan_scale_poisons_its_output_column():
+    a, (data, scales, gs) = _inputs(5, 32, 32, torch.float16, seed=4)
+    scales = scales.clone()
+    scales.view(torch.uint8)[7, 1] = 0x7F  # NaN
+    out = nvfp4_matmul(a, data, scales, gs)
+    assert torch.isnan(out[:, 7]).all()
+    assert not torch.isnan(out[:, :7]).any() and not torch.isnan(out[:, 8:]).any()
+
+
+def test_matches_dequantize_then_matmul():
+    # The public dequantize kernel and the GEMM decode the same format.
+    a, b_q = _inputs(9, 32, 64, torch.float16, seed=5)
+    w = nvfp4_dequantize(*b_q)
+    check_2x(nvfp4_matmul(a, *b_q), a.float() @ w.T, a @ w.half().T)
+
+
+@pytest.mark.skipif(ON_GPU, reason="interpreter-only: shows the bf16 interpreter hazard is caught")
+def test_bf16_check_can_fail(monkeypatch):
+    """Without the interpreter's fp32 widening the bf16 dot runs on raw bits; the 2x check must catch it."""
+    monkeypatch.setattr(tf_utils, "INTERPRETER_UPCAST", False)
+    a, b_q = _inputs(17, 32, 64, torch.bfloat16, seed=6)
+    try:
+        out = nvfp4_matmul(a, *b_q)
+    except Exception:
+        return  # the interpreter may also refuse raw-bit bf16 dots outright; either way it cannot pass silently
+    with pytest.raises(AssertionError):
+        _check(a, b_q, out)
+
+
+@pytest.mark.parametrize("m, n, expected", [
+    # decode-sized M: swapped products over 64-column weight tiles, K split until ~3 programs per SM
+    (1, 4096, GemmConfig(16, 64, 128, 4, 4, split_k=4, swap_ab=True)),  # 64 N tiles: 7 slices wanted, 4 at most
+    (16, 8192, GemmConfig(16, 64, 128, 4, 4, split_k=4, swap_ab=True)),
+    (16, 65536, GemmConfig(16, 64, 128, 4, 4, split_k=1, swap_ab=True)),  # enough N tiles alone
+    (17, 4096, GemmConfig(64, 64, 128, 4, 3)),
+    (128, 4096, GemmConfig(128, 64, 128, 4, 3)),
+    (257, 4096, GemmConfig(128, 128, 64, 8, 3)),
+    (4096, 4096, GemmConfig(128, 128, 64, 8, 3)),
+])
+def test_gemm_config_table(m, n, expected):
+    assert gemm_config(m, n, 4096) == expected
+
+
+@pytest.mark.parametrize("m, n, k, expected", [
+    # K in slices of at most 2 steps of 256; N tiles per program (<= 4) until 3 programs per SM (132 SMs) remain
+    (1, 4096, 4096, GemmMmaConfig(64, 256, split_k=8, programs_n=32)),  # 512 tile-slices: two tiles per program
+    (16, 8192, 8192, GemmMmaConfig(64, 256, split_k=16, programs_n=32)),  # 2048 tile-slices: four per program
+    (1, 65536, 4096, GemmMmaConfig(64, 256, split_k=8, programs_n=256)),  # 8192 tile-slices: four (at most)
+    (16, 200, 400, GemmMmaConfig(64, 256, split_k=1, programs_n=4)),  # 2 K steps: one slice; N tail
+    (1, 64, 100000, GemmMmaConfig(64, 256, split_k=196, programs_n=1)),  # 391 steps: 196 slices of <= 2
+    (17, 4096, 4096, None),  # more rows than one mma.sync tile: the Triton kernel
+])
+def test_gemm_mma_config_table(m, n, k, expected):
+    assert gemm_mma_config(m, n, k) == expected
+
+
+def test_gemm_mma_config_forced_choices():
+    assert gemm_mma_config(1, 8192, 8192, tiles_per_program=4, split_k=8) == GemmMmaConfig(64, 256, 8, 32)
+    assert gemm_mma_config(1, 64, 256, split_k=4).split_k == 1  # never more slices than K steps
+
+
+MMA_SHAPES = [  # K a multiple of 32 (the kernel's 16-byte vectors)
+    (1, 4096, 4096),  # decode GEMM: four K slices, one N tile per program
+    (16, 200, 416),  # one slice of 1.6 steps (a masked K tail of 160 values), an N tail of 8 rows
+    (3, 1000, 8224),  # 17 slices, the last a 32-value tail; 16 tiles, the last one 40 rows
+    (16, 64, 32),  # K = two scale blocks: a single masked step
+    (7, 8192, 2048),  # four slices of 2 whole steps, one N tile per program
+]
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the register-operand Gluon kernel runs on sm_90 only")
+@pytest.mark.parametrize("m, n, k", MMA_SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in MMA_SHAPES])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_mma_kernel_matches_reference(m, n, k, dtype, monkeypatch):
+    calls = _count_mma_launches(monkeypatch)
+    a, b_q = _inputs(m, n, k, dtype, seed=m * 7 + n + k)
+    out = nvfp4_matmul(a, *b_q)
+    assert out.dtype == dtype and out.shape == (m, n)
+    _check(a, b_q, out)
+    assert calls == [1]  # it ran the Gluon kernel
+
+
+def _count_mma_launches(monkeypatch):
+    """Count launches of the register-operand kernel (a call's first launch goes through direct.launch; later
+    calls of the same signature replay it)."""
+    from tileflash.lowp.kernels.gemm_mma import nvfp4_matmul_mma_kernel
+    from tileflash.launch import direct
+
+    calls, launch = [], direct.launch
+    monkeypatch.setattr(direct, "launch", lambda kernel, *a, **k: (
+        calls.append(1) if kernel is nvfp4_matmul_mma_kernel else None) or launch(kernel, *a, **k))
+    return calls
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the register-operand Gluon kernel runs on sm_90 only")
+def test_mma_kernel_split_sum_is_reproducible():
+    """Split K (16 slices): the fp32 partials are added in slice order, so repeated calls give the same bits."""
+    a, b_q = _inputs(5, 1024, 8192, torch.bfloat16, seed=14)
+    first = nvfp4_matmul(a, *b_q)
+    _check(a, b_q, first)
+    for _ in range(5):
+        assert torch.equal(nvfp4_matmul(a, *b_q), first)
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the register-operand Gluon kernel runs on sm_90 only")
+def test_mma_kernel_declines_what_it_cannot_address(monkeypatch):
+    """K not a multiple of 32, a column-strided a: the Triton kernel serves them (still correct)."""
+    calls = _count_mma_launches(monkeypatch)
+    a, b_q = _inputs(4, 64, 400, torch.bfloat16, seed=12)
+    _check(a, b_q, nvfp4_matmul(a, *b_q))
+    a, b_q = _inputs(4, 64, 512, torch.bfloat16, seed=13)
+    wide = torch.zeros(4, 1024, dtype=torch.bfloat16, device=DEVICE)
+    wide[:, ::2] = a
+    _check(a, b_q, nvfp4_matmul(wide[:, ::2], *b_q))
+    assert calls == []
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the register-operand Gluon kernel runs on sm_90 only")
+def test_mma_kernel_row_scales_keep_every_magnitude():
+    """Each activation row goes to fp16 scaled by its own power of two: rows near bf16's top (fp16 overflows at
+    65504), tiny rows (fp16 subnormals) and a zero row all match the reference; rows with a stride too."""
+    a, b_q = _inputs(8, 256, 1024, torch.bfloat16, seed=11)
+    a = a * torch.tensor([1e30, 1e-30, 1.0, 0.0, 7e4, 3e-6, 1.0, 1e10], device=DEVICE, dtype=torch.bfloat16)[:, None]
+    _check(a, b_q, nvfp4_matmul(a, *b_q))
+    wide = torch.zeros(8, 2048, dtype=torch.bfloat16, device=DEVICE)
+    wide[:, :1024] = a
+    _check(a, b_q, nvfp4_matmul(wide[:, :1024], *b_q))
+
+
+def test_gemm_config_split_k_keeps_four_k_steps_per_slice():
+    assert gemm_config(1, 64, 1024).split_k == 2  # 8 K steps of 128: at most 2 slices
+    assert gemm_config(1, 32, 256).split_k == 1
+
+
+def test_gemm_config_interpreter_uses_small_tiles():
+    assert gemm_config(4096, 4096, 4096, interpret=True) == GemmConfig(16, 32, 32, 4, 1)
+    assert gemm_config(8, 48, 96, interpret=True).split_k == 2  # the CPU tests cover split-K
+
+
+def test_compile_fullgraph_matches_eager():
+    """The three NVFP4 ops are custom ops with fake implementations: torch.compile traces them whole."""
+    a, _ = _inputs(3, 16, 32, torch.float16, seed=7)
+    b = torch.randn(16, 32, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+
+    def fn(a, b):
+        b_q = nvfp4_quantize(b)
+        return nvfp4_matmul(a, *b_q), nvfp4_dequantize(*b_q)
+
+    eager = fn(a, b)
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")(a, b)
+    for x, y in zip(eager, compiled):
+        assert torch.equal(x, y)
+
+
+def _args(m=4, n=16, k=32):
+    a, b_q = _inputs(m, n, k, torch.float16)
+    return [a, *b_q]
+
+
+def _with(i, value):
+    args = _args()
+    args[i] = value(args[i])
+    return args
+
+
+ERROR_CASES = [
+    (lambda: _with(0, lambda a: a.float()), TypeError, "a: expected dtype"),
+    (lambda: _with(0, lambda a: a[0]), ValueError, "a: expected 2 dimensions"),
+    (lambda: [torch.randn(4, 24, device=DEVICE).half(), *_args()[1:]], ValueError, "a: K"),
+    (lambda: _with(1, lambda d: d[:, :8]), ValueError, "b_data: expected shape"),  # K/2 != a's K / 2
+    (lambda: _with(1, lambda d: d.to(torch.int8)), TypeError, "b_data"),
+    (lambda: _with(1, lambda d: d.to("meta")), ValueError, "b_data: expected device"),
+    (lambda: _with(2, lambda s: s.float()), TypeError, "b_scales"),
+    (lambda: _with(2, lambda s: s[:, :1]), ValueError, "b_scales: expected shape"),
+    (lambda: _with(2, lambda s: s.to("meta")), ValueError, "b_scales: expected device"),
+    (lambda: _with(3, lambda g: g.reshape(1)), ValueError, "b_global_scale"),
+    (lambda: _with(3, lambda g: g.double()), TypeError, "b_global_scale"),
+    (lambda: _with(3, lambda g: 1.0), TypeError, "b_global_scale"),
+]
+
+
+@pytest.mark.parametrize("make_args, exc, needle", ERROR_CASES, ids=[str(i) for i in range(len(ERROR_CASES))])
+def test_errors_name_the_argument(make_args, exc, needle):
+    with pytest.raises(exc, match=needle):
+        nvfp4_matmul(*make_args())

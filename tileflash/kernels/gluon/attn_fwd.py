@@ -1,0 +1,341 @@
+"""Prefill forward for sm_90 with warp specialisation (FA3's structure), written in Gluon.
+
+Why a second forward: the Triton kernel (attn_fwd.py) runs loads, both products and the softmax of a tile in one
+instruction stream per warpgroup, and Triton's own warp specialisation does not apply to it on sm_90 (the archived notebook,
+session 8); it stayed at 0.78-0.86x cuDNN for d128. Gluon states the partitions and the pipeline explicitly:
+
+  producer (1 warp, 24 registers): TMA loads of the two Q tiles, then K and V blocks into two rings of K_STAGES
+      and V_STAGES stages (k_ready / v_ready carry the transaction bytes; k_empty / v_empty count one arrival per
+      consumer). The rings are separate because S_j and PV_{j-1} run together: K_j's stage is free once S_j has
+      retired, half a step before V_{j-1}'s, so its next load starts that much earlier (with one shared ring a
+      2-stage pipeline had no slack at all: the load of block j+1 began when step j ended, where it was needed).
+  consumers (2 warpgroups, 240 registers each): 64 query rows each of the CTA's 128. Per KV block j:
+      S_j = Q K_j^T (shared-memory operands) is issued, then O += P_{j-1} V_{j-1} (P from registers); the softmax
+      of S_j runs while that PV product is still in flight (FA3's intra-warpgroup overlap), and the two warpgroups
+      interleave their products and softmaxes on the SM's tensor cores without further synchronisation.
+
+Persistent CTAs (PERSISTENT, for short rows: plan.prefill.fwd_ws_config): one CTA per SM walks units of two tiles
+(see _tile); the rings run on across tiles, a consumer releases its Q buffer as soon as its last S product has
+retired, so the next tile's Q and first K block load during the last PV product and the epilogue, which stores O
+from registers (Q's buffer, the TMA store's staging otherwise, may already hold the next Q).
+
+Layout: q, out [B, Sq, Hq, D] and k, v [B, Sk, Hkv, D] through 4-D TMA descriptors with blocks [1, rows, 1, D], so
+rows past a sequence's end arrive as zeros and are never stored (no row masks on loads; the persistent epilogue
+masks its stores); lse [B, Hq, Sq] float32 contiguous. Varlen batches (VARLEN): the packed [total, H, D] tensors
+as [1, total, H, D], each tile's rows and keys offset by its sequence's start; rows past a sequence's end then
+load the next sequence's rows, so keys there are masked (the last partial block of a sequence always takes the
+mask) and O is stored from registers with row masks. Scope (plan/prefill.ws_forward_config decides, else the
+Triton kernel runs): 16-bit dtypes, head dims 64, 128 and 256, no window or softcap beyond causal, a positive
+softmax scale, a learnable sink or none (HAS_SINK: fp32 [Hq], folded into each row's sum once, in the
+epilogue); varlen without seqused_k or a paged cache. Gluon has no CPU
+interpreter: the CPU suite checks this kernel's compilation for sm_90 (tests/sm90_compile_check.py) and the GPU
+suite its results.
+"""
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from .common import opaque_zero, packed_sequence
+from ..triton.masks import LOG2E
+
+ROWS_PER_WARPGROUP = 64  # wgmma's M: each consumer warpgroup owns 64 query rows
+WG_ROWS = gl.constexpr(ROWS_PER_WARPGROUP)
+LN2 = gl.constexpr(0.6931471805599453)
+
+
+@gluon.jit
+def _tile(step, m_tiles, num_heads_q, group_size, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k,
+          PERSISTENT: gl.constexpr, VARLEN: gl.constexpr):
+    """(batch coordinate of the descriptors, query head, KV head, first row, valid) of this CTA's step-th tile, then
+    its sequence's (first query row, query rows, first key, keys) as _gluon.packed_sequence gives them; producer
+    and consumers walk the same tiles. With VARLEN the tiles cover the longest sequence: rows past this one's are
+    not valid.
+
+    One tile per CTA (step 0 only): the heaviest causal tiles of a head start first and the hardware hands the next
+    CTA to whichever SM frees up. Persistent CTAs walk units of two tiles of one head, the i-th heaviest and the
+    i-th lightest, so every unit holds the same number of causal blocks and a static round robin over units stays
+    balanced while the CTAs in flight share few heads' K/V in L2 (with an odd count of tiles the middle one is a
+    unit alone: its second slot is not valid)."""
+    if PERSISTENT:
+        unit = gl.program_id(0) + (step // 2) * gl.num_programs(0)
+        half = (m_tiles + 1) // 2
+        i = unit % half
+        rank = gl.where(step % 2 == 0, i, m_tiles - 1 - i)  # 0 = the heaviest tile (the last rows)
+        bh = unit // half
+        valid = (step % 2 == 0) | (rank != i)
+    else:
+        tile = gl.program_id(0) + step
+        bh = tile // m_tiles
+        rank = tile % m_tiles
+        valid = tile >= 0
+    h = bh % num_heads_q
+    start_m = (m_tiles - 1 - rank) * (2 * WG_ROWS)
+    bd, q0, sq, k0, sk = packed_sequence(bh // num_heads_q, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN)
+    if VARLEN:
+        valid = valid & (start_m < sq)
+    return bd, h, h // group_size, start_m, valid, q0, sq, k0, sk
+
+
+@gluon.jit
+def _tile_count(num_units, PERSISTENT: gl.constexpr):
+    """Tiles this CTA walks (grid: min(units, SMs) persistent CTAs, else one CTA per tile)."""
+    if PERSISTENT:
+        pid = gl.program_id(0)
+        nprog = gl.num_programs(0)
+        return 2 * ((num_units - pid + nprog - 1) // nprog)
+    return gl.to_tensor(1)
+
+
+@gluon.jit
+def _block_range(start_m, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+    """KV blocks [0, n_hi) that rows [start_m, start_m + 128) need; blocks >= full_hi need the mask (past Sk or
+    past the diagonal of the tile's first row; causal is bottom-right aligned: row i sees keys <= i + Sk - Sq)."""
+    full_hi = seqlen_k // BLOCK_N
+    n_hi = (seqlen_k + BLOCK_N - 1) // BLOCK_N
+    if CAUSAL:
+        diag = seqlen_k - seqlen_q
+        keys = gl.minimum(gl.maximum(start_m + 2 * WG_ROWS + diag, 0), seqlen_k)  # keys the last row sees
+        n_hi = (keys + BLOCK_N - 1) // BLOCK_N
+        full_hi = gl.minimum(gl.maximum(start_m + diag + 1, 0) // BLOCK_N, full_hi)
+    return gl.minimum(full_hi, n_hi), n_hi
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+              cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, m_tiles, num_heads_q, group_size, num_units,
+              CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+              PERSISTENT: gl.constexpr, VARLEN: gl.constexpr):
+    it = 0  # K/V blocks loaded so far: the position in both rings
+    tiles_done = 0
+    for step in range(_tile_count(num_units, PERSISTENT)):
+        bd, h, hk, start_m, valid, q0, sq, k0, sk = _tile(step, m_tiles, num_heads_q, group_size, cu_seqlens_q,
+                                                          cu_seqlens_k, seqlen_q, seqlen_k, PERSISTENT, VARLEN)
+        if valid:
+            for w in gl.static_range(2):
+                # Q's buffer is free once the consumer's last S product of the previous tile retired.
+                mbarrier.wait(q_empty.index(w), (tiles_done & 1) ^ 1)  # a fresh barrier passes parity 1 at once
+                mbarrier.expect(q_bar.index(w), q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [bd, q0 + start_m + w * WG_ROWS, h, 0], q_bar.index(w),
+                                                q_smem.index(w))
+            full_hi, n_hi = _block_range(start_m, sq, sk, CAUSAL, BLOCK_N)
+            for j in range(n_hi):
+                ks = it % K_STAGES
+                mbarrier.wait(k_empty.index(ks), ((it // K_STAGES) & 1) ^ 1)
+                mbarrier.expect(k_ready.index(ks), k_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [bd, k0 + j * BLOCK_N, hk, 0], k_ready.index(ks),
+                                                k_bufs.index(ks))
+                vs = it % V_STAGES
+                mbarrier.wait(v_empty.index(vs), ((it // V_STAGES) & 1) ^ 1)
+                mbarrier.expect(v_ready.index(vs), v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(v_desc, [bd, k0 + j * BLOCK_N, hk, 0], v_ready.index(vs),
+                                                v_bufs.index(vs))
+                it += 1
+            tiles_done += 1
+
+
+@gluon.jit
+def _masked(s, j, row0, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Scores of keys a row may not see (past Sk, or past its diagonal) set to -inf. The column and row indices
+    carry a zero the compiler cannot see: otherwise it hoists loop-invariant parts of the causal compare out of the
+    block loop, and the persistent d128 causal tile spilled them (184 bytes of stack under triton 3.6, 17 reloads
+    per block; 0 with the zero; 3.7.1: 40 -> 24 bytes)."""
+    z = opaque_zero(j)
+    cols = j * BLOCK_N + z + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+    ok = gl.expand_dims(cols < seqlen_k, 0)
+    if CAUSAL:
+        rows = row0 + z + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, s.type.layout))
+        ok = ok & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + seqlen_k - seqlen_q, 1))
+    return gl.where(ok, s, float("-inf"))
+
+
+@gluon.jit
+def _softmax(s, m_i, l_i, qk_scale):
+    """Online softmax of raw scores s (qk_scale = softmax_scale * log2(e) > 0, so the scale applies after the row
+    max and joins the subtraction in one FMA). A row with only masked keys so far keeps m = -inf and subtracts 0,
+    so its p and alpha are 0, not NaN."""
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_safe, 1))
+    alpha = gl.exp2(m_i - m_safe)
+    return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
+
+
+@gluon.jit
+def _normaliser(m_i, l_i, sink2, HAS_SINK: gl.constexpr):
+    """(m_i, l_i, the factor acc takes before 1 / l_i) with the sink sink2 folded in (log2 units, like m_i): the
+    Triton kernel's _fold_sink. A row that saw no key gets m = sink, l = 1, factor 0 (out = 0, lse = sink)."""
+    if HAS_SINK:
+        m_new = gl.maximum(m_i, sink2)
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a -inf sink on an unseen row: 0, not NaN
+        alpha = gl.exp2(m_i - m_safe)
+        return m_new, l_i * alpha + gl.exp2(sink2 - m_safe), alpha
+    return m_i, l_i, gl.full_like(l_i, 1.0)
+
+
+@gluon.jit
+def _consumer(q_desc, o_desc, out_ptr, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready, k_empty,
+              v_empty, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, m_tiles, num_heads_q, group_size, num_units,
+              stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale, sink_ptr, WG: gl.constexpr,
+              CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
+              V_STAGES: gl.constexpr, PERSISTENT: gl.constexpr, VARLEN: gl.constexpr, HAS_SINK: gl.constexpr):
+    dtype: gl.constexpr = q_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    # P feeds the PV product from registers: S's accumulator layout maps onto wgmma's A fragments.
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    q = q_smem.index(WG).reshape([WG_ROWS, HEAD_DIM])
+    s_init = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, s_layout)  # ignored (use_acc=False): only its layout counts
+    it = 0  # K/V blocks consumed so far: the position in both rings
+    tiles_done = 0
+    for step in range(_tile_count(num_units, PERSISTENT)):
+        bd, h, hk, start_m, valid, q0, sq, k0, sk = _tile(step, m_tiles, num_heads_q, group_size, cu_seqlens_q,
+                                                          cu_seqlens_k, seqlen_q, seqlen_k, PERSISTENT, VARLEN)
+        if valid:
+            sink2 = 0.0
+            if HAS_SINK:  # loaded at the tile's start: its latency hides behind the loop, not the epilogue's
+                sink2 = gl.load(sink_ptr + h) * LOG2E
+            full_hi, n_hi = _block_range(start_m, sq, sk, CAUSAL, BLOCK_N)
+            row0 = start_m + WG * WG_ROWS
+            m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+            l_i = gl.zeros([WG_ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+            acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, o_layout)
+            mbarrier.wait(q_bar.index(WG), tiles_done & 1)
+            if n_hi > 0:
+                ks = it % K_STAGES
+                mbarrier.wait(k_ready.index(ks), (it // K_STAGES) & 1)
+                s = warpgroup_mma(q, k_bufs.index(ks).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_init,
+                                  use_acc=False, is_async=True)
+                s = warpgroup_mma_wait(0, deps=(s,))
+                mbarrier.arrive(k_empty.index(ks), count=1)
+                if full_hi == 0:
+                    s = _masked(s, 0, row0, sq, sk, CAUSAL, BLOCK_N)
+                p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale)
+                p = gl.convert_layout(p.to(dtype), p_layout)
+                for j in range(1, n_hi):
+                    ks = (it + j) % K_STAGES
+                    prev = (it + j - 1) % V_STAGES
+                    mbarrier.wait(k_ready.index(ks), ((it + j) // K_STAGES) & 1)
+                    mbarrier.wait(v_ready.index(prev), ((it + j - 1) // V_STAGES) & 1)
+                    s = warpgroup_mma(q, k_bufs.index(ks).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_init,
+                                      use_acc=False, is_async=True)
+                    acc = warpgroup_mma(p, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+                    s = warpgroup_mma_wait(1, deps=(s,))  # products retire in order: S_j is done, PV_{j-1} may not be
+                    mbarrier.arrive(k_empty.index(ks), count=1)
+                    if j >= full_hi:
+                        s = _masked(s, j, row0, sq, sk, CAUSAL, BLOCK_N)
+                    p_next, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale)
+                    acc, p = warpgroup_mma_wait(0, deps=(acc, p))  # p stays live until its product has read it
+                    mbarrier.arrive(v_empty.index(prev), count=1)
+                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+                    p = gl.convert_layout(p_next.to(dtype), p_layout)
+                if PERSISTENT:
+                    mbarrier.arrive(q_empty.index(WG), count=1)  # every S product of this tile has retired
+                last = (it + n_hi - 1) % V_STAGES
+                mbarrier.wait(v_ready.index(last), ((it + n_hi - 1) // V_STAGES) & 1)
+                acc = warpgroup_mma(p, v_bufs.index(last).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+                acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+                mbarrier.arrive(v_empty.index(last), count=1)
+                it += n_hi
+            elif PERSISTENT:
+                mbarrier.arrive(q_empty.index(WG), count=1)
+
+            # Epilogue: rows that saw no key give out = 0 and lse = -inf (with a sink: lse = sink).
+            m_i, l_i, acc_scale = _normaliser(m_i, l_i, sink2, HAS_SINK)
+            seen = l_i > 0.0
+            inv_l = gl.where(seen, acc_scale / gl.where(seen, l_i, 1.0), 0.0)
+            o = (acc * gl.expand_dims(gl.convert_layout(inv_l, o_rows), 1)).to(dtype)
+            lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+            rows = row0 + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, s_layout))
+            gl.store(lse_ptr + bd.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + q0 + rows, lse,
+                     mask=rows < sq)
+            if PERSISTENT or VARLEN:
+                # Stored from registers: Q's buffer already holds (or receives) the next tile's Q; packed rows
+                # past a sequence's end belong to the next one, which a TMA store would overwrite.
+                o_rows_i = gl.expand_dims(row0 + gl.arange(0, WG_ROWS, layout=o_rows), 1)
+                cols = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout)), 0)
+                ptrs = (out_ptr + bd.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+                        + (q0 + o_rows_i).to(gl.int64) * stride_os + cols)
+                gl.store(ptrs, o, mask=o_rows_i < sq)
+            else:
+                # Through Q's buffer (every S product that read it has completed) and a TMA store, which drops
+                # rows past Sq.
+                q.store(o)
+                fence_async_shared()
+                tma.async_copy_shared_to_global(o_desc, [bd, row0, h, 0], q_smem.index(WG))
+                tma.store_wait(0)
+            tiles_done += 1
+
+
+@gluon.jit
+def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, out_ptr, lse_ptr, cu_seqlens_q, cu_seqlens_k, seqlen_q,
+                       seqlen_k, m_tiles, num_heads_q, group_size, num_units, stride_ob, stride_os, stride_oh,
+                       stride_lb, stride_lh, qk_scale, sink_ptr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+                       BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+                       PERSISTENT: gl.constexpr, VARLEN: gl.constexpr, HAS_SINK: gl.constexpr):
+    """Grid: (m_tiles * B * Hq,) or, PERSISTENT, (min(num_units, SMs),); 4 warps (the first consumer warpgroup;
+    the partitions add 5 more). VARLEN (not with PERSISTENT): B sequences packed in [1, total, H, D] tensors, their
+    rows and keys from cu_seqlens_q/k (int32 [B + 1]), m_tiles from the longest; lse [1, Hq, total_q]."""
+    gl.static_assert(not (PERSISTENT and VARLEN), "persistent CTAs walk tiles of equal-length sequences")
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [2, 1, WG_ROWS, 1, HEAD_DIM], q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [K_STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [V_STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bar.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)  # released by its consumer warpgroup (persistent CTAs)
+    for i in gl.static_range(K_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
+    for i in gl.static_range(V_STAGES):
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(v_empty.index(i), count=2)
+    fence_async_shared()
+    # Integer arguments equal to 1 arrive as constexprs, which worker partitions cannot take: make them tensors.
+    seqlen_q = gl.to_tensor(seqlen_q)
+    seqlen_k = gl.to_tensor(seqlen_k)
+    m_tiles = gl.to_tensor(m_tiles)
+    num_heads_q = gl.to_tensor(num_heads_q)
+    group_size = gl.to_tensor(group_size)
+    num_units = gl.to_tensor(num_units)
+    stride_ob = gl.to_tensor(stride_ob)
+    stride_os = gl.to_tensor(stride_os)
+    stride_oh = gl.to_tensor(stride_oh)
+    stride_lb = gl.to_tensor(stride_lb)
+    stride_lh = gl.to_tensor(stride_lh)
+    WG0: gl.constexpr = 0
+    WG1: gl.constexpr = 1
+    # (Argument tuples are written out: a tuple built with + loses the constexprs' type.)
+    gl.warp_specialize([
+        (_consumer, (q_desc, o_desc, out_ptr, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready,
+                     k_empty, v_empty, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, m_tiles, num_heads_q,
+                     group_size, num_units, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale, sink_ptr,
+                     WG0, CAUSAL, HEAD_DIM, BLOCK_N, K_STAGES, V_STAGES, PERSISTENT, VARLEN, HAS_SINK)),
+        (_consumer, (q_desc, o_desc, out_ptr, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready,
+                     k_empty, v_empty, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, m_tiles, num_heads_q,
+                     group_size, num_units, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale, sink_ptr,
+                     WG1, CAUSAL, HEAD_DIM, BLOCK_N, K_STAGES, V_STAGES, PERSISTENT, VARLEN, HAS_SINK)),
+        (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready, k_empty,
+                     v_empty, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, m_tiles, num_heads_q, group_size,
+                     num_units, CAUSAL, BLOCK_N, K_STAGES, V_STAGES, PERSISTENT, VARLEN)),
+    ], [4, 1], [240, 24])
+
+
+def m_tiles(seqlen_q: int) -> int:
+    """Tiles per (batch, head): 128 query rows each."""
+    return triton.cdiv(seqlen_q, 2 * ROWS_PER_WARPGROUP)
+
+
+def units(m: int, batch_heads: int) -> int:
+    """Work units of persistent CTAs: pairs of tiles of one head (see _tile)."""
+    return batch_heads * ((m + 1) // 2)

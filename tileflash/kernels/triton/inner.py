@@ -1,0 +1,245 @@
+"""The one QK^T -> online softmax -> PV inner loop, shared by prefill, varlen and decode.
+
+Notation (per program): a tile of BLOCK_M query rows and the KV tokens [lo, hi) of one KV head.
+  q:      [BLOCK_M, DP]  (DP = head dim padded to a power of two; padding is masked, never stored in memory)
+  k, v:   [BLOCK_N, DP]  loaded per step, from a contiguous cache or gathered through a page table
+  s:      [BLOCK_M, BLOCK_N] scores in log2 units (scaled by softmax_scale * log2(e)) so the softmax uses exp2
+  m_i:    running row max of s (log2 units), l_i: running row sum of exp2(s - m_i), acc: unnormalised output (fp32)
+Each row r carries its query position q_pos[r] in key coordinates (bottom-right aligned: i + seqlen_k - seqlen_q),
+so one mask helper serves plain prefill rows and pack-GQA decode rows (several heads sharing a position), and the
+ALiBi bias -slope * |q_pos - key| (flash-attn's alibi_slopes) needs no other coordinates.
+"""
+import triton
+import triton.language as tl
+
+from .masks import alibi_distance, visible
+from ...lowp.kernels.quant import NVFP4_PURE_ASM, NVFP4_SCALE_WORDS, nvfp4_unpack_tile
+
+
+@triton.jit
+def _kv_row_offsets(offs_n, seqlen_k, bt_ptr, stride_page, stride_tok, PAGE_SIZE: tl.constexpr,
+                    MASK_N: tl.constexpr):
+    """Element offsets (int64) of KV tokens offs_n: contiguous rows (PAGE_SIZE 0), or rows gathered through the
+    block table, one table entry per token (any page size). PAGE_SIZE is a compile-time constant: the per-token
+    // and % by a run-time page size cost more ALU time than the loads they feed (paged decode ran up to 1.4x
+    slower than contiguous with it)."""
+    if PAGE_SIZE > 0:
+        if MASK_N:
+            page = tl.load(bt_ptr + offs_n // PAGE_SIZE, mask=offs_n < seqlen_k, other=0)
+        else:
+            page = tl.load(bt_ptr + offs_n // PAGE_SIZE)
+        return page.to(tl.int64) * stride_page + (offs_n % PAGE_SIZE).to(tl.int64) * stride_tok
+    else:
+        return offs_n.to(tl.int64) * stride_tok
+
+
+@triton.jit
+def _kv_tile(base, sbase, start_n, seqlen_k, bt_ptr, stride_page, stride_tok, sstride_page, sstride_tok, desc_row0,
+             head_kv, offs_d, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+             USE_DESC: tl.constexpr, KV_NVFP4: tl.constexpr, MASK_N: tl.constexpr, TILE_DTYPE: tl.constexpr):
+    """The [BLOCK_N, DP] K or V tile of tokens start_n.. : through a TMA tensor descriptor (base is a descriptor over
+    [rows, Hkv, D], contiguous or a page pool whose pages hold whole tiles; columns past D arrive as zeros), or by
+    pointers (contiguous or paged, any page size). Rows at or past seqlen_k
+    are zero when MASK_N (with a descriptor they belong to the next sequence: never let them reach P @ V).
+    KV_NVFP4 (NVFP4_SCALE_BYTES or _WORDS, plus NVFP4_PURE_ASM off sm_90): base holds packed e2m1 pairs [.., D/2]
+    and sbase the e4m3 scale of each 16 elements [.., D/16] (strides sstride_*); the tile is decoded in registers
+    (e2m1 x e4m3 is exact in fp16/bf16) and the per-tensor global scale is folded in by the caller."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    if KV_NVFP4:
+        row_ok = offs_n[:, None] < seqlen_k
+        row_off = _kv_row_offsets(offs_n, seqlen_k, bt_ptr, stride_page, stride_tok, PAGE_SIZE, MASK_N)
+        offs_b = tl.arange(0, HEAD_DIM // 2)
+        s_off = _kv_row_offsets(offs_n, seqlen_k, bt_ptr, sstride_page, sstride_tok, PAGE_SIZE, MASK_N)
+        scale_words: tl.constexpr = KV_NVFP4 % NVFP4_PURE_ASM == NVFP4_SCALE_WORDS
+        if scale_words:  # rows of scales 4-byte aligned: four scales per int32
+            s_ptrs = (sbase + s_off[:, None]).to(tl.pointer_type(tl.int32)) + tl.arange(0, HEAD_DIM // 64)[None, :]
+        else:
+            s_ptrs = sbase + s_off[:, None] + tl.arange(0, HEAD_DIM // 16)[None, :]
+        if MASK_N:
+            packed = tl.load(base + row_off[:, None] + offs_b[None, :], mask=row_ok, other=0)
+            s_bits = tl.load(s_ptrs, mask=row_ok, other=0)
+        else:
+            packed = tl.load(base + row_off[:, None] + offs_b[None, :])
+            s_bits = tl.load(s_ptrs)
+        pure: tl.constexpr = KV_NVFP4 >= NVFP4_PURE_ASM  # side effects: see nvfp4_unpack_tile
+        t = nvfp4_unpack_tile(packed, s_bits, BLOCK_N, HEAD_DIM, pure)
+    elif USE_DESC:
+        if PAGE_SIZE > 0:  # the launcher takes descriptors only when a page holds whole tiles
+            row = tl.load(bt_ptr + start_n // PAGE_SIZE) * PAGE_SIZE + start_n % PAGE_SIZE
+        else:
+            row = desc_row0 + start_n
+        t = base.load([row, head_kv, 0]).reshape(BLOCK_N, offs_d.shape[0])
+        if MASK_N:
+            t = tl.where(offs_n[:, None] < seqlen_k, t, 0.0)
+    else:
+        row_off = _kv_row_offsets(offs_n, seqlen_k, bt_ptr, stride_page, stride_tok, PAGE_SIZE, MASK_N)
+        ptrs = base + row_off[:, None] + offs_d[None, :]
+        if MASK_N:
+            t = tl.load(ptrs, mask=(offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        elif HEAD_DIM == offs_d.shape[0]:
+            t = tl.load(ptrs)
+        else:
+            t = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    # TILE_DTYPE: q's dtype on the GPU (fp8 caches widen here, exactly), fp32 in the interpreter (its bf16 is wrong).
+    return t.to(TILE_DTYPE), offs_n
+
+
+@triton.jit
+def tanh(y):
+    """tanh(y) = 1 - 2 / (exp(2y) + 1): exact at +-inf (no inf/inf), and the interpreter has no libdevice. Below
+    |y| = 2^-6 that difference cancels (a softcap of 1e7 gave logits off by 0.4), so y - y^3/3 takes over there:
+    its error, 2y^5/15, is under fp32 rounding."""
+    return tl.where(tl.abs(y) < 0.015625, y - y * y * y * 0.3333333333333333, 1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0))
+
+
+@triton.jit
+def _per_row(x, TRANS: tl.constexpr):
+    """A per-row vector broadcast against scores: [M, 1], or [1, M] when the tiles are transposed."""
+    if TRANS:
+        return x[None, :]
+    else:
+        return x[:, None]
+
+
+@triton.jit
+def _per_key(x, TRANS: tl.constexpr):
+    """A per-key vector broadcast against scores: [1, N], or [N, 1] when the tiles are transposed."""
+    return _per_row(x, not TRANS)
+
+
+@triton.jit
+def _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right, alibi_slope,
+            SOFTCAP: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+            TRANS: tl.constexpr, RAW_SCORES: tl.constexpr, ALIBI: tl.constexpr, qv=None, v=None,
+            HAS_QV: tl.constexpr = False):
+    """s = mask(softcap(q k^T * scale) + alibi) in log2 units; TRANS: q holds q^T and s comes out as s^T [N, M].
+    RAW_SCORES (a positive scale known on the host, no softcap, no ALiBi; not with quantized caches, whose scales
+    live on the device): s stays q k^T and _softmax_pv applies the scale inside exp2's argument.
+    ALIBI: alibi_slope holds each row's slope times log2(e) ([M]); the bias is a bias, not a mask, so unmasked
+    blocks add it too. HAS_QV (MLA): the values are keys too, s = q k^T + qv v^T."""
+    if TRANS:
+        s = tl.dot(k, q)
+        if HAS_QV:
+            s = tl.dot(v, qv, s)
+    else:
+        s = tl.dot(q, tl.trans(k))
+        if HAS_QV:
+            s = tl.dot(qv, tl.trans(v), s)
+    if SOFTCAP:
+        # softcap * tanh(x / softcap); qk_scale already holds softcap * log2(e).
+        s = qk_scale * tanh(s * softcap_scale)
+    elif not RAW_SCORES:
+        s = s * qk_scale
+    if ALIBI:
+        s = s - _per_row(alibi_slope, TRANS) * alibi_distance(_per_row(q_pos, TRANS), _per_key(offs_n, TRANS))
+    if MASK:
+        ok = visible(_per_row(q_pos, TRANS), _per_key(offs_n, TRANS), seqlen_k, window_left, window_right, HAS_LEFT,
+                     HAS_RIGHT)
+        s = tl.where(ok, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS: tl.constexpr, RAW_SCORES: tl.constexpr):
+    """Online-softmax update with one block of scores s and values v (TRANS: s^T and acc^T [DP, M]).
+    RAW_SCORES: s is unscaled and qk_scale > 0, so the row max scales after the reduction and the scale and the
+    max subtraction are one FMA per score (FA's exp2(s * scale - m)) instead of a multiply and a subtract."""
+    key_axis: tl.constexpr = 0 if TRANS else 1
+    if RAW_SCORES:
+        m_new = tl.maximum(m_i, tl.max(s, key_axis) * qk_scale)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, key_axis))
+    # A row that has seen only masked keys keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    if RAW_SCORES:
+        p = tl.math.exp2(tl.fma(s, qk_scale, -_per_row(m_safe, TRANS)))
+    else:
+        p = tl.math.exp2(s - _per_row(m_safe, TRANS))
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, key_axis)
+    acc = acc * _per_row(alpha, TRANS)
+    if TRANS:
+        acc = tl.dot(tl.trans(v), p.to(v.dtype), acc)
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr, stride_k_page, stride_k_tok,
+               stride_v_page, stride_v_tok, sstride_page, sstride_tok, desc_row0, head_kv, offs_d, seqlen_k, lo, hi,
+               qk_scale, softcap_scale, window_left, window_right, alibi_slope, HEAD_DIM: tl.constexpr,
+               BLOCK_N: tl.constexpr, MASK: tl.constexpr, PAGE_SIZE: tl.constexpr, USE_DESC: tl.constexpr,
+               KV_NVFP4: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+               SP_OVERLAP: tl.constexpr, TILE_DTYPE: tl.constexpr, TRANS: tl.constexpr,
+               RAW_SCORES: tl.constexpr, ALIBI: tl.constexpr, qv, offs_dv, HEAD_DIM_V: tl.constexpr,
+               HAS_QV: tl.constexpr):
+    """Accumulate KV tokens [lo, hi) (lo, hi multiples of BLOCK_N) into (acc, m_i, l_i).
+
+    MASK=False is the fast path for blocks that are fully visible to every row (no per-element masks).
+    SP_OVERLAP=True issues QK^T of block j+1 before the softmax of block j (FA4's S/P ping-pong), so the MMA
+    and the next loads overlap the exp2 work; False is the plain loop (Triton's warp specialisation of it measured
+    no gain on sm_90 and was removed: the sm_90 prefill's producer/consumer split is the Gluon kernel's).
+    TRANS=True computes the transposed products s^T = K q^T and acc^T += V^T P^T (q holds q^T [DP, M], acc holds
+    acc^T): with decode's few query rows the KV tokens and the head dim fill the MMA's M side instead of padding.
+    V tiles are HEAD_DIM_V wide (offs_dv); HAS_QV (MLA) adds qv v^T to the scores (the plain loop only).
+    """
+    if SP_OVERLAP:
+        tl.static_assert(not HAS_QV, "MLA (qv) takes the plain loop")
+        if lo < hi:
+            k, offs_n = _kv_tile(k_base, k_sbase, lo, seqlen_k, bt_ptr, stride_k_page, stride_k_tok, sstride_page,
+                                 sstride_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC,
+                                 KV_NVFP4, MASK, TILE_DTYPE)
+            s = _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right,
+                        alibi_slope, SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES, ALIBI)
+            for start_n in range(lo, hi, BLOCK_N):
+                v, _ = _kv_tile(v_base, v_sbase, start_n, seqlen_k, bt_ptr, stride_v_page, stride_v_tok,
+                                sstride_page, sstride_tok, desc_row0, head_kv, offs_dv, HEAD_DIM_V, BLOCK_N,
+                                PAGE_SIZE, USE_DESC, KV_NVFP4, MASK, TILE_DTYPE)
+                # Next block's scores first (clamped to the last block on the final step; the result is unused).
+                next_start = tl.minimum(start_n + BLOCK_N, hi - BLOCK_N)
+                k_next, next_n = _kv_tile(k_base, k_sbase, next_start, seqlen_k, bt_ptr, stride_k_page,
+                                          stride_k_tok, sstride_page, sstride_tok, desc_row0, head_kv, offs_d,
+                                          HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4, MASK, TILE_DTYPE)
+                s_next = _scores(q, k_next, qk_scale, softcap_scale, q_pos, next_n, seqlen_k, window_left,
+                                 window_right, alibi_slope, SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES,
+                                 ALIBI)
+                acc, m_i, l_i = _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS, RAW_SCORES)
+                s = s_next
+    else:
+        for start_n in range(lo, hi, BLOCK_N):
+            acc, m_i, l_i = _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr,
+                                        stride_k_page, stride_k_tok, stride_v_page, stride_v_tok, sstride_page,
+                                        sstride_tok, desc_row0, head_kv, offs_d, seqlen_k, start_n, qk_scale,
+                                        softcap_scale, window_left, window_right, alibi_slope, HEAD_DIM,
+                                        BLOCK_N, MASK, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT, HAS_RIGHT,
+                                        SOFTCAP, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv, HEAD_DIM_V,
+                                        HAS_QV)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr, stride_k_page, stride_k_tok,
+                stride_v_page, stride_v_tok, sstride_page, sstride_tok, desc_row0, head_kv, offs_d, seqlen_k, start_n,
+                qk_scale, softcap_scale, window_left, window_right, alibi_slope, HEAD_DIM: tl.constexpr,
+                BLOCK_N: tl.constexpr, MASK: tl.constexpr, PAGE_SIZE: tl.constexpr, USE_DESC: tl.constexpr,
+                KV_NVFP4: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+                TILE_DTYPE: tl.constexpr, TRANS: tl.constexpr, RAW_SCORES: tl.constexpr, ALIBI: tl.constexpr, qv,
+                offs_dv, HEAD_DIM_V: tl.constexpr, HAS_QV: tl.constexpr):
+    """One block of the plain loop: load K, scores, load V, online softmax and PV (MLA: V before the scores)."""
+    k, offs_n = _kv_tile(k_base, k_sbase, start_n, seqlen_k, bt_ptr, stride_k_page, stride_k_tok, sstride_page,
+                         sstride_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4,
+                         MASK, TILE_DTYPE)
+    if HAS_QV:
+        v, _ = _kv_tile(v_base, v_sbase, start_n, seqlen_k, bt_ptr, stride_v_page, stride_v_tok, sstride_page,
+                        sstride_tok, desc_row0, head_kv, offs_dv, HEAD_DIM_V, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4,
+                        MASK, TILE_DTYPE)
+        s = _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right, alibi_slope,
+                    SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES, ALIBI, qv, v, True)
+    else:
+        s = _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right, alibi_slope,
+                    SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES, ALIBI)
+        v, _ = _kv_tile(v_base, v_sbase, start_n, seqlen_k, bt_ptr, stride_v_page, stride_v_tok, sstride_page,
+                        sstride_tok, desc_row0, head_kv, offs_dv, HEAD_DIM_V, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4,
+                        MASK, TILE_DTYPE)
+    return _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS, RAW_SCORES)

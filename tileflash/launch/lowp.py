@@ -1,0 +1,105 @@
+"""Launchers of the low-precision kernels: the NVFP4 quantizers and the NVFP4 GEMMs (the register-operand kernel for
+decode-sized M on sm_90, else the Triton dequantizing kernel)."""
+from __future__ import annotations
+
+import torch
+
+from .. import _utils, config
+from . import direct
+from ..lowp.formats import NVFP4_BLOCK
+from ..lowp.kernels.gemm_dequant import nvfp4_matmul_kernel
+from ..lowp.kernels.gemm_mma import nvfp4_matmul_mma_kernel
+from ..lowp.kernels.quant import nvfp4_dequantize_kernel, nvfp4_quantize_kernel
+from ..plan.gemm import gemm_config, gemm_mma_config
+from ..plan.target import sm90_target
+
+
+def quant_blocks(k: int) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_K) of the quantize / dequantize kernels: up to 128 columns (8 scale blocks) and 4096
+    elements per program. BLOCK_K >= 32 keeps every tile dimension >= 2. Not tuned: both kernels are memory-bound
+    elementwise passes."""
+    block_k = min(128, max(32, _utils.next_pow2(k)))
+    return 4096 // block_k, block_k
+
+
+def _grid(rows: int, k: int):
+    block_r, block_k = quant_blocks(k)
+    return (_utils.cdiv(rows, block_r), _utils.cdiv(k, block_k)), block_r, block_k
+
+
+def launch_nvfp4_quantize(x2, data, scale_bits, global_scale) -> None:
+    """x2 [R, K] -> data [R, K/2] uint8, scale_bits [R, K/16] uint8 (e4m3 bit patterns), both contiguous."""
+    grid, block_r, block_k = _grid(x2.shape[0], x2.shape[1])
+    k = x2.shape[1]
+    nvfp4_quantize_kernel[grid](x2, data, scale_bits, global_scale, x2.shape[0], k, x2.stride(0), x2.stride(1),
+                                k // 2, k // NVFP4_BLOCK, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
+
+
+def launch_nvfp4_dequantize(d2, s2, global_scale, out) -> None:
+    """d2 [R, K/2] uint8, s2 [R, K/16] uint8 -> out [R, K] fp32 (contiguous)."""
+    k = d2.shape[1] * 2
+    grid, block_r, block_k = _grid(d2.shape[0], k)
+    nvfp4_dequantize_kernel[grid](d2, s2, global_scale, out, d2.shape[0], k, d2.stride(0), d2.stride(1),
+                                  s2.stride(0), s2.stride(1), BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
+
+
+class GemmPlan(direct.Replayable):
+    """One nvfp4_matmul call's kernel (the register-operand kernel for M <= 16 on sm_90, else the Triton one),
+    K slices and launch arguments; dest: out [M, N] in a's dtype, or fp32 partials [slices, M, N] that the run
+    sums afterwards (torch, in slice order)."""
+
+    def __init__(self, a, b_data, b_scales):
+        (m, k), n = a.shape, b_data.shape[0]
+        self.out_shape, self.dtype, self.device = (m, n), a.dtype, a.device
+        self.empty = m == 0 or n == 0
+        self.mma = None
+        if not self.empty and sm90_target() and _mma_operands_ok(a, b_data, b_scales):
+            self.mma = config.chosen("gemm_mma", gemm_mma_config(m, n, k, num_sms=_utils.num_sms(a.device)))
+        if self.empty:  # nothing to launch (no tile for an empty output)
+            return
+        self.cfg = self.mma or config.chosen("gemm", gemm_config(m, n, k, interpret=_utils.is_interpreter(),
+                                                                 num_sms=_utils.num_sms(a.device)))
+        self.k_per_split, self.split = _k_slices(k, self.cfg.block_k, self.cfg.split_k)
+
+    def run(self, a, b_data, b_scales, b_global_scale):
+        if self.empty:
+            return a.new_empty(self.out_shape)
+        dest = (_utils.new_output(self.out_shape, self.dtype, self.device) if self.split == 1
+                else torch.empty((self.split, *self.out_shape), dtype=torch.float32, device=self.device))
+        self.execute(self._launch, (a, b_data, b_scales, b_global_scale, dest), direct.current_stream(self.device))
+        return dest if dest.dim() == 2 else dest.sum(0).to(self.dtype)
+
+    def _launch(self, a, b_data, b_scales, b_global_scale, dest) -> None:
+        (m, k), n = a.shape, b_data.shape[0]
+        s_bits = direct.derived(b_scales.view(torch.uint8), b_scales)
+        cfg, kps, split = self.cfg, self.k_per_split, self.split
+        if self.mma is not None:
+            direct.launch(
+                nvfp4_matmul_mma_kernel, (cfg.programs_n, split),
+                a, b_data, s_bits, b_global_scale, dest, m, n, k, kps, kps // 2, a.stride(0), b_data.stride(0),
+                s_bits.stride(0), dest.stride(-2), dest.stride(-1), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                KS_STEPS=kps // cfg.block_k, SPLIT_K=split, num_warps=4)
+            return
+        direct.launch(
+            nvfp4_matmul_kernel, (_utils.cdiv(m, cfg.block_m), _utils.cdiv(n, cfg.block_n), split),
+            a, b_data, s_bits, b_global_scale, dest, m, n, k, kps,
+            a.stride(0), a.stride(1), b_data.stride(0), b_data.stride(1), s_bits.stride(0), s_bits.stride(1),
+            dest.stride(-2), dest.stride(-1),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, UPCAST=_utils.upcast_tiles(),
+            SCALE_WORDS=(k % 64 == 0 and cfg.block_k % 64 == 0 and s_bits.stride(1) == 1
+                         and _utils.words_aligned(s_bits, 1)),
+            SWAP_AB=cfg.swap_ab, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _k_slices(k: int, block_k: int, split_k: int) -> tuple[int, int]:
+    """(values per K slice, slices) of both kernels: at most split_k slices of whole block_k steps, none empty."""
+    k_steps = _utils.cdiv(k, block_k)
+    k_per_split = _utils.cdiv(k_steps, min(split_k, k_steps)) * block_k
+    return k_per_split, _utils.cdiv(k, k_per_split)  # no empty slice
+
+
+def _mma_operands_ok(a, b_data, b_scales) -> bool:
+    """What the register-operand kernel assumes of the tensors: K a multiple of 32 with contiguous, 16-byte
+    aligned rows of a and b_data (its copies and loads move 16 bytes at a time) and unit-stride scale rows."""
+    return (a.shape[1] % 32 == 0 and a.stride(1) == 1 and b_data.stride(1) == 1 and b_scales.stride(1) == 1
+            and all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in (a, b_data)))

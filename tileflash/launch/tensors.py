@@ -1,0 +1,79 @@
+"""Tensors as kernel arguments: dummies for unused pointers, byte views, TMA descriptors (Triton's and Gluon's) and
+the layout rules they need. No input checking here (the public functions check first)."""
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from . import direct
+from ..plan.target import padded_head_dim, tma_aligned
+
+
+@functools.lru_cache(maxsize=None)
+def unused_pointer(device) -> torch.Tensor:
+    """The stand-in for pointer arguments a launch does not use (never read or written): one per device, since an
+    allocation per launch is a measurable part of an eager decode call's host time."""
+    return direct.constant(torch.empty(1, dtype=torch.int32, device=device))
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """t's bytes (FP8 / e4m3 tensors are read and written as uint8 bit patterns)."""
+    return direct.derived(t.view(torch.uint8), t)
+
+
+def strides3(t: torch.Tensor, batch_stride0: bool = False) -> tuple[int, int, int]:
+    """The first three strides, the batch's as 0 where one tensor is shared by every batch (varlen)."""
+    s = t.stride()
+    return (0 if batch_stride0 else s[0]), s[1], s[2]
+
+
+def row_descriptors(tensors, rows: int, block_rows: int):
+    """TMA descriptors over [B, S, H, D] tensors viewed as [rows, H, D] (batch and sequence merged), blocks of
+    block_rows rows of one head, or None when the layout does not allow it: merged dims need stride(0) == S *
+    stride(1), and TMA needs 16-byte aligned bases and strides. Only for head dims that are powers of two, so a
+    tile never reaches past D, and for at least one row (a descriptor's dims must be positive; an empty tensor,
+    e.g. Sk = 0, takes the pointer path). The forward reads K/V through them (paged: a pool [pages, page_size, ...]
+    viewed as pages x page_size rows), the backward Q/dO."""
+    if not 0 < rows < 2 ** 31:  # TMA coordinates are int32
+        return None
+    descs = []
+    for t in tensors:
+        d = t.shape[3]
+        if d != padded_head_dim(d) or d > 256:  # a TMA box spans at most 256 elements per dimension
+            return None
+        mergeable = t.shape[0] == 1 or t.stride(0) == t.shape[1] * t.stride(1)
+        if not (mergeable and tma_aligned(t, dims=(1, 2))):
+            return None
+        desc = TensorDescriptor(t, [rows, t.shape[2], d], [t.stride(1), t.stride(2), 1], [block_rows, 1, d])
+        descs.append(direct.derived(desc, t))
+    return descs
+
+
+def alibi_args(alibi_slopes, dummy) -> tuple:
+    """(slopes, batch stride) for a kernel's alibi_ptr, stride_alibi_b: [Hq] slopes are every batch's (stride 0);
+    without ALiBi the dummy, never read."""
+    if alibi_slopes is None:
+        return dummy, 0
+    return alibi_slopes, alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0
+
+
+def rotary_args(rotary_cos, rotary_sin, dummy) -> tuple:
+    """(cos, sin, row stride, rows) of a rotary table, or stand-ins without one."""
+    if rotary_cos is None:
+        return dummy, dummy, 0, 1
+    return rotary_cos, rotary_sin, rotary_cos.stride(0), rotary_cos.shape[0]
+
+
+_GLUON_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def desc_4d(t: torch.Tensor, block_rows: int, block_cols: int | None = None):
+    """A Gluon TMA descriptor over [B, S, H, D] with blocks [1, block_rows, 1, block_cols (default D)]."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    block = [1, block_rows, 1, block_cols or t.shape[3]]
+    layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, _GLUON_DTYPES[t.dtype]))
+    return direct.derived(GluonDescriptor(t, list(t.shape), list(t.stride()), block, layout), t)

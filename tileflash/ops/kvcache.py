@@ -1,0 +1,623 @@
+"""flash_attn_with_kvcache: decode / speculative verify over a contiguous or paged KV cache.
+
+Split-KV: num_splits programs share one (sequence, KV head); each writes fp32 partial (o, lse) and attn_combine
+merges them. Pack-GQA: the Hq/Hkv query heads of one KV head x the Sq new tokens form one tile of rows.
+No host-device synchronisation and no value-dependent allocation, so the call can be captured in a CUDA graph
+(validate=True is the exception: it reads device values to check them).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import _utils
+from ..launch import direct
+from ..launch.forward import launch_attn_fwd, launch_combine, launch_decode_quant, launch_kv_append
+from ..plan.decode import KV_FORMATS, MAX_DECODE_TOKENS, MAX_SPLITS, DecodeSchedule, decode_schedule
+from ..plan.prefill import Mask
+from .prefill import check_softcap
+
+MAX_LATENT_DIM = 512  # MLA (qv): DeepSeek-V2/V3's latent width; wider accumulators would not fit the registers
+
+
+def _triton_only(cache_batch_idx, cache_leftpad, rotary_cos, alibi_slopes, cu_seqlens_k_new, learnable_sink) -> bool:
+    """Whether a call passes an argument only the Triton decode kernel has (the register-operand one does not)."""
+    return any(t is not None for t in (cache_batch_idx, cache_leftpad, rotary_cos, alibi_slopes, cu_seqlens_k_new,
+                                       learnable_sink))
+
+
+def _kv_scales(k_scale, v_scale, k_global_scale, v_global_scale) -> dict:
+    """FP8: k_scale/v_scale factor out of the dots. NVFP4: the global scales do; k_scale/v_scale are block scales."""
+    if k_global_scale is not None:
+        return dict(k_scale=k_global_scale, v_scale=v_global_scale, k_block_scale=k_scale, v_block_scale=v_scale)
+    return dict(k_scale=k_scale, v_scale=v_scale)
+
+
+def _launch_kvcache(s: DecodeSchedule, mask: Mask, softmax_scale: float, sp_overlap: bool, rotary_interleaved: bool,
+                    q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos,
+                    rotary_sin, cu_seqlens_q, alibi_slopes, cu_seqlens_k_new, learnable_sink, k_scale, v_scale,
+                    k_global_scale, v_global_scale, out, lse, ws, qv=None) -> None:
+    """The launches of one decode call into out [B, Sq, Hq, Dv] and lse [B, Hq, Sq] (packed queries: [total_q, Hq,
+    Dv] and [Hq, total_q]; or, when lse is None, the workspace's tail): the append, the attention, the split
+    combine (which adds learnable_sink once: the split partials leave it out). ws: fp32 [>= s.workspace] or None.
+    qv [B, Sq, Hq, Dv] (MLA) or None; Dv is out's head dim."""
+    hq, d = out.shape[-2:]
+    scales = _kv_scales(k_scale, v_scale, k_global_scale, v_global_scale)
+    rotary = dict(rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved)
+    if s.s_new or s.varlen_new:
+        launch_kv_append(k, v, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx=cache_batch_idx,
+                         cu_seqlens_k_new=cu_seqlens_k_new, **rotary, **scales)
+    extras = dict(cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, alibi_slopes=alibi_slopes,
+                  rotary_per_token=mask.window_left >= 0 or mask.window_right >= 0, cu_seqlens_k_new=cu_seqlens_k_new,
+                  learnable_sink=learnable_sink, qv=qv, **rotary)
+    if hq == 0:  # nothing to attend with; the append above still happened
+        return
+    if s.max_seqlen_q:  # packed queries: viewed as one batch row with a batch stride of 0
+        total_q = q.shape[0]
+        if lse is None:
+            lse = direct.derived(ws[:hq * total_q].view(hq, total_q), ws)
+        q4, out4, lse3 = (direct.derived(t.unsqueeze(0), t) for t in (q, out, lse))
+        launch_attn_fwd(q4, k_cache, v_cache, out4, lse3, q_batch_stride0=True, k_batch_stride0=False,
+                        num_batches=cache_seqlens.shape[0], seqlen_q=total_q, seqlen_k=s.capacity,
+                        m_rows=s.max_seqlen_q, softmax_scale=softmax_scale, mask=mask, config=s.cfg,
+                        cu_seqlens_q=cu_seqlens_q, seqlens_k=cache_seqlens, seqlen_k_add=s.s_new,
+                        block_table=block_table, sp_overlap=s.cfg.sp_overlap, **extras, **scales)
+        return
+    b, sq = q.shape[:2]
+    rows = b * sq * hq
+    split = s.num_splits > 1
+    part = rows * d * s.num_splits if split else 0
+    o_part = direct.derived(ws[:part].view(s.num_splits, rows, d), ws) if split else None
+    lse_part = direct.derived(ws[part:part + s.num_splits * rows].view(s.num_splits, rows), ws) if split else None
+    if lse is None:
+        lse = direct.derived(ws[s.workspace - rows:s.workspace].view(b, hq, sq), ws)
+    if s.qcfg is not None:
+        launch_decode_quant(q, k_cache, v_cache, out, lse, seqlen_k=s.capacity, seqlens_k=cache_seqlens,
+                            seqlen_k_add=s.s_new, block_table=block_table, softmax_scale=softmax_scale, mask=mask,
+                            config=s.qcfg, num_splits=s.num_splits, o_part=o_part, lse_part=lse_part, pdl=s.pdl,
+                            **scales)
+    else:
+        launch_attn_fwd(q, k_cache, v_cache, out, lse, q_batch_stride0=False, k_batch_stride0=False,
+                        num_batches=b, seqlen_q=sq, seqlen_k=s.capacity,
+                        m_rows=sq if s.prefill else sq * (hq // k_cache.shape[2]), softmax_scale=softmax_scale,
+                        mask=mask, config=s.cfg, seqlens_k=cache_seqlens, seqlen_k_add=s.s_new,
+                        block_table=block_table, pack_gqa=not s.prefill, num_splits=s.num_splits,
+                        sp_overlap=s.cfg.sp_overlap if s.prefill else sp_overlap, o_part=o_part, lse_part=lse_part,
+                        pdl=s.pdl, **extras, **scales)
+    if split:
+        launch_combine(o_part, lse_part, out, lse, pdl=s.pdl, learnable_sink=learnable_sink)
+
+
+def _attn_kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: Optional[torch.Tensor],
+                       v: Optional[torch.Tensor], cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor],
+                       cache_batch_idx: Optional[torch.Tensor], cache_leftpad: Optional[torch.Tensor],
+                       rotary_cos: Optional[torch.Tensor], rotary_sin: Optional[torch.Tensor],
+                       cu_seqlens_q: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
+                       cu_seqlens_k_new: Optional[torch.Tensor], learnable_sink: Optional[torch.Tensor],
+                       max_seqlen_q: int, rotary_interleaved: bool,
+                       softmax_scale: float, window_left: int, window_right: int, softcap: float, num_splits: int,
+                       sp_overlap: bool, k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
+                       k_global_scale: Optional[torch.Tensor], v_global_scale: Optional[torch.Tensor],
+                       qv: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The custom op's implementation (torch.compile); eager calls take a DecodePlan. max_seqlen_q > 0 with packed
+    queries (cu_seqlens_q), else 0."""
+    out = _utils.new_output((qv if qv is not None else q).shape, q.dtype, q.device)
+    lse = _utils.new_output(_lse_shape(q, max_seqlen_q), torch.float32, q.device)
+    if cache_seqlens.shape[0] == 0:
+        return out, lse
+    extras = _triton_only(cache_batch_idx, cache_leftpad, rotary_cos, alibi_slopes, cu_seqlens_k_new, learnable_sink)
+    s = decode_schedule(q, k_cache, v_cache, k, block_table, num_splits, sp_overlap, lse_in_workspace=False,
+                  extras=extras, causal_tiles=window_right >= 0,
+                  max_seqlen_q=max_seqlen_q, varlen_new=cu_seqlens_k_new is not None, mla=qv is not None)
+    ws = torch.empty(s.workspace, dtype=torch.float32, device=q.device) if s.workspace else None
+    _launch_kvcache(s, Mask(window_left, window_right, softcap), softmax_scale, sp_overlap, rotary_interleaved, q,
+                    k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos,
+                    rotary_sin, cu_seqlens_q, alibi_slopes, cu_seqlens_k_new, learnable_sink, k_scale, v_scale,
+                    k_global_scale, v_global_scale, out, lse, ws, qv)
+    return out, lse
+
+
+def _lse_shape(q, max_seqlen_q: int) -> tuple:
+    """[B, Hq, Sq], or [Hq, total_q] for packed queries (flash-attn's varlen layout)."""
+    if max_seqlen_q:
+        return q.shape[1], q.shape[0]
+    b, sq, hq, _ = q.shape
+    return b, hq, sq
+
+
+_attn_kvcache_op = torch.library.custom_op(
+    "tileflash::attn_kvcache", mutates_args=("k_cache", "v_cache", "k_scale", "v_scale"))(_attn_kvcache_impl)
+
+
+@_attn_kvcache_op.register_fake
+def _(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin,
+      cu_seqlens_q, alibi_slopes, cu_seqlens_k_new, learnable_sink, max_seqlen_q, rotary_interleaved, softmax_scale,
+      window_left, window_right, softcap, num_splits, sp_overlap, k_scale, v_scale, k_global_scale, v_global_scale,
+      qv):
+    return torch.empty_like(qv if qv is not None else q), q.new_empty(_lse_shape(q, max_seqlen_q), dtype=torch.float32)
+
+
+def _check_kv_scales(k_cache, v_cache, k_scale, v_scale, k_global_scale, v_global_scale, num_heads_kv: int,
+                     head_dim: int, device) -> None:
+    """FP8 caches need fp32 scales ([1] per tensor or [Hkv] per KV head); NVFP4 caches (uint8) need e4m3 block
+    scales shaped like the cache with D/16 in the last dim, sharing strides, and fp32 global scales; bf16/fp16
+    caches take none."""
+    fmt = KV_FORMATS.get(k_cache.dtype)
+    if fmt is not None:
+        _utils.check_fp8_hardware("k_cache", k_cache)
+    names = (("k_scale", k_scale), ("v_scale", v_scale), ("k_global_scale", k_global_scale),
+             ("v_global_scale", v_global_scale))
+    needed = {None: (), "fp8": ("k_scale", "v_scale"), "nvfp4": tuple(n for n, _ in names)}[fmt]
+    for name, t in names:
+        if name not in needed:
+            if t is not None:
+                raise ValueError(f"{name}: not used with a {k_cache.dtype} cache (fp8 caches take k_scale/v_scale, "
+                                 f"nvfp4 (uint8) caches also k_global_scale/v_global_scale); expected None, got a "
+                                 f"tensor")
+        elif t is None:
+            raise ValueError(f"{name}: required with a {k_cache.dtype} cache, got None")
+    if fmt == "fp8":
+        for name, t in names[:2]:
+            _utils.check_tensor(name, t, ndim=1, dtypes=(torch.float32,), device=device)
+            if t.shape[0] not in (1, num_heads_kv) or (t.shape[0] > 1 and t.stride(0) != 1):
+                raise ValueError(f"{name}: expected a contiguous shape [1] or [{num_heads_kv}], got {tuple(t.shape)}")
+        if k_scale.shape != v_scale.shape:
+            raise ValueError(f"k_scale, v_scale: expected equal shapes, got {tuple(k_scale.shape)} and "
+                             f"{tuple(v_scale.shape)}")
+    elif fmt == "nvfp4":
+        if head_dim & (head_dim - 1) or head_dim < 32:
+            # Head dim 16 (one scale per head vector) decoded wrongly on the H200 (triton 3.6) while the
+            # interpreter was exact; refused until that is understood (benchmarks/RESULTS.md).
+            raise ValueError(f"k_cache: NVFP4 caches need a power-of-two head dim >= 32, got {head_dim}")
+        expected = (*k_cache.shape[:-1], head_dim // 16)
+        for name, t in names[:2]:
+            _utils.check_tensor(name, t, ndim=4, dtypes=(torch.float8_e4m3fn,), device=device)
+            if tuple(t.shape) != expected or t.stride(-1) != 1:
+                raise ValueError(f"{name}: expected e4m3 block scales of shape {expected} (last dim contiguous), "
+                                 f"got {tuple(t.shape)}")
+        if k_scale.stride() != v_scale.stride() or k_cache.stride() != v_cache.stride():
+            raise ValueError(f"k_scale, v_scale / k_cache, v_cache: NVFP4 K and V tensors must share strides, got "
+                             f"{k_scale.stride()} / {v_scale.stride()} and {k_cache.stride()} / {v_cache.stride()}")
+        for name, t in names[2:]:
+            _utils.check_tensor(name, t, dtypes=(torch.float32,), device=device)
+            if t.numel() != 1:
+                raise ValueError(f"{name}: expected one float32 value, got shape {tuple(t.shape)}")
+
+
+def _check_extras(q, b: int, k, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin, capacity: int):
+    """flash-attn's cache_batch_idx / cache_leftpad ([B] int32, contiguous caches only) and rotary tables
+    (rotary_cos / rotary_sin [seqlen_ro >= the cache capacity, rotary_dim / 2], q's dtype or fp32; they rotate the
+    new k, so k and v must be given)."""
+    dev = q.device
+    for name, t in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+        if t is None:
+            continue
+        if block_table is not None:
+            raise ValueError(f"{name}: not supported with a paged cache (block_table); index pages instead")
+        _utils.check_int32(name, t, 1, dev)
+        if t.shape[0] != b or (b > 1 and t.stride(0) != 1):
+            raise ValueError(f"{name}: expected a contiguous [{b}] tensor (batch), got shape {tuple(t.shape)}")
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos, rotary_sin: pass both or neither")
+    if rotary_cos is None:
+        return
+    if k is None:
+        raise ValueError("rotary_cos: rotary embedding applies to new keys; pass k and v (flash-attn's rule)")
+    d = q.shape[-1]
+    for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        _utils.check_tensor(name, t, ndim=2, dtypes=(q.dtype, torch.float32), device=dev)
+        _utils.check_last_dim_contiguous(name, t)
+    if rotary_cos.shape != rotary_sin.shape or rotary_cos.stride() != rotary_sin.stride() \
+            or rotary_cos.dtype != rotary_sin.dtype:
+        raise ValueError(f"rotary_cos, rotary_sin: expected equal shapes, strides and dtypes, got "
+                         f"{tuple(rotary_cos.shape)} / {tuple(rotary_sin.shape)}")
+    seqlen_ro, half = rotary_cos.shape
+    if not 1 <= 2 * half <= d:
+        raise ValueError(f"rotary_cos: expected [seqlen_ro, rotary_dim / 2] with 2 <= rotary_dim <= {d} (the head "
+                         f"dim), got {tuple(rotary_cos.shape)}")
+    if seqlen_ro < capacity:
+        raise ValueError(f"rotary_cos: expected at least {capacity} rows (the cache capacity), got {seqlen_ro}")
+
+
+def _check_qv(q, qv, k_cache, v_cache) -> None:
+    """MLA (FA3's qv): qv [B, Sq, Hq, Dv] in q's dtype, Dv = v_cache's head dim (the latent, <= MAX_LATENT_DIM), 16-bit
+    or FP8 caches whose shapes differ only in the head dim, and decode-sized calls (at most MAX_DECODE_TOKENS query
+    tokens per sequence, packed queries only when all have the same count)."""
+    _utils.check_tensor("qv", qv, ndim=q.dim(), dtypes=(q.dtype,), device=q.device)
+    _utils.check_last_dim_contiguous("qv", qv)
+    if k_cache.dtype not in (q.dtype, torch.float8_e4m3fn):
+        raise ValueError(f"qv: MLA takes {q.dtype} (q's dtype) or float8_e4m3fn caches, got {k_cache.dtype}")
+    dv = v_cache.shape[3]
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(f"k_cache, v_cache: expected equal shapes but the head dim, got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}")
+    if not 1 <= dv <= MAX_LATENT_DIM:
+        raise ValueError(f"v_cache: MLA's latent head dim must be 1..{MAX_LATENT_DIM}, got {dv}")
+    if tuple(qv.shape) != (*q.shape[:-1], dv):
+        raise ValueError(f"qv: expected shape {(*q.shape[:-1], dv)} (q's, with v_cache's head dim), got "
+                         f"{tuple(qv.shape)}")
+    if q.dim() == 3:
+        raise ValueError("qv: packed queries (cu_seqlens_q) only when every sequence has max_seqlen_q of them")
+    if q.shape[1] > MAX_DECODE_TOKENS:
+        raise ValueError(f"qv: MLA decode takes at most {MAX_DECODE_TOKENS} query tokens per sequence, got "
+                         f"{q.shape[1]}")
+
+
+def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, k_scale, v_scale,
+                   k_global_scale, v_global_scale, cache_batch_idx=None, cache_leftpad=None, rotary_cos=None,
+                   rotary_sin=None, cu_seqlens_q=None, max_seqlen_q=None, alibi_slopes=None, cu_seqlens_k_new=None,
+                   learnable_sink=None, qv=None):
+    """q [B, Sq, Hq, D], or packed [total_q, Hq, D] with cu_seqlens_q [B + 1] int32 and max_seqlen_q (FA3); k, v
+    [B, Snew, Hkv, D], or packed [total_new, Hkv, D] with cu_seqlens_k_new [B + 1] int32 (FA3). MLA (qv [B, Sq, Hq,
+    Dv]): v_cache and v are Dv wide."""
+    _utils.check_tensor("q", q, ndim=4 if cu_seqlens_q is None else 3, dtypes=_utils.SUPPORTED_DTYPES)
+    dev = q.device
+    cache_dtypes = (q.dtype, torch.float8_e4m3fn, torch.uint8)
+    _utils.check_tensor("k_cache", k_cache, ndim=4, dtypes=cache_dtypes, device=dev)
+    _utils.check_tensor("v_cache", v_cache, ndim=4, dtypes=(k_cache.dtype,), device=dev)
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _utils.check_last_dim_contiguous(name, t)
+    hq, d = q.shape[-2:]
+    _utils.check_head_dim(d)
+    if cu_seqlens_q is None:
+        b = q.shape[0]
+        if q.shape[1] < 1:
+            raise ValueError(f"q: expected at least one query token per sequence (dim 1), got {q.shape[1]}")
+        if max_seqlen_q is not None:
+            raise ValueError("max_seqlen_q: only with cu_seqlens_q (packed queries)")
+    else:
+        _utils.check_int32("cu_seqlens_q", cu_seqlens_q, 1, dev)
+        if cu_seqlens_q.shape[0] < 2 or cu_seqlens_q.stride(0) != 1:
+            raise ValueError(f"cu_seqlens_q: expected a contiguous [batch + 1] tensor, got {tuple(cu_seqlens_q.shape)}")
+        b = cu_seqlens_q.shape[0] - 1
+        if max_seqlen_q is None or _utils.as_int("max_seqlen_q", max_seqlen_q) < 0:
+            raise ValueError(f"max_seqlen_q: required with cu_seqlens_q (>= every sequence's query count), got "
+                             f"{max_seqlen_q}")
+    dv = v_cache.shape[3] if qv is not None else d
+    if qv is not None:
+        _check_qv(q, qv, k_cache, v_cache)
+    elif k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache, v_cache: expected equal shapes, got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)} (different head dims need qv: MLA)")
+    hkv = k_cache.shape[2]
+    cache_d = k_cache.shape[3] * (2 if k_cache.dtype == torch.uint8 else 1)  # NVFP4 packs two values per byte
+    if cache_d != d:
+        raise ValueError(f"k_cache: expected head dim {d} (q's; NVFP4: {d // 2} bytes), got {k_cache.shape[3]}")
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"k_cache: number of KV heads must divide the query heads, got Hq={hq}, Hkv={hkv}")
+    _check_kv_scales(k_cache, v_cache, k_scale, v_scale, k_global_scale, v_global_scale, hkv, d, dev)
+    if block_table is not None:
+        _utils.check_int32("block_table", block_table, 2, dev)
+        if block_table.shape[0] != b:
+            raise ValueError(f"block_table: expected {b} rows (batch), got {block_table.shape[0]}")
+        if block_table.shape[1] > 1 and block_table.stride(1) != 1:
+            raise ValueError(f"block_table: last dimension must be contiguous (stride 1), got stride "
+                             f"{block_table.stride(1)}")
+        page_size = k_cache.shape[1]
+        if page_size < 1:  # any size: the kernels read one table entry per token (or per TMA box)
+            raise ValueError(f"k_cache: page size (dim 1) must be >= 1, got {page_size}")
+        capacity = block_table.shape[1] * page_size
+    else:
+        if k_cache.shape[0] != b and cache_batch_idx is None:
+            raise ValueError(f"k_cache: expected batch {b} (q's) for a contiguous cache, got {k_cache.shape[0]} "
+                             f"(pass block_table for a paged cache, or cache_batch_idx)")
+        if k_cache.shape[0] == 0 and b:
+            raise ValueError("k_cache: a contiguous cache with no rows")
+        capacity = k_cache.shape[1]
+    if cache_seqlens is None:
+        raise ValueError("cache_seqlens: required ([batch] int32, tokens already in each sequence's cache), got None")
+    _utils.check_int32("cache_seqlens", cache_seqlens, 1, dev)
+    if cache_seqlens.shape[0] != b:
+        raise ValueError(f"cache_seqlens: expected {b} elements (batch), got {cache_seqlens.shape[0]}")
+    if (k is None) != (v is None):
+        given = lambda t: "None" if t is None else "a tensor"  # noqa: E731
+        raise ValueError(f"k, v: pass both new keys and new values, or neither; got k={given(k)}, v={given(v)}")
+    s_new = 0
+    packed_new = cu_seqlens_k_new is not None
+    if packed_new:
+        if k is None:
+            raise ValueError("cu_seqlens_k_new: given without k and v (the new tokens it indexes)")
+        _utils.check_int32("cu_seqlens_k_new", cu_seqlens_k_new, 1, dev)
+        if cu_seqlens_k_new.shape[0] != b + 1 or cu_seqlens_k_new.stride(0) != 1:
+            raise ValueError(f"cu_seqlens_k_new: expected a contiguous [{b + 1}] tensor (batch + 1), got "
+                             f"{tuple(cu_seqlens_k_new.shape)}")
+    if k is not None:
+        for name, t, width in (("k", k, d), ("v", v, dv)):
+            _utils.check_tensor(name, t, ndim=3 if packed_new else 4, dtypes=(q.dtype,), device=dev)
+            _utils.check_last_dim_contiguous(name, t)
+            if packed_new and tuple(t.shape[1:]) != (hkv, width):
+                raise ValueError(f"{name}: expected shape [total_new, {hkv}, {width}], got {tuple(t.shape)}")
+            if not packed_new and tuple(t.shape) != (b, t.shape[1], hkv, width):
+                raise ValueError(f"{name}: expected shape [{b}, Snew, {hkv}, {width}], got {tuple(t.shape)}")
+        if k.shape[:-1] != v.shape[:-1]:
+            raise ValueError(f"k, v: expected equal shapes but the head dim, got {tuple(k.shape)} and "
+                             f"{tuple(v.shape)}")
+        s_new = 0 if packed_new else k.shape[1]
+        if s_new > capacity:
+            raise _utils.CacheCapacityError(f"k: {s_new} new tokens exceed the cache capacity of {capacity} tokens")
+    _check_extras(q, b, k, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin, capacity)
+    _utils.check_alibi_slopes(alibi_slopes, b, hq, dev)
+    _utils.check_learnable_sink(learnable_sink, hq, dev)
+    num_splits = _utils.as_int("num_splits", num_splits)
+    if not 0 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits: expected 0 (heuristic), 1 (no split) or 2..{MAX_SPLITS}, got {num_splits}")
+    return capacity, s_new
+
+
+def _validate_values(k_cache, cache_seqlens, block_table, capacity: int, s_new: int, cache_batch_idx=None,
+                     cache_leftpad=None, cu_seqlens_k_new=None) -> None:
+    """Checks that read device values (a host sync): lengths within capacity, page indices inside the pool, cache
+    rows inside the cache, left pads inside their sequences; packed appends (cu_seqlens_k_new) non-decreasing,
+    each sequence's count in place of s_new."""
+    seqlens = cache_seqlens.cpu()
+    if cache_batch_idx is not None and cache_batch_idx.numel():
+        rows = cache_batch_idx.cpu()
+        if int(rows.min()) < 0 or int(rows.max()) >= k_cache.shape[0]:
+            raise ValueError(f"cache_batch_idx: expected values in [0, {k_cache.shape[0]}) (cache rows), got min "
+                             f"{int(rows.min())}, max {int(rows.max())}")
+    if cache_leftpad is not None and cache_leftpad.numel():
+        pads = cache_leftpad.cpu()
+        if int(pads.min()) < 0 or bool((pads > seqlens).any()):
+            raise ValueError("cache_leftpad: expected 0 <= cache_leftpad <= cache_seqlens for every sequence")
+    if seqlens.numel() and int(seqlens.min()) < 0:
+        raise ValueError(f"cache_seqlens: expected values >= 0, got min {int(seqlens.min())}")
+    new = s_new
+    if cu_seqlens_k_new is not None:
+        new = cu_seqlens_k_new.cpu().diff()
+        if new.numel() and int(new.min()) < 0:
+            raise ValueError("cu_seqlens_k_new: expected non-decreasing offsets")
+    used = seqlens + new
+    if used.numel() and int(used.max()) > capacity:
+        raise _utils.CacheCapacityError(f"cache_seqlens + Snew: {int(used.max())} tokens exceed the cache capacity "
+                                        f"of {capacity} tokens")
+    if block_table is not None:
+        _utils.check_block_table_values(block_table, used.tolist(), k_cache.shape[1], k_cache.shape[0])
+
+
+class DecodePlan(direct.Replayable):
+    """One decode call's host work done once (checks, tiles, splits, workspace layout, the kernels' arguments),
+    runnable per layer with that layer's q and caches. Made by `decode_plan` (or internally by every eager
+    flash_attn_with_kvcache call, keyed on its signature). Its first run records the launches (launch/direct.py);
+    later runs replay them, so a run costs a few microseconds plus the kernels. cache_seqlens, block_table,
+    cache_batch_idx, cache_leftpad, the rotary tables, the ALiBi slopes, the sink and the scale tensors are the
+    plan's (bound by decode_plan; the plans flash_attn_with_kvcache caches keep none, so they hold no call's tensors
+    alive): change their values in place between runs (CUDA-graph replays included), not the tensors."""
+    # cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin, cu_seqlens_q, alibi_slopes,
+    # cu_seqlens_k_new, learnable_sink
+    index = (None,) * 10
+    scales = (None, None, None, None)
+
+    def __init__(self, schedule: DecodeSchedule, mask: Mask, softmax_scale: float, sp_overlap: bool,
+                 rotary_interleaved: bool, q_key, k_cache, v_cache, k, v, scales, return_lse: bool, validate: bool,
+                 batch: int, qv=None):
+        self.schedule, self.mask, self.softmax_scale, self.sp_overlap = schedule, mask, softmax_scale, sp_overlap
+        self.rotary_interleaved, self.batch = rotary_interleaved, batch
+        self.keys = (q_key, *map(direct.tensor_key, (k_cache, v_cache, k, v, *scales, qv)))
+        self.return_lse, self.validate = return_lse, validate
+        self.out_shape, self.dtype, self.device = q_key[0], q_key[2], q_key[3]
+        if qv is not None:  # MLA: out is the latent's width
+            self.out_shape = tuple(qv.shape)
+        self.lse_shape = (self.out_shape[1], self.out_shape[0]) if schedule.max_seqlen_q else \
+            (self.out_shape[0], self.out_shape[2], self.out_shape[1])
+
+    def run(self, q, k_cache, v_cache, k=None, v=None, out=None, k_scale=None, v_scale=None, k_global_scale=None,
+            v_global_scale=None, qv=None):
+        """flash_attn_with_kvcache(q, k_cache, v_cache, k, v, <the plan's arguments>, qv=qv): out [B, Sq, Hq, D]
+        (MLA: qv's shape; into `out` when given: contiguous, that shape and q's dtype), with return_lse also lse. The
+        tensors must have the plan's shapes, strides, dtypes, devices and 16-byte alignment (qv: given exactly when
+        the plan's was); scale tensors default to the plan's."""
+        given = (k_scale, v_scale, k_global_scale, v_global_scale)
+        scales = tuple(g if g is not None else p for g, p in zip(given, self.scales))
+        if tuple(map(direct.tensor_key, (q, k_cache, v_cache, k, v, *scales, qv))) != self.keys:
+            raise ValueError("DecodePlan.run: q, k_cache, v_cache, k, v, scales and qv must match the plan's shapes, "
+                             "strides, dtypes, devices and 16-byte alignment (make a plan per layout)")
+        if out is not None and (out.shape != self.out_shape or out.dtype != self.dtype or out.device != self.device
+                                or not out.is_contiguous() or out.data_ptr() & 15):
+            raise ValueError(f"out: expected a contiguous, 16-byte aligned {self.dtype} tensor of shape "
+                             f"{tuple(self.out_shape)} on {self.device}, got {tuple(out.shape)} {out.dtype}")
+        return self._run(q, k_cache, v_cache, k, v, self.index, scales, out, qv)
+
+    def _launch(self, *slots):
+        _launch_kvcache(self.schedule, self.mask, self.softmax_scale, self.sp_overlap, self.rotary_interleaved,
+                        *slots)
+
+    def _run(self, q, k_cache, v_cache, k, v, index, scales, out=None, qv=None):
+        """index: (cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin,
+        cu_seqlens_q, alibi_slopes, cu_seqlens_k_new, learnable_sink)."""
+        s = self.schedule
+        if self.validate:
+            _validate_values(k_cache, index[0], index[1], s.capacity, s.s_new, index[2], index[3], index[8])
+        if out is None:
+            out = _utils.new_output_like(qv if qv is not None else q)
+        lse = _utils.new_output(self.lse_shape, torch.float32, self.device) if self.return_lse else None
+        stream = direct.current_stream(self.device)
+        ws = direct.WORKSPACE.get(self.device, stream, s.workspace) if s.workspace else None
+        slots = (q, k_cache, v_cache, k, v, *index, *scales, out, lse, ws, qv)
+        if self.batch:  # an empty batch launches nothing
+            self.execute(self._launch, slots, stream)
+        return (out, lse) if self.return_lse else out
+
+
+_PLANS = direct.PlanCache()
+
+
+def _make_plan(q, k_cache, v_cache, k, v, index, softmax_scale, causal, window_size, softcap, rotary_interleaved,
+               num_splits, return_lse, sp_overlap, validate, scales, max_seqlen_q=None, qv=None) -> DecodePlan:
+    """Check every argument (raising before any launch) and plan the call."""
+    cache_seqlens, block_table, batch_idx, leftpad, rotary_cos, rotary_sin, cu_seqlens_q, alibi_slopes, cu_k_new, \
+        learnable_sink = index
+    capacity, s_new = _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, *scales,
+                                     batch_idx, leftpad, rotary_cos, rotary_sin, cu_seqlens_q, max_seqlen_q,
+                                     alibi_slopes, cu_k_new, learnable_sink, qv)
+    if qv is not None and sp_overlap:
+        raise ValueError("sp_overlap: not with qv (MLA takes the plain loop)")
+    left, right = _utils.check_window(window_size)
+    mask = Mask.make(causal, (left, right), check_softcap(softcap))
+    packed = cu_seqlens_q is not None  # its tiles need at least one row
+    sched = decode_schedule(q, k_cache, v_cache, k, block_table, int(num_splits), bool(sp_overlap),
+                      lse_in_workspace=not return_lse,
+                      extras=_triton_only(batch_idx, leftpad, rotary_cos, alibi_slopes, cu_k_new, learnable_sink),
+                      causal_tiles=mask.window_right >= 0, max_seqlen_q=max(int(max_seqlen_q), 1) if packed else 0,
+                      varlen_new=cu_k_new is not None, mla=qv is not None)
+    # On the CPU reading values costs no sync, so they are always checked there.
+    validate = bool(validate) or q.device.type == "cpu"
+    return DecodePlan(sched, mask, _default_scale(softmax_scale, q, qv), bool(sp_overlap),
+                      bool(rotary_interleaved), direct.tensor_key(q), k_cache, v_cache, k, v, scales,
+                      bool(return_lse), validate, cache_seqlens.shape[0], qv)
+
+
+def _default_scale(softmax_scale, q, qv) -> float:
+    """softmax_scale, else 1 / sqrt of the score's dot length (with qv, FA3's: q's and qv's head dims)."""
+    return _utils.softmax_scale_or_default(softmax_scale, q.shape[-1] + (qv.shape[-1] if qv is not None else 0))
+
+
+def _block_table(block_table, page_table):
+    """flash-attn 2.x's block_table or FA3's page_table (the same argument)."""
+    if page_table is None:
+        return block_table
+    if block_table is not None:
+        raise ValueError("block_table, page_table: the same argument under two names (flash-attn 2.x's and FA3's); "
+                         "pass one")
+    return page_table
+
+
+def decode_plan(q, k_cache, v_cache, cache_seqlens, block_table=None, k=None, v=None, softmax_scale=None,
+                causal=False, window_size=(-1, -1), softcap=0.0, num_splits=0, return_lse=False, sp_overlap=False,
+                validate=False, k_scale=None, v_scale=None, k_global_scale=None, v_global_scale=None,
+                dtype=torch.bfloat16, *, rotary_cos=None, rotary_sin=None, cache_batch_idx=None, cache_leftpad=None,
+                rotary_interleaved=True, alibi_slopes=None, learnable_sink=None, qv=None) -> DecodePlan:
+    """Plan flash_attn_with_kvcache calls that share everything but q, the caches and the new k/v (the layers of
+    one decode step; FlashInfer's plan/run pattern): `plan = decode_plan(q, k_cache, v_cache, cache_seqlens, ...)`
+    once per step, then `plan.run(q, k_cache, v_cache, k, v)` per layer, graph-capturable. Arguments as
+    flash_attn_with_kvcache's; q may be a tensor or a shape (a contiguous q of `dtype` on k_cache's device);
+    k/v (new tokens, if any) give their shapes; cache_seqlens, block_table, the scales and the other index tensors
+    (rotary tables, cache_batch_idx, cache_leftpad, alibi_slopes, learnable_sink) are bound to the plan. Results equal
+    flash_attn_with_kvcache's bitwise. qv (MLA), like q, a tensor or a shape: then every run passes its qv."""
+    if not isinstance(q, torch.Tensor):
+        q = torch.empty(tuple(q), dtype=dtype, device=k_cache.device)
+    if qv is not None and not isinstance(qv, torch.Tensor):
+        qv = torch.empty(tuple(qv), dtype=q.dtype, device=q.device)
+    if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError(f"cache_seqlens: expected an int32 tensor, got {type(cache_seqlens).__name__}")
+    scales = (k_scale, v_scale, k_global_scale, v_global_scale)
+    index = (cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin, None, alibi_slopes,
+             None, learnable_sink)
+    plan = _make_plan(q, k_cache, v_cache, k, v, index, softmax_scale, causal, window_size, softcap,
+                      rotary_interleaved, num_splits, return_lse, sp_overlap, validate, scales, qv=qv)
+    plan.index, plan.scales = index, scales
+    return plan
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False, *,
+                            return_lse=False, page_table=None, cu_seqlens_q=None, max_seqlen_q=None,
+                            cu_seqlens_k_new=None, sp_overlap=False, validate=False, k_scale=None, v_scale=None,
+                            k_global_scale=None, v_global_scale=None, learnable_sink=None, qv=None):
+    """Attention of new query tokens over a KV cache, appending new K/V in place: decode (1..16 tokens per
+    sequence: pack-GQA tiles, split-KV) or extend / chunked prefill (more tokens: prefill tiles, no split).
+
+    Arguments in flash-attn 2.x's order (FA3's page_table and return_softmax_lse names are accepted too).
+    q [B, Sq, Hq, D]; k_cache/v_cache [B, S_max, Hkv, D], or paged [num_pages, page_size, Hkv, D] with
+    block_table [B, max_pages] int32 (any page size, pages in any order); cache_seqlens [B] int32.
+    k, v [B, Snew, Hkv, D] are written at positions cache_seqlens .. cache_seqlens + Snew, then attention runs over
+    cache_seqlens + Snew tokens; causal=True masks bottom-right aligned (flash-attn's default, causal=False, lets
+    every new query see every new key: pass causal=True for several new tokens of one sequence). cache_seqlens may
+    be an int (every sequence's length). num_splits (decode): 0 heuristic, 1 none, n exactly n.
+    cache_batch_idx [B] int32: the contiguous cache's row of each sequence (the cache may hold more rows than B).
+    cache_leftpad [B] int32: sequence b's keys start at cache position cache_leftpad[b] (contiguous caches; keys
+    [cache_leftpad, cache_seqlens + Snew), positions and masks counted from the pad).
+    rotary_cos / rotary_sin [seqlen_ro >= the capacity, rotary_dim / 2] (q's dtype or fp32; with k and v): the new k
+    is rotated at positions cache_seqlens + i before the append, q at cache_seqlens + i when causal or windowed and
+    at cache_seqlens otherwise; rotary_interleaved=True pairs dims (2i, 2i + 1) (GPT-J), False pairs i and
+    i + rotary_dim / 2 (GPT-NeoX). Columns past rotary_dim are not rotated (flash-attn's semantics throughout).
+    sp_overlap=True selects the S/P-overlapped inner loop (QK^T of block j+1 issued before the softmax of block j);
+    the default plain loop measured as fast or faster on the H200 with triton 3.6 (benchmarks/RESULTS.md).
+    FP8 caches: k_cache/v_cache in float8_e4m3fn with k_scale/v_scale (float32, [1] per tensor or [Hkv] per KV
+    head): K = k_scale * k_cache; new k/v (in q's dtype) are quantized into the cache (x / scale, saturated, RNE).
+    NVFP4 caches: k_cache/v_cache uint8 [.., S, Hkv, D/2] (element 2i in the low nibble), k_scale/v_scale
+    float8_e4m3fn [.., S, Hkv, D/16] (one scale per 16 elements), k_global_scale/v_global_scale float32 [1]:
+    K = e2m1 * k_scale * k_global_scale (tileflash.nvfp4_quantize's format); appends quantize with the global
+    scale. D must be a power of two >= 32.
+    validate=True checks cache_seqlens, block_table, cache_batch_idx and cache_leftpad values against the cache
+    (costs a device sync); without it they are the caller's contract (lengths are clamped to the capacity in the
+    kernel; page and row indices are trusted).
+    FA3's packed queries: q [total_q, Hq, D] with cu_seqlens_q [B + 1] int32 and max_seqlen_q (SGLang's extend and
+    decode); out [total_q, Hq, D], lse [Hq, total_q]. When every sequence has max_seqlen_q tokens (total_q =
+    B * max_seqlen_q, e.g. one each in decode) the call runs as the padded one; ragged queries take the prefill
+    tiles. FA3's packed appends: k, v [total_new, Hkv, D] with cu_seqlens_k_new [B + 1] int32 (sequence b appends
+    k[cu[b]:cu[b + 1]] at cache_seqlens[b]).
+    alibi_slopes: fp32 [Hq] or [B, Hq], as in flash_attn_func, with Sk = cache_seqlens + Snew (after the append).
+    learnable_sink: fp32 [Hq], as in flash_attn_func (forward only here); split-KV adds it once, in the combine.
+    MLA (DeepSeek-V2/V3's latent attention, FA3's qv): qv [B, Sq, Hq, Dv] holds the queries' latent part and q their
+    rotary part [.., D]; k_cache [.., Hkv, D] the keys' rotary part and v_cache [.., Hkv, Dv] the latent, which is both
+    the rest of the key and the value: score = q . k + qv . v, out [B, Sq, Hq, Dv]. Dv <= 512, 16-bit or FP8 caches
+    (k_scale for the rotary keys, v_scale for the latent), at most 16 query tokens per sequence; k, v append rotary rows
+    and latent rows. The default softmax_scale is 1 / sqrt(D + Dv) (FA3's).
+    Returns out [B, Sq, Hq, D], and with return_softmax_lse=True (or return_lse=True) (out, lse [B, Hq, Sq] fp32).
+    """
+    return_lse = bool(return_lse or return_softmax_lse)
+    block_table = _block_table(block_table, page_table)
+    if cu_seqlens_q is not None and isinstance(q, torch.Tensor) and q.dim() == 3 and isinstance(max_seqlen_q, int) \
+            and cu_seqlens_q.dim() == 1 and 0 < max_seqlen_q and q.shape[0] == (len(cu_seqlens_q) - 1) * max_seqlen_q:
+        # Every sequence holds exactly max_seqlen_q queries: the padded call, with its decode tiles and splits.
+        total_q, hq = q.shape[:2]
+        padded = lambda t: t if t is None else t.view(-1, max_seqlen_q, hq, t.shape[-1])  # noqa: E731
+        res = _kvcache(padded(q), k_cache, v_cache, k, v, rotary_cos, rotary_sin,
+                       cache_seqlens, cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
+                       window_size, softcap, rotary_interleaved, alibi_slopes, num_splits, return_lse, None, None,
+                       cu_seqlens_k_new, sp_overlap, validate, k_scale, v_scale, k_global_scale, v_global_scale,
+                       learnable_sink, padded(qv) if isinstance(qv, torch.Tensor) and qv.dim() == 3 else qv)
+        if not return_lse:
+            return res.view(total_q, hq, res.shape[-1])
+        out, lse = res
+        return out.view(total_q, hq, out.shape[-1]), lse.transpose(0, 1).reshape(hq, total_q)
+    return _kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                    block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
+                    num_splits, return_lse, cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new, sp_overlap, validate,
+                    k_scale, v_scale, k_global_scale, v_global_scale, learnable_sink, qv)
+
+
+def _kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+             block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+             return_lse, cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new, sp_overlap, validate, k_scale, v_scale,
+             k_global_scale, v_global_scale, learnable_sink, qv=None):
+    """flash_attn_with_kvcache without its argument aliases: plan (cached per signature) and run."""
+    scales = (k_scale, v_scale, k_global_scale, v_global_scale)
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool) and isinstance(q, torch.Tensor):
+        batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
+        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+    index = (cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin, cu_seqlens_q,
+             alibi_slopes, cu_seqlens_k_new, learnable_sink)
+    if torch.compiler.is_compiling():
+        capacity, s_new = _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits,
+                                         *scales, *index[2:7], max_seqlen_q, alibi_slopes, cu_seqlens_k_new,
+                                         learnable_sink, qv)
+        if qv is not None and sp_overlap:
+            raise ValueError("sp_overlap: not with qv (MLA takes the plain loop)")
+        if validate:
+            _validate_values(k_cache, cache_seqlens, block_table, capacity, s_new, cache_batch_idx, cache_leftpad,
+                             cu_seqlens_k_new)
+        left, right = _utils.check_window(window_size)
+        mask = Mask.make(causal, (left, right), check_softcap(softcap))
+        packed_max = max(int(max_seqlen_q), 1) if cu_seqlens_q is not None else 0
+        out, lse = _attn_kvcache_op(q, k_cache, v_cache, k, v, cache_seqlens.contiguous(), *index[1:], packed_max,
+                                    bool(rotary_interleaved), _default_scale(softmax_scale, q, qv),
+                                    mask.window_left, mask.window_right, mask.softcap, int(num_splits),
+                                    bool(sp_overlap), *scales, qv)
+        return (out, lse) if return_lse else out
+    if isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.dim() == 1 and cache_seqlens.stride(0) != 1:
+        cache_seqlens = cache_seqlens.contiguous()  # read with unit stride by the kernels
+        index = (cache_seqlens, *index[1:])
+    plan = direct.plan_for(
+        _PLANS, lambda: (direct.tensor_key(q), direct.tensor_key(k_cache), direct.tensor_key(v_cache),
+                         direct.tensor_key(k), direct.tensor_key(v), *(direct.tensor_key(t) for t in index),
+                         softmax_scale, causal, direct.window_key(window_size), softcap, rotary_interleaved,
+                         num_splits, return_lse, sp_overlap, validate, max_seqlen_q,
+                         *(direct.tensor_key(t) for t in (*scales, qv))),
+        lambda: _make_plan(q, k_cache, v_cache, k, v, index, softmax_scale, causal, window_size, softcap,
+                           rotary_interleaved, num_splits, return_lse, sp_overlap, validate, scales, max_seqlen_q,
+                           qv))
+    return plan._run(q, k_cache, v_cache, k, v, index, scales, qv=qv)

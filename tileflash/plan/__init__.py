@@ -1,0 +1,18 @@
+"""Policy: pure functions from shapes (and the target) to frozen configs, tested as tables in tests/plan/. What a
+call launches is decided here; the launch layer (tileflash.launch) only turns the choice into arguments.
+Measured reasons for each choice are in the docstrings; the numbers they cite are in benchmarks/results/ and the
+archived notebook (benchmarks/archive/). Overrides for sweeps and tests: tileflash.config.override."""
+from .target import (SHARED_MEM_PER_BLOCK, padded_head_dim, sm90_target, small_shared_memory, target_arch,
+                    tensor_memory, tma_4d_ok, tma_aligned)  # noqa: F401
+from .prefill import (FwdConfig, Mask, ONE_WARPGROUP_MAX_KEYS, WsFwdConfig, fwd_config, fwd_ws_config, tma_tiles,
+                     ws_call_ok, ws_forward_config)  # noqa: F401
+from .backward import BwdConfig, WsBwdConfig, bwd_config, bwd_ws_config, ws_backward_config  # noqa: F401
+from .decode import (COMBINE_TILE, DECODE_TILES, DecodeConfig, DecodeSchedule, GATHER_PROGRAMS_PER_SM, KV_FORMATS,
+                    LARGE_TILES_MIN_KV, LONG_PROGRAM_TOKENS, LONG_SPLIT_PROGRAMS_PER_SM, MAX_DECODE_TOKENS,
+                    MAX_SPLITS, MIN_SPLIT_TOKENS, MLA_TILES, QUANT_MMA_HEAD_DIMS, QUANT_MMA_MAX_ROWS,
+                    QUANT_MMA_SMALL_STEP_MIN_TOKENS, QUANT_MMA_SMALL_STEP_PROGRAMS,
+                    QUANT_MMA_SMALL_STEP_SHORT_PROGRAMS, QuantDecodeConfig, SHORT_SPLIT_TOKENS, cache_capacity,
+                    combine_pdl, combine_tiles, decode_block_m, decode_config, decode_schedule, mla_decode_config,
+                    num_splits_heuristic, quant_decode_config, quant_mma_config, split_plan)  # noqa: F401
+from .gemm import (GEMM_MMA_MAX_M, GEMM_MMA_MAX_TILES, GEMM_MMA_PROGRAMS_PER_SM, GEMM_MMA_SLICE_STEPS, GemmConfig,
+                  GemmMmaConfig, gemm_config, gemm_mma_config)  # noqa: F401

@@ -1,0 +1,113 @@
+"""Backward policy: the Triton dK/dV and dQ tiles, and whether (and with which tiles) the sm_90 Gluon dK/dV kernel
+serves a call (tests/plan/test_plan_backward.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import config
+from .prefill import Mask, ws_call_ok
+from .target import tma_4d_ok, padded_head_dim, small_shared_memory, tensor_memory
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    dkdv_block_m: int  # query rows per step of a dK/dV program
+    dkdv_block_n: int  # keys owned by a dK/dV program (K, V, dK, dV stay in registers)
+    dq_block_m: int  # query rows owned by a dQ program
+    dq_block_n: int  # keys per step of a dQ program
+    dkdv_warps: int
+    dkdv_stages: int
+    dq_warps: int
+    dq_stages: int
+    atomic_dq: bool = True  # dQ added up by the dK/dV programs (fp32 atomics) unless deterministic=True asks otherwise
+    rotate: bool = False  # without a right mask bound, dK/dV programs start their query blocks at staggered blocks
+    tma: bool = False  # dK/dV programs read unmasked Q/dO blocks through TMA descriptors (power-of-two head dims)
+
+
+@dataclass(frozen=True)
+class WsBwdConfig:
+    """The warp-specialised sm_90 dK/dV kernel (kernels/gluon/attn_bwd.py): 128 keys per CTA, always."""
+    block_m: int  # query rows per step
+    num_stages: int  # Q/dO stages in shared memory
+    atomic_dq: bool  # dQ added up by the kernel (TMA reduce-adds into fp32) unless deterministic=True asks otherwise
+    # The dQ tile's reduce-add waits for the P/dS fence at the end of the step instead of a fence of its own right
+    # after its store (one fence and barrier fewer per step; the reduce-add leaves later).
+    one_fence: bool = True
+    # S^T = K Q^T instead of S = Q K^T (FA3's SdP_swapAB): P^T and dS^T feed the dV and dK products from registers.
+    keys_major: bool = False
+    # Each consumer warpgroup computes dQ for half the step's rows over the whole head dim (instead of all rows over
+    # half the head dim): its dQ product's N is the head dim, not half of it.
+    dq_by_rows: bool = False
+
+
+def bwd_ws_config(head_dim: int, causal: bool, seqlen_k: int) -> WsBwdConfig | None:
+    """Whether the backward takes the warp-specialised dK/dV kernel, by shape (ws_backward_config
+    adds what the tensors and masks allow). Measured on the H200 (benchmarks/RESULTS.md, session 11:
+    `benchmarks/ws_bwd_sweep.py`, bf16, 16k tokens, 2048/d heads, TFLOP/s at s = 4k / 16k, same run):
+      d128, 64 query rows per step: one fence per step vs two: full 504 / 558 vs 531 / 567, causal 475 / 568 vs
+           441 / 545 (run 76), so one fence when causal only.
+      d64, 128 rows, one fence: full 430 / 457, causal 387 / 463 (two fences 424 / 446, 366 / 433, run 76); 64 rows
+           (two fences) 404 / 429 and 344 / 408 (run 72). At 1k keys the Triton kernels' small programs did as well
+           or better (session 10: full 304 vs 309, causal 172 vs 226): rows of at most 1024 keys keep them.
+    Two Q/dO stages: a third measured no gain at d64 with 64 rows (session 10) and does not fit in shared memory at
+    d128 or with 128 rows. 128 rows at d128 do not fit either (the S and dP accumulators double). Head dims other
+    than 64 and 128 would need padding inside the kernel, which it does not do; d256's dK/dV accumulators do not
+    fit two consumer warpgroups' registers.
+    """
+    if head_dim == 128:
+        return WsBwdConfig(block_m=64, num_stages=2, atomic_dq=True, one_fence=causal)
+    if head_dim == 64 and seqlen_k > 1024:
+        return WsBwdConfig(block_m=128, num_stages=2, atomic_dq=True, one_fence=True)
+    return None
+
+
+def bwd_config(head_dim: int, interpret: bool = False, arch: int | None = 90) -> BwdConfig:
+    """Backward tiles per head dim, measured on the H200 (benchmarks/config_sweep.py bwd-d64 / bwd-d128 / bwd-det,
+    bf16, 16k tokens at s = 4096, 2048/d heads, TFLOP/s = 2.5 x forward FLOPs / t, 2026-11-30):
+      d64:  the separate dQ pass with (64, 64, 128, 32, warps 4/8, stages 3/3): 298 full / 288 causal (session 2);
+            with atomic dQ the best tile, (64, 128 keys, 8 warps, 3 stages), ran 294 / 267 (run 25).
+      d128: atomic dQ with (64, 128, 8 warps, 2 stages) 346 full / 312 causal (run 25; the separate dQ pass 335 /
+            298, run 26); 32 query rows per step (no spills) 281 / 276, 16 rows 227 / 238.
+      d256: atomic dQ with (32, 32, 4 warps, 2 stages) 155 full / 148 causal; the former (32, 32, 8 warps, 1 stage)
+            89 / 88 (run 26); the separate dQ pass spills at every dQ tile tried (87-103).
+    Staggered starts (rotate; run 30, same run, off / on, atomic dQ): d128 non-causal 4k 330 / 355, 16k 342 / 372;
+    d256 161 / 166, 166 / 170; causal (masked on the right, where programs already start at their diagonals) lost
+    1-2% (d128 327 / 319, 393 / 387), so the launcher staggers only without a right bound.
+    After the predicate-free interiors (run 34, config_sweep.py bwd-d128 / bwd-tma, s = 4096 full / causal): d128
+    with a third Q/dO stage (198 KB of shared memory) 377.7 / 328.0 vs 333.5 / 322.6 with two (staggered starts off
+    in both); d64's Q/dO through TMA 355.7 / 321.0 vs 336.0 / 308.5 (16k: 374.8 / 363.5 vs 355.8 / 349.9); d128
+    with TMA spills (86-92 B) and lost (300.6 vs 354.1), so it keeps pointers.
+    Fields: dK/dV (query rows per step, keys per program), dQ (query rows per program, keys per step), then warps
+    and stages of each kernel, whether dQ is added up with atomics by default, the staggered starts, and TMA loads
+    of Q/dO in the dK/dV interior (power-of-two head dims only; the launcher takes pointers otherwise).
+    arch (the target's compute capability): sm_10x (B200) keeps tl.dot accumulators in tensor memory (512 columns
+    of 32 bits), which d128's 64-row dK/dV step overflows (576: dK, dV, S^T, dP^T and dQ); it takes 32 rows (448
+    columns). Compiled for sm_100 on the CPU only, never timed."""
+    if interpret:
+        return BwdConfig(16, 16, 16, 16, 4, 1, 4, 1, rotate=True, tma=True)
+    d = padded_head_dim(head_dim)
+    if d > 64 and small_shared_memory(arch):
+        # Under 200 KB of shared memory per block (A100, Ada, consumer Blackwell; compiled only): K, V, Q and dO
+        # tiles of half the rows (d128's H200 tile needed 112 KB at one stage, over a 99 KB limit).
+        return BwdConfig(32, 64, 64, 64, 4, 2, 4, 2, rotate=True) if d <= 128 else \
+            BwdConfig(16, 32, 32, 32, 4, 2, 4, 1, rotate=True)
+    if d <= 64:
+        return BwdConfig(64, 64, 128, 32, 4, 3, 8, 3, atomic_dq=False, tma=True)
+    if d <= 128:
+        return BwdConfig(32 if tensor_memory(arch) else 64, 128, 128, 64, 8, 3, 8, 2, rotate=True)
+    return BwdConfig(32, 32, 64, 32, 4, 2, 8, 1, rotate=True)
+
+
+def ws_backward_config(q, k, v, dout, *, varlen: bool, window_left: int, window_right: int, softcap: float,
+                       max_seqlen_k: int = 0, seqused_k: bool = False, alibi: bool = False) -> WsBwdConfig | None:
+    """The warp-specialised dK/dV kernel's tiles when it serves this call (sm_90, a head dim bwd_ws_config
+    takes, at most a causal mask, no ALiBi, TMA-addressable tensors; varlen without seqused_k, tiles by
+    max_seqlen_k), else None (the Triton kernels)."""
+    if varlen and seqused_k:
+        return None
+    if not ws_call_ok(q.dtype, Mask(window_left, window_right, softcap), alibi):
+        return None
+    cfg = config.chosen("bwd_ws", bwd_ws_config(q.shape[3], window_right == 0, max_seqlen_k if varlen else k.shape[1]))
+    if cfg is None or not all(tma_4d_ok(t) for t in (q, k, v, dout)):
+        return None
+    return cfg

@@ -1,0 +1,380 @@
+"""Decode policy: pack-GQA tiles, MLA tiles, the register-operand quantized decode's tiles, and how many KV splits a
+call takes. Pure functions of shapes and the SM count, never of tensor values, so decode calls can be captured in
+CUDA graphs (tests/plan/test_plan_decode.py)."""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from .. import _utils, config
+from .._utils import cdiv, next_pow2
+from .prefill import fwd_config, tma_tiles
+from .target import padded_head_dim, sm90_target, small_shared_memory, target_arch, tensor_memory
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    block_m: int  # packed rows per program: (query heads of one KV group) x (new query tokens)
+    block_n: int  # KV tokens per inner-loop step
+    num_warps: int
+    num_stages: int
+    tma: bool = False  # K/V through TMA tensor descriptors: contiguous caches, and page pools whose pages hold whole
+    # tiles (page size a multiple of block_n; others, and NVFP4 caches, take pointers)
+    trans: bool = False  # s^T = K q^T, acc^T += V^T P^T: KV tokens and head dim on the MMA's M side
+    resident_per_sm: int = 0  # programs an SM holds at once when that limits splitting (0: it does not); splits
+
+
+def decode_block_m(group_rows: int) -> int:
+    """Rows of one pack-GQA tile: next power of two of (Hq/Hkv * Sq), at least 16 (tl.dot's minimum M),
+    at most 64 (larger groups take several M tiles)."""
+    return min(64, max(16, next_pow2(group_rows)))
+
+
+# (KV tokens per step at head dim 128, pipeline stages, trans, programs an SM holds when that limits splitting)
+# by cache format; "-large" from LARGE_TILES_MIN_KV token-heads on. Measured on the H200 (benchmarks/config_sweep.py,
+# CUDA-graph replay, 32/8 heads, d=128, 2026-11-30; RESULTS.md runs 7-18):
+# - 16-bit contiguous: 64 tokens, 2 stages, plain products (b=8 ctx 32k 258 us; 3 stages 303, trans 261); b=1 ctx
+#   8k/32k/128k within 1-4% of the best of 64/128 tokens x 2/3/4 stages at their best split counts (run 17; MQA
+#   b=1 ctx 32k ran 11% faster with 3 stages, 15.9 vs 17.7 us; not taken: GQA b=8 ctx 8k ran 92.2 vs 79.9 us with
+#   3 stages at the split rule's count).
+# - 16-bit paged (pointer gathers), large: 128 tokens, 2 stages, one program per SM (128 KiB of stages): page 16
+#   b=32 ctx 8k 262 us vs 322 with 64 tokens, b=64 ctx 4k 255 vs 315 (the contiguous cache: 255, 256). Small paged
+#   caches keep the contiguous tiles (b=1 ctx 8k: 24.7 us with 64-token steps, 26.1 with 128; runs 7, 9, 13).
+# - fp8 and nvfp4: transposed products (s^T = K q^T on wgmma, the dequantized tile as the register operand), 3 stages:
+#   fp8 b=32 ctx 8k 154 us vs 206 plain, b=256 ctx 2k 306 vs 366; nvfp4 b=256 ctx 2k 555 vs 749. Large caches step
+#   128 tokens (two programs per SM: ~200 registers per thread), run 18 at each tile's best split count: fp8 b=8 ctx
+#   32k 150.6 us vs 155.2 with 64 tokens, b=32 ctx 8k 145.9 vs 154.7, b=256 ctx 2k 288.4 vs 300.9; nvfp4 239.0 vs
+#   263.6, 239.1 vs 264.9, 489.8 vs 499.6; 8 warps (two warpgroups per step) lost everywhere (165-992 us).
+DECODE_TILES = {"16bit": (64, 2, False, 0), "16bit-long": (128, 2, False, 1),
+                "16bit-paged-large": (128, 2, False, 1),
+                "fp8": (64, 3, True, 4), "fp8-large": (128, 3, True, 2),
+                "nvfp4": (64, 3, True, 4), "nvfp4-large": (128, 3, True, 2)}
+
+
+LARGE_TILES_MIN_KV = 2 ** 18  # tokens x KV heads (at d=128): b=1 ctx 32k and up
+
+
+# 16-bit contiguous caches whose programs each stream this many tokens or more (after splitting) take twice the
+# tokens per step ("16bit-long": 128 KiB of stages, one program per SM, so the split count fills whole waves).
+# Run 20 (`config_sweep.py decode-large`, us, 128 vs 64 tokens per step at each one's best split count; tokens per
+# program in brackets): b=32 ctx 8k 256.6 vs 262.6 (4096), b=64 ctx 4k 253.1 vs 259.0 (4096), b=8 ctx 32k 258.3 vs
+# 262.8 (6554); shorter programs lose: b=8 ctx 8k 81.1 vs 79.6 (1638), b=256 ctx 2k 498.6 vs 490.5 (2048), b=128
+# ctx 1k 137.9 vs 135.6 (1024).
+LONG_PROGRAM_TOKENS = 4096
+
+
+def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_format: str = "16bit",
+                  paged: bool = False, kv_tokens: int = 2 ** 30, tokens_per_program: int = 0) -> DecodeConfig:
+    """Tiles by cache format (DECODE_TILES; "16bit", "fp8", "nvfp4"), layout and size: contiguous caches are read
+    through TMA descriptors, paged ones too when a page holds whole tiles (one box per tile, its row from the block
+    table), otherwise by per-token pointer gathers (a TMA descriptor covers one strided box, not a page list).
+    kv_tokens = batch x cache capacity x KV heads; caches of LARGE_TILES_MIN_KV or more take the "-large" tiles.
+    tokens_per_program = cache capacity / KV splits (0: not known yet): 16-bit contiguous caches take the
+    "16bit-long" tiles from LONG_PROGRAM_TOKENS on."""
+    block_m = decode_block_m(group_rows)
+    if interpret:  # small steps; K/V through TMA descriptors as on the GPU (NVFP4 caches, and pages smaller than
+        # a step, take pointers)
+        return DecodeConfig(block_m=block_m, block_n=16, num_warps=4, num_stages=1, tma=True)
+    d = padded_head_dim(head_dim)
+    key = kv_format
+    if kv_tokens * d >= LARGE_TILES_MIN_KV * 128:  # the "-paged-large" tiles where a format has them, else "-large"
+        large = [f"{kv_format}-paged-large"] * paged + [f"{kv_format}-large"]
+        key = next((k for k in large if k in DECODE_TILES), kv_format)
+    if key == "16bit" and not paged and tokens_per_program >= LONG_PROGRAM_TOKENS:
+        key = "16bit-long"
+    tokens, stages, trans, resident = DECODE_TILES[key]
+    # K+V bytes per step held constant across head dims (d=64 at 64 tokens per step ran 0.71-0.93x the peer);
+    # below 64 a step holds fewer bytes and registers, and an SM proportionally more programs.
+    block_n = tokens * 128 // d if d >= 64 else 2 * tokens
+    resident *= tokens * 128 // (block_n * d)
+    return DecodeConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=stages, tma=True, trans=trans,
+                        resident_per_sm=resident)
+
+
+# MLA decode (qv; a latent of up to 512 that is both V and most of the key, DeepSeek-V2/V3): (KV tokens per step,
+# warps, stages, programs an SM holds) by tile rows. The [rows, 512] fp32 accumulator takes two warpgroups at 64
+# rows; qv stays in shared memory. Pointer loads (a TMA box spans at most 256 elements). Run 125 (`config_sweep.py
+# decode-mla`, graph replay, us at the best split count / at the split rule's): 64 rows (H=128) b=32 ctx 4k 155.9
+# with 64-token 2-stage steps vs 181.8-292.4 for 16/32-token steps or 1 stage, b=1 ctx 32k 60.4 (at 66 splits: one
+# 221 KB program per SM, hence resident 1; the rule's 132 ran 84.0), b=128 ctx 1k 154.3; 16 rows (H=16) with 64
+# tokens, 4 warps, 2 stages: b=32 ctx 4k 59.8, b=1 ctx 32k 29.9, b=8 ctx 32k 95.2 at the rule's count (best of
+# six configs within 4-11%: 8 warps 3 stages took b=32 57.7 at 4 splits, but 103.1 at b=8). 32 rows take the
+# 16-row steps (not measured).
+MLA_TILES = {16: (64, 4, 2, 0), 32: (64, 4, 2, 0), 64: (64, 8, 2, 1)}
+
+
+def mla_decode_config(group_rows: int, interpret: bool = False, arch: int | None = 90) -> DecodeConfig:
+    """MLA's pack-GQA tiles: decode_block_m rows (16..64), MLA_TILES's steps. Off the H200 (compiled on the CPU,
+    never timed): sm_10x takes 32-token steps at 64 rows (Blackwell's MMA keeps its operands in shared memory,
+    where the 64-token tile needed 281 KB), and targets with under 200 KB of shared memory per block take 16-row
+    tiles (a 64-row tile's qv alone is 64 KB) of 32 tokens."""
+    block_m = decode_block_m(group_rows)
+    if interpret:
+        return DecodeConfig(block_m=block_m, block_n=16, num_warps=4, num_stages=1)
+    if small_shared_memory(arch):
+        return DecodeConfig(block_m=16, block_n=32, num_warps=4, num_stages=2)
+    block_n, warps, stages, resident = MLA_TILES[block_m]
+    if tensor_memory(arch) and block_m == 64:
+        block_n = 32
+    return DecodeConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
+                        resident_per_sm=resident)
+
+
+MAX_SPLITS = 256
+
+
+# Small paged caches read by per-token pointer gathers (pages shorter than a step) aim at three programs per SM
+# instead of two: shorter programs, each of whose first K/V loads waits on its block-table entries. Run 48
+# (`splits_sweep.py`, graph replay, 32/8 heads, b=1 ctx 8k, us): page 16 22.9 at 48 splits (3 of the 128 blocks per
+# split, as at the rule's 50), 23.3 at 33 and 40 (4 blocks), 24.6 at 66 (2); the contiguous cache 20.9 at 33 (21.3 at
+# 48), page 64 (TMA boxes) 21.6 at 33 (21.8 at 48). `bench decode` (run 50): 23.2 against 23.5 in run 42, a gain
+# near the run-to-run spread.
+GATHER_PROGRAMS_PER_SM = 3
+
+
+# Long splits of a contiguous 16-bit cache aim at three programs per SM (as many as its 64-token, two-stage tiles
+# let an SM hold), rounded down, instead of two rounded up. Run 105 (graph replay, read flush, 32/8 heads, us, the
+# former count then this one, two timings each): b=1 ctx 128k 135.8 / 135.7 at 33 splits vs 128.8 / 129.6 at 49;
+# b=2 ctx 32k 73.8 / 73.7 at 17 vs 71.4 / 71.5 at 24; b=4 ctx 32k 137.4 / 137.2 at 9 vs 129.4 / 129.7 at 12; b=8
+# ctx 8k 71.8 / 71.9 at 5 vs 70.8 / 71.0 at 6; d=64 b=1 ctx 128k 75.3 vs 70.0. Splits of <= SHORT_SPLIT_TOKENS keep
+# the nearest count at two per SM: b=1 ctx 8k and b=4 ctx 8k tied, b=1 ctx 32k ran 41.7 / 41.6 at 33 vs 41.2 / 41.3.
+LONG_SPLIT_PROGRAMS_PER_SM = 3
+
+
+MIN_SPLIT_TOKENS = 512  # shorter caches are not split
+
+
+SHORT_SPLIT_TOKENS = 1024  # splits this short or shorter are not worth rounding the program count up for
+
+
+COMBINE_TILE = 4096  # fp32 partials per combine program: 32 registers per thread at 4 warps
+
+
+def combine_tiles(num_splits: int, head_dim_pad: int) -> tuple[int, int]:
+    """(splits per load, head-dim columns per program) of the split-KV combine: every split of a row in one load
+    (one memory round trip), the head dim cut so the [splits, columns] tile stays at COMBINE_TILE values."""
+    split_chunk = max(2, min(next_pow2(num_splits), COMBINE_TILE // 16))
+    return split_chunk, max(16, min(head_dim_pad, COMBINE_TILE // split_chunk))
+
+
+def num_splits_heuristic(batch: int, nheads_kv: int, m_tiles: int, max_seqlen_k: int, block_n: int,
+                         num_sms: int, resident_per_sm: int = 0, per_sm: int = 2, long_per_sm: int = 0) -> int:
+    """How many programs share one sequence's KV.
+
+    Without splitting there are batch*Hkv*m_tiles programs; at batch 1 that is 8 on a 132-SM GPU, which is how the
+    sm_90 peer ends up at 0.4 TB/s. Split until about per_sm programs per SM are in flight, each split at least one
+    block long; caches under MIN_SPLIT_TOKENS are not split (the combine's launch would cost more than the blocks
+    a split saves). Measured (benchmarks/splits_sweep.py --lengths, graph replay, H200, run 38): MQA (8/1 heads) at
+    b=1 gains down to one-block splits: ctx 8k 11.5 us at 128 splits vs 15.6 at 32 (the former 256-token floor), 16k
+    12.8 at 256 vs 15.6, 32k 15.5 at 256 vs 17.4, 64k/128k unchanged at 256 (21.3 / 32.1); GQA (32/8 heads) b=1 ctx
+    8k 20.8 at 33 vs 21.6 at 32, ctx 32k 49.6 at 33 (48.5 at 64), b=8 ctx 32k 262.5 at 5 (259.8 at 8).
+    The SM target is rounded up unless that leaves splits of SHORT_SPLIT_TOKENS or fewer; then to the nearest
+    count (run 37, `--small`): b=32 ctx 2k (256 programs) 78.5 us at 1 split vs 79.4 at 2, d=64 48.1 vs 50.2, MQA
+    b=256 ctx 2k 78.8 vs 80.8, MQA b=128 ctx 1k 32.7 at 2 vs 34.4 at 3; long splits keep the count rounded up (b=32
+    ctx 8k 260.3 at 2 vs 265.6 at 1, run 9; b=8 ctx 8k 80.0 at 5 vs 81.2 at 4, run 38).
+    long_per_sm (0: per_sm): when the splits are longer than SHORT_SPLIT_TOKENS, as many as long_per_sm programs
+    per SM hold (rounded down) if that is more; plan.decode.split_plan asks 3 for contiguous 16-bit caches, whose tiles an SM
+    holds three of (LONG_SPLIT_PROGRAMS_PER_SM).
+    resident_per_sm (how many programs of the tile an SM holds; 0: more than per_sm, so not limiting): never more
+    than per_sm programs per SM (rounding the count up would put a few programs into one more wave, each costing a
+    whole program's time: fp8 64-token tiles at b=8 ctx 32k ran 9 splits = 576 programs for 528 slots in 191.4 us,
+    8 splits in 155.5, runs 17-18); 128-token fp8 tiles (two per SM), run 18: b=8 ctx 32k 150.6 us at 4 splits
+    (8: 154.4), b=32 ctx 8k 145.9 at 1 (2: 153.7). When an SM holds fewer than per_sm (one program per SM: the
+    paged 128-token tiles), the count is lowered until the programs fill at least 90% of whole waves (or kept when
+    no count does): b=8 ctx 32k ran 5 splits = 320 programs in 2.4 waves at 332 us against the contiguous cache's
+    259 (run 12), 4 splits 260 (run 13).
+    """
+    base = batch * nheads_kv * m_tiles
+    by_length = cdiv(max_seqlen_k, block_n) if max_seqlen_k >= MIN_SPLIT_TOKENS else 1
+    if not resident_per_sm:
+        target = per_sm * num_sms
+        splits = cdiv(target, base)
+        if max_seqlen_k <= splits * SHORT_SPLIT_TOKENS:
+            splits = (2 * target + base) // (2 * base)  # target / base rounded to the nearest count
+        elif long_per_sm:
+            splits = max(splits, long_per_sm * num_sms // base)
+        return max(1, min(splits, by_length, MAX_SPLITS))
+    splits = max(1, min(per_sm * num_sms // base, by_length, MAX_SPLITS))
+    if resident_per_sm < per_sm:
+        wave = resident_per_sm * num_sms
+        for n in range(splits, 0, -1):
+            if base * n >= 0.9 * cdiv(base * n, wave) * wave:
+                return n
+    return splits
+
+
+@dataclass(frozen=True)
+class QuantDecodeConfig:
+    """Tiles of the register-operand quantized-cache decode (kernels/gluon/decode_mma.py): tokens per warp per
+    step, warps per program (each its own tokens) and the programs an SM is meant to hold (the split target)."""
+    block_n: int
+    num_warps: int
+    programs_per_sm: int
+
+    @property
+    def step(self) -> int:  # tokens per program per loop trip
+        return self.block_n * self.num_warps
+
+
+QUANT_MMA_HEAD_DIMS = (64, 128)  # d256's 16 x 256 fp32 accumulator per warp spills (CPU compile)
+
+
+QUANT_MMA_MAX_ROWS = 16  # one mma.sync M tile of query rows (Hq/Hkv x Sq)
+
+
+# Measured on the H200 (benchmarks/decode_quant_sweep.py, graph replay of the whole call, 32/8 heads, d=128, us;
+# RESULTS.md runs 89 and 93; variants (tokens per warp step, programs per SM), all with q in shared memory and the
+# transposed PV product):
+# - NVFP4, (32, 2) vs (16, 3): b=1 ctx 8k 19.0 vs 21.7, ctx 32k 32.6 vs 36.8, ctx 128k 80.4 vs 97.8, b=32 ctx 2k 45.9
+#   vs 50.1; but b=8 ctx 8k 60.6 vs 52.1, ctx 32k 175.0 vs 157.2, b=128 ctx 1k 94.0 vs 86.4, b=256 ctx 2k 292.6 vs
+#   278.4 (b=32 ctx 8k, b=64 ctx 4k within 0.3%). The Triton kernel: 20.2, 43.1, 128.2, 69.7, 71.8, 241.0, 137.5,
+#   490.3. So (16, 3) from QUANT_MMA_SMALL_STEP_PROGRAMS sequence-heads on, except short caches (b=32 ctx 2k:
+#   two splits of 1k put 512 programs into 1.3 waves of 396), which keep (32, 2).
+# - FP8: within +-5% of the Triton kernel at every shape at its best variant (b=1 ctx 8k 19.8 vs 18.2, b=8 ctx 32k
+#   143.6 vs 149.0, b=64 ctx 4k 142.3 vs 148.5, b=128 ctx 1k 92.2 vs 90.0), so FP8 caches keep the Triton kernel;
+#   the register kernel's FP8 path stays for the sweep and its tests.
+QUANT_MMA_SMALL_STEP_PROGRAMS = 64
+
+
+QUANT_MMA_SMALL_STEP_MIN_TOKENS = 4096  # shorter caches take the small steps only from ...
+
+
+QUANT_MMA_SMALL_STEP_SHORT_PROGRAMS = 1024  # ... this many sequence-heads (b=128 ctx 1k: no split either way)
+
+
+def quant_decode_config(head_dim: int, kv_format: str, programs: int, capacity: int) -> QuantDecodeConfig | None:
+    """The register-operand decode's tiles for an "nvfp4" cache (see above for "fp8") with programs = batch x KV
+    heads and capacity tokens per sequence, or None where the Triton kernel (decode_config) serves the call."""
+    if kv_format != "nvfp4" or head_dim not in QUANT_MMA_HEAD_DIMS:
+        return None
+    if programs >= QUANT_MMA_SMALL_STEP_PROGRAMS and (capacity >= QUANT_MMA_SMALL_STEP_MIN_TOKENS or
+                                                       programs >= QUANT_MMA_SMALL_STEP_SHORT_PROGRAMS):
+        return QuantDecodeConfig(block_n=16, num_warps=4, programs_per_sm=3)
+    return QuantDecodeConfig(block_n=32, num_warps=4, programs_per_sm=2)
+
+
+def cache_capacity(k_cache, block_table) -> int:
+    """Tokens a sequence's KV cache holds: its pages (block_table [B, max_pages]), or the contiguous cache's length."""
+    return block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
+
+
+# More new query tokens than this per sequence (an extend / chunked prefill through flash_attn_with_kvcache) take
+# the prefill tiles, one query head per program and no split, instead of pack-GQA decode tiles.
+MAX_DECODE_TOKENS = 16
+
+
+KV_FORMATS = {torch.float8_e4m3fn: "fp8", torch.uint8: "nvfp4"}  # cache dtype -> format; others are 16-bit
+
+
+def split_plan(q, k_cache, block_table, num_splits: int, mla: bool = False):
+    """(config, num_splits, capacity) from shapes only: the tile, the split count, then the tile again knowing how
+    many tokens each program streams. mla: MLA's tiles (qv; mla_decode_config)."""
+    b, sq, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    rows = sq * (hq // hkv)
+    capacity = cache_capacity(k_cache, block_table)
+    sms = _utils.num_sms(q.device)
+    if mla:  # a 64-row tile fills an SM: one wave of splits at most (run 125: a second ran 84.0 us vs 60.4, its
+        # extra partials being [rows, 512] fp32 each)
+        cfg = config.chosen("mla_decode", mla_decode_config(rows, _utils.is_interpreter(), target_arch()))
+        return cfg, num_splits or num_splits_heuristic(b, hkv, _utils.cdiv(rows, cfg.block_m), capacity, cfg.block_n,
+                                                       sms, cfg.resident_per_sm,
+                                                       per_sm=cfg.resident_per_sm or 2), capacity
+    tiles = functools.partial(decode_config, d, rows, _utils.is_interpreter(),
+                              kv_format=KV_FORMATS.get(k_cache.dtype, "16bit"), paged=block_table is not None,
+                              kv_tokens=b * capacity * hkv)
+
+    def count(cfg):  # the asked count, else the heuristic's for this tile
+        gathers = (block_table is not None and not cfg.resident_per_sm
+                   and not tma_tiles(cfg, k_cache.shape[1], k_cache.dtype == torch.uint8))
+        return num_splits or num_splits_heuristic(b, hkv, _utils.cdiv(rows, cfg.block_m), capacity, cfg.block_n,
+                                                  sms, cfg.resident_per_sm,
+                                                  per_sm=GATHER_PROGRAMS_PER_SM if gathers else 2,
+                                                  long_per_sm=LONG_SPLIT_PROGRAMS_PER_SM if block_table is None else 0)
+
+    cfg = config.chosen("decode", tiles())
+    splits = count(cfg)
+    long_cfg = config.chosen("decode", tiles(tokens_per_program=capacity // splits))
+    if long_cfg != cfg:  # fewer programs fit an SM: count again (never more splits than before)
+        splits = count(long_cfg)
+    return long_cfg, splits, capacity
+
+
+def combine_pdl(block_table) -> bool:
+    """Whether the split combine is a programmatic dependent launch of the attention kernel (sm_90; its launch then
+    overlaps the attention's tail): for contiguous caches, where it was timed (RESULTS.md, session 14, run 102:
+    -0.5 to -1.2 us at batch 1, neutral from b=8). Paged caches are slower with it (run 107, `benchmarks/
+    splits_sweep.py --pdl --flush-read`: page 16 b=8 ctx 8k 79.1 vs 74.7 us, page 64 b=1 ctx 32k 46.5 vs 44.7)."""
+    return block_table is None
+
+
+def quant_mma_config(q, k_cache, v_cache, block_table, capacity: int, sp_overlap: bool, extras: bool):
+    """The register-operand decode's tiles (kernels/gluon/decode_mma.py) when it serves this call, else None: a
+    cache quant_decode_config takes on sm_90, at most 16 query rows per KV head, a contiguous cache or
+    power-of-two pages, 16-byte aligned K/V rows with equal K and V strides (it reads rows as 16-byte words), and
+    the plain loop (sp_overlap=True asks for the Triton kernel's S/P-overlapped loop). extras (cache_batch_idx,
+    cache_leftpad, rotary, ALiBi, learnable_sink): only the Triton kernel has them."""
+    if q.shape[3] not in QUANT_MMA_HEAD_DIMS:  # d256's accumulator per warp spills
+        return None
+    cfg = config.chosen("quant_decode", quant_decode_config(q.shape[3], KV_FORMATS.get(k_cache.dtype, "16bit"),
+                                                           q.shape[0] * k_cache.shape[2], capacity))
+    if cfg is None or sp_overlap or extras or not sm90_target():
+        return None
+    if q.shape[1] * (q.shape[2] // k_cache.shape[2]) > QUANT_MMA_MAX_ROWS:
+        return None
+    page = k_cache.shape[1]
+    if block_table is not None and page & (page - 1):
+        return None
+    aligned = all(t.data_ptr() % 16 == 0 and all(st % 16 == 0 for st in t.stride()[:3]) for t in (k_cache, v_cache))
+    return cfg if aligned and k_cache.stride() == v_cache.stride() else None
+
+
+@dataclass(frozen=True)
+class DecodeSchedule:
+    """What a decode call launches, from shapes alone (so a plan can hold it): the register-operand kernel's
+    tiles (qcfg) or the Triton kernel's (cfg: decode tiles, or prefill tiles when `prefill`), the split count, and
+    the fp32 workspace it needs (split partials, and the lse when the caller does not take it)."""
+    cfg: object
+    qcfg: object
+    num_splits: int
+    capacity: int
+    s_new: int
+    pdl: bool
+    workspace: int
+    prefill: bool = False
+    max_seqlen_q: int = 0  # > 0: q is packed [total_q, Hq, D] with cu_seqlens_q (FA3's varlen queries)
+    varlen_new: bool = False  # k, v are packed [total_new, Hkv, D] with cu_seqlens_k_new (s_new is then 0)
+    mla: bool = False  # qv given: MLA's tiles, V (and out) v_cache's head dim wide
+
+
+def decode_schedule(q, k_cache, v_cache, k, block_table, num_splits: int, sp_overlap: bool, lse_in_workspace: bool,
+              extras: bool = False, causal_tiles: bool = False, max_seqlen_q: int = 0,
+              varlen_new: bool = False, mla: bool = False) -> DecodeSchedule:
+    """causal_tiles: the mask has a right bound (prefill tiles differ for causal calls). max_seqlen_q > 0: packed
+    queries, which take the prefill tiles (their rows are ragged: no pack-GQA tile or split partial layout).
+    mla: qv is given (its calls are checked to be decode-sized: at most MAX_DECODE_TOKENS, not ragged)."""
+    hq = q.shape[-2]
+    dv = v_cache.shape[-1] if mla else q.shape[-1]  # the partials' width
+    s_new = k.shape[1] if k is not None and not varlen_new else 0
+    capacity = cache_capacity(k_cache, block_table)
+    rows = q.shape[:-1].numel()
+    if hq == 0:  # nothing to attend with: only the append launches
+        return DecodeSchedule(None, None, 1, capacity, s_new, False, 0, varlen_new=varlen_new)
+    if max_seqlen_q or q.shape[1] > MAX_DECODE_TOKENS:
+        cfg = config.chosen("fwd", fwd_config(q.shape[-1], causal=causal_tiles, interpret=_utils.is_interpreter(),
+                                              seqlen_k=capacity, arch=target_arch()))
+        return DecodeSchedule(cfg, None, 1, capacity, s_new, False, rows if lse_in_workspace else 0, prefill=True,
+                              max_seqlen_q=max_seqlen_q, varlen_new=varlen_new)
+    b = q.shape[0]
+    cfg = None
+    qcfg = None if mla else quant_mma_config(q, k_cache, v_cache, block_table, capacity, sp_overlap, extras)
+    if qcfg is not None:
+        num_splits = num_splits or num_splits_heuristic(b, k_cache.shape[2], 1, capacity, qcfg.step,
+                                                        _utils.num_sms(q.device), per_sm=qcfg.programs_per_sm)
+    else:
+        cfg, num_splits, _ = split_plan(q, k_cache, block_table, num_splits, mla)
+    workspace = (num_splits * rows * (dv + 1) if num_splits > 1 else 0) + (rows if lse_in_workspace else 0)
+    return DecodeSchedule(cfg, qcfg, num_splits, capacity, s_new, config.chosen("combine_pdl", combine_pdl(block_table)), workspace,
+                          varlen_new=varlen_new, mla=mla)

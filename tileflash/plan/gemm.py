@@ -1,0 +1,87 @@
+"""NVFP4 GEMM policy: the Triton kernel's tiles and split-K, the register-operand kernel's slices for decode-sized M
+(tests/plan/test_plan_gemm.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    split_k: int = 1  # slices of K per output tile (decode-sized M); fp32 partials, summed in a fixed order
+    swap_ab: bool = False  # c^T = w a^T: the weight tile on the MMA's M side (decode-sized M)
+
+
+@dataclass(frozen=True)
+class GemmMmaConfig:
+    """The register-operand NVFP4 GEMM for M <= 16 (lowp/kernels/gemm_mma.py)."""
+    block_n: int  # weight rows (output columns) per tile
+    block_k: int  # K values per step
+    split_k: int  # K slices; each program stages its slice of a (<= GEMM_MMA_SLICE_STEPS steps) in shared memory
+    programs_n: int  # programs per K slice; each computes the N tiles p, p + programs_n, ...
+
+
+GEMM_MMA_MAX_M = 16  # one mma.sync M tile of activation rows
+
+
+# K steps (of 256 values) staged per program, 32 KiB of shared memory (raw + fp16 copies of 16 rows), and the most
+# N tiles a program takes. Run 79 (benchmarks/gemm_mma_sweep.py, graph replay, us, M = 1 / 16, split x tiles per
+# program): N=K=8192 16x4 28.1 / 32.8, 16x2 31.5 / 36.1, 32x4 31.9 / 37.2, 8x3 (4 steps) 34.2 / 39.1; N=K=4096 all
+# within 17.6-18.1 / 18.9-20.1 (8x1: 17.3 / 19.2 in run 78).
+GEMM_MMA_SLICE_STEPS = 2
+
+
+GEMM_MMA_MAX_TILES = 4
+
+
+GEMM_MMA_PROGRAMS_PER_SM = 3
+
+
+def gemm_mma_config(m: int, n: int, k: int, num_sms: int = 132, tiles_per_program: int = 0,
+                    split_k: int = 0) -> GemmMmaConfig | None:
+    """Tiles of the register-operand NVFP4 GEMM (None above GEMM_MMA_MAX_M rows: the Triton kernel). K is cut into
+    the fewest slices of at most GEMM_MMA_SLICE_STEPS steps; then each program takes as many N tiles as it needs
+    for the programs to fit GEMM_MMA_PROGRAMS_PER_SM per SM, at most GEMM_MMA_MAX_TILES (staging a's slice is
+    paid once per program).
+    tiles_per_program / split_k > 0 force those choices (benchmarks/gemm_mma_sweep.py)."""
+    if m > GEMM_MMA_MAX_M:
+        return None
+    block_n, block_k = 64, 256
+    steps = -(-k // block_k)
+    split = split_k or -(-steps // GEMM_MMA_SLICE_STEPS)
+    split = min(split, steps)
+    tiles = -(-n // block_n)
+    per_program = tiles_per_program or max(1, min(GEMM_MMA_MAX_TILES,
+                                                  -(-tiles * split // (GEMM_MMA_PROGRAMS_PER_SM * num_sms))))
+    return GemmMmaConfig(block_n=block_n, block_k=block_k, split_k=split, programs_n=-(-tiles // per_program))
+
+
+def gemm_config(m: int, n: int, k: int, interpret: bool = False, num_sms: int = 132) -> GemmConfig:
+    """Tile shape from the problem shape only (CUDA-graph safe). Measured on the H200 (benchmarks/config_sweep.py
+    gemm / gemm-small, graph replay). M <= 16: swapped products (c^T = w a^T, the weight tile on wgmma's M side)
+    over 64-column weight tiles, K split into up to 4 slices until ~3 programs per SM are in flight (4 K steps per
+    slice at least): M=1 N=K=4096 19.8 us with 4 slices, 23.5 with 2 (bf16 matmul 19.6); N=K=8192 40.1 us (bf16
+    44.8); 128-column tiles ran 31-49 us; the earlier plain 32-column tiles 22.1 / 54.0 us. Eager calls at this
+    size are bound by the host, not the kernel. M = 128: (128, 64, 128, 4 warps) 138 us vs 156-250; M = 1024:
+    (128, 128, 64, 8 warps) 649 us vs 1001-1161 (session 1 sweep)."""
+    if interpret:
+        # Small tiles: the interpreter's cost is per program and per K step, and tests use M <= 33, N, K <= 96;
+        # K >= 64 takes the split-K path so the CPU tests cover it.
+        return GemmConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1,
+                          split_k=2 if m <= 16 and k >= 64 else 1)
+    if m <= 16:
+        block_n, block_k = 64, 128
+        tiles = -(-n // block_n)
+        split = max(1, min(-(-3 * num_sms // tiles), k // (4 * block_k), 4))  # 4: the most measured
+        return GemmConfig(block_m=16, block_n=block_n, block_k=block_k, num_warps=4, num_stages=4, split_k=split,
+                          swap_ab=True)
+    if m <= 64:  # not measured at this M: the M = 128 runner-up, with a tile that wastes fewer rows
+        return GemmConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3)
+    if m <= 256:
+        return GemmConfig(block_m=128, block_n=64, block_k=128, num_warps=4, num_stages=3)
+    return GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)

@@ -1,0 +1,148 @@
+"""Prefill forward policy: the Triton forward's tiles, and whether (and with which tiles) the sm_90 Gluon forward
+serves a call. Pure functions of shapes, masks and the target (tests/plan/test_plan_prefill.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from .. import config
+from .target import tma_4d_ok, padded_head_dim, small_shared_memory, sm90_target
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    tma: bool = False  # K/V through TMA tensor descriptors (when strides allow; else pointers)
+    trans: bool = False  # transposed products: decode only (DecodeConfig)
+    sp_overlap: bool = False  # QK^T of block j+1 issued before the softmax of block j (attn_inner's SP_OVERLAP)
+
+
+@dataclass(frozen=True)
+class Mask:
+    """Normalised masking: causal is a right window of 0; -1 is unbounded."""
+    window_left: int
+    window_right: int
+    softcap: float
+
+    @staticmethod
+    def make(causal: bool, window_size, softcap: float) -> "Mask":
+        left, right = window_size
+        if causal:
+            right = 0
+        return Mask(left, right, float(softcap))
+
+
+# Non-causal d128 takes the one-warpgroup tile up to this many keys (benchmarks/sweep.py, run 36, TFLOP/s, 64x64 vs
+# 128x128: s=1k 452 vs 394, 2k 470 vs 452, 4k 487 vs 483 (runs 31-32 at 4k: 493 vs 487, 524 vs 484), 8k 491 vs
+# 496, 16k 498 vs 503): short rows of keys leave a 128-row program's prologue and epilogue exposed, which a second
+# program per SM hides.
+ONE_WARPGROUP_MAX_KEYS = 4096
+
+
+def fwd_config(head_dim: int, causal: bool = False, interpret: bool = False, seqlen_k: int = 2 ** 30,
+               arch: int | None = 90) -> FwdConfig:
+    """Measured on the H200 (benchmarks/sweep.py, s=4096, bf16, 2026-11-30; TFLOP/s in brackets).
+    seqlen_k: keys per sequence (varlen: the longest). Triton's warp specialisation of this loop measured no gain
+    on sm_90 with triton 3.6 (within 1%) and was removed (the Gluon forward is the warp-specialised one)."""
+    d = padded_head_dim(head_dim)
+    if d <= 64 and causal and seqlen_k <= ONE_WARPGROUP_MAX_KEYS:
+        # One warpgroup per program, as for d128 (run 48, `sweep.py --dims 64`, TFLOP/s, causal s = 2k / 4k / 16k):
+        # 346.6 / 380.3 / 391.4 against 325.0 / 364.3 / 394.2 for 128x64 with pointers and 324.8 / 359.6 / 402.0
+        # with TMA; a fourth stage 327.3 / 356.3 / 388.8; 64x32 296.0 / 310.0 / 330.2.
+        cfg = FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, tma=True)
+    elif d <= 64:
+        # 128x64 tiles, K/V through TMA (run 48, non-causal s = 2k / 4k / 16k): 409.4 / 409.5 / 423.7 against
+        # 396.9 / 400.5 / 409.4 with pointers, 400.1 / 397.7 / 406.1 for 64x64 one-warpgroup tiles; 128x128 fell
+        # to 331 / 292 (full / causal, s = 4k, session 1).
+        cfg = FwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, tma=True)
+    elif d <= 128 and (causal or seqlen_k <= ONE_WARPGROUP_MAX_KEYS):
+        # One warpgroup per program (64 rows, 64 keys per step, ~2 programs per SM: one program's softmax runs
+        # while another's MMAs do): 448 vs 418 (128x128, TMA) and 399 (pointers) (run 18, one-FMA softmax).
+        cfg = FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, tma=True)
+    elif d <= 128:
+        # TMA K/V: 490 vs 458 with pointers; 64x64 one-warpgroup tiles 479 (run 18).
+        cfg = FwdConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, tma=True)
+    else:
+        # d = 256: a 128x128 S tile plus a 128x256 accumulator exceeds the register file; 3 stages exceed shared
+        # memory. TMA: 524 vs 489.
+        cfg = FwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, tma=True)
+        if small_shared_memory(arch):
+            # Under 200 KB per block (compiled only): Q, K and V of 128 x 64 rows take 128 KB at one stage.
+            cfg = FwdConfig(block_m=64, block_n=32, num_warps=4, num_stages=2, tma=True)
+    if interpret:
+        # Small tiles keep the interpreter fast and put several KV blocks in short test sequences; K/V arrive the
+        # GPU's way (TMA descriptors or pointers), so the CPU suite runs that load path too (a zero-row descriptor
+        # once failed on the GPU only: tests/ops/test_regressions.py).
+        return FwdConfig(block_m=32, block_n=16, num_warps=4, num_stages=1, tma=cfg.tma)
+    return cfg
+
+
+@dataclass(frozen=True)
+class WsFwdConfig:
+    """The warp-specialised sm_90 forward (kernels/gluon/attn_fwd.py): 128 query rows per tile, always."""
+    block_n: int  # keys per step
+    k_stages: int  # K blocks in shared memory
+    v_stages: int  # V blocks in shared memory
+    persistent: bool = False  # one CTA per SM walking pairs of tiles, else one CTA per 128-row tile
+
+
+def fwd_ws_config(head_dim: int, causal: bool, seqlen_k: int) -> WsFwdConfig | None:
+    """Whether prefill takes the warp-specialised forward, by shape (ws_forward_config adds what the
+    tensors and masks allow), measured on the H200 (bf16, 16k tokens, 2048/d heads, TFLOP/s at s = 1k / 2k / 4k /
+    8k / 16k, cuDNN in the same run; `benchmarks/ws_sweep.py`):
+      d128 (128 keys, 3 + 3 stages): one CTA per tile full 511-610 vs cuDNN 567-622, causal 385-614 vs 418-553
+           (run 107). Persistent CTAs (run 108) at 1k / 2k: full 522 / 624 vs 524 / 575, causal 394 / 492 vs
+           386 / 481; at 4k-16k within noise or slower (causal 16k 579 vs 617: a static round robin of 1024 units
+           over 132 CTAs leaves the last round three-quarters full).
+      d64 (128 keys, 3 + 3): persistent at 1k / 2k / 4k (run 108) full 394 / 434 / 448 vs 364 / 420 / 439 with one
+           CTA per tile, causal 292 / 369 / 405 vs 254 / 337 / 392 (and the one-warpgroup Triton tile that served
+           causal rows <= 2048 keys: 285 / 340, run 58); 64-key steps (4 + 4 stages) ran slower everywhere.
+      d256 (64 keys; the K and V rings have their own depth, run 107): 3 K + 2 V stages (224 KB of shared memory)
+           full 569-650 vs cuDNN 628-662, causal 385-640 vs 444-596; 2 + 2 stages 576-691 / 429-609, taken at
+           <= 1024 keys where the third K stage measured slower causal (385 vs 429); persistent CTAs mixed (run
+           108: causal 1k 355 vs 436). The Triton kernel: 440-540 / 263-529. (Run 58, with one ring for K and V:
+           465-520 / 347-515 at 2 stages, so not taken then.)
+    Run-to-run spread of one kernel is up to 10% on these machines (run 108 timed one kernel twice: d64 full 8k
+    452 / 407), so only gains seen at several lengths were taken. Other head dims would need padding inside the
+    kernel, which it does not do."""
+    if head_dim == 128:
+        return WsFwdConfig(block_n=128, k_stages=3, v_stages=3, persistent=seqlen_k <= 2048)
+    if head_dim == 64:
+        return WsFwdConfig(block_n=128, k_stages=3, v_stages=3, persistent=seqlen_k <= 4096)
+    if head_dim == 256:
+        return WsFwdConfig(block_n=64, k_stages=3 if seqlen_k > 1024 else 2, v_stages=2)
+    return None
+
+
+def ws_call_ok(dtype: torch.dtype, mask: Mask, alibi: bool) -> bool:
+    """What both warp-specialised Gluon kernels (forward and dK/dV) need of a call beyond shapes and layouts: a
+    16-bit dtype, at most a causal mask (no left window, no softcap), no ALiBi (they have no bias) and an sm_90
+    target. A learnable sink is fine: the forward folds it in, the dK/dV kernel sees it only through the lse (the
+    preprocess adds d sink)."""
+    plain_mask = mask.window_left < 0 and mask.window_right in (-1, 0) and mask.softcap == 0.0
+    return plain_mask and not alibi and dtype in (torch.float16, torch.bfloat16) and sm90_target()
+
+
+def ws_forward_config(q4, k4, v4, out4, softmax_scale: float, mask: Mask, max_seqlen_k: int | None = None,
+                      alibi: bool = False) -> WsFwdConfig | None:
+    """The warp-specialised forward's tiles when it serves this call (sm_90, a shape fwd_ws_config
+    takes, at most a causal mask, no ALiBi, a positive scale, TMA-addressable tensors), else None (the Triton
+    kernel). max_seqlen_k: given for varlen batches (packed [1, total, H, D] tensors), which take one CTA per tile."""
+    if not (softmax_scale > 0 and ws_call_ok(q4.dtype, mask, alibi)):
+        return None
+    cfg = config.chosen("fwd_ws", fwd_ws_config(q4.shape[3], mask.window_right == 0,
+                                                k4.shape[1] if max_seqlen_k is None else max_seqlen_k))
+    if cfg is None or not all(tma_4d_ok(t) for t in (q4, k4, v4, out4)):
+        return None
+    return cfg if max_seqlen_k is None else replace(cfg, persistent=False)
+
+
+def tma_tiles(config, page_size: int, nvfp4: bool) -> bool:
+    """Whether K/V tiles are asked for through TMA descriptors (row_descriptors may still decline the layout):
+    NVFP4 tiles are decoded from bytes, not loaded as values, and a paged tile must lie inside one page (page_size
+    0: a contiguous cache). Otherwise K/V rows are gathered by pointers."""
+    return config.tma and not nvfp4 and (page_size == 0 or page_size % config.block_n == 0)
