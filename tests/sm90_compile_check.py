@@ -102,20 +102,12 @@ def _cases(arch: int = 90):
                                           block_table=table, qv=qv, **call_kw)
 
     def register_decode(fmt, **kw):
-        """A decode that must take the register-operand Gluon kernel (kernels/gluon/decode_mma.py); FP8 (which the
-        heuristic leaves to the Triton kernel) is forced through it."""
-        from tileflash import config
+        """A decode that must take the register-operand Gluon kernel (kernels/gluon/decode_mma.py)."""
         from tileflash.kernels.gluon.decode_mma import decode_quant_kernel as kern
-        from tileflash.plan import QuantDecodeConfig
 
         if not sm90:
             return None
-
-        def case():
-            with config.override(**({"quant_decode": QuantDecodeConfig(16, 4, 2)} if fmt == "fp8" else {})):
-                _compiles((kern,), lambda: decode(fmt, ctx=4096, **kw))
-
-        return case
+        return lambda: _compiles((kern,), lambda: decode(fmt, ctx=4096, **kw))
 
     def varlen():
         cu = torch.tensor([0, 100, 100, 250], dtype=torch.int32)
@@ -226,14 +218,12 @@ def _cases(arch: int = 90):
         "prefill fwd+bwd d64 causal deterministic, warp-specialised": warp_specialised(
             lambda: tileflash.flash_attn_func(*grad_leaves(1, 4096, 2, 64), causal=True,
                                               deterministic=True).sum().backward(), backward=True),
-        "prefill fwd+bwd d64, keys-major backward": backward_variant(
-            64, False, WsBwdConfig(128, 2, True, True, keys_major=True, dq_by_rows=True)),
-        "prefill fwd+bwd d128 causal, keys-major backward": backward_variant(
-            128, True, WsBwdConfig(64, 2, True, True, keys_major=True)),
+        "prefill fwd+bwd d64, dQ by columns": backward_variant(64, False, WsBwdConfig(128, 2, True, True)),
+        "prefill fwd+bwd d128 causal, two fences": backward_variant(128, True, WsBwdConfig(64, 2, True, False)),
         "varlen fwd+bwd d128 causal, warp-specialised": warp_specialised(lambda: varlen_ws(128, True, True), True),
         "varlen fwd+bwd d64, warp-specialised": warp_specialised(lambda: varlen_ws(64, False, True), True),
-        "varlen fwd+bwd d64 causal, keys-major backward": backward_variant(
-            64, True, WsBwdConfig(128, 2, True, True, keys_major=True, dq_by_rows=True), varlen=True),
+        "varlen fwd+bwd d64 causal, two fences": backward_variant(
+            64, True, WsBwdConfig(128, 2, True, False, dq_by_rows=True), varlen=True),
         "prefill d64 causal fp16, warp-specialised forward": warp_specialised(lambda: tileflash.flash_attn_func(
             *(torch.randn(1, 4096, 2, 64, dtype=fp16) for _ in range(3)), causal=True)),
         "prefill d128 causal, warp-specialised forward, one CTA per tile": warp_specialised(
@@ -273,7 +263,7 @@ def _cases(arch: int = 90):
         "decode nvfp4 window softcap append, register operands": register_decode(
             "nvfp4", append=True, softcap=5.0, window_size=(100, 0)),
         "decode nvfp4 large page 16, 16-token steps, register operands": register_decode("nvfp4", paged=True, b=8),
-        "decode fp8 d64, register operands (forced)": register_decode("fp8", d=64, paged=True, page=64),
+        "decode nvfp4 d64 page 64, register operands": register_decode("nvfp4", d=64, paged=True, page=64),
         "nvfp4_dequantize": lambda: tileflash.nvfp4_dequantize(*tileflash.nvfp4_quantize(torch.randn(64, 128))),
         "fp8_quantize": lambda: tileflash.fp8_quantize(torch.randn(64, 128, dtype=bf)),
         "nvfp4_quantize": lambda: tileflash.nvfp4_quantize(torch.randn(64, 128, dtype=bf)),

@@ -20,10 +20,10 @@ from tileflash.plan import WsBwdConfig, WsFwdConfig, ws_backward_config  # noqa:
 CASES = [(1, 1, 1, 1, 1, 128, True), (2, 17, 17, 4, 4, 128, True), (1, 300, 97, 8, 1, 128, True),
          (2, 200, 1333, 4, 2, 64, False), (1, 1100, 1100, 2, 2, 64, True), (1, 1300, 1030, 2, 1, 64, True),
          (1, 700, 40, 4, 2, 128, True)]  # d64 needs more than 1024 keys (plan.bwd_ws_config)
-# The backward's opt-in variants (plan.WsBwdConfig: keys-major scores, dQ split by rows) on every case of
+# The backward's constexpr variants (plan.WsBwdConfig: two fences, dQ by columns or rows) on every case of
 # their head dim, besides the heuristic's pick (None).
-BWD_VARIANTS = {128: [None, WsBwdConfig(64, 2, True, True, keys_major=True)],
-                64: [None, WsBwdConfig(128, 2, True, True, keys_major=True, dq_by_rows=True),
+BWD_VARIANTS = {128: [None, WsBwdConfig(64, 2, True, False)],
+                64: [None, WsBwdConfig(128, 2, True, True),
                      WsBwdConfig(128, 2, True, True, dq_by_rows=True)]}
 runs = [(case, cfg, det) for case in CASES for cfg in BWD_VARIANTS[case[5]] for det in (False, True)]
 for (b, sq, sk, hq, hkv, d, causal), cfg, deterministic in runs:

@@ -16,8 +16,8 @@ def test_vary_is_a_cartesian_product_split_into_config_fields_and_call_arguments
 
 
 def test_vary_values_parse_as_numbers_bools_or_strings():
-    [(cfg, call)] = sweep.parse_vary(["keys_major=true", "block_m=128", "fmt=fp8"], WsBwdConfig)
-    assert cfg == {"keys_major": True, "block_m": 128} and call == {"fmt": "fp8"}
+    [(cfg, call)] = sweep.parse_vary(["dq_by_rows=true", "block_m=128", "fmt=fp8"], WsBwdConfig)
+    assert cfg == {"dq_by_rows": True, "block_m": 128} and call == {"fmt": "fp8"}
     with pytest.raises(SystemExit):
         sweep.parse_vary(["block_m"], WsBwdConfig)
 

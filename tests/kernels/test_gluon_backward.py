@@ -3,12 +3,13 @@ which calls take it.
 
 Gluon kernels have no CPU interpreter: on the CPU only the dispatch is checked (the kernel's sm_90 compilation is
 in tests/kernels/test_compile_targets.py); the numerical cases run on an sm_90 GPU."""
+import dataclasses
+
 import pytest
 import torch
 
 import tileflash
 from helpers import DEVICE, ON_SM90, attention_inputs, check_grads, packed_inputs
-from tileflash.plan import WsBwdConfig
 from tileflash.launch import backward
 from tileflash.launch.backward import launch_attn_bwd_ws
 from tileflash.plan import ws_backward_config
@@ -68,15 +69,12 @@ VARLEN_CASES = [
 
 
 @needs_sm90
-@pytest.mark.parametrize("keys_major", [False, True], ids=["rows_major", "keys_major"])
+@pytest.mark.parametrize("one_fence", [False, True], ids=["two_fences", "one_fence"])
 @pytest.mark.parametrize("case", VARLEN_CASES, ids=lambda c: "-".join(map(str, c[2:])))
-def test_ws_backward_varlen(case, keys_major, monkeypatch, override):
+def test_ws_backward_varlen(case, one_fence, monkeypatch, override):
     """Rows and keys past a sequence's end belong to the next one: no gradient may leak across."""
     lens_q, lens_k, hq, hkv, d, causal = case
-    if keys_major:
-        cfg = (WsBwdConfig(128, 2, True, True, keys_major=True, dq_by_rows=True) if d == 64
-               else WsBwdConfig(64, 2, True, True, keys_major=True))
-        override(bwd_ws=cfg)
+    override(bwd_ws=lambda cfg: dataclasses.replace(cfg, one_fence=one_fence))
     launches = []
     monkeypatch.setattr(backward, "launch_attn_bwd_ws",
                         lambda *a, **kw: launches.append(1) or launch_attn_bwd_ws(*a, **kw))

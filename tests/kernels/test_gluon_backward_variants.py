@@ -11,14 +11,12 @@ from tileflash.plan import WsBwdConfig
 from tileflash.reference import attention_ref
 
 
-# Kernel variants a config can ask for beyond the heuristic's picks (tf_plan.WsBwdConfig), each on the cases of
-# its head dim: keys-major scores (P^T and dS^T from registers; lse2/delta through TMA), dQ split by rows, one or
-# two fences.
+# The kernel's constexpr variants on the cases of each head dim, beside the planner's pick (plan.WsBwdConfig): one
+# or two fences per step (the planner takes one at d128 causal and d64, two at d128 non-causal), dQ split by rows
+# (d64's pick) or by columns (d128's).
 TILE_CONFIGS = {
-    128: [WsBwdConfig(64, 2, True, False), WsBwdConfig(64, 2, True, True, keys_major=True),
-          WsBwdConfig(64, 2, True, False, keys_major=True)],
-    64: [WsBwdConfig(128, 2, True, True, keys_major=True, dq_by_rows=True),
-         WsBwdConfig(128, 2, True, False, keys_major=True, dq_by_rows=True),
+    128: [WsBwdConfig(64, 2, True, False), WsBwdConfig(64, 2, True, True)],
+    64: [WsBwdConfig(128, 2, True, True), WsBwdConfig(128, 2, True, False, dq_by_rows=True),
          WsBwdConfig(128, 2, True, True, dq_by_rows=True)],
 }
 
@@ -29,7 +27,7 @@ TILE_CASES = ([(case, cfg, False) for case in CASES if case[1] > 1 for cfg in TI
 
 def _tile_id(x):
     if isinstance(x, WsBwdConfig):
-        return "km%d-rows%d-fence%d" % (x.keys_major, x.dq_by_rows, x.one_fence)
+        return "rows%d-fence%d" % (x.dq_by_rows, x.one_fence)
     return "-".join(map(str, x)) if isinstance(x, tuple) else ("deterministic" if x else "atomic_dq")
 
 

@@ -10,7 +10,7 @@ CUDA-graph replay over input copies larger than the L2. `default` is the planner
 Families: see FAMILY_HELP below (`--help` lists them).
 
 Examples: `python -m tileflash sweep decode --shapes 1,32768,32,8,128,0 --vary block_n=32,64 num_stages=2,3`,
-`python -m tileflash sweep backward-ws --shapes 64,0,4096 --vary keys_major=0,1 dq_by_rows=0,1`,
+`python -m tileflash sweep backward-ws --shapes 64,0,4096 --vary one_fence=0,1 dq_by_rows=0,1`,
 `python -m tileflash sweep decode --vary num_splits=0,4,8,16`. The winners go into tileflash/plan with the numbers.
 """
 import argparse

@@ -25,7 +25,7 @@ PREPROCESS_BLOCK_ROWS = 32
 def launch_attn_bwd_ws(q4, k4, v4, do4, lse2, delta, dk4, dv4, dq_acc, *, causal: bool, softmax_scale: float,
                        config: WsBwdConfig, atomic_dq: bool, cu_seqlens_q: torch.Tensor | None = None,
                        cu_seqlens_k: torch.Tensor | None = None, max_seqlen_k: int = 0) -> None:
-    """q4/do4 [B, Sq, Hq, D], k4/v4/dk4/dv4 [B, Sk, Hkv, D], lse2/delta [B, Hq, Sq] float32 from _stats_like (see
+    """q4/do4 [B, Sq, Hq, D], k4/v4/dk4/dv4 [B, Sk, Hkv, D], lse2/delta [B, Hq, Sq] float32 from _stats_views (see
     ws_backward_config); dq_acc: the zeroed fp32 dQ buffer when atomic_dq. Varlen (cu_seqlens_q/k int32
     [num_seqs + 1]): every tensor [1, total, H, D] and lse2/delta [1, Hq, total_q]."""
     varlen = cu_seqlens_q is not None
@@ -40,12 +40,11 @@ def launch_attn_bwd_ws(q4, k4, v4, do4, lse2, delta, dk4, dv4, dq_acc, *, causal
     direct.launch(
         gluon_bwd.attn_bwd_ws_kernel, (n_tiles * b * hkv,),
         desc_4d(q4, config.block_m), desc_4d(k4, keys), desc_4d(v4, keys), desc_4d(do4, config.block_m),
-        desc_4d(dq_acc, dq_rows, dq_cols), _stats_desc(lse2, config.block_m), _stats_desc(delta, config.block_m),
-        lse2, delta, dk4, dv4, cu_seqlens_q if varlen else lse2, cu_seqlens_k if varlen else lse2, q4.shape[1], sk,
+        desc_4d(dq_acc, dq_rows, dq_cols), lse2, delta, dk4, dv4, cu_seqlens_q if varlen else lse2, cu_seqlens_k if varlen else lse2, q4.shape[1], sk,
         n_tiles, hkv, q4.shape[2] // hkv, lse2.stride(0), lse2.stride(1), *dk4.stride()[:3], *dv4.stride()[:3],
         softmax_scale * math.log2(math.e), softmax_scale, CAUSAL=causal, ROTATE=not causal, ATOMIC_DQ=atomic_dq,
         HEAD_DIM=d, BLOCK_M=config.block_m, STAGES=config.num_stages, ONE_FENCE=config.one_fence,
-        KEYS_MAJOR=config.keys_major, DQ_BY_ROWS=config.dq_by_rows, VARLEN=varlen, num_warps=4)
+        DQ_BY_ROWS=config.dq_by_rows, VARLEN=varlen, num_warps=4)
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,29 +55,13 @@ def _dq_stand_in(device, rows: int, cols: int) -> torch.Tensor:
 def _stats_numel(lse_shape) -> int:
     """fp32 elements of one _stats_views buffer for an lse of lse_shape [B, H, S]."""
     bv, h, s = lse_shape
-    return bv * h * _utils.cdiv(s, 4) * 4
+    return bv * h * s
 
 
 def _stats_views(ws: torch.Tensor, lse3: torch.Tensor):
-    """(delta, lse2) in the workspace: fp32 tensors shaped like lse3 [B, H, S] whose rows start 16 bytes apart
-    (S padded to a multiple of 4 in storage), so that a TMA descriptor can address them (_stats_desc)."""
-    bv, h, s = lse3.shape
+    """(delta, lse2) in the workspace: contiguous fp32 tensors shaped like lse3 [B, H, S]."""
     n = _stats_numel(lse3.shape)
-    views = []
-    for i in range(2):
-        padded = direct.derived(ws[i * n:(i + 1) * n].view(bv, h, n // (bv * h) if bv * h else 0), ws)
-        views.append(direct.derived(padded[:, :, :s], padded))
-    return views
-
-
-def _stats_desc(t: torch.Tensor, block_rows: int):
-    """A Gluon TMA descriptor over a _stats_like tensor as [B * H, S] with blocks [1, block_rows] (no swizzle)."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
-
-    bv, h, s = t.shape
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    return direct.derived(GluonDescriptor(t, [bv * h, s], [t.stride(1), 1], [1, block_rows], layout), t)
+    return [direct.derived(ws[i * n:(i + 1) * n].view(lse3.shape), ws) for i in range(2)]
 
 
 def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, delta, lse2, dq_acc, *, cfg, ws, atomic_dq: bool,

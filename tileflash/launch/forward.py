@@ -108,29 +108,24 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
 
 def launch_decode_quant(q4, k4, v4, out4, lse3, *, seqlen_k: int, seqlens_k, seqlen_k_add: int, block_table,
                         softmax_scale: float, mask: Mask, config, num_splits: int, o_part, lse_part, k_scale, v_scale,
-                        k_block_scale=None, v_block_scale=None, pdl: bool = False) -> None:
-    """The register-operand decode over an FP8 (k_scale/v_scale per tensor or KV head) or NVFP4 (block scales,
-    k_scale/v_scale = global scales) cache; shapes as launch_attn_fwd's (seqlen_k: the cache capacity per
-    sequence), the call accepted by plan.decode.quant_mma_config."""
+                        k_block_scale, v_block_scale, pdl: bool = False) -> None:
+    """The register-operand decode over an NVFP4 cache (k_block_scale / v_block_scale: e4m3 block scales, k_scale /
+    v_scale: the fp32 [1] global scales); shapes as launch_attn_fwd's (seqlen_k: the cache capacity per sequence),
+    the call accepted by plan.decode.quant_mma_config."""
     b, sq, hq, d = q4.shape
     hkv = k4.shape[2]
     paged = block_table is not None
-    nvfp4 = k_block_scale is not None
     dummy = unused_pointer(q4.device)
     split = num_splits > 1
-    cache = (k4, v4) if nvfp4 else (as_bytes(k4), as_bytes(v4))
-    scales = (as_bytes(k_block_scale), as_bytes(v_block_scale)) if nvfp4 else (dummy, dummy)
-    s_strides = k_block_scale.stride()[:3] if nvfp4 else (0, 0, 0)
     direct.launch(
         decode_mma.decode_quant_kernel, (b * hkv, num_splits),
-        q4, *cache, *scales, k_scale, v_scale, out4, lse3,
+        q4, k4, v4, as_bytes(k_block_scale), as_bytes(v_block_scale), k_scale, v_scale, out4, lse3,
         o_part if split else dummy, lse_part if split else dummy, seqlens_k, block_table if paged else dummy,
-        q4.stride(0), q4.stride(1), q4.stride(2), *k4.stride()[:3], *s_strides,
+        q4.stride(0), q4.stride(1), q4.stride(2), *k4.stride()[:3], *k_block_scale.stride()[:3],
         out4.stride(0), out4.stride(1), out4.stride(2), *lse3.stride(), block_table.stride(0) if paged else 0,
-        1 if k_scale.numel() > 1 else 0,
         sq, seqlen_k, seqlen_k_add, hkv, hq // hkv, b * sq * hq,
         softmax_scale, mask.softcap, mask.window_left, mask.window_right,
-        D=d, FMT=2 if nvfp4 else 1, BN=config.block_n, WARPS=config.num_warps,
+        D=d, BN=config.block_n, WARPS=config.num_warps,
         PAGE_SHIFT=k4.shape[1].bit_length() - 1 if paged else -1,
         HAS_LEFT=mask.window_left >= 0, HAS_RIGHT=mask.window_right >= 0, SOFTCAP=mask.softcap > 0.0, SPLIT=split,
         PV_T=sq * (hq // hkv) <= 8, PDL=pdl and split,

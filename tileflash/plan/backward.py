@@ -33,8 +33,6 @@ class WsBwdConfig:
     # The dQ tile's reduce-add waits for the P/dS fence at the end of the step instead of a fence of its own right
     # after its store (one fence and barrier fewer per step; the reduce-add leaves later).
     one_fence: bool = True
-    # S^T = K Q^T instead of S = Q K^T (FA3's SdP_swapAB): P^T and dS^T feed the dV and dK products from registers.
-    keys_major: bool = False
     # Each consumer warpgroup computes dQ for half the step's rows over the whole head dim (instead of all rows over
     # half the head dim): its dQ product's N is the head dim, not half of it.
     dq_by_rows: bool = False
@@ -53,11 +51,14 @@ def bwd_ws_config(head_dim: int, causal: bool, seqlen_k: int) -> WsBwdConfig | N
     d128 or with 128 rows. 128 rows at d128 do not fit either (the S and dP accumulators double). Head dims other
     than 64 and 128 would need padding inside the kernel, which it does not do; d256's dK/dV accumulators do not
     fit two consumer warpgroups' registers.
+      d64, dQ split by rows (each consumer warpgroup's dQ product [64 rows, 64] over 128 keys, not [128 rows, 32];
+           session 20, `python -m tileflash sweep backward-ws`, s = 4k full / causal, 16k full): 436.3 / 379.8 / 478.1
+           vs 416.5 / 382.3 / 453.4 by columns, so by rows. At d128 that tile does not fit (RuntimeError).
     """
     if head_dim == 128:
         return WsBwdConfig(block_m=64, num_stages=2, atomic_dq=True, one_fence=causal)
     if head_dim == 64 and seqlen_k > 1024:
-        return WsBwdConfig(block_m=128, num_stages=2, atomic_dq=True, one_fence=True)
+        return WsBwdConfig(block_m=128, num_stages=2, atomic_dq=True, one_fence=True, dq_by_rows=True)
     return None
 
 

@@ -245,7 +245,7 @@ QUANT_MMA_SMALL_STEP_SHORT_PROGRAMS = 1024  # ... this many sequence-heads (b=12
 
 
 def quant_decode_config(head_dim: int, kv_format: str, programs: int, capacity: int) -> QuantDecodeConfig | None:
-    """The register-operand decode's tiles for an "nvfp4" cache (see above for "fp8") with programs = batch x KV
+    """The register-operand decode's tiles for an "nvfp4" cache (it has no FP8 path) with programs = batch x KV
     heads and capacity tokens per sequence, or None where the Triton kernel (decode_config) serves the call."""
     if kv_format != "nvfp4" or head_dim not in QUANT_MMA_HEAD_DIMS:
         return None
@@ -316,7 +316,7 @@ def quant_mma_config(q, k_cache, v_cache, block_table, capacity: int, sp_overlap
     power-of-two pages, 16-byte aligned K/V rows with equal K and V strides (it reads rows as 16-byte words), and
     the plain loop (sp_overlap=True asks for the Triton kernel's S/P-overlapped loop). extras (cache_batch_idx,
     cache_leftpad, rotary, ALiBi, learnable_sink): only the Triton kernel has them."""
-    if q.shape[3] not in QUANT_MMA_HEAD_DIMS:  # d256's accumulator per warp spills
+    if k_cache.dtype != torch.uint8 or q.shape[3] not in QUANT_MMA_HEAD_DIMS:  # NVFP4 only; d256 would spill
         return None
     cfg = config.chosen("quant_decode", quant_decode_config(q.shape[3], KV_FORMATS.get(k_cache.dtype, "16bit"),
                                                            q.shape[0] * k_cache.shape[2], capacity))

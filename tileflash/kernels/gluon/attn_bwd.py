@@ -35,23 +35,14 @@ therefore takes 128 query rows per step (BLOCK_M), twice the products per fixed 
 memory nearly full (225 KB).
 Rows of at most 1024 keys keep the Triton kernels (plan.backward.bwd_ws_config).
 
-Keys-major scores (KEYS_MAJOR, FA3's SdP_swapAB with register-operand dK/dV; not yet measured on a GPU, so no
-heuristic picks it): S^T = K_w Q^T and dP^T = V_w dO^T are [64 keys, BLOCK_M rows], so P^T and dS^T come out of
-the accumulators as the A fragments of dV_w += P^T dO and dK_w += dS^T Q, which read them from registers. What that
-buys at d64 (128 rows, 128 keys): the wgmma operands read from shared memory per step fall from ~352 KB to ~224 KB
-(S^T/dP^T read K_w once per warpgroup instead of once per 64 rows, dV/dK read no P or dS, and with DQ_BY_ROWS each
-warpgroup's dQ product is [64 rows, 64] over 128 keys instead of [128 rows, 32]), P is never stored, and every
-product's N is 128 or 64 instead of 64 or 32 (small-N wgmma is bound by its shared-memory reads: at N = 64 the A
-and B tiles of an m64nNk16 step are 4 KB for 32 cycles of math). The price: each thread holds 32 of the step's
-query rows as columns, so lse2 and delta come from shared memory (loaded by the producer's TMA with Q and dO; the
-buffers are allocated with 16-byte row pitch for that, launch/backward._stats_views), and a warpgroup waits for its
-dV/dK products at the end of each step: with a register-operand product in flight across the loop's back edge
-ptxas serialises every wgmma of the kernel (warning C7515). No spills at d64 or d128 (triton 3.6 and 3.7).
+Keys-major scores (FA3's SdP_swapAB: S^T = K_w Q^T, P^T and dS^T from registers into the dV/dK products) were
+built and measured (session 20, `python -m tileflash sweep backward-ws --vary keys_major=0,1 dq_by_rows=0,1`):
+d128 -1.2% / -5.6% (4k full, 16k causal), d64 within +-2% of dQ split by rows alone; removed.
 
 Layout: q, do, dq_acc [B, Sq, Hq, D] and k, v [B, Sk, Hkv, D] through 4-D TMA descriptors (rows past a sequence's
 end load as zeros and are dropped from the reduce-add); lse2 (lse * log2(e), +inf for rows that saw no key, from the
 preprocess) and delta [B, Hq, Sq] float32 with a contiguous last dim, loaded with row masks (+inf past Sq, so those
-rows' P is 0), or when keys-major through 2-D TMA descriptors; dK, dV stored by pointers with key masks. Scope
+rows' P is 0); dK, dV stored by pointers with key masks. Scope
 (plan/backward.ws_backward_config decides, else the Triton kernels run): 16-bit dtypes, head dims 64 and 128, no
 window or softcap beyond causal; varlen batches without seqused_k (VARLEN: rows
 and keys offset by each sequence's start, see attn_bwd_ws_kernel).
@@ -132,35 +123,27 @@ def _step_at(t, t0, n_mask, n_full, m_lo, m_full, tile, head_kv, group_size, ROT
 
 
 @gluon.jit
-def _load_tile(desc, stats_desc, bar, buf, stats_buf, b, start_m, hq, num_heads_q, WITH_STATS: gl.constexpr):
-    """Rows [start_m, start_m + BLOCK_M) of head hq (Q or dO) into buf and, WITH_STATS, their lse2 or delta into
-    stats_buf, both counted on bar."""
-    if WITH_STATS:
-        mbarrier.expect(bar, desc.block_type.nbytes + stats_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(stats_desc, [b * num_heads_q + hq, start_m], bar, stats_buf)
-    else:
-        mbarrier.expect(bar, desc.block_type.nbytes)
+def _load_tile(desc, bar, buf, b, start_m, hq):
+    """Rows [start_m, start_m + BLOCK_M) of head hq (Q or dO) into buf, counted on bar."""
+    mbarrier.expect(bar, desc.block_type.nbytes)
     tma.async_copy_global_to_shared(desc, [b, start_m, hq, 0], bar, buf)
 
 
 @gluon.jit
-def _load_step(t, hq, start_m, b, q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, qdo_empty, lse2_desc,
-               delta_desc, lse2_bufs, delta_bufs, num_heads_q, STAGES: gl.constexpr, KEYS_MAJOR: gl.constexpr):
-    """Q and dO rows [start_m, start_m + BLOCK_M) of head hq into stage t % STAGES; keys-major steps also take
-    those rows' lse2 (with Q) and delta (with dO), which each thread then reads for all its query columns."""
+def _load_step(t, hq, start_m, b, q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, qdo_empty,
+               STAGES: gl.constexpr):
+    """Q and dO rows [start_m, start_m + BLOCK_M) of head hq into stage t % STAGES."""
     s = t % STAGES
     mbarrier.wait(qdo_empty.index(s), ((t // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1 at once
-    _load_tile(q_desc, lse2_desc, q_ready.index(s), q_bufs.index(s), lse2_bufs.index(s), b, start_m, hq,
-               num_heads_q, KEYS_MAJOR)
-    _load_tile(do_desc, delta_desc, do_ready.index(s), do_bufs.index(s), delta_bufs.index(s), b, start_m, hq,
-               num_heads_q, KEYS_MAJOR)
+    _load_tile(q_desc, q_ready.index(s), q_bufs.index(s), b, start_m, hq)
+    _load_tile(do_desc, do_ready.index(s), do_bufs.index(s), b, start_m, hq)
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs, lse2_bufs,
-              delta_bufs, kv_bar, q_ready, do_ready, qdo_empty, seqlen_q, seqlen_k, n_tiles, num_heads_kv,
-              group_size, cu_seqlens_q, cu_seqlens_k, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
-              BLOCK_M: gl.constexpr, STAGES: gl.constexpr, KEYS_MAJOR: gl.constexpr, VARLEN: gl.constexpr):
+def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, do_ready,
+              qdo_empty, seqlen_q, seqlen_k, n_tiles, num_heads_kv, group_size, cu_seqlens_q, cu_seqlens_k,
+              CAUSAL: gl.constexpr, ROTATE: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+              VARLEN: gl.constexpr):
     b, hk, tile, start_n = _tile(n_tiles, num_heads_kv)
     b, q0, seqlen_q, k0, seqlen_k = packed_sequence(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN)
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
@@ -169,16 +152,14 @@ def _producer(q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, k_smem, v_
     m_lo, m_full, m_hi = _query_blocks(start_n, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, VARLEN)
     n_mask = m_full - m_lo
     n_full = m_hi - m_full
-    num_heads_q = num_heads_kv * group_size
     for u in range(n_mask * group_size):
         hq, start_m = _step(u, n_mask, m_lo, tile, hk, group_size, False, BLOCK_M)
-        _load_step(u, hq, q0 + start_m, b, q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, qdo_empty,
-                   lse2_desc, delta_desc, lse2_bufs, delta_bufs, num_heads_q, STAGES, KEYS_MAJOR)
+        _load_step(u, hq, q0 + start_m, b, q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, qdo_empty, STAGES)
     t0 = n_mask * group_size
     for u in range(n_full * group_size):
         hq, start_m = _step(u, n_full, m_full, tile, hk, group_size, ROTATE, BLOCK_M)
         _load_step(t0 + u, hq, q0 + start_m, b, q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, qdo_empty,
-                   lse2_desc, delta_desc, lse2_bufs, delta_bufs, num_heads_q, STAGES, KEYS_MAJOR)
+                   STAGES)
 
 
 @builtin
@@ -212,18 +193,13 @@ def _dq_cols(head_dim, by_rows):
 
 
 @gluon.jit
-def _dq_product(ds_buf, k_all, WG: gl.constexpr, KEYS_MAJOR: gl.constexpr, DQ_BY_ROWS: gl.constexpr,
-                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
-    """This warpgroup's share of dQ = dS K over the CTA's 128 keys (both warpgroups' dS halves), issued async.
-    dS is [rows, keys] in shared memory, or [keys, rows] when KEYS_MAJOR (read transposed)."""
+def _dq_product(ds_buf, k_all, WG: gl.constexpr, DQ_BY_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+                BLOCK_M: gl.constexpr):
+    """This warpgroup's share of dQ = dS K over the CTA's 128 keys (both warpgroups' dS halves, [rows, keys] in
+    shared memory), issued async."""
     DQ_ROWS: gl.constexpr = _dq_rows(BLOCK_M, DQ_BY_ROWS)
     DQ_COLS: gl.constexpr = _dq_cols(HEAD_DIM, DQ_BY_ROWS)
-    if KEYS_MAJOR:
-        if DQ_BY_ROWS:
-            ds = ds_buf.slice(WG * DQ_ROWS, DQ_ROWS, dim=1).permute((1, 0))
-        else:
-            ds = ds_buf.permute((1, 0))
-    elif DQ_BY_ROWS:
+    if DQ_BY_ROWS:
         ds = ds_buf.slice(WG * DQ_ROWS, DQ_ROWS, dim=0)
     else:
         ds = ds_buf
@@ -247,15 +223,14 @@ def _dq_reduce(dq_desc, b, prev_m, prev_hq, dq_w, WG: gl.constexpr, DQ_BY_ROWS: 
 
 @gluon.jit
 def _consume_step(t, hq, start_m, prev_hq, prev_m, next_hq, next_m, has_next, lse2, delta, dk, dv, b, q0, start_n,
-                  seqlen_q, seqlen_k, q_bufs, do_bufs, k_smem, v_smem, p_bufs, ds_bufs, lse2_bufs, delta_bufs, dq_w,
-                  dq_desc, q_ready, do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, stride_lb, stride_lh,
-                  qk_scale, WG: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                  ATOMIC_DQ: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                  ONE_FENCE: gl.constexpr, KEYS_MAJOR: gl.constexpr, DQ_BY_ROWS: gl.constexpr,
-                  VARLEN: gl.constexpr):
+                  seqlen_q, seqlen_k, q_bufs, do_bufs, k_smem, v_smem, p_bufs, ds_bufs, dq_w, dq_desc, q_ready,
+                  do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, stride_lb, stride_lh, qk_scale,
+                  WG: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, ONE_FENCE: gl.constexpr,
+                  DQ_BY_ROWS: gl.constexpr):
     """Step t (query head hq, rows from start_m of the sequence whose rows start at q0) of a consumer warpgroup,
     which also finishes step t - 1 (prev_hq, prev_m): its dQ product and TMA reduce-add, and the release of its
-    Q/dO stage. Returns dK, dV and (rows-major) the next step's (next_hq, next_m) lse2 and delta, loaded at the end
+    Q/dO stage. Returns dK, dV and the next step's (next_hq, next_m) lse2 and delta, loaded at the end
     of this step: a load at the start of a step held up the fence before the dQ reduce-add, which waits for the
     thread's loads (session 11).
 
@@ -263,29 +238,15 @@ def _consume_step(t, hq, start_m, prev_hq, prev_m, next_hq, next_m, has_next, ls
       dQ_{t-1} = dS_{t-1} K (both warpgroups' dS halves, from shared memory), S_t
       | wait for dQ_{t-1} (and dV_{t-1}, dK_{t-1} before it): release stage t-1, store dQ_{t-1}, reduce-add it (TMA)
       | dP_t | wait S_t: P_t | wait dP_t: dS_t
-      | dV_w += P_t^T dO, dK_w += dS_t^T Q, left in flight into step t + 1 (rows-major; keys-major waits for them:
-      with a register-operand product in flight across the loop's back edge ptxas serialises every wgmma).
+      | dV_w += P_t^T dO, dK_w += dS_t^T Q, left in flight into step t + 1.
     At t = 0 the dQ product reads an unwritten buffer and its result is dropped (a uniform instruction stream).
-    Rows-major (S = Q K_w^T, [rows, 64 keys]): P and dS go to shared memory, from where the dV/dK products read them
-    transposed. KEYS_MAJOR (FA3's SdP_swapAB: S^T = K_w Q^T, [64 keys, rows]): P^T and dS^T are already the A
-    operands of dV_w += P^T dO and dK_w += dS^T Q, which take them from registers; only dS^T goes to shared memory
-    (for dQ), and every product has the step's rows as its N (128 at d64) instead of 64 keys or half the head dim.
-    Each thread then holds a quarter of the step's query rows as columns, so lse2 and delta come from shared memory
-    (loaded with Q and dO by the producer) instead of two values per thread in registers.
+    S = Q K_w^T ([rows, 64 keys]): P and dS go to shared memory, from where the dV/dK products read them transposed.
     ONE_FENCE: the reduce-add of dQ_{t-1} is issued after the fence and barrier that publish P_t and dS_t, instead of
     after a fence of its own right behind its store: one fence and barrier fewer per step, and the store drains
     while the softmax runs; the reduce-add leaves later (plan.backward.bwd_ws_config says where that pays)."""
     dtype: gl.constexpr = q_bufs.dtype
-    if KEYS_MAJOR:
-        s_layout: gl.constexpr = _acc_layout(BLOCK_M)
-        s_shape: gl.constexpr = [WG_KEYS, BLOCK_M]
-        key_axis: gl.constexpr = 1  # the SliceLayout dimension dropped by a vector along the keys
-        row_axis: gl.constexpr = 0
-    else:
-        s_layout: gl.constexpr = _acc_layout(WG_KEYS)
-        s_shape: gl.constexpr = [BLOCK_M, WG_KEYS]
-        key_axis: gl.constexpr = 0
-        row_axis: gl.constexpr = 1
+    s_layout: gl.constexpr = _acc_layout(WG_KEYS)
+    s_shape: gl.constexpr = [BLOCK_M, WG_KEYS]
     stage = t % STAGES
     phase = (t // STAGES) & 1
     # The operands that stay put (K, V, P) are addressed through a zero the compiler cannot see: otherwise it hoists
@@ -294,7 +255,7 @@ def _consume_step(t, hq, start_m, prev_hq, prev_m, next_hq, next_m, has_next, ls
     k_all = k_smem.index(z).reshape([BLOCK_N, HEAD_DIM])
     k_w = k_all.slice(WG * WG_KEYS, WG_KEYS, dim=0)
     v_w = v_smem.index(z).reshape([BLOCK_N, HEAD_DIM]).slice(WG * WG_KEYS, WG_KEYS, dim=0)
-    rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(row_axis, s_layout))
+    rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
     q_s = q_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
     do_s = do_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
     s_init = gl.zeros(s_shape, gl.float32, s_layout)  # ignored (use_acc=False): only its layout counts
@@ -302,12 +263,9 @@ def _consume_step(t, hq, start_m, prev_hq, prev_m, next_hq, next_m, has_next, ls
         # Both halves of dS_{t-1} are in shared memory once both warpgroups arrived. Buffer t % 2 is written again
         # at step t + 2, after both warpgroups passed this wait at step t + 1, i.e. finished this product.
         mbarrier.wait(ds_ready.index((t + 1) % 2), ((t - 1) // 2) & 1, pred=t > 0)
-        dq = _dq_product(ds_bufs.index((t + 1) % 2), k_all, WG, KEYS_MAJOR, DQ_BY_ROWS, HEAD_DIM, BLOCK_M)
+        dq = _dq_product(ds_bufs.index((t + 1) % 2), k_all, WG, DQ_BY_ROWS, HEAD_DIM, BLOCK_M)
     mbarrier.wait(q_ready.index(stage), phase)
-    if KEYS_MAJOR:
-        sc = warpgroup_mma(k_w, q_s.permute((1, 0)), s_init, use_acc=False, is_async=True)
-    else:
-        sc = warpgroup_mma(q_s, k_w.permute((1, 0)), s_init, use_acc=False, is_async=True)
+    sc = warpgroup_mma(q_s, k_w.permute((1, 0)), s_init, use_acc=False, is_async=True)
     # Products retire in order: everything before S_t is done now.
     if ATOMIC_DQ:
         dq, dk, dv = warpgroup_mma_wait(1, deps=(dq, dk, dv))
@@ -324,34 +282,20 @@ def _consume_step(t, hq, start_m, prev_hq, prev_m, next_hq, next_m, has_next, ls
     # dP_t is issued after dQ_{t-1} left the registers: fewer accumulators live at once. (Issued with S_t instead,
     # it also ran slower at d64, where registers are not short: it queues ahead of the other warpgroup's S.)
     mbarrier.wait(do_ready.index(stage), phase)
-    if KEYS_MAJOR:
-        dp = warpgroup_mma(v_w, do_s.permute((1, 0)), s_init, use_acc=False, is_async=True)
-    else:
-        dp = warpgroup_mma(do_s, v_w.permute((1, 0)), s_init, use_acc=False, is_async=True)
+    dp = warpgroup_mma(do_s, v_w.permute((1, 0)), s_init, use_acc=False, is_async=True)
     sc = warpgroup_mma_wait(1, deps=(sc,))
-    if KEYS_MAJOR:
-        lse2_row = lse2_bufs.index(stage).load(s_layout)  # [1, BLOCK_M]: each thread's query columns
-        if VARLEN:  # packed rows past the sequence's end hold the next sequence's statistics: P = 0 there
-            lse2_row = gl.where(gl.expand_dims(rows, 0) < seqlen_q, lse2_row, float("inf"))
-        p = gl.exp2(sc * qk_scale - lse2_row)
-    else:
-        p = gl.exp2(sc * qk_scale - gl.expand_dims(lse2, 1))
+    p = gl.exp2(sc * qk_scale - gl.expand_dims(lse2, 1))
     if MASKED:
-        keys = start_n + WG * WG_KEYS + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(key_axis, s_layout))
-        keys2 = gl.expand_dims(keys, key_axis)
+        keys = start_n + WG * WG_KEYS + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(0, s_layout))
+        keys2 = gl.expand_dims(keys, 0)
         ok = keys2 < seqlen_k
         if CAUSAL:
-            ok = ok & (keys2 <= gl.expand_dims(rows + (seqlen_k - seqlen_q), row_axis))
+            ok = ok & (keys2 <= gl.expand_dims(rows + (seqlen_k - seqlen_q), 1))
         p = gl.where(ok, p, 0.0)
-    if not KEYS_MAJOR:
-        p_bufs.index(WG + z).store(p.to(dtype))  # dV_{t-1}, which read this buffer, is done
+    p_bufs.index(WG + z).store(p.to(dtype))  # dV_{t-1}, which read this buffer, is done
     dp = warpgroup_mma_wait(0, deps=(dp,))
-    if KEYS_MAJOR:
-        ds = p * (dp - delta_bufs.index(stage).load(s_layout))
-        ds_w = ds_bufs.index(t % 2).slice(WG * WG_KEYS, WG_KEYS, dim=0)
-    else:
-        ds = p * (dp - gl.expand_dims(delta, 1))
-        ds_w = ds_bufs.index(t % 2).slice(WG * WG_KEYS, WG_KEYS, dim=1)
+    ds = p * (dp - gl.expand_dims(delta, 1))
+    ds_w = ds_bufs.index(t % 2).slice(WG * WG_KEYS, WG_KEYS, dim=1)
     ds_w.store(ds.to(dtype))
     fence_async_shared()
     barrier()  # every thread's P and dS are in shared memory before the products read them
@@ -359,35 +303,24 @@ def _consume_step(t, hq, start_m, prev_hq, prev_m, next_hq, next_m, has_next, ls
         mbarrier.arrive(ds_ready.index(t % 2), count=1)
         if t > 0:
             _dq_reduce(dq_desc, b, q0 + prev_m, prev_hq, dq_w, WG, DQ_BY_ROWS, HEAD_DIM, BLOCK_M)
-    if KEYS_MAJOR:
-        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_acc_layout(HEAD_DIM), k_width=2)
-        p_op = gl.convert_layout(p.to(dtype), op_layout, assert_trivial=True)  # the same registers
-        ds_op = gl.convert_layout(ds.to(dtype), op_layout, assert_trivial=True)
-        dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
-        dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
-    else:
-        dv = warpgroup_mma(p_bufs.index(WG + z).permute((1, 0)), do_s, dv, is_async=True)
-        dk = warpgroup_mma(ds_w.permute((1, 0)), q_s, dk, is_async=True)
+    dv = warpgroup_mma(p_bufs.index(WG + z).permute((1, 0)), do_s, dv, is_async=True)
+    dk = warpgroup_mma(ds_w.permute((1, 0)), q_s, dk, is_async=True)
     if ATOMIC_DQ and not ONE_FENCE:
         mbarrier.arrive(ds_ready.index(t % 2), count=1)
-    if not KEYS_MAJOR:
-        lse2, delta = _load_stats(b, next_hq, q0, next_m, has_next, seqlen_q, lse2_ptr, delta_ptr, stride_lb,
-                                  stride_lh, gl.SliceLayout(1, s_layout), BLOCK_M)
-    if KEYS_MAJOR:  # p_op and ds_op stay live until their products have read them
-        dk, dv, p_op, ds_op = warpgroup_mma_wait(0, deps=(dk, dv, p_op, ds_op))
-    else:  # still in flight: the accumulators are carried into step t + 1, which waits for them first
-        dk, dv = warpgroup_mma_wait(2, deps=(dk, dv))
+    lse2, delta = _load_stats(b, next_hq, q0, next_m, has_next, seqlen_q, lse2_ptr, delta_ptr, stride_lb,
+                              stride_lh, gl.SliceLayout(1, s_layout), BLOCK_M)
+    # Still in flight: the accumulators are carried into step t + 1, which waits for them first.
+    dk, dv = warpgroup_mma_wait(2, deps=(dk, dv))
     return dk, dv, lse2, delta
 
 
 @gluon.jit
 def _finish(t_end, prev_hq, prev_m, dk, dv, b, k_all, ds_bufs, dq_w, dq_desc, ds_ready, WG: gl.constexpr,
-            ATOMIC_DQ: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, KEYS_MAJOR: gl.constexpr,
-            DQ_BY_ROWS: gl.constexpr):
+            ATOMIC_DQ: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, DQ_BY_ROWS: gl.constexpr):
     """After the last step (t_end steps in all): its dQ product and reduce-add; every product waited for."""
     if ATOMIC_DQ:
         mbarrier.wait(ds_ready.index((t_end + 1) % 2), ((t_end - 1) // 2) & 1, pred=t_end > 0)
-        dq = _dq_product(ds_bufs.index((t_end + 1) % 2), k_all, WG, KEYS_MAJOR, DQ_BY_ROWS, HEAD_DIM, BLOCK_M)
+        dq = _dq_product(ds_bufs.index((t_end + 1) % 2), k_all, WG, DQ_BY_ROWS, HEAD_DIM, BLOCK_M)
         dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
         if t_end > 0:
             tma.store_wait(0)
@@ -401,13 +334,12 @@ def _finish(t_end, prev_hq, prev_m, dk, dv, b, k_all, ds_bufs, dq_w, dq_desc, ds
 
 
 @gluon.jit
-def _consumer(q_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, lse2_bufs, delta_bufs, dq_bufs,
-              kv_bar, q_ready, do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, seqlen_q,
+def _consumer(q_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, q_ready, do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, seqlen_q,
               seqlen_k, n_tiles, num_heads_kv, group_size, stride_lb, stride_lh, stride_dkb, stride_dks, stride_dkh,
               stride_dvb, stride_dvs, stride_dvh, qk_scale, softmax_scale, cu_seqlens_q, cu_seqlens_k,
               WG: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr, ATOMIC_DQ: gl.constexpr,
               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, ONE_FENCE: gl.constexpr,
-              KEYS_MAJOR: gl.constexpr, DQ_BY_ROWS: gl.constexpr, VARLEN: gl.constexpr):
+              DQ_BY_ROWS: gl.constexpr, VARLEN: gl.constexpr):
     b, hk, tile, start_n = _tile(n_tiles, num_heads_kv)
     # From here on b is the descriptors' batch coordinate (0 for packed sequences) and rows are the sequence's.
     b, q0, seqlen_q, k0, seqlen_k = packed_sequence(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN)
@@ -424,21 +356,17 @@ def _consumer(q_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs,
     t_end = t0 + n_full * group_size
     prev_hq, prev_m = _step_at(0, t0, n_mask, n_full, m_lo, m_full, tile, hk, group_size, ROTATE, BLOCK_M)
     stats_layout: gl.constexpr = gl.SliceLayout(1, _acc_layout(WG_KEYS))
-    if KEYS_MAJOR:  # lse2/delta come from shared memory
-        lse2 = gl.zeros([BLOCK_M], gl.float32, stats_layout)
-        delta = lse2
-    else:
-        lse2, delta = _load_stats(b, prev_hq, q0, prev_m, t_end > 0, seqlen_q, lse2_ptr, delta_ptr, stride_lb,
-                                  stride_lh, stats_layout, BLOCK_M)
+    lse2, delta = _load_stats(b, prev_hq, q0, prev_m, t_end > 0, seqlen_q, lse2_ptr, delta_ptr, stride_lb,
+                              stride_lh, stats_layout, BLOCK_M)
     mbarrier.wait(kv_bar, 0)
     for u in range(t0):
         hq, start_m = _step(u, n_mask, m_lo, tile, hk, group_size, False, BLOCK_M)
         next_hq, next_m = _step_at(u + 1, t0, n_mask, n_full, m_lo, m_full, tile, hk, group_size, ROTATE, BLOCK_M)
         dk, dv, lse2, delta = _consume_step(
             u, hq, start_m, prev_hq, prev_m, next_hq, next_m, u + 1 < t_end, lse2, delta, dk, dv, b, q0, start_n,
-            seqlen_q, seqlen_k, q_bufs, do_bufs, k_smem, v_smem, p_bufs, ds_bufs, lse2_bufs, delta_bufs, dq_w,
-            dq_desc, q_ready, do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, stride_lb, stride_lh, qk_scale, WG,
-            True, CAUSAL, ATOMIC_DQ, HEAD_DIM, BLOCK_M, STAGES, ONE_FENCE, KEYS_MAJOR, DQ_BY_ROWS, VARLEN)
+            seqlen_q, seqlen_k, q_bufs, do_bufs, k_smem, v_smem, p_bufs, ds_bufs, dq_w, dq_desc, q_ready, do_ready,
+            qdo_empty, ds_ready, lse2_ptr, delta_ptr, stride_lb, stride_lh, qk_scale, WG, True, CAUSAL, ATOMIC_DQ,
+            HEAD_DIM, BLOCK_M, STAGES, ONE_FENCE, DQ_BY_ROWS)
         prev_hq = hq
         prev_m = start_m
     for u in range(t_end - t0):
@@ -446,14 +374,13 @@ def _consumer(q_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs,
         next_hq, next_m = _step(u + 1, n_full, m_full, tile, hk, group_size, ROTATE, BLOCK_M)
         dk, dv, lse2, delta = _consume_step(
             t0 + u, hq, start_m, prev_hq, prev_m, next_hq, next_m, t0 + u + 1 < t_end, lse2, delta, dk, dv, b, q0,
-            start_n, seqlen_q, seqlen_k, q_bufs, do_bufs, k_smem, v_smem, p_bufs, ds_bufs, lse2_bufs, delta_bufs,
-            dq_w, dq_desc, q_ready, do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, stride_lb, stride_lh,
-            qk_scale, WG, False, CAUSAL, ATOMIC_DQ, HEAD_DIM, BLOCK_M, STAGES, ONE_FENCE, KEYS_MAJOR, DQ_BY_ROWS,
-            VARLEN)
+            start_n, seqlen_q, seqlen_k, q_bufs, do_bufs, k_smem, v_smem, p_bufs, ds_bufs, dq_w, dq_desc, q_ready,
+            do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, stride_lb, stride_lh, qk_scale, WG, False, CAUSAL,
+            ATOMIC_DQ, HEAD_DIM, BLOCK_M, STAGES, ONE_FENCE, DQ_BY_ROWS)
         prev_hq = hq
         prev_m = start_m
     dk, dv = _finish(t_end, prev_hq, q0 + prev_m, dk, dv, b, k_all, ds_bufs, dq_w, dq_desc, ds_ready, WG,
-                     ATOMIC_DQ, HEAD_DIM, BLOCK_M, KEYS_MAJOR, DQ_BY_ROWS)
+                     ATOMIC_DQ, HEAD_DIM, BLOCK_M, DQ_BY_ROWS)
 
     # Epilogue: keys no query row sees keep dK = dV = 0; rows past Sk are not stored.
     out_keys = start_n + WG * WG_KEYS + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(1, kv_layout))
@@ -467,18 +394,16 @@ def _consumer(q_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs,
 
 
 @gluon.jit
-def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_desc, delta_desc, lse2_ptr, delta_ptr, dk_ptr,
+def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, dk_ptr,
                        dv_ptr, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, n_tiles, num_heads_kv, group_size,
                        stride_lb, stride_lh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
                        qk_scale, softmax_scale, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
                        ATOMIC_DQ: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                       STAGES: gl.constexpr, ONE_FENCE: gl.constexpr, KEYS_MAJOR: gl.constexpr,
-                       DQ_BY_ROWS: gl.constexpr, VARLEN: gl.constexpr):
+                       STAGES: gl.constexpr, ONE_FENCE: gl.constexpr, DQ_BY_ROWS: gl.constexpr,
+                       VARLEN: gl.constexpr):
     """Grid: (n_tiles * B * Hkv,), 4 warps (the first consumer warpgroup; the partitions add 5 more). dq_desc: a
     descriptor over the fp32 dQ buffer [B, Sq, Hq, D] (zeroed; dQ without softmax_scale is added into it) with
-    blocks [1, BLOCK_M / 2, 1, D] (DQ_BY_ROWS) or [1, BLOCK_M, 1, D / 2], used when ATOMIC_DQ. lse2_desc and
-    delta_desc: 2-D descriptors over lse2 and delta as [B * Hq, Sq] with blocks [1, BLOCK_M] (rows past Sq load as
-    0: their Q and dO rows are 0 too, so P = 1 and dS = 0 there, and their dQ is dropped), read when KEYS_MAJOR.
+    blocks [1, BLOCK_M / 2, 1, D] (DQ_BY_ROWS) or [1, BLOCK_M, 1, D / 2], used when ATOMIC_DQ.
     VARLEN: B sequences packed in [1, total, H, D] tensors (lse2/delta [1, Hq, total_q]), their rows and keys from
     cu_seqlens_q/k (int32 [B + 1]), n_tiles from the longest key sequence. Packed rows past a sequence's end hold
     the next sequence's rows: their lse2 is taken as +inf (P = 0, so dS = 0, and the dQ reduce-add adds zeros into
@@ -491,19 +416,10 @@ def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_desc, delt
     do_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, 1, HEAD_DIM], do_desc.layout)
     dq_bufs = gl.allocate_shared_memory(gl.float32, [2, 1, _dq_rows(BLOCK_M, DQ_BY_ROWS), 1,
                                                      _dq_cols(HEAD_DIM, DQ_BY_ROWS)], dq_desc.layout)
-    if KEYS_MAJOR:  # dS^T [keys, rows]; P stays in registers
-        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
-        ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
-        p_bufs = ds_bufs  # not read
-        lse2_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], lse2_desc.layout)
-        delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], delta_desc.layout)
-    else:
-        p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, WG_KEYS], dtype)
-        p_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, WG_KEYS], p_layout)
-        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
-        ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], ds_layout)
-        lse2_bufs = dq_bufs  # not read: the stats come from global memory
-        delta_bufs = dq_bufs
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, WG_KEYS], dtype)
+    p_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, WG_KEYS], p_layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
+    ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], ds_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -535,22 +451,19 @@ def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_desc, delt
     WG1: gl.constexpr = 1
     # (Argument tuples are written out: a tuple built with + loses the constexprs' type.)
     gl.warp_specialize([
-        (_consumer, (q_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, lse2_bufs, delta_bufs, dq_bufs,
-                     kv_bar, q_ready, do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, seqlen_q,
-                     seqlen_k, n_tiles, num_heads_kv, group_size, stride_lb, stride_lh, stride_dkb, stride_dks,
-                     stride_dkh, stride_dvb, stride_dvs, stride_dvh, qk_scale, softmax_scale, cu_seqlens_q,
-                     cu_seqlens_k, WG0, CAUSAL, ROTATE, ATOMIC_DQ, HEAD_DIM, BLOCK_M, STAGES, ONE_FENCE, KEYS_MAJOR,
-                     DQ_BY_ROWS, VARLEN)),
-        (_consumer, (q_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, lse2_bufs, delta_bufs, dq_bufs,
-                     kv_bar, q_ready, do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, seqlen_q,
-                     seqlen_k, n_tiles, num_heads_kv, group_size, stride_lb, stride_lh, stride_dkb, stride_dks,
-                     stride_dkh, stride_dvb, stride_dvs, stride_dvh, qk_scale, softmax_scale, cu_seqlens_q,
-                     cu_seqlens_k, WG1, CAUSAL, ROTATE, ATOMIC_DQ, HEAD_DIM, BLOCK_M, STAGES, ONE_FENCE, KEYS_MAJOR,
-                     DQ_BY_ROWS, VARLEN)),
-        (_producer, (q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs,
-                     lse2_bufs, delta_bufs, kv_bar, q_ready, do_ready, qdo_empty, seqlen_q, seqlen_k, n_tiles,
-                     num_heads_kv, group_size, cu_seqlens_q, cu_seqlens_k, CAUSAL, ROTATE, BLOCK_M, STAGES,
-                     KEYS_MAJOR, VARLEN)),
+        (_consumer, (q_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, q_ready,
+                     do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k, n_tiles,
+                     num_heads_kv, group_size, stride_lb, stride_lh, stride_dkb, stride_dks, stride_dkh, stride_dvb,
+                     stride_dvs, stride_dvh, qk_scale, softmax_scale, cu_seqlens_q, cu_seqlens_k, WG0, CAUSAL,
+                     ROTATE, ATOMIC_DQ, HEAD_DIM, BLOCK_M, STAGES, ONE_FENCE, DQ_BY_ROWS, VARLEN)),
+        (_consumer, (q_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, q_ready,
+                     do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k, n_tiles,
+                     num_heads_kv, group_size, stride_lb, stride_lh, stride_dkb, stride_dks, stride_dkh, stride_dvb,
+                     stride_dvs, stride_dvh, qk_scale, softmax_scale, cu_seqlens_q, cu_seqlens_k, WG1, CAUSAL,
+                     ROTATE, ATOMIC_DQ, HEAD_DIM, BLOCK_M, STAGES, ONE_FENCE, DQ_BY_ROWS, VARLEN)),
+        (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, do_ready,
+                     qdo_empty, seqlen_q, seqlen_k, n_tiles, num_heads_kv, group_size, cu_seqlens_q, cu_seqlens_k,
+                     CAUSAL, ROTATE, BLOCK_M, STAGES, VARLEN)),
     ], [4, 1], [240, 24])
 
 

@@ -1,8 +1,7 @@
-"""Decode over an FP8 or NVFP4 KV cache on sm_90, written in Gluon: every cache byte goes from global memory
-straight into the register of the thread that feeds it to the tensor cores.
+"""Decode over an NVFP4 KV cache on sm_90, written in Gluon: every cache byte goes from global memory straight into
+the register of the thread that feeds it to the tensor cores.
 
-Why a second decode kernel (the Triton one is attn_fwd.py): a quantized cache is read at 0.5 (FP8) or 0.5625
-(NVFP4) bytes per value, so at the copy roofline an SM has ~4.5 issue slots per K/V value for the dequantisation,
+Why a second decode kernel (the Triton one is attn_fwd.py): an NVFP4 cache is read at 0.5625 bytes per value, so at the copy roofline an SM has ~4.5 issue slots per K/V value for the dequantisation,
 the products and the softmax. The Triton kernel spends them on moving the widened tiles through shared memory into
 the MMA operand layouts (byte gathers: 202 shared-memory loads per 128-token FP8 step) and ran the NVFP4 cache at
 ~1.25 TB/s (30% of the copy ceiling, the archived notebook run 40). Here (the fragment design of lowp/kernels/gemm_mma.py):
@@ -23,14 +22,15 @@ the MMA operand layouts (byte gathers: 202 shared-memory loads per 128-token FP8
     PV_T (at most 8 rows, e.g. GQA 4 x 1 token): O^T [D, 8] += V^T P^T instead, V^T the A operand in the same
     dim order and P^T's B fragment S's accumulator rows 0..7 as held (half the products, a 32-register
     accumulator; the per-row rescale factors move to O^T's columns by two shuffles).
-  * Widening: e4m3 -> f16 by the hardware e4m3x2 -> f16x2 conversion; e2m1 -> e4m3 by bit placement
+  * Widening: e2m1 -> e4m3 by bit placement
     (quant.e2m1_f16x2_ptx, e2m1 * 2^-6), then f16x2 multiplies by the e4m3 block scale (exact: at most 6 significant
-    bits, never below 2^-16). FP8 per-tensor / per-head scales and NVFP4 global scales fold into the logit scale and
+    bits, never below 2^-16). The global scales fold into the logit scale and
     the final normalisation. q is fp16, scaled per row by a power of two (common.fp16_row_scale).
 
 Serves flash_attn_with_kvcache for NVFP4 caches on sm_90 when plan/decode.py's quant_mma_config accepts the call
-(rows <= 16, head dim 64/128, contiguous or power-of-two pages, 16-byte aligned rows; FP8 caches only matched the
-Triton kernel, so they keep it, the archived notebook session 13); other calls take the Triton kernel. What bounds it: the ALU
+(rows <= 16, head dim 64/128, contiguous or power-of-two pages, 16-byte aligned rows). FP8 caches take the Triton kernel: an FP8
+path here (e4m3x2 -> f16x2 widening) measured slower and was removed (session 20, `python -m tileflash sweep
+decode-quant`: b=1 ctx 32k 27.6 vs 26.2 us, b=64 ctx 4k 153.2 vs 138.9); other calls take the Triton kernel. What bounds it: the ALU
 pipe (~2 instructions per NVFP4 value, the widening ~1.6 of them; Nsight Compute run 95).
 Grid (B * Hkv, num_splits), WARPS warps; split s covers its share of the sequence's visible keys
 in blocks of WARPS * BN tokens; split partials go to o_part / lse_part as attn_fwd's do (attn_combine merges them).
@@ -42,31 +42,10 @@ from triton.experimental.gluon.language.nvidia.hopper import mma_v2
 
 from ..triton.masks import LOG2E
 from .common import DECODE_UNIT, barrier, fp16_row_scale
-from ...lowp.kernels.quant import E4M3X4_FP16_PTX, e2m1_f16x2_ptx
+from ...lowp.kernels.quant import e2m1_f16x2_ptx
 
 M_ROWS = gl.constexpr(16)  # mma.sync's M: query rows (heads x tokens of one KV head) per program
 LN2 = gl.constexpr(0.6931471805599453)
-
-_FP8_K_ASM = gl.constexpr(E4M3X4_FP16_PTX)  # e4m3 word (4 bytes) -> 4 fp16, in byte order
-
-# e4m3 words a, b of two tokens -> 8 fp16 (a0, b0, a1, b1, ..): byte k of both tokens as one f16x2 pair.
-_FP8_V_ASM = gl.constexpr("""{
-        .reg .b32 x, y, r0, r1, r2, r3;
-        .reg .b16 x0, x1, y0, y1;
-        prmt.b32 x, $8, $9, 0x5140;
-        prmt.b32 y, $8, $9, 0x7362;
-        mov.b32 {x0, x1}, x;
-        mov.b32 {y0, y1}, y;
-        cvt.rn.f16x2.e4m3x2 r0, x0;
-        cvt.rn.f16x2.e4m3x2 r1, x1;
-        cvt.rn.f16x2.e4m3x2 r2, y0;
-        cvt.rn.f16x2.e4m3x2 r3, y1;
-        mov.b32 {$0, $1}, r0;
-        mov.b32 {$2, $3}, r1;
-        mov.b32 {$4, $5}, r2;
-        mov.b32 {$6, $7}, r3;
-        }""")
-
 
 _NVFP4_HEAD = """
         .reg .b32 l, h, t, r, s2, x, y;
@@ -100,8 +79,6 @@ def _constraints(n_out: int, n_in: int) -> gl.constexpr:
     return gl.constexpr(",".join(["=h"] * n_out + ["r"] * n_in))
 
 
-_FP8_K_IO = _constraints(4, 1)
-_FP8_V_IO = _constraints(8, 2)
 _NVFP4_K_IO = _constraints(16, 3)
 _NVFP4_V_IO = _constraints(16, 4)
 
@@ -204,76 +181,57 @@ def _load_words(base, t0, s_hi, bt_row, stride_page, stride_tok, stride_page_s, 
 
 @gluon.jit
 def _load_k(k_base, ks_base, t0, s_hi, bt_row, stride_page, stride_tok, stride_page_s, stride_tok_s,
-            WARPS: gl.constexpr, BN: gl.constexpr, KW: gl.constexpr, FMT: gl.constexpr, PAGE_SHIFT: gl.constexpr):
-    """K words [WARPS, BN, KW] of tokens t0 + BN w + n (and NVFP4: the scale byte of each word pair)."""
+            WARPS: gl.constexpr, BN: gl.constexpr, KW: gl.constexpr, PAGE_SHIFT: gl.constexpr):
+    """K words [WARPS, BN, KW] of tokens t0 + BN w + n and the scale byte of each word pair (16 values), in the
+    registers of the pairs _k_operands splits off."""
     words, ok, off_s = _load_words(k_base, t0, s_hi, bt_row, stride_page, stride_tok, stride_page_s, stride_tok_s,
                                    _k_layout(WARPS, BN, KW), WARPS, BN, KW, PAGE_SHIFT)
-    scales = 0
-    if FMT == 2:  # one scale per word pair (16 values), in the registers of the pairs _k_operands splits off
-        s_lay: gl.constexpr = _k_layout(WARPS, BN, KW // 2)
-        s_off = gl.convert_layout(off_s, gl.SliceLayout(2, s_lay))
-        s_ok = gl.convert_layout(ok, gl.SliceLayout(2, s_lay))
-        blk = gl.arange(0, KW // 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, s_lay)))
-        sp = ks_base + gl.expand_dims(s_off, 2) + gl.expand_dims(gl.expand_dims(blk, 0), 1)
-        scales = gl.load(sp, mask=gl.expand_dims(s_ok, 2), other=0).to(gl.int32)
-    return words, scales
+    s_lay: gl.constexpr = _k_layout(WARPS, BN, KW // 2)
+    s_off = gl.convert_layout(off_s, gl.SliceLayout(2, s_lay))
+    s_ok = gl.convert_layout(ok, gl.SliceLayout(2, s_lay))
+    blk = gl.arange(0, KW // 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, s_lay)))
+    sp = ks_base + gl.expand_dims(s_off, 2) + gl.expand_dims(gl.expand_dims(blk, 0), 1)
+    return words, gl.load(sp, mask=gl.expand_dims(s_ok, 2), other=0).to(gl.int32)
 
 
 @gluon.jit
 def _load_v(v_base, vs_base, t0, s_hi, bt_row, stride_page, stride_tok, stride_page_s, stride_tok_s,
-            WARPS: gl.constexpr, BN: gl.constexpr, VW: gl.constexpr, FMT: gl.constexpr, PAGE_SHIFT: gl.constexpr):
-    """V words [WARPS, BN, VW] (and NVFP4: each word's scale byte: a word holds 8 dims, a block 16)."""
+            WARPS: gl.constexpr, BN: gl.constexpr, VW: gl.constexpr, PAGE_SHIFT: gl.constexpr):
+    """V words [WARPS, BN, VW] and each word's scale byte (a word holds 8 dims, a block 16)."""
     lay: gl.constexpr = _v_layout(WARPS, BN, VW)
     words, ok, off_s = _load_words(v_base, t0, s_hi, bt_row, stride_page, stride_tok, stride_page_s, stride_tok_s,
                                    lay, WARPS, BN, VW, PAGE_SHIFT)
-    scales = 0
-    if FMT == 2:
-        # the two words of a token's block load the same scale byte (the compiler merges the loads)
-        blk = gl.arange(0, VW, layout=gl.SliceLayout(0, gl.SliceLayout(1, lay))) // 2
-        sp = vs_base + gl.expand_dims(off_s, 2) + gl.expand_dims(gl.expand_dims(blk, 0), 1)
-        scales = gl.load(sp, mask=gl.expand_dims(ok, 2), other=0).to(gl.int32)
-    return words, scales
+    # the two words of a token's block load the same scale byte (the compiler merges the loads)
+    blk = gl.arange(0, VW, layout=gl.SliceLayout(0, gl.SliceLayout(1, lay))) // 2
+    sp = vs_base + gl.expand_dims(off_s, 2) + gl.expand_dims(gl.expand_dims(blk, 0), 1)
+    return words, gl.load(sp, mask=gl.expand_dims(ok, 2), other=0).to(gl.int32)
 
 
 @gluon.jit
-def _k_operands(words, scales, WARPS: gl.constexpr, BN: gl.constexpr, KW: gl.constexpr, FMT: gl.constexpr):
-    """K words -> the B operand(s) [WARPS, row values, BN] in MMA order: FP8 one, NVFP4 (low, high nibbles)."""
+def _k_operands(words, scales, WARPS: gl.constexpr, BN: gl.constexpr, KW: gl.constexpr):
+    """K words -> the B operands [WARPS, row values, BN] in MMA order (low nibbles, high nibbles)."""
     mma: gl.constexpr = _mma_layout(WARPS)
     b_dot: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    if FMT == 1:
-        x0, x1, x2, x3 = _asm(_FP8_K_ASM, _FP8_K_IO, [words], 4)
-        k = gl.reshape(_stack4(x0, x1, x2, x3, WARPS, BN, KW), [WARPS, BN, KW * 4])
-        k = gl.permute(_mma_order(k, WARPS, BN, KW * 4), [0, 2, 1])
-        k_a = gl.convert_layout(k, b_dot, assert_trivial=True)
-        k_b = k_a
-    else:
-        we, wo = gl.split(gl.reshape(words, [WARPS, BN, KW // 2, 2]))
-        xs = _asm(_NVFP4_K_ASM, _NVFP4_K_IO, [we, wo, gl.convert_layout(scales, we.type.layout)], 16)
-        lo = _stack8(xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7], WARPS, BN, KW // 2)
-        hi = _stack8(xs[8], xs[9], xs[10], xs[11], xs[12], xs[13], xs[14], xs[15], WARPS, BN, KW // 2)
-        lo = gl.permute(_mma_order(gl.reshape(lo, [WARPS, BN, KW * 4]), WARPS, BN, KW * 4), [0, 2, 1])
-        hi = gl.permute(_mma_order(gl.reshape(hi, [WARPS, BN, KW * 4]), WARPS, BN, KW * 4), [0, 2, 1])
-        k_a = gl.convert_layout(lo, b_dot, assert_trivial=True)
-        k_b = gl.convert_layout(hi, b_dot, assert_trivial=True)
-    return k_a, k_b
+    we, wo = gl.split(gl.reshape(words, [WARPS, BN, KW // 2, 2]))
+    xs = _asm(_NVFP4_K_ASM, _NVFP4_K_IO, [we, wo, gl.convert_layout(scales, we.type.layout)], 16)
+    lo = _stack8(xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7], WARPS, BN, KW // 2)
+    hi = _stack8(xs[8], xs[9], xs[10], xs[11], xs[12], xs[13], xs[14], xs[15], WARPS, BN, KW // 2)
+    lo = gl.permute(_mma_order(gl.reshape(lo, [WARPS, BN, KW * 4]), WARPS, BN, KW * 4), [0, 2, 1])
+    hi = gl.permute(_mma_order(gl.reshape(hi, [WARPS, BN, KW * 4]), WARPS, BN, KW * 4), [0, 2, 1])
+    return gl.convert_layout(lo, b_dot, assert_trivial=True), gl.convert_layout(hi, b_dot, assert_trivial=True)
 
 
 @gluon.jit
 def _v_operand(words, scales, WARPS: gl.constexpr, BN: gl.constexpr, VW: gl.constexpr, D: gl.constexpr,
-               FMT: gl.constexpr, PV_T: gl.constexpr):
+               PV_T: gl.constexpr):
     """V words -> the B operand [WARPS, BN, D] with the head dim in MMA order (column 8 j + g = dim (D/8) g + j);
     PV_T: the A operand [WARPS, D, BN] of O^T += V^T P^T, the head dim in the same order."""
     mma: gl.constexpr = _mma_layout(WARPS)
     b_dot: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     wa, wb = gl.split(gl.permute(gl.reshape(words, [WARPS, BN // 2, 2, VW]), [0, 1, 3, 2]))
-    if FMT == 1:
-        xs = _asm(_FP8_V_ASM, _FP8_V_IO, [wa, wb], 8)
-        v = _stack8(xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7], WARPS, BN // 2, VW)
-        v = gl.reshape(v, [WARPS, BN // 2, VW, 4, 2])
-    else:
-        sa, sb = gl.split(gl.permute(gl.reshape(scales, [WARPS, BN // 2, 2, VW]), [0, 1, 3, 2]))
-        xs = _asm(_NVFP4_V_ASM, _NVFP4_V_IO, [wa, wb, sa, sb], 16)
-        v = gl.reshape(_stack16(xs, WARPS, BN // 2, VW), [WARPS, BN // 2, VW, 8, 2])
+    sa, sb = gl.split(gl.permute(gl.reshape(scales, [WARPS, BN // 2, 2, VW]), [0, 1, 3, 2]))
+    xs = _asm(_NVFP4_V_ASM, _NVFP4_V_IO, [wa, wb, sa, sb], 16)
+    v = gl.reshape(_stack16(xs, WARPS, BN // 2, VW), [WARPS, BN // 2, VW, 8, 2])
     v = gl.reshape(gl.permute(v, [0, 1, 4, 2, 3]), [WARPS, BN, D])  # token 2p + i, dim (values per word) w + k
     v = gl.reshape(gl.permute(gl.reshape(v, [WARPS, BN, 8, D // 8]), [0, 1, 3, 2]), [WARPS, BN, D])
     if PV_T:  # V^T as the A operand [WARPS, D, BN]: row 16 i + 8 h + g of an m16 tile is the same dim order
@@ -285,9 +243,9 @@ def _v_operand(words, scales, WARPS: gl.constexpr, BN: gl.constexpr, VW: gl.cons
 
 
 @gluon.jit
-def _q_operands(q_ptr, q_row, row_ok, WARPS: gl.constexpr, D: gl.constexpr, FMT: gl.constexpr):
-    """q rows [16, D] (row offsets q_row) -> A operand(s) [WARPS, 16, row values] in MMA order (every warp a
-    copy), fp16 scaled per row by 2^k, and 2^-k per row: FP8 (q, q), NVFP4 (even dims, odd dims)."""
+def _q_operands(q_ptr, q_row, row_ok, WARPS: gl.constexpr, D: gl.constexpr):
+    """q rows [16, D] (row offsets q_row) -> A operands [WARPS, 16, D / 2] in MMA order (every warp a copy), fp16
+    scaled per row by 2^k, and 2^-k per row: even dims, odd dims."""
     mma: gl.constexpr = _mma_layout(WARPS)
     a_dot: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     lay: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [WARPS, 1, 1], [2, 1, 0])
@@ -300,13 +258,9 @@ def _q_operands(q_ptr, q_row, row_ok, WARPS: gl.constexpr, D: gl.constexpr, FMT:
     ax = gl.abs(x)
     up, down = fp16_row_scale(gl.max(gl.where(ax < float("inf"), ax, 0.0), 2))
     x = (x * gl.expand_dims(up, 2)).to(gl.float16)
-    if FMT == 1:
-        q_a = gl.convert_layout(_mma_order(x, WARPS, M_ROWS, D), a_dot)
-        q_b = q_a
-    else:
-        ev, od = gl.split(gl.reshape(x, [WARPS, M_ROWS, D // 2, 2]))
-        q_a = gl.convert_layout(_mma_order(ev, WARPS, M_ROWS, D // 2), a_dot)
-        q_b = gl.convert_layout(_mma_order(od, WARPS, M_ROWS, D // 2), a_dot)
+    ev, od = gl.split(gl.reshape(x, [WARPS, M_ROWS, D // 2, 2]))
+    q_a = gl.convert_layout(_mma_order(ev, WARPS, M_ROWS, D // 2), a_dot)
+    q_b = gl.convert_layout(_mma_order(od, WARPS, M_ROWS, D // 2), a_dot)
     return q_a, q_b, gl.max(down, 0)
 
 
@@ -337,18 +291,17 @@ def decode_quant_kernel(
         q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kfac_ptr, vfac_ptr, out_ptr, lse_ptr, o_part_ptr, lse_part_ptr,
         seqlens_ptr, bt_ptr,
         stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, stride_sh,
-        stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls, stride_bt, stride_fac,
+        stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls, stride_bt,
         seqlen_q, capacity, seqlen_k_add, num_heads_kv, group, rows_per_split,
         softmax_scale, softcap, window_left, window_right,
-        D: gl.constexpr, FMT: gl.constexpr, BN: gl.constexpr, WARPS: gl.constexpr, PAGE_SHIFT: gl.constexpr,
+        D: gl.constexpr, BN: gl.constexpr, WARPS: gl.constexpr, PAGE_SHIFT: gl.constexpr,
         HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, SPLIT: gl.constexpr,
         PV_T: gl.constexpr, PDL: gl.constexpr = False):
-    """FMT 1: FP8 (e4m3 caches, kfac/vfac = k_scale/v_scale, stride_fac 0 per tensor or 1 per KV head);
-    FMT 2: NVFP4 (uint8 caches, ks/vs the e4m3 block scales as bytes, kfac/vfac the global scales). K and V share
+    """NVFP4 caches (uint8, ks/vs the e4m3 block scales as bytes, kfac/vfac the global scales [1]). K and V share
     strides (stride_k*; the scales stride_s*); paged: stride_kb/stride_sb are the page strides, PAGE_SHIFT >= 0."""
     mma: gl.constexpr = _mma_layout(WARPS)
     a_dot: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    RB: gl.constexpr = D if FMT == 1 else D // 2  # bytes per K/V row
+    RB: gl.constexpr = D // 2  # bytes per K/V row
     NW: gl.constexpr = RB // 4  # words per row
     STEP: gl.constexpr = WARPS * BN
     pid = gl.program_id(0)
@@ -368,22 +321,17 @@ def decode_quant_kernel(
     tok_q = r // group
     head_q = h * group + r % group
     q_row = b.to(gl.int64) * stride_qb + tok_q.to(gl.int64) * stride_qs + head_q.to(gl.int64) * stride_qh
-    q_ev, q_od, q_down = _q_operands(q_ptr, q_row, row_ok, WARPS, D, FMT)
+    q_ev, q_od, q_down = _q_operands(q_ptr, q_row, row_ok, WARPS, D)
     # q is re-read from shared memory at every step (ldmatrix), not held: registers for the loads in flight
     # (run 93: b=64 ctx 4k 143.0 us vs 147.7 with q in registers).
-    KD: gl.constexpr = D if FMT == 1 else D // 2
+    KD: gl.constexpr = D // 2
     q_lay: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[2, 1, 0])
     q_ev_s = gl.allocate_shared_memory(gl.float16, [WARPS, M_ROWS, KD], q_lay, q_ev)
-    q_od_s = q_ev_s
-    if FMT == 2:
-        q_od_s = gl.allocate_shared_memory(gl.float16, [WARPS, M_ROWS, KD], q_lay, q_od)
+    q_od_s = gl.allocate_shared_memory(gl.float16, [WARPS, M_ROWS, KD], q_lay, q_od)
     barrier()
 
-    kfac = gl.load(kfac_ptr + h * stride_fac)
-    vfac = gl.load(vfac_ptr + h * stride_fac)
-    if FMT == 2:
-        kfac = kfac * DECODE_UNIT
-        vfac = vfac * DECODE_UNIT
+    kfac = gl.load(kfac_ptr) * DECODE_UNIT
+    vfac = gl.load(vfac_ptr) * DECODE_UNIT
     row_scale = gl.convert_layout(q_down, rows_l) * (softmax_scale * kfac)
     if SOFTCAP:
         logit_scale = row_scale / softcap
@@ -427,21 +375,20 @@ def decode_quant_kernel(
     else:
         acc = gl.zeros([WARPS, M_ROWS, D], gl.float32, mma)
     kw, ksc = _load_k(k_base, ks_base, s_lo, s_hi, bt_row, stride_kb, stride_ks, stride_sb, stride_ss,
-                      WARPS, BN, NW, FMT, PAGE_SHIFT)
+                      WARPS, BN, NW, PAGE_SHIFT)
     vw, vsc = _load_v(v_base, vs_base, s_lo, s_hi, bt_row, stride_kb, stride_ks, stride_sb, stride_ss,
-                      WARPS, BN, NW, FMT, PAGE_SHIFT)
+                      WARPS, BN, NW, PAGE_SHIFT)
     for it in range(n_iter):
         t0 = s_lo + it * STEP
         # The next block's bytes are in flight while this one is decoded and multiplied.
         kw_n, ksc_n = _load_k(k_base, ks_base, t0 + STEP, s_hi, bt_row, stride_kb, stride_ks, stride_sb, stride_ss,
-                              WARPS, BN, NW, FMT, PAGE_SHIFT)
+                              WARPS, BN, NW, PAGE_SHIFT)
         vw_n, vsc_n = _load_v(v_base, vs_base, t0 + STEP, s_hi, bt_row, stride_kb, stride_ks, stride_sb,
-                              stride_ss, WARPS, BN, NW, FMT, PAGE_SHIFT)
-        k_a, k_b = _k_operands(kw, ksc, WARPS, BN, NW, FMT)
+                              stride_ss, WARPS, BN, NW, PAGE_SHIFT)
+        k_a, k_b = _k_operands(kw, ksc, WARPS, BN, NW)
         s = gl.zeros([WARPS, M_ROWS, BN], gl.float32, mma)
         s = mma_v2(q_ev_s.load(a_dot), k_a, s)
-        if FMT == 2:
-            s = mma_v2(q_od_s.load(a_dot), k_b, s)
+        s = mma_v2(q_od_s.load(a_dot), k_b, s)
         if SOFTCAP:
             s = (softcap * LOG2E) * _tanh(s * scale3)
         else:
@@ -458,7 +405,7 @@ def decode_quant_kernel(
         alpha = gl.exp2(m_i - m_use)
         p = gl.exp2(s - gl.expand_dims(m_use, 2))
         l_i = l_i * alpha + gl.sum(p, 2)
-        v_op = _v_operand(vw, vsc, WARPS, BN, NW, D, FMT, PV_T)
+        v_op = _v_operand(vw, vsc, WARPS, BN, NW, D, PV_T)
         if PV_T:
             p8 = _rows8(p.to(gl.float16), WARPS, BN)
             p_t = gl.convert_layout(gl.permute(p8, [0, 2, 1]), gl.DotOperandLayout(operand_index=1, parent=mma,
