@@ -10,6 +10,9 @@ import torch
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "report"]:  # pure Python: docs/performance.md from benchmarks/results
+        from tileflash.bench.report import main as report_main
+        return report_main(argv[2:])
     if argv[:2] == ["bench", "cp"]:  # launched by torchrun, one process per GPU
         from tileflash.bench.cp import main as cp_main
         return cp_main(argv[2:])
@@ -27,8 +30,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    host_bench = sys.argv[1:3] == ["bench", "host"]  # times the host path with the sm_90 stand-in, not interpreted
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" and not host_bench:
+    # bench host times the host path with the sm_90 stand-in (not interpreted); bench report launches nothing.
+    no_interpreter = sys.argv[1:3] in (["bench", "host"], ["bench", "report"])
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" and not no_interpreter:
         # The package (and its @triton.jit kernels) was imported before this line ran; the interpreter switch is
         # read at decoration time, so start again with it set.
         os.execve(sys.executable, [sys.executable, "-m", "tileflash", *sys.argv[1:]],

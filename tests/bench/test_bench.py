@@ -333,7 +333,7 @@ def test_cli_runs_selected_shapes_and_writes_json(monkeypatch, tmp_path):
         return run
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(cli, "environment", lambda: {"device": "fake"})
+    monkeypatch.setattr(cli, "environment", lambda args=None: {"device": "fake"})
     monkeypatch.setitem(cli.SUITES, "prefill", (suites.PREFILL_SHAPES, fake_runner("prefill")))
     monkeypatch.setitem(cli.SUITES, "decode", (suites.DECODE_SHAPES, fake_runner("decode")))
     monkeypatch.setitem(cli.SUITES, "backward", (suites.BACKWARD_SHAPES, fake_runner("backward")))

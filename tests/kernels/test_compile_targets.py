@@ -1,7 +1,7 @@
 """Every public op's kernels compile for sm_90 (H100/H200), checked on a machine without a GPU: the interpreter
 never runs Triton's GPU compiler (see sm90_compile_check.py). Other targets (A100, B200, consumer Blackwell) compile
 a case per fix that keeps them compiling: the full lists (`python tests/sm90_compile_check.py --arch N`, a few
-minutes each) are run by hand, their results in benchmarks/RESULTS.md."""
+minutes each) are run by hand, their results in benchmarks/archive/notebook-2026-11.md."""
 import pytest
 import torch
 

@@ -1,4 +1,4 @@
-"""Numerical edge cases and their documented behaviour (README "Numerical behaviour")."""
+"""Numerical edge cases and their documented behaviour (docs/api.md "Numerical behaviour")."""
 import pytest
 import torch
 

@@ -25,7 +25,7 @@ def _raises_naming(exc: Exception, name: str) -> bool:
 
 
 # --- Index tensors with a non-unit stride -------------------------------------------------------------------------
-# README: "the last dim of every tensor must be contiguous" and bad inputs "raise ValueError/TypeError naming the
+# docs/api.md: "the last dim of every tensor must be contiguous" and bad inputs "raise ValueError/TypeError naming the
 # argument, before any launch". The 1-D int32 index tensors (cache_seqlens, cu_seqlens_q/k, seqused_k) are checked
 # for dtype, rank and device only (_utils.check_int32), and the kernels read them as `ptr + b`, i.e. as if their
 # stride were 1: attn_fwd_kernel (cu_seqlens_q_ptr + b, cu_seqlens_k_ptr + b, seqlens_k_ptr + b) and
@@ -99,7 +99,7 @@ def test_varlen_strided_seqused_k():
 
 # --- merge_attn_states with head dim 0 ----------------------------------------------------------------------------
 def test_merge_head_dim_zero_still_merges_lse():
-    # out [1, 3, 2, 0], lse [1, 2, 3]. README: merge supports "any" head dim. _merge_impl returns early when
+    # out [1, 3, 2, 0], lse [1, 2, 3]. docs/api.md: merge supports "any" head dim. _merge_impl returns early when
     # out.numel() == 0, before the kernel writes lse, so lse is whatever new_output left there (NaN when poisoned,
     # uninitialised memory otherwise) instead of logaddexp(lse_a, lse_b). Branch: the empty-output early return.
     g = torch.Generator().manual_seed(0)

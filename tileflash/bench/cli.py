@@ -2,7 +2,9 @@
 [--json PATH] [--plot DIR]``, ``python -m tileflash bench host [--no-launch] [--json PATH]`` (and ``torchrun ... -m tileflash bench cp``, see bench/cp.py)."""
 
 import argparse
+import datetime
 import json
+import os
 import sys
 
 import torch
@@ -25,7 +27,10 @@ def build_parser():
     p.add_argument("--no-launch", action="store_true",
                    help="host: time the host path alone on CPU tensors, launches made no-ops (the default "
                         "without a GPU)")
-    p.add_argument("--json", metavar="PATH", help="write the results here (rewritten after each suite)")
+    p.add_argument("--json", metavar="PATH", help="write the results here (rewritten after each suite); keep them "
+                   "as benchmarks/results/DATE-runN-SUITE.json and run `bench report`")
+    p.add_argument("--run", type=int, help="the device run number recorded with the results")
+    p.add_argument("--notes", help="the reading recorded with the results (shown by `bench report`)")
     p.add_argument("--quick", action="store_true", help="only the first 3 shapes of each label")
     p.add_argument("--only", metavar="LABEL",
                    help="only shapes whose label contains LABEL, e.g. d64, causal, page16, gqa-fp8, gemm, 8k")
@@ -36,8 +41,24 @@ def build_parser():
     return p
 
 
-def environment():
+def _commit():
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment(args=None):
     env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "command": "python -m tileflash bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else
+                                                           sys.argv[1:]),
+        "commit": _commit(),
+        "run": getattr(args, "run", None),
+        "notes": getattr(args, "notes", None),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
@@ -58,7 +79,7 @@ def main(argv=None):
         from tileflash.bench.host import run_hf_generate, run_host
 
         no_launch = args.no_launch or not torch.cuda.is_available()
-        results = {"env": environment(), "host": run_host(no_launch=no_launch)}
+        results = {"env": environment(args), "host": run_host(no_launch=no_launch)}
         if not no_launch:
             results["hf_generate"] = run_hf_generate()
         if args.json:
@@ -69,7 +90,7 @@ def main(argv=None):
         print("tileflash bench needs a CUDA GPU; none is visible", file=sys.stderr)
         return 1
     timing.flush_mode = args.flush
-    results = {"env": {**environment(), "flush": args.flush}}
+    results = {"env": {**environment(args), "flush": args.flush}}
     print(f"env: {json.dumps(results['env'])}")
     for name in SUITES if args.suite == "all" else [args.suite]:
         registry, runner = SUITES[name]

@@ -168,7 +168,7 @@ def _check_kv_scales(k_cache, v_cache, k_scale, v_scale, k_global_scale, v_globa
     elif fmt == "nvfp4":
         if head_dim & (head_dim - 1) or head_dim < 32:
             # Head dim 16 (one scale per head vector) decoded wrongly on the H200 (triton 3.6) while the
-            # interpreter was exact; refused until that is understood (benchmarks/RESULTS.md).
+            # interpreter was exact; refused until that is understood (benchmarks/archive/notebook-2026-11.md).
             raise ValueError(f"k_cache: NVFP4 caches need a power-of-two head dim >= 32, got {head_dim}")
         expected = (*k_cache.shape[:-1], head_dim // 16)
         for name, t in names[:2]:
@@ -534,7 +534,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     at cache_seqlens otherwise; rotary_interleaved=True pairs dims (2i, 2i + 1) (GPT-J), False pairs i and
     i + rotary_dim / 2 (GPT-NeoX). Columns past rotary_dim are not rotated (flash-attn's semantics throughout).
     sp_overlap=True selects the S/P-overlapped inner loop (QK^T of block j+1 issued before the softmax of block j);
-    the default plain loop measured as fast or faster on the H200 with triton 3.6 (benchmarks/RESULTS.md).
+    the default plain loop measured as fast or faster on the H200 with triton 3.6 (benchmarks/archive/notebook-2026-11.md).
     FP8 caches: k_cache/v_cache in float8_e4m3fn with k_scale/v_scale (float32, [1] per tensor or [Hkv] per KV
     head): K = k_scale * k_cache; new k/v (in q's dtype) are quantized into the cache (x / scale, saturated, RNE).
     NVFP4 caches: k_cache/v_cache uint8 [.., S, Hkv, D/2] (element 2i in the low nibble), k_scale/v_scale

@@ -40,7 +40,7 @@ class WsBwdConfig:
 
 def bwd_ws_config(head_dim: int, causal: bool, seqlen_k: int) -> WsBwdConfig | None:
     """Whether the backward takes the warp-specialised dK/dV kernel, by shape (ws_backward_config
-    adds what the tensors and masks allow). Measured on the H200 (benchmarks/RESULTS.md, session 11:
+    adds what the tensors and masks allow). Measured on the H200 (benchmarks/archive/notebook-2026-11.md, session 11:
     `benchmarks/ws_bwd_sweep.py`, bf16, 16k tokens, 2048/d heads, TFLOP/s at s = 4k / 16k, same run):
       d128, 64 query rows per step: one fence per step vs two: full 504 / 558 vs 531 / 567, causal 475 / 568 vs
            441 / 545 (run 76), so one fence when causal only.

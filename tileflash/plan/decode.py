@@ -34,7 +34,7 @@ def decode_block_m(group_rows: int) -> int:
 
 # (KV tokens per step at head dim 128, pipeline stages, trans, programs an SM holds when that limits splitting)
 # by cache format; "-large" from LARGE_TILES_MIN_KV token-heads on. Measured on the H200 (benchmarks/config_sweep.py,
-# CUDA-graph replay, 32/8 heads, d=128, 2026-11-30; RESULTS.md runs 7-18):
+# CUDA-graph replay, 32/8 heads, d=128, 2026-11-30; the archived notebook runs 7-18):
 # - 16-bit contiguous: 64 tokens, 2 stages, plain products (b=8 ctx 32k 258 us; 3 stages 303, trans 261); b=1 ctx
 #   8k/32k/128k within 1-4% of the best of 64/128 tokens x 2/3/4 stages at their best split counts (run 17; MQA
 #   b=1 ctx 32k ran 11% faster with 3 stages, 15.9 vs 17.7 us; not taken: GQA b=8 ctx 8k ran 92.2 vs 79.9 us with
@@ -225,7 +225,7 @@ QUANT_MMA_MAX_ROWS = 16  # one mma.sync M tile of query rows (Hq/Hkv x Sq)
 
 
 # Measured on the H200 (benchmarks/decode_quant_sweep.py, graph replay of the whole call, 32/8 heads, d=128, us;
-# RESULTS.md runs 89 and 93; variants (tokens per warp step, programs per SM), all with q in shared memory and the
+# the archived notebook runs 89 and 93; variants (tokens per warp step, programs per SM), all with q in shared memory and the
 # transposed PV product):
 # - NVFP4, (32, 2) vs (16, 3): b=1 ctx 8k 19.0 vs 21.7, ctx 32k 32.6 vs 36.8, ctx 128k 80.4 vs 97.8, b=32 ctx 2k 45.9
 #   vs 50.1; but b=8 ctx 8k 60.6 vs 52.1, ctx 32k 175.0 vs 157.2, b=128 ctx 1k 94.0 vs 86.4, b=256 ctx 2k 292.6 vs
@@ -304,7 +304,7 @@ def split_plan(q, k_cache, block_table, num_splits: int, mla: bool = False):
 
 def combine_pdl(block_table) -> bool:
     """Whether the split combine is a programmatic dependent launch of the attention kernel (sm_90; its launch then
-    overlaps the attention's tail): for contiguous caches, where it was timed (RESULTS.md, session 14, run 102:
+    overlaps the attention's tail): for contiguous caches, where it was timed (the archived notebook, session 14, run 102:
     -0.5 to -1.2 us at batch 1, neutral from b=8). Paged caches are slower with it (run 107, `benchmarks/
     splits_sweep.py --pdl --flush-read`: page 16 b=8 ctx 8k 79.1 vs 74.7 us, page 64 b=1 ctx 32k 46.5 vs 44.7)."""
     return block_table is None
