@@ -55,7 +55,7 @@ for phase in "$@"; do
       CUDA_VISIBLE_DEVICES=$TEST_GPU PYTORCH_NO_CUDA_MEMORY_CACHING=1 step 300 compute-sanitizer --tool memcheck \
         --error-exitcode 9 python3 benchmarks/tools/memcheck_ws.py > "$OUT/memcheck_ws.log" 2>&1
       grep -cE "finite|written" "$OUT/memcheck_ws.log"; grep -E "ERROR SUMMARY|NONFINITE|UNWRITTEN" "$OUT/memcheck_ws.log" ;;
-    leak) CUDA_VISIBLE_DEVICES=$TEST_GPU step 120 python3 benchmarks/leak_check.py > "$OUT/leak.log" 2>&1
+    leak) CUDA_VISIBLE_DEVICES=$TEST_GPU step 120 python3 benchmarks/tools/leak_check.py > "$OUT/leak.log" 2>&1
       tail -n 2 "$OUT/leak.log" ;;
     bench-*) suite=${phase#bench-}
       CUDA_VISIBLE_DEVICES=$BENCH_GPU step "${BENCH_LIMIT:-300}" python3 -m tileflash bench "$suite" \

@@ -66,3 +66,29 @@ for b, sq, sk, hq, hkv, causal in [(1, 1, 1, 1, 1, True), (2, 1100, 1300, 16, 4,
             torch.cuda.synchronize()
             written = not torch.isnan(out).any().item() and not torch.isnan(lse).any().item()
             print("forward", (b, sq, sk, hq, hkv, d, causal), tile, "written" if written else "UNWRITTEN", flush=True)
+
+# The register-operand NVFP4 decode (kernels/gluon/decode_mma.py), both tiles, contiguous and paged (page 16), with
+# splits, an append and a partial last block; outputs poisoned so an unwritten element shows.
+from tileflash import _utils  # noqa: E402
+from tileflash.plan import QuantDecodeConfig  # noqa: E402
+
+_utils.POISON_OUTPUTS = True
+for cfg in (QuantDecodeConfig(32, 4, 2), QuantDecodeConfig(16, 4, 3)):
+    for page in (None, 16):
+        b, ctx, hkv, d = 2, 1040, 2, 128
+        kv = [torch.randn(b, ctx, hkv, d, device="cuda") for _ in range(2)]
+        (kc, ks, kg), (vc, vs, vg) = (tileflash.nvfp4_quantize(t) for t in kv)
+        table = None
+        if page:
+            kc, vc, ks, vs = (t.view(b * ctx // page, page, *t.shape[2:]) for t in (kc, vc, ks, vs))
+            table = torch.arange(b * ctx // page, dtype=torch.int32, device="cuda").view(b, -1)
+        q = torch.randn(b, 1, 8, d, device="cuda", dtype=torch.bfloat16)
+        k_new = torch.randn(b, 1, hkv, d, device="cuda", dtype=torch.bfloat16)
+        lens = torch.tensor([1000, 517], dtype=torch.int32, device="cuda")
+        with config.override(quant_decode=cfg):
+            out = tileflash.flash_attn_with_kvcache(q, kc, vc, k_new, k_new.clone(), cache_seqlens=lens,
+                                                    block_table=table, k_scale=ks, v_scale=vs,
+                                                    k_global_scale=kg.reshape(1), v_global_scale=vg.reshape(1),
+                                                    num_splits=3)
+        torch.cuda.synchronize()
+        print("decode nvfp4", cfg, page, "finite" if torch.isfinite(out).all().item() else "NONFINITE", flush=True)
