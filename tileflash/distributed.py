@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from . import _utils
 from .launch.forward import launch_combine
-from .ops.backward import _attn_bwd_impl
+from .launch.backward import attn_backward
 from .ops.kvcache import flash_attn_with_kvcache
 from .ops.merge import merge_attn_states
 from .ops.prefill import flash_attn_func
@@ -147,9 +147,9 @@ def _ring_backward(q, k, v, out, lse, dout, dlse, group, causal, softmax_scale, 
         kc, vc = two(kv[0]), two(kv[1])
         dkc, dvc = dkv[0].chunk(2, dim=1), dkv[1].chunk(2, dim=1)  # views: the adds below land in dkv
         for i, j, diagonal in _visible_pairs(q_ids, (holder, 2 * world - 1 - holder), causal):
-            dq_p, dk_p, dv_p, _ = _attn_bwd_impl(q_c[i], kc[j], vc[j], o_c[i], lse_c[i], do_c[i], dlse_c[i],
-                                                 None, None, None, 0, 0, scale, -1, 0 if diagonal else -1, softcap,
-                                                 False, None, None)
+            dq_p, dk_p, dv_p, _ = attn_backward(q_c[i], kc[j], vc[j], o_c[i], lse_c[i], do_c[i], dlse_c[i],
+                                                None, None, None, 0, 0, scale, -1, 0 if diagonal else -1, softcap,
+                                                False)
             dq[i] += dq_p.float()
             dkc[j].add_(dk_p.float())
             dvc[j].add_(dv_p.float())
