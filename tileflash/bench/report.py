@@ -42,7 +42,7 @@ def newest(results: list[dict]) -> dict:
     picked = {}
     for res in results:
         for suite, rows in res["suites"].items():
-            labels = tuple(sorted({str(r.get("label", r.get("op", ""))) for r in rows}))
+            labels = tuple(sorted({str(r.get("label", r.get("op", r.get("shape", "")))) for r in rows}))
             picked[(suite, labels)] = (res, rows)
     return picked
 
