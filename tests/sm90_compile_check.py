@@ -10,7 +10,8 @@ if any case fails to compile; --only keeps the cases whose names contain one of 
 registers and stack bytes, i.e. spills, of every compiled variant). Off sm_90 the cases that take the Gluon sm_90
 kernels there must compile without them (the dispatch declines them by its capability check), the cases that force a
 Gluon kernel's config are skipped, and below sm_89 so are the FP8 / NVFP4 ones (the ops refuse such GPUs before any
-launch). Run by tests/kernels/test_compile_targets.py in a subprocess, since it replaces the process's active Triton driver.
+launch). Run by tests/kernels/test_compile_targets.py in a subprocess, since it replaces the process's active Triton
+driver.
 """
 import os
 import sys

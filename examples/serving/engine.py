@@ -9,8 +9,8 @@ is free and the pool can hold their whole lifetime (prompt + max_new_tokens - 1 
 pages already promised to running requests, so growing a running request never fails and nothing is preempted);
 the admitted prompts are prefilled together as one varlen batch (flash_attn_varlen_func, their K/V written into
 their pages), then every running request decodes one token (tileflash.decode_plan once per step, plan.run per
-layer, with block_table, cache_seqlens and the new token's k/v appended in the call). Pages are taken as a sequence grows into them and
-returned when it finishes; the next step's admissions can use them.
+layer, with block_table, cache_seqlens and the new token's k/v appended in the call). Pages are taken as a sequence
+grows into them and returned when it finishes; the next step's admissions can use them.
 
 On a GPU each decode step replays a CUDA graph captured for the batch size rounded up to a power of two: the
 step's tokens, cache_seqlens and block_table are copied into the graph's static input buffers before the replay.

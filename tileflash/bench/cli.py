@@ -1,5 +1,6 @@
 """Command line: ``python -m tileflash bench {prefill,decode,backward,lowp,extend,sinks,all} [--quick] [--only LABEL]
-[--json PATH] [--plot DIR]``, ``python -m tileflash bench host [--no-launch] [--json PATH]`` (and ``torchrun ... -m tileflash bench cp``, see bench/cp.py)."""
+[--json PATH] [--plot DIR]``, ``python -m tileflash bench host [--no-launch] [--json PATH]`` (and ``torchrun ... -m
+tileflash bench cp``, see bench/cp.py)."""
 
 import argparse
 import datetime

@@ -2,7 +2,7 @@
 
 
 # How the L2 is emptied before each timed call: "zero" (triton's do_bench: zeroing a 256 MB buffer leaves the 50 MB
-# L2 full of dirty lines, whose write-back the timed call pays, ~8 us at b=1 ctx 32k decode: the archived notebook, run 20) or
+# L2 full of dirty lines, whose write-back the timed call pays, ~8 us at b=1 ctx 32k decode: notebook, run 20) or
 # "read" (reading the buffer instead leaves the L2 full of clean lines; inputs still come from HBM).
 FLUSH_MODES = ("zero", "read")
 flush_mode = "zero"

@@ -83,7 +83,8 @@ def _preload_as_flash_implementation(name: str) -> None:
     """transformers treats every implementation whose name contains "flash" as a FlashAttention flavour and
     preloads its flash_attn_* functions, looking for a Hub kernel when the name is not a known one. tileflash's
     functions are drop-ins for flash-attn's, so install them as the loaded implementation (module state of
-    transformers.modeling_flash_attention_utils, checked by tests/integrations/test_transformers.py against the pinned 5.x)."""
+    transformers.modeling_flash_attention_utils, checked by tests/integrations/test_transformers.py against the pinned
+    5.x)."""
     from transformers import modeling_flash_attention_utils as fa_utils
 
     from ..ops.kvcache import flash_attn_with_kvcache

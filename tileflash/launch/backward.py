@@ -40,7 +40,8 @@ def launch_attn_bwd_ws(q4, k4, v4, do4, lse2, delta, dk4, dv4, dq_acc, *, causal
     direct.launch(
         gluon_bwd.attn_bwd_ws_kernel, (n_tiles * b * hkv,),
         desc_4d(q4, config.block_m), desc_4d(k4, keys), desc_4d(v4, keys), desc_4d(do4, config.block_m),
-        desc_4d(dq_acc, dq_rows, dq_cols), lse2, delta, dk4, dv4, cu_seqlens_q if varlen else lse2, cu_seqlens_k if varlen else lse2, q4.shape[1], sk,
+        desc_4d(dq_acc, dq_rows, dq_cols), lse2, delta, dk4, dv4, cu_seqlens_q if varlen else lse2,
+        cu_seqlens_k if varlen else lse2, q4.shape[1], sk,
         n_tiles, hkv, q4.shape[2] // hkv, lse2.stride(0), lse2.stride(1), *dk4.stride()[:3], *dv4.stride()[:3],
         softmax_scale * math.log2(math.e), softmax_scale, CAUSAL=causal, ROTATE=not causal, ATOMIC_DQ=atomic_dq,
         HEAD_DIM=d, BLOCK_M=config.block_m, STAGES=config.num_stages, ONE_FENCE=config.one_fence,

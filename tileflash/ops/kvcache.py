@@ -534,7 +534,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     at cache_seqlens otherwise; rotary_interleaved=True pairs dims (2i, 2i + 1) (GPT-J), False pairs i and
     i + rotary_dim / 2 (GPT-NeoX). Columns past rotary_dim are not rotated (flash-attn's semantics throughout).
     sp_overlap=True selects the S/P-overlapped inner loop (QK^T of block j+1 issued before the softmax of block j);
-    the default plain loop measured as fast or faster on the H200 with triton 3.6 (benchmarks/archive/notebook-2026-11.md).
+    the default plain loop measured as fast or faster on the H200 with triton 3.6 (notebook).
     FP8 caches: k_cache/v_cache in float8_e4m3fn with k_scale/v_scale (float32, [1] per tensor or [Hkv] per KV
     head): K = k_scale * k_cache; new k/v (in q's dtype) are quantized into the cache (x / scale, saturated, RNE).
     NVFP4 caches: k_cache/v_cache uint8 [.., S, Hkv, D/2] (element 2i in the low nibble), k_scale/v_scale

@@ -1,7 +1,8 @@
-"""Policy: pure functions from shapes (and the target) to frozen configs, tested as tables in tests/plan/. What a
-call launches is decided here; the launch layer (tileflash.launch) only turns the choice into arguments.
-Measured reasons for each choice are in the docstrings; the numbers they cite are in benchmarks/results/ and the
-archived notebook (benchmarks/archive/). Overrides for sweeps and tests: tileflash.config.override."""
+"""Policy: pure functions from shapes (and the target) to frozen configs, tested by properties and anchor rows in
+tests/plan/. What a call launches is decided here; the launch layer (tileflash.launch) only turns the choice into
+arguments. Measured reasons for each choice are in the docstrings; the numbers they cite are in benchmarks/results/
+and, as "notebook, run N", in benchmarks/archive/notebook-2026-11.md. Overrides for sweeps and tests:
+tileflash.config.override."""
 from .target import (SHARED_MEM_PER_BLOCK, padded_head_dim, sm90_target, small_shared_memory, target_arch,
                     tensor_memory, tma_4d_ok, tma_aligned)  # noqa: F401
 from .prefill import (FwdConfig, Mask, ONE_WARPGROUP_MAX_KEYS, WsFwdConfig, fwd_config, fwd_ws_config, tma_tiles,

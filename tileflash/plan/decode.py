@@ -34,7 +34,7 @@ def decode_block_m(group_rows: int) -> int:
 
 # (KV tokens per step at head dim 128, pipeline stages, trans, programs an SM holds when that limits splitting)
 # by cache format; "-large" from LARGE_TILES_MIN_KV token-heads on. Measured on the H200 (benchmarks/config_sweep.py,
-# CUDA-graph replay, 32/8 heads, d=128, 2026-11-30; the archived notebook runs 7-18):
+# CUDA-graph replay, 32/8 heads, d=128, 2026-11-30; notebook runs 7-18):
 # - 16-bit contiguous: 64 tokens, 2 stages, plain products (b=8 ctx 32k 258 us; 3 stages 303, trans 261); b=1 ctx
 #   8k/32k/128k within 1-4% of the best of 64/128 tokens x 2/3/4 stages at their best split counts (run 17; MQA
 #   b=1 ctx 32k ran 11% faster with 3 stages, 15.9 vs 17.7 us; not taken: GQA b=8 ctx 8k ran 92.2 vs 79.9 us with
@@ -175,8 +175,8 @@ def num_splits_heuristic(batch: int, nheads_kv: int, m_tiles: int, max_seqlen_k:
     b=256 ctx 2k 78.8 vs 80.8, MQA b=128 ctx 1k 32.7 at 2 vs 34.4 at 3; long splits keep the count rounded up (b=32
     ctx 8k 260.3 at 2 vs 265.6 at 1, run 9; b=8 ctx 8k 80.0 at 5 vs 81.2 at 4, run 38).
     long_per_sm (0: per_sm): when the splits are longer than SHORT_SPLIT_TOKENS, as many as long_per_sm programs
-    per SM hold (rounded down) if that is more; plan.decode.split_plan asks 3 for contiguous 16-bit caches, whose tiles an SM
-    holds three of (LONG_SPLIT_PROGRAMS_PER_SM).
+    per SM hold (rounded down) if that is more; plan.decode.split_plan asks 3 for contiguous 16-bit caches, whose tiles
+    an SM holds three of (LONG_SPLIT_PROGRAMS_PER_SM).
     resident_per_sm (how many programs of the tile an SM holds; 0: more than per_sm, so not limiting): never more
     than per_sm programs per SM (rounding the count up would put a few programs into one more wave, each costing a
     whole program's time: fp8 64-token tiles at b=8 ctx 32k ran 9 splits = 576 programs for 528 slots in 191.4 us,
@@ -225,7 +225,7 @@ QUANT_MMA_MAX_ROWS = 16  # one mma.sync M tile of query rows (Hq/Hkv x Sq)
 
 
 # Measured on the H200 (benchmarks/decode_quant_sweep.py, graph replay of the whole call, 32/8 heads, d=128, us;
-# the archived notebook runs 89 and 93; variants (tokens per warp step, programs per SM), all with q in shared memory and the
+# notebook runs 89 and 93; variants (tokens per warp step, programs per SM), all with q in shared memory and the
 # transposed PV product):
 # - NVFP4, (32, 2) vs (16, 3): b=1 ctx 8k 19.0 vs 21.7, ctx 32k 32.6 vs 36.8, ctx 128k 80.4 vs 97.8, b=32 ctx 2k 45.9
 #   vs 50.1; but b=8 ctx 8k 60.6 vs 52.1, ctx 32k 175.0 vs 157.2, b=128 ctx 1k 94.0 vs 86.4, b=256 ctx 2k 292.6 vs
@@ -304,7 +304,7 @@ def split_plan(q, k_cache, block_table, num_splits: int, mla: bool = False):
 
 def combine_pdl(block_table) -> bool:
     """Whether the split combine is a programmatic dependent launch of the attention kernel (sm_90; its launch then
-    overlaps the attention's tail): for contiguous caches, where it was timed (the archived notebook, session 14, run 102:
+    overlaps the attention's tail): for contiguous caches, where it was timed (notebook, session 14, run 102:
     -0.5 to -1.2 us at batch 1, neutral from b=8). Paged caches are slower with it (run 107, `benchmarks/
     splits_sweep.py --pdl --flush-read`: page 16 b=8 ctx 8k 79.1 vs 74.7 us, page 64 b=1 ctx 32k 46.5 vs 44.7)."""
     return block_table is None
@@ -376,5 +376,6 @@ def decode_schedule(q, k_cache, v_cache, k, block_table, num_splits: int, sp_ove
     else:
         cfg, num_splits, _ = split_plan(q, k_cache, block_table, num_splits, mla)
     workspace = (num_splits * rows * (dv + 1) if num_splits > 1 else 0) + (rows if lse_in_workspace else 0)
-    return DecodeSchedule(cfg, qcfg, num_splits, capacity, s_new, config.chosen("combine_pdl", combine_pdl(block_table)), workspace,
+    pdl = config.chosen("combine_pdl", combine_pdl(block_table))
+    return DecodeSchedule(cfg, qcfg, num_splits, capacity, s_new, pdl, workspace,
                           varlen_new=varlen_new, mla=mla)

@@ -2,7 +2,7 @@
 
 Why a second dK/dV kernel: the Triton one (attn_bwd.py) runs the loads, five products and the softmax gradient of
 a step in one instruction stream per warpgroup, with CTA barriers between them, and stays at 0.71-0.74x cuDNN at
-d128 (the archived notebook, session 6). Here the pipeline is stated explicitly, as in the forward (gluon/attn_fwd.py), following
+d128 (notebook, session 6). Here the pipeline is stated explicitly, as in the forward (gluon/attn_fwd.py), following
 FA3's backward:
 
   producer (1 warp, 24 registers): TMA loads of the CTA's K and V (128 keys, once), then Q and dO tiles of BLOCK_M
@@ -15,7 +15,7 @@ FA3's backward:
       halves meet through an mbarrier) and adds it into an fp32 buffer with one TMA reduce-add per step. Without it
       the launcher runs the dQ pass of attn_bwd.py (deterministic gradients).
 
-What made it fast (benchmarks/the archived notebook, session 10): per-thread fp32 atomics for dQ cost more than all four other
+What made it fast (notebook, session 10): per-thread fp32 atomics for dQ cost more than all four other
 products together (red.global from the accumulator layout touches 8 rows per warp instruction); one bulk TMA
 reduce-add per step does not. The dQ product of step t is issued at step t + 1, ahead of S_{t+1}, and dV/dK stay in
 flight into the next step, so a warpgroup neither waits for the other one's dS at once nor for its own products
@@ -31,7 +31,7 @@ Head dim 64: a step's exp2 and ALU work and its fixed costs (barriers, the share
 the fences that wait for them) do not shrink with d while its products halve: at 64 rows per step d64 ran at
 0.75x d128 (Nsight Compute: the dQ store's fence and barrier alone held 13-15% of a consumer's samples). d64
 therefore takes 128 query rows per step (BLOCK_M), twice the products per fixed cost (+6-8%), and ONE_FENCE
-(+2-7%): 0.80-0.86x d128 at s >= 4k (the archived notebook, session 11), with a few spilled scalars (56-64 bytes) and shared
+(+2-7%): 0.80-0.86x d128 at s >= 4k (notebook, session 11), with a few spilled scalars (56-64 bytes) and shared
 memory nearly full (225 KB).
 Rows of at most 1024 keys keep the Triton kernels (plan.backward.bwd_ws_config).
 
@@ -250,7 +250,7 @@ def _consume_step(t, hq, start_m, prev_hq, prev_m, next_hq, next_m, has_next, ls
     stage = t % STAGES
     phase = (t // STAGES) & 1
     # The operands that stay put (K, V, P) are addressed through a zero the compiler cannot see: otherwise it hoists
-    # their ~30 wgmma descriptors (one per 16-wide slice) out of the loop and spills them (the archived notebook, session 11).
+    # their ~30 wgmma descriptors (one per 16-wide slice) out of the loop and spills them (notebook, session 11).
     z = opaque_zero(t)
     k_all = k_smem.index(z).reshape([BLOCK_N, HEAD_DIM])
     k_w = k_all.slice(WG * WG_KEYS, WG_KEYS, dim=0)
@@ -334,7 +334,8 @@ def _finish(t_end, prev_hq, prev_m, dk, dv, b, k_all, ds_bufs, dq_w, dq_desc, ds
 
 
 @gluon.jit
-def _consumer(q_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, q_ready, do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, seqlen_q,
+def _consumer(q_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, q_ready,
+              do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, seqlen_q,
               seqlen_k, n_tiles, num_heads_kv, group_size, stride_lb, stride_lh, stride_dkb, stride_dks, stride_dkh,
               stride_dvb, stride_dvs, stride_dvh, qk_scale, softmax_scale, cu_seqlens_q, cu_seqlens_k,
               WG: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr, ATOMIC_DQ: gl.constexpr,

@@ -1,7 +1,7 @@
 """Prefill forward for sm_90 with warp specialisation (FA3's structure), written in Gluon.
 
 Why a second forward: the Triton kernel (attn_fwd.py) runs loads, both products and the softmax of a tile in one
-instruction stream per warpgroup, and Triton's own warp specialisation does not apply to it on sm_90 (the archived notebook,
+instruction stream per warpgroup, and Triton's own warp specialisation does not apply to it on sm_90 (notebook,
 session 8); it stayed at 0.78-0.86x cuDNN for d128. Gluon states the partitions and the pipeline explicitly:
 
   producer (1 warp, 24 registers): TMA loads of the two Q tiles, then K and V blocks into two rings of K_STAGES

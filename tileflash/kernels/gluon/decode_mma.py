@@ -1,10 +1,11 @@
 """Decode over an NVFP4 KV cache on sm_90, written in Gluon: every cache byte goes from global memory straight into
 the register of the thread that feeds it to the tensor cores.
 
-Why a second decode kernel (the Triton one is attn_fwd.py): an NVFP4 cache is read at 0.5625 bytes per value, so at the copy roofline an SM has ~4.5 issue slots per K/V value for the dequantisation,
-the products and the softmax. The Triton kernel spends them on moving the widened tiles through shared memory into
-the MMA operand layouts (byte gathers: 202 shared-memory loads per 128-token FP8 step) and ran the NVFP4 cache at
-~1.25 TB/s (30% of the copy ceiling, the archived notebook run 40). Here (the fragment design of lowp/kernels/gemm_mma.py):
+Why a second decode kernel (the Triton one is attn_fwd.py): an NVFP4 cache is read at 0.5625 bytes per value, so at the
+copy roofline an SM has ~4.5 issue slots per K/V value for the dequantisation, the products and the softmax. The Triton
+kernel spends them on moving the widened tiles through shared memory into the MMA operand layouts (byte gathers: 202
+shared-memory loads per 128-token FP8 step) and ran the NVFP4 cache at ~1.25 TB/s (30% of the copy ceiling, notebook run
+40). Here (the fragment design of lowp/kernels/gemm_mma.py):
 
   * Each warp owns its own tokens: a program's 4 warps step through BN-token blocks of the split independently,
     each with its own online-softmax state, merged once at the end (reductions over the warp axis of 3-D tensors;
@@ -28,10 +29,10 @@ the MMA operand layouts (byte gathers: 202 shared-memory loads per 128-token FP8
     the final normalisation. q is fp16, scaled per row by a power of two (common.fp16_row_scale).
 
 Serves flash_attn_with_kvcache for NVFP4 caches on sm_90 when plan/decode.py's quant_mma_config accepts the call
-(rows <= 16, head dim 64/128, contiguous or power-of-two pages, 16-byte aligned rows). FP8 caches take the Triton kernel: an FP8
-path here (e4m3x2 -> f16x2 widening) measured slower and was removed (session 20, `python -m tileflash sweep
-decode-quant`: b=1 ctx 32k 27.6 vs 26.2 us, b=64 ctx 4k 153.2 vs 138.9); other calls take the Triton kernel. What bounds it: the ALU
-pipe (~2 instructions per NVFP4 value, the widening ~1.6 of them; Nsight Compute run 95).
+(rows <= 16, head dim 64/128, contiguous or power-of-two pages, 16-byte aligned rows). FP8 caches take the Triton
+kernel: an FP8 path here (e4m3x2 -> f16x2 widening) measured slower and was removed (session 20, `python -m tileflash
+sweep decode-quant`: b=1 ctx 32k 27.6 vs 26.2 us, b=64 ctx 4k 153.2 vs 138.9); other calls take the Triton kernel. What
+bounds it: the ALU pipe (~2 instructions per NVFP4 value, the widening ~1.6 of them; Nsight Compute run 95).
 Grid (B * Hkv, num_splits), WARPS warps; split s covers its share of the sequence's visible keys
 in blocks of WARPS * BN tokens; split partials go to o_part / lse_part as attn_fwd's do (attn_combine merges them).
 No CPU interpreter: tests/sm90_compile_check.py compiles it, tests/kernels/test_gluon_decode_mma.py runs it on the GPU.

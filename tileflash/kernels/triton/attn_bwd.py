@@ -185,7 +185,7 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, q_desc, do_desc, desc_r
     descriptors over [rows, Hq, D] (row desc_row0 + token), no per-thread addresses; masked blocks keep pointer
     loads, which zero rows past seqlen_q (a descriptor would read the next sequence's rows there)."""
     # No modulo by the block count inside the loop: that count is 0 for an empty range, and a version that divided
-    # by it there crashed on the GPU with an illegal address (benchmarks/the archived notebook, run 29).
+    # by it there crashed on the GPU with an illegal address (notebook, run 29).
     first = lo + (rot % tl.maximum((hi - lo) // BLOCK_M, 1)) * BLOCK_M
     for start in range(lo, hi, BLOCK_M):
         start_m = start + (first - lo)

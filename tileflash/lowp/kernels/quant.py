@@ -10,8 +10,8 @@ Notation: rows of x viewed as [R, K] (leading dims flattened), K a multiple of 1
 e4m3 is encoded with integer arithmetic rather than `.to(tl.float8e4nv)`: the interpreter's fp8 cast rounds half-up,
 truncates subnormals and reads 0x7F as 480 instead of NaN, so only explicit bit maths gives the same bits on the CPU
 and the GPU. Decoding uses the hardware conversion on the GPU (GPU_ASM: inline PTX, sm_89+) and the same bit maths
-in the interpreter; both give the same bits. Divisions are `div_rn` (IEEE): Triton's `/` on fp32 is an approximate division on
-NVIDIA GPUs, which would move ties by an ulp away from the PyTorch reference.
+in the interpreter; both give the same bits. Divisions are `div_rn` (IEEE): Triton's `/` on fp32 is an approximate
+division on NVIDIA GPUs, which would move ties by an ulp away from the PyTorch reference.
 """
 import os
 
