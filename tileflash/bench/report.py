@@ -31,6 +31,9 @@ def load(directory: str) -> list[dict]:
         meta = {**data.get("env", {}), **data.get("meta", {})}
         if "rows" in data:  # a sweep: one table
             suites = {f"sweep {data.get('family', '?')}": data["rows"]}
+        elif "table" in data:  # a table copied from the archived notebook: {"title", "columns", "rows"}
+            suite = os.path.basename(path).split("-", 4)[-1].split("-")[0].removesuffix(".json")
+            suites = {suite: data["table"]}
         else:
             suites = {k: v for k, v in data.items() if k not in ("env", "meta") and isinstance(v, list) and v}
         out.append({"path": path, "meta": meta, "suites": suites})
@@ -42,7 +45,10 @@ def newest(results: list[dict]) -> dict:
     picked = {}
     for res in results:
         for suite, rows in res["suites"].items():
-            labels = tuple(sorted({str(r.get("label", r.get("op", r.get("shape", "")))) for r in rows}))
+            if isinstance(rows, dict):  # a copied table
+                labels = tuple(res["meta"].get("labels") or (rows.get("title", ""),))
+            else:
+                labels = tuple(sorted({str(r.get("label", r.get("op", r.get("shape", "")))) for r in rows}))
             picked[(suite, labels)] = (res, rows)
     return picked
 
@@ -84,13 +90,18 @@ def render(directory: str = RESULTS_DIR) -> str:
              "measurement of every suite. Do not edit by hand. Numbers before 2026-12-02 (sessions 1-19) are in the "
              "archived notebook, benchmarks/archive/notebook-2026-11.md.",
              ""]
-    for (suite, _), (res, rows) in sorted(newest(results).items(), key=lambda kv: kv[0]):
+    by_date = sorted(newest(results).items(), key=lambda kv: (str(kv[1][0]["meta"].get("date", "")),
+                                                              kv[1][0]["meta"].get("run") or 0), reverse=True)
+    for (suite, _), (res, rows) in sorted(by_date, key=lambda kv: kv[0][0]):  # by suite, newest first
         meta = res["meta"]
-        headers, body = table(rows)
+        headers, body = (rows["columns"], rows["rows"]) if isinstance(rows, dict) else table(rows)
+        software = (f"torch {meta['torch']}, triton {meta.get('triton', '?')}" if "torch" in meta
+                    else meta.get("env", "?"))
         parts += [f"## {suite} ({os.path.basename(res['path'])})", "",
-                  f"{meta.get('date', '?')}, {meta.get('device', '?')}, torch {meta.get('torch', '?')}, triton "
-                  f"{meta.get('triton', '?')}, run {meta.get('run', '?')}, commit {meta.get('commit', '?')}: "
-                  f"`{meta.get('command', '?')}`", ""]
+                  f"{meta.get('date', '?')}, {meta.get('device', meta.get('gpu', '?'))}, {software}, run "
+                  f"{meta.get('run', '?')}, commit {meta.get('commit', '?')}: `{meta.get('command', '?')}`", ""]
+        if isinstance(rows, dict) and rows.get("title"):
+            parts += [rows["title"], ""]
         if meta.get("notes"):
             parts += [meta["notes"], ""]
         parts += ["```", format_table(headers, body), "```", ""]
