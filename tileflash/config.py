@@ -24,7 +24,7 @@ KINDS = {
     "bwd_ws": "plan.backward.WsBwdConfig or None: the sm_90 Gluon dK/dV kernel's tiles",
     "decode": "plan.decode.DecodeConfig: the Triton decode's tiles (16-bit, FP8 and NVFP4 caches)",
     "mla_decode": "plan.decode.DecodeConfig: MLA (qv) decode tiles",
-    "quant_decode": "plan.decode.QuantDecodeConfig or None: the sm_90 register-operand FP8/NVFP4 decode",
+    "quant_decode": "plan.decode.QuantDecodeConfig or None: the sm_90 register-operand NVFP4 decode",
     "combine_pdl": "bool: the split combine launched as a programmatic dependent (sm_90)",
     "gemm": "plan.gemm.GemmConfig: the Triton NVFP4 GEMM's tiles",
     "gemm_mma": "plan.gemm.GemmMmaConfig or None: the sm_90 register-operand NVFP4 GEMM (M <= 16)",

@@ -59,9 +59,10 @@ def test_ws_forward(case, dtype):
     (128, 128, 3, 3, True), (64, 128, 3, 3, True), (256, 64, 3, 2, True),
 ])
 def test_ws_forward_tile_configs(d, block_n, k_stages, v_stages, persistent, causal):
-    """Every tile the sweeps measure (benchmarks/ws_sweep.py), launched directly into NaN-poisoned outputs: the K
-    and V rings of different depths wrap at different blocks (Sk spans 11-21 blocks), Sq < Sk shifts the diagonal,
-    and 9 tiles per head make 5 units of which the last is one tile alone: 160 units walked by 132 persistent CTAs."""
+    """Every tile the sweeps measure (`python -m tileflash sweep prefill-ws`), launched directly into NaN-poisoned
+    outputs: the K and V rings of different depths wrap at different blocks (Sk spans 11-21 blocks), Sq < Sk shifts
+    the diagonal, and 9 tiles per head make 5 units of which the last is one tile alone: 160 units walked by 132
+    persistent CTAs."""
     q, k, v = attention_inputs(2, 1100, 1300, 16, 4, d, torch.bfloat16)
     out = torch.full_like(q, float("nan"))
     lse = torch.full((2, 16, 1100), float("nan"), device=DEVICE)

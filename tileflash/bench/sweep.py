@@ -36,7 +36,7 @@ FAMILY_HELP = {
     "backward-ws": "bwd_ws / WsBwdConfig: the sm_90 Gluon dK/dV; same shapes",
     "decode": "decode / DecodeConfig: shapes batch,ctx,hq,hkv,d,page (page 0: contiguous), bf16, one token",
     "decode-mla": "mla_decode / DecodeConfig: shapes batch,ctx,hq (latent 512 + rotary 64, one KV head)",
-    "decode-quant": "quant_decode / QuantDecodeConfig: shapes batch,ctx,hq,hkv,d,fmt (fp8 / nvfp4)",
+    "decode-quant": "quant_decode / QuantDecodeConfig: shapes batch,ctx,hq,hkv,d,nvfp4 (the register-operand decode)",
     "gemm": "gemm / GemmConfig: the Triton NVFP4 GEMM; shapes m,n,k (bf16 activations)",
     "gemm-mma": "gemm_mma / GemmMmaConfig: the sm_90 register-operand GEMM (m <= 16); same shapes",
 }
@@ -47,7 +47,7 @@ class Family:
     kind: str  # tileflash.config kind
     config: type  # its dataclass
     shapes: tuple  # default shape tuples
-    make: Callable  # (shape, call_kw) -> (fn, nbytes_per_copy, metric(ms) -> (value, unit)); fn() -> output tensor
+    make: Callable  # (shape, call_kw) -> (fn or [fn per input copy], metric(ms) -> (value, unit)); fn() -> output
     rotate: bool = False  # time as graph replay over input copies (decode-sized calls)
     also: tuple = ()  # kinds forced to None (declined) in every variant, e.g. the Gluon path a Triton sweep bypasses
 
@@ -64,7 +64,7 @@ def _prefill(shape, kw):
     d, causal, s = shape
     (q, k, v), b, h = _prefill_inputs(d, s)
     flops = attn_fwd_flops(b, h, s, s, d, bool(causal))
-    return (lambda: tileflash.flash_attn_func(q, k, v, causal=bool(causal), **kw)), 0, \
+    return (lambda: tileflash.flash_attn_func(q, k, v, causal=bool(causal), **kw)), \
         lambda ms: (tflops(flops, ms), "TFLOP/s")
 
 
@@ -78,7 +78,7 @@ def _backward(shape, kw):
     dout = torch.randn_like(out)
     flops = attn_bwd_flops(b, h, s, s, d, bool(causal))
     return (lambda: torch.cat([g.flatten() for g in torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)])), \
-        0, lambda ms: (tflops(flops, ms), "TFLOP/s")
+        lambda ms: (tflops(flops, ms), "TFLOP/s")
 
 
 def _decode_cache(batch, ctx, hkv, d, page, dtype=BF16):
@@ -104,7 +104,7 @@ def _decode(shape, kw):
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     fns = [lambda c=c: tileflash.flash_attn_with_kvcache(c[0], c[1], c[2], cache_seqlens=lens, block_table=c[3],
                                                          **kw) for c in copies]
-    return fns, nbytes, lambda ms: (gbps(nbytes, ms) / 1000, "TB/s")
+    return fns, lambda ms: (gbps(nbytes, ms) / 1000, "TB/s")
 
 
 def _decode_mla(shape, kw):
@@ -121,28 +121,26 @@ def _decode_mla(shape, kw):
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     fns = [lambda c=c: tileflash.flash_attn_with_kvcache(c[0], c[2], c[3], qv=c[1], cache_seqlens=lens, **kw)
            for c in copies]
-    return fns, nbytes, lambda ms: (gbps(nbytes, ms) / 1000, "TB/s")
+    return fns, lambda ms: (gbps(nbytes, ms) / 1000, "TB/s")
 
 
 def _decode_quant(shape, kw):
     import tileflash
 
     batch, ctx, hq, hkv, d, fmt = shape
-    nbytes = int(decode_kv_bytes(batch, ctx, hkv, d, dtype_bytes=1 if fmt == "fp8" else 0.5625))
+    if fmt != "nvfp4":  # FP8 caches take the Triton kernel: the decode family sweeps them
+        raise ValueError(f"decode-quant: the register-operand decode reads NVFP4 caches only, not {fmt}")
+    nbytes = int(decode_kv_bytes(batch, ctx, hkv, d, dtype_bytes=0.5625))
     copies = []
     for _ in range(rotation_copies(nbytes)):
         kv = [torch.randn(batch, ctx, hkv, d, device="cuda") for _ in range(2)]
-        if fmt == "fp8":
-            (kc, ks), (vc, vs) = (tileflash.fp8_quantize(t) for t in kv)
-            extra = dict(k_scale=ks, v_scale=vs)
-        else:
-            (kc, ks, kg), (vc, vs, vg) = (tileflash.nvfp4_quantize(t) for t in kv)
-            extra = dict(k_scale=ks, v_scale=vs, k_global_scale=kg.reshape(1), v_global_scale=vg.reshape(1))
+        (kc, ks, kg), (vc, vs, vg) = (tileflash.nvfp4_quantize(t) for t in kv)
+        extra = dict(k_scale=ks, v_scale=vs, k_global_scale=kg.reshape(1), v_global_scale=vg.reshape(1))
         copies.append((torch.randn(batch, 1, hq, d, device="cuda", dtype=BF16), kc, vc, extra))
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     fns = [lambda c=c: tileflash.flash_attn_with_kvcache(c[0], c[1], c[2], cache_seqlens=lens, **c[3], **kw)
            for c in copies]
-    return fns, nbytes, lambda ms: (gbps(nbytes, ms) / 1000, "TB/s")
+    return fns, lambda ms: (gbps(nbytes, ms) / 1000, "TB/s")
 
 
 def _gemm(shape, kw):
@@ -153,7 +151,7 @@ def _gemm(shape, kw):
     copies = [(torch.randn(m, k, device="cuda", dtype=BF16),
                *tileflash.nvfp4_quantize(torch.randn(n, k, device="cuda"))) for _ in range(rotation_copies(nbytes))]
     fns = [lambda c=c: tileflash.nvfp4_matmul(*c, **kw) for c in copies]
-    return fns, nbytes, lambda ms: (tflops(gemm_flops(m, n, k), ms), "TFLOP/s")
+    return fns, lambda ms: (tflops(gemm_flops(m, n, k), ms), "TFLOP/s")
 
 
 _PREFILL_SHAPES = tuple((d, c, s) for d in (64, 128, 256) for c in (0, 1) for s in (1024, 4096, 16384))
@@ -169,8 +167,7 @@ FAMILIES = {
     "decode-mla": Family("mla_decode", plan.DecodeConfig, ((1, 32768, 128), (32, 4096, 128), (8, 32768, 16),
                                                            (128, 4096, 16)), _decode_mla, rotate=True),
     "decode-quant": Family("quant_decode", plan.QuantDecodeConfig,
-                           ((1, 32768, 32, 8, 128, "nvfp4"), (64, 4096, 32, 8, 128, "nvfp4"),
-                            (1, 32768, 32, 8, 128, "fp8"), (64, 4096, 32, 8, 128, "fp8")), _decode_quant,
+                           ((1, 32768, 32, 8, 128, "nvfp4"), (64, 4096, 32, 8, 128, "nvfp4")), _decode_quant,
                            rotate=True),
     "gemm": Family("gemm", plan.GemmConfig, ((1, 8192, 8192), (16, 8192, 8192), (64, 8192, 8192),
                                              (128, 8192, 8192), (128, 28672, 4096)), _gemm, rotate=True),
@@ -223,10 +220,6 @@ def _label(cfg: dict, call: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in {**cfg, **call}.items()) or "default"
 
 
-def _time(family: Family, fns) -> float:
-    return rotating_graph_ms(fns) if family.rotate else bench_ms(fns)
-
-
 def run_variant(family: Family, shape, cfg: dict, call: dict):
     """(ms, output, metric) of one variant, forced through config.override."""
     forced = dict.fromkeys(family.also)
@@ -235,10 +228,9 @@ def run_variant(family: Family, shape, cfg: dict, call: dict):
                                               else family.config(**cfg))
     with config.override(**forced):
         torch.manual_seed(0)  # every variant sees the same inputs, so outputs compare
-        fns, _, metric = family.make(shape, dict(call))
-        first = fns[0] if family.rotate else fns
-        out = first().float()
-        ms = _time(family, fns)
+        fns, metric = family.make(shape, dict(call))
+        out = (fns[0] if family.rotate else fns)().float()
+        ms = rotating_graph_ms(fns) if family.rotate else bench_ms(fns)
     return ms, out, metric
 
 

@@ -1,8 +1,9 @@
 """Policy: pure functions from shapes (and the target) to frozen configs, tested by properties and anchor rows in
 tests/plan/. What a call launches is decided here; the launch layer (tileflash.launch) only turns the choice into
 arguments. Measured reasons for each choice are in the docstrings; the numbers they cite are in benchmarks/results/
-and, as "notebook, run N", in benchmarks/archive/notebook-2026-11.md. Overrides for sweeps and tests:
-tileflash.config.override."""
+and, as "notebook, run N", in benchmarks/archive/notebook-2026-11.md; the scripts they name (sweep.py,
+config_sweep.py, ws_sweep.py, ws_bwd_sweep.py, splits_sweep.py, decode_quant_sweep.py, gemm_mma_sweep.py) were
+folded into `python -m tileflash sweep`. Overrides for sweeps and tests: tileflash.config.override."""
 from .target import (SHARED_MEM_PER_BLOCK, padded_head_dim, sm90_target, small_shared_memory, target_arch,
                     tensor_memory, tma_4d_ok, tma_aligned)  # noqa: F401
 from .prefill import (FwdConfig, Mask, ONE_WARPGROUP_MAX_KEYS, WsFwdConfig, fwd_config, fwd_ws_config, tma_tiles,

@@ -1,5 +1,5 @@
 """Backward policy: the Triton dK/dV and dQ tiles, and whether (and with which tiles) the sm_90 Gluon dK/dV kernel
-serves a call (tests/plan/test_plan_backward.py)."""
+serves a call (tests/plan/test_plan.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,7 +41,7 @@ class WsBwdConfig:
 def bwd_ws_config(head_dim: int, causal: bool, seqlen_k: int) -> WsBwdConfig | None:
     """Whether the backward takes the warp-specialised dK/dV kernel, by shape (ws_backward_config
     adds what the tensors and masks allow). Measured on the H200 (benchmarks/archive/notebook-2026-11.md, session 11:
-    `benchmarks/ws_bwd_sweep.py`, bf16, 16k tokens, 2048/d heads, TFLOP/s at s = 4k / 16k, same run):
+    `ws_bwd_sweep.py`, bf16, 16k tokens, 2048/d heads, TFLOP/s at s = 4k / 16k, same run):
       d128, 64 query rows per step: one fence per step vs two: full 504 / 558 vs 531 / 567, causal 475 / 568 vs
            441 / 545 (run 76), so one fence when causal only.
       d64, 128 rows, one fence: full 430 / 457, causal 387 / 463 (two fences 424 / 446, 366 / 433, run 76); 64 rows
@@ -63,7 +63,7 @@ def bwd_ws_config(head_dim: int, causal: bool, seqlen_k: int) -> WsBwdConfig | N
 
 
 def bwd_config(head_dim: int, interpret: bool = False, arch: int | None = 90) -> BwdConfig:
-    """Backward tiles per head dim, measured on the H200 (benchmarks/config_sweep.py bwd-d64 / bwd-d128 / bwd-det,
+    """Backward tiles per head dim, measured on the H200 (config_sweep.py bwd-d64 / bwd-d128 / bwd-det,
     bf16, 16k tokens at s = 4096, 2048/d heads, TFLOP/s = 2.5 x forward FLOPs / t, 2026-11-30):
       d64:  the separate dQ pass with (64, 64, 128, 32, warps 4/8, stages 3/3): 298 full / 288 causal (session 2);
             with atomic dQ the best tile, (64, 128 keys, 8 warps, 3 stages), ran 294 / 267 (run 25).

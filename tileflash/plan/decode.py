@@ -1,6 +1,6 @@
 """Decode policy: pack-GQA tiles, MLA tiles, the register-operand quantized decode's tiles, and how many KV splits a
 call takes. Pure functions of shapes and the SM count, never of tensor values, so decode calls can be captured in
-CUDA graphs (tests/plan/test_plan_decode.py)."""
+CUDA graphs (tests/plan/test_plan.py)."""
 from __future__ import annotations
 
 import functools
@@ -33,7 +33,7 @@ def decode_block_m(group_rows: int) -> int:
 
 
 # (KV tokens per step at head dim 128, pipeline stages, trans, programs an SM holds when that limits splitting)
-# by cache format; "-large" from LARGE_TILES_MIN_KV token-heads on. Measured on the H200 (benchmarks/config_sweep.py,
+# by cache format; "-large" from LARGE_TILES_MIN_KV token-heads on. Measured on the H200 (config_sweep.py,
 # CUDA-graph replay, 32/8 heads, d=128, 2026-11-30; notebook runs 7-18):
 # - 16-bit contiguous: 64 tokens, 2 stages, plain products (b=8 ctx 32k 258 us; 3 stages 303, trans 261); b=1 ctx
 #   8k/32k/128k within 1-4% of the best of 64/128 tokens x 2/3/4 stages at their best split counts (run 17; MQA
@@ -166,7 +166,7 @@ def num_splits_heuristic(batch: int, nheads_kv: int, m_tiles: int, max_seqlen_k:
     Without splitting there are batch*Hkv*m_tiles programs; at batch 1 that is 8 on a 132-SM GPU, which is how the
     sm_90 peer ends up at 0.4 TB/s. Split until about per_sm programs per SM are in flight, each split at least one
     block long; caches under MIN_SPLIT_TOKENS are not split (the combine's launch would cost more than the blocks
-    a split saves). Measured (benchmarks/splits_sweep.py --lengths, graph replay, H200, run 38): MQA (8/1 heads) at
+    a split saves). Measured (splits_sweep.py --lengths, graph replay, H200, run 38): MQA (8/1 heads) at
     b=1 gains down to one-block splits: ctx 8k 11.5 us at 128 splits vs 15.6 at 32 (the former 256-token floor), 16k
     12.8 at 256 vs 15.6, 32k 15.5 at 256 vs 17.4, 64k/128k unchanged at 256 (21.3 / 32.1); GQA (32/8 heads) b=1 ctx
     8k 20.8 at 33 vs 21.6 at 32, ctx 32k 49.6 at 33 (48.5 at 64), b=8 ctx 32k 262.5 at 5 (259.8 at 8).
@@ -224,7 +224,7 @@ QUANT_MMA_HEAD_DIMS = (64, 128)  # d256's 16 x 256 fp32 accumulator per warp spi
 QUANT_MMA_MAX_ROWS = 16  # one mma.sync M tile of query rows (Hq/Hkv x Sq)
 
 
-# Measured on the H200 (benchmarks/decode_quant_sweep.py, graph replay of the whole call, 32/8 heads, d=128, us;
+# Measured on the H200 (decode_quant_sweep.py, graph replay of the whole call, 32/8 heads, d=128, us;
 # notebook runs 89 and 93; variants (tokens per warp step, programs per SM), all with q in shared memory and the
 # transposed PV product):
 # - NVFP4, (32, 2) vs (16, 3): b=1 ctx 8k 19.0 vs 21.7, ctx 32k 32.6 vs 36.8, ctx 128k 80.4 vs 97.8, b=32 ctx 2k 45.9
@@ -318,8 +318,8 @@ def quant_mma_config(q, k_cache, v_cache, block_table, capacity: int, sp_overlap
     cache_leftpad, rotary, ALiBi, learnable_sink): only the Triton kernel has them."""
     if k_cache.dtype != torch.uint8 or q.shape[3] not in QUANT_MMA_HEAD_DIMS:  # NVFP4 only; d256 would spill
         return None
-    cfg = config.chosen("quant_decode", quant_decode_config(q.shape[3], KV_FORMATS.get(k_cache.dtype, "16bit"),
-                                                           q.shape[0] * k_cache.shape[2], capacity))
+    cfg = config.chosen("quant_decode", quant_decode_config(q.shape[3], "nvfp4", q.shape[0] * k_cache.shape[2],
+                                                           capacity))
     if cfg is None or sp_overlap or extras or not sm90_target():
         return None
     if q.shape[1] * (q.shape[2] // k_cache.shape[2]) > QUANT_MMA_MAX_ROWS:

@@ -1,5 +1,5 @@
 """NVFP4 GEMM policy: the Triton kernel's tiles and split-K, the register-operand kernel's slices for decode-sized M
-(tests/plan/test_plan_gemm.py)."""
+(tests/plan/test_plan.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,7 +30,7 @@ GEMM_MMA_MAX_M = 16  # one mma.sync M tile of activation rows
 
 
 # K steps (of 256 values) staged per program, 32 KiB of shared memory (raw + fp16 copies of 16 rows), and the most
-# N tiles a program takes. Run 79 (benchmarks/gemm_mma_sweep.py, graph replay, us, M = 1 / 16, split x tiles per
+# N tiles a program takes. Run 79 (gemm_mma_sweep.py, graph replay, us, M = 1 / 16, split x tiles per
 # program): N=K=8192 16x4 28.1 / 32.8, 16x2 31.5 / 36.1, 32x4 31.9 / 37.2, 8x3 (4 steps) 34.2 / 39.1; N=K=4096 all
 # within 17.6-18.1 / 18.9-20.1 (8x1: 17.3 / 19.2 in run 78).
 GEMM_MMA_SLICE_STEPS = 2
@@ -48,7 +48,7 @@ def gemm_mma_config(m: int, n: int, k: int, num_sms: int = 132, tiles_per_progra
     the fewest slices of at most GEMM_MMA_SLICE_STEPS steps; then each program takes as many N tiles as it needs
     for the programs to fit GEMM_MMA_PROGRAMS_PER_SM per SM, at most GEMM_MMA_MAX_TILES (staging a's slice is
     paid once per program).
-    tiles_per_program / split_k > 0 force those choices (benchmarks/gemm_mma_sweep.py)."""
+    tiles_per_program / split_k > 0 force those choices (gemm_mma_sweep.py)."""
     if m > GEMM_MMA_MAX_M:
         return None
     block_n, block_k = 64, 256
@@ -62,7 +62,7 @@ def gemm_mma_config(m: int, n: int, k: int, num_sms: int = 132, tiles_per_progra
 
 
 def gemm_config(m: int, n: int, k: int, interpret: bool = False, num_sms: int = 132) -> GemmConfig:
-    """Tile shape from the problem shape only (CUDA-graph safe). Measured on the H200 (benchmarks/config_sweep.py
+    """Tile shape from the problem shape only (CUDA-graph safe). Measured on the H200 (config_sweep.py
     gemm / gemm-small, graph replay). M <= 16: swapped products (c^T = w a^T, the weight tile on wgmma's M side)
     over 64-column weight tiles, K split into up to 4 slices until ~3 programs per SM are in flight (4 K steps per
     slice at least): M=1 N=K=4096 19.8 us with 4 slices, 23.5 with 2 (bf16 matmul 19.6); N=K=8192 40.1 us (bf16

@@ -1,5 +1,5 @@
 """Prefill forward policy: the Triton forward's tiles, and whether (and with which tiles) the sm_90 Gluon forward
-serves a call. Pure functions of shapes, masks and the target (tests/plan/test_plan_prefill.py)."""
+serves a call. Pure functions of shapes, masks and the target (tests/plan/test_plan.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -36,7 +36,7 @@ class Mask:
         return Mask(left, right, float(softcap))
 
 
-# Non-causal d128 takes the one-warpgroup tile up to this many keys (benchmarks/sweep.py, run 36, TFLOP/s, 64x64 vs
+# Non-causal d128 takes the one-warpgroup tile up to this many keys (sweep.py, run 36, TFLOP/s, 64x64 vs
 # 128x128: s=1k 452 vs 394, 2k 470 vs 452, 4k 487 vs 483 (runs 31-32 at 4k: 493 vs 487, 524 vs 484), 8k 491 vs
 # 496, 16k 498 vs 503): short rows of keys leave a 128-row program's prologue and epilogue exposed, which a second
 # program per SM hides.
@@ -45,7 +45,7 @@ ONE_WARPGROUP_MAX_KEYS = 4096
 
 def fwd_config(head_dim: int, causal: bool = False, interpret: bool = False, seqlen_k: int = 2 ** 30,
                arch: int | None = 90) -> FwdConfig:
-    """Measured on the H200 (benchmarks/sweep.py, s=4096, bf16, 2026-11-30; TFLOP/s in brackets).
+    """Measured on the H200 (sweep.py, s=4096, bf16, 2026-11-30; TFLOP/s in brackets).
     seqlen_k: keys per sequence (varlen: the longest). Triton's warp specialisation of this loop measured no gain
     on sm_90 with triton 3.6 (within 1%) and was removed (the Gluon forward is the warp-specialised one)."""
     d = padded_head_dim(head_dim)
@@ -93,7 +93,7 @@ class WsFwdConfig:
 def fwd_ws_config(head_dim: int, causal: bool, seqlen_k: int) -> WsFwdConfig | None:
     """Whether prefill takes the warp-specialised forward, by shape (ws_forward_config adds what the
     tensors and masks allow), measured on the H200 (bf16, 16k tokens, 2048/d heads, TFLOP/s at s = 1k / 2k / 4k /
-    8k / 16k, cuDNN in the same run; `benchmarks/ws_sweep.py`):
+    8k / 16k, cuDNN in the same run; `ws_sweep.py`):
       d128 (128 keys, 3 + 3 stages): one CTA per tile full 511-610 vs cuDNN 567-622, causal 385-614 vs 418-553
            (run 107). Persistent CTAs (run 108) at 1k / 2k: full 522 / 624 vs 524 / 575, causal 394 / 492 vs
            386 / 481; at 4k-16k within noise or slower (causal 16k 579 vs 617: a static round robin of 1024 units
@@ -141,8 +141,8 @@ def ws_forward_config(q4, k4, v4, out4, softmax_scale: float, mask: Mask, max_se
     return cfg if max_seqlen_k is None else replace(cfg, persistent=False)
 
 
-def tma_tiles(config, page_size: int, nvfp4: bool) -> bool:
+def tma_tiles(cfg, page_size: int, nvfp4: bool) -> bool:
     """Whether K/V tiles are asked for through TMA descriptors (row_descriptors may still decline the layout):
     NVFP4 tiles are decoded from bytes, not loaded as values, and a paged tile must lie inside one page (page_size
     0: a contiguous cache). Otherwise K/V rows are gathered by pointers."""
-    return config.tma and not nvfp4 and (page_size == 0 or page_size % config.block_n == 0)
+    return cfg.tma and not nvfp4 and (page_size == 0 or page_size % cfg.block_n == 0)
