@@ -16,10 +16,11 @@ from ..kernels.gluon import attn_bwd as gluon_bwd
 from ..kernels.triton.attn_bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
 from ..plan.backward import WsBwdConfig, bwd_config, ws_backward_config
 from ..plan.target import padded_head_dim, target_arch
-from .tensors import alibi_args, desc_4d, unused_pointer, row_descriptors, strides3
+from .tensors import alibi_args, desc_4d, launch_sum_cast, unused_pointer, row_descriptors, strides3
 
 
 PREPROCESS_BLOCK_ROWS = 32
+DQ_WORKSPACE_BYTES = 16 << 20  # b=1 s=1k 32 heads d128; beyond that the per-call allocation is noise
 
 
 def launch_attn_bwd_ws(q4, k4, v4, do4, lse2, delta, dk4, dv4, dq_acc, *, causal: bool, softmax_scale: float,
@@ -59,10 +60,10 @@ def _stats_numel(lse_shape) -> int:
     return bv * h * s
 
 
-def _stats_views(ws: torch.Tensor, lse3: torch.Tensor):
-    """(delta, lse2) in the workspace: contiguous fp32 tensors shaped like lse3 [B, H, S]."""
+def _stats_views(ws: torch.Tensor, lse3: torch.Tensor, start: int = 0):
+    """(delta, lse2) in the workspace from element `start`: contiguous fp32 tensors shaped like lse3 [B, H, S]."""
     n = _stats_numel(lse3.shape)
-    return [direct.derived(ws[i * n:(i + 1) * n].view(lse3.shape), ws) for i in range(2)]
+    return [direct.derived(ws[start + i * n:start + (i + 1) * n].view(lse3.shape), ws) for i in range(2)]
 
 
 def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, delta, lse2, dq_acc, *, cfg, ws, atomic_dq: bool,
@@ -171,6 +172,11 @@ class BwdPlan(direct.Replayable):
         self.atomic_dq = (ws.atomic_dq if ws is not None else cfg.atomic_dq) and not deterministic
         self.softmax_scale = softmax_scale
         self.stats_numel = _stats_numel(self.lse_shape)
+        # A small dQ accumulator lives in the workspace (an allocation less per call, where host time matters); a
+        # large one is allocated per call, so that the workspace, which only grows, never holds training-sized
+        # buffers. Rounded up to keep the statistics after it 16-byte aligned.
+        small = q.numel() * 4 <= DQ_WORKSPACE_BYTES
+        self.dq_ws_numel = _utils.cdiv(q.numel(), 4) * 4 if self.atomic_dq and small else 0
         self.kw = dict(cfg=cfg, ws=ws, atomic_dq=self.atomic_dq, varlen=self.varlen, num_batches=num_batches,
                        seqlen_q=seqlen_q, seqlen_k=seqlen_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                        softmax_scale=softmax_scale, window_left=window_left, window_right=window_right,
@@ -178,6 +184,8 @@ class BwdPlan(direct.Replayable):
 
     def _launch(self, q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes,
                 learnable_sink, dq, dk, dv, dsink, dq_acc, ws) -> None:
+        if self.dq_ws_numel:  # the fp32 dQ accumulator heads the workspace (a TMA descriptor's 16-byte aligned start)
+            dq_acc = direct.derived(ws[:dq.numel()].view(dq.shape), ws)
         if self.varlen:
             q, k, v, out, dout, dq, dk, dv, lse = (direct.derived(t.unsqueeze(0), t)
                                                    for t in (q, k, v, out, dout, dq, dk, dv, lse))
@@ -185,10 +193,12 @@ class BwdPlan(direct.Replayable):
                 dlse = direct.derived(dlse.unsqueeze(0), dlse)
             if dq_acc is not None:
                 dq_acc = direct.derived(dq_acc.unsqueeze(0), dq_acc)
-        delta, lse2 = _stats_views(ws, lse)
+        delta, lse2 = _stats_views(ws, lse, self.dq_ws_numel)
         _launch_bwd(q, k, v, out, lse, dout, dlse, dq, dk, dv, delta, lse2, dq_acc, cu_seqlens_q=cu_seqlens_q,
                     cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, alibi_slopes=alibi_slopes,
                     learnable_sink=learnable_sink, dsink=dsink, **self.kw)
+        if self.atomic_dq:
+            launch_sum_cast(dq_acc, dq, 1, self.softmax_scale)
 
     def run(self, q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes,
             learnable_sink):
@@ -201,15 +211,13 @@ class BwdPlan(direct.Replayable):
             dout = dout.contiguous()
         if dlse is not None:
             dlse = dlse.contiguous()  # read with lse's (contiguous) strides
-        # Zeroed by the preprocess launch; rows no program adds to (no visible key, outside every varlen sequence)
-        # keep the zeros: dQ = 0 there.
-        dq_acc = torch.empty_like(dq, dtype=torch.float32) if self.atomic_dq else None
+        # The fp32 dQ accumulator, zeroed by the preprocess launch; rows no program adds to (no visible key, outside
+        # every varlen sequence) keep the zeros: dQ = 0 there.
+        dq_acc = torch.empty_like(dq, dtype=torch.float32) if self.atomic_dq and not self.dq_ws_numel else None
         stream = direct.current_stream(q.device)
-        ws = direct.WORKSPACE.get(q.device, stream, 2 * self.stats_numel)
+        ws = direct.WORKSPACE.get(q.device, stream, self.dq_ws_numel + 2 * self.stats_numel)
         self.execute(self._launch, (q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k,
                                     alibi_slopes, learnable_sink, dq, dk, dv, dsink, dq_acc, ws), stream)
-        if self.atomic_dq:
-            torch.mul(dq_acc, self.softmax_scale, out=dq)
         return dq, dk, dv, dsink
 
 

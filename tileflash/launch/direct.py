@@ -113,7 +113,10 @@ class _Launch:
                "compiled": compiled, "grid": grid, "_Ptr": _Ptr}
         by_pos = {pos: (kind, slot, extra) for pos, kind, slot, extra in subs}
         raw = _raw_launcher(compiled) if any(kind == _DESC for _, kind, _, _ in subs) else None
-        pre, exprs = [], []
+        # Pointers go to Triton's C launcher as ints, each slot's read once: for a tensor it calls data_ptr() and
+        # cuPointerGetAttribute per argument (a decode launch has ~25 pointer arguments, most of them constants).
+        pointers = sorted({slot for _, kind, slot, _ in subs if kind != _DESC or raw is not None})
+        pre, exprs = [f"    s{slot} = slots[{slot}].data_ptr()" for slot in pointers], []
         for pos, value in enumerate(args):
             if pos not in by_pos:
                 if value is None or type(value) in (int, bool):
@@ -123,20 +126,19 @@ class _Launch:
 
                     env[f"c{pos}"] = tuple(nvidia_driver.make_tensordesc_arg(value, raw[1][pos]))
                     exprs.append(f"*c{pos}")
-                else:
-                    env[f"c{pos}"] = value
+                else:  # a constant tensor (kept alive by `constant`) by its address
+                    env[f"c{pos}"] = value.data_ptr() if isinstance(value, torch.Tensor) else value
                     exprs.append(f"c{pos}")
                 continue
             kind, slot, extra = by_pos[pos]
             if kind == _SLOT:
-                exprs.append(f"slots[{slot}]")
+                exprs.append(f"s{slot}")
             elif kind == _PTR:
-                exprs.append(f"slots[{slot}].data_ptr() + {extra}")
+                exprs.append(f"s{slot} + {extra}")
             elif raw is not None:  # an encoded descriptor, by its base pointer
                 offset, cls, fields = extra
                 env[f"m{pos}"] = _TensorMaps(cls, fields, raw[1][pos])
-                pre += [f"    p{pos} = slots[{slot}].data_ptr() + {offset}",
-                        f"    e{pos} = m{pos}.get(p{pos}) or m{pos}.miss(p{pos})"]
+                pre += [f"    p{pos} = s{slot} + {offset}", f"    e{pos} = m{pos}.get(p{pos}) or m{pos}.miss(p{pos})"]
                 exprs.append(f"*e{pos}")
             else:  # a TMA descriptor for the wrapper: the recorded one with this call's base
                 offset, cls, fields = extra
@@ -167,6 +169,7 @@ class _Launch:
         ])
         env["replay_hooked"] = self._hooked
         self._plain_args, self._subs = args, subs
+        self.source = src  # for a reader (and the tests): what a replay runs
         exec(compile(src, f"<tileflash launch of {compiled.name}>", "exec"), env)
         self.call = env["call"]
 

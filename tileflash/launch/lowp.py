@@ -12,6 +12,7 @@ from ..lowp.kernels.gemm_mma import nvfp4_matmul_mma_kernel
 from ..lowp.kernels.quant import nvfp4_dequantize_kernel, nvfp4_quantize_kernel
 from ..plan.gemm import gemm_config, gemm_mma_config
 from ..plan.target import sm90_target
+from .tensors import launch_sum_cast
 
 
 def quant_blocks(k: int) -> tuple[int, int]:
@@ -45,8 +46,8 @@ def launch_nvfp4_dequantize(d2, s2, global_scale, out) -> None:
 
 class GemmPlan(direct.Replayable):
     """One nvfp4_matmul call's kernel (the register-operand kernel for M <= 16 on sm_90, else the Triton one),
-    K slices and launch arguments; dest: out [M, N] in a's dtype, or fp32 partials [slices, M, N] that the run
-    sums afterwards (torch, in slice order)."""
+    K slices and launch arguments. With one K slice the kernel writes out [M, N] in a's dtype; with more, fp32
+    partials [slices, M, N] in the workspace, which a second launch sums in slice order into out."""
 
     def __init__(self, a, b_data, b_scales):
         (m, k), n = a.shape, b_data.shape[0]
@@ -64,12 +65,22 @@ class GemmPlan(direct.Replayable):
     def run(self, a, b_data, b_scales, b_global_scale):
         if self.empty:
             return a.new_empty(self.out_shape)
-        dest = (_utils.new_output(self.out_shape, self.dtype, self.device) if self.split == 1
-                else torch.empty((self.split, *self.out_shape), dtype=torch.float32, device=self.device))
-        self.execute(self._launch, (a, b_data, b_scales, b_global_scale, dest), direct.current_stream(self.device))
-        return dest if dest.dim() == 2 else dest.sum(0).to(self.dtype)
+        out = _utils.new_output(self.out_shape, self.dtype, self.device)
+        stream = direct.current_stream(self.device)
+        ws = direct.WORKSPACE.get(self.device, stream, self.split * out.numel()) if self.split > 1 else None
+        self.execute(self._launch, (a, b_data, b_scales, b_global_scale, out, ws), stream)
+        return out
 
-    def _launch(self, a, b_data, b_scales, b_global_scale, dest) -> None:
+    def _launch(self, a, b_data, b_scales, b_global_scale, out, ws) -> None:
+        split = self.split
+        if split == 1:
+            self._launch_gemm(a, b_data, b_scales, b_global_scale, out)
+            return
+        partials = direct.derived(ws[:split * out.numel()].view(split, *out.shape), ws)
+        self._launch_gemm(a, b_data, b_scales, b_global_scale, partials)
+        launch_sum_cast(partials, out, split)
+
+    def _launch_gemm(self, a, b_data, b_scales, b_global_scale, dest) -> None:
         (m, k), n = a.shape, b_data.shape[0]
         s_bits = direct.derived(b_scales.view(torch.uint8), b_scales)
         cfg, kps, split = self.cfg, self.k_per_split, self.split

@@ -7,7 +7,9 @@ import functools
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .. import _utils
 from . import direct
+from ..kernels.triton.cast import sum_cast_kernel
 from ..plan.target import padded_head_dim, tma_aligned
 
 
@@ -77,3 +79,14 @@ def desc_4d(t: torch.Tensor, block_rows: int, block_cols: int | None = None):
     block = [1, block_rows, 1, block_cols or t.shape[3]]
     layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, _GLUON_DTYPES[t.dtype]))
     return direct.derived(GluonDescriptor(t, list(t.shape), list(t.stride()), block, layout), t)
+
+
+SUM_CAST_BLOCK = 1024  # elements per program of sum_cast_kernel (an elementwise pass: not tuned)
+
+
+def launch_sum_cast(src: torch.Tensor, dst: torch.Tensor, slices: int, scale: float = 1.0) -> None:
+    """dst (contiguous, any float dtype) = scale * the sum of src's `slices` contiguous fp32 slices of dst's numel,
+    in slice order (kernels/triton/cast.py)."""
+    numel = dst.numel()
+    direct.launch(sum_cast_kernel, (_utils.cdiv(numel, SUM_CAST_BLOCK),), src, dst, numel, slices, numel, scale,
+                  BLOCK=SUM_CAST_BLOCK, INTERPRETED=_utils.is_interpreter(), num_warps=4)

@@ -306,9 +306,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
         lambda: _public_dense_plan(q, k, v, softmax_scale, causal, window_size, softcap, return_lse or grad,
                                    deterministic, alibi_slopes, learnable_sink))
     if grad:
-        out, lse = _AttnFunction.apply(q, k, v, plan, alibi_slopes, learnable_sink)
-    else:
-        out, lse = plan.run(q, k, v, alibi_slopes, learnable_sink)
+        return _attn_autograd(bool(return_lse), q, k, v, plan, alibi_slopes, learnable_sink)
+    out, lse = plan.run(q, k, v, alibi_slopes, learnable_sink)
     return (out, lse) if return_lse else out
 
 
@@ -341,18 +340,19 @@ class _AttnFunction(torch.autograd.Function):
     """Eager autograd for flash_attn_func / flash_attn_varlen_func: the plan's forward and the backward's plan,
     without the torch.library dispatch of the custom ops (which torch.compile still traces). The backward plans
     hang off the forward's: q, k, v, out, lse, alibi_slopes and learnable_sink are fixed by its signature, so only
-    dout and dlse key them."""
+    dout and dlse key them. lse is an output only when the caller asked for it: one output less for autograd to
+    track in a training step."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan, alibi_slopes, learnable_sink, *index):
+    def forward(ctx, return_lse, q, k, v, plan, alibi_slopes, learnable_sink, *index):
         out, lse = plan.run(q, k, v, alibi_slopes, learnable_sink, *index)
         ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, learnable_sink, *index)
         ctx.plan = plan
         ctx.set_materialize_grads(False)
-        return out, lse
+        return (out, lse) if return_lse else out
 
     @staticmethod
-    def backward(ctx, dout, dlse):
+    def backward(ctx, dout, dlse=None):
         if ctx.plan.backward_args is None:
             raise RuntimeError("flash_attn_varlen_func with block_table: paged keys have no backward (inputs that "
                                "require grad are accepted, as flash-attn does, for forward-only use); gather the pages "
@@ -369,7 +369,19 @@ class _AttnFunction(torch.autograd.Function):
             lambda: BwdPlan(q, k, v, dout, cu_q, seqused_k, alibi_slopes, learnable_sink, max_q, max_k, *rest))
         dq, dk, dv, dsink = bwd.run(q, k, v, out, lse, dout, dlse, cu_q, cu_k, seqused_k, alibi_slopes,
                                     learnable_sink)
-        return (dq, dk, dv, None, None, dsink) + (None,) * len(index)
+        return (None, dq, dk, dv, None, None, dsink) + (None,) * len(index)
+
+
+_FAST_APPLY = super(torch.autograd.Function, _AttnFunction).apply  # autograd's C++ entry point
+
+
+def _attn_autograd(return_lse: bool, *args):
+    """_AttnFunction.apply(return_lse, *args), entered through autograd's C++ entry point unless a functorch
+    transform is active: Function.apply's Python wrapper (default-argument binding, functorch's unwrapping) is host
+    time every layer of a training step pays."""
+    if torch._C._are_functorch_transforms_active():
+        return _AttnFunction.apply(return_lse, *args)
+    return _FAST_APPLY(return_lse, *args)
 
 
 def _check_cu_seqlens(name: str, t, device) -> None:
@@ -429,9 +441,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                     deterministic, alibi_slopes, learnable_sink))
     index = (cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
     if grad:
-        out, lse = _AttnFunction.apply(q, k, v, plan, alibi_slopes, learnable_sink, *index)
-    else:
-        out, lse = plan.run(q, k, v, alibi_slopes, learnable_sink, *index)
+        return _attn_autograd(bool(return_lse), q, k, v, plan, alibi_slopes, learnable_sink, *index)
+    out, lse = plan.run(q, k, v, alibi_slopes, learnable_sink, *index)
     return (out, lse) if return_lse else out
 
 

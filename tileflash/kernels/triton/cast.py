@@ -22,3 +22,17 @@ def store_cast(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
     if INTERPRETED and dtype == tl.bfloat16:
         x = round_bf16(x)
     return x.to(dtype)
+
+
+@triton.jit
+def sum_cast_kernel(src_ptr, dst_ptr, numel, slices, slice_stride, scale, BLOCK: tl.constexpr,
+                    INTERPRETED: tl.constexpr):
+    """dst[i] = scale * sum_s src[s * slice_stride + i], summed in slice order in fp32, stored in dst's dtype; src
+    fp32 slices and dst contiguous [numel]. One launch for what two torch ops did with their own host time each:
+    nvfp4_matmul's split-K sum (scale 1) and the backward's dQ = softmax_scale * its fp32 accumulator."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < numel
+    acc = tl.load(src_ptr + offs, mask=ok, other=0.0)
+    for s in range(1, slices):
+        acc += tl.load(src_ptr + s * slice_stride + offs, mask=ok, other=0.0)
+    tl.store(dst_ptr + offs, store_cast(acc * scale, dst_ptr.dtype.element_ty, INTERPRETED), mask=ok)
