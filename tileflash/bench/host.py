@@ -26,20 +26,30 @@ REPEATS = 7
 TOL = 3e-2  # max abs error of bf16 outputs (fp32 reference of the same inputs)
 
 
-def eager_us(fn, device, calls=CALLS, repeats=REPEATS) -> float:
-    """Median over repeats of (wall time of `calls` back-to-back calls, synchronised once) / calls."""
+def eager_us(fns: dict, device, calls=CALLS, repeats=REPEATS, context=None) -> dict:
+    """{name: median over repeats of (wall time of `calls` back-to-back calls of fns[name], synchronised once) /
+    calls}. The callables take turns within each repeat, so a slow spell of the host (this machine's eager times
+    drift by tens of microseconds between runs) falls on every backend of a row alike. context(name): entered
+    around each timed batch (an SDPA backend choice), or None."""
+    from contextlib import nullcontext
+
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    for _ in range(3):
-        fn()
+    context = context or (lambda name: nullcontext())
+    for name, fn in fns.items():
+        with context(name):
+            for _ in range(3):
+                fn()
     sync()
-    times = []
+    times = {name: [] for name in fns}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        sync()
-        times.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            with context(name):
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                sync()
+                times[name].append((time.perf_counter() - t0) / calls * 1e6)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def graph_us(fn) -> float:
@@ -188,6 +198,7 @@ def run_host(no_launch: bool = False) -> list[dict]:
         driver.set_active(Sm90CompileOnly())
     results, table = [], []
     for op, shape, backends, check in _cases(device, with_peers=not no_launch):
+        rows, timed = [], {}
         for name, fn in list(backends.items()) + ([("tileflash plain", _plain(backends["tileflash"]))]):
             if fn is None:
                 continue
@@ -195,22 +206,24 @@ def run_host(no_launch: bool = False) -> list[dict]:
                    "error": None}
             try:
                 with _backend_context(name):
+                    result = fn()  # a backend that fails here is left out of the timing
                     if not no_launch:
-                        rec["max_err"] = check(fn())
-                    rec["eager_us"] = eager_us(fn, device)
+                        rec["max_err"] = check(result)
                     # (a backward captured in a graph broke the capture on the H200: eager only)
                     if not no_launch and name != "tileflash plain" and "fwd+bwd" not in op:
                         rec["graph_us"] = graph_us(fn)
+                timed[name] = fn
             except Exception as e:  # a failing backend is reported, the run goes on
                 rec["error"] = peers.short_error(e)
                 print(f"  note: {op} {shape} {name} failed: {rec['error']}", flush=True)
-            results.append(rec)
+            rows.append(rec)
+        for name, us in eager_us(timed, device, context=_backend_context).items():
+            next(r for r in rows if r["backend"] == name)["eager_us"] = us
+        results += rows
         if not no_launch:
             torch.cuda.empty_cache()
-        ours = next((r["eager_us"] for r in results[-len(backends) - 1:] if r["backend"] == "tileflash"), None)
-        for r in results[-len(backends) - 1:]:
-            if r["shape"] != shape or r["op"] != op:
-                continue
+        ours = next((r["eager_us"] for r in rows if r["backend"] == "tileflash"), None)
+        for r in rows:
             ok = r["max_err"] is None or r["max_err"] <= TOL
             ratio = r["eager_us"] / ours if ours and r["eager_us"] else None
             table.append([op, shape, r["backend"], r["eager_us"], r["graph_us"],
