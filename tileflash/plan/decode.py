@@ -170,8 +170,8 @@ def num_splits_heuristic(batch: int, nheads_kv: int, m_tiles: int, max_seqlen_k:
     b=1 gains down to one-block splits: ctx 8k 11.5 us at 128 splits vs 15.6 at 32 (the former 256-token floor), 16k
     12.8 at 256 vs 15.6, 32k 15.5 at 256 vs 17.4, 64k/128k unchanged at 256 (21.3 / 32.1); GQA (32/8 heads) b=1 ctx
     8k 20.8 at 33 vs 21.6 at 32, ctx 32k 49.6 at 33 (48.5 at 64), b=8 ctx 32k 262.5 at 5 (259.8 at 8).
-    The SM target is rounded up unless that leaves splits of SHORT_SPLIT_TOKENS or fewer; then to the nearest
-    count (run 37, `--small`): b=32 ctx 2k (256 programs) 78.5 us at 1 split vs 79.4 at 2, d=64 48.1 vs 50.2, MQA
+    The SM target is rounded up as far as the splits stay longer than SHORT_SPLIT_TOKENS, and never below the
+    nearest count (run 37, `--small`): b=32 ctx 2k (256 programs) 78.5 us at 1 split vs 79.4 at 2, d=64 48.1 vs 50.2, MQA
     b=256 ctx 2k 78.8 vs 80.8, MQA b=128 ctx 1k 32.7 at 2 vs 34.4 at 3; long splits keep the count rounded up (b=32
     ctx 8k 260.3 at 2 vs 265.6 at 1, run 9; b=8 ctx 8k 80.0 at 5 vs 81.2 at 4, run 38).
     long_per_sm (0: per_sm): when the splits are longer than SHORT_SPLIT_TOKENS, as many as long_per_sm programs
@@ -190,11 +190,12 @@ def num_splits_heuristic(batch: int, nheads_kv: int, m_tiles: int, max_seqlen_k:
     by_length = cdiv(max_seqlen_k, block_n) if max_seqlen_k >= MIN_SPLIT_TOKENS else 1
     if not resident_per_sm:
         target = per_sm * num_sms
-        splits = cdiv(target, base)
-        if max_seqlen_k <= splits * SHORT_SPLIT_TOKENS:
-            splits = (2 * target + base) // (2 * base)  # target / base rounded to the nearest count
-        elif long_per_sm:
-            splits = max(splits, long_per_sm * num_sms // base)
+        nearest = (2 * target + base) // (2 * base)  # target / base rounded to the nearest count
+        long_count = max(cdiv(target, base), long_per_sm * num_sms // base)
+        # Up to long_count while the splits stay longer than SHORT_SPLIT_TOKENS, else the nearest count: each
+        # term falls with the batch, so more sequences never get more splits each (the former either/or, judged at
+        # one count and then taking another, gave b=5 9 splits against b=4's 8 at 32/8 heads ctx 8k).
+        splits = max(nearest, min(long_count, (max_seqlen_k - 1) // SHORT_SPLIT_TOKENS))
         return max(1, min(splits, by_length, MAX_SPLITS))
     splits = max(1, min(per_sm * num_sms // base, by_length, MAX_SPLITS))
     if resident_per_sm < per_sm:
