@@ -612,11 +612,9 @@ def _kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
         cache_seqlens = cache_seqlens.contiguous()  # read with unit stride by the kernels
         index = (cache_seqlens, *index[1:])
     plan = direct.plan_for(
-        _PLANS, lambda: (direct.tensor_key(q), direct.tensor_key(k_cache), direct.tensor_key(v_cache),
-                         direct.tensor_key(k), direct.tensor_key(v), *(direct.tensor_key(t) for t in index),
+        _PLANS, lambda: (*map(direct.tensor_key, (q, k_cache, v_cache, k, v, *index, *scales, qv)),
                          softmax_scale, causal, direct.window_key(window_size), softcap, rotary_interleaved,
-                         num_splits, return_lse, sp_overlap, validate, max_seqlen_q,
-                         *(direct.tensor_key(t) for t in (*scales, qv))),
+                         num_splits, return_lse, sp_overlap, validate, max_seqlen_q),
         lambda: _make_plan(q, k_cache, v_cache, k, v, index, softmax_scale, causal, window_size, softcap,
                            rotary_interleaved, num_splits, return_lse, sp_overlap, validate, scales, max_seqlen_q,
                            qv))
