@@ -17,29 +17,43 @@ from ...lowp.kernels.quant import NVFP4_PURE_ASM, NVFP4_SCALE_WORDS, nvfp4_unpac
 
 
 @triton.jit
-def _kv_row_offsets(offs_n, seqlen_k, bt_ptr, stride_page, stride_tok, PAGE_SIZE: tl.constexpr,
-                    MASK_N: tl.constexpr):
-    """Element offsets (int64) of KV tokens offs_n: contiguous rows (PAGE_SIZE 0), or rows gathered through the
-    block table, one table entry per token (any page size). PAGE_SIZE is a compile-time constant: the per-token
-    // and % by a run-time page size cost more ALU time than the loads they feed (paged decode ran up to 1.4x
-    slower than contiguous with it)."""
-    if PAGE_SIZE > 0:
-        if MASK_N:
-            page = tl.load(bt_ptr + offs_n // PAGE_SIZE, mask=offs_n < seqlen_k, other=0)
+def block_pages(bt_ptr, start_n, seqlen_k, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, USE_DESC: tl.constexpr,
+                MASK_N: tl.constexpr):
+    """The block table entries of KV tokens start_n .. start_n + BLOCK_N (a paged cache; 0 for a contiguous one):
+    one page (a scalar) when a TMA descriptor reads the block, whose page holds whole blocks, else each token's
+    page ([BLOCK_N], tokens at or past seqlen_k on page 0 when MASK_N). The loop loads a block's pages one step
+    ahead of its K and V loads, which wait on them."""
+    pages = 0
+    if PAGE_SIZE > 0:  # (one return: the compiler types every return statement, taken or not)
+        if USE_DESC:
+            pages = tl.load(bt_ptr + start_n // PAGE_SIZE)
         else:
-            page = tl.load(bt_ptr + offs_n // PAGE_SIZE)
-        return page.to(tl.int64) * stride_page + (offs_n % PAGE_SIZE).to(tl.int64) * stride_tok
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            if MASK_N:
+                pages = tl.load(bt_ptr + offs_n // PAGE_SIZE, mask=offs_n < seqlen_k, other=0)
+            else:
+                pages = tl.load(bt_ptr + offs_n // PAGE_SIZE)
+    return pages
+
+
+@triton.jit
+def _kv_row_offsets(offs_n, pages, stride_page, stride_tok, PAGE_SIZE: tl.constexpr):
+    """Element offsets (int64) of KV tokens offs_n: contiguous rows (PAGE_SIZE 0), or rows in the tokens' pages
+    (block_pages; any page size). PAGE_SIZE is a compile-time constant: the per-token // and % by a run-time page
+    size cost more ALU time than the loads they feed (paged decode ran up to 1.4x slower than contiguous with it)."""
+    if PAGE_SIZE > 0:
+        return pages.to(tl.int64) * stride_page + (offs_n % PAGE_SIZE).to(tl.int64) * stride_tok
     else:
         return offs_n.to(tl.int64) * stride_tok
 
 
 @triton.jit
-def _kv_tile(base, sbase, start_n, seqlen_k, bt_ptr, stride_page, stride_tok, sstride_page, sstride_tok, desc_row0,
+def _kv_tile(base, sbase, start_n, seqlen_k, pages, stride_page, stride_tok, sstride_page, sstride_tok, desc_row0,
              head_kv, offs_d, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
              USE_DESC: tl.constexpr, KV_NVFP4: tl.constexpr, MASK_N: tl.constexpr, TILE_DTYPE: tl.constexpr):
     """The [BLOCK_N, DP] K or V tile of tokens start_n.. : through a TMA tensor descriptor (base is a descriptor over
     [rows, Hkv, D], contiguous or a page pool whose pages hold whole tiles; columns past D arrive as zeros), or by
-    pointers (contiguous or paged, any page size). Rows at or past seqlen_k
+    pointers (contiguous or paged, any page size); pages: the block's block_pages. Rows at or past seqlen_k
     are zero when MASK_N (with a descriptor they belong to the next sequence: never let them reach P @ V).
     KV_NVFP4 (NVFP4_SCALE_BYTES or _WORDS, plus NVFP4_PURE_ASM off sm_90): base holds packed e2m1 pairs [.., D/2]
     and sbase the e4m3 scale of each 16 elements [.., D/16] (strides sstride_*); the tile is decoded in registers
@@ -47,9 +61,9 @@ def _kv_tile(base, sbase, start_n, seqlen_k, bt_ptr, stride_page, stride_tok, ss
     offs_n = start_n + tl.arange(0, BLOCK_N)
     if KV_NVFP4:
         row_ok = offs_n[:, None] < seqlen_k
-        row_off = _kv_row_offsets(offs_n, seqlen_k, bt_ptr, stride_page, stride_tok, PAGE_SIZE, MASK_N)
+        row_off = _kv_row_offsets(offs_n, pages, stride_page, stride_tok, PAGE_SIZE)
         offs_b = tl.arange(0, HEAD_DIM // 2)
-        s_off = _kv_row_offsets(offs_n, seqlen_k, bt_ptr, sstride_page, sstride_tok, PAGE_SIZE, MASK_N)
+        s_off = _kv_row_offsets(offs_n, pages, sstride_page, sstride_tok, PAGE_SIZE)
         scale_words: tl.constexpr = KV_NVFP4 % NVFP4_PURE_ASM == NVFP4_SCALE_WORDS
         if scale_words:  # rows of scales 4-byte aligned: four scales per int32
             s_ptrs = (sbase + s_off[:, None]).to(tl.pointer_type(tl.int32)) + tl.arange(0, HEAD_DIM // 64)[None, :]
@@ -65,14 +79,14 @@ def _kv_tile(base, sbase, start_n, seqlen_k, bt_ptr, stride_page, stride_tok, ss
         t = nvfp4_unpack_tile(packed, s_bits, BLOCK_N, HEAD_DIM, pure)
     elif USE_DESC:
         if PAGE_SIZE > 0:  # the launcher takes descriptors only when a page holds whole tiles
-            row = tl.load(bt_ptr + start_n // PAGE_SIZE) * PAGE_SIZE + start_n % PAGE_SIZE
+            row = pages * PAGE_SIZE + start_n % PAGE_SIZE
         else:
             row = desc_row0 + start_n
         t = base.load([row, head_kv, 0]).reshape(BLOCK_N, offs_d.shape[0])
         if MASK_N:
             t = tl.where(offs_n[:, None] < seqlen_k, t, 0.0)
     else:
-        row_off = _kv_row_offsets(offs_n, seqlen_k, bt_ptr, stride_page, stride_tok, PAGE_SIZE, MASK_N)
+        row_off = _kv_row_offsets(offs_n, pages, stride_page, stride_tok, PAGE_SIZE)
         ptrs = base + row_off[:, None] + offs_d[None, :]
         if MASK_N:
             t = tl.load(ptrs, mask=(offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM), other=0.0)
@@ -187,18 +201,20 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
     if SP_OVERLAP:
         tl.static_assert(not HAS_QV, "MLA (qv) takes the plain loop")
         if lo < hi:
-            k, offs_n = _kv_tile(k_base, k_sbase, lo, seqlen_k, bt_ptr, stride_k_page, stride_k_tok, sstride_page,
+            pages = block_pages(bt_ptr, lo, seqlen_k, BLOCK_N, PAGE_SIZE, USE_DESC, MASK)
+            k, offs_n = _kv_tile(k_base, k_sbase, lo, seqlen_k, pages, stride_k_page, stride_k_tok, sstride_page,
                                  sstride_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC,
                                  KV_NVFP4, MASK, TILE_DTYPE)
             s = _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right,
                         alibi_slope, SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES, ALIBI)
             for start_n in range(lo, hi, BLOCK_N):
-                v, _ = _kv_tile(v_base, v_sbase, start_n, seqlen_k, bt_ptr, stride_v_page, stride_v_tok,
+                v, _ = _kv_tile(v_base, v_sbase, start_n, seqlen_k, pages, stride_v_page, stride_v_tok,
                                 sstride_page, sstride_tok, desc_row0, head_kv, offs_dv, HEAD_DIM_V, BLOCK_N,
                                 PAGE_SIZE, USE_DESC, KV_NVFP4, MASK, TILE_DTYPE)
                 # Next block's scores first (clamped to the last block on the final step; the result is unused).
                 next_start = tl.minimum(start_n + BLOCK_N, hi - BLOCK_N)
-                k_next, next_n = _kv_tile(k_base, k_sbase, next_start, seqlen_k, bt_ptr, stride_k_page,
+                pages = block_pages(bt_ptr, next_start, seqlen_k, BLOCK_N, PAGE_SIZE, USE_DESC, MASK)
+                k_next, next_n = _kv_tile(k_base, k_sbase, next_start, seqlen_k, pages, stride_k_page,
                                           stride_k_tok, sstride_page, sstride_tok, desc_row0, head_kv, offs_d,
                                           HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4, MASK, TILE_DTYPE)
                 s_next = _scores(q, k_next, qk_scale, softcap_scale, q_pos, next_n, seqlen_k, window_left,
@@ -206,20 +222,26 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
                                  ALIBI)
                 acc, m_i, l_i = _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS, RAW_SCORES)
                 s = s_next
-    else:
+    elif lo < hi:  # (no table entry is read for an empty range: lo may be past the table's end)
+        pages = block_pages(bt_ptr, lo, seqlen_k, BLOCK_N, PAGE_SIZE, USE_DESC, MASK)
         for start_n in range(lo, hi, BLOCK_N):
-            acc, m_i, l_i = _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr,
+            # The next block's pages a step ahead (the last step reloads its own): a paged cache's K and V loads
+            # wait on them.
+            next_pages = block_pages(bt_ptr, tl.minimum(start_n + BLOCK_N, hi - BLOCK_N), seqlen_k, BLOCK_N,
+                                     PAGE_SIZE, USE_DESC, MASK)
+            acc, m_i, l_i = _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, pages,
                                         stride_k_page, stride_k_tok, stride_v_page, stride_v_tok, sstride_page,
                                         sstride_tok, desc_row0, head_kv, offs_d, seqlen_k, start_n, qk_scale,
                                         softcap_scale, window_left, window_right, alibi_slope, HEAD_DIM,
                                         BLOCK_N, MASK, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT, HAS_RIGHT,
                                         SOFTCAP, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv, HEAD_DIM_V,
                                         HAS_QV)
+            pages = next_pages
     return acc, m_i, l_i
 
 
 @triton.jit
-def _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr, stride_k_page, stride_k_tok,
+def _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, pages, stride_k_page, stride_k_tok,
                 stride_v_page, stride_v_tok, sstride_page, sstride_tok, desc_row0, head_kv, offs_d, seqlen_k, start_n,
                 qk_scale, softcap_scale, window_left, window_right, alibi_slope, HEAD_DIM: tl.constexpr,
                 BLOCK_N: tl.constexpr, MASK: tl.constexpr, PAGE_SIZE: tl.constexpr, USE_DESC: tl.constexpr,
@@ -227,11 +249,11 @@ def _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_pt
                 TILE_DTYPE: tl.constexpr, TRANS: tl.constexpr, RAW_SCORES: tl.constexpr, ALIBI: tl.constexpr, qv,
                 offs_dv, HEAD_DIM_V: tl.constexpr, HAS_QV: tl.constexpr):
     """One block of the plain loop: load K, scores, load V, online softmax and PV (MLA: V before the scores)."""
-    k, offs_n = _kv_tile(k_base, k_sbase, start_n, seqlen_k, bt_ptr, stride_k_page, stride_k_tok, sstride_page,
+    k, offs_n = _kv_tile(k_base, k_sbase, start_n, seqlen_k, pages, stride_k_page, stride_k_tok, sstride_page,
                          sstride_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4,
                          MASK, TILE_DTYPE)
     if HAS_QV:
-        v, _ = _kv_tile(v_base, v_sbase, start_n, seqlen_k, bt_ptr, stride_v_page, stride_v_tok, sstride_page,
+        v, _ = _kv_tile(v_base, v_sbase, start_n, seqlen_k, pages, stride_v_page, stride_v_tok, sstride_page,
                         sstride_tok, desc_row0, head_kv, offs_dv, HEAD_DIM_V, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4,
                         MASK, TILE_DTYPE)
         s = _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right, alibi_slope,
@@ -239,7 +261,7 @@ def _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_pt
     else:
         s = _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right, alibi_slope,
                     SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES, ALIBI)
-        v, _ = _kv_tile(v_base, v_sbase, start_n, seqlen_k, bt_ptr, stride_v_page, stride_v_tok, sstride_page,
+        v, _ = _kv_tile(v_base, v_sbase, start_n, seqlen_k, pages, stride_v_page, stride_v_tok, sstride_page,
                         sstride_tok, desc_row0, head_kv, offs_dv, HEAD_DIM_V, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4,
                         MASK, TILE_DTYPE)
     return _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS, RAW_SCORES)
