@@ -10,8 +10,9 @@ from ..launch.forward import launch_merge
 
 class MergePlan(direct.Replayable):
     def __init__(self, out_a, lse_a):
-        self.out_shape, self.lse_shape, self.dtype, self.device = out_a.shape, lse_a.shape, out_a.dtype, out_a.device
+        self.device = out_a.device
         self.three_d = out_a.dim() == 3
+        self.empty = out_a.numel() == 0
 
     def _launch(self, oa, la, ob, lb, out, lse) -> None:
         if self.three_d:  # [T, H, D] with lse [H, T] is the batch-1 case of [B, S, H, D] with [B, H, S]
@@ -20,7 +21,7 @@ class MergePlan(direct.Replayable):
 
     def run(self, out_a, lse_a, out_b, lse_b):
         out, lse = _utils.new_output_like(out_a), _utils.new_output_like(lse_a)
-        if out.numel() == 0:  # nothing to launch for; an empty head dim still has LSEs to merge
+        if self.empty:  # nothing to launch for; an empty head dim still has LSEs to merge
             return out, torch.logaddexp(lse_a, lse_b)
         self.execute(self._launch, (out_a, lse_a, out_b, lse_b, out, lse), direct.current_stream(self.device))
         return out, lse
