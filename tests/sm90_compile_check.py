@@ -178,6 +178,23 @@ def _cases(arch: int = 90):
             return lambda: _avoids((attn_fwd_ws_kernel,), call)
         return lambda: _compiles((attn_fwd_ws_kernel, attn_bwd_preprocess_kernel), call)
 
+    def fp8_prefill(d, causal=False, b=2, s=1024, packed=False, page=0):
+        """FP8 attention (e4m3 q, k, v with descales) through the Triton forward: padded, packed or paged."""
+        q8, k8, v8 = (torch.randn(b, s, h, d).to(torch.float8_e4m3fn) for h in (8, 2, 2))
+        qd, kd, vd = (torch.rand(b, 2) for _ in range(3))
+        if not packed:
+            return tileflash.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
+        cu = torch.arange(0, b * s + 1, s, dtype=torch.int32)
+        q8, k8, v8 = (t.flatten(0, 1) for t in (q8, k8, v8))
+        table = seqused = None
+        if page:
+            k8, v8 = (t.view(-1, page, 2, d) for t in (k8, v8))
+            table = torch.arange(k8.shape[0], dtype=torch.int32).view(b, -1)
+            seqused = torch.full((b,), s, dtype=torch.int32)
+        return tileflash.flash_attn_varlen_func(q8, k8, v8, cu, cu, s, s, seqused_k=seqused, causal=causal,
+                                                block_table=table, q_descale=qd, k_descale=kd, v_descale=vd,
+                                                out_dtype=fp16)
+
     def sinks_on_triton(call):
         """Run a decode with learnable_sink whose shape would take the register-operand kernel: it must compile
         the Triton kernel's HAS_SINK variant and the split combine instead."""
@@ -231,6 +248,13 @@ def _cases(arch: int = 90):
             lambda: tileflash.flash_attn_func(*(torch.randn(1, 2304, 2, 128, dtype=bf) for _ in range(3)),
                                               causal=True)),
         "varlen fwd+bwd": varlen,
+        "prefill fp8 d64 causal": lambda: fp8_prefill(64, causal=True),
+        "prefill fp8 d128": lambda: fp8_prefill(128),
+        "prefill fp8 d128 causal": lambda: fp8_prefill(128, causal=True),
+        "prefill fp8 d256": lambda: fp8_prefill(256),
+        "prefill fp8 d80 packed, fp16 out (V^T by pointers)": lambda: fp8_prefill(80, s=1000, packed=True),
+        "prefill fp8 d128 causal paged (page 128)": lambda: fp8_prefill(128, causal=True, packed=True,
+                                                                         page=128),
         "decode 16-bit contiguous": lambda: decode("16bit"),
         "decode 16-bit paged append": lambda: decode("16bit", append=True, paged=True),
         "decode 16-bit paged, large cache (128-token steps)": lambda: decode("16bit", paged=True, ctx=16384),
@@ -319,7 +343,7 @@ def _resource_usage():
 def _needs_fp8(name: str) -> bool:
     """Cases of FP8 / NVFP4 kernels (FP8 and NVFP4 caches, NVFP4 dequantization, the NVFP4 GEMM): their e4m3
     conversions need sm_89+. (fp8_quantize is torch code; nvfp4_quantize's kernel builds e4m3 bits by integer ops.)"""
-    return any(word in name for word in ("decode fp8", "decode nvfp4", "nvfp4_dequantize", "gemm"))
+    return any(word in name for word in ("decode fp8", "prefill fp8", "decode nvfp4", "nvfp4_dequantize", "gemm"))
 
 
 def main() -> int:

@@ -34,7 +34,8 @@ def tile_dtype(dtype: torch.dtype):
     """The Triton dtype attention tiles are computed in: the query dtype, or fp32 when the interpreter upcasts."""
     import triton.language as tl
 
-    return tl.float32 if upcast_tiles() else {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
+    return tl.float32 if upcast_tiles() else {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
+                                              torch.float8_e4m3fn: tl.float8e4nv}[dtype]
 
 
 @functools.lru_cache(maxsize=None)

@@ -37,8 +37,10 @@ def alibi_bias(alibi_slopes, seqlen_q: int, seqlen_k: int) -> torch.Tensor:
 
 
 def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, upcast=True,
-                  alibi_slopes=None, learnable_sink=None):
+                  alibi_slopes=None, learnable_sink=None, intermediate_dtype=None):
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] -> (out [B, Sq, Hq, D] in q's dtype, lse [B, Hq, Sq] float32).
+    intermediate_dtype (flash-attn's rule for FP8): the probabilities are rounded to it before the PV product (the
+    low-precision reference of FP8 attention, on dequantized inputs).
     alibi_slopes [Hq] or [B, Hq]: alibi_bias is added after the scale and softcap, before the mask.
     learnable_sink [Hq]: one more logit column per row (unscaled, never masked) with no value: it enters the
     logsumexp, so lse includes it and p = exp(s - lse) sums to less than 1 (autograd reaches the sink)."""
@@ -63,6 +65,8 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1
         sink = learnable_sink.float()[None, :, None, None].expand(b, hq, sq, 1)
         lse = torch.logsumexp(torch.cat([s, sink], dim=-1), dim=-1)  # >= sink: out = 0 where no key is seen
     p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    if intermediate_dtype is not None:
+        p = p.to(intermediate_dtype).to(p.dtype)
     out = torch.einsum("bhqk,bkhd->bqhd", p.to(v.dtype), v)
     return out.to(dtype), lse
 

@@ -14,6 +14,7 @@ from tileflash.bench import peers
 from tileflash.bench.formulas import (
     BF16_GEMM_TFLOPS,
     COPY_TBPS,
+    FP8_GEMM_TFLOPS,
     attn_bwd_flops,
     attn_fwd_flops,
     decode_kv_bytes,
@@ -33,6 +34,9 @@ from tileflash.lowp.formats import e4m3_saturate
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
 TOL = 2e-2  # max abs error allowed for bf16 outputs
+# FP8 attention's rows, against the fp32 reference of their dequantized inputs: P is rounded to e4m3 (steps of
+# 2^-4 relative), which is the format's own error, not the kernel's.
+FP8_TOL = 4e-2
 # The fp32 reference covers a slice, so its [S, S] score matrix stays small at 16k tokens.
 CHECK_KV_HEADS = 2  # prefill: batch 0, the q heads of the first 2 kv heads
 CHECK_BATCH = 4  # decode: the first 4 sequences, all heads
@@ -247,15 +251,33 @@ def _summary(results, key):
     return "  ".join(f"{n} {format_cell(r.get(key) if r else None)}" for n, r in results.items())
 
 
+def _fp8_prefill(tf, q, k, v, causal, hk):
+    """(tileflash's FP8 attention on e4m3 copies of q, k, v, quantized once outside the timing; the fp32 reference
+    of those copies' values on the checked slice: batch 0, the q heads of the first hk kv heads)."""
+    q8, k8, v8, qd, kd, vd = tf.fp8_quantize_qkv(q, k, v)
+    group = q.shape[2] // k.shape[2]
+
+    def values(x8, descale, g):
+        return x8[:1, :, :hk * g].float() * descale[:1, :hk].repeat_interleave(g, 1)[:, None, :, None]
+
+    ref = reference_fp32(values(q8, qd, group), values(k8, kd, 1), values(v8, vd, 1), causal)
+    return lambda: tf.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd), ref
+
+
 def _prefill_one(shape, tf, note):
     b, s, h, d, causal = (shape[k] for k in ("batch", "seqlen", "nheads", "d", "causal"))
     q, k, v = (_randn(b, s, h, d) for _ in range(3))
     hk = min(CHECK_KV_HEADS, k.shape[2])
     hq = hk * (q.shape[2] // k.shape[2])
     ref = reference_fp32(q[:1, :, :hq], k[:1, :, :hk], v[:1, :, :hk], causal)
+    fp8 = {}
 
     def check(out):
         return max_abs_err(out[:1, :, :hq], ref)
+
+    def fp8_build():
+        fn, fp8["ref"] = _fp8_prefill(tf, q, k, v, causal, hk)
+        return fn
 
     builders = {
         "tileflash": lambda: lambda: tf.flash_attn_func(q, k, v, causal=causal),
@@ -265,25 +287,34 @@ def _prefill_one(shape, tf, note):
     }
     flops = attn_fwd_flops(b, h, s, s, d, causal)
     results = _measure_tflops(builders, check, note, flops)
-    tf_tflops = results["tileflash"]["TFLOP/s"]
+    bf16_speedup = speedup(results, ("tileflash",))  # no FP8 peer imports here: FP8 rows have no ratio to one
+    rec = _measure("tileflash_fp8", fp8_build, lambda out: max_abs_err(out[:1, :, :hq], fp8["ref"]), note, FP8_TOL)
+    rec["TFLOP/s"] = tflops(flops, rec["ms"]) if rec["ms"] else None
+    results["tileflash_fp8"] = rec
+    tf_tflops, fp8_tflops = results["tileflash"]["TFLOP/s"], rec["TFLOP/s"]
     return {
         **shape,
         "flops": flops,
         "backends": results,
-        "speedup": speedup(results, ("tileflash",)),
+        "speedup": bf16_speedup,
         "pct_bf16_gemm": 100 * tf_tflops / BF16_GEMM_TFLOPS if tf_tflops else None,
+        "fp8_vs_bf16": fp8_tflops / tf_tflops if fp8_tflops and tf_tflops else None,
+        "pct_fp8_gemm": 100 * fp8_tflops / FP8_GEMM_TFLOPS if fp8_tflops else None,
     }
 
 
 def prefill_table(rows):
-    headers = ["d", "causal", "seqlen", "tileflash", "SDPA-flash", "SDPA-cuDNN", "FA4", "tf/best", "%GEMM", "failed"]
+    headers = ["d", "causal", "seqlen", "tileflash", "SDPA-flash", "SDPA-cuDNN", "FA4", "tf/best", "%GEMM",
+               "tf-FP8", "fp8/bf16", "%FP8GEMM", "failed"]
     body = [
         [r["d"], r["causal"], r["seqlen"], *(_field(r, n, "TFLOP/s") for n in PREFILL_BACKENDS),
-         r["speedup"], r["pct_bf16_gemm"], _failed(r)]
+         r["speedup"], r["pct_bf16_gemm"], _field(r, "tileflash_fp8", "TFLOP/s"), r.get("fp8_vs_bf16"),
+         r.get("pct_fp8_gemm"), _failed(r)]
         for r in rows
     ]
     title = (f"Prefill forward, bf16, TFLOP/s (BF16 GEMM ceiling {BF16_GEMM_TFLOPS:.0f}); "
-             "tf/best > 1: tileflash faster than the best peer")
+             "tf/best > 1: tileflash faster than the best peer; tf-FP8: e4m3 q, k, v with descales (FP8 GEMM "
+             f"ceiling {FP8_GEMM_TFLOPS:.0f})")
     return format_table(headers, body, title=title)
 
 

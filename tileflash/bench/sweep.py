@@ -32,6 +32,7 @@ BF16 = torch.bfloat16
 FAMILY_HELP = {
     "prefill": "fwd / FwdConfig: the Triton forward; shapes d,causal,seqlen (16k tokens, 2048/d heads, bf16)",
     "prefill-ws": "fwd_ws / WsFwdConfig: the sm_90 Gluon forward; same shapes",
+    "prefill-fp8": "fwd / FwdConfig: the Triton forward on e4m3 q, k, v with descales; same shapes",
     "backward": "bwd / BwdConfig: the Triton backward; same shapes (deterministic via --vary deterministic=1)",
     "backward-ws": "bwd_ws / WsBwdConfig: the sm_90 Gluon dK/dV; same shapes",
     "decode": "decode / DecodeConfig: shapes batch,ctx,hq,hkv,d,page (page 0: contiguous), bf16, one token",
@@ -66,6 +67,17 @@ def _prefill(shape, kw):
     flops = attn_fwd_flops(b, h, s, s, d, bool(causal))
     return (lambda: tileflash.flash_attn_func(q, k, v, causal=bool(causal), **kw)), \
         lambda ms: (tflops(flops, ms), "TFLOP/s")
+
+
+def _prefill_fp8(shape, kw):
+    import tileflash
+
+    d, causal, s = shape
+    (q, k, v), b, h = _prefill_inputs(d, s)
+    q8, k8, v8, qd, kd, vd = tileflash.fp8_quantize_qkv(q, k, v)
+    flops = attn_fwd_flops(b, h, s, s, d, bool(causal))
+    return (lambda: tileflash.flash_attn_func(q8, k8, v8, causal=bool(causal), q_descale=qd, k_descale=kd,
+                                              v_descale=vd, **kw)), lambda ms: (tflops(flops, ms), "TFLOP/s")
 
 
 def _backward(shape, kw):
@@ -158,6 +170,7 @@ _PREFILL_SHAPES = tuple((d, c, s) for d in (64, 128, 256) for c in (0, 1) for s 
 FAMILIES = {
     "prefill": Family("fwd", plan.FwdConfig, _PREFILL_SHAPES, _prefill, also=("fwd_ws",)),
     "prefill-ws": Family("fwd_ws", plan.WsFwdConfig, _PREFILL_SHAPES, _prefill),
+    "prefill-fp8": Family("fwd", plan.FwdConfig, _PREFILL_SHAPES, _prefill_fp8),
     "backward": Family("bwd", plan.BwdConfig, _PREFILL_SHAPES, _backward, also=("bwd_ws",)),
     "backward-ws": Family("bwd_ws", plan.WsBwdConfig, tuple(s for s in _PREFILL_SHAPES if s[0] != 256), _backward),
     "decode": Family("decode", plan.DecodeConfig, ((1, 8192, 32, 8, 128, 0), (1, 32768, 32, 8, 128, 0),

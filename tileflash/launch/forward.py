@@ -12,13 +12,15 @@ from .. import _utils
 from . import direct
 from ..kernels.gluon import attn_fwd as gluon_fwd, decode_mma
 from ..kernels.triton.attn_fwd import attn_fwd_kernel
+from ..kernels.triton.inner import FP8_V_ROWS, FP8_V_T, FP8_V_T_DESC
 from ..kernels.triton.combine import attn_combine_kernel, merge_states_kernel
 from ..kernels.triton.kv_append import kv_append_kernel
 from ..lowp.kernels.quant import NVFP4_PURE_ASM, NVFP4_SCALE_BYTES, NVFP4_SCALE_WORDS
 from ..plan.decode import cache_capacity, combine_tiles
 from ..plan.prefill import Mask, WsFwdConfig, tma_tiles
 from ..plan.target import padded_head_dim, sm90_target
-from .tensors import alibi_args, as_bytes, desc_4d, unused_pointer, row_descriptors, rotary_args, strides3
+from .tensors import (alibi_args, as_bytes, desc_4d, unused_pointer, row_descriptors, rotary_args, scale_strides,
+                      strides3, unit_scale, values_t_descriptor)
 
 
 COMBINE_BLOCK_ROWS = 16
@@ -31,7 +33,7 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
                     o_part=None, lse_part=None, k_scale=None, v_scale=None, k_block_scale=None, v_block_scale=None,
                     pdl: bool = False, alibi_slopes=None, cache_batch_idx=None, cache_leftpad=None, rotary_cos=None,
                     rotary_sin=None, rotary_interleaved: bool = False, rotary_per_token: bool = False,
-                    cu_seqlens_k_new=None, learnable_sink=None, qv=None):
+                    cu_seqlens_k_new=None, learnable_sink=None, qv=None, q_scale=None, v_transposed: bool = False):
     """q4 [Bq, Sq, Hq, D]; k4/v4 [Bk, Sk, Hkv, D] (paged: [pages, page_size, Hkv, D]); out4 [Bq, Sq, Hq, Dv] (Dv:
     v4's head dim); lse3 [Bq, Hq, Sq]. qv [Bq, Sq, Hq, Dv] or None: MLA's latent queries (scores add qv v^T).
     alibi_slopes: fp32 [Hq] or [num_batches, Hq] (checked by the public functions), or None.
@@ -42,6 +44,10 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
     at seqlens_k positions), cu_seqlens_k_new [Bq + 1] int32 (tokens appended per sequence, added to seqlens_k):
     flash_attn_with_kvcache's arguments (kernels/triton/attn_fwd.py).
     pdl: a split launch lets launch_combine(..., pdl=True) start as its programmatic dependent (sm_90 only).
+    FP8 attention: q4, k4, v4 in float8_e4m3fn, q_scale / k_scale / v_scale FA3's descales (fp32 [B, Hkv], any
+    strides, or None for 1); out4 in bf16 or fp16. A cache's k_scale / v_scale (fp32 [1] or [Hkv]) otherwise.
+    v_transposed: v4 is FP8 attention's V^T [Hkv, D, tokens] (tensors.transposed_values of a contiguous or packed
+    v; not paged).
     """
     dev = q4.device
     hq, d = q4.shape[2], q4.shape[3]  # q's head dim (an NVFP4 cache stores d / 2 bytes per head)
@@ -62,9 +68,22 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         if not sm90_target():
             kv_nvfp4 += NVFP4_PURE_ASM
     descs = None
+    rows = k4.shape[0] * k4.shape[1]
+    fp8_mode = FP8_V_T if v_transposed else FP8_V_ROWS
     if tma_tiles(config, k4.shape[1] if paged else 0, nvfp4):
-        descs = row_descriptors((k4, v4), k4.shape[0] * k4.shape[1], config.block_n)
+        if v_transposed:  # V^T's descriptor needs 16-byte aligned token offsets: each batch's start
+            k_desc = row_descriptors((k4,), rows, config.block_n)
+            v_desc = values_t_descriptor(v4, rows, config.block_n) if cu_seqlens_k is None and \
+                k4.shape[1] % 16 == 0 else None
+            descs = k_desc and (*k_desc, v_desc if v_desc is not None else v4)
+            fp8_mode = FP8_V_T_DESC if descs and v_desc is not None else FP8_V_T
+        else:
+            descs = row_descriptors((k4, v4), rows, config.block_n)
     k_arg, v_arg = descs if descs else (k4, v4)
+    fp8, scale_args = _scale_args(q4, k_scale, v_scale, q_scale, dummy)
+    # V^T's strides as the kernel takes them: tokens per batch, D's, the head's (attn_fwd.py)
+    v_strides = ((0 if k_batch_stride0 else k4.shape[1]), v4.stride(1), v4.stride(0)) if v_transposed else \
+        strides3(v4, k_batch_stride0)
     return direct.launch(
         attn_fwd_kernel, grid,
         q4, k_arg, v_arg, out4, lse3,
@@ -73,14 +92,13 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         cu_seqlens_k if cu_seqlens_k is not None else dummy,
         seqlens_k if seqlens_k is not None else dummy,
         block_table if paged else dummy,
-        k_scale if k_scale is not None else dummy, v_scale if v_scale is not None else dummy,
-        1 if k_scale is not None and k_scale.numel() > 1 else 0,
+        *scale_args,
         cache_batch_idx if cache_batch_idx is not None else dummy,
         cache_leftpad if cache_leftpad is not None else dummy,
         *rotary_args(rotary_cos, rotary_sin, dummy), cu_seqlens_k_new if cu_seqlens_k_new is not None else dummy,
         *((as_bytes(k_block_scale), as_bytes(v_block_scale), *k_block_scale.stride()[:3]) if nvfp4
           else (dummy, dummy, 0, 0, 0)),
-        *strides3(q4, q_batch_stride0), *strides3(k4, k_batch_stride0), *strides3(v4, k_batch_stride0),
+        *strides3(q4, q_batch_stride0), *strides3(k4, k_batch_stride0), *v_strides,
         *strides3(out4, q_batch_stride0), *strides3(lse3, q_batch_stride0),
         block_table.stride(0) if paged else 0,
         seqlen_q, seqlen_k, seqlen_k_add, 0 if k_batch_stride0 else k4.shape[1],
@@ -88,22 +106,36 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         softmax_scale, mask.softcap, mask.window_left, mask.window_right, *alibi_args(alibi_slopes, dummy),
         learnable_sink if learnable_sink is not None else dummy,
         *((qv, *strides3(qv, q_batch_stride0)) if qv is not None else (dummy, 0, 0, 0)),
-        HEAD_DIM=d, HEAD_DIM_PAD=padded_head_dim(d), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        HEAD_DIM=d, HEAD_DIM_PAD=padded_head_dim(d, fp8), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         VARLEN_Q=cu_seqlens_q is not None, VARLEN_K=cu_seqlens_k is not None, HAS_SEQLENS_K=seqlens_k is not None,
-        PAGE_SIZE=k4.shape[1] if paged else 0, KV_SCALED=k_scale is not None, KV_NVFP4=kv_nvfp4, PACK_GQA=pack_gqa,
-        SPLIT=split,
+        PAGE_SIZE=k4.shape[1] if paged else 0, KV_SCALED=fp8 or k_scale is not None, KV_NVFP4=kv_nvfp4,
+        PACK_GQA=pack_gqa, SPLIT=split,
         HAS_LEFT=mask.window_left >= 0, HAS_RIGHT=mask.window_right >= 0, SOFTCAP=mask.softcap > 0.0,
         USE_DESC=descs is not None, SP_OVERLAP=sp_overlap,
-        TILE_DTYPE=_utils.tile_dtype(torch.float16 if k_scale is not None else q4.dtype),
+        TILE_DTYPE=_utils.tile_dtype(q4.dtype if fp8 or k_scale is None else torch.float16),
         TRANS=config.trans,
-        RAW_SCORES=softmax_scale > 0 and mask.softcap == 0.0 and k_scale is None and alibi_slopes is None,
+        RAW_SCORES=softmax_scale > 0 and mask.softcap == 0.0 and (fp8 or k_scale is None) and alibi_slopes is None,
         ALIBI=alibi_slopes is not None, HAS_KV_BATCH=cache_batch_idx is not None,
         LEFTPAD_K=cache_leftpad is not None, ROTARY_DIM=2 * rotary_cos.shape[1] if rotary_cos is not None else 0,
         ROTARY_INTERLEAVED=bool(rotary_interleaved), ROTARY_PER_TOKEN=bool(rotary_per_token),
         VARLEN_K_NEW=cu_seqlens_k_new is not None, PDL=pdl and split and sm90_target(),
-        HAS_SINK=learnable_sink is not None, HEAD_DIM_V=dv, HEAD_DIM_V_PAD=padded_head_dim(dv), HAS_QV=qv is not None,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        HAS_SINK=learnable_sink is not None, HEAD_DIM_V=dv, HEAD_DIM_V_PAD=padded_head_dim(dv, fp8),
+        HAS_QV=qv is not None,
+        QKV_FP8=fp8_mode if fp8 else 0, num_warps=config.num_warps, num_stages=config.num_stages,
     )
+
+
+def _scale_args(q4, k_scale, v_scale, q_scale, dummy) -> tuple:
+    """(fp8, the kernel's scale pointers and strides): FP8 attention (e4m3 q) with descales or ones, a quantized
+    cache's scales, or none."""
+    fp8 = q4.dtype == torch.float8_e4m3fn
+    if fp8:
+        one = unit_scale(q4.device)
+        ptrs = tuple(t if t is not None else one for t in (q_scale, k_scale, v_scale))
+    else:
+        ptrs = (dummy, k_scale if k_scale is not None else dummy, v_scale if v_scale is not None else dummy)
+    strides = (scale_strides(t, fp8) for t in (q_scale, k_scale, v_scale))
+    return fp8, (*ptrs, *(st for pair in strides for st in pair))
 
 
 def launch_decode_quant(q4, k4, v4, out4, lse3, *, seqlen_k: int, seqlens_k, seqlen_k_add: int, block_table,

@@ -20,6 +20,22 @@ def unused_pointer(device) -> torch.Tensor:
     return direct.constant(torch.empty(1, dtype=torch.int32, device=device))
 
 
+@functools.lru_cache(maxsize=None)
+def unit_scale(device) -> torch.Tensor:
+    """fp32 1.0, one per device: an absent FP8 descale (read with strides 0)."""
+    return direct.constant(torch.ones(1, dtype=torch.float32, device=device))
+
+
+def scale_strides(scale, batch_stride: bool) -> tuple[int, int]:
+    """(batch, head) strides of a scale: FP8 attention's descales [B, Hkv] (batch_stride), a cache's [1] or
+    [Hkv] scales, or an absent one (unit_scale): 0 along any dim of size 1, so [1] serves every head."""
+    if scale is None:
+        return 0, 0
+    if batch_stride:
+        return tuple(st if n > 1 else 0 for n, st in zip(scale.shape, scale.stride()))
+    return 0, scale.stride(0) if scale.numel() > 1 else 0
+
+
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """t's bytes (FP8 / e4m3 tensors are read and written as uint8 bit patterns)."""
     return direct.derived(t.view(torch.uint8), t)
@@ -43,7 +59,7 @@ def row_descriptors(tensors, rows: int, block_rows: int):
     descs = []
     for t in tensors:
         d = t.shape[3]
-        if d != padded_head_dim(d) or d > 256:  # a TMA box spans at most 256 elements per dimension
+        if d != padded_head_dim(d, t.element_size() == 1) or d > 256:  # a box spans <= 256 elements per dim
             return None
         mergeable = t.shape[0] == 1 or t.stride(0) == t.shape[1] * t.stride(1)
         if not (mergeable and tma_aligned(t, dims=(1, 2))):
@@ -51,6 +67,27 @@ def row_descriptors(tensors, rows: int, block_rows: int):
         desc = TensorDescriptor(t, [rows, t.shape[2], d], [t.stride(1), t.stride(2), 1], [block_rows, 1, d])
         descs.append(direct.derived(desc, t))
     return descs
+
+
+def transposed_values(v: torch.Tensor) -> torch.Tensor:
+    """FP8 attention's V^T: v [B, S, Hkv, D] (or packed [S, Hkv, D]) -> [Hkv, D, T_pad] with column b * S + s
+    holding token s of batch b (K's merged rows), T = B * S rounded up to 16 bytes (TMA's stride alignment): the
+    K-major layout FP8 tensor cores read P V's second operand in. Columns past T are never read."""
+    if v.dim() == 3:
+        v = v.unsqueeze(0)
+    b, s, h, d = v.shape
+    vt = torch.empty(h, d, _utils.cdiv(b * s, 16) * 16, dtype=v.dtype, device=v.device)
+    vt[:, :, :b * s].view(h, d, b, s).copy_(v.permute(2, 3, 0, 1))
+    return vt
+
+
+def values_t_descriptor(vt: torch.Tensor, tokens: int, block_n: int):
+    """A TMA descriptor over V^T [Hkv, D, tokens] (transposed_values; columns past `tokens` read as zeros), boxes
+    [1, D, block_n]; None unless D is a power of two (a box never reaches into the next head) and tokens > 0."""
+    h, d, _ = vt.shape
+    if not 0 < tokens < 2 ** 31 or d != padded_head_dim(d, True) or d > 256:
+        return None
+    return direct.derived(TensorDescriptor(vt, [h, d, tokens], [vt.stride(0), vt.stride(1), 1], [1, d, block_n]), vt)
 
 
 def alibi_args(alibi_slopes, dummy) -> tuple:

@@ -5,6 +5,7 @@ Formats and rounding rules: tileflash/lowp/formats.py. Shapes:
                     -> data [..., K/2] uint8, scales [..., K/16] float8_e4m3fn, global_scale float32 []
   nvfp4_dequantize: (data, scales, global_scale) -> float32 [..., K]
   fp8_quantize:     x [...] -> (x_fp8 float8_e4m3fn, scale float32 [1] or [H]); x ~= x_fp8 * scale
+  fp8_quantize_qkv: q, k, v -> e4m3 q8, k8, v8 and FA3's descales [B, Hkv] (FP8 attention's inputs)
 global_scale must be positive and finite; its value is not checked (that would synchronise with the device).
 """
 from __future__ import annotations
@@ -146,8 +147,7 @@ def fp8_quantize(x: torch.Tensor, scale: Optional[torch.Tensor] = None, per_head
     dim = _head_dim(x, per_head_dim)
     if scale is None:
         amax = finite_amax(x) if dim is None else finite_amax(x, tuple(i for i in range(x.dim()) if i != dim))
-        scale = ieee_div(amax.reshape(-1), E4M3.max)
-        scale = torch.where(scale > 0, scale, 1.0)
+        scale = _fp8_descale(amax.reshape(-1))
     else:
         _check_fp8_scale(scale, x, dim)
     return e4m3_saturate(x.float() / _scale_view(scale, x.dim(), dim)), scale
@@ -159,3 +159,62 @@ def fp8_dequantize(x_fp8: torch.Tensor, scale: torch.Tensor, per_head_dim: Optio
     dim = _head_dim(x_fp8, per_head_dim)
     _check_fp8_scale(scale, x_fp8, dim)
     return x_fp8.float() * _scale_view(scale, x_fp8.dim(), dim)
+
+
+def _quantize_groups(x: torch.Tensor, hkv: int, cu_seqlens) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x8, descale fp32 [B, Hkv]) with one descale per (sequence, KV head). x [B, S, H, D], or packed
+    [total, H, D] with cu_seqlens [B + 1] (tokens past cu_seqlens[-1] belong to no sequence and take 1);
+    H = Hkv * group."""
+    if cu_seqlens is None:
+        b, s, h, d = x.shape
+        groups = x.reshape(b, s, hkv, h // hkv, d)
+        descale = _fp8_descale(finite_amax(groups, (1, 3, 4)))
+        return e4m3_saturate(groups.float() / descale[:, None, :, None, None]).reshape(x.shape), descale
+    total, h, d = x.shape
+    groups = x.reshape(total, hkv, h // hkv, d)
+    num_seqs = cu_seqlens.shape[0] - 1
+    seq = torch.searchsorted(cu_seqlens[1:], torch.arange(total, device=x.device, dtype=cu_seqlens.dtype),
+                             right=True).long()  # each token's sequence; num_seqs past the end
+    amax = x.new_zeros(num_seqs + 1, hkv, dtype=torch.float32)
+    amax.scatter_reduce_(0, seq[:, None].expand(total, hkv), finite_amax(groups, (2, 3)), "amax")
+    descale = _fp8_descale(amax)
+    descale[num_seqs] = 1.0  # the tokens of no sequence
+    return e4m3_saturate(groups.float() / descale[seq][:, :, None, None]).reshape(x.shape), descale[:num_seqs]
+
+
+def _fp8_descale(amax: torch.Tensor) -> torch.Tensor:
+    """amax / 448, or 1 where amax is 0."""
+    descale = ieee_div(amax, E4M3.max)
+    return torch.where(descale > 0, descale, 1.0)
+
+def fp8_quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor] = None,
+                     cu_seqlens_k: Optional[torch.Tensor] = None):
+    """q, k, v (fp32/fp16/bf16) -> (q8, k8, v8, q_descale, k_descale, v_descale): FP8 attention's inputs for
+    flash_attn_func / flash_attn_varlen_func. x8 float8_e4m3fn of x's shape with x ~= float(x8) * descale; the
+    descales fp32 [B, Hkv], one per (sequence, KV head): amax(|x|) / 448 over that sequence's tokens and that head's
+    elements (for q: the KV head's group of query heads), 1 where that is 0; rounding and saturation as
+    fp8_quantize's.
+    Padded batches: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D]. Packed sequences: q [total_q, Hq, D], k/v
+    [total_k, Hkv, D] with cu_seqlens_q / cu_seqlens_k [B + 1] int32 (both). For paged KV pools, quantize the
+    pools with fp8_quantize(..., per_head_dim=-2) and pass its [Hkv] scales expanded to [B, Hkv]."""
+    packed = cu_seqlens_q is not None or cu_seqlens_k is not None
+    ndim = 3 if packed else 4
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _utils.check_tensor(name, t, ndim=ndim, dtypes=FLOAT_DTYPES, device=q.device)
+    if k.shape != v.shape or k.shape[-1] != q.shape[-1] or q.shape[-2] % max(k.shape[-2], 1) or k.shape[-2] == 0:
+        raise ValueError(f"q, k, v: expected k and v of one shape, q's head dim and a KV head count that divides "
+                         f"q's heads, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if packed:
+        for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+            _utils.check_int32(name, t, 1, q.device)
+            if t.shape[0] < 1:
+                raise ValueError(f"{name}: expected batch + 1 offsets, got shape {tuple(t.shape)}")
+        if cu_seqlens_q.shape != cu_seqlens_k.shape:
+            raise ValueError(f"cu_seqlens_k: expected {cu_seqlens_q.shape[0]} elements (cu_seqlens_q's), got "
+                             f"{cu_seqlens_k.shape[0]}")
+    elif k.shape[0] != q.shape[0]:
+        raise ValueError(f"k: expected batch {q.shape[0]} (q's), got {k.shape[0]}")
+    hkv = k.shape[-2]
+    (q8, qd), (k8, kd), (v8, vd) = (_quantize_groups(x, hkv, cu) for x, cu in
+                                    ((q, cu_seqlens_q), (k, cu_seqlens_k), (v, cu_seqlens_k)))
+    return q8, k8, v8, qd, kd, vd

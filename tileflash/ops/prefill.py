@@ -12,14 +12,19 @@ from . import backward as _bwd
 from ..launch import direct
 from ..launch.backward import BwdPlan
 from ..launch.forward import launch_attn_fwd, launch_attn_fwd_ws
+from ..launch.tensors import transposed_values
 from ..plan.prefill import Mask, fwd_config, ws_forward_config
 from ..plan.target import target_arch
+
+
+FP8 = torch.float8_e4m3fn
+FP8_OUT_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _check_qkv(q, k, v, ndim: int, kv_ndim: int | None = None) -> None:
     """kv_ndim: the rank of k/v when it differs from q's (paged pools [pages, page_size, Hkv, D])."""
     kv_ndim = ndim if kv_ndim is None else kv_ndim
-    _utils.check_tensor("q", q, ndim=ndim, dtypes=_utils.SUPPORTED_DTYPES)
+    _utils.check_tensor("q", q, ndim=ndim, dtypes=(*_utils.SUPPORTED_DTYPES, FP8))
     _utils.check_tensor("k", k, ndim=kv_ndim, dtypes=(q.dtype,), device=q.device)
     _utils.check_tensor("v", v, ndim=kv_ndim, dtypes=(q.dtype,), device=q.device)
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -35,6 +40,33 @@ def _check_qkv(q, k, v, ndim: int, kv_ndim: int | None = None) -> None:
     _utils.check_head_dim(d)
 
 
+def _check_fp8(q, k, num_batches: int, q_descale, k_descale, v_descale, out_dtype, grad: bool) -> torch.dtype:
+    """The output dtype of a checked q/k/v call; FP8 attention's extras checked: descales fp32 [num_batches, Hkv]
+    (FA3's) or None, out_dtype bf16 (its default) or fp16, forward only. 16-bit calls take neither."""
+    descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
+    if q.dtype != FP8:
+        for name, t in descales.items():
+            if t is not None:
+                raise ValueError(f"{name}: descales are for float8_e4m3fn q, k, v; got {q.dtype} inputs")
+        if out_dtype is not None and out_dtype != q.dtype:
+            raise ValueError(f"out_dtype: {q.dtype} inputs give {q.dtype} outputs, got {out_dtype}")
+        return q.dtype
+    _utils.check_fp8_hardware("q", q)
+    if grad:
+        raise ValueError("q, k, v: FP8 attention is forward only (no backward); call it on tensors that do not "
+                         "require grad, or under torch.no_grad()")
+    for name, t in descales.items():
+        if t is not None:
+            _utils.check_tensor(name, t, ndim=2, dtypes=(torch.float32,), device=q.device)
+            if tuple(t.shape) != (num_batches, k.shape[-2]):
+                raise ValueError(f"{name}: expected shape ({num_batches}, {k.shape[-2]}) ([batch, Hkv]), got "
+                                 f"{tuple(t.shape)}")
+    out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
+    if out_dtype not in FP8_OUT_DTYPES:
+        raise ValueError(f"out_dtype: FP8 attention writes bfloat16 or float16, got {out_dtype}")
+    return out_dtype
+
+
 def check_softcap(softcap) -> float:
     softcap = _utils.finite_float("softcap", softcap)
     if softcap < 0:
@@ -47,18 +79,27 @@ class FwdPlan(direct.Replayable):
     launch (recorded by the first run, launch/direct.py), the lse's home (a returned tensor, or the workspace when
     nobody reads it). launch(*tensors, out, lse, ws) launches into out/lse (lse None: the workspace's head)."""
 
-    def __init__(self, launch, lse_shape, device, keep_lse: bool, empty: bool):
-        """out is q's shape and dtype (made per run from q); lse_shape [B, Hq, Sq] or [Hq, total_q]."""
+    out_dtype = None  # FP8 attention's (bf16 / fp16); None: q's
+
+    def __init__(self, launch, lse_shape, device, keep_lse: bool, empty: bool, transpose_v: bool = False):
+        """out is q's shape and dtype (made per run from q); lse_shape [B, Hq, Sq] or [Hq, total_q]. transpose_v:
+        the launch takes V^T (FP8 attention, launch/tensors.transposed_values), made per run from v."""
         self.launch, self.lse_shape, self.device, self.keep_lse, self.empty = launch, lse_shape, device, keep_lse, empty
+        self.transpose_v = transpose_v
         self.lse_numel = 0 if keep_lse else _utils.cdiv(math.prod(lse_shape), 4) * 4
         self.backward_plans = direct.PlanCache(register=False)  # by dout's and dlse's signature (_AttnFunction)
 
     def run(self, *tensors):
-        """(out, lse) for the plan's call on these tensors (q, k, v and the index tensors of its kind)."""
-        out = _utils.new_output_like(tensors[0])  # q's shape and dtype
+        """(out, lse) for the plan's call on these tensors (q, k, v, alibi_slopes, learnable_sink, the three FP8
+        descales, and the index tensors of its kind)."""
+        q = tensors[0]
+        out = _utils.new_output_like(q) if self.out_dtype is None else _utils.new_output(q.shape, self.out_dtype,
+                                                                                          self.device)
         lse = _utils.new_output(self.lse_shape, torch.float32, self.device) if self.keep_lse else None
         if self.empty:  # nothing to launch: every row sees no key
             return out, (lse.fill_(float("-inf")) if lse is not None else None)
+        if self.transpose_v:
+            tensors = (*tensors[:2], transposed_values(tensors[2]), *tensors[3:])
         stream = direct.current_stream(self.device)
         ws = direct.WORKSPACE.get(self.device, stream, self.lse_numel) if self.lse_numel else None
         self.execute(self.launch, (*tensors, out, lse, ws), stream)
@@ -69,8 +110,8 @@ def _lse_or_workspace(lse, ws, shape):
     return lse if lse is not None else direct.derived(ws[:math.prod(shape)].view(shape), ws)
 
 
-def _launch_dense(ws_cfg, cfg, mask: Mask, softmax_scale: float, q, k, v, alibi_slopes, learnable_sink, out, lse,
-                  ws) -> None:
+def _launch_dense(ws_cfg, cfg, mask: Mask, softmax_scale: float, v_transposed: bool, q, k, v, alibi_slopes,
+                  learnable_sink, q_descale, k_descale, v_descale, out, lse, ws) -> None:
     b, sq, hq, _ = q.shape
     lse = _lse_or_workspace(lse, ws, (b, hq, sq))
     if ws_cfg is not None:
@@ -80,12 +121,13 @@ def _launch_dense(ws_cfg, cfg, mask: Mask, softmax_scale: float, q, k, v, alibi_
         launch_attn_fwd(q, k, v, out, lse, q_batch_stride0=False, k_batch_stride0=False, num_batches=b,
                         seqlen_q=sq, seqlen_k=k.shape[1], m_rows=sq, softmax_scale=softmax_scale, mask=mask,
                         config=cfg, sp_overlap=cfg.sp_overlap, alibi_slopes=alibi_slopes,
-                        learnable_sink=learnable_sink)
+                        learnable_sink=learnable_sink, q_scale=q_descale, k_scale=k_descale, v_scale=v_descale,
+                        v_transposed=v_transposed)
 
 
 def _dense_plan(q, k, v, softmax_scale: float, mask: Mask, keep_lse: bool, alibi: bool) -> FwdPlan:
-    """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D], checked; plan.run(q, k, v, alibi_slopes, learnable_sink) (None
-    unless alibi / sink)."""
+    """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D], checked; plan.run(q, k, v, alibi_slopes, learnable_sink, q_descale,
+    k_descale, v_descale) (None where absent)."""
     b, sq, hq, d = q.shape
     sk = k.shape[1]
     empty = q.numel() == 0
@@ -97,8 +139,9 @@ def _dense_plan(q, k, v, softmax_scale: float, mask: Mask, keep_lse: bool, alibi
         if ws_cfg is None:
             cfg = config.chosen("fwd", fwd_config(d, causal=mask.window_right >= 0, interpret=_utils.is_interpreter(),
                                                   seqlen_k=sk, arch=target_arch()))
-    launch = functools.partial(_launch_dense, ws_cfg, cfg, mask, softmax_scale)
-    return FwdPlan(launch, (b, hq, sq), q.device, keep_lse, empty)
+    fp8 = q.dtype == FP8
+    launch = functools.partial(_launch_dense, ws_cfg, cfg, mask, softmax_scale, fp8)
+    return FwdPlan(launch, (b, hq, sq), q.device, keep_lse, empty, transpose_v=fp8)
 
 
 _DENSE_PLANS = direct.PlanCache()
@@ -115,7 +158,7 @@ def _attn_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sc
         _DENSE_PLANS, lambda: (direct.tensor_key(q), direct.tensor_key(k), direct.tensor_key(v), softmax_scale, mask,
                                direct.tensor_key(alibi_slopes), direct.tensor_key(learnable_sink), True),
         lambda: _dense_plan(q, k, v, softmax_scale, mask, keep_lse=True, alibi=alibi_slopes is not None))
-    return plan.run(q, k, v, alibi_slopes, learnable_sink)
+    return plan.run(q, k, v, alibi_slopes, learnable_sink, None, None, None)
 
 
 _attn_fwd_op = torch.library.custom_op("tileflash::attn_fwd", mutates_args=())(_attn_fwd_impl)
@@ -141,8 +184,8 @@ def _varlen_ws_config(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax
 
 
 def _launch_varlen(ws_cfg, cfg, mask: Mask, softmax_scale: float, max_seqlen_q: int, max_seqlen_k: int, paged: bool,
-                   q, k, v, alibi_slopes, learnable_sink, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out,
-                   lse, ws) -> None:
+                   v_transposed: bool, q, k, v, alibi_slopes, learnable_sink, q_descale, k_descale, v_descale, cu_seqlens_q, cu_seqlens_k,
+                   seqused_k, block_table, out, lse, ws) -> None:
     """Packed queries q [total_q, H, D] viewed as [1, total_q, H, D] with a batch stride of 0 (cu_seqlens_q gives
     each sequence's start); keys packed the same way, or (paged) page pools read through block_table."""
     total_q, hq, _ = q.shape
@@ -151,7 +194,8 @@ def _launch_varlen(ws_cfg, cfg, mask: Mask, softmax_scale: float, max_seqlen_q: 
     if paged:
         k4, v4 = k, v
     else:
-        k4, v4 = (direct.derived(t.unsqueeze(0), t) for t in (k, v))
+        k4 = direct.derived(k.unsqueeze(0), k)
+        v4 = v if v_transposed else direct.derived(v.unsqueeze(0), v)
     if ws_cfg is not None:
         launch_attn_fwd_ws(q4, k4, v4, out4, lse3, causal=mask.window_right == 0, softmax_scale=softmax_scale,
                            config=ws_cfg, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
@@ -162,13 +206,14 @@ def _launch_varlen(ws_cfg, cfg, mask: Mask, softmax_scale: float, max_seqlen_q: 
                     num_batches=cu_seqlens_q.shape[0] - 1, seqlen_q=total_q, seqlen_k=capacity, m_rows=max_seqlen_q,
                     softmax_scale=softmax_scale, mask=mask, config=cfg, sp_overlap=cfg.sp_overlap,
                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=None if paged else cu_seqlens_k, seqlens_k=seqused_k,
-                    block_table=block_table, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink)
+                    block_table=block_table, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink,
+                    q_scale=q_descale, k_scale=k_descale, v_scale=v_descale, v_transposed=v_transposed)
 
 
 def _varlen_plan(q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_q: int, max_seqlen_k: int,
                  softmax_scale: float, mask: Mask, keep_lse: bool, alibi: bool) -> FwdPlan:
-    """Checked packed (or paged) arguments; plan.run(q, k, v, alibi_slopes, learnable_sink, cu_seqlens_q,
-    cu_seqlens_k, seqused_k, block_table)."""
+    """Checked packed (or paged) arguments; plan.run(q, k, v, alibi_slopes, learnable_sink, q_descale, k_descale,
+    v_descale, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)."""
     total_q, hq, d = q.shape
     paged = block_table is not None
     if paged:
@@ -182,8 +227,10 @@ def _varlen_plan(q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_q: in
         if ws_cfg is None:
             cfg = config.chosen("fwd", fwd_config(d, causal=mask.window_right >= 0, interpret=_utils.is_interpreter(),
                                                   seqlen_k=max_seqlen_k, arch=target_arch()))
-    launch = functools.partial(_launch_varlen, ws_cfg, cfg, mask, softmax_scale, max_seqlen_q, max_seqlen_k, paged)
-    return FwdPlan(launch, (hq, total_q), q.device, keep_lse, empty)
+    v_transposed = q.dtype == FP8 and not paged
+    launch = functools.partial(_launch_varlen, ws_cfg, cfg, mask, softmax_scale, max_seqlen_q, max_seqlen_k, paged,
+                               v_transposed)
+    return FwdPlan(launch, (hq, total_q), q.device, keep_lse, empty, transpose_v=v_transposed)
 
 
 _VARLEN_PLANS = direct.PlanCache()
@@ -209,7 +256,8 @@ def _attn_varlen_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
                                            seqused_k, None, max_seqlen_q, max_seqlen_k, softmax_scale, mask, True),
         lambda: _varlen_plan(q, k, v, cu_seqlens_q, seqused_k, None, max_seqlen_q, max_seqlen_k, softmax_scale,
                              mask, keep_lse=True, alibi=alibi_slopes is not None))
-    return plan.run(q, k, v, alibi_slopes, learnable_sink, cu_seqlens_q, cu_seqlens_k, seqused_k, None)
+    return plan.run(q, k, v, alibi_slopes, learnable_sink, None, None, None, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                    None)
 
 
 _attn_varlen_fwd_op = torch.library.custom_op("tileflash::attn_varlen_fwd",
@@ -238,7 +286,8 @@ def _attn_varlen_paged_fwd_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
                                            seqused_k, block_table, max_seqlen_q, 0, softmax_scale, mask, True),
         lambda: _varlen_plan(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, 0,
                              softmax_scale, mask, keep_lse=True, alibi=alibi_slopes is not None))
-    return plan.run(q, k_cache, v_cache, alibi_slopes, learnable_sink, cu_seqlens_q, None, seqused_k, block_table)
+    return plan.run(q, k_cache, v_cache, alibi_slopes, learnable_sink, None, None, None, cu_seqlens_q, None,
+                    seqused_k, block_table)
 
 
 _attn_varlen_paged_fwd_op = torch.library.custom_op("tileflash::attn_varlen_paged_fwd",
@@ -275,8 +324,10 @@ def _check_max_seqlens(**max_seqlens) -> None:
 
 
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    return_lse=False, deterministic=False, dropout_p=0.0, alibi_slopes=None, learnable_sink=None):
-    """Attention over a padded batch. q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (Hq % Hkv == 0), fp16/bf16.
+                    return_lse=False, deterministic=False, dropout_p=0.0, alibi_slopes=None, learnable_sink=None,
+                    q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
+    """Attention over a padded batch. q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (Hq % Hkv == 0), fp16/bf16, or
+    float8_e4m3fn for FP8 attention (below).
 
     Causal and windows are bottom-right aligned (query i sees key j iff j <= i + Sk - Sq). Returns out
     [B, Sq, Hq, D], and with return_lse=True (out, lse) with lse [B, Hq, Sq] float32, natural log.
@@ -289,10 +340,20 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     learnable_sink: fp32 [Hq] (FA4's attention sink): one more logit per query head in every row's softmax, with no
     value: p_ij = exp(s_ij) / (exp(sink_h) + sum_k exp(s_ik)), not scaled or softcapped; lse includes it, and a row
     that sees no key gives out = 0, lse = sink_h. Differentiable (the sink gets its gradient too).
+    FP8 attention (FA3's): q, k, v in float8_e4m3fn with q_descale, k_descale, v_descale fp32 [B, Hkv] (positive;
+    None: 1), so q = q_descale * q8 for the queries of KV head h (likewise k, v): the scores are
+    q_descale k_descale (q8 k8^T) and out = v_descale (P v8) with P rounded to e4m3, in fp32 otherwise (each KV
+    block's P v8 is added into an fp32 accumulator, so long rows keep their precision). out_dtype: bfloat16
+    (default) or float16; lse as above. Forward only. tileflash.fp8_quantize_qkv makes the inputs.
     """
     if dropout_p:
         _utils.check_dropout(dropout_p)
     if torch.compiler.is_compiling():
+        if q.dtype == FP8:  # forward only: run eagerly (a graph break) rather than through the custom op
+            return _flash_attn_func_eager(q, k, v, softmax_scale, causal, window_size, softcap, return_lse,
+                                          deterministic, dropout_p, alibi_slopes, learnable_sink, q_descale,
+                                          k_descale, v_descale, out_dtype)
+        _check_fp8(q, k, q.shape[0], q_descale, k_descale, v_descale, out_dtype, False)
         mask, scale = _checked_dense(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                      learnable_sink)
         out, lse = _attn_fwd_op(q, k, v, scale, mask.window_left, mask.window_right, mask.softcap,
@@ -302,13 +363,19 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     plan = direct.plan_for(
         _PUBLIC_DENSE, lambda: (direct.tensor_key(q), direct.tensor_key(k), direct.tensor_key(v), softmax_scale,
                                 causal, direct.window_key(window_size), softcap, return_lse, deterministic, grad,
-                                direct.tensor_key(alibi_slopes), direct.tensor_key(learnable_sink)),
+                                direct.tensor_key(alibi_slopes), direct.tensor_key(learnable_sink),
+                                direct.tensor_key(q_descale), direct.tensor_key(k_descale),
+                                direct.tensor_key(v_descale), out_dtype),
         lambda: _public_dense_plan(q, k, v, softmax_scale, causal, window_size, softcap, return_lse or grad,
-                                   deterministic, alibi_slopes, learnable_sink))
+                                   deterministic, alibi_slopes, learnable_sink, q_descale, k_descale, v_descale,
+                                   out_dtype, grad))
     if grad:
         return _attn_autograd(bool(return_lse), q, k, v, plan, alibi_slopes, learnable_sink)
-    out, lse = plan.run(q, k, v, alibi_slopes, learnable_sink)
+    out, lse = plan.run(q, k, v, alibi_slopes, learnable_sink, q_descale, k_descale, v_descale)
     return (out, lse) if return_lse else out
+
+
+_flash_attn_func_eager = torch.compiler.disable(flash_attn_func)
 
 
 def _checked_dense(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
@@ -324,9 +391,11 @@ def _checked_dense(q, k, v, softmax_scale, causal, window_size, softcap, alibi_s
 
 
 def _public_dense_plan(q, k, v, softmax_scale, causal, window_size, softcap, keep_lse, deterministic,
-                       alibi_slopes, learnable_sink) -> FwdPlan:
+                       alibi_slopes, learnable_sink, q_descale, k_descale, v_descale, out_dtype, grad) -> FwdPlan:
     mask, scale = _checked_dense(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, learnable_sink)
+    out_dtype = _check_fp8(q, k, q.shape[0], q_descale, k_descale, v_descale, out_dtype, grad)
     plan = _dense_plan(q, k, v, scale, mask, keep_lse, alibi=alibi_slopes is not None)
+    plan.out_dtype = out_dtype if out_dtype != q.dtype else None
     plan.backward_args = (None, None, None, 0, 0, scale, mask.window_left, mask.window_right, mask.softcap,
                           bool(deterministic))
     return plan
@@ -345,7 +414,7 @@ class _AttnFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, return_lse, q, k, v, plan, alibi_slopes, learnable_sink, *index):
-        out, lse = plan.run(q, k, v, alibi_slopes, learnable_sink, *index)
+        out, lse = plan.run(q, k, v, alibi_slopes, learnable_sink, None, None, None, *index)
         ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, learnable_sink, *index)
         ctx.plan = plan
         ctx.set_materialize_grads(False)
@@ -393,7 +462,7 @@ def _check_cu_seqlens(name: str, t, device) -> None:
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=None,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, return_lse=False,
                            deterministic=False, block_table=None, dropout_p=0.0, alibi_slopes=None,
-                           learnable_sink=None):
+                           learnable_sink=None, q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
     """Attention over packed variable-length sequences. q [total_q, Hq, D], k/v [total_k, Hkv, D];
     cu_seqlens_q/k [batch + 1] int32 offsets; optional seqused_k [batch] int32 (keys actually used per sequence).
     Empty sequences are allowed. Returns out [total_q, Hq, D] and with return_lse=True lse [Hq, total_q].
@@ -408,6 +477,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     alibi_slopes: fp32 [Hq] or [batch, Hq], as in flash_attn_func, with i, j, Sq and Sk those of each sequence.
     learnable_sink: fp32 [Hq], as in flash_attn_func (every sequence's rows; rows of an empty key range: out 0, lse
     sink_h).
+    FP8 attention: float8_e4m3fn q, k, v (or page pools) with descales fp32 [batch, Hkv] and out_dtype, as in
+    flash_attn_func (forward only).
     """
     if dropout_p:
         _utils.check_dropout(dropout_p)
@@ -419,6 +490,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         _check_paged_kv(q, k, v, cu_seqlens_q, seqused_k, block_table)
         _utils.check_block_table_values(block_table, seqused_k.tolist(), k.shape[1], k.shape[0])
     if torch.compiler.is_compiling():
+        if q.dtype == FP8:  # forward only: run eagerly (a graph break) rather than through the custom ops
+            return _flash_attn_varlen_func_eager(
+                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, softmax_scale, causal,
+                window_size, softcap, return_lse, deterministic, block_table, dropout_p, alibi_slopes, learnable_sink,
+                q_descale, k_descale, v_descale, out_dtype)
+        _check_fp8(q, k, cu_seqlens_q.shape[0] - 1, q_descale, k_descale, v_descale, out_dtype, False)
         mask, scale = _checked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q,
                                       max_seqlen_k, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                       learnable_sink)
@@ -435,15 +512,21 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     plan = direct.plan_for(
         _PUBLIC_VARLEN, lambda: _varlen_key(q, k, v, alibi_slopes, learnable_sink, cu_seqlens_q, cu_seqlens_k,
                                             seqused_k, block_table, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                                            direct.window_key(window_size), softcap, return_lse, deterministic, grad),
+                                            direct.window_key(window_size), softcap, return_lse, deterministic, grad,
+                                            direct.tensor_key(q_descale), direct.tensor_key(k_descale),
+                                            direct.tensor_key(v_descale), out_dtype),
         lambda: _public_varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q,
                                     max_seqlen_k, softmax_scale, causal, window_size, softcap, return_lse or grad,
-                                    deterministic, alibi_slopes, learnable_sink))
+                                    deterministic, alibi_slopes, learnable_sink, q_descale, k_descale, v_descale,
+                                    out_dtype, grad))
     index = (cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
     if grad:
         return _attn_autograd(bool(return_lse), q, k, v, plan, alibi_slopes, learnable_sink, *index)
-    out, lse = plan.run(q, k, v, alibi_slopes, learnable_sink, *index)
+    out, lse = plan.run(q, k, v, alibi_slopes, learnable_sink, q_descale, k_descale, v_descale, *index)
     return (out, lse) if return_lse else out
+
+
+_flash_attn_varlen_func_eager = torch.compiler.disable(flash_attn_varlen_func)
 
 
 def _checked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
@@ -474,13 +557,16 @@ def _checked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
 
 def _public_varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
                         softmax_scale, causal, window_size, softcap, keep_lse, deterministic,
-                        alibi_slopes, learnable_sink) -> FwdPlan:
+                        alibi_slopes, learnable_sink, q_descale, k_descale, v_descale, out_dtype,
+                        grad) -> FwdPlan:
     mask, scale = _checked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q,
                                   max_seqlen_k, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                   learnable_sink)
+    out_dtype = _check_fp8(q, k, cu_seqlens_q.shape[0] - 1, q_descale, k_descale, v_descale, out_dtype, grad)
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), (int(max_seqlen_k) if block_table is None else 0)
     plan = _varlen_plan(q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, scale, mask,
                         keep_lse, alibi=alibi_slopes is not None)
+    plan.out_dtype = out_dtype if out_dtype != q.dtype else None
     plan.backward_args = None if block_table is not None else (
         None, None, None, max_seqlen_q, max_seqlen_k, scale, mask.window_left, mask.window_right, mask.softcap,
         bool(deterministic))

@@ -24,9 +24,10 @@ def tensor_memory(arch: int | None) -> bool:
     return arch is not None and arch // 10 == 10
 
 
-def padded_head_dim(d: int) -> int:
-    """Head dims are padded inside the kernel to a power of two (>= 16, the smallest tl.dot K)."""
-    return max(16, next_pow2(d))
+def padded_head_dim(d: int, fp8: bool = False) -> int:
+    """Head dims are padded inside the kernel to a power of two (>= 16, the smallest tl.dot K; >= 32 for 8-bit
+    operands, whose MMAs take K in steps of 32)."""
+    return max(32 if fp8 else 16, next_pow2(d))
 
 
 def target_arch() -> int | None:

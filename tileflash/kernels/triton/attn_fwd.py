@@ -12,6 +12,11 @@ Shapes (element strides are passed explicitly; the head dim must be contiguous):
           HEAD_DIM_V] is a second query part whose keys are the values themselves: s = q k^T + qv v^T (DeepSeek's
           latent cache as V, its rotary part as K), so each latent byte is read once for both products.
   FP8 caches (decode): k/v in float8_e4m3fn with fp32 scales per tensor or per KV head (KV_SCALED).
+  FP8 attention (QKV_FP8: inner.FP8_V_ROWS, or FP8_V_T(_DESC) for v given as V^T [Hkv, D, tokens] with stride_vb
+  the tokens of a batch, stride_vs D's stride and stride_vh the head's; with KV_SCALED): q, k, v in float8_e4m3fn with FA3's descales [B, Hkv] fp32 at
+  q/k/v_scale_ptr (element (b, h) at b * stride_*sc_b + h * stride_*sc_h; decode's cache scales have a batch
+  stride of 0): s = q_descale k_descale (q k^T), out = v_descale (P V) / l with P rounded to e4m3 (attn_inner's
+  P_FP8) and every product on FP8 tensor cores; out in bf16 or fp16.
   NVFP4 caches (decode, KV_NVFP4): k/v uint8 [.., D/2] packed e2m1 pairs, block scales e4m3 [.., D/16] at
   k/v_bscale_ptr, and the per-tensor global scales at k/v_scale_ptr (KV_SCALED too).
   Decode extras (flash-attn's flash_attn_with_kvcache arguments): HAS_KV_BATCH reads sequence b's keys from cache
@@ -32,7 +37,7 @@ once per group.
 import triton
 import triton.language as tl
 
-from .inner import attn_inner
+from .inner import FP8_V_T, attn_inner, fp8_row_max
 from .cast import store_cast
 from .masks import LOG2E, kv_block_range, logit_scales, seq_extents
 from .rotary import rotate_rows
@@ -70,7 +75,8 @@ def _fold_sink(m_i, l_i, sink2):
 @triton.jit
 def attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, o_part_ptr, lse_part_ptr,
-    cu_seqlens_q_ptr, cu_seqlens_k_ptr, seqlens_k_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr, stride_kv_scale,
+    cu_seqlens_q_ptr, cu_seqlens_k_ptr, seqlens_k_ptr, block_table_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
+    stride_qsc_b, stride_qsc_h, stride_ksc_b, stride_ksc_h, stride_vsc_b, stride_vsc_h,
     kv_batch_ptr, leftpad_k_ptr, rotary_cos_ptr, rotary_sin_ptr, stride_ro, seqlen_ro, cu_k_new_ptr,
     k_bscale_ptr, v_bscale_ptr, stride_bs_page, stride_bs_tok, stride_bs_h,
     stride_qb, stride_qs, stride_qh,
@@ -93,7 +99,7 @@ def attn_fwd_kernel(
     LEFTPAD_K: tl.constexpr = False, ROTARY_DIM: tl.constexpr = 0, ROTARY_INTERLEAVED: tl.constexpr = False,
     ROTARY_PER_TOKEN: tl.constexpr = False, VARLEN_K_NEW: tl.constexpr = False, PDL: tl.constexpr = False,
     HAS_SINK: tl.constexpr = False, HEAD_DIM_V: tl.constexpr = 0, HEAD_DIM_V_PAD: tl.constexpr = 0,
-    HAS_QV: tl.constexpr = False,
+    HAS_QV: tl.constexpr = False, QKV_FP8: tl.constexpr = 0,
 ):
     allow_dependent_launch(PDL)  # the split combine that follows (launch/forward.launch_combine)
     pid = tl.program_id(0)
@@ -156,14 +162,17 @@ def attn_fwd_kernel(
         qv = tl.load(qv_ptr + b.to(tl.int64) * stride_qvb + qv_rows[:, None] + offs_dv[None, :],
                      mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
     q_unscale = 1.0
-    if KV_SCALED:
+    k_scale_off = b * stride_ksc_b + head_kv * stride_ksc_h  # (b, head_kv)'s scales (KV_SCALED)
+    v_scale_off = b * stride_vsc_b + head_kv * stride_vsc_h
+    if QKV_FP8:  # e4m3 q: the dot takes its bytes as they are, the descale joins the logit scale
+        q_unscale = tl.load(q_scale_ptr + b * stride_qsc_b + head_kv * stride_qsc_h)
+    elif KV_SCALED:
         # Quantized caches widen exactly to fp16 (one conversion per pair; bf16 would take three), so the tiles
         # are fp16: q is scaled by a power of two that puts max|q| in [2^8, 2^9) (no overflow, full precision
         # down to 2^-22 of the max), undone in the logit scale.
         amax = _finite_amax(q)
         if HAS_QV:  # FP8 latent: s = k_scale (q . k8 + qv (v_scale / k_scale) . v8), both parts under one 2^k
-            qv = qv.to(tl.float32) * (tl.load(v_scale_ptr + head_kv * stride_kv_scale)
-                                      / tl.load(k_scale_ptr + head_kv * stride_kv_scale))
+            qv = qv.to(tl.float32) * (tl.load(v_scale_ptr + v_scale_off) / tl.load(k_scale_ptr + k_scale_off))
             amax = tl.maximum(amax, _finite_amax(qv))
         q_scale, q_unscale = _fp16_range(amax)
         q = q.to(tl.float32) * q_scale
@@ -215,12 +224,14 @@ def attn_fwd_kernel(
         k_base = k_ptr + b64 * stride_kb + k0 * stride_ks + h64 * stride_kh
         v_base = v_ptr + b64 * stride_vb + k0 * stride_vs + h64 * stride_vh
         bt_ptr = block_table_ptr
+    if QKV_FP8 == FP8_V_T:  # V^T [Hkv, D, tokens] by pointers, K's descriptor or not (stride_vs: D's stride)
+        v_base = v_ptr + kv_b.to(tl.int64) * stride_vb + k_start.to(tl.int64) + head_kv.to(tl.int64) * stride_vh
 
     if KV_SCALED:
         # FP8 cache: K = k_scale * K8, V = v_scale * V8 (NVFP4: the per-tensor global scales). Both factor out of
         # the dots, so tiles are only widened (exactly) and the scales fold into the logit scale and the final
         # normalisation.
-        softmax_scale = softmax_scale * q_unscale * tl.load(k_scale_ptr + head_kv * stride_kv_scale)
+        softmax_scale = softmax_scale * q_unscale * tl.load(k_scale_ptr + k_scale_off)
         if KV_NVFP4:  # unpacked NVFP4 tiles are e2m1 * scale / E2M1_UNIT
             softmax_scale = softmax_scale * E2M1_UNIT
     qk_scale, softcap_scale = logit_scales(softmax_scale, softcap, SOFTCAP)
@@ -238,28 +249,32 @@ def attn_fwd_kernel(
             stride_vs, stride_bs_page, stride_bs_tok, desc_row0, head_kv, offs_d, seqlen_k,
             tl.maximum(s_lo, n_lo) * BLOCK_N, tl.minimum(s_hi, full_lo) * BLOCK_N, qk_scale, softcap_scale,
             window_left, window_right, alibi_slope, HEAD_DIM, BLOCK_N, True, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT,
-            HAS_RIGHT, SOFTCAP, SP_OVERLAP, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv, HEAD_DIM_V, HAS_QV)
+            HAS_RIGHT, SOFTCAP, SP_OVERLAP, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv, HEAD_DIM_V, HAS_QV,
+        QKV_FP8)
     acc, m_i, l_i = attn_inner(
         acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr, stride_kb, stride_ks, stride_vb,
         stride_vs, stride_bs_page, stride_bs_tok, desc_row0, head_kv, offs_d, seqlen_k,
         tl.maximum(s_lo, full_lo) * BLOCK_N, tl.minimum(s_hi, full_hi) * BLOCK_N, qk_scale, softcap_scale,
         window_left, window_right, alibi_slope, HEAD_DIM, BLOCK_N, False, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT,
-        HAS_RIGHT, SOFTCAP, SP_OVERLAP, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv, HEAD_DIM_V, HAS_QV)
+        HAS_RIGHT, SOFTCAP, SP_OVERLAP, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv, HEAD_DIM_V, HAS_QV,
+        QKV_FP8)
     acc, m_i, l_i = attn_inner(
         acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr, stride_kb, stride_ks, stride_vb,
         stride_vs, stride_bs_page, stride_bs_tok, desc_row0, head_kv, offs_d, seqlen_k,
         tl.maximum(s_lo, full_hi) * BLOCK_N, tl.minimum(s_hi, n_hi) * BLOCK_N, qk_scale, softcap_scale,
         window_left, window_right, alibi_slope, HEAD_DIM, BLOCK_N, True, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT,
-        HAS_RIGHT, SOFTCAP, SP_OVERLAP, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv, HEAD_DIM_V, HAS_QV)
+        HAS_RIGHT, SOFTCAP, SP_OVERLAP, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv, HEAD_DIM_V, HAS_QV,
+        QKV_FP8)
 
     # ---- epilogue: normalise; rows that saw no key give out = 0 and lse = -inf (with a sink: lse = sink) --
+    m_i = fp8_row_max(m_i, QKV_FP8)
     acc_scale = 1.0
     if HAS_SINK and not SPLIT:  # split partials stay sink-free: attn_combine adds the sink once per row
         m_i, l_i, acc_scale = _fold_sink(m_i, l_i, tl.load(sink_ptr + head_q) * LOG2E)
     seen = l_i > 0.0
     inv_l = tl.where(seen, acc_scale / tl.where(seen, l_i, 1.0), 0.0)
     if KV_SCALED:
-        inv_l = inv_l * tl.load(v_scale_ptr + head_kv * stride_kv_scale)
+        inv_l = inv_l * tl.load(v_scale_ptr + v_scale_off)
         if KV_NVFP4:
             inv_l = inv_l * E2M1_UNIT
     if TRANS:

@@ -17,6 +17,18 @@ def round_bf16(x):
 
 
 @triton.jit
+def round_e4m3(x):
+    """float32 x >= 0 (at most 448) -> the nearest e4m3fn value (ties to even), still float32: the GPU's
+    cvt.rn.satfinite for FP8 attention's P tiles, which the interpreter's own cast truncates. Normals keep 3
+    mantissa bits; below 2^-6 values round to a multiple of the subnormal step 2^-9 (adding and subtracting 2^14
+    rounds x to a multiple of 2^-9 in fp32: its ulp there is 2^-9)."""
+    bits = x.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+    subnormal = (x + 16384.0) - 16384.0
+    return tl.where(x < 0.015625, subnormal, tl.minimum(normal, 448.0))
+
+
+@triton.jit
 def store_cast(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
     """x (fp32) as dtype for a store. INTERPRETED: the interpreter runs the kernel, whose bf16 cast truncates."""
     if INTERPRETED and dtype == tl.bfloat16:

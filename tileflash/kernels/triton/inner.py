@@ -13,7 +13,18 @@ import triton
 import triton.language as tl
 
 from .masks import alibi_distance, visible
+from .cast import round_e4m3
 from ...lowp.kernels.quant import NVFP4_PURE_ASM, NVFP4_SCALE_WORDS, nvfp4_unpack_tile
+
+P_FP8_LOG2: tl.constexpr = tl.constexpr(8.0)  # FP8 attention's P tiles span [0, 2^8] (e4m3's max is 448)
+# FP8 attention's V operand (attn_inner's P_FP8): FP8 MMAs read both operands K-major, i.e. V^T with tokens
+# contiguous. FP8_V_ROWS: V tiles [tokens, D] as stored (paged pools; Triton transposes each tile through shared
+# memory, byte by byte); FP8_V_T: V^T [Hkv, D, tokens] transposed on the host (launch/tensors.transposed_values),
+# read by pointers, or FP8_V_T_DESC: through a TMA descriptor (tile offsets along tokens must be 16-byte aligned,
+# so packed sequences, which start anywhere, take pointers).
+FP8_V_ROWS: tl.constexpr = tl.constexpr(1)
+FP8_V_T: tl.constexpr = tl.constexpr(2)
+FP8_V_T_DESC: tl.constexpr = tl.constexpr(3)
 
 
 @triton.jit
@@ -99,6 +110,46 @@ def _kv_tile(base, sbase, start_n, seqlen_k, pages, stride_page, stride_tok, sst
 
 
 @triton.jit
+def _vt_tile(base, start_n, seqlen_k, stride_d, desc_row0, head_kv, offs_dv, HEAD_DIM_V: tl.constexpr,
+             BLOCK_N: tl.constexpr, VT_DESC: tl.constexpr, MASK_N: tl.constexpr, TILE_DTYPE: tl.constexpr):
+    """The [DP, BLOCK_N] tile of V^T for tokens start_n.. (FP8_V_T): V^T is [Hkv, D, tokens] with a batch's tokens
+    after the previous batch's, as in K's merged rows, so a descriptor (box [1, DP, BLOCK_N]) takes K's row
+    coordinate; by pointers, base is this head's and sequence's first token and stride_d D's stride. Columns at or
+    past seqlen_k are zero when MASK_N (with a descriptor they belong to the next sequence)."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    if VT_DESC:
+        t = base.load([head_kv, 0, desc_row0 + start_n]).reshape(offs_dv.shape[0], BLOCK_N)
+        if MASK_N:
+            t = tl.where(offs_n[None, :] < seqlen_k, t, 0.0)
+    else:
+        ptrs = base + offs_dv[:, None] * stride_d + offs_n[None, :]
+        if MASK_N:
+            t = tl.load(ptrs, mask=(offs_n[None, :] < seqlen_k) & (offs_dv[:, None] < HEAD_DIM_V), other=0.0)
+        elif HEAD_DIM_V == offs_dv.shape[0]:
+            t = tl.load(ptrs)
+        else:
+            t = tl.load(ptrs, mask=offs_dv[:, None] < HEAD_DIM_V, other=0.0)
+    return t.to(TILE_DTYPE)
+
+
+@triton.jit
+def _v_tile(v_base, v_sbase, start_n, seqlen_k, pages, stride_v_page, stride_v_tok, sstride_page, sstride_tok,
+            desc_row0, head_kv, offs_dv, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+            USE_DESC: tl.constexpr, KV_NVFP4: tl.constexpr, MASK: tl.constexpr, TILE_DTYPE: tl.constexpr,
+            P_FP8: tl.constexpr):
+    """The V tile the PV product takes: [BLOCK_N, DP] (_kv_tile), or [DP, BLOCK_N] of V^T with FP8_V_T(_DESC)
+    (then stride_v_tok is D's stride)."""
+    if P_FP8 >= FP8_V_T:
+        v = _vt_tile(v_base, start_n, seqlen_k, stride_v_tok, desc_row0, head_kv, offs_dv, HEAD_DIM_V, BLOCK_N,
+                     P_FP8 == FP8_V_T_DESC, MASK, TILE_DTYPE)
+    else:
+        v, _ = _kv_tile(v_base, v_sbase, start_n, seqlen_k, pages, stride_v_page, stride_v_tok, sstride_page,
+                        sstride_tok, desc_row0, head_kv, offs_dv, HEAD_DIM_V, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4,
+                        MASK, TILE_DTYPE)
+    return v
+
+
+@triton.jit
 def tanh(y):
     """tanh(y) = 1 - 2 / (exp(2y) + 1): exact at +-inf (no inf/inf), and the interpreter has no libdevice. Below
     |y| = 2^-6 that difference cancels (a softcap of 1e7 gave logits off by 0.4), so y - y^3/3 takes over there:
@@ -154,10 +205,15 @@ def _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left,
 
 
 @triton.jit
-def _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS: tl.constexpr, RAW_SCORES: tl.constexpr):
+def _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS: tl.constexpr, RAW_SCORES: tl.constexpr,
+                P_FP8: tl.constexpr = False):
     """Online-softmax update with one block of scores s and values v (TRANS: s^T and acc^T [DP, M]).
     RAW_SCORES: s is unscaled and qk_scale > 0, so the row max scales after the reduction and the scale and the
-    max subtraction are one FMA per score (FA's exp2(s * scale - m)) instead of a multiply and a subtract."""
+    max subtraction are one FMA per score (FA's exp2(s * scale - m)) instead of a multiply and a subtract.
+    P_FP8 (e4m3 values, FP8_V_ROWS or FP8_V_T: v's layout): P is rounded to e4m3 for the PV product, computed as exp2(s - m + P_FP8_LOG2) so it spans
+    [0, 2^8] and stays clear of e4m3's subnormals (l_i carries the same 2^8: m_i - P_FP8_LOG2 and l_i are the
+    row's usual pair, see fp8_row_max); each block's product starts from zero and is added into the fp32 acc, so
+    the tensor cores' reduced-precision FP8 accumulation never runs over the whole row (vLLM's long-context trap)."""
     key_axis: tl.constexpr = 0 if TRANS else 1
     if RAW_SCORES:
         m_new = tl.maximum(m_i, tl.max(s, key_axis) * qk_scale)
@@ -165,18 +221,37 @@ def _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS: tl.constexpr, RAW_SCORES: 
         m_new = tl.maximum(m_i, tl.max(s, key_axis))
     # A row that has seen only masked keys keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    m_sub = m_safe - P_FP8_LOG2 if P_FP8 else m_safe
     if RAW_SCORES:
-        p = tl.math.exp2(tl.fma(s, qk_scale, -_per_row(m_safe, TRANS)))
+        p = tl.math.exp2(tl.fma(s, qk_scale, -_per_row(m_sub, TRANS)))
     else:
-        p = tl.math.exp2(s - _per_row(m_safe, TRANS))
+        p = tl.math.exp2(s - _per_row(m_sub, TRANS))
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, key_axis)
     acc = acc * _per_row(alpha, TRANS)
-    if TRANS:
+    if P_FP8:
+        tl.static_assert(not TRANS, "FP8 values take the untransposed products")
+        if v.dtype == tl.float32:  # the interpreter's tiles: P rounded as the GPU's cast rounds it
+            p8 = round_e4m3(p)
+        else:
+            p8 = p.to(v.dtype)
+        if P_FP8 >= FP8_V_T:  # v holds V^T [DP, N]
+            acc = acc + tl.dot(p8, tl.trans(v))
+        else:
+            acc = acc + tl.dot(p8, v)
+    elif TRANS:
         acc = tl.dot(tl.trans(v), p.to(v.dtype), acc)
     else:
         acc = tl.dot(p.to(v.dtype), v, acc)
     return acc, m_new, l_i
+
+
+@triton.jit
+def fp8_row_max(m_i, P_FP8: tl.constexpr):
+    """The row max that pairs with l_i after the loop: P_FP8's P and l_i carry a factor 2^P_FP8_LOG2."""
+    if P_FP8:
+        m_i = m_i - P_FP8_LOG2
+    return m_i
 
 
 @triton.jit
@@ -187,7 +262,7 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
                KV_NVFP4: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                SP_OVERLAP: tl.constexpr, TILE_DTYPE: tl.constexpr, TRANS: tl.constexpr,
                RAW_SCORES: tl.constexpr, ALIBI: tl.constexpr, qv, offs_dv, HEAD_DIM_V: tl.constexpr,
-               HAS_QV: tl.constexpr):
+               HAS_QV: tl.constexpr, P_FP8: tl.constexpr = False):
     """Accumulate KV tokens [lo, hi) (lo, hi multiples of BLOCK_N) into (acc, m_i, l_i).
 
     MASK=False is the fast path for blocks that are fully visible to every row (no per-element masks).
@@ -197,6 +272,8 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
     TRANS=True computes the transposed products s^T = K q^T and acc^T += V^T P^T (q holds q^T [DP, M], acc holds
     acc^T): with decode's few query rows the KV tokens and the head dim fill the MMA's M side instead of padding.
     V tiles are HEAD_DIM_V wide (offs_dv); HAS_QV (MLA) adds qv v^T to the scores (the plain loop only).
+    P_FP8: e4m3 V tiles (FP8_V_ROWS: as stored; FP8_V_T(_DESC): V^T, stride_v_tok D's stride), P rounded to e4m3 for the
+    PV product (_softmax_pv).
     """
     if SP_OVERLAP:
         tl.static_assert(not HAS_QV, "MLA (qv) takes the plain loop")
@@ -208,9 +285,9 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
             s = _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right,
                         alibi_slope, SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES, ALIBI)
             for start_n in range(lo, hi, BLOCK_N):
-                v, _ = _kv_tile(v_base, v_sbase, start_n, seqlen_k, pages, stride_v_page, stride_v_tok,
-                                sstride_page, sstride_tok, desc_row0, head_kv, offs_dv, HEAD_DIM_V, BLOCK_N,
-                                PAGE_SIZE, USE_DESC, KV_NVFP4, MASK, TILE_DTYPE)
+                v = _v_tile(v_base, v_sbase, start_n, seqlen_k, pages, stride_v_page, stride_v_tok, sstride_page,
+                            sstride_tok, desc_row0, head_kv, offs_dv, HEAD_DIM_V, BLOCK_N, PAGE_SIZE, USE_DESC,
+                            KV_NVFP4, MASK, TILE_DTYPE, P_FP8)
                 # Next block's scores first (clamped to the last block on the final step; the result is unused).
                 next_start = tl.minimum(start_n + BLOCK_N, hi - BLOCK_N)
                 pages = block_pages(bt_ptr, next_start, seqlen_k, BLOCK_N, PAGE_SIZE, USE_DESC, MASK)
@@ -220,7 +297,7 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
                 s_next = _scores(q, k_next, qk_scale, softcap_scale, q_pos, next_n, seqlen_k, window_left,
                                  window_right, alibi_slope, SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES,
                                  ALIBI)
-                acc, m_i, l_i = _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS, RAW_SCORES)
+                acc, m_i, l_i = _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS, RAW_SCORES, P_FP8)
                 s = s_next
     elif lo < hi:  # (no table entry is read for an empty range: lo may be past the table's end)
         pages = block_pages(bt_ptr, lo, seqlen_k, BLOCK_N, PAGE_SIZE, USE_DESC, MASK)
@@ -235,7 +312,7 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
                                         softcap_scale, window_left, window_right, alibi_slope, HEAD_DIM,
                                         BLOCK_N, MASK, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT, HAS_RIGHT,
                                         SOFTCAP, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv, HEAD_DIM_V,
-                                        HAS_QV)
+                                        HAS_QV, P_FP8)
             pages = next_pages
     return acc, m_i, l_i
 
@@ -247,7 +324,7 @@ def _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, pages
                 BLOCK_N: tl.constexpr, MASK: tl.constexpr, PAGE_SIZE: tl.constexpr, USE_DESC: tl.constexpr,
                 KV_NVFP4: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                 TILE_DTYPE: tl.constexpr, TRANS: tl.constexpr, RAW_SCORES: tl.constexpr, ALIBI: tl.constexpr, qv,
-                offs_dv, HEAD_DIM_V: tl.constexpr, HAS_QV: tl.constexpr):
+                offs_dv, HEAD_DIM_V: tl.constexpr, HAS_QV: tl.constexpr, P_FP8: tl.constexpr):
     """One block of the plain loop: load K, scores, load V, online softmax and PV (MLA: V before the scores)."""
     k, offs_n = _kv_tile(k_base, k_sbase, start_n, seqlen_k, pages, stride_k_page, stride_k_tok, sstride_page,
                          sstride_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4,
@@ -261,7 +338,7 @@ def _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, pages
     else:
         s = _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right, alibi_slope,
                     SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES, ALIBI)
-        v, _ = _kv_tile(v_base, v_sbase, start_n, seqlen_k, pages, stride_v_page, stride_v_tok, sstride_page,
-                        sstride_tok, desc_row0, head_kv, offs_dv, HEAD_DIM_V, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4,
-                        MASK, TILE_DTYPE)
-    return _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS, RAW_SCORES)
+        v = _v_tile(v_base, v_sbase, start_n, seqlen_k, pages, stride_v_page, stride_v_tok, sstride_page, sstride_tok,
+                    desc_row0, head_kv, offs_dv, HEAD_DIM_V, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4, MASK, TILE_DTYPE,
+                    P_FP8)
+    return _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS, RAW_SCORES, P_FP8)

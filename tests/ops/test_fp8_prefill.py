@@ -1,0 +1,227 @@
+"""FP8 attention (e4m3 q, k, v with FA3's descales) against the fp32 reference of the dequantized inputs, with
+flash-attn's rule for FP8: the low-precision reference rounds the probabilities to e4m3 too (and its output to the
+output dtype). Also fp8_quantize_qkv (bit-exact against a per-sequence loop), the errors, and on the GPU the
+long-context needle."""
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import tileflash
+from tileflash.kernels.triton.cast import round_e4m3
+from helpers import DEVICE, ON_GPU, attention_inputs, check_2x, check_lse, packed_inputs
+from tileflash.reference import attention_ref, attention_varlen_ref, gather_cache
+
+E4M3 = torch.float8_e4m3fn
+
+
+def dequantize(x8, descale, cu_seqlens=None):
+    """float(x8) * the descale of each element's (sequence, KV head); x8 [B, S, H, D] or packed [total, H, D]."""
+    hkv = descale.shape[1]
+    x = x8.float()
+    if cu_seqlens is None:
+        scale = descale.repeat_interleave(x.shape[2] // hkv, dim=1)[:, None, :, None]
+        return x * scale
+    out = x.clone()
+    cu = cu_seqlens.tolist()
+    for b in range(len(cu) - 1):
+        out[cu[b]:cu[b + 1]] *= descale[b].repeat_interleave(x.shape[1] // hkv)[None, :, None]
+    return out
+
+
+def check_fp8(out, lse, ref_fn, out_dtype=torch.bfloat16):
+    """ref_fn(upcast, intermediate_dtype) -> (out, lse) on the dequantized inputs."""
+    ref32, ref_lse = ref_fn(True, None)
+    ref_lowp = ref_fn(True, E4M3)[0].to(out_dtype)
+    assert out.dtype == out_dtype and lse.dtype == torch.float32
+    check_2x(out, ref32, ref_lowp)
+    check_lse(lse, ref_lse)
+
+
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, window, softcap) — why each is here:
+CASES = [
+    (2, 17, 17, 4, 4, 64, True, (-1, -1), 0.0),  # causal square, partial M and N tiles
+    (1, 97, 113, 8, 2, 40, False, (-1, -1), 0.0),  # GQA 4 (q's descale per KV-head group), head dim 40 -> 64
+    (1, 50, 33, 4, 1, 128, True, (-1, -1), 0.0),  # MQA, Sq > Sk causal: top rows see no key (out 0, lse -inf)
+    (2, 33, 64, 4, 2, 128, False, (16, 0), 5.0),  # window, softcap (scaled scores); Sk % 16 == 0: V^T by TMA
+    (1, 45, 48, 2, 2, 256, True, (-1, -1), 0.0),  # largest head dim, V^T by TMA
+    (1, 19, 23, 2, 1, 16, False, (-1, -1), 0.0),  # head dim 16: 8-bit dots pad it to 32
+]
+if ON_GPU:  # many full tiles: the unmasked fast path
+    CASES += [
+        (2, 1024, 1024, 8, 2, 128, True, (-1, -1), 0.0),
+        (1, 777, 2049, 4, 4, 64, False, (-1, -1), 0.0),
+        (1, 1000, 1000, 4, 1, 256, False, (-1, -1), 0.0),
+    ]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)).replace(" ", ""))
+def test_fp8_flash_attn_func(case):
+    b, sq, sk, hq, hkv, d, causal, window, softcap = case
+    q, k, v = attention_inputs(b, sq, sk, hq, hkv, d, torch.bfloat16)
+    q8, k8, v8, qd, kd, vd = tileflash.fp8_quantize_qkv(q, k, v)
+    out, lse = tileflash.flash_attn_func(q8, k8, v8, causal=causal, window_size=window, softcap=softcap,
+                                         return_lse=True, q_descale=qd, k_descale=kd, v_descale=vd)
+    deq = dequantize(q8, qd), dequantize(k8, kd), dequantize(v8, vd)
+    check_fp8(out, lse, lambda up, inter: attention_ref(*deq, causal=causal, window_size=window, softcap=softcap,
+                                                        upcast=up, intermediate_dtype=inter))
+
+
+def test_fp8_alibi_sink_fp16_out_and_strided_descales():
+    """ALiBi and a sink through the FP8 path, fp16 output, descales as transposed views, and an absent q_descale
+    (1)."""
+    b, s, hq, hkv, d = 2, 40, 4, 2, 64
+    q, k, v = attention_inputs(b, s, s, hq, hkv, d, torch.bfloat16, seed=4)
+    q8 = (q * 8).clamp(-448, 448).to(E4M3)
+    _, k8, v8, _, kd, vd = tileflash.fp8_quantize_qkv(q, k, v)
+    kd_t, vd_t = (t.t().contiguous().t() for t in (kd, vd))  # [B, Hkv] with strides (1, B)
+    slopes = torch.rand(hq, device=DEVICE)
+    sink = torch.randn(hq, device=DEVICE)
+    out, lse = tileflash.flash_attn_func(q8, k8, v8, causal=True, return_lse=True, alibi_slopes=slopes,
+                                         learnable_sink=sink, k_descale=kd_t, v_descale=vd_t,
+                                         out_dtype=torch.float16)
+    deq = q8.float(), dequantize(k8, kd), dequantize(v8, vd)
+    check_fp8(out, lse, lambda up, inter: attention_ref(*deq, causal=True, alibi_slopes=slopes, learnable_sink=sink,
+                                                        upcast=up, intermediate_dtype=inter), torch.float16)
+
+
+def test_fp8_varlen_and_paged():
+    lens_q, lens_k, hq, hkv, d = [5, 0, 17, 33], [5, 3, 40, 33], 4, 2, 64
+    q, k, v, cu_q, cu_k = packed_inputs(lens_q, lens_k, hq, hkv, d, torch.bfloat16, seed=7)
+    q8, k8, v8, qd, kd, vd = tileflash.fp8_quantize_qkv(q, k, v, cu_q, cu_k)
+    out, lse = tileflash.flash_attn_varlen_func(q8, k8, v8, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                                return_lse=True, q_descale=qd, k_descale=kd, v_descale=vd)
+    deq = dequantize(q8, qd, cu_q), dequantize(k8, kd, cu_k), dequantize(v8, vd, cu_k)
+    check_fp8(out, lse, lambda up, inter: attention_varlen_ref(*deq, cu_q, cu_k, causal=True, upcast=up,
+                                                               intermediate_dtype=inter))
+
+    # The same keys in pages of 5 tokens (a pool quantized per KV head: descales [Hkv] expanded to [B, Hkv]).
+    page, max_pages = 5, 9
+    g = torch.Generator().manual_seed(2)
+    pool = [torch.randn(len(lens_k) * max_pages + 2, page, hkv, d, generator=g).to(DEVICE) for _ in range(2)]
+    (k_pool, kd_h), (v_pool, vd_h) = (tileflash.fp8_quantize(p, per_head_dim=2) for p in pool)
+    table = torch.randperm(k_pool.shape[0], generator=g)[:len(lens_k) * max_pages].view(len(lens_k), max_pages)
+    table = table.to(DEVICE, torch.int32)
+    used = torch.tensor(lens_k, dtype=torch.int32, device=DEVICE)
+    kd_p, vd_p = (t.expand(len(lens_k), hkv) for t in (kd_h, vd_h))  # a batch stride of 0
+    out, lse = tileflash.flash_attn_varlen_func(q8, k_pool, v_pool, cu_q, None, max(lens_q), 0, seqused_k=used,
+                                                causal=True, block_table=table, return_lse=True, q_descale=qd,
+                                                k_descale=kd_p, v_descale=vd_p)
+    kk, vv = (torch.cat([gather_cache(c.float() * s[:, None], table, n, i) for i, n in enumerate(lens_k)])
+              for c, s in ((k_pool, kd_h), (v_pool, vd_h)))
+    check_fp8(out, lse, lambda up, inter: attention_varlen_ref(deq[0], kk, vv, cu_q, cu_k, causal=True, upcast=up,
+                                                               intermediate_dtype=inter))
+
+
+def _quantize_loop(x, hkv, cu=None):
+    """fp8_quantize_qkv's rule, one (sequence, KV head) at a time."""
+    seqs = [x[i] for i in range(x.shape[0])] if cu is None else [x[a:b] for a, b in zip(cu[:-1], cu[1:])]
+    x8, descales = torch.empty_like(x, dtype=E4M3), []
+    for i, xs in enumerate(seqs):
+        groups = xs.float().unflatten(1, (hkv, -1))  # [S, Hkv, group, D]
+        amax = torch.where(groups.isfinite(), groups.abs(), 0.0).amax((0, 2, 3)) if xs.shape[0] else \
+            torch.zeros(hkv, device=x.device)
+        descale = torch.where(amax > 0, amax / torch.tensor(448.0, device=x.device), 1.0)
+        q = (groups / descale[None, :, None, None]).clamp(-448, 448).to(E4M3).flatten(1, 2)
+        if cu is None:
+            x8[i] = q
+        else:
+            x8[cu[i]:cu[i + 1]] = q
+        descales.append(descale)
+    if cu is not None and cu[-1] < x.shape[0]:  # tokens of no sequence: descale 1
+        x8[cu[-1]:] = x[cu[-1]:].float().clamp(-448, 448).to(E4M3)
+    return x8, torch.stack(descales)
+
+
+def test_fp8_quantize_qkv_bit_exact():
+    q, k, v = attention_inputs(2, 9, 7, 6, 2, 32, torch.float16, seed=1)
+    k[1] = 0  # an all-zero group: descale 1
+    v[0, 3, 1, 5] = float("inf")  # saturates; the amax ignores it
+    got = tileflash.fp8_quantize_qkv(q, k, v)
+    for x8, descale, x in zip(got[:3], got[3:], (q, k, v)):
+        want8, want = _quantize_loop(x, 2)
+        assert torch.equal(x8.view(torch.uint8), want8.view(torch.uint8)) and torch.equal(descale, want)
+    # Packed, with an empty sequence and (keys) tokens past cu_seqlens[-1].
+    q, k, v, cu_q, cu_k = packed_inputs([3, 0, 8], [4, 0, 6], 4, 1, 16, torch.bfloat16, seed=2)
+    k, v = (torch.cat([t, torch.randn_like(t[:2]) * 1000]) for t in (k, v))
+    got = tileflash.fp8_quantize_qkv(q, k, v, cu_q, cu_k)
+    for x8, descale, x, cu in zip(got[:3], got[3:], (q, k, v), (cu_q, cu_k, cu_k)):
+        want8, want = _quantize_loop(x, 1, cu.tolist())
+        assert torch.equal(x8.view(torch.uint8), want8.view(torch.uint8)) and torch.equal(descale, want)
+
+
+@triton.jit
+def _round_e4m3_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    tl.store(y_ptr + offs, round_e4m3(x), mask=offs < n)
+
+
+def test_round_e4m3_matches_the_cast():
+    """The interpreter's P rounding (kernels/triton/cast.round_e4m3) against torch's e4m3 cast: every e4m3 value,
+    the midpoints between neighbours (ties to even) and their fp32 neighbours, subnormals, and saturation."""
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(E4M3).float()  # the non-negative finite values
+    mids = (grid[1:] + grid[:-1]) / 2
+    x = torch.cat([grid, mids, mids.nextafter(torch.tensor(0.0)), mids.nextafter(torch.tensor(1e9)),
+                   torch.rand(500) * 450, torch.rand(200) * 2 ** -6, torch.tensor([448.0, 449.0, 470.0])])
+    x = x.clamp(max=448.0).to(DEVICE)
+    y = torch.empty_like(x)
+    _round_e4m3_kernel[(1,)](x, y, x.numel(), BLOCK=triton.next_power_of_2(x.numel()))
+    assert torch.equal(y, x.to(E4M3).float())
+
+
+def _fp8_inputs(b=1, s=8, hq=2, hkv=1, d=32):
+    q, k, v = attention_inputs(b, s, s, hq, hkv, d, torch.bfloat16)
+    return tileflash.fp8_quantize_qkv(q, k, v)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(q_descale=torch.ones(1, 1, dtype=torch.float16)), "q_descale: expected dtype"),
+    (dict(k_descale=torch.ones(1, 2)), r"k_descale: expected shape \(1, 1\)"),
+    (dict(v_descale=torch.ones(1)), "v_descale: expected 2 dimensions"),
+    (dict(out_dtype=torch.float32), "out_dtype: FP8 attention writes bfloat16 or float16"),
+])
+def test_fp8_errors(bad, match):
+    q8, k8, v8, qd, kd, vd = _fp8_inputs()
+    kw = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+    kw.update({name: t.to(DEVICE) if isinstance(t, torch.Tensor) else t for name, t in bad.items()})
+    with pytest.raises((ValueError, TypeError), match=match):
+        tileflash.flash_attn_func(q8, k8, v8, **kw)
+
+
+def test_fp8_errors_of_mixed_calls():
+    q8, k8, v8, qd, kd, vd = _fp8_inputs()
+    q, k, v = attention_inputs(1, 8, 8, 2, 1, 32, torch.bfloat16)
+    with pytest.raises(TypeError, match="k: expected dtype"):
+        tileflash.flash_attn_func(q8, k, v8)
+    with pytest.raises(ValueError, match="q_descale: descales are for float8_e4m3fn"):
+        tileflash.flash_attn_func(q, k, v, q_descale=qd)
+    with pytest.raises(ValueError, match="out_dtype: torch.bfloat16 inputs give"):
+        tileflash.flash_attn_func(q, k, v, out_dtype=torch.float16)
+    with pytest.raises(ValueError, match="FP8 attention is forward only"):
+        tileflash.flash_attn_func(q8, k8, v8.float().requires_grad_().to(E4M3))
+    cu = torch.tensor([0, 8], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"k_descale: expected shape \(1, 1\)"):
+        tileflash.flash_attn_varlen_func(q8[0], k8[0], v8[0], cu, cu, 8, 8, k_descale=kd.expand(2, 1))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="65k keys: minutes in the interpreter")
+def test_fp8_needle_in_64k_keys():
+    """One key that every query should find among 65,536 random keys: the output must keep that key's value to
+    bf16 precision (vLLM's trap: accumulating P V over the whole row in the tensor cores' reduced-precision FP8
+    accumulator lost the needle; each block's product is added into fp32 here)."""
+    g = torch.Generator().manual_seed(5)
+    sk, hq, d, at = 65536, 4, 128, 40961
+    u = torch.randn(d, generator=g)
+    u /= u.norm()
+    noise = torch.randn(1, 16, hq, d, generator=g)
+    q = 8 * u + noise - (noise @ u)[..., None] * u  # every query: 8 u plus noise orthogonal to u
+    k = torch.randn(1, sk, 1, d, generator=g) * 0.5  # scores ~ N(0, 0.6^2)
+    k[0, at, 0] = 28 * u  # the needle's score: 8 * 28 / sqrt(128) ~ 19.8, so the other keys weigh ~2e-4 together
+    v = torch.randn(1, sk, 1, d, generator=g)
+    q, k, v = (t.to(DEVICE, torch.bfloat16) for t in (q, k, v))
+    q8, k8, v8, qd, kd, vd = tileflash.fp8_quantize_qkv(q, k, v)
+    out = tileflash.flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd).float()
+    needle = (v8[0, at, 0].float() * vd[0, 0]).expand_as(out)
+    err = (out - needle).abs()
+    assert (err <= needle.abs() * 2 ** -8 + 2 ** -12).all(), f"max error {err.max().item():.3e}"
