@@ -89,6 +89,19 @@ def test_fwd_config_anchors(d, causal, seqlen_k, tile):
     assert (c.block_m, c.block_n, c.num_warps, c.num_stages, c.tma) == (*tile, True)
 
 
+@pytest.mark.parametrize("d, causal, seqlen_k, tile", [
+    (128, False, 4096, (64, 128, 4, 3)),  # FP8 (run 139): one warpgroup over 128 keys, 643 vs 507 TFLOP/s
+    (128, False, 16384, (128, 128, 8, 3)),  # long full rows keep 128x128 on 8 warps (634 vs 550)
+    (128, True, 16384, (64, 128, 4, 3)),  # causal: one warpgroup (8k: 605 vs 491)
+    (40, False, 8192, (64, 128, 4, 3)),  # d <= 64 (d64 8k: 491 vs 418)
+    (256, False, 8192, (64, 64, 4, 2)),  # d256: one warpgroup, 505 vs 441 (128x64 on 8 warps spills)
+])
+def test_fwd_config_fp8_anchors(d, causal, seqlen_k, tile):
+    c = fwd_config(d, causal, seqlen_k=seqlen_k, fp8=True)
+    assert (c.block_m, c.block_n, c.num_warps, c.num_stages, c.tma) == (*tile, True)
+    assert fwd_config(d, causal, interpret=True, seqlen_k=seqlen_k, fp8=True).block_m == 32  # small tiles
+
+
 def test_fwd_ws_config_properties():
     """Only head dims the Gluon kernel needs no padding for; 128 query rows + K and V rings fit the H200's shared
     memory; persistent CTAs only for short rows (once not persistent, longer rows are not either)."""

@@ -138,7 +138,7 @@ def _dense_plan(q, k, v, softmax_scale: float, mask: Mask, keep_lse: bool, alibi
         ws_cfg = ws_forward_config(q, k, v, q, softmax_scale, mask, alibi=alibi)
         if ws_cfg is None:
             cfg = config.chosen("fwd", fwd_config(d, causal=mask.window_right >= 0, interpret=_utils.is_interpreter(),
-                                                  seqlen_k=sk, arch=target_arch()))
+                                                  seqlen_k=sk, arch=target_arch(), fp8=q.dtype == FP8))
     fp8 = q.dtype == FP8
     launch = functools.partial(_launch_dense, ws_cfg, cfg, mask, softmax_scale, fp8)
     return FwdPlan(launch, (b, hq, sq), q.device, keep_lse, empty, transpose_v=fp8)
@@ -226,7 +226,7 @@ def _varlen_plan(q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_q: in
                                        alibi)
         if ws_cfg is None:
             cfg = config.chosen("fwd", fwd_config(d, causal=mask.window_right >= 0, interpret=_utils.is_interpreter(),
-                                                  seqlen_k=max_seqlen_k, arch=target_arch()))
+                                                  seqlen_k=max_seqlen_k, arch=target_arch(), fp8=q.dtype == FP8))
     v_transposed = q.dtype == FP8 and not paged
     launch = functools.partial(_launch_varlen, ws_cfg, cfg, mask, softmax_scale, max_seqlen_q, max_seqlen_k, paged,
                                v_transposed)

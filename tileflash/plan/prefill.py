@@ -43,12 +43,27 @@ class Mask:
 ONE_WARPGROUP_MAX_KEYS = 4096
 
 
+def _fp8_fwd_config(d: int, causal: bool, seqlen_k: int) -> FwdConfig:
+    """FP8 attention's tiles (run 139, `sweep prefill-fp8`, TFLOP/s, 16k tokens): one warpgroup over 128 keys per
+    step, e4m3 tiles taking half the shared memory: d128 full 4k 643 vs 507 (64x64) and 320 (8 warps), causal 8k
+    605 vs 491; d64 full 8k 491 vs 418 (128x64, 8 warps). d128 full past 4k keys keeps 128x128 on 8 warps (16k:
+    634 vs 550). d256: 64x64 on one warpgroup 505 vs 441 (128x64, 8 warps, which spills)."""
+    if d <= 128 and not (d == 128 and not causal and seqlen_k > ONE_WARPGROUP_MAX_KEYS):
+        return FwdConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, tma=True)
+    if d <= 128:
+        return FwdConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, tma=True)
+    return FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=2, tma=True)
+
+
 def fwd_config(head_dim: int, causal: bool = False, interpret: bool = False, seqlen_k: int = 2 ** 30,
-               arch: int | None = 90) -> FwdConfig:
+               arch: int | None = 90, fp8: bool = False) -> FwdConfig:
     """Measured on the H200 (sweep.py, s=4096, bf16, 2026-11-30; TFLOP/s in brackets).
     seqlen_k: keys per sequence (varlen: the longest). Triton's warp specialisation of this loop measured no gain
-    on sm_90 with triton 3.6 (within 1%) and was removed (the Gluon forward is the warp-specialised one)."""
+    on sm_90 with triton 3.6 (within 1%) and was removed (the Gluon forward is the warp-specialised one).
+    fp8: FP8 attention (e4m3 q, k, v): _fp8_fwd_config."""
     d = padded_head_dim(head_dim)
+    if fp8 and not interpret:
+        return _fp8_fwd_config(d, causal, seqlen_k)
     if d <= 64 and causal and seqlen_k <= ONE_WARPGROUP_MAX_KEYS:
         # One warpgroup per program, as for d128 (run 48, `sweep.py --dims 64`, TFLOP/s, causal s = 2k / 4k / 16k):
         # 346.6 / 380.3 / 391.4 against 325.0 / 364.3 / 394.2 for 128x64 with pointers and 324.8 / 359.6 / 402.0
