@@ -184,8 +184,8 @@ def _varlen_ws_config(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax
 
 
 def _launch_varlen(ws_cfg, cfg, mask: Mask, softmax_scale: float, max_seqlen_q: int, max_seqlen_k: int, paged: bool,
-                   v_transposed: bool, q, k, v, alibi_slopes, learnable_sink, q_descale, k_descale, v_descale, cu_seqlens_q, cu_seqlens_k,
-                   seqused_k, block_table, out, lse, ws) -> None:
+                   v_transposed: bool, q, k, v, alibi_slopes, learnable_sink, q_descale, k_descale, v_descale,
+                   cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, lse, ws) -> None:
     """Packed queries q [total_q, H, D] viewed as [1, total_q, H, D] with a batch stride of 0 (cu_seqlens_q gives
     each sequence's start); keys packed the same way, or (paged) page pools read through block_table."""
     total_q, hq, _ = q.shape

@@ -13,10 +13,10 @@ Shapes (element strides are passed explicitly; the head dim must be contiguous):
           latent cache as V, its rotary part as K), so each latent byte is read once for both products.
   FP8 caches (decode): k/v in float8_e4m3fn with fp32 scales per tensor or per KV head (KV_SCALED).
   FP8 attention (QKV_FP8: inner.FP8_V_ROWS, or FP8_V_T(_DESC) for v given as V^T [Hkv, D, tokens] with stride_vb
-  the tokens of a batch, stride_vs D's stride and stride_vh the head's; with KV_SCALED): q, k, v in float8_e4m3fn with FA3's descales [B, Hkv] fp32 at
-  q/k/v_scale_ptr (element (b, h) at b * stride_*sc_b + h * stride_*sc_h; decode's cache scales have a batch
-  stride of 0): s = q_descale k_descale (q k^T), out = v_descale (P V) / l with P rounded to e4m3 (attn_inner's
-  P_FP8) and every product on FP8 tensor cores; out in bf16 or fp16.
+  the tokens of a batch, stride_vs D's stride and stride_vh the head's; with KV_SCALED): q, k, v in float8_e4m3fn
+  with FA3's descales [B, Hkv] fp32 at q/k/v_scale_ptr (element (b, h) at b * stride_*sc_b + h * stride_*sc_h;
+  decode's cache scales have a batch stride of 0): s = q_descale k_descale (q k^T), out = v_descale (P V) / l
+  with P rounded to e4m3 (attn_inner's P_FP8) and every product on FP8 tensor cores; out in bf16 or fp16.
   NVFP4 caches (decode, KV_NVFP4): k/v uint8 [.., D/2] packed e2m1 pairs, block scales e4m3 [.., D/16] at
   k/v_bscale_ptr, and the per-tensor global scales at k/v_scale_ptr (KV_SCALED too).
   Decode extras (flash-attn's flash_attn_with_kvcache arguments): HAS_KV_BATCH reads sequence b's keys from cache

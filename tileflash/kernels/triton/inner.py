@@ -210,10 +210,11 @@ def _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS: tl.constexpr, RAW_SCORES: 
     """Online-softmax update with one block of scores s and values v (TRANS: s^T and acc^T [DP, M]).
     RAW_SCORES: s is unscaled and qk_scale > 0, so the row max scales after the reduction and the scale and the
     max subtraction are one FMA per score (FA's exp2(s * scale - m)) instead of a multiply and a subtract.
-    P_FP8 (e4m3 values, FP8_V_ROWS or FP8_V_T: v's layout): P is rounded to e4m3 for the PV product, computed as exp2(s - m + P_FP8_LOG2) so it spans
-    [0, 2^8] and stays clear of e4m3's subnormals (l_i carries the same 2^8: m_i - P_FP8_LOG2 and l_i are the
-    row's usual pair, see fp8_row_max); each block's product starts from zero and is added into the fp32 acc, so
-    the tensor cores' reduced-precision FP8 accumulation never runs over the whole row (vLLM's long-context trap)."""
+    P_FP8 (e4m3 values, FP8_V_ROWS or FP8_V_T: v's layout): P is rounded to e4m3 for the PV product, computed as
+    exp2(s - m + P_FP8_LOG2) so it spans [0, 2^8] and stays clear of e4m3's subnormals (l_i carries the same 2^8:
+    m_i - P_FP8_LOG2 and l_i are the row's usual pair, see fp8_row_max); each block's product starts from zero and
+    is added into the fp32 acc, so the tensor cores' reduced-precision FP8 accumulation never runs over the whole
+    row (vLLM's long-context trap)."""
     key_axis: tl.constexpr = 0 if TRANS else 1
     if RAW_SCORES:
         m_new = tl.maximum(m_i, tl.max(s, key_axis) * qk_scale)
