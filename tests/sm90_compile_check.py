@@ -7,11 +7,11 @@ and turns launches into no-ops, then calls each op on CPU tensors: every kernel 
 ptxas (bundled with triton) for that target, and nothing runs. Results are garbage; only compilation is checked.
 Usage: `python tests/sm90_compile_check.py [--res-usage] [--arch 80|90|100|120] [--only "NAME|NAME"]` (exit status 1
 if any case fails to compile; --only keeps the cases whose names contain one of the fragments; --res-usage prints
-registers and stack bytes, i.e. spills, of every compiled variant). Off sm_90 the cases that take the Gluon sm_90
-kernels there must compile without them (the dispatch declines them by its capability check), the cases that force a
-Gluon kernel's config are skipped, and below sm_89 so are the FP8 / NVFP4 ones (the ops refuse such GPUs before any
-launch). Run by tests/kernels/test_compile_targets.py in a subprocess, since it replaces the process's active Triton
-driver.
+under each case the registers and stack bytes, i.e. spills, of every kernel variant it compiled). Off sm_90 the
+cases that take the Gluon sm_90 kernels there must compile without them (the dispatch declines them by its
+capability check), the cases that force a Gluon kernel's config are skipped, and below sm_89 so are the FP8 /
+NVFP4 ones (the ops refuse such GPUs before any launch). Run by tests/kernels/test_compile_targets.py in a
+subprocess, since it replaces the process's active Triton driver.
 """
 import os
 import sys
@@ -158,6 +158,24 @@ def _cases(arch: int = 90):
                                               *tileflash.nvfp4_quantize(torch.randn(n, k)))
         (_compiles if sm90 else _avoids)((kern,) if mma else (), call)
 
+    def gemm_w4a4(m, n, k):
+        """nvfp4_matmul with an NVFP4 a: on Blackwell its kernel's SASS must hold the block-scaled FP4 MMA
+        (UTCOMMA on sm_10x's tcgen05, OMMA.SF ... E2M1.E2M1.UE4M3 on sm_12x), elsewhere it decodes both operands."""
+        from tileflash.lowp.kernels.gemm_dequant import nvfp4_matmul_kernel as kern
+
+        def case():
+            before = _compiled(kern)
+            a_data, a_scales, a_g = tileflash.nvfp4_quantize(torch.randn(m, k))
+            tileflash.nvfp4_matmul(a_data, *tileflash.nvfp4_quantize(torch.randn(n, k)), a_scales, a_g)
+            new = [k_ for k_ in _compiled(kern) if all(k_ is not b for b in before)]
+            assert new, "nvfp4_matmul_kernel did not compile for this call"
+            native = [_sass_has_fp4_mma(k_) for k_ in new]
+            if arch >= 100 and not all(native):
+                raise AssertionError("no block-scaled FP4 MMA in the SASS of a Blackwell target")
+            if arch < 100 and any(native):
+                raise AssertionError("a block-scaled FP4 MMA off Blackwell")
+        return case
+
     def alibi_on_triton(call, backward=False):
         """Run a call with alibi_slopes whose shape would take a Gluon kernel: it must compile the Triton kernels'
         ALIBI variants instead (the forward; with backward also the dK/dV and dQ kernels)."""
@@ -294,48 +312,81 @@ def _cases(arch: int = 90):
         "gemm M=16 fp16, K tail, one slice, register operands": lambda: gemm(16, 200, 416, torch.float16, mma=True),
         "gemm M=128": lambda: gemm(128, 512, 1024),
         "gemm M=1024": lambda: gemm(1024, 512, 1024),
+        "gemm W4A4 M=1 (split-K, swapped)": gemm_w4a4(1, 512, 2048),
+        "gemm W4A4 M=200, K tail": gemm_w4a4(200, 384, 1040),
     }
 
 
-def _resource_usage():
-    """One line per compiled kernel variant: registers and stack (spills) from cuobjdump -res-usage, and whether
-    ptxas serialised its wgmma instructions (warning C7515: a non-wgmma instruction defines an accumulator register
-    while the pipeline stage is in flight; every wgmma then waits for the one before it)."""
+def _compiled(kern) -> list:
+    return [k for caches in kern.device_caches.values() for k in caches[0].values()]
+
+
+def _sass(kernel) -> str:
+    """A compiled kernel's SASS (cuobjdump, bundled with triton)."""
     import subprocess
     import tempfile
 
     import triton
 
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def _sass_has_fp4_mma(kernel) -> bool:
+    """The block-scaled e2m1 MMA: sm_10x's tcgen05 (UTCOMMA; .4X: e4m3 scales per 16 values) or sm_12x's
+    OMMA.SF ... E2M1.E2M1.UE4M3."""
+    sass = _sass(kernel)
+    return "UTCOMMA.4X" in sass or "E2M1.E2M1.UE4M3" in sass
+
+
+def _kernels() -> list:
+    """(name, JIT function) of every kernel module's kernels."""
     from tileflash.kernels.gluon import attn_bwd as attn_bwd_ws, attn_fwd as attn_fwd_ws, decode_mma
     from tileflash.kernels.triton import attn_bwd, attn_fwd, combine, kv_append
     from tileflash.lowp.kernels import gemm_dequant, gemm_mma, quant
 
+    mods = (attn_fwd, attn_fwd_ws, attn_bwd, attn_bwd_ws, combine, kv_append, quant, gemm_dequant, gemm_mma,
+            decode_mma)
+    return [(name, getattr(mod, name)) for mod in mods for name in sorted(dir(mod))
+            if hasattr(getattr(mod, name), "device_caches")]
+
+
+def _resource_usage(kernels) -> list:
+    """One line per compiled variant of kernels: registers and stack (spills) from cuobjdump -res-usage, and
+    whether ptxas serialised its wgmma instructions (warning C7515: a non-wgmma instruction defines an accumulator
+    register while the pipeline stage is in flight; every wgmma then waits for the one before it)."""
+    import subprocess
+    import tempfile
+
+    import triton
+
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     tool, ptxas = os.path.join(bin_dir, "cuobjdump"), os.path.join(bin_dir, "ptxas")
+    lines = []
     with tempfile.TemporaryDirectory() as tmp:
-        for mod in (attn_fwd, attn_fwd_ws, attn_bwd, attn_bwd_ws, combine, kv_append, quant, gemm_dequant, gemm_mma,
-                    decode_mma):
-            for name in sorted(dir(mod)):
-                fn = getattr(mod, name)
-                for caches in getattr(fn, "device_caches", {}).values():
-                    for kernel in caches[0].values():
-                        path = os.path.join(tmp, "k.cubin")
-                        with open(path, "wb") as f:
-                            f.write(kernel.asm["cubin"])
-                        out = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True).stdout
-                        usage = next((ln.strip() for ln in out.splitlines() if "REG:" in ln), "?")
-                        serialised = ""
-                        if "wgmma" in kernel.asm.get("ptx", ""):
-                            ptx = os.path.join(tmp, "k.ptx")
-                            with open(ptx, "w") as f:
-                                f.write(kernel.asm["ptx"])
-                            info = subprocess.run([ptxas, "--gpu-name", "sm_90a", "-v", ptx, "-o",
-                                                   os.path.join(tmp, "k.o")], capture_output=True, text=True)
-                            serialised = " WGMMA SERIALISED (C7515)" if "C7515" in info.stdout + info.stderr else ""
-                        consts = {k[0] if isinstance(k, tuple) else k: v
-                                  for k, v in getattr(kernel.src, "constants", {}).items()}
-                        print(f"{name} warps={kernel.metadata.num_warps} {' '.join(usage.split()[:3])} "
-                              f"constexprs={list(consts.values())}{serialised}")
+        for name, fn in kernels:
+            for kernel in _compiled(fn):
+                path = os.path.join(tmp, "k.cubin")
+                with open(path, "wb") as f:
+                    f.write(kernel.asm["cubin"])
+                out = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True).stdout
+                usage = next((ln.strip() for ln in out.splitlines() if "REG:" in ln), "?")
+                serialised = ""
+                if "wgmma" in kernel.asm.get("ptx", ""):
+                    ptx = os.path.join(tmp, "k.ptx")
+                    with open(ptx, "w") as f:
+                        f.write(kernel.asm["ptx"])
+                    info = subprocess.run([ptxas, "--gpu-name", "sm_90a", "-v", ptx, "-o",
+                                           os.path.join(tmp, "k.o")], capture_output=True, text=True)
+                    serialised = " WGMMA SERIALISED (C7515)" if "C7515" in info.stdout + info.stderr else ""
+                consts = {k[0] if isinstance(k, tuple) else k: v
+                          for k, v in getattr(kernel.src, "constants", {}).items()}
+                lines.append(f"{name} warps={kernel.metadata.num_warps} {' '.join(usage.split()[:3])} "
+                             f"constexprs={list(consts.values())}{serialised}")
+    return lines
 
 
 def _needs_fp8(name: str) -> bool:
@@ -355,8 +406,12 @@ def main() -> int:
     if "--only" in sys.argv:  # name fragments separated by "|": the cases whose names hold one of them
         wanted = sys.argv[sys.argv.index("--only") + 1].split("|")
         cases = {name: fn for name, fn in cases.items() if any(w in name for w in wanted)}
+    usage = "--res-usage" in sys.argv
+    kernels = _kernels() if usage else ()
     for name, fn in cases.items():
         direct.clear_all()  # each case plans afresh
+        for _, kern in kernels:  # each case's own variants (Triton reloads shared ones from its disk cache)
+            kern.device_caches.clear()
         if fn is None or (arch < 89 and _needs_fp8(name)):
             print(f"skip  {name}: " + ("an sm_90 kernel's forced config" if fn is None else
                                        "FP8 / NVFP4 kernels need sm_89+ (the ops refuse older GPUs)"))
@@ -364,14 +419,14 @@ def main() -> int:
         try:
             fn()
             print(f"ok    {name}")
+            for line in _resource_usage(kernels):
+                print(f"      {line}")
         except Exception as exc:  # noqa: BLE001 - report every case
             while exc.__cause__ is not None:
                 exc = exc.__cause__
             failed.append(name)
             print(f"FAIL  {name}: {type(exc).__name__}: {str(exc)[-600:]}")
     print(f"{len(failed)} of {len(cases)} cases failed to compile for sm_{arch}")
-    if "--res-usage" in sys.argv:
-        _resource_usage()
     return 1 if failed else 0
 
 

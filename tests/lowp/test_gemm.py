@@ -7,6 +7,7 @@ import tileflash._utils as tf_utils
 from helpers import DEVICE, ON_GPU, ON_SM90, check_2x
 from tileflash.lowp.formats import E4M3, nvfp4_dequantize_ref
 from tileflash.plan import GemmConfig, GemmMmaConfig, gemm_config, gemm_mma_config
+from tileflash.plan.gemm import native_fp4_config
 from tileflash.lowp.gemm import nvfp4_matmul
 from tileflash.lowp.quant import nvfp4_dequantize, nvfp4_quantize
 
@@ -99,6 +100,43 @@ def test_matches_dequantize_then_matmul():
     a, b_q = _inputs(9, 32, 64, torch.float16, seed=5)
     w = nvfp4_dequantize(*b_q)
     check_2x(nvfp4_matmul(a, *b_q), a.float() @ w.T, a @ w.half().T)
+
+
+def _w4a4_inputs(m, n, k, seed):
+    """NVFP4 a and b (W4A4); a spans several decades too, so its block scales differ."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-4, 3, (m, k), generator=g).float())
+    return nvfp4_quantize(a.to(DEVICE)), _inputs(1, n, k, torch.float16, seed=seed + 1)[1]
+
+
+def _check_w4a4(a_q, b_q, out):
+    a_deq, w = nvfp4_dequantize_ref(*a_q), nvfp4_dequantize_ref(*b_q)
+    return check_2x(out, a_deq @ w.T, a_deq.to(out.dtype) @ w.to(out.dtype).T)
+
+
+@pytest.mark.parametrize("m, n, k", SHAPES[1:], ids=[f"{m}x{n}x{k}" for m, n, k in SHAPES[1:]])
+@pytest.mark.parametrize("out_dtype", [None, torch.float16], ids=["bf16", "fp16"])
+def test_w4a4_matches_reference(m, n, k, out_dtype):
+    """Both operands NVFP4: the product of the two dequantized matrices, out in bf16 unless out_dtype says."""
+    a_q, b_q = _w4a4_inputs(m, n, k, seed=m + n + k)
+    out = nvfp4_matmul(a_q[0], *b_q, a_q[1], a_q[2], out_dtype=out_dtype)
+    assert out.dtype == (out_dtype or torch.bfloat16) and out.shape == (m, n)
+    _check_w4a4(a_q, b_q, out)
+
+
+@pytest.mark.parametrize("swap_ab", [False, True], ids=["plain", "swapped"])
+@pytest.mark.parametrize("a_row_bytes", [8, 10], ids=["words", "bytes"])
+def test_w4a4_scale_words_strides_and_split(override, a_row_bytes, swap_ab):
+    """a's scales read as int32 words (4-byte aligned rows) or bytes (a 10-byte row stride: both operands fall
+    back), a's codes with a row stride wider than K/2, split K, plain and swapped products."""
+    override(gemm=GemmConfig(16, 32, 64, 4, 1, split_k=2, swap_ab=swap_ab))
+    (a_data, a_scales, a_g), b_q = _w4a4_inputs(5, 40, 128, seed=9)
+    wide_data = torch.zeros(5, 80, dtype=torch.uint8, device=DEVICE)
+    wide_data[:, :64] = a_data
+    wide_scales = torch.zeros(5, a_row_bytes, dtype=torch.uint8, device=DEVICE)
+    wide_scales[:, :8] = a_scales.view(torch.uint8)
+    out = nvfp4_matmul(wide_data[:, :64], *b_q, wide_scales[:, :8].view(E4M3.dtype), a_g)
+    _check_w4a4((a_data, a_scales, a_g), b_q, out)
 
 
 @pytest.mark.skipif(ON_GPU, reason="interpreter-only: shows the bf16 interpreter hazard is caught")
@@ -214,6 +252,28 @@ def test_mma_kernel_row_scales_keep_every_magnitude():
     _check(a, b_q, nvfp4_matmul(wide[:, :1024], *b_q))
 
 
+def test_gemm_config_w4a4_and_mma_sync_targets_take_8_warps():
+    """Decoding both operands, or mma.sync targets (operands and accumulator in registers), spill with 4 warps
+    on the 128x64 tile (compile check --res-usage); elsewhere the table above holds."""
+    assert gemm_config(128, 4096, 4096, a_nvfp4=True) == GemmConfig(128, 64, 128, 8, 3)
+    assert gemm_config(128, 4096, 4096, arch=120) == GemmConfig(128, 64, 128, 8, 3)
+    assert gemm_config(128, 4096, 4096, arch=89) == GemmConfig(128, 64, 128, 8, 3)
+    assert gemm_config(128, 4096, 4096, arch=90) == gemm_config(128, 4096, 4096, arch=100) \
+        == GemmConfig(128, 64, 128, 4, 3)
+    assert gemm_config(1, 4096, 4096, a_nvfp4=True) == gemm_config(1, 4096, 4096)
+
+
+@pytest.mark.parametrize("m, n, expected", [
+    (1, 4096, GemmConfig(16, 128, 128, 4, 3, split_k=4, swap_ab=True)),  # 32 N tiles: 4 slices
+    (16, 65536, GemmConfig(16, 128, 128, 4, 3, split_k=1, swap_ab=True)),
+    (17, 4096, GemmConfig(128, 64, 128, 8, 3)),
+    (4096, 4096, GemmConfig(128, 64, 128, 8, 3)),
+])
+def test_native_fp4_config_table(m, n, expected):
+    assert native_fp4_config(m, n, 4096) == expected
+    assert gemm_config(m, n, 4096, a_nvfp4=True, native_fp4=True) == expected
+
+
 def test_gemm_config_split_k_keeps_four_k_steps_per_slice():
     assert gemm_config(1, 64, 1024).split_k == 2  # 8 K steps of 128: at most 2 slices
     assert gemm_config(1, 32, 256).split_k == 1
@@ -230,8 +290,9 @@ def test_compile_fullgraph_matches_eager():
     b = torch.randn(16, 32, generator=torch.Generator().manual_seed(8)).to(DEVICE)
 
     def fn(a, b):
-        b_q = nvfp4_quantize(b)
-        return nvfp4_matmul(a, *b_q), nvfp4_dequantize(*b_q)
+        a_q, b_q = nvfp4_quantize(a), nvfp4_quantize(b)
+        return (nvfp4_matmul(a, *b_q), nvfp4_dequantize(*b_q),
+                nvfp4_matmul(a_q[0], *b_q, a_q[1], a_q[2], out_dtype=torch.float16))
 
     eager = fn(a, b)
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")(a, b)
@@ -263,7 +324,33 @@ ERROR_CASES = [
     (lambda: _with(3, lambda g: g.reshape(1)), ValueError, "b_global_scale"),
     (lambda: _with(3, lambda g: g.double()), TypeError, "b_global_scale"),
     (lambda: _with(3, lambda g: 1.0), TypeError, "b_global_scale"),
+    # W4A4: an NVFP4 a (uint8 codes) with its scales
+    (lambda: [_w4a4_args()[0], *_w4a4_args()[1:4]], ValueError, "a_scales and a_global_scale"),
+    (lambda: [*_args(), _w4a4_args()[4], _w4a4_args()[5]], ValueError, "only for an NVFP4 a"),
+    (lambda: _w4a4_with(4, lambda s: s[:, :1]), ValueError, "a_scales: expected shape"),
+    (lambda: _w4a4_with(5, lambda g: g.double()), TypeError, "a_global_scale"),
+    (lambda: _w4a4_with(1, lambda d: d[:, :8]), ValueError, "b_data: expected shape"),  # b's K != a's K
 ]
+
+
+def _w4a4_args(m=4, n=16, k=32):
+    a_q, b_q = _w4a4_inputs(m, n, k, seed=0)
+    return [a_q[0], *b_q, a_q[1], a_q[2]]
+
+
+def _w4a4_with(i, value):
+    args = _w4a4_args()
+    args[i] = value(args[i])
+    return args
+
+
+@pytest.mark.parametrize("out_dtype, a_nvfp4, needle", [
+    (torch.float32, True, "expected torch.bfloat16 or torch.float16"),
+    (torch.bfloat16, False, "out in a's dtype"),  # a 16-bit a is fp16 here
+])
+def test_out_dtype_errors(out_dtype, a_nvfp4, needle):
+    with pytest.raises(ValueError, match=needle):
+        nvfp4_matmul(*(_w4a4_args() if a_nvfp4 else _args()), out_dtype=out_dtype)
 
 
 @pytest.mark.parametrize("make_args, exc, needle", ERROR_CASES, ids=[str(i) for i in range(len(ERROR_CASES))])

@@ -11,7 +11,7 @@ from ..lowp.kernels.gemm_dequant import nvfp4_matmul_kernel
 from ..lowp.kernels.gemm_mma import nvfp4_matmul_mma_kernel
 from ..lowp.kernels.quant import nvfp4_dequantize_kernel, nvfp4_quantize_kernel
 from ..plan.gemm import gemm_config, gemm_mma_config
-from ..plan.target import sm90_target
+from ..plan.target import native_fp4_mma, sm90_target, target_arch
 from .tensors import launch_sum_cast
 
 
@@ -45,43 +45,51 @@ def launch_nvfp4_dequantize(d2, s2, global_scale, out) -> None:
 
 
 class GemmPlan(direct.Replayable):
-    """One nvfp4_matmul call's kernel (the register-operand kernel for M <= 16 on sm_90, else the Triton one),
-    K slices and launch arguments. With one K slice the kernel writes out [M, N] in a's dtype; with more, fp32
-    partials [slices, M, N] in the workspace, which a second launch sums in slice order into out."""
+    """One nvfp4_matmul call's kernel (the register-operand kernel for W4A16 with M <= 16 on sm_90, else the Triton
+    one; W4A4 on the native block-scaled MMA where the target has it), K slices and launch arguments. With one K
+    slice the kernel writes out [M, N] in out_dtype; with more, fp32 partials [slices, M, N] in the workspace,
+    which a second launch sums in slice order into out."""
 
-    def __init__(self, a, b_data, b_scales):
-        (m, k), n = a.shape, b_data.shape[0]
-        self.out_shape, self.dtype, self.device = (m, n), a.dtype, a.device
+    def __init__(self, a, b_data, b_scales, a_scales, out_dtype):
+        self.a_nvfp4 = a_scales is not None
+        m, n = a.shape[0], b_data.shape[0]
+        k = b_data.shape[1] * 2
+        self.out_shape, self.dtype, self.device = (m, n), out_dtype, a.device
         self.empty = m == 0 or n == 0
+        arch = target_arch()
+        self.native = self.a_nvfp4 and native_fp4_mma(arch)
         self.mma = None
-        if not self.empty and sm90_target() and _mma_operands_ok(a, b_data, b_scales):
+        if not self.empty and not self.a_nvfp4 and sm90_target() and _mma_operands_ok(a, b_data, b_scales):
             self.mma = config.chosen("gemm_mma", gemm_mma_config(m, n, k, num_sms=_utils.num_sms(a.device)))
         if self.empty:  # nothing to launch (no tile for an empty output)
             return
         self.cfg = self.mma or config.chosen("gemm", gemm_config(m, n, k, interpret=_utils.is_interpreter(),
-                                                                 num_sms=_utils.num_sms(a.device)))
+                                                                 num_sms=_utils.num_sms(a.device),
+                                                                 a_nvfp4=self.a_nvfp4, native_fp4=self.native,
+                                                                 arch=arch))
         self.k_per_split, self.split = _k_slices(k, self.cfg.block_k, self.cfg.split_k)
 
-    def run(self, a, b_data, b_scales, b_global_scale):
+    def run(self, a, b_data, b_scales, b_global_scale, a_scales=None, a_global_scale=None):
         if self.empty:
-            return a.new_empty(self.out_shape)
+            return a.new_empty(self.out_shape, dtype=self.dtype)
         out = _utils.new_output(self.out_shape, self.dtype, self.device)
         stream = direct.current_stream(self.device)
         ws = direct.WORKSPACE.get(self.device, stream, self.split * out.numel()) if self.split > 1 else None
-        self.execute(self._launch, (a, b_data, b_scales, b_global_scale, out, ws), stream)
+        self.execute(self._launch, (a, b_data, b_scales, b_global_scale, a_scales, a_global_scale, out, ws), stream)
         return out
 
-    def _launch(self, a, b_data, b_scales, b_global_scale, out, ws) -> None:
+    def _launch(self, a, b_data, b_scales, b_global_scale, a_scales, a_global_scale, out, ws) -> None:
+        operands = (a, b_data, b_scales, b_global_scale, a_scales, a_global_scale)
         split = self.split
         if split == 1:
-            self._launch_gemm(a, b_data, b_scales, b_global_scale, out)
+            self._launch_gemm(*operands, out)
             return
         partials = direct.derived(ws[:split * out.numel()].view(split, *out.shape), ws)
-        self._launch_gemm(a, b_data, b_scales, b_global_scale, partials)
+        self._launch_gemm(*operands, partials)
         launch_sum_cast(partials, out, split)
 
-    def _launch_gemm(self, a, b_data, b_scales, b_global_scale, dest) -> None:
-        (m, k), n = a.shape, b_data.shape[0]
+    def _launch_gemm(self, a, b_data, b_scales, b_global_scale, a_scales, a_global_scale, dest) -> None:
+        m, n, k = a.shape[0], b_data.shape[0], b_data.shape[1] * 2
         s_bits = direct.derived(b_scales.view(torch.uint8), b_scales)
         cfg, kps, split = self.cfg, self.k_per_split, self.split
         if self.mma is not None:
@@ -91,15 +99,19 @@ class GemmPlan(direct.Replayable):
                 s_bits.stride(0), dest.stride(-2), dest.stride(-1), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                 KS_STEPS=kps // cfg.block_k, SPLIT_K=split, num_warps=4)
             return
+        # A 16-bit a passes b's scales and global scale in the NVFP4 a's slots (never read: A_NVFP4 is off).
+        a_bits = direct.derived(a_scales.view(torch.uint8), a_scales) if self.a_nvfp4 else s_bits
+        a_g = a_global_scale if self.a_nvfp4 else b_global_scale
+        scale_words = (k % 64 == 0 and cfg.block_k % 64 == 0
+                       and all(t.stride(1) == 1 and _utils.words_aligned(t, 1) for t in (s_bits, a_bits)))
         direct.launch(
             nvfp4_matmul_kernel, (_utils.cdiv(m, cfg.block_m), _utils.cdiv(n, cfg.block_n), split),
-            a, b_data, s_bits, b_global_scale, dest, m, n, k, kps,
-            a.stride(0), a.stride(1), b_data.stride(0), b_data.stride(1), s_bits.stride(0), s_bits.stride(1),
-            dest.stride(-2), dest.stride(-1),
+            a, a_bits, a_g, b_data, s_bits, b_global_scale, dest, m, n, k, kps,
+            a.stride(0), a.stride(1), a_bits.stride(0), a_bits.stride(1), b_data.stride(0), b_data.stride(1),
+            s_bits.stride(0), s_bits.stride(1), dest.stride(-2), dest.stride(-1),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, UPCAST=_utils.upcast_tiles(),
-            SCALE_WORDS=(k % 64 == 0 and cfg.block_k % 64 == 0 and s_bits.stride(1) == 1
-                         and _utils.words_aligned(s_bits, 1)),
-            SWAP_AB=cfg.swap_ab, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            SCALE_WORDS=scale_words and not self.native, SWAP_AB=cfg.swap_ab, A_NVFP4=self.a_nvfp4,
+            NATIVE_FP4=self.native, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def _k_slices(k: int, block_k: int, split_k: int) -> tuple[int, int]:

@@ -61,19 +61,26 @@ def gemm_mma_config(m: int, n: int, k: int, num_sms: int = 132, tiles_per_progra
     return GemmMmaConfig(block_n=block_n, block_k=block_k, split_k=split, programs_n=-(-tiles // per_program))
 
 
-def gemm_config(m: int, n: int, k: int, interpret: bool = False, num_sms: int = 132) -> GemmConfig:
+def gemm_config(m: int, n: int, k: int, interpret: bool = False, num_sms: int = 132, a_nvfp4: bool = False,
+                native_fp4: bool = False, arch: int | None = None) -> GemmConfig:
     """Tile shape from the problem shape only (CUDA-graph safe). Measured on the H200 (config_sweep.py
     gemm / gemm-small, graph replay). M <= 16: swapped products (c^T = w a^T, the weight tile on wgmma's M side)
     over 64-column weight tiles, K split into up to 4 slices until ~3 programs per SM are in flight (4 K steps per
     slice at least): M=1 N=K=4096 19.8 us with 4 slices, 23.5 with 2 (bf16 matmul 19.6); N=K=8192 40.1 us (bf16
     44.8); 128-column tiles ran 31-49 us; the earlier plain 32-column tiles 22.1 / 54.0 us. Eager calls at this
     size are bound by the host, not the kernel. M = 128: (128, 64, 128, 4 warps) 138 us vs 156-250; M = 1024:
-    (128, 128, 64, 8 warps) 649 us vs 1001-1161 (session 1 sweep)."""
+    (128, 128, 64, 8 warps) 649 us vs 1001-1161 (session 1 sweep). a_nvfp4 (W4A4 decoding both operands) takes 8
+    warps for the 128x64 tile: with 4 it spills 296 bytes on sm_90 (compile check, --res-usage); not timed. So do
+    targets whose MMA is mma.sync (arch < 90 or sm_12x: operands and accumulator in registers, no wgmma): 4 warps
+    spill 144 bytes on sm_120.
+    native_fp4: W4A4 on Blackwell's block-scaled MMA (native_fp4_config)."""
     if interpret:
         # Small tiles: the interpreter's cost is per program and per K step, and tests use M <= 33, N, K <= 96;
         # K >= 64 takes the split-K path so the CPU tests cover it.
         return GemmConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1,
                           split_k=2 if m <= 16 and k >= 64 else 1)
+    if native_fp4:
+        return native_fp4_config(m, n, k, num_sms)
     if m <= 16:
         block_n, block_k = 64, 128
         tiles = -(-n // block_n)
@@ -83,5 +90,21 @@ def gemm_config(m: int, n: int, k: int, interpret: bool = False, num_sms: int = 
     if m <= 64:  # not measured at this M: the M = 128 runner-up, with a tile that wastes fewer rows
         return GemmConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3)
     if m <= 256:
-        return GemmConfig(block_m=128, block_n=64, block_k=128, num_warps=4, num_stages=3)
+        mma_sync = arch is not None and (arch < 90 or arch >= 120)
+        return GemmConfig(block_m=128, block_n=64, block_k=128, num_warps=8 if a_nvfp4 or mma_sync else 4,
+                          num_stages=3)
     return GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+
+
+def native_fp4_config(m: int, n: int, k: int, num_sms: int = 132) -> GemmConfig:
+    """W4A4 on Blackwell's block-scaled MMA (tl.dot_scaled over e2m1 codes), compiled for sm_100 and sm_120 on the
+    CPU only, never timed (no such GPU here): the shapes that compile there without spills (--res-usage). Decode-
+    sized M swaps the operands so the weight rows fill the MMA's M side (sm_100 rejects a 16- or 64-row tile of
+    a), with the dequantizing kernel's split-K rule; above, 128x64 tiles with 8 warps (4 warps or 128x128 tiles
+    spill up to 2 KB on sm_120 when K has a tail) and K steps of 128 codes (two of the MMA's 64)."""
+    if m <= 16:
+        tiles = -(-n // 128)
+        split = max(1, min(-(-3 * num_sms // tiles), k // (4 * 128), 4))
+        return GemmConfig(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3, split_k=split,
+                          swap_ab=True)
+    return GemmConfig(block_m=128, block_n=64, block_k=128, num_warps=8, num_stages=3)

@@ -24,6 +24,13 @@ def tensor_memory(arch: int | None) -> bool:
     return arch is not None and arch // 10 == 10
 
 
+def native_fp4_mma(arch: int | None) -> bool:
+    """Blackwell (sm_10x, sm_11x, sm_12x): tensor cores multiply e2m1 codes with e4m3 scales per 16 values natively
+    (tcgen05.mma / mma.sync kind::mxf4nvf4, which tl.dot_scaled emits there). Elsewhere Triton cannot lower a
+    dot_scaled with e4m3 scales (sm_90 fails to compile it) and the interpreter has none."""
+    return arch is not None and arch >= 100
+
+
 def padded_head_dim(d: int, fp8: bool = False) -> int:
     """Head dims are padded inside the kernel to a power of two (>= 16, the smallest tl.dot K; >= 32 for 8-bit
     operands, whose MMAs take K in steps of 32)."""
