@@ -1,7 +1,10 @@
 """Every public op's kernels compile for sm_90 (H100/H200), checked on a machine without a GPU: the interpreter
 never runs Triton's GPU compiler (see sm90_compile_check.py). Other targets (A100, B200, consumer Blackwell) compile
-a case per fix that keeps them compiling: the full lists (`python tests/sm90_compile_check.py --arch N`, a few
-minutes each) are run by hand, their results in benchmarks/archive/notebook-2026-11.md."""
+a case per fix that keeps them compiling, and spill no more than the same case does on sm_90: the full lists
+(`python tests/sm90_compile_check.py --arch N --res-usage`, a few minutes each) are run by hand, their results in
+benchmarks/NEXT.md."""
+import re
+
 import pytest
 import torch
 
@@ -11,13 +14,29 @@ CUDA = torch.cuda.is_available()
 
 # Per target, the cases whose compilation a target-specific rule keeps working: sm_100's dK/dV tile in tensor memory,
 # its pure NVFP4 decode PTX and MLA tile; the sub-200 KB targets' shared-memory tiles (backward, d256 forward, MLA);
-# everywhere off sm_90, the dispatch declining the Gluon kernels; on Blackwell the W4A4 GEMM's block-scaled MMA in
-# the SASS (the case checks it).
+# the mma.sync targets' 8-warp, pointer-loaded tiles (plan/target.py); everywhere off sm_90, the dispatch declining
+# the Gluon kernels; on Blackwell the W4A4 GEMM's block-scaled MMA in the SASS (the case checks it).
 OTHER_TARGETS = {
     100: "prefill fwd+bwd d128 window softcap|decode nvfp4 split learnable_sink|decode MLA H=128|gemm W4A4",
     120: "prefill fwd+bwd d256|decode MLA H=128|prefill d64 causal fp16, warp-specialised forward|gemm W4A4",
-    80: "prefill fwd+bwd d128 window softcap|decode nvfp4 append|nvfp4_quantize",
+    80: "prefill fwd+bwd d128 window softcap|decode nvfp4 append|nvfp4_quantize|decode 16-bit contiguous",
 }
+
+
+def _stack_per_case(stdout: str) -> dict:
+    """case -> the largest stack (spill) bytes of the kernel variants it compiled (--res-usage lines)."""
+    cases, case = {}, None
+    for line in stdout.splitlines():
+        if line.startswith("ok    "):
+            case = line[6:].strip()
+            cases[case] = 0
+        elif case and line.startswith("      "):
+            m = re.search(r"STACK:(\d+)", line)
+            if m:
+                cases[case] = max(cases[case], int(m.group(1)))
+        else:
+            case = None
+    return cases
 
 
 @pytest.mark.skipif(CUDA, reason="on a GPU the other tests compile and run every kernel")
@@ -29,9 +48,16 @@ def test_kernels_compile_for_sm90():
 @pytest.mark.skipif(CUDA, reason="compiles through a stand-in driver that replaces the GPU's")
 @pytest.mark.parametrize("arch", sorted(OTHER_TARGETS))
 def test_kernels_compile_for_other_targets(arch):
-    proc = run_standin_script("sm90_compile_check.py", "--arch", str(arch), "--only", OTHER_TARGETS[arch])
+    proc = run_standin_script("sm90_compile_check.py", "--arch", str(arch), "--only", OTHER_TARGETS[arch],
+                              "--res-usage")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     lines = proc.stdout.splitlines()
     assert any(line.startswith("ok") for line in lines)
     if arch < 89:  # FP8 / NVFP4 cases are skipped there (the ops refuse such GPUs)
         assert any(line.startswith("skip") and "nvfp4" in line for line in lines)
+    sm90 = run_standin_script("sm90_compile_check.py", "--only", OTHER_TARGETS[arch], "--res-usage")
+    assert sm90.returncode == 0, sm90.stdout[-4000:] + sm90.stderr[-4000:]
+    base, target = _stack_per_case(sm90.stdout), _stack_per_case(proc.stdout)
+    assert target and set(target) <= set(base)
+    worse = {case: (stack, base[case]) for case, stack in target.items() if stack > base[case]}
+    assert not worse, f"sm_{arch} spills more than sm_90 (bytes, sm_{arch} vs sm_90): {worse}"

@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from tileflash import _utils
-from tileflash.plan import (COMBINE_TILE, LONG_SPLIT_PROGRAMS_PER_SM, MAX_SPLITS, MIN_SPLIT_TOKENS,
-                            QUANT_MMA_HEAD_DIMS, SHARED_MEM_PER_BLOCK, bwd_config, bwd_ws_config, combine_tiles,
-                            decode_block_m, decode_config, fwd_config, fwd_ws_config, mla_decode_config,
-                            num_splits_heuristic, padded_head_dim, quant_decode_config, small_shared_memory,
-                            tensor_memory)
+from tileflash.plan import (COMBINE_TILE, FUSED_COMBINE_ROUND_TRIPS, LONG_SPLIT_PROGRAMS_PER_SM, MAX_SPLITS,
+                            MIN_SPLIT_TOKENS, QUANT_MMA_HEAD_DIMS, SHARED_MEM_PER_BLOCK, bwd_config, bwd_ws_config, combine_tiles,
+                            decode_block_m, decode_config, fused_combine, fused_combine_chunk, fwd_config,
+                            fwd_ws_config, mla_decode_config,
+                            has_tma, mma_sync_target, num_splits_heuristic, padded_head_dim, quant_decode_config,
+                            small_shared_memory, tensor_memory)
 from tileflash.plan import decode as plan_decode
 
 H200_SMS = 132
@@ -208,21 +209,53 @@ def test_bwd_config_fits_blackwell_tensor_memory(arch):
     assert bwd_config(128, arch=None) == bwd_config(128)
 
 
+def _tile(c):
+    return dataclasses.replace(c, num_warps=0, tma=False)
+
+
 @pytest.mark.parametrize("arch", [80, 89, 120])
 def test_small_shared_memory_targets_take_smaller_tiles(arch):
     """Under 200 KB of shared memory per block the d128/d256 dK/dV tiles and the d256 forward tile shrink (the
-    H200's needed 112-128 KB at one stage); d64 and the d128 forward keep the H200's."""
+    H200's needed 112-128 KB at one stage); d64 and the d128 forward keep the H200's tile shapes."""
     assert small_shared_memory(arch)
     for d in (128, 256):
         small, big = bwd_config(d, arch=arch), bwd_config(d)
         assert small.dkdv_block_m * small.dkdv_block_n < big.dkdv_block_m * big.dkdv_block_n
-    assert bwd_config(64, arch=arch) == bwd_config(64)
+    b64, b64_h200 = bwd_config(64, arch=arch), bwd_config(64)
+    assert (b64.dkdv_block_n, b64.dq_block_m, b64.dq_block_n) == \
+        (b64_h200.dkdv_block_n, b64_h200.dq_block_m, b64_h200.dq_block_n)
     assert fwd_config(256, arch=arch).block_m < fwd_config(256).block_m
-    assert fwd_config(128, arch=arch) == fwd_config(128)
+    assert _tile(fwd_config(128, arch=arch)) == _tile(fwd_config(128))
     # anchors: the tiles these targets compile with
     f, b = fwd_config(256, arch=arch), bwd_config(128, arch=arch)
-    assert (f.block_m, f.block_n, f.num_warps, f.num_stages) == (64, 32, 4, 2)
-    assert (b.dkdv_block_m, b.dkdv_block_n, b.dq_block_m, b.dq_block_n) == (32, 64, 64, 64)
+    assert (f.block_m, f.block_n, f.num_warps, f.num_stages) == (64, 32, 8, 2)
+    assert (b.dkdv_block_m, b.dkdv_block_n, b.dq_block_m, b.dq_block_n) == (16, 64, 64, 64)
+
+
+@pytest.mark.parametrize("arch", sorted(SHARED_MEM_PER_BLOCK))
+def test_mma_sync_targets_take_8_warps_and_pre_hopper_pointers(arch):
+    """mma.sync targets (sm_8x, sm_12x: MMA operands and accumulators in registers) run every Triton forward and
+    decode tile of >= 64 rows, and both backward kernels, with 8 warps, dK/dV in steps of <= 32 query rows (16
+    above d64; larger spilled: compile check --res-usage);
+    on them tiles take pointers, not TMA descriptors. Elsewhere the H200's choices stand."""
+    mma_sync = arch < 90 or arch >= 120
+    assert mma_sync_target(arch) == mma_sync and has_tma(arch) == (not mma_sync)
+    assert not mma_sync_target(None) and has_tma(None)
+    for d, causal, seqlen_k in itertools.product(HEAD_DIMS, (False, True), KEY_LENGTHS):
+        c, h200 = fwd_config(d, causal, seqlen_k=seqlen_k, arch=arch), fwd_config(d, causal, seqlen_k=seqlen_k)
+        if mma_sync and c.block_m >= 64:
+            assert c.num_warps == 8, (d, causal, seqlen_k, c)
+        assert c.tma == (h200.tma and not mma_sync)
+    for d in HEAD_DIMS:
+        b = bwd_config(d, arch=arch)
+        rows = 32 if padded_head_dim(d) <= 64 else 16
+        assert (b.dkdv_warps == b.dq_warps == 8 and b.dkdv_block_m <= rows) if mma_sync else b.dkdv_warps in (4, 8)
+        assert not b.tma or not mma_sync
+    for d, rows in itertools.product((64, 128), (1, 4, 64)):
+        c, h200 = decode_config(d, rows, arch=arch), decode_config(d, rows)
+        assert c.num_warps == (8 if mma_sync and c.block_m >= 64 else h200.num_warps)
+        assert c.tma == (not mma_sync) and (c.block_m, c.block_n, c.num_stages) == (h200.block_m, h200.block_n,
+                                                                                 h200.num_stages)
 
 
 # ---------------------------------------------------------------------------------------------------- decode tiles
@@ -437,6 +470,28 @@ def test_combine_tiles_properties():
 ])
 def test_combine_tiles_anchors(args, expected):
     assert combine_tiles(*args) == expected
+
+
+def test_fused_combine_chunk_properties():
+    """A power-of-two chunk of >= 2 splits, no larger than the splits need, within 64 fp32 values per thread."""
+    for splits, d, warps in itertools.product(range(1, MAX_SPLITS + 1), (16, 64, 128, 256, 512), (4, 8)):
+        chunk = fused_combine_chunk(splits, d, warps)
+        assert _pow2(chunk) and chunk >= 2 and (chunk == 2 or chunk // 2 < splits), (splits, d, warps, chunk)
+        assert chunk * d <= 64 * 32 * warps or chunk == 2, (splits, d, warps, chunk)
+
+
+@pytest.mark.parametrize("rows, splits, d, warps, expected", [
+    (4, 33, 128, 4, True),  # GQA 32/8 b=1 ctx 8k (the host bench row): 4 rows, one load each
+    (4, 64, 128, 4, True),
+    (4, 65, 128, 4, False),  # two loads per row: 8 round trips
+    (8, 128, 128, 4, False),  # MQA 8/1: 8 rows, two loads each
+    (1, 200, 64, 4, True),  # one query head per KV head, 200 splits in two loads
+    (16, 8, 512, 4, False),  # MLA H=16: 16 rows
+    (4, 1, 128, 4, False),  # no split, nothing to merge
+])
+def test_fused_combine_anchors(rows, splits, d, warps, expected):
+    assert fused_combine(rows, splits, d, warps) == expected
+    assert FUSED_COMBINE_ROUND_TRIPS == 4
 
 
 # ---------------------------------------------------------------------------------------------------- split plans

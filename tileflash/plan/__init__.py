@@ -4,12 +4,13 @@ arguments. Measured reasons for each choice are in the docstrings; the numbers t
 and, as "notebook, run N", in benchmarks/archive/notebook-2026-11.md; the scripts they name (sweep.py,
 config_sweep.py, ws_sweep.py, ws_bwd_sweep.py, splits_sweep.py, decode_quant_sweep.py, gemm_mma_sweep.py) were
 folded into `python -m tileflash sweep`. Overrides for sweeps and tests: tileflash.config.override."""
-from .target import (SHARED_MEM_PER_BLOCK, padded_head_dim, sm90_target, small_shared_memory, target_arch,
-                    tensor_memory, tma_4d_ok, tma_aligned)  # noqa: F401
+from .target import (SHARED_MEM_PER_BLOCK, has_tma, mma_sync_target, padded_head_dim, sm90_target,  # noqa: F401
+                     small_shared_memory, target_arch, tensor_memory, tma_4d_ok, tma_aligned)
 from .prefill import (FwdConfig, Mask, ONE_WARPGROUP_MAX_KEYS, WsFwdConfig, fwd_config, fwd_ws_config, tma_tiles,
                      ws_call_ok, ws_forward_config)  # noqa: F401
 from .backward import BwdConfig, WsBwdConfig, bwd_config, bwd_ws_config, ws_backward_config  # noqa: F401
-from .decode import (COMBINE_TILE, DECODE_TILES, DecodeConfig, DecodeSchedule, GATHER_PROGRAMS_PER_SM, KV_FORMATS,
+from .decode import (COMBINE_TILE, DECODE_TILES, DecodeConfig, DecodeSchedule, FUSED_COMBINE_ROUND_TRIPS,
+                     GATHER_PROGRAMS_PER_SM, KV_FORMATS, fused_combine, fused_combine_chunk,
                     LARGE_TILES_MIN_KV, LONG_PROGRAM_TOKENS, LONG_SPLIT_PROGRAMS_PER_SM, MAX_DECODE_TOKENS,
                     MAX_SPLITS, MIN_SPLIT_TOKENS, MLA_TILES, QUANT_MMA_HEAD_DIMS, QUANT_MMA_MAX_ROWS,
                     QUANT_MMA_SMALL_STEP_MIN_TOKENS, QUANT_MMA_SMALL_STEP_PROGRAMS,

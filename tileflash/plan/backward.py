@@ -2,11 +2,11 @@
 serves a call (tests/plan/test_plan.py)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .. import config
 from .prefill import Mask, ws_call_ok
-from .target import tma_4d_ok, padded_head_dim, small_shared_memory, tensor_memory
+from .target import has_tma, mma_sync_target, tma_4d_ok, padded_head_dim, small_shared_memory, tensor_memory
 
 
 @dataclass(frozen=True)
@@ -83,9 +83,20 @@ def bwd_config(head_dim: int, interpret: bool = False, arch: int | None = 90) ->
     of Q/dO in the dK/dV interior (power-of-two head dims only; the launcher takes pointers otherwise).
     arch (the target's compute capability): sm_10x (B200) keeps tl.dot accumulators in tensor memory (512 columns
     of 32 bits), which d128's 64-row dK/dV step overflows (576: dK, dV, S^T, dP^T and dQ); it takes 32 rows (448
-    columns). Compiled for sm_100 on the CPU only, never timed."""
+    columns). Compiled for sm_100 on the CPU only, never timed. On mma.sync targets (sm_8x, sm_12x: operands and
+    accumulators in registers) both kernels take 8 warps and dK/dV steps of at most 32 query rows at d <= 64, 16
+    above (with 4 warps the dK/dV tiles spilled 480-536 bytes on sm_80 and sm_120; with 8, d64's 64-row step 32
+    bytes, d128's 32-row step 40 on sm_80; none at these), and Q/dO by pointers (target.has_tma); compiled only."""
     if interpret:
         return BwdConfig(16, 16, 16, 16, 4, 1, 4, 1, rotate=True, tma=True)
+    cfg = _h200_bwd_config(head_dim, arch)
+    if mma_sync_target(arch):
+        d = padded_head_dim(head_dim)
+        cfg = replace(cfg, dkdv_warps=8, dq_warps=8, dkdv_block_m=min(cfg.dkdv_block_m, 32 if d <= 64 else 16))
+    return cfg if has_tma(arch) else replace(cfg, tma=False)
+
+
+def _h200_bwd_config(head_dim: int, arch: int | None) -> BwdConfig:
     d = padded_head_dim(head_dim)
     if d > 64 and small_shared_memory(arch):
         # Under 200 KB of shared memory per block (A100, Ada, consumer Blackwell; compiled only): K, V, Q and dO

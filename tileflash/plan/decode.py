@@ -10,7 +10,7 @@ import torch
 
 from .. import _utils, config
 from .._utils import cdiv, next_pow2
-from .prefill import fwd_config, tma_tiles
+from .prefill import fwd_config, target_tiles, tma_tiles
 from .target import padded_head_dim, sm90_target, small_shared_memory, target_arch, tensor_memory
 
 
@@ -66,13 +66,14 @@ LONG_PROGRAM_TOKENS = 4096
 
 
 def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_format: str = "16bit",
-                  paged: bool = False, kv_tokens: int = 2 ** 30, tokens_per_program: int = 0) -> DecodeConfig:
+                  paged: bool = False, kv_tokens: int = 2 ** 30, tokens_per_program: int = 0,
+                  arch: int | None = 90) -> DecodeConfig:
     """Tiles by cache format (DECODE_TILES; "16bit", "fp8", "nvfp4"), layout and size: contiguous caches are read
     through TMA descriptors, paged ones too when a page holds whole tiles (one box per tile, its row from the block
     table), otherwise by per-token pointer gathers (a TMA descriptor covers one strided box, not a page list).
     kv_tokens = batch x cache capacity x KV heads; caches of LARGE_TILES_MIN_KV or more take the "-large" tiles.
     tokens_per_program = cache capacity / KV splits (0: not known yet): 16-bit contiguous caches take the
-    "16bit-long" tiles from LONG_PROGRAM_TOKENS on."""
+    "16bit-long" tiles from LONG_PROGRAM_TOKENS on. arch: the compile target (prefill.target_tiles)."""
     block_m = decode_block_m(group_rows)
     if interpret:  # small steps; K/V through TMA descriptors as on the GPU (NVFP4 caches, and pages smaller than
         # a step, take pointers)
@@ -89,8 +90,8 @@ def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_fo
     # below 64 a step holds fewer bytes and registers, and an SM proportionally more programs.
     block_n = tokens * 128 // d if d >= 64 else 2 * tokens
     resident *= tokens * 128 // (block_n * d)
-    return DecodeConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=stages, tma=True, trans=trans,
-                        resident_per_sm=resident)
+    return target_tiles(DecodeConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=stages, tma=True,
+                                     trans=trans, resident_per_sm=resident), arch)
 
 
 # MLA decode (qv; a latent of up to 512 that is both V and most of the key, DeepSeek-V2/V3): (KV tokens per step,
@@ -157,6 +158,25 @@ def combine_tiles(num_splits: int, head_dim_pad: int) -> tuple[int, int]:
     (one memory round trip), the head dim cut so the [splits, columns] tile stays at COMBINE_TILE values."""
     split_chunk = max(2, min(next_pow2(num_splits), COMBINE_TILE // 16))
     return split_chunk, max(16, min(head_dim_pad, COMBINE_TILE // split_chunk))
+
+
+# Dependent loads (one [chunk, Dv] tile of one row each) the last split of a tile makes when it merges the splits
+# itself; above this the separate combine (one program per row and column chunk, launched as a programmatic
+# dependent on sm_90) is the shorter path. Not measured yet: the fused merge saves one launch on the host.
+FUSED_COMBINE_ROUND_TRIPS = 4
+
+
+def fused_combine_chunk(num_splits: int, head_dim_pad: int, num_warps: int) -> int:
+    """Splits per load when a tile's last split merges its row: a [chunk, Dv] fp32 tile of <= 64 values a thread
+    (the attention's registers are free by then)."""
+    return max(2, min(next_pow2(num_splits), 64 * 32 * num_warps // head_dim_pad))
+
+
+def fused_combine(tile_rows: int, num_splits: int, head_dim_pad: int, num_warps: int) -> bool:
+    """Whether the split decode merges its splits in the kernel (no combine launch): tile_rows rows of a tile
+    (query heads per KV head x new tokens, up to the tile), each cdiv(splits, chunk) loads."""
+    chunks = cdiv(num_splits, fused_combine_chunk(num_splits, head_dim_pad, num_warps))
+    return num_splits > 1 and tile_rows * chunks <= FUSED_COMBINE_ROUND_TRIPS
 
 
 def num_splits_heuristic(batch: int, nheads_kv: int, m_tiles: int, max_seqlen_k: int, block_n: int,
@@ -285,7 +305,7 @@ def split_plan(q, k_cache, block_table, num_splits: int, mla: bool = False):
                                                        per_sm=cfg.resident_per_sm or 2), capacity
     tiles = functools.partial(decode_config, d, rows, _utils.is_interpreter(),
                               kv_format=KV_FORMATS.get(k_cache.dtype, "16bit"), paged=block_table is not None,
-                              kv_tokens=b * capacity * hkv)
+                              kv_tokens=b * capacity * hkv, arch=target_arch())
 
     def count(cfg):  # the asked count, else the heuristic's for this tile
         gathers = (block_table is not None and not cfg.resident_per_sm
@@ -348,6 +368,7 @@ class DecodeSchedule:
     max_seqlen_q: int = 0  # > 0: q is packed [total_q, Hq, D] with cu_seqlens_q (FA3's varlen queries)
     varlen_new: bool = False  # k, v are packed [total_new, Hkv, D] with cu_seqlens_k_new (s_new is then 0)
     mla: bool = False  # qv given: MLA's tiles, V (and out) v_cache's head dim wide
+    counters: int = 0  # > 0: the kernel merges its splits (fused_combine) with this many int32 zeros of tickets
 
 
 def decode_schedule(q, k_cache, v_cache, k, block_table, num_splits: int, sp_overlap: bool, lse_in_workspace: bool,
@@ -378,5 +399,8 @@ def decode_schedule(q, k_cache, v_cache, k, block_table, num_splits: int, sp_ove
         cfg, num_splits, _ = split_plan(q, k_cache, block_table, num_splits, mla)
     workspace = (num_splits * rows * (dv + 1) if num_splits > 1 else 0) + (rows if lse_in_workspace else 0)
     pdl = config.chosen("combine_pdl", combine_pdl(block_table))
+    tile_rows = min(cfg.block_m, q.shape[1] * (hq // k_cache.shape[2])) if cfg is not None else 0
+    fused = cfg is not None and config.chosen("fused_combine",
+                                              fused_combine(tile_rows, num_splits, padded_head_dim(dv), cfg.num_warps))
     return DecodeSchedule(cfg, qcfg, num_splits, capacity, s_new, pdl, workspace,
-                          varlen_new=varlen_new, mla=mla)
+                          varlen_new=varlen_new, mla=mla, counters=rows if fused and num_splits > 1 else 0)

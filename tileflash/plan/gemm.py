@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .target import mma_sync_target
 
 
 @dataclass(frozen=True)
@@ -90,8 +91,7 @@ def gemm_config(m: int, n: int, k: int, interpret: bool = False, num_sms: int = 
     if m <= 64:  # not measured at this M: the M = 128 runner-up, with a tile that wastes fewer rows
         return GemmConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3)
     if m <= 256:
-        mma_sync = arch is not None and (arch < 90 or arch >= 120)
-        return GemmConfig(block_m=128, block_n=64, block_k=128, num_warps=8 if a_nvfp4 or mma_sync else 4,
+        return GemmConfig(block_m=128, block_n=64, block_k=128, num_warps=8 if a_nvfp4 or mma_sync_target(arch) else 4,
                           num_stages=3)
     return GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
 

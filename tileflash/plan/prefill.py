@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .. import config
-from .target import tma_4d_ok, padded_head_dim, small_shared_memory, sm90_target
+from .target import has_tma, mma_sync_target, tma_4d_ok, padded_head_dim, small_shared_memory, sm90_target
 
 
 @dataclass(frozen=True)
@@ -60,10 +60,10 @@ def fwd_config(head_dim: int, causal: bool = False, interpret: bool = False, seq
     """Measured on the H200 (sweep.py, s=4096, bf16, 2026-11-30; TFLOP/s in brackets).
     seqlen_k: keys per sequence (varlen: the longest). Triton's warp specialisation of this loop measured no gain
     on sm_90 with triton 3.6 (within 1%) and was removed (the Gluon forward is the warp-specialised one).
-    fp8: FP8 attention (e4m3 q, k, v): _fp8_fwd_config."""
+    fp8: FP8 attention (e4m3 q, k, v): _fp8_fwd_config. Off the H200 (compiled only): target_tiles."""
     d = padded_head_dim(head_dim)
     if fp8 and not interpret:
-        return _fp8_fwd_config(d, causal, seqlen_k)
+        return target_tiles(_fp8_fwd_config(d, causal, seqlen_k), arch)
     if d <= 64 and causal and seqlen_k <= ONE_WARPGROUP_MAX_KEYS:
         # One warpgroup per program, as for d128 (run 48, `sweep.py --dims 64`, TFLOP/s, causal s = 2k / 4k / 16k):
         # 346.6 / 380.3 / 391.4 against 325.0 / 364.3 / 394.2 for 128x64 with pointers and 324.8 / 359.6 / 402.0
@@ -92,8 +92,17 @@ def fwd_config(head_dim: int, causal: bool = False, interpret: bool = False, seq
         # Small tiles keep the interpreter fast and put several KV blocks in short test sequences; K/V arrive the
         # GPU's way (TMA descriptors or pointers), so the CPU suite runs that load path too (a zero-row descriptor
         # once failed on the GPU only: tests/ops/test_regressions.py).
-        return FwdConfig(block_m=32, block_n=16, num_warps=4, num_stages=1, tma=cfg.tma)
-    return cfg
+        return FwdConfig(block_m=32, block_n=16, num_warps=4, num_stages=1, tma=cfg.tma and has_tma(arch))
+    return target_tiles(cfg, arch)
+
+
+def target_tiles(cfg, arch: int | None):
+    """A Triton attention tile (FwdConfig or DecodeConfig) for the compile target: 8 warps for a 64-row or larger
+    tile of 4 on mma.sync targets, and pointers instead of TMA descriptors there (target.mma_sync_target,
+    target.has_tma). Compiled for those targets on the CPU only, never timed."""
+    if mma_sync_target(arch) and cfg.num_warps == 4 and cfg.block_m >= 64:
+        cfg = replace(cfg, num_warps=8)
+    return cfg if has_tma(arch) else replace(cfg, tma=False)
 
 
 @dataclass(frozen=True)

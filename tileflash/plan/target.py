@@ -24,6 +24,21 @@ def tensor_memory(arch: int | None) -> bool:
     return arch is not None and arch // 10 == 10
 
 
+def mma_sync_target(arch: int | None) -> bool:
+    """Ampere, Ada and consumer Blackwell (sm_8x, sm_12x): tensor cores fed by mma.sync, whose operands and
+    accumulators live in registers (no wgmma, no tcgen05), so the Triton kernels' 4-warp 64-row tiles spill
+    there (compile check, --res-usage: 280-720 bytes for d128 forward tiles on sm_80) and take 8 warps."""
+    return arch is not None and (arch < 90 or arch >= 120)
+
+
+def has_tma(arch: int | None) -> bool:
+    """Whether the Triton tiles take TMA descriptors: sm_90 and sm_10x/11x. Below sm_90 there is no TMA (Triton
+    lowers descriptors to pointer arithmetic over their fields); on sm_12x, which has TMA but mma.sync MMAs,
+    descriptor tiles spilled where pointer tiles did not (compile check, --res-usage: d64 dK/dV 520 bytes, d256
+    forward 432, decode up to 376 on sm_80). Those targets take pointers."""
+    return arch is None or 90 <= arch < 120
+
+
 def native_fp4_mma(arch: int | None) -> bool:
     """Blackwell (sm_10x, sm_11x, sm_12x): tensor cores multiply e2m1 codes with e4m3 scales per 16 values natively
     (tcgen05.mma / mma.sync kind::mxf4nvf4, which tl.dot_scaled emits there). Elsewhere Triton cannot lower a
