@@ -53,7 +53,6 @@ def _launches(fn, tensors):
     names = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes(), f"input{i}")
              for i, t in enumerate(tensors)]
     names += [(b.data_ptr(), b.numel() * 4, "workspace") for b in direct.WORKSPACE.buffers.values()]
-    names += [(b.data_ptr(), b.numel() * 4, "counters") for b in direct.COUNTERS.buffers.values()]
     NoLaunch.calls = []
     fn()
     calls, NoLaunch.calls = NoLaunch.calls, None

@@ -213,21 +213,13 @@ def _cases(arch: int = 90):
                                                 block_table=table, q_descale=qd, k_descale=kd, v_descale=vd,
                                                 out_dtype=fp16)
 
-    def sinks_on_triton(call, fused: bool):
+    def sinks_on_triton(call):
         """Run a decode with learnable_sink whose shape would take the register-operand kernel: it must compile
-        the Triton kernel's HAS_SINK variant and, unless its splits merge in the kernel (fused: the planner's
-        choice for this shape), the split combine instead."""
-        from tileflash import config
+        the Triton kernel's HAS_SINK variant and the split combine instead."""
         from tileflash.kernels.triton.attn_fwd import attn_fwd_kernel
         from tileflash.kernels.triton.combine import attn_combine_kernel
 
-        def case():
-            with config.override(fused_combine=lambda chosen: chosen and fused):
-                if fused:
-                    _compiles((attn_fwd_kernel,), lambda: _avoids((attn_combine_kernel,), call))
-                else:
-                    _compiles((attn_fwd_kernel, attn_combine_kernel), call)
-        return case
+        return lambda: _compiles((attn_fwd_kernel, attn_combine_kernel), call)
 
     return {
         "prefill fwd+bwd d128 causal GQA alibi [B, Hq], deterministic (Triton kernels)": alibi_on_triton(
@@ -246,9 +238,7 @@ def _cases(arch: int = 90):
             lambda: tileflash.flash_attn_func(*(torch.randn(2, 4096, 16, 128, dtype=bf) for _ in range(3)),
                                               causal=True, learnable_sink=torch.rand(16))),
         "decode nvfp4 split learnable_sink (Triton kernel, the sink in the combine)": sinks_on_triton(
-            lambda: decode("nvfp4", b=8, ctx=4096, num_splits=2, learnable_sink=torch.rand(32)), fused=False),
-        "decode 16-bit split learnable_sink (the sink in the fused merge)": sinks_on_triton(
-            lambda: decode("16bit", b=1, ctx=4096, num_splits=8, learnable_sink=torch.rand(32)), fused=True),
+            lambda: decode("nvfp4", b=8, ctx=4096, num_splits=2, learnable_sink=torch.rand(32))),
         "prefill fwd+bwd d64 causal": lambda: tileflash.flash_attn_func(*grad_leaves(2, 300, 4, 64),
                                                                         causal=True).sum().backward(),
         "prefill fwd+bwd d128 window softcap": lambda: tileflash.flash_attn_func(

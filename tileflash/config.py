@@ -26,7 +26,6 @@ KINDS = {
     "mla_decode": "plan.decode.DecodeConfig: MLA (qv) decode tiles",
     "quant_decode": "plan.decode.QuantDecodeConfig or None: the sm_90 register-operand NVFP4 decode",
     "combine_pdl": "bool: the split combine launched as a programmatic dependent (sm_90)",
-    "fused_combine": "bool: the Triton split decode merges its splits itself (no combine launch)",
     "gemm": "plan.gemm.GemmConfig: the Triton NVFP4 GEMM's tiles",
     "gemm_mma": "plan.gemm.GemmMmaConfig or None: the sm_90 register-operand NVFP4 GEMM (M <= 16)",
 }

@@ -80,36 +80,6 @@ def test_num_splits_agree(page_size, d):
         assert (lse - outs[0][1]).abs().max().item() <= 1e-4
 
 
-@pytest.mark.parametrize("sink", [False, True], ids=["plain", "sink"])
-def test_fused_split_merge_matches_the_combine(sink, override):
-    """A GQA-4 decode with splits merges them in the kernel (the tile's last split to finish; no combine launch):
-    the reference's result, the combine's within rounding, the sink counted once, and the ticket counters left
-    zero for the next call."""
-    from tileflash.launch import direct
-    from tileflash.plan import decode_schedule
-
-    g = torch.Generator().manual_seed(7)
-    b, hq, hkv, d, cap = 3, 8, 2, 64, 80
-    k_cache, v_cache, table = make_cache(b, cap, hkv, d, torch.bfloat16, 16, g)
-    q = torch.randn(b, 1, hq, d, generator=g).to(DEVICE, torch.bfloat16)
-    seqlens = torch.tensor([80, 33, 0], dtype=torch.int32, device=DEVICE)
-    sink_t = torch.randn(hq, generator=g).to(DEVICE) if sink else None
-    assert decode_schedule(q, k_cache, v_cache, None, table, 5, False, lse_in_workspace=False).counters > 0
-    kw = dict(cache_seqlens=seqlens, block_table=table, num_splits=5, return_lse=True, learnable_sink=sink_t)
-    out, lse = tileflash.flash_attn_with_kvcache(q, k_cache, v_cache, **kw)
-    assert all(not buf.any() for buf in direct.COUNTERS.buffers.values())
-    ref, ref_lse, _, _ = kvcache_ref(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table,
-                                     learnable_sink=sink_t)
-    ref_lowp, _, _, _ = kvcache_ref(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, upcast=False,
-                                    learnable_sink=sink_t)
-    check_2x(out, ref, ref_lowp)
-    check_lse(lse, ref_lse)
-    override(fused_combine=False)
-    out_c, lse_c = tileflash.flash_attn_with_kvcache(q, k_cache, v_cache, **kw)
-    torch.testing.assert_close(out, out_c, rtol=0, atol=1e-2)
-    torch.testing.assert_close(lse, lse_c, rtol=0, atol=1e-5)
-
-
 @pytest.mark.parametrize("trans", [False, True], ids=["plain", "trans"])
 def test_window_and_softcap_in_decode(trans, override):
     force_trans(override, trans)

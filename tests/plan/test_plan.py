@@ -7,10 +7,9 @@ import pytest
 import torch
 
 from tileflash import _utils
-from tileflash.plan import (COMBINE_TILE, FUSED_COMBINE_ROUND_TRIPS, LONG_SPLIT_PROGRAMS_PER_SM, MAX_SPLITS,
-                            MIN_SPLIT_TOKENS, QUANT_MMA_HEAD_DIMS, SHARED_MEM_PER_BLOCK, bwd_config, bwd_ws_config, combine_tiles,
-                            decode_block_m, decode_config, fused_combine, fused_combine_chunk, fwd_config,
-                            fwd_ws_config, mla_decode_config,
+from tileflash.plan import (COMBINE_TILE, LONG_SPLIT_PROGRAMS_PER_SM, MAX_SPLITS, MIN_SPLIT_TOKENS,
+                            QUANT_MMA_HEAD_DIMS, SHARED_MEM_PER_BLOCK, bwd_config, bwd_ws_config, combine_tiles,
+                            decode_block_m, decode_config, fwd_config, fwd_ws_config, mla_decode_config,
                             has_tma, mma_sync_target, num_splits_heuristic, padded_head_dim, quant_decode_config,
                             small_shared_memory, tensor_memory)
 from tileflash.plan import decode as plan_decode
@@ -470,28 +469,6 @@ def test_combine_tiles_properties():
 ])
 def test_combine_tiles_anchors(args, expected):
     assert combine_tiles(*args) == expected
-
-
-def test_fused_combine_chunk_properties():
-    """A power-of-two chunk of >= 2 splits, no larger than the splits need, within 64 fp32 values per thread."""
-    for splits, d, warps in itertools.product(range(1, MAX_SPLITS + 1), (16, 64, 128, 256, 512), (4, 8)):
-        chunk = fused_combine_chunk(splits, d, warps)
-        assert _pow2(chunk) and chunk >= 2 and (chunk == 2 or chunk // 2 < splits), (splits, d, warps, chunk)
-        assert chunk * d <= 64 * 32 * warps or chunk == 2, (splits, d, warps, chunk)
-
-
-@pytest.mark.parametrize("rows, splits, d, warps, expected", [
-    (4, 33, 128, 4, True),  # GQA 32/8 b=1 ctx 8k (the host bench row): 4 rows, one load each
-    (4, 64, 128, 4, True),
-    (4, 65, 128, 4, False),  # two loads per row: 8 round trips
-    (8, 128, 128, 4, False),  # MQA 8/1: 8 rows, two loads each
-    (1, 200, 64, 4, True),  # one query head per KV head, 200 splits in two loads
-    (16, 8, 512, 4, False),  # MLA H=16: 16 rows
-    (4, 1, 128, 4, False),  # no split, nothing to merge
-])
-def test_fused_combine_anchors(rows, splits, d, warps, expected):
-    assert fused_combine(rows, splits, d, warps) == expected
-    assert FUSED_COMBINE_ROUND_TRIPS == 4
 
 
 # ---------------------------------------------------------------------------------------------------- split plans

@@ -353,13 +353,11 @@ def current_stream(device: torch.device) -> int:
 class Workspace:
     """fp32 scratch per (device, stream) for buffers that live within one call (split-KV partials, an lse nobody
     returns, the backward's row statistics). Calls on one stream are ordered, so they can share it. It only grows;
-    an outgrown buffer is kept, since a captured CUDA graph may still point into it. zeroed: int32 zeros that
-    every user leaves zero (the fused split merge's tickets)."""
+    an outgrown buffer is kept, since a captured CUDA graph may still point into it."""
 
-    def __init__(self, dtype: torch.dtype = torch.float32, zeroed: bool = False):
+    def __init__(self):
         self.buffers: dict = {}
         self.retired: list = []
-        self.dtype, self.zeroed = dtype, zeroed
 
     def get(self, device: torch.device, stream: int, numel: int) -> torch.Tensor:
         key = (device, stream)
@@ -368,13 +366,11 @@ class Workspace:
             if buf is not None:
                 self.retired.append(buf)
             size = max(numel, 2 * buf.numel() if buf is not None else 0, 1 << 16)
-            alloc = torch.zeros if self.zeroed else torch.empty
-            buf = self.buffers[key] = alloc(size, dtype=self.dtype, device=device)
+            buf = self.buffers[key] = torch.empty(size, dtype=torch.float32, device=device)
         return buf
 
 
 WORKSPACE = Workspace()
-COUNTERS = Workspace(torch.int32, zeroed=True)
 
 
 class PlanCache(dict):

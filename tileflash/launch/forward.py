@@ -16,7 +16,7 @@ from ..kernels.triton.inner import FP8_V_ROWS, FP8_V_T, FP8_V_T_DESC
 from ..kernels.triton.combine import attn_combine_kernel, merge_states_kernel
 from ..kernels.triton.kv_append import kv_append_kernel
 from ..lowp.kernels.quant import NVFP4_PURE_ASM, NVFP4_SCALE_BYTES, NVFP4_SCALE_WORDS
-from ..plan.decode import cache_capacity, combine_tiles, fused_combine_chunk
+from ..plan.decode import cache_capacity, combine_tiles
 from ..plan.prefill import Mask, WsFwdConfig, tma_tiles
 from ..plan.target import padded_head_dim, sm90_target
 from .tensors import (alibi_args, as_bytes, desc_4d, unused_pointer, row_descriptors, rotary_args, scale_strides,
@@ -33,8 +33,7 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
                     o_part=None, lse_part=None, k_scale=None, v_scale=None, k_block_scale=None, v_block_scale=None,
                     pdl: bool = False, alibi_slopes=None, cache_batch_idx=None, cache_leftpad=None, rotary_cos=None,
                     rotary_sin=None, rotary_interleaved: bool = False, rotary_per_token: bool = False,
-                    cu_seqlens_k_new=None, learnable_sink=None, qv=None, q_scale=None, v_transposed: bool = False,
-                    counters=None):
+                    cu_seqlens_k_new=None, learnable_sink=None, qv=None, q_scale=None, v_transposed: bool = False):
     """q4 [Bq, Sq, Hq, D]; k4/v4 [Bk, Sk, Hkv, D] (paged: [pages, page_size, Hkv, D]); out4 [Bq, Sq, Hq, Dv] (Dv:
     v4's head dim); lse3 [Bq, Hq, Sq]. qv [Bq, Sq, Hq, Dv] or None: MLA's latent queries (scores add qv v^T).
     alibi_slopes: fp32 [Hq] or [num_batches, Hq] (checked by the public functions), or None.
@@ -49,8 +48,6 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
     strides, or None for 1); out4 in bf16 or fp16. A cache's k_scale / v_scale (fp32 [1] or [Hkv]) otherwise.
     v_transposed: v4 is FP8 attention's V^T [Hkv, D, tokens] (tensors.transposed_values of a contiguous or packed
     v; not paged).
-    counters: with splits, int32 zeros [>= programs along the grid's first axis]: the kernel merges its splits
-    itself (FUSED_COMBINE; no launch_combine after it) and leaves them zero.
     """
     dev = q4.device
     hq, d = q4.shape[2], q4.shape[3]  # q's head dim (an NVFP4 cache stores d / 2 bytes per head)
@@ -64,7 +61,6 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
     split = num_splits > 1
     nvfp4 = k_block_scale is not None
     grid = (m_tiles * num_batches * heads_prog, num_splits)
-    fused = split and counters is not None
     kv_nvfp4 = 0
     if nvfp4:  # int32 scale words need 4-byte aligned scale rows (d >= 64 is a whole number of words per row)
         aligned = d >= 64 and all(_utils.words_aligned(t, 3) for t in (k_block_scale, v_block_scale))
@@ -91,7 +87,7 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
     return direct.launch(
         attn_fwd_kernel, grid,
         q4, k_arg, v_arg, out4, lse3,
-        o_part if split else dummy, lse_part if split else dummy, counters if fused else dummy,
+        o_part if split else dummy, lse_part if split else dummy,
         cu_seqlens_q if cu_seqlens_q is not None else dummy,
         cu_seqlens_k if cu_seqlens_k is not None else dummy,
         seqlens_k if seqlens_k is not None else dummy,
@@ -122,12 +118,10 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         ALIBI=alibi_slopes is not None, HAS_KV_BATCH=cache_batch_idx is not None,
         LEFTPAD_K=cache_leftpad is not None, ROTARY_DIM=2 * rotary_cos.shape[1] if rotary_cos is not None else 0,
         ROTARY_INTERLEAVED=bool(rotary_interleaved), ROTARY_PER_TOKEN=bool(rotary_per_token),
-        VARLEN_K_NEW=cu_seqlens_k_new is not None, PDL=pdl and split and not fused and sm90_target(),
+        VARLEN_K_NEW=cu_seqlens_k_new is not None, PDL=pdl and split and sm90_target(),
         HAS_SINK=learnable_sink is not None, HEAD_DIM_V=dv, HEAD_DIM_V_PAD=padded_head_dim(dv, fp8),
         HAS_QV=qv is not None,
-        QKV_FP8=fp8_mode if fp8 else 0, FUSED_COMBINE=fused,
-        FUSED_CHUNK=fused_combine_chunk(num_splits, padded_head_dim(dv, fp8), config.num_warps) if fused else 1,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        QKV_FP8=fp8_mode if fp8 else 0, num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
 

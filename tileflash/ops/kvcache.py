@@ -37,11 +37,10 @@ def _kv_scales(k_scale, v_scale, k_global_scale, v_global_scale) -> dict:
 def _launch_kvcache(s: DecodeSchedule, mask: Mask, softmax_scale: float, sp_overlap: bool, rotary_interleaved: bool,
                     q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos,
                     rotary_sin, cu_seqlens_q, alibi_slopes, cu_seqlens_k_new, learnable_sink, k_scale, v_scale,
-                    k_global_scale, v_global_scale, out, lse, ws, counters=None, qv=None) -> None:
+                    k_global_scale, v_global_scale, out, lse, ws, qv=None) -> None:
     """The launches of one decode call into out [B, Sq, Hq, Dv] and lse [B, Hq, Sq] (packed queries: [total_q, Hq,
     Dv] and [Hq, total_q]; or, when lse is None, the workspace's tail): the append, the attention, the split
-    combine (which adds learnable_sink once: the split partials leave it out), unless the kernel merges its splits
-    itself (s.counters: counters int32 zeros [>= s.counters]). ws: fp32 [>= s.workspace] or None.
+    combine (which adds learnable_sink once: the split partials leave it out). ws: fp32 [>= s.workspace] or None.
     qv [B, Sq, Hq, Dv] (MLA) or None; Dv is out's head dim."""
     hq, d = out.shape[-2:]
     scales = _kv_scales(k_scale, v_scale, k_global_scale, v_global_scale)
@@ -85,8 +84,8 @@ def _launch_kvcache(s: DecodeSchedule, mask: Mask, softmax_scale: float, sp_over
                         mask=mask, config=s.cfg, seqlens_k=cache_seqlens, seqlen_k_add=s.s_new,
                         block_table=block_table, pack_gqa=not s.prefill, num_splits=s.num_splits,
                         sp_overlap=s.cfg.sp_overlap if s.prefill else sp_overlap, o_part=o_part, lse_part=lse_part,
-                        pdl=s.pdl, counters=counters if s.counters else None, **extras, **scales)
-    if split and not s.counters:
+                        pdl=s.pdl, **extras, **scales)
+    if split:
         launch_combine(o_part, lse_part, out, lse, pdl=s.pdl, learnable_sink=learnable_sink)
 
 
@@ -112,11 +111,10 @@ def _attn_kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                   extras=extras, causal_tiles=window_right >= 0,
                   max_seqlen_q=max_seqlen_q, varlen_new=cu_seqlens_k_new is not None, mla=qv is not None)
     ws = torch.empty(s.workspace, dtype=torch.float32, device=q.device) if s.workspace else None
-    counters = torch.zeros(s.counters, dtype=torch.int32, device=q.device) if s.counters else None
     _launch_kvcache(s, Mask(window_left, window_right, softcap), softmax_scale, sp_overlap, rotary_interleaved, q,
                     k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos,
                     rotary_sin, cu_seqlens_q, alibi_slopes, cu_seqlens_k_new, learnable_sink, k_scale, v_scale,
-                    k_global_scale, v_global_scale, out, lse, ws, counters, qv)
+                    k_global_scale, v_global_scale, out, lse, ws, qv)
     return out, lse
 
 
@@ -435,8 +433,7 @@ class DecodePlan(direct.Replayable):
         lse = _utils.new_output(self.lse_shape, torch.float32, self.device) if self.return_lse else None
         stream = direct.current_stream(self.device)
         ws = direct.WORKSPACE.get(self.device, stream, s.workspace) if s.workspace else None
-        counters = direct.COUNTERS.get(self.device, stream, s.counters) if s.counters else None
-        slots = (q, k_cache, v_cache, k, v, *index, *scales, out, lse, ws, counters, qv)
+        slots = (q, k_cache, v_cache, k, v, *index, *scales, out, lse, ws, qv)
         if self.batch:  # an empty batch launches nothing
             self.execute(self._launch, slots, stream)
         return (out, lse) if self.return_lse else out

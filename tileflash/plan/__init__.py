@@ -9,8 +9,7 @@ from .target import (SHARED_MEM_PER_BLOCK, has_tma, mma_sync_target, padded_head
 from .prefill import (FwdConfig, Mask, ONE_WARPGROUP_MAX_KEYS, WsFwdConfig, fwd_config, fwd_ws_config, tma_tiles,
                      ws_call_ok, ws_forward_config)  # noqa: F401
 from .backward import BwdConfig, WsBwdConfig, bwd_config, bwd_ws_config, ws_backward_config  # noqa: F401
-from .decode import (COMBINE_TILE, DECODE_TILES, DecodeConfig, DecodeSchedule, FUSED_COMBINE_ROUND_TRIPS,
-                     GATHER_PROGRAMS_PER_SM, KV_FORMATS, fused_combine, fused_combine_chunk,
+from .decode import (COMBINE_TILE, DECODE_TILES, DecodeConfig, DecodeSchedule, GATHER_PROGRAMS_PER_SM, KV_FORMATS,
                     LARGE_TILES_MIN_KV, LONG_PROGRAM_TOKENS, LONG_SPLIT_PROGRAMS_PER_SM, MAX_DECODE_TOKENS,
                     MAX_SPLITS, MIN_SPLIT_TOKENS, MLA_TILES, QUANT_MMA_HEAD_DIMS, QUANT_MMA_MAX_ROWS,
                     QUANT_MMA_SMALL_STEP_MIN_TOKENS, QUANT_MMA_SMALL_STEP_PROGRAMS,

@@ -160,25 +160,6 @@ def combine_tiles(num_splits: int, head_dim_pad: int) -> tuple[int, int]:
     return split_chunk, max(16, min(head_dim_pad, COMBINE_TILE // split_chunk))
 
 
-# Dependent loads (one [chunk, Dv] tile of one row each) the last split of a tile makes when it merges the splits
-# itself; above this the separate combine (one program per row and column chunk, launched as a programmatic
-# dependent on sm_90) is the shorter path. Not measured yet: the fused merge saves one launch on the host.
-FUSED_COMBINE_ROUND_TRIPS = 4
-
-
-def fused_combine_chunk(num_splits: int, head_dim_pad: int, num_warps: int) -> int:
-    """Splits per load when a tile's last split merges its row: a [chunk, Dv] fp32 tile of <= 64 values a thread
-    (the attention's registers are free by then)."""
-    return max(2, min(next_pow2(num_splits), 64 * 32 * num_warps // head_dim_pad))
-
-
-def fused_combine(tile_rows: int, num_splits: int, head_dim_pad: int, num_warps: int) -> bool:
-    """Whether the split decode merges its splits in the kernel (no combine launch): tile_rows rows of a tile
-    (query heads per KV head x new tokens, up to the tile), each cdiv(splits, chunk) loads."""
-    chunks = cdiv(num_splits, fused_combine_chunk(num_splits, head_dim_pad, num_warps))
-    return num_splits > 1 and tile_rows * chunks <= FUSED_COMBINE_ROUND_TRIPS
-
-
 def num_splits_heuristic(batch: int, nheads_kv: int, m_tiles: int, max_seqlen_k: int, block_n: int,
                          num_sms: int, resident_per_sm: int = 0, per_sm: int = 2, long_per_sm: int = 0) -> int:
     """How many programs share one sequence's KV.
@@ -368,7 +349,6 @@ class DecodeSchedule:
     max_seqlen_q: int = 0  # > 0: q is packed [total_q, Hq, D] with cu_seqlens_q (FA3's varlen queries)
     varlen_new: bool = False  # k, v are packed [total_new, Hkv, D] with cu_seqlens_k_new (s_new is then 0)
     mla: bool = False  # qv given: MLA's tiles, V (and out) v_cache's head dim wide
-    counters: int = 0  # > 0: the kernel merges its splits (fused_combine) with this many int32 zeros of tickets
 
 
 def decode_schedule(q, k_cache, v_cache, k, block_table, num_splits: int, sp_overlap: bool, lse_in_workspace: bool,
@@ -399,8 +379,5 @@ def decode_schedule(q, k_cache, v_cache, k, block_table, num_splits: int, sp_ove
         cfg, num_splits, _ = split_plan(q, k_cache, block_table, num_splits, mla)
     workspace = (num_splits * rows * (dv + 1) if num_splits > 1 else 0) + (rows if lse_in_workspace else 0)
     pdl = config.chosen("combine_pdl", combine_pdl(block_table))
-    tile_rows = min(cfg.block_m, q.shape[1] * (hq // k_cache.shape[2])) if cfg is not None else 0
-    fused = cfg is not None and config.chosen("fused_combine",
-                                              fused_combine(tile_rows, num_splits, padded_head_dim(dv), cfg.num_warps))
     return DecodeSchedule(cfg, qcfg, num_splits, capacity, s_new, pdl, workspace,
-                          varlen_new=varlen_new, mla=mla, counters=rows if fused and num_splits > 1 else 0)
+                          varlen_new=varlen_new, mla=mla)

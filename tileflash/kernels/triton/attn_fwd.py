@@ -28,11 +28,6 @@ Shapes (element strides are passed explicitly; the head dim must be contiguous):
   Split-KV (decode): o_part [num_splits, B, Sq, Hq, D] and lse_part [num_splits, B, Sq, Hq], fp32, merged by
   attn_combine; each split holds its own normalised output and LSE (an empty split: o = 0, lse = -inf). PDL (sm_90,
   contiguous caches): the combine may launch once every program here has started (programmatic dependent launch).
-  FUSED_COMBINE: no combine launch; the last split of each tile to finish merges them (combine_row, row by row,
-  FUSED_CHUNK splits per load). counter_ptr: int32 [programs along axis 0], zero before the launch and left
-  zero after it; each split adds one to its tile's counter after its partials are stored (a CTA barrier, then
-  an acq_rel atomic at GPU scope: the release covers every thread's stores), and the program that draws the
-  last ticket reads them back (L2 loads) and resets the counter.
 
 Program grid: axis 0 = (batch x head) x M tiles, flattened (axis 1 is capped at 65535), heaviest causal tiles first;
 axis 1 = KV split. A program's rows are either BLOCK_M consecutive query tokens of one query head (prefill) or, with
@@ -46,7 +41,7 @@ from .inner import FP8_V_T, attn_inner, fp8_row_max
 from .cast import store_cast
 from .masks import LOG2E, kv_block_range, logit_scales, seq_extents
 from .rotary import rotate_rows
-from .combine import allow_dependent_launch, combine_row
+from .combine import allow_dependent_launch
 from ...lowp.kernels.quant import E2M1_UNIT
 
 
@@ -79,7 +74,7 @@ def _fold_sink(m_i, l_i, sink2):
 
 @triton.jit
 def attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, o_part_ptr, lse_part_ptr, counter_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, o_part_ptr, lse_part_ptr,
     cu_seqlens_q_ptr, cu_seqlens_k_ptr, seqlens_k_ptr, block_table_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
     stride_qsc_b, stride_qsc_h, stride_ksc_b, stride_ksc_h, stride_vsc_b, stride_vsc_h,
     kv_batch_ptr, leftpad_k_ptr, rotary_cos_ptr, rotary_sin_ptr, stride_ro, seqlen_ro, cu_k_new_ptr,
@@ -104,8 +99,7 @@ def attn_fwd_kernel(
     LEFTPAD_K: tl.constexpr = False, ROTARY_DIM: tl.constexpr = 0, ROTARY_INTERLEAVED: tl.constexpr = False,
     ROTARY_PER_TOKEN: tl.constexpr = False, VARLEN_K_NEW: tl.constexpr = False, PDL: tl.constexpr = False,
     HAS_SINK: tl.constexpr = False, HEAD_DIM_V: tl.constexpr = 0, HEAD_DIM_V_PAD: tl.constexpr = 0,
-    HAS_QV: tl.constexpr = False, QKV_FP8: tl.constexpr = 0, FUSED_COMBINE: tl.constexpr = False,
-    FUSED_CHUNK: tl.constexpr = 1,
+    HAS_QV: tl.constexpr = False, QKV_FP8: tl.constexpr = 0,
 ):
     allow_dependent_launch(PDL)  # the split combine that follows (launch/forward.launch_combine)
     pid = tl.program_id(0)
@@ -288,32 +282,15 @@ def attn_fwd_kernel(
     o = acc * inv_l[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) / LOG2E, float("-inf"))
     d_ok = offs_dv[None, :] < HEAD_DIM_V
-    interpreted: tl.constexpr = TILE_DTYPE == tl.float32  # tiles are fp32 only in the interpreter
     if SPLIT:
         # o_part [splits, B, Sq, Hq, Dv] and lse_part [splits, B, Sq, Hq], contiguous fp32; rows_per_split = B*Sq*Hq.
         part = split.to(tl.int64) * rows_per_split + ((b * seqlen_q_static + tok) * num_heads_q + head_q).to(tl.int64)
         tl.store(o_part_ptr + part[:, None] * HEAD_DIM_V + offs_dv[None, :], o, mask=row_ok[:, None] & d_ok)
         tl.store(lse_part_ptr + part, lse, mask=row_ok)
-        if FUSED_COMBINE:
-            tl.debug_barrier()  # every thread's partials stored before the ticket (its release covers them)
-            ticket = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel", scope="gpu")
-            if ticket == tl.num_programs(1) - 1:  # the tile's last split: merge them all
-                for r in range(start_m, tl.minimum(start_m + BLOCK_M, rows_total)):
-                    if PACK_GQA:
-                        r_tok = r // group_size
-                        r_head = head * group_size + r % group_size
-                    else:
-                        r_tok = r
-                        r_head = head
-                    row = ((b * seqlen_q_static + r_tok) * num_heads_q + r_head).to(tl.int64)
-                    combine_row(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, row, b.to(tl.int64),
-                                (q_start + r_tok).to(tl.int64), r_head.to(tl.int64), tl.num_programs(1),
-                                rows_per_split, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-                                sink_ptr, offs_dv, True, HEAD_DIM_V, FUSED_CHUNK, interpreted, HAS_SINK, ".cg")
-                tl.atomic_xchg(counter_ptr + pid, 0)  # zero again for the next launch
     else:
         o_rows = (q_start + tok).to(tl.int64) * stride_os + head_q.to(tl.int64) * stride_oh
         o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + o_rows[:, None] + offs_dv[None, :]
+        interpreted: tl.constexpr = TILE_DTYPE == tl.float32  # tiles are fp32 only in the interpreter
         tl.store(o_ptrs, store_cast(o, out_ptr.dtype.element_ty, interpreted), mask=row_ok[:, None] & d_ok)
         l_ptrs = lse_ptr + b.to(tl.int64) * stride_lb + head_q.to(tl.int64) * stride_lh \
             + (q_start + tok).to(tl.int64) * stride_ls

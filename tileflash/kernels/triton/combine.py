@@ -52,25 +52,33 @@ def _rows(seqlen, num_heads, num_rows, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
-def combine_row(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, row, b, s, h, num_splits, num_rows, stride_ob,
-                stride_os, stride_oh, stride_lb, stride_lh, stride_ls, sink_ptr, offs_d, WRITE_LSE,
-                HEAD_DIM: tl.constexpr, SPLIT_CHUNK: tl.constexpr, INTERPRETED: tl.constexpr,
-                HAS_SINK: tl.constexpr, CACHE: tl.constexpr = ""):
-    """Merge one row's split partials (columns offs_d) into out[b, s, h] and, where WRITE_LSE, lse[b, h, s].
-    SPLIT_CHUNK splits are read as one tile, their LSEs and outputs loaded together, so with up to SPLIT_CHUNK
-    splits the row costs one memory round trip. CACHE: the loads' cache modifier (".cg" when the partials were
-    written by other programs of the same grid: L1 is not coherent across SMs)."""
+def attn_combine_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, num_splits, seqlen, num_heads, num_rows,
+                        stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls, sink_ptr,
+                        HEAD_DIM: tl.constexpr, D_CHUNK: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
+                        INTERPRETED: tl.constexpr, PDL: tl.constexpr = False, HAS_SINK: tl.constexpr = False):
+    """Grid (rows, HEAD_DIM / D_CHUNK): one program per row and D_CHUNK of its columns. o_part [num_splits,
+    num_rows, HEAD_DIM], lse_part [num_splits, num_rows], contiguous fp32. SPLIT_CHUNK splits are read as one tile
+    and their LSEs and outputs are loaded together, so with up to SPLIT_CHUNK splits a program makes one memory
+    round trip (the program per whole row read its splits in two passes of 32: ~4 dependent round trips at batch 1,
+    where the combine is latency, not bandwidth). PDL: launched as a programmatic dependent of the attention
+    kernel, so its launch overlaps that kernel's tail; nothing is read before the attention grid has finished."""
+    if PDL:
+        gdc_wait()
+    row = tl.program_id(0).to(tl.int64)
+    b = row // (seqlen * num_heads)
+    s = (row // num_heads) % seqlen
+    h = row % num_heads
     offs_s = tl.arange(0, SPLIT_CHUNK)
+    offs_d = tl.program_id(1) * D_CHUNK + tl.arange(0, D_CHUNK)
     d_ok = offs_d < HEAD_DIM
-    acc = tl.zeros(offs_d.shape, dtype=tl.float32)
+    acc = tl.zeros([D_CHUNK], dtype=tl.float32)
     m = tl.full([], float("-inf"), dtype=tl.float32)  # running max LSE: every weight is exp(<= 0)
     l = tl.zeros([], dtype=tl.float32)
     for c in range(0, num_splits, SPLIT_CHUNK):
         split_ok = c + offs_s < num_splits
-        lse_c = tl.load(lse_part_ptr + (c + offs_s) * num_rows + row, mask=split_ok, other=float("-inf"),
-                        cache_modifier=CACHE)
+        lse_c = tl.load(lse_part_ptr + (c + offs_s) * num_rows + row, mask=split_ok, other=float("-inf"))
         o_c = tl.load(o_part_ptr + ((c + offs_s) * num_rows + row)[:, None] * HEAD_DIM + offs_d[None, :],
-                      mask=split_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=CACHE)
+                      mask=split_ok[:, None] & d_ok[None, :], other=0.0)
         m_new = tl.maximum(m, tl.max(lse_c, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m - m_safe)
@@ -90,31 +98,9 @@ def combine_row(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, row, b, s, h, num_sp
     o = acc * tl.where(seen, 1.0 / tl.where(seen, l, 1.0), 0.0)
     tl.store(out_ptr + b * stride_ob + s * stride_os + h * stride_oh + offs_d,
              store_cast(o, out_ptr.dtype.element_ty, INTERPRETED), mask=d_ok)
-    if WRITE_LSE:
+    if tl.program_id(1) == 0:
         tl.store(lse_ptr + b * stride_lb + h * stride_lh + s * stride_ls,
                  tl.where(seen, m + tl.log(tl.where(seen, l, 1.0)), float("-inf")))
-
-
-@triton.jit
-def attn_combine_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, num_splits, seqlen, num_heads, num_rows,
-                        stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls, sink_ptr,
-                        HEAD_DIM: tl.constexpr, D_CHUNK: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
-                        INTERPRETED: tl.constexpr, PDL: tl.constexpr = False, HAS_SINK: tl.constexpr = False):
-    """Grid (rows, HEAD_DIM / D_CHUNK): one program per row and D_CHUNK of its columns. o_part [num_splits,
-    num_rows, HEAD_DIM], lse_part [num_splits, num_rows], contiguous fp32 (combine_row; the program per whole row
-    read its splits in two passes of 32: ~4 dependent round trips at batch 1, where the combine is latency, not
-    bandwidth). PDL: launched as a programmatic dependent of the attention kernel, so its launch overlaps that
-    kernel's tail; nothing is read before the attention grid has finished."""
-    if PDL:
-        gdc_wait()
-    row = tl.program_id(0).to(tl.int64)
-    b = row // (seqlen * num_heads)
-    s = (row // num_heads) % seqlen
-    h = row % num_heads
-    offs_d = tl.program_id(1) * D_CHUNK + tl.arange(0, D_CHUNK)
-    combine_row(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, row, b, s, h, num_splits, num_rows, stride_ob,
-                stride_os, stride_oh, stride_lb, stride_lh, stride_ls, sink_ptr, offs_d, tl.program_id(1) == 0,
-                HEAD_DIM, SPLIT_CHUNK, INTERPRETED, HAS_SINK)
 
 
 @triton.jit
