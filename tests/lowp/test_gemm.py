@@ -1,5 +1,7 @@
 """nvfp4_matmul against a.float() @ dequant(b).T (the reference dequantizer), with the 2x rule; its tile table;
 bad input."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -67,6 +69,20 @@ def test_scale_words_and_byte_fallback(override, scale_row_bytes, swap_ab):
     wide[:, :8] = scales.view(torch.uint8)
     out = nvfp4_matmul(a, data, wide[:, :8].view(E4M3.dtype), gs)
     _check(a, (data, scales, gs), out)
+
+
+@pytest.mark.parametrize("a_nvfp4", [False, True], ids=["w4a16", "w4a4"])
+def test_weights_first_load_order_gives_the_same_bits(override, a_nvfp4):
+    """The K step's load order (GemmConfig.weights_first, the large-M tiles' choice) changes nothing but speed."""
+    cfg = GemmConfig(16, 32, 64, 4, 1)
+    a_q, b_q = _w4a4_inputs(20, 40, 128, seed=12)
+    a = nvfp4_dequantize_ref(*a_q).to(DEVICE, torch.bfloat16)
+    args = (a_q[0], *b_q, a_q[1], a_q[2]) if a_nvfp4 else (a, *b_q)
+    outs = []
+    for first in (False, True):
+        override(gemm=dataclasses.replace(cfg, weights_first=first))
+        outs.append(nvfp4_matmul(*args))
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_scale_words_decode_every_e4m3_byte_like_bytes(override):
@@ -159,8 +175,8 @@ def test_bf16_check_can_fail(monkeypatch):
     (16, 65536, GemmConfig(16, 64, 128, 4, 4, split_k=1, swap_ab=True)),  # enough N tiles alone
     (17, 4096, GemmConfig(64, 64, 128, 4, 3)),
     (128, 4096, GemmConfig(128, 64, 128, 4, 3)),
-    (257, 4096, GemmConfig(128, 128, 64, 8, 3)),
-    (4096, 4096, GemmConfig(128, 128, 64, 8, 3)),
+    (257, 4096, GemmConfig(128, 128, 64, 8, 3, weights_first=True)),  # b loaded first: 4-7% at M >= 1024
+    (4096, 4096, GemmConfig(128, 128, 64, 8, 3, weights_first=True)),
 ])
 def test_gemm_config_table(m, n, expected):
     assert gemm_config(m, n, 4096) == expected

@@ -204,7 +204,7 @@ def test_bwd_config_fits_blackwell_tensor_memory(arch):
         c = bwd_config(d, arch=arch)
         assert 3 * d + 2 * c.dkdv_block_m <= 512 or not c.atomic_dq
         assert 2 * d + 2 * c.dkdv_block_m <= 512
-    assert bwd_config(128, arch=arch).dkdv_block_m == 32  # anchor: 448 columns (64 rows took 576)
+    assert bwd_config(128, arch=arch).dkdv_block_m == 16  # anchor: 416 columns (64 rows took 576; 32 x 128 spilled)
     assert bwd_config(128, arch=None) == bwd_config(128)
 
 
@@ -235,7 +235,7 @@ def test_small_shared_memory_targets_take_smaller_tiles(arch):
 def test_mma_sync_targets_take_8_warps_and_pre_hopper_pointers(arch):
     """mma.sync targets (sm_8x, sm_12x: MMA operands and accumulators in registers) run every Triton forward and
     decode tile of >= 64 rows, and both backward kernels, with 8 warps, dK/dV in steps of <= 32 query rows (16
-    above d64; larger spilled: compile check --res-usage);
+    above d64; larger spilled: compile check --res-usage); sm_10x every decode and FP8 tile;
     on them tiles take pointers, not TMA descriptors. Elsewhere the H200's choices stand."""
     mma_sync = arch < 90 or arch >= 120
     assert mma_sync_target(arch) == mma_sync and has_tma(arch) == (not mma_sync)
@@ -244,6 +244,9 @@ def test_mma_sync_targets_take_8_warps_and_pre_hopper_pointers(arch):
         c, h200 = fwd_config(d, causal, seqlen_k=seqlen_k, arch=arch), fwd_config(d, causal, seqlen_k=seqlen_k)
         if mma_sync and c.block_m >= 64:
             assert c.num_warps == 8, (d, causal, seqlen_k, c)
+        if tensor_memory(arch):
+            assert c == h200, (d, causal, seqlen_k, c)  # 16-bit prefill tiles: the H200's
+            assert fwd_config(d, causal, seqlen_k=seqlen_k, arch=arch, fp8=True).num_warps == 8
         assert c.tma == (h200.tma and not mma_sync)
     for d in HEAD_DIMS:
         b = bwd_config(d, arch=arch)
@@ -252,7 +255,7 @@ def test_mma_sync_targets_take_8_warps_and_pre_hopper_pointers(arch):
         assert not b.tma or not mma_sync
     for d, rows in itertools.product((64, 128), (1, 4, 64)):
         c, h200 = decode_config(d, rows, arch=arch), decode_config(d, rows)
-        assert c.num_warps == (8 if mma_sync and c.block_m >= 64 else h200.num_warps)
+        assert c.num_warps == (8 if mma_sync and c.block_m >= 64 or tensor_memory(arch) else h200.num_warps)
         assert c.tma == (not mma_sync) and (c.block_m, c.block_n, c.num_stages) == (h200.block_m, h200.block_n,
                                                                                  h200.num_stages)
 
@@ -562,9 +565,10 @@ def test_mla_decode_schedule(gpu_planning):
 
 
 def test_mla_decode_tiles_off_the_h200():
-    """Compiled-only targets: sm_10x takes 32-token steps at 64 rows; targets under 200 KB of shared memory per
-    block (A100, Ada, consumer Blackwell) take 16-row tiles whatever the head count."""
-    assert mla_decode_config(128, arch=100).block_n == 32 and mla_decode_config(16, arch=100) == mla_decode_config(16)
+    """Compiled-only targets: sm_10x takes 32-token steps at 64 rows, and 8 warps (target_tiles); targets under 200
+    KB of shared memory per block (A100, Ada, consumer Blackwell) take 16-row tiles whatever the head count."""
+    assert mla_decode_config(128, arch=100).block_n == 32
+    assert mla_decode_config(16, arch=100) == dataclasses.replace(mla_decode_config(16), num_warps=8)
     for arch in (80, 89, 120):
         assert small_shared_memory(arch)
         assert {mla_decode_config(rows, arch=arch).block_m for rows in (16, 64, 128)} == {16}

@@ -111,7 +111,8 @@ class GemmPlan(direct.Replayable):
             s_bits.stride(0), s_bits.stride(1), dest.stride(-2), dest.stride(-1),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, UPCAST=_utils.upcast_tiles(),
             SCALE_WORDS=scale_words and not self.native, SWAP_AB=cfg.swap_ab, A_NVFP4=self.a_nvfp4,
-            NATIVE_FP4=self.native, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            NATIVE_FP4=self.native, WEIGHTS_FIRST=cfg.weights_first, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
 
 
 def _k_slices(k: int, block_k: int, split_k: int) -> tuple[int, int]:

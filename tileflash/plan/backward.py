@@ -82,11 +82,12 @@ def bwd_config(head_dim: int, interpret: bool = False, arch: int | None = 90) ->
     and stages of each kernel, whether dQ is added up with atomics by default, the staggered starts, and TMA loads
     of Q/dO in the dK/dV interior (power-of-two head dims only; the launcher takes pointers otherwise).
     arch (the target's compute capability): sm_10x (B200) keeps tl.dot accumulators in tensor memory (512 columns
-    of 32 bits), which d128's 64-row dK/dV step overflows (576: dK, dV, S^T, dP^T and dQ); it takes 32 rows (448
-    columns). Compiled for sm_100 on the CPU only, never timed. On mma.sync targets (sm_8x, sm_12x: operands and
-    accumulators in registers) both kernels take 8 warps and dK/dV steps of at most 32 query rows at d <= 64, 16
-    above (with 4 warps the dK/dV tiles spilled 480-536 bytes on sm_80 and sm_120; with 8, d64's 64-row step 32
-    bytes, d128's 32-row step 40 on sm_80; none at these), and Q/dO by pointers (target.has_tma); compiled only."""
+    of 32 bits), which d128's 64-row dK/dV step overflows (576: dK, dV, S^T, dP^T and dQ); it takes 16 rows over 64
+    keys (416 columns; see below for why not 32 x 128). Compiled for sm_100 on the CPU only, never timed. On
+    mma.sync targets (sm_8x, sm_12x: operands and accumulators in registers) both kernels take 8 warps and dK/dV
+    steps of at most 32 query rows at d <= 64, 16 above (with 4 warps the dK/dV tiles spilled 480-536 bytes on
+    sm_80 and sm_120; with 8, d64's 64-row step 32 bytes, d128's 32-row step 40 on sm_80; none at these), and
+    Q/dO by pointers (target.has_tma); compiled only."""
     if interpret:
         return BwdConfig(16, 16, 16, 16, 4, 1, 4, 1, rotate=True, tma=True)
     cfg = _h200_bwd_config(head_dim, arch)
@@ -105,9 +106,14 @@ def _h200_bwd_config(head_dim: int, arch: int | None) -> BwdConfig:
             BwdConfig(16, 32, 32, 32, 4, 2, 4, 1, rotate=True)
     if d <= 64:
         return BwdConfig(64, 64, 128, 32, 4, 3, 8, 3, atomic_dq=False, tma=True)
+    if d <= 128 and tensor_memory(arch):
+        # sm_10x (compiled only): 16 query rows x 64 keys (416 tensor-memory columns); 32 x 128 (448) spilled
+        # 160 bytes, and 1400 with ALiBi, against sm_90's 16 / 512 (compile check --res-usage), 16 x 64 none / 384.
+        return BwdConfig(16, 64, 128, 64, 8, 3, 8, 2, rotate=True)
     if d <= 128:
-        return BwdConfig(32 if tensor_memory(arch) else 64, 128, 128, 64, 8, 3, 8, 2, rotate=True)
-    return BwdConfig(32, 32, 64, 32, 4, 2, 8, 1, rotate=True)
+        return BwdConfig(64, 128, 128, 64, 8, 3, 8, 2, rotate=True)
+    # d256; sm_10x takes 8 warps for dK/dV (4 spilled 88 bytes there, 48 on sm_90; 8: none)
+    return BwdConfig(32, 32, 64, 32, 8 if tensor_memory(arch) else 4, 2, 8, 1, rotate=True)
 
 
 def ws_backward_config(q, k, v, dout, *, varlen: bool, window_left: int, window_right: int, softcap: float,

@@ -91,7 +91,7 @@ def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_fo
     block_n = tokens * 128 // d if d >= 64 else 2 * tokens
     resident *= tokens * 128 // (block_n * d)
     return target_tiles(DecodeConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=stages, tma=True,
-                                     trans=trans, resident_per_sm=resident), arch)
+                                     trans=trans, resident_per_sm=resident), arch, sm10x_warps=True)
 
 
 # MLA decode (qv; a latent of up to 512 that is both V and most of the key, DeepSeek-V2/V3): (KV tokens per step,
@@ -115,12 +115,12 @@ def mla_decode_config(group_rows: int, interpret: bool = False, arch: int | None
     if interpret:
         return DecodeConfig(block_m=block_m, block_n=16, num_warps=4, num_stages=1)
     if small_shared_memory(arch):
-        return DecodeConfig(block_m=16, block_n=32, num_warps=4, num_stages=2)
+        return target_tiles(DecodeConfig(block_m=16, block_n=32, num_warps=4, num_stages=2), arch, sm10x_warps=True)
     block_n, warps, stages, resident = MLA_TILES[block_m]
     if tensor_memory(arch) and block_m == 64:
         block_n = 32
-    return DecodeConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
-                        resident_per_sm=resident)
+    return target_tiles(DecodeConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
+                                     resident_per_sm=resident), arch, sm10x_warps=True)
 
 
 MAX_SPLITS = 256

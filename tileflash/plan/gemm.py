@@ -16,6 +16,7 @@ class GemmConfig:
     num_stages: int
     split_k: int = 1  # slices of K per output tile (decode-sized M); fp32 partials, summed in a fixed order
     swap_ab: bool = False  # c^T = w a^T: the weight tile on the MMA's M side (decode-sized M)
+    weights_first: bool = False  # each K step loads b's codes before a's tile (see gemm_config)
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,10 @@ def gemm_config(m: int, n: int, k: int, interpret: bool = False, num_sms: int = 
     warps for the 128x64 tile: with 4 it spills 296 bytes on sm_90 (compile check, --res-usage); not timed. So do
     targets whose MMA is mma.sync (arch < 90 or sm_12x: operands and accumulator in registers, no wgmma): 4 warps
     spill 144 bytes on sm_120.
-    native_fp4: W4A4 on Blackwell's block-scaled MMA (native_fp4_config)."""
+    native_fp4: W4A4 on Blackwell's block-scaled MMA (native_fp4_config).
+    weights_first (the K step's load order), run 142 side by side (graph replay, us, a first / b first): M > 256
+    loads b first, N=K=4096 M=1024 112.1 / 107.7, M=4096 436.4 / 404.9, N=K=8192 M=1024 419.8 / 401.1, M=4096
+    1681.3 / 1667.0; M = 128 a first: N=K=4096 41.2 / 44.4, N=K=8192 72.8 / 81.3."""
     if interpret:
         # Small tiles: the interpreter's cost is per program and per K step, and tests use M <= 33, N, K <= 96;
         # K >= 64 takes the split-K path so the CPU tests cover it.
@@ -93,7 +97,7 @@ def gemm_config(m: int, n: int, k: int, interpret: bool = False, num_sms: int = 
     if m <= 256:
         return GemmConfig(block_m=128, block_n=64, block_k=128, num_warps=8 if a_nvfp4 or mma_sync_target(arch) else 4,
                           num_stages=3)
-    return GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+    return GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, weights_first=True)
 
 
 def native_fp4_config(m: int, n: int, k: int, num_sms: int = 132) -> GemmConfig:

@@ -7,7 +7,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from .. import config
-from .target import has_tma, mma_sync_target, tma_4d_ok, padded_head_dim, small_shared_memory, sm90_target
+from .target import (has_tma, mma_sync_target, tma_4d_ok, padded_head_dim, small_shared_memory, sm90_target,
+                     tensor_memory)
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ def fwd_config(head_dim: int, causal: bool = False, interpret: bool = False, seq
     fp8: FP8 attention (e4m3 q, k, v): _fp8_fwd_config. Off the H200 (compiled only): target_tiles."""
     d = padded_head_dim(head_dim)
     if fp8 and not interpret:
-        return target_tiles(_fp8_fwd_config(d, causal, seqlen_k), arch)
+        return target_tiles(_fp8_fwd_config(d, causal, seqlen_k), arch, sm10x_warps=True)
     if d <= 64 and causal and seqlen_k <= ONE_WARPGROUP_MAX_KEYS:
         # One warpgroup per program, as for d128 (run 48, `sweep.py --dims 64`, TFLOP/s, causal s = 2k / 4k / 16k):
         # 346.6 / 380.3 / 391.4 against 325.0 / 364.3 / 394.2 for 128x64 with pointers and 324.8 / 359.6 / 402.0
@@ -96,11 +97,14 @@ def fwd_config(head_dim: int, causal: bool = False, interpret: bool = False, seq
     return target_tiles(cfg, arch)
 
 
-def target_tiles(cfg, arch: int | None):
+def target_tiles(cfg, arch: int | None, sm10x_warps: bool = False):
     """A Triton attention tile (FwdConfig or DecodeConfig) for the compile target: 8 warps for a 64-row or larger
     tile of 4 on mma.sync targets, and pointers instead of TMA descriptors there (target.mma_sync_target,
-    target.has_tma). Compiled for those targets on the CPU only, never timed."""
-    if mma_sync_target(arch) and cfg.num_warps == 4 and cfg.block_m >= 64:
+    target.has_tma). sm10x_warps (decode, MLA and FP8 tiles): 8 warps for a tile of 4 on sm_10x too, whose tcgen05
+    accumulators pass through registers at every softmax step (4 warps spilled 24-416 bytes there where sm_90
+    spilled none: the NVFP4 paged decode, FP8 paged prefill, MLA H=16; 16-bit prefill tiles did not, and one
+    spilled 8 bytes with 8). Compiled for those targets on the CPU only, never timed."""
+    if cfg.num_warps == 4 and (mma_sync_target(arch) and cfg.block_m >= 64 or sm10x_warps and tensor_memory(arch)):
         cfg = replace(cfg, num_warps=8)
     return cfg if has_tma(arch) else replace(cfg, tma=False)
 

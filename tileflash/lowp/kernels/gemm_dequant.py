@@ -51,14 +51,16 @@ def nvfp4_matmul_kernel(a_ptr, as_ptr, ga_ptr, b_ptr, s_ptr, g_ptr, c_ptr, M, N,
                         stride_cm, stride_cn,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                         UPCAST: tl.constexpr, SCALE_WORDS: tl.constexpr, SWAP_AB: tl.constexpr,
-                        A_NVFP4: tl.constexpr, NATIVE_FP4: tl.constexpr):
+                        A_NVFP4: tl.constexpr, NATIVE_FP4: tl.constexpr, WEIGHTS_FIRST: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] tile of c over K range [split * k_per_split, ...) of program_id(2). SPLIT_K > 1:
     c_ptr is an fp32 workspace [SPLIT_K, M, N] (stride_cm, stride_cn for M, N; splits are M * N apart) that the
     caller sums in a fixed order, so results are bitwise reproducible. SCALE_WORDS: scale rows (of b, and of a when
     A_NVFP4) are 4-byte aligned and K, BLOCK_K multiples of 64, so the scales load as int32 words of four.
     SWAP_AB computes c^T = w a^T: for decode-sized M the weight tile fills the MMA's M side instead of a 16-row
     tile of a. A_NVFP4: a_ptr holds a's packed codes [M, K/2] (strides in bytes), as_ptr its scale bits, ga_ptr
-    its global scale (unused otherwise). NATIVE_FP4 (with A_NVFP4): the block-scaled MMA on the stored codes."""
+    its global scale (unused otherwise). NATIVE_FP4 (with A_NVFP4): the block-scaled MMA on the stored codes.
+    WEIGHTS_FIRST: each K step issues b's loads before a's (the order the software pipeliner keeps; GemmConfig
+    says which order each tile was measured faster with)."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
@@ -69,12 +71,15 @@ def nvfp4_matmul_kernel(a_ptr, as_ptr, ga_ptr, b_ptr, s_ptr, g_ptr, c_ptr, M, N,
     k_lo = split * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        packed = _codes(b_ptr, n64, n_ok, stride_bn, stride_bk, k0, K, BLOCK_K)
+        if WEIGHTS_FIRST:
+            packed = _codes(b_ptr, n64, n_ok, stride_bn, stride_bk, k0, K, BLOCK_K)
         if A_NVFP4:
             a = _codes(a_ptr, m64, m_ok, stride_am, stride_ak, k0, K, BLOCK_K)
         else:
             a = tl.load(a_ptr + m64[:, None] * stride_am + (k0 + offs_k)[None, :] * stride_ak,
                         mask=m_ok[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
+        if not WEIGHTS_FIRST:
+            packed = _codes(b_ptr, n64, n_ok, stride_bn, stride_bk, k0, K, BLOCK_K)
         if NATIVE_FP4:  # bytes of e4m3 scales, [rows, BLOCK_K / 16], as the block-scaled MMA reads them
             s_b = _scale_bits(s_ptr, n64, n_ok, stride_sn, stride_sk, k0, K, BLOCK_K, False)
             s_a = _scale_bits(as_ptr, m64, m_ok, stride_asm, stride_ask, k0, K, BLOCK_K, False)
