@@ -73,7 +73,8 @@ def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_fo
     table), otherwise by per-token pointer gathers (a TMA descriptor covers one strided box, not a page list).
     kv_tokens = batch x cache capacity x KV heads; caches of LARGE_TILES_MIN_KV or more take the "-large" tiles.
     tokens_per_program = cache capacity / KV splits (0: not known yet): 16-bit contiguous caches take the
-    "16bit-long" tiles from LONG_PROGRAM_TOKENS on. arch: the compile target (prefill.target_tiles)."""
+    "16bit-long" tiles from LONG_PROGRAM_TOKENS on. arch: the compile target (prefill.target_tiles; below sm_90
+    steps of at most 64 tokens)."""
     block_m = decode_block_m(group_rows)
     if interpret:  # small steps; K/V through TMA descriptors as on the GPU (NVFP4 caches, and pages smaller than
         # a step, take pointers)
@@ -89,6 +90,8 @@ def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_fo
     # K+V bytes per step held constant across head dims (d=64 at 64 tokens per step ran 0.71-0.93x the peer);
     # below 64 a step holds fewer bytes and registers, and an SM proportionally more programs.
     block_n = tokens * 128 // d if d >= 64 else 2 * tokens
+    if arch is not None and arch < 90 and block_n > 64:  # pointer gathers, no TMA: 128-token steps spilled on sm_80
+        block_n //= 2
     resident *= tokens * 128 // (block_n * d)
     return target_tiles(DecodeConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=stages, tma=True,
                                      trans=trans, resident_per_sm=resident), arch, sm10x_warps=True)

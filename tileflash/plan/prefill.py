@@ -98,13 +98,16 @@ def fwd_config(head_dim: int, causal: bool = False, interpret: bool = False, seq
 
 
 def target_tiles(cfg, arch: int | None, sm10x_warps: bool = False):
-    """A Triton attention tile (FwdConfig or DecodeConfig) for the compile target: 8 warps for a 64-row or larger
-    tile of 4 on mma.sync targets, and pointers instead of TMA descriptors there (target.mma_sync_target,
-    target.has_tma). sm10x_warps (decode, MLA and FP8 tiles): 8 warps for a tile of 4 on sm_10x too, whose tcgen05
-    accumulators pass through registers at every softmax step (4 warps spilled 24-416 bytes there where sm_90
-    spilled none: the NVFP4 paged decode, FP8 paged prefill, MLA H=16; 16-bit prefill tiles did not, and one
-    spilled 8 bytes with 8). Compiled for those targets on the CPU only, never timed."""
-    if cfg.num_warps == 4 and (mma_sync_target(arch) and cfg.block_m >= 64 or sm10x_warps and tensor_memory(arch)):
+    """A Triton attention tile (FwdConfig or DecodeConfig) for the compile target: 8 warps (and at most 2 stages)
+    for a 64-row or larger tile of 4 on mma.sync targets, and pointers instead of TMA descriptors there
+    (target.mma_sync_target, target.has_tma). sm10x_warps (decode, MLA and FP8 tiles): 8 warps for a tile of 4 on
+    sm_10x too, whose tcgen05 accumulators pass through registers at every softmax step (4 warps spilled 24-416
+    bytes there where sm_90 spilled none: the NVFP4 paged decode, FP8 paged prefill, MLA H=16; 16-bit prefill
+    tiles did not, and one spilled 8 bytes with 8). Compiled for those targets on the CPU only, never timed."""
+    if mma_sync_target(arch) and cfg.block_m >= 64 and cfg.num_warps == 4:
+        # and at most 2 stages: with 3, ptxas held sm_120's 40-token extend at 128 registers and spilled 8 bytes
+        cfg = replace(cfg, num_warps=8, num_stages=min(cfg.num_stages, 2))
+    if sm10x_warps and tensor_memory(arch) and cfg.num_warps == 4:
         cfg = replace(cfg, num_warps=8)
     return cfg if has_tma(arch) else replace(cfg, tma=False)
 
