@@ -76,7 +76,7 @@ def gemm_config(m: int, n: int, k: int, interpret: bool = False, num_sms: int = 
     targets whose MMA is mma.sync (arch < 90 or sm_12x: operands and accumulator in registers, no wgmma): 4 warps
     spill 144 bytes on sm_120.
     native_fp4: W4A4 on Blackwell's block-scaled MMA (native_fp4_config).
-    weights_first (the K step's load order), run 142 side by side (graph replay, us, a first / b first): M > 256
+    weights_first (the K step's load order), run 143 side by side (graph replay, us, a first / b first): M > 256
     loads b first, N=K=4096 M=1024 112.1 / 107.7, M=4096 436.4 / 404.9, N=K=8192 M=1024 419.8 / 401.1, M=4096
     1681.3 / 1667.0; M = 128 a first: N=K=4096 41.2 / 44.4, N=K=8192 72.8 / 81.3."""
     if interpret:
