@@ -307,6 +307,10 @@ def _cases(arch: int = 90):
         "decode nvfp4 d64 page 64, register operands": register_decode("nvfp4", d=64, paged=True, page=64),
         "nvfp4_dequantize": lambda: tileflash.nvfp4_dequantize(*tileflash.nvfp4_quantize(torch.randn(64, 128))),
         "fp8_quantize": lambda: tileflash.fp8_quantize(torch.randn(64, 128, dtype=bf)),
+        "merge_attn_states [B, S, H, D] and packed [T, H, D]": lambda: [
+            tileflash.merge_attn_states(*(torch.randn(*shape, dtype=bf) if i % 2 == 0 else torch.randn(*lse_shape)
+                                          for i in range(4)))
+            for shape, lse_shape in (((2, 33, 8, 128), (2, 8, 33)), ((45, 4, 80), (4, 45)))],
         "nvfp4_quantize": lambda: tileflash.nvfp4_quantize(torch.randn(64, 128, dtype=bf)),
         "gemm M=1 (split-K), register operands": lambda: gemm(1, 4096, 4096, mma=True),
         "gemm M=16 fp16, K tail, one slice, register operands": lambda: gemm(16, 200, 416, torch.float16, mma=True),
