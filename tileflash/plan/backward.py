@@ -90,14 +90,15 @@ def bwd_config(head_dim: int, interpret: bool = False, arch: int | None = 90) ->
     Q/dO by pointers (target.has_tma); compiled only."""
     if interpret:
         return BwdConfig(16, 16, 16, 16, 4, 1, 4, 1, rotate=True, tma=True)
-    cfg = _h200_bwd_config(head_dim, arch)
+    cfg = _bwd_tiles(head_dim, arch)
     if mma_sync_target(arch):
         d = padded_head_dim(head_dim)
         cfg = replace(cfg, dkdv_warps=8, dq_warps=8, dkdv_block_m=min(cfg.dkdv_block_m, 32 if d <= 64 else 16))
     return cfg if has_tma(arch) else replace(cfg, tma=False)
 
 
-def _h200_bwd_config(head_dim: int, arch: int | None) -> BwdConfig:
+def _bwd_tiles(head_dim: int, arch: int | None) -> BwdConfig:
+    """bwd_config's tiles by head dim, with the shared-memory and tensor-memory rules (mma.sync's come after)."""
     d = padded_head_dim(head_dim)
     if d > 64 and small_shared_memory(arch):
         # Under 200 KB of shared memory per block (A100, Ada, consumer Blackwell; compiled only): K, V, Q and dO
