@@ -102,6 +102,13 @@ def _cases(arch: int = 90):
         tileflash.flash_attn_with_kvcache(q, kc, vc, *new, cache_seqlens=torch.full((b,), ctx - sq, dtype=torch.int32),
                                           block_table=table, qv=qv, **call_kw)
 
+    def gluon_mla(hq, **kw):
+        """An MLA decode the Gluon MLA kernel serves on sm_90 (kernels/gluon/mla_decode.py), and other targets
+        compile without it."""
+        from tileflash.kernels.gluon.mla_decode import mla_decode_kernel as kern
+
+        return lambda: (_compiles if sm90 else _avoids)((kern,), lambda: mla(hq, **kw))
+
     def register_decode(fmt, **kw):
         """A decode that must take the register-operand Gluon kernel (kernels/gluon/decode_mma.py)."""
         from tileflash.kernels.gluon.decode_mma import decode_quant_kernel as kern
@@ -294,8 +301,11 @@ def _cases(arch: int = 90):
                                                                  num_splits=4),
         "prefill fwd+bwd d59 causal (masked pointer loads)": lambda: tileflash.flash_attn_func(
             *grad_leaves(2, 300, 4, 59), causal=True).sum().backward(),
-        "decode MLA H=128 (qv, latent 512), split": lambda: mla(128, num_splits=4),
-        "decode MLA H=16 paged page 64, append, causal Sq=2": lambda: mla(16, sq=2, page=64, append=True, causal=True),
+        "decode MLA H=128 (qv, latent 512), split": gluon_mla(128, num_splits=4),
+        "decode MLA H=128, no split": gluon_mla(128, b=1, ctx=256),
+        "decode MLA H=16 paged page 64, append, causal Sq=2": gluon_mla(16, sq=2, page=64, append=True, causal=True),
+        "decode MLA H=16 paged page 16, causal Sq=4, split": gluon_mla(16, sq=4, page=16, causal=True, num_splits=3),
+        "decode MLA H=128 softcap (Triton kernel)": lambda: mla(128, softcap=5.0, num_splits=2),
         "decode fp8 MLA H=128 latent, append, split": lambda: mla(128, append=True, fp8=True, num_splits=3),
         "decode nvfp4 append": lambda: decode("nvfp4", append=True),
         "decode nvfp4 d32 append": lambda: decode("nvfp4", d=32, append=True),
@@ -348,20 +358,20 @@ def _sass_has_fp4_mma(kernel) -> bool:
 
 def _kernels() -> list:
     """(name, JIT function) of every kernel module's kernels."""
-    from tileflash.kernels.gluon import attn_bwd as attn_bwd_ws, attn_fwd as attn_fwd_ws, decode_mma
+    from tileflash.kernels.gluon import attn_bwd as attn_bwd_ws, attn_fwd as attn_fwd_ws, decode_mma, mla_decode
     from tileflash.kernels.triton import attn_bwd, attn_fwd, combine, kv_append
     from tileflash.lowp.kernels import gemm_dequant, gemm_mma, quant
 
     mods = (attn_fwd, attn_fwd_ws, attn_bwd, attn_bwd_ws, combine, kv_append, quant, gemm_dequant, gemm_mma,
-            decode_mma)
+            decode_mma, mla_decode)
     return [(name, getattr(mod, name)) for mod in mods for name in sorted(dir(mod))
             if hasattr(getattr(mod, name), "device_caches")]
 
 
 def _resource_usage(kernels) -> list:
     """One line per compiled variant of kernels: registers and stack (spills) from cuobjdump -res-usage, and
-    whether ptxas serialised its wgmma instructions (warning C7515: a non-wgmma instruction defines an accumulator
-    register while the pipeline stage is in flight; every wgmma then waits for the one before it)."""
+    whether ptxas serialised its wgmma instructions (warnings C7515 / C7514: a non-wgmma instruction defines / reads
+    an accumulator register while its pipeline stage is in flight; every wgmma then waits for the one before it)."""
     import subprocess
     import tempfile
 
@@ -385,7 +395,8 @@ def _resource_usage(kernels) -> list:
                         f.write(kernel.asm["ptx"])
                     info = subprocess.run([ptxas, "--gpu-name", "sm_90a", "-v", ptx, "-o",
                                            os.path.join(tmp, "k.o")], capture_output=True, text=True)
-                    serialised = " WGMMA SERIALISED (C7515)" if "C7515" in info.stdout + info.stderr else ""
+                    warned = info.stdout + info.stderr
+                    serialised = "".join(f" WGMMA SERIALISED ({code})" for code in ("C7514", "C7515") if code in warned)
                 consts = {k[0] if isinstance(k, tuple) else k: v
                           for k, v in getattr(kernel.src, "constants", {}).items()}
                 lines.append(f"{name} warps={kernel.metadata.num_warps} {' '.join(usage.split()[:3])} "

@@ -36,7 +36,9 @@ FAMILY_HELP = {
     "backward": "bwd / BwdConfig: the Triton backward; same shapes (deterministic via --vary deterministic=1)",
     "backward-ws": "bwd_ws / WsBwdConfig: the sm_90 Gluon dK/dV; same shapes",
     "decode": "decode / DecodeConfig: shapes batch,ctx,hq,hkv,d,page (page 0: contiguous), bf16, one token",
-    "decode-mla": "mla_decode / DecodeConfig: shapes batch,ctx,hq (latent 512 + rotary 64, one KV head)",
+    "decode-mla": "mla_decode / DecodeConfig: the Triton MLA decode; shapes batch,ctx,hq (latent 512 + rotary 64, one "
+                  "KV head)",
+    "decode-mla-gluon": "mla_gluon / MlaGluonConfig: the sm_90 Gluon MLA decode; same shapes",
     "decode-quant": "quant_decode / QuantDecodeConfig: shapes batch,ctx,hq,hkv,d,nvfp4 (the register-operand decode)",
     "gemm": "gemm / GemmConfig: the Triton NVFP4 GEMM; shapes m,n,k (bf16 activations)",
     "gemm-mma": "gemm_mma / GemmMmaConfig: the sm_90 register-operand GEMM (m <= 16); same shapes",
@@ -166,6 +168,7 @@ def _gemm(shape, kw):
     return fns, lambda ms: (tflops(gemm_flops(m, n, k), ms), "TFLOP/s")
 
 
+_MLA_SHAPES = ((1, 32768, 128), (32, 4096, 128), (8, 32768, 16), (128, 4096, 16))
 _PREFILL_SHAPES = tuple((d, c, s) for d in (64, 128, 256) for c in (0, 1) for s in (1024, 4096, 16384))
 FAMILIES = {
     "prefill": Family("fwd", plan.FwdConfig, _PREFILL_SHAPES, _prefill, also=("fwd_ws",)),
@@ -177,8 +180,8 @@ FAMILIES = {
                                                   (32, 2048, 32, 8, 128, 0), (128, 1024, 8, 1, 128, 0),
                                                   (32, 2048, 32, 8, 64, 0), (1, 32768, 32, 8, 128, 16),
                                                   (8, 8192, 32, 8, 128, 64)), _decode, rotate=True),
-    "decode-mla": Family("mla_decode", plan.DecodeConfig, ((1, 32768, 128), (32, 4096, 128), (8, 32768, 16),
-                                                           (128, 4096, 16)), _decode_mla, rotate=True),
+    "decode-mla": Family("mla_decode", plan.DecodeConfig, _MLA_SHAPES, _decode_mla, rotate=True, also=("mla_gluon",)),
+    "decode-mla-gluon": Family("mla_gluon", plan.MlaGluonConfig, _MLA_SHAPES, _decode_mla, rotate=True),
     "decode-quant": Family("quant_decode", plan.QuantDecodeConfig,
                            ((1, 32768, 32, 8, 128, "nvfp4"), (64, 4096, 32, 8, 128, "nvfp4")), _decode_quant,
                            rotate=True),

@@ -10,7 +10,7 @@ import torch
 
 from .. import _utils
 from . import direct
-from ..kernels.gluon import attn_fwd as gluon_fwd, decode_mma
+from ..kernels.gluon import attn_fwd as gluon_fwd, decode_mma, mla_decode
 from ..kernels.triton.attn_fwd import attn_fwd_kernel
 from ..kernels.triton.inner import FP8_V_ROWS, FP8_V_T, FP8_V_T_DESC
 from ..kernels.triton.combine import attn_combine_kernel, merge_states_kernel
@@ -19,8 +19,8 @@ from ..lowp.kernels.quant import NVFP4_PURE_ASM, NVFP4_SCALE_BYTES, NVFP4_SCALE_
 from ..plan.decode import cache_capacity, combine_tiles
 from ..plan.prefill import Mask, WsFwdConfig, tma_tiles
 from ..plan.target import padded_head_dim, sm90_target
-from .tensors import (alibi_args, as_bytes, desc_4d, unused_pointer, row_descriptors, rotary_args, scale_strides,
-                      strides3, unit_scale, values_t_descriptor)
+from .tensors import (alibi_args, as_bytes, desc_4d, unused_pointer, row_descriptors, rotary_args, rows_desc,
+                      scale_strides, strides3, unit_scale, values_t_descriptor)
 
 
 COMBINE_BLOCK_ROWS = 16
@@ -188,6 +188,29 @@ def launch_attn_fwd_ws(q4, k4, v4, out4, lse3, *, causal: bool, softmax_scale: f
         learnable_sink if learnable_sink is not None else lse3, CAUSAL=causal,
         HEAD_DIM=d, BLOCK_N=config.block_n, K_STAGES=config.k_stages, V_STAGES=config.v_stages,
         PERSISTENT=config.persistent, VARLEN=varlen, HAS_SINK=learnable_sink is not None, num_warps=4)
+
+
+def launch_mla_decode(q, qv, k_cache, v_cache, out, lse, *, seqlens_k, seqlen_k_add: int, block_table,
+                      softmax_scale: float, causal: bool, config, o_part=None, lse_part=None) -> None:
+    """The Gluon MLA decode (plan.decode.mla_gluon_config accepted the call): q [B, Sq, H, 64], qv [B, Sq, H, 512],
+    k_cache [.., 1, 64] and v_cache [.., 1, 512] contiguous ([B, S, 1, D]) or paged ([pages, page, 1, D] with
+    block_table [B, max_pages]); out [B, Sq, H, 512] and lse [B, H, Sq], or with o_part / lse_part the split
+    partials ([splits, B * Sq * H, 512] and [splits, B * Sq * H] fp32) for attn_combine."""
+    b, sq, hq, _ = q.shape
+    bn = config.block_n
+    page = k_cache.shape[1] if block_table is not None else 0
+    chunk = min(bn, page) if page else bn
+    descs = [rows_desc(t, chunk, w, bn) for t, w in ((k_cache, mla_decode.ROPE_DIM), (v_cache, mla_decode.HALF_DIM))]
+    m_tiles = _utils.cdiv(sq * hq, mla_decode.ROWS)
+    split = o_part is not None
+    dummy = unused_pointer(q.device)
+    direct.launch(
+        mla_decode.mla_decode_kernel, (m_tiles * b, o_part.shape[0] if split else 1),
+        q, qv, *descs, out, lse, o_part if split else dummy, lse_part if split else dummy, seqlens_k,
+        block_table if page else dummy, block_table.stride(0) if page else 0,
+        block_table.shape[1] if page else 1, k_cache.shape[1], seqlen_k_add, sq, m_tiles, hq, b * sq * hq,
+        *q.stride()[:3], *qv.stride()[:3], *out.stride()[:3], *lse.stride(), softmax_scale * math.log2(math.e),
+        BN=bn, STAGES=config.stages, PAGE=page, CAUSAL=causal, SPLIT=split, num_warps=4)
 
 
 def launch_combine(o_part, lse_part, out4, lse3, pdl: bool = False, learnable_sink=None) -> None:

@@ -118,6 +118,19 @@ def desc_4d(t: torch.Tensor, block_rows: int, block_cols: int | None = None):
     return direct.derived(GluonDescriptor(t, list(t.shape), list(t.stride()), block, layout), t)
 
 
+def rows_desc(t, block_rows: int, block_cols: int, layout_rows: int):
+    """A Gluon TMA descriptor over a cache [B or pages, S or page, 1, D] as rows [B * S, D], blocks [block_rows,
+    block_cols], in the shared layout of [layout_rows, block_cols] tiles (the stage buffers it fills)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    dtype = getattr(gl, _GLUON_DTYPES[t.dtype])
+    layout = gl.NVMMASharedLayout.get_default_for([layout_rows, block_cols], dtype)
+    rows = t.shape[0] * t.shape[1]
+    return direct.derived(GluonDescriptor(t, [rows, t.shape[3]], [t.stride(1), 1], [block_rows, block_cols], layout),
+                          t)
+
+
 SUM_CAST_BLOCK = 1024  # elements per program of sum_cast_kernel (an elementwise pass: not tuned)
 
 

@@ -13,7 +13,8 @@ import torch
 
 from .. import _utils
 from ..launch import direct
-from ..launch.forward import launch_attn_fwd, launch_combine, launch_decode_quant, launch_kv_append
+from ..launch.forward import (launch_attn_fwd, launch_combine, launch_decode_quant, launch_kv_append,
+                              launch_mla_decode)
 from ..plan.decode import KV_FORMATS, MAX_DECODE_TOKENS, MAX_SPLITS, DecodeSchedule, decode_schedule
 from ..plan.prefill import Mask
 from .prefill import check_softcap
@@ -72,7 +73,11 @@ def _launch_kvcache(s: DecodeSchedule, mask: Mask, softmax_scale: float, sp_over
     lse_part = direct.derived(ws[part:part + s.num_splits * rows].view(s.num_splits, rows), ws) if split else None
     if lse is None:
         lse = direct.derived(ws[s.workspace - rows:s.workspace].view(b, hq, sq), ws)
-    if s.qcfg is not None:
+    if s.mcfg is not None:
+        launch_mla_decode(q, qv, k_cache, v_cache, out, lse, seqlens_k=cache_seqlens, seqlen_k_add=s.s_new,
+                          block_table=block_table, softmax_scale=softmax_scale, causal=mask.window_right == 0,
+                          config=s.mcfg, o_part=o_part, lse_part=lse_part)
+    elif s.qcfg is not None:
         launch_decode_quant(q, k_cache, v_cache, out, lse, seqlen_k=s.capacity, seqlens_k=cache_seqlens,
                             seqlen_k_add=s.s_new, block_table=block_table, softmax_scale=softmax_scale, mask=mask,
                             config=s.qcfg, num_splits=s.num_splits, o_part=o_part, lse_part=lse_part, pdl=s.pdl,
@@ -109,7 +114,8 @@ def _attn_kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     extras = _triton_only(cache_batch_idx, cache_leftpad, rotary_cos, alibi_slopes, cu_seqlens_k_new, learnable_sink)
     s = decode_schedule(q, k_cache, v_cache, k, block_table, num_splits, sp_overlap, lse_in_workspace=False,
                   extras=extras, causal_tiles=window_right >= 0,
-                  max_seqlen_q=max_seqlen_q, varlen_new=cu_seqlens_k_new is not None, mla=qv is not None)
+                  max_seqlen_q=max_seqlen_q, varlen_new=cu_seqlens_k_new is not None, mla=qv is not None,
+                  plain_mask=Mask(window_left, window_right, softcap).at_most_causal)
     ws = torch.empty(s.workspace, dtype=torch.float32, device=q.device) if s.workspace else None
     _launch_kvcache(s, Mask(window_left, window_right, softcap), softmax_scale, sp_overlap, rotary_interleaved, q,
                     k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos,
@@ -459,7 +465,7 @@ def _make_plan(q, k_cache, v_cache, k, v, index, softmax_scale, causal, window_s
                       lse_in_workspace=not return_lse,
                       extras=_triton_only(batch_idx, leftpad, rotary_cos, alibi_slopes, cu_k_new, learnable_sink),
                       causal_tiles=mask.window_right >= 0, max_seqlen_q=max(int(max_seqlen_q), 1) if packed else 0,
-                      varlen_new=cu_k_new is not None, mla=qv is not None)
+                      varlen_new=cu_k_new is not None, mla=qv is not None, plain_mask=mask.at_most_causal)
     # On the CPU reading values costs no sync, so they are always checked there.
     validate = bool(validate) or q.device.type == "cpu"
     return DecodePlan(sched, mask, _default_scale(softmax_scale, q, qv), bool(sp_overlap),

@@ -11,7 +11,7 @@ import torch
 from .. import _utils, config
 from .._utils import cdiv, next_pow2
 from .prefill import fwd_config, target_tiles, tma_tiles
-from .target import padded_head_dim, sm90_target, small_shared_memory, target_arch, tensor_memory
+from .target import padded_head_dim, sm90_target, small_shared_memory, target_arch, tensor_memory, tma_aligned
 
 
 @dataclass(frozen=True)
@@ -124,6 +124,45 @@ def mla_decode_config(group_rows: int, interpret: bool = False, arch: int | None
         block_n = 32
     return target_tiles(DecodeConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
                                      resident_per_sm=resident), arch, sm10x_warps=True)
+
+
+# The sm_90 Gluon MLA decode (kernels/gluon/mla_decode.py): tokens per step and ring stages. A step's stage is the
+# rotary keys and the latent, 1152 bytes per token; q and qv take 72 KB, so 32-token steps in four stages (147 KB)
+# fit the 227 KB where 64-token steps would hold two, and the overlapped loop needs three (S_{j+1} is issued
+# before step j-1's stage is released).
+@dataclass(frozen=True)
+class MlaGluonConfig:
+    block_n: int = 32
+    stages: int = 4
+
+
+MLA_ROPE_DIM, MLA_LATENT_DIM = 64, 512  # the Gluon MLA decode's head dims (DeepSeek-V2/V3, Kimi K2)
+MLA_GLUON_ROWS = 64  # its query rows per CTA (wgmma's M)
+
+
+def mla_gluon_config(q, k_cache, v_cache, block_table, extras: bool, plain_mask: bool) -> MlaGluonConfig | None:
+    """The Gluon MLA decode's tiles when it serves an MLA (qv) call, else None (the Triton decode kernel): an sm_90
+    target, 16-bit caches in q's dtype, a 64-wide rotary key and a 512-wide latent, no mask beyond causal and no
+    softcap (plain_mask), none of the Triton kernel's extras (cache_batch_idx, cache_leftpad, rotary, ALiBi,
+    learnable_sink), a contiguous cache or pages of 8..32 tokens or a multiple of the step, and rows TMA can read:
+    16-byte aligned bases and strides, unit stride along the head dim, a cache's batch (or page) stride its
+    tokens' (rows of one [rows, D] view)."""
+    if (extras or not plain_mask or not sm90_target() or k_cache.dtype != q.dtype
+            or k_cache.dtype not in (torch.bfloat16, torch.float16) or v_cache.dtype != k_cache.dtype
+            or k_cache.shape[-1] != MLA_ROPE_DIM or v_cache.shape[-1] != MLA_LATENT_DIM or k_cache.shape[2] != 1):
+        return None
+    cfg = config.chosen("mla_gluon", MlaGluonConfig())
+    if cfg is None:
+        return None
+    page = k_cache.shape[1]
+    if block_table is not None and not (page in (8, 16, 32) and page <= cfg.block_n or page % cfg.block_n == 0):
+        return None
+    for t in (k_cache, v_cache):
+        rows_merge = t.shape[0] == 1 or t.stride(0) == t.shape[1] * t.stride(1)
+        rows = t.shape[0] * t.shape[1]
+        if not (rows_merge and tma_aligned(t, dims=(1,)) and 0 < rows < 2 ** 31):
+            return None
+    return cfg
 
 
 MAX_SPLITS = 256
@@ -352,14 +391,16 @@ class DecodeSchedule:
     max_seqlen_q: int = 0  # > 0: q is packed [total_q, Hq, D] with cu_seqlens_q (FA3's varlen queries)
     varlen_new: bool = False  # k, v are packed [total_new, Hkv, D] with cu_seqlens_k_new (s_new is then 0)
     mla: bool = False  # qv given: MLA's tiles, V (and out) v_cache's head dim wide
+    mcfg: object = None  # MlaGluonConfig: the Gluon MLA decode serves the call (cfg is then None)
 
 
 def decode_schedule(q, k_cache, v_cache, k, block_table, num_splits: int, sp_overlap: bool, lse_in_workspace: bool,
               extras: bool = False, causal_tiles: bool = False, max_seqlen_q: int = 0,
-              varlen_new: bool = False, mla: bool = False) -> DecodeSchedule:
+              varlen_new: bool = False, mla: bool = False, plain_mask: bool = False) -> DecodeSchedule:
     """causal_tiles: the mask has a right bound (prefill tiles differ for causal calls). max_seqlen_q > 0: packed
     queries, which take the prefill tiles (their rows are ragged: no pack-GQA tile or split partial layout).
-    mla: qv is given (its calls are checked to be decode-sized: at most MAX_DECODE_TOKENS, not ragged)."""
+    mla: qv is given (its calls are checked to be decode-sized: at most MAX_DECODE_TOKENS, not ragged).
+    plain_mask: no window beyond causal and no softcap (what the Gluon MLA decode takes)."""
     hq = q.shape[-2]
     dv = v_cache.shape[-1] if mla else q.shape[-1]  # the partials' width
     s_new = k.shape[1] if k is not None and not varlen_new else 0
@@ -375,7 +416,12 @@ def decode_schedule(q, k_cache, v_cache, k, block_table, num_splits: int, sp_ove
     b = q.shape[0]
     cfg = None
     qcfg = None if mla else quant_mma_config(q, k_cache, v_cache, block_table, capacity, sp_overlap, extras)
-    if qcfg is not None:
+    mcfg = mla_gluon_config(q, k_cache, v_cache, block_table, extras, plain_mask) if mla else None
+    if mcfg is not None:  # one 225 KB CTA per SM: one wave of splits at most
+        num_splits = num_splits or num_splits_heuristic(b, 1, cdiv(q.shape[1] * hq, MLA_GLUON_ROWS), capacity,
+                                                        mcfg.block_n, _utils.num_sms(q.device), resident_per_sm=1,
+                                                        per_sm=1)
+    elif qcfg is not None:
         num_splits = num_splits or num_splits_heuristic(b, k_cache.shape[2], 1, capacity, qcfg.step,
                                                         _utils.num_sms(q.device), per_sm=qcfg.programs_per_sm)
     else:
@@ -383,4 +429,4 @@ def decode_schedule(q, k_cache, v_cache, k, block_table, num_splits: int, sp_ove
     workspace = (num_splits * rows * (dv + 1) if num_splits > 1 else 0) + (rows if lse_in_workspace else 0)
     pdl = config.chosen("combine_pdl", combine_pdl(block_table))
     return DecodeSchedule(cfg, qcfg, num_splits, capacity, s_new, pdl, workspace,
-                          varlen_new=varlen_new, mla=mla)
+                          varlen_new=varlen_new, mla=mla, mcfg=mcfg)

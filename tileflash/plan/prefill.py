@@ -36,6 +36,11 @@ class Mask:
             right = 0
         return Mask(left, right, float(softcap))
 
+    @property
+    def at_most_causal(self) -> bool:
+        """No window but a causal one, no softcap."""
+        return self.window_left < 0 and self.window_right <= 0 and self.softcap == 0.0
+
 
 # Non-causal d128 takes the one-warpgroup tile up to this many keys (sweep.py, run 36, TFLOP/s, 64x64 vs
 # 128x128: s=1k 452 vs 394, 2k 470 vs 452, 4k 487 vs 483 (runs 31-32 at 4k: 493 vs 487, 524 vs 484), 8k 491 vs
