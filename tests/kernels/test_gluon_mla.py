@@ -9,6 +9,7 @@ import torch
 import tileflash
 from helpers import DEVICE, ON_SM90, check_2x, check_lse
 from tileflash.ops import kvcache as decode_ops
+from tileflash.plan import MlaGluonConfig
 from tileflash.reference import kvcache_ref
 
 pytestmark = pytest.mark.skipif(not ON_SM90, reason="the Gluon MLA decode runs on sm_90 GPUs only")
@@ -64,9 +65,10 @@ def _counting(monkeypatch):
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
-def test_gluon_mla_decode(case, monkeypatch):
+def test_gluon_mla_decode(case, monkeypatch, override):
     b, sq, hq, capacity, page, s_new, lens, splits, causal, dtype = case
     calls = _counting(monkeypatch)
+    override(mla_gluon=MlaGluonConfig())  # 16-row calls too (the planner keeps them on the Triton kernel)
     q, qv, kc, vc, table, (kn, vn) = _inputs(b, sq, hq, capacity, page, s_new, dtype, seed=hq + capacity)
     seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     after = [n + s_new for n in lens]
@@ -104,12 +106,15 @@ def test_gluon_mla_plan_and_triton_agree(monkeypatch, override):
     check_2x(out, ref, tri)
 
 
-def test_gluon_mla_declines(monkeypatch):
-    """Calls outside its scope take the Triton kernel: softcap, a window, a sink, a 63-token page, a narrower
-    latent."""
+def test_gluon_mla_declines(monkeypatch, override):
+    """Calls outside its scope take the Triton kernel, even when forced: softcap, a window, a sink, a 63-token
+    page, a narrower latent; and unforced, 16 rows (H=16, one token)."""
     calls = _counting(monkeypatch)
     q, qv, kc, vc, _, _ = _inputs(1, 1, 16, 128, None, 0, torch.bfloat16, seed=1)
     lens = torch.tensor([100], dtype=torch.int32, device=DEVICE)
+    tileflash.flash_attn_with_kvcache(q, kc, vc, qv=qv, cache_seqlens=lens)
+    assert not calls
+    override(mla_gluon=MlaGluonConfig())
     for extra in (dict(softcap=5.0), dict(window_size=(50, 0)), dict(learnable_sink=torch.zeros(16, device=DEVICE))):
         tileflash.flash_attn_with_kvcache(q, kc, vc, qv=qv, cache_seqlens=lens, **extra)
     pool_k, pool_v = (c.flatten(0, 1)[:126].view(2, 63, 1, c.shape[-1]) for c in (kc, vc))

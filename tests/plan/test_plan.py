@@ -574,3 +574,42 @@ def test_mla_decode_tiles_off_the_h200():
         assert small_shared_memory(arch)
         assert {mla_decode_config(rows, arch=arch).block_m for rows in (16, 64, 128)} == {16}
     assert mla_decode_config(128, arch=None) == mla_decode_config(128)
+
+
+def _mla_call(b=2, sq=1, hq=128, page=None, dtype=torch.bfloat16, latent=512, rope=64, cache_dtype=None):
+    q = torch.empty(b, sq, hq, rope, dtype=dtype)
+    rows = (b * 128 // page, page) if page else (b, 128)
+    cache_dtype = cache_dtype or dtype
+    kc, vc = torch.empty(*rows, 1, rope, dtype=cache_dtype), torch.empty(*rows, 1, latent, dtype=cache_dtype)
+    return q, kc, vc, (torch.zeros(b, 128 // page, dtype=torch.int32) if page else None)
+
+
+# (call, extras, plain mask, taken): the Gluon MLA decode's scope and its row rule
+MLA_GLUON_TABLE = [
+    (dict(), False, True, True),  # H=128, contiguous
+    (dict(hq=16), False, True, False),  # 16 rows: the Triton kernel's 16-row tile (run 146)
+    (dict(hq=16, sq=2), False, True, True),  # 32 rows
+    (dict(page=64), False, True, True), (dict(page=16), False, True, True), (dict(page=8), False, True, True),
+    (dict(page=128), False, True, True),  # a multiple of the step
+    (dict(page=48), False, True, False),  # neither a divisor nor a multiple of 32 tokens
+    (dict(), True, True, False),  # cache_batch_idx, rotary, ALiBi, sinks: the Triton kernel's extras
+    (dict(), False, False, False),  # a window or softcap
+    (dict(dtype=torch.float16), False, True, True),
+    (dict(cache_dtype=torch.float8_e4m3fn), False, True, False),  # FP8 latents
+    (dict(latent=256), False, True, False), (dict(rope=32), False, True, False),
+]
+
+
+@pytest.mark.parametrize("call, extras, plain, taken", MLA_GLUON_TABLE)
+def test_mla_gluon_dispatch(call, extras, plain, taken, monkeypatch):
+    monkeypatch.setattr(plan_decode, "sm90_target", lambda: True)
+    q, kc, vc, table = _mla_call(**call)
+    cfg = plan_decode.mla_gluon_config(q, kc, vc, table, extras, plain)
+    assert (cfg is not None) == taken
+    if taken:
+        assert cfg == plan_decode.MlaGluonConfig(block_n=32, stages=4)
+
+
+def test_mla_gluon_only_on_sm90():
+    q, kc, vc, table = _mla_call()
+    assert plan_decode.mla_gluon_config(q, kc, vc, table, False, True) is None  # the interpreter / other targets

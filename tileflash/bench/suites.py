@@ -135,7 +135,8 @@ MLA_SHAPES = [
     {"kind": "mla", "hq": hq, "batch": b, "ctx": ctx, "page_size": None, "kv": "fp8", "label": f"mla-h{hq}-fp8"}
     for hq, b, ctx in ((128, 32, 4096), (128, 1, 32768), (16, 8, 32768), (16, 128, 4096))
 ]
-MLA_BACKENDS = ("tileflash_graph", "tileflash", "sdpa_graph")
+# tileflash_triton_graph: the Triton MLA kernel (the sm_90 Gluon one declined), to show what the Gluon kernel gains
+MLA_BACKENDS = ("tileflash_graph", "tileflash", "tileflash_triton_graph", "sdpa_graph")
 
 PREFILL_BACKENDS = ("tileflash", "sdpa_flash", "sdpa_cudnn", "fa4")
 BACKWARD_BACKENDS = ("tileflash", "tileflash_det", "sdpa_flash", "sdpa_cudnn")
@@ -585,6 +586,12 @@ def _mla_one(shape, tf, note):
                     continue
                 rec["max_err"] = check(fn())
                 rec["us"] = bench_ms(graphed(fn)) * 1e3  # one copy (the peer's cache layout is not ours)
+            elif name == "tileflash_triton_graph":
+                from tileflash import config
+
+                with config.override(mla_gluon=None):
+                    rec["max_err"] = check(call(inputs[0])())
+                    rec["us"] = rotating_graph_ms([call(x) for x in inputs]) * 1e3
             else:
                 rec["max_err"] = check(call(inputs[0])())
                 rec["us"] = (rotating_graph_ms([call(x) for x in inputs]) if name == "tileflash_graph"
@@ -603,15 +610,16 @@ def _mla_one(shape, tf, note):
 
 
 def mla_table(rows):
-    headers = ["set", "B", "ctx", "tf-graph us", "tf eager us", "TB/s", "%copy", "TFLOP/s", "%GEMM", "SDPA-graph us",
-               "tf/SDPA", "failed"]
+    headers = ["set", "B", "ctx", "tf-graph us", "tf eager us", "TB/s", "%copy", "TFLOP/s", "%GEMM", "triton us",
+               "triton/tf", "SDPA-graph us", "tf/SDPA", "failed"]
     body = []
     for r in rows:
         ours, sdpa = _field(r, "tileflash_graph", "us"), _field(r, "sdpa_graph", "us")
+        tri = _field(r, "tileflash_triton_graph", "us")
         body.append([r["label"], r["batch"], r["ctx"], ours, _field(r, "tileflash", "us"), r["TB/s"],
                      100 * r["TB/s"] / COPY_TBPS if r["TB/s"] else None, r["TFLOP/s"],
-                     100 * r["TFLOP/s"] / BF16_GEMM_TFLOPS if r["TFLOP/s"] else None, sdpa,
-                     sdpa / ours if ours and sdpa else None, _failed(r)])
+                     100 * r["TFLOP/s"] / BF16_GEMM_TFLOPS if r["TFLOP/s"] else None, tri,
+                     tri / ours if ours and tri else None, sdpa, sdpa / ours if ours and sdpa else None, _failed(r)])
     title = ("MLA decode (qv: latent 512 + rotary 64, one KV head, Sq=1), bf16, microseconds; tf-graph: graph replay "
              "over input copies > 2x L2; roofline: bytes 576 x 2 per token, FLOPs 2 x H x (576 + 512) per token")
     return format_table(headers, body, title=title)
