@@ -68,7 +68,7 @@ def _counting(monkeypatch):
 def test_gluon_mla_decode(case, monkeypatch, override):
     b, sq, hq, capacity, page, s_new, lens, splits, causal, dtype = case
     calls = _counting(monkeypatch)
-    override(mla_gluon=MlaGluonConfig())  # 16-row calls too (the planner keeps them on the Triton kernel)
+    override(mla_gluon=MlaGluonConfig())  # 8-row calls too (the planner keeps them on the Triton kernel)
     q, qv, kc, vc, table, (kn, vn) = _inputs(b, sq, hq, capacity, page, s_new, dtype, seed=hq + capacity)
     seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     after = [n + s_new for n in lens]

@@ -587,8 +587,9 @@ def _mla_call(b=2, sq=1, hq=128, page=None, dtype=torch.bfloat16, latent=512, ro
 # (call, extras, plain mask, taken): the Gluon MLA decode's scope and its row rule
 MLA_GLUON_TABLE = [
     (dict(), False, True, True),  # H=128, contiguous
-    (dict(hq=16), False, True, False),  # 16 rows: the Triton kernel's 16-row tile (run 146)
-    (dict(hq=16, sq=2), False, True, True),  # 32 rows
+    (dict(hq=16), False, True, True),  # 16 rows (run 149: 1.00-1.12x the Triton kernel's 16-row tile)
+    (dict(hq=8), False, True, False),  # 8 rows: the Triton kernel (not measured)
+    (dict(hq=8, sq=2), False, True, True),  # 16 rows of two tokens
     (dict(page=64), False, True, True), (dict(page=16), False, True, True), (dict(page=8), False, True, True),
     (dict(page=128), False, True, True),  # a multiple of the step
     (dict(page=48), False, True, False),  # neither a divisor nor a multiple of 32 tokens

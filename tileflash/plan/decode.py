@@ -129,30 +129,33 @@ def mla_decode_config(group_rows: int, interpret: bool = False, arch: int | None
 # The sm_90 Gluon MLA decode (kernels/gluon/mla_decode.py): tokens per step and ring stages. A step's stage is the
 # rotary keys and the latent, 1152 bytes per token; q and qv take 72 KB, so 32-token steps in four stages (147 KB)
 # fit the 227 KB where 64-token steps would hold two, and the overlapped loop needs three (S_{j+1} is issued
-# before step j-1's stage is released).
+# before step j-1's stage is released; the kernel asserts it). Run 148 (`sweep decode-mla-gluon`, graph replay):
+# 3 stages 1.3-1.55x slower than 4 (H=128 b=32 ctx 4k 137.1 vs 94.4 us).
 @dataclass(frozen=True)
 class MlaGluonConfig:
     block_n: int = 32
     stages: int = 4
 
 
-# Run 146 (`bench decode --only mla`, graph replay, us, Gluon vs the Triton MLA kernel): H=128 b=1 ctx 4k / 32k 19.4 /
-# 39.0 vs 20.8 / 56.1, b=32 ctx 4k / 16k 101.5 / 345.6 vs 151.7 / 555.0, b=128 ctx 1k / 4k 110.7 / 355.5 vs 146.4 /
-# 526.5, page 64 b=32 ctx 4k 102.4 vs 165.4; but H=16 (16 rows of the 64-row tile) b=8 ctx 32k 93.8 vs 87.9 (page 64
-# 96.2 vs 89.4), b=1 ctx 32k 22.2 vs 23.4, b=128 ctx 4k 172.8 vs 181.1, b=32 ctx 4k and b=128 ctx 1k within 1%: calls
-# of at most MLA_GLUON_MIN_ROWS - 1 rows per sequence keep the Triton kernel (its 16-row tile) unless forced.
-MLA_GLUON_MIN_ROWS = 17
+# Run 149 (session 25: S_{j+1} issued before the softmax of step j; `bench decode --only mla` and `sweep
+# decode-mla-gluon`, graph replay, us, Gluon vs the Triton MLA kernel): H=128 b=1 ctx 4k / 32k 19.3 / 38.0 vs 20.9 /
+# 56.2, b=32 ctx 4k / 16k 95.1 / 318.1 vs 151.7 / 538.8, b=128 ctx 1k / 4k 103.0 / 329.5 vs 146.7 / 518.5, page 64
+# b=32 ctx 4k 95.6 vs 165.4; H=16 (16 rows of the 64-row tile) b=1 ctx 32k 21.6 vs 23.4, b=8 ctx 32k 87.9 vs 87.7,
+# b=32 ctx 4k 49.7 vs 51.3, b=128 ctx 4k 160.4 vs 180.3 (run 146, before the change, H=16 had been 0.93-1.06x).
+# Calls of fewer rows per sequence (not measured) keep the Triton kernel's 16-row tile unless forced.
+MLA_GLUON_MIN_ROWS = 16
 MLA_ROPE_DIM, MLA_LATENT_DIM = 64, 512  # the Gluon MLA decode's head dims (DeepSeek-V2/V3, Kimi K2)
 MLA_GLUON_ROWS = 64  # its query rows per CTA (wgmma's M)
 
 
 def mla_gluon_config(q, k_cache, v_cache, block_table, extras: bool, plain_mask: bool) -> MlaGluonConfig | None:
-    """The Gluon MLA decode's tiles when it serves an MLA (qv) call, else None (the Triton decode kernel): more than
-    16 query rows per sequence (Sq x H; config can force it for fewer), an sm_90 target, 16-bit caches in q's dtype, a 64-wide rotary key and a 512-wide latent, no mask beyond causal and no
-    softcap (plain_mask), none of the Triton kernel's extras (cache_batch_idx, cache_leftpad, rotary, ALiBi,
-    learnable_sink), a contiguous cache or pages of 8..32 tokens or a multiple of the step, and rows TMA can read:
-    16-byte aligned bases and strides, unit stride along the head dim, a cache's batch (or page) stride its
-    tokens' (rows of one [rows, D] view)."""
+    """The Gluon MLA decode's tiles when it serves an MLA (qv) call, else None (the Triton decode kernel): at least
+    MLA_GLUON_MIN_ROWS query rows per sequence (Sq x H; config can force it for fewer), an sm_90 target, 16-bit
+    caches in q's dtype, a 64-wide rotary key and a 512-wide latent, no mask beyond causal and no softcap
+    (plain_mask), none of the Triton kernel's extras (cache_batch_idx, cache_leftpad, rotary, ALiBi, learnable_sink),
+    a contiguous cache or pages of 8..32 tokens or a multiple of the step, and rows TMA can read: 16-byte aligned
+    bases and strides, unit stride along the head dim, a cache's batch (or page) stride its tokens' (rows of one
+    [rows, D] view)."""
     if (extras or not plain_mask or not sm90_target() or k_cache.dtype != q.dtype
             or k_cache.dtype not in (torch.bfloat16, torch.float16) or v_cache.dtype != k_cache.dtype
             or k_cache.shape[-1] != MLA_ROPE_DIM or v_cache.shape[-1] != MLA_LATENT_DIM or k_cache.shape[2] != 1):

@@ -11,10 +11,12 @@ stream over pointer loads, which left H=128 at 223-274 TFLOP/s (issue 28 asks 55
       past the end zeroed in shared memory before the consumers see it: P is 0 there, but 0 * (NaN or inf) from
       an unwritten cache row would not be.
   consumer 0 (warpgroup 0): S_j = q k_j^T + qv c_j^T (q, qv [64 rows, 64 / 512] in shared memory, written once by
-      this warpgroup before the partitions start), the online softmax, P_j into shared memory with the row
-      rescale alpha_j, and O[:, :256] += P_j c_j[:, :256]. S_{j+1} is issued before PV_j, so the softmax of step
-      j+1 runs while PV_j (and consumer 1's half) keep the tensor cores busy; a stage is released once both
-      halves of its PV have retired, which with STAGES >= 3 is never what S_{j+1} waits on.
+      this warpgroup before the partitions start), the online softmax, P_j into shared memory (two slots) with the
+      row rescale alpha_j, and O[:, :256] += P_j c_j[:, :256]. S_{j+1} is issued before the softmax of step j,
+      so the chain S -> softmax -> S never leaves the tensor cores idle (run 147's profile of the earlier order,
+      S_{j+1} after the softmax: 2730 cycles a 32-token step, the tensor pipe 39% busy, consumer 1 waiting on P
+      68% of its time). A stage is released once both halves of its PV have retired; S_{j+1} is issued while
+      step j-1's stage is still held, so the ring needs STAGES >= 3.
   consumer 1 (warpgroup 1): O[:, 256:] = alpha_j O[:, 256:] + P_j c_j[:, 256:], from consumer 0's P and alpha.
   Epilogue: consumer 0 hands 1 / l to consumer 1 through shared memory; each stores its half of the output (or
   of the split's fp32 partial), consumer 0 the lse.
@@ -45,6 +47,7 @@ HALF_DIM = LATENT_DIM // 2  # each consumer's share of O's columns, and the late
 M_ROWS = gl.constexpr(ROWS)
 ROPE = gl.constexpr(ROPE_DIM)
 HALF = gl.constexpr(HALF_DIM)
+O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_DIM, 16]))
 
 
 @gluon.jit
@@ -61,6 +64,16 @@ def _sequence(cache_seqlens, seqlen_k_add, b, num_splits, split, seqlen_q, BN: g
     if CAUSAL:  # the tile's first token sees the fewest keys
         full_hi = gl.maximum(seqlen_k - seqlen_q + 1, 0) // BN
     return seqlen_k, gl.maximum(s_hi, s_lo), s_lo, full_hi
+
+
+@gluon.jit
+def _unit(cache_seqlens, seqlen_k_add, seqlen_q, m_tiles, BN: gl.constexpr, CAUSAL: gl.constexpr):
+    """(sequence, first query row, split, then _sequence's four) of this CTA."""
+    b = gl.program_id(0) // m_tiles
+    split = gl.program_id(1)
+    seqlen_k, s_hi, s_lo, full_hi = _sequence(cache_seqlens, seqlen_k_add, b, gl.num_programs(1), split, seqlen_q,
+                                              BN, CAUSAL)
+    return b, (gl.program_id(0) % m_tiles) * M_ROWS, split, seqlen_k, s_hi, s_lo, full_hi
 
 
 @gluon.jit
@@ -97,9 +110,7 @@ def _load_step(k_desc, c_desc, k_bufs, c_bufs, bar, st, t0, b, seqlen_k, block_t
 def _producer(k_desc, c_desc, k_bufs, c_bufs, kv_ready, kv_empty, tail_bar, cache_seqlens, block_table, stride_bt,
               max_pages, cache_rows, seqlen_k_add, seqlen_q, m_tiles, BN: gl.constexpr, STAGES: gl.constexpr,
               PAGE: gl.constexpr, CAUSAL: gl.constexpr):
-    b = gl.program_id(0) // m_tiles
-    seqlen_k, s_hi, s_lo, full_hi = _sequence(cache_seqlens, seqlen_k_add, b, gl.num_programs(1), gl.program_id(1),
-                                              seqlen_q, BN, CAUSAL)
+    b, _, _, seqlen_k, s_hi, s_lo, _ = _unit(cache_seqlens, seqlen_k_add, seqlen_q, m_tiles, BN, CAUSAL)
     CHUNK: gl.constexpr = BN if PAGE == 0 or PAGE >= BN else PAGE  # rows per copy
     for j in range(s_hi - s_lo):
         st = j % STAGES
@@ -129,8 +140,11 @@ def _scores(q_rope, q_lat, k_bufs, c_bufs, st, s_init):
 
 
 @gluon.jit
-def _masked(s, jb, seqlen_k, seqlen_q, row0, num_heads, BN: gl.constexpr, CAUSAL: gl.constexpr):
-    """Scores of keys past the sequence's end (or past a row's token, causal) set to -inf."""
+def _masked(s, jb, seqlen_k, seqlen_q, row0, num_heads, full_hi, BN: gl.constexpr, CAUSAL: gl.constexpr):
+    """Scores of block jb's keys past the sequence's end (or past a row's token, causal) set to -inf; blocks below
+    full_hi need no mask."""
+    if jb < full_hi:
+        return s
     cols = jb * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s.type.layout))
     ok = gl.expand_dims(cols < seqlen_k, 0)
     if CAUSAL:
@@ -141,13 +155,27 @@ def _masked(s, jb, seqlen_k, seqlen_q, row0, num_heads, BN: gl.constexpr, CAUSAL
 
 @gluon.jit
 def _publish(p, alpha, p_smem, a_smem, p_ready, p_empty, j):
-    """P_j and alpha_j into shared memory for both consumers, once consumer 1 is done with P_{j-1}."""
-    mbarrier.wait(p_empty.index(0), (j & 1) ^ 1)
-    p_smem.store(p.to(p_smem.dtype))
-    a_smem.store(alpha)
+    """P_j and alpha_j into shared memory slot j % 2 for both consumers, once consumer 1 is done with P_{j-2}
+    (two slots: consumer 0 runs a step ahead of consumer 1)."""
+    slot = j % 2
+    mbarrier.wait(p_empty.index(slot), ((j // 2) & 1) ^ 1)
+    p_smem.index(slot).store(p.to(p_smem.dtype))
+    a_smem.index(slot).store(alpha)
     fence_async_shared()
     barrier()
-    mbarrier.arrive(p_ready.index(0), count=1)
+    mbarrier.arrive(p_ready.index(slot), count=1)
+
+
+@gluon.jit
+def _rescale_and_pv(acc, alpha, p_smem, c_bufs, kv_empty, j, STAGES: gl.constexpr):
+    """With nothing in flight (a non-wgmma write to an accumulator inside a pipeline stage makes ptxas serialise
+    every wgmma of the kernel: C7514 / C7515): release step j-1's stage, O[:, :256] *= alpha_j, then issue
+    O[:, :256] += P_j c_j[:, :256]. Consumer 1's half of PV_j keeps the tensor cores busy meanwhile."""
+    if j > 0:
+        mbarrier.arrive(kv_empty.index((j - 1) % STAGES), count=1)
+    o_rows: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+    acc = warpgroup_mma_init(acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1))
+    return warpgroup_mma(p_smem.index(j % 2), c_bufs.index(2 * (j % STAGES)), acc, is_async=True)
 
 
 @gluon.jit
@@ -170,19 +198,15 @@ def _store_half(acc, inv_l, out_ptr, o_part_ptr, b, row0, rows_q, num_heads, spl
 
 @gluon.jit
 def _consumer0(q_ptr, qv_ptr, stride_qb, stride_qs, stride_qh, stride_qvb, stride_qvs, stride_qvh, q_rope, q_lat,
-               k_bufs, c_bufs, p_smem, a_smem, f_smem, kv_ready, kv_empty, p_ready, p_empty, f_ready, out_ptr, lse_ptr, o_part_ptr, lse_part_ptr, cache_seqlens, seqlen_k_add, seqlen_q, m_tiles,
+               k_bufs, c_bufs, p_smem, a_smem, f_smem, kv_ready, kv_empty, p_ready, p_empty, f_ready, out_ptr,
+               lse_ptr, o_part_ptr, lse_part_ptr, cache_seqlens, seqlen_k_add, seqlen_q, m_tiles,
                num_heads, rows_per_split, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
                qk_scale, BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BN, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HALF, 16])
+    o_layout: gl.constexpr = O_LAYOUT
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    b = gl.program_id(0) // m_tiles
-    row0 = (gl.program_id(0) % m_tiles) * M_ROWS
-    split = gl.program_id(1)
-    seqlen_k, s_hi, s_lo, full_hi = _sequence(cache_seqlens, seqlen_k_add, b, gl.num_programs(1), split, seqlen_q,
-                                              BN, CAUSAL)
+    b, row0, split, seqlen_k, s_hi, s_lo, full_hi = _unit(cache_seqlens, seqlen_k_add, seqlen_q, m_tiles, BN, CAUSAL)
     n = s_hi - s_lo
     # q and qv by pointers while the producer's first loads are in flight (only this warpgroup reads them).
     rows_q = seqlen_q * num_heads
@@ -200,25 +224,21 @@ def _consumer0(q_ptr, qv_ptr, stride_qb, stride_qs, stride_qh, stride_qvb, strid
         mbarrier.wait(kv_ready.index(0), 0)
         s = warpgroup_mma_wait(0, deps=(_scores(q_rope, q_lat, k_bufs, c_bufs, 0, s_init),))
         acc = warpgroup_mma_init(acc)  # PV_{j-1} stays in flight across steps
-        for j in range(n):  # S_j is complete, PV_{j-1} may be in flight
-            if s_lo + j >= full_hi:
-                s = _masked(s, s_lo + j, seqlen_k, seqlen_q, row0, num_heads, BN, CAUSAL)
-            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale)
-            # Nothing in flight while acc is rescaled: a non-wgmma write to an accumulator inside a pipeline stage
-            # makes ptxas serialise every wgmma of the kernel (C7514).
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            if j > 0:
-                mbarrier.arrive(kv_empty.index((j - 1) % STAGES), count=1)
-            acc = warpgroup_mma_init(acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1))
+        for j in range(n - 1):  # S_j is complete, PV_{j-1} may be in flight
+            # S_{j+1} is issued first: it runs under this step's softmax, so the tensor cores never wait for it.
+            st = (j + 1) % STAGES
+            mbarrier.wait(kv_ready.index(st), ((j + 1) // STAGES) & 1)
+            s_next = _scores(q_rope, q_lat, k_bufs, c_bufs, st, s_init)
+            p, m_i, l_i, alpha = _softmax(_masked(s, s_lo + j, seqlen_k, seqlen_q, row0, num_heads, full_hi, BN,
+                                                  CAUSAL), m_i, l_i, qk_scale)
             _publish(p, alpha, p_smem, a_smem, p_ready, p_empty, j)
-            if j + 1 < n:
-                nxt = (j + 1) % STAGES
-                mbarrier.wait(kv_ready.index(nxt), ((j + 1) // STAGES) & 1)
-                s = _scores(q_rope, q_lat, k_bufs, c_bufs, nxt, s_init)
-                acc = warpgroup_mma(p_smem, c_bufs.index(2 * (j % STAGES)), acc, is_async=True)
-                s = warpgroup_mma_wait(1, deps=(s,))  # S_{j+1} is done; PV_j runs on under the next softmax
-            else:
-                acc = warpgroup_mma(p_smem, c_bufs.index(2 * (j % STAGES)), acc, is_async=True)
+            acc, s = warpgroup_mma_wait(0, deps=(acc, s_next))  # PV_{j-1} and S_{j+1} have retired
+            acc = _rescale_and_pv(acc, alpha, p_smem, c_bufs, kv_empty, j, STAGES)
+        p, m_i, l_i, alpha = _softmax(_masked(s, s_hi - 1, seqlen_k, seqlen_q, row0, num_heads, full_hi, BN, CAUSAL),
+                                      m_i, l_i, qk_scale)
+        _publish(p, alpha, p_smem, a_smem, p_ready, p_empty, n - 1)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        acc = _rescale_and_pv(acc, alpha, p_smem, c_bufs, kv_empty, n - 1, STAGES)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(kv_empty.index((n - 1) % STAGES), count=1)
 
@@ -244,23 +264,19 @@ def _consumer0(q_ptr, qv_ptr, stride_qb, stride_qs, stride_qh, stride_qvb, strid
 def _consumer1(c_bufs, p_smem, a_smem, f_smem, kv_ready, kv_empty, p_ready, p_empty, f_ready, out_ptr, o_part_ptr,
                cache_seqlens, seqlen_k_add, seqlen_q, m_tiles, num_heads, rows_per_split, stride_ob, stride_os,
                stride_oh, BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr):
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HALF, 16])
+    o_layout: gl.constexpr = O_LAYOUT
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    b = gl.program_id(0) // m_tiles
-    row0 = (gl.program_id(0) % m_tiles) * M_ROWS
-    split = gl.program_id(1)
-    seqlen_k, s_hi, s_lo, full_hi = _sequence(cache_seqlens, seqlen_k_add, b, gl.num_programs(1), split, seqlen_q,
-                                              BN, CAUSAL)
+    b, row0, split, seqlen_k, s_hi, s_lo, full_hi = _unit(cache_seqlens, seqlen_k_add, seqlen_q, m_tiles, BN, CAUSAL)
     acc = gl.zeros([M_ROWS, HALF], gl.float32, o_layout)
     for j in range(s_hi - s_lo):
         st = j % STAGES
         mbarrier.wait(kv_ready.index(st), (j // STAGES) & 1)  # the stage's bytes, seen by this warpgroup too
-        mbarrier.wait(p_ready.index(0), j & 1)
-        acc = acc * gl.expand_dims(a_smem.load(o_rows), 1)
-        acc = warpgroup_mma(p_smem, c_bufs.index(2 * st + 1), acc, is_async=True)
+        slot = j % 2
+        mbarrier.wait(p_ready.index(slot), (j // 2) & 1)
+        acc = acc * gl.expand_dims(a_smem.index(slot).load(o_rows), 1)
+        acc = warpgroup_mma(p_smem.index(slot), c_bufs.index(2 * st + 1), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(p_empty.index(0), count=1)
+        mbarrier.arrive(p_empty.index(slot), count=1)
         mbarrier.arrive(kv_empty.index(st), count=1)
     mbarrier.wait(f_ready.index(0), 0)
     _store_half(acc, f_smem.load(o_rows), out_ptr, o_part_ptr, b, row0, seqlen_q * num_heads, num_heads, split,
@@ -290,7 +306,7 @@ def mla_decode_kernel(q_ptr, qv_ptr, k_desc, c_desc, out_ptr, lse_ptr, o_part_pt
     [min(BN, PAGE), 64]; c_desc: the latent [rows, 512], blocks [min(BN, PAGE), 256]; rows are b * cache_rows + t
     (contiguous, PAGE 0) or page * PAGE + t % PAGE (block_table [B, max_pages]). qk_scale: softmax_scale *
     log2(e) > 0."""
-    gl.static_assert(STAGES >= 2, "S_{j+1} loads while step j runs")
+    gl.static_assert(STAGES >= 3, "S_{j+1} is issued while step j-1's stage is still held")
     dtype: gl.constexpr = k_desc.dtype
     q_rope = gl.allocate_shared_memory(dtype, [M_ROWS, ROPE],
                                        gl.NVMMASharedLayout.get_default_for([M_ROWS, ROPE], dtype))
@@ -298,22 +314,24 @@ def mla_decode_kernel(q_ptr, qv_ptr, k_desc, c_desc, out_ptr, lse_ptr, o_part_pt
                                       gl.NVMMASharedLayout.get_default_for([M_ROWS, HALF], dtype))
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BN, ROPE], k_desc.layout)
     c_bufs = gl.allocate_shared_memory(dtype, [2 * STAGES, BN, HALF], c_desc.layout)
-    p_smem = gl.allocate_shared_memory(dtype, [M_ROWS, BN], gl.NVMMASharedLayout.get_default_for([M_ROWS, BN], dtype))
+    p_smem = gl.allocate_shared_memory(dtype, [2, M_ROWS, BN],
+                                       gl.NVMMASharedLayout.get_default_for([M_ROWS, BN], dtype))
     vec_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-    a_smem = gl.allocate_shared_memory(gl.float32, [M_ROWS], vec_layout)
+    a_smem = gl.allocate_shared_memory(gl.float32, [2, M_ROWS], vec_layout)  # one alpha per P slot
     f_smem = gl.allocate_shared_memory(gl.float32, [M_ROWS], vec_layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     tail_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    p_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    p_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    p_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     f_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(kv_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=2)  # both consumers' PV halves
     mbarrier.init(tail_bar.index(0), count=1)
-    mbarrier.init(p_ready.index(0), count=1)
-    mbarrier.init(p_empty.index(0), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(p_ready.index(i), count=1)
+        mbarrier.init(p_empty.index(i), count=1)
     mbarrier.init(f_ready.index(0), count=1)
 
     # Integer arguments equal to 1 arrive as constexprs, which worker partitions cannot take: make them tensors.
@@ -342,4 +360,4 @@ def mla_decode_kernel(q_ptr, qv_ptr, k_desc, c_desc, out_ptr, lse_ptr, o_part_pt
                       stride_ob, stride_os, stride_oh, BN, STAGES, CAUSAL, SPLIT)),
         (_producer, (k_desc, c_desc, k_bufs, c_bufs, kv_ready, kv_empty, tail_bar, cache_seqlens, block_table,
                      stride_bt, max_pages, cache_rows, seqlen_k_add, seqlen_q, m_tiles, BN, STAGES, PAGE, CAUSAL)),
-    ], [4, 1], [232, 56])
+    ], [4, 1], [192, 56])
