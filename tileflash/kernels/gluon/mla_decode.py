@@ -360,4 +360,4 @@ def mla_decode_kernel(q_ptr, qv_ptr, k_desc, c_desc, out_ptr, lse_ptr, o_part_pt
                       stride_ob, stride_os, stride_oh, BN, STAGES, CAUSAL, SPLIT)),
         (_producer, (k_desc, c_desc, k_bufs, c_bufs, kv_ready, kv_empty, tail_bar, cache_seqlens, block_table,
                      stride_bt, max_pages, cache_rows, seqlen_k_add, seqlen_q, m_tiles, BN, STAGES, PAGE, CAUSAL)),
-    ], [4, 1], [192, 56])
+    ], [4, 1], [192, 56])  # consumer 0 (the default partition) gets the rest, 256: S_{j+1} in flight, O's half
