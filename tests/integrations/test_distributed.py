@@ -3,6 +3,7 @@ On the CPU: gloo, kernels through the interpreter (the environment, including TR
 this process). With 2 GPUs: NCCL, one GPU per rank. With one GPU: skipped (gloo moves no CUDA tensors in
 all_gather or point-to-point)."""
 import os
+import sys
 
 import pytest
 import torch
@@ -131,8 +132,6 @@ def _exit_when_done(rank, fn, *args):
     """fn(rank, *args), then the process ends without running interpreter teardown: on the CPU machine a rank that
     had passed every check was seen to abort in teardown now and then (gloo's threads: "terminate called without an
     active exception", SIGABRT), failing the test after the fact. A failing check still raises from fn as before."""
-    import sys
-
     fn(rank, *args)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -48,6 +48,7 @@ M_ROWS = gl.constexpr(ROWS)
 ROPE = gl.constexpr(ROPE_DIM)
 HALF = gl.constexpr(HALF_DIM)
 O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_DIM, 16]))
+O_ROWS = gl.constexpr(gl.SliceLayout(1, O_LAYOUT))  # one value per row of either consumer's half of O
 
 
 @gluon.jit
@@ -173,8 +174,7 @@ def _rescale_and_pv(acc, alpha, p_smem, c_bufs, kv_empty, j, STAGES: gl.constexp
     O[:, :256] += P_j c_j[:, :256]. Consumer 1's half of PV_j keeps the tensor cores busy meanwhile."""
     if j > 0:
         mbarrier.arrive(kv_empty.index((j - 1) % STAGES), count=1)
-    o_rows: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
-    acc = warpgroup_mma_init(acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1))
+    acc = warpgroup_mma_init(acc * gl.expand_dims(gl.convert_layout(alpha, O_ROWS), 1))
     return warpgroup_mma(p_smem.index(j % 2), c_bufs.index(2 * (j % STAGES)), acc, is_async=True)
 
 
@@ -204,8 +204,6 @@ def _consumer0(q_ptr, qv_ptr, stride_qb, stride_qs, stride_qh, stride_qvb, strid
                qk_scale, BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BN, 16])
-    o_layout: gl.constexpr = O_LAYOUT
-    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     b, row0, split, seqlen_k, s_hi, s_lo, full_hi = _unit(cache_seqlens, seqlen_k_add, seqlen_q, m_tiles, BN, CAUSAL)
     n = s_hi - s_lo
     # q and qv by pointers while the producer's first loads are in flight (only this warpgroup reads them).
@@ -219,7 +217,7 @@ def _consumer0(q_ptr, qv_ptr, stride_qb, stride_qs, stride_qh, stride_qvb, strid
     s_init = gl.zeros([M_ROWS, BN], gl.float32, s_layout)  # ignored (use_acc=False): only its layout counts
     m_i = gl.full([M_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([M_ROWS], gl.float32, gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([M_ROWS, HALF], gl.float32, o_layout)
+    acc = gl.zeros([M_ROWS, HALF], gl.float32, O_LAYOUT)
     if n > 0:
         mbarrier.wait(kv_ready.index(0), 0)
         s = warpgroup_mma_wait(0, deps=(_scores(q_rope, q_lat, k_bufs, c_bufs, 0, s_init),))
@@ -256,7 +254,7 @@ def _consumer0(q_ptr, qv_ptr, stride_qb, stride_qs, stride_qh, stride_qvb, strid
     else:
         off = b.to(gl.int64) * stride_lb + (r % num_heads).to(gl.int64) * stride_lh + (r // num_heads) * stride_ls
         gl.store(lse_ptr + off, lse, mask=r < rows_q)
-    _store_half(acc, gl.convert_layout(inv_l, o_rows), out_ptr, o_part_ptr, b, row0, rows_q, num_heads, split,
+    _store_half(acc, gl.convert_layout(inv_l, O_ROWS), out_ptr, o_part_ptr, b, row0, rows_q, num_heads, split,
                 rows_per_split, stride_ob, stride_os, stride_oh, 0, SPLIT)
 
 
@@ -264,22 +262,20 @@ def _consumer0(q_ptr, qv_ptr, stride_qb, stride_qs, stride_qh, stride_qvb, strid
 def _consumer1(c_bufs, p_smem, a_smem, f_smem, kv_ready, kv_empty, p_ready, p_empty, f_ready, out_ptr, o_part_ptr,
                cache_seqlens, seqlen_k_add, seqlen_q, m_tiles, num_heads, rows_per_split, stride_ob, stride_os,
                stride_oh, BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr):
-    o_layout: gl.constexpr = O_LAYOUT
-    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     b, row0, split, seqlen_k, s_hi, s_lo, full_hi = _unit(cache_seqlens, seqlen_k_add, seqlen_q, m_tiles, BN, CAUSAL)
-    acc = gl.zeros([M_ROWS, HALF], gl.float32, o_layout)
+    acc = gl.zeros([M_ROWS, HALF], gl.float32, O_LAYOUT)
     for j in range(s_hi - s_lo):
         st = j % STAGES
         mbarrier.wait(kv_ready.index(st), (j // STAGES) & 1)  # the stage's bytes, seen by this warpgroup too
         slot = j % 2
         mbarrier.wait(p_ready.index(slot), (j // 2) & 1)
-        acc = acc * gl.expand_dims(a_smem.index(slot).load(o_rows), 1)
+        acc = acc * gl.expand_dims(a_smem.index(slot).load(O_ROWS), 1)
         acc = warpgroup_mma(p_smem.index(slot), c_bufs.index(2 * st + 1), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(p_empty.index(slot), count=1)
         mbarrier.arrive(kv_empty.index(st), count=1)
     mbarrier.wait(f_ready.index(0), 0)
-    _store_half(acc, f_smem.load(o_rows), out_ptr, o_part_ptr, b, row0, seqlen_q * num_heads, num_heads, split,
+    _store_half(acc, f_smem.load(O_ROWS), out_ptr, o_part_ptr, b, row0, seqlen_q * num_heads, num_heads, split,
                 rows_per_split, stride_ob, stride_os, stride_oh, HALF, SPLIT)
 
 
