@@ -51,7 +51,8 @@ def _cases(arch: int = 90):
     """name -> case (a callable; None: the case exercises an sm_90-only kernel with a forced config and is skipped
     on other targets). Off sm_90 the cases that take the Gluon kernels there must compile without them."""
     import tileflash
-    from tileflash.plan import WsBwdConfig
+    from tileflash import config
+    from tileflash.plan import GemmWgmmaConfig, WsBwdConfig
 
     sm90 = arch == 90
 
@@ -157,13 +158,22 @@ def _cases(arch: int = 90):
 
         return case
 
-    def gemm(m, n, k, dtype=bf, mma=False):
-        """An nvfp4_matmul call; mma: it must take the register-operand Gluon kernel (lowp/kernels/gemm_mma.py)."""
-        from tileflash.lowp.kernels.gemm_mma import nvfp4_matmul_mma_kernel as kern
+    def gemm(m, n, k, dtype=bf, kernel=None, wgmma_config=None):
+        """An nvfp4_matmul call; kernel "mma" / "wgmma": it must take that Gluon kernel on sm_90
+        (lowp/kernels/gemm_mma.py, gemm_wgmma.py); wgmma_config forces the latter's tiles."""
+        from tileflash.lowp.kernels.gemm_mma import nvfp4_matmul_mma_kernel
+        from tileflash.lowp.kernels.gemm_wgmma import nvfp4_matmul_wgmma_kernel
 
+        kern = {"mma": (nvfp4_matmul_mma_kernel,), "wgmma": (nvfp4_matmul_wgmma_kernel,)}.get(kernel, ())
         call = lambda: tileflash.nvfp4_matmul(torch.randn(m, k, dtype=dtype),  # noqa: E731
                                               *tileflash.nvfp4_quantize(torch.randn(n, k)))
-        (_compiles if sm90 else _avoids)((kern,) if mma else (), call)
+        if wgmma_config is not None:
+            if not sm90:
+                return None
+            with config.override(gemm_wgmma=wgmma_config):
+                _compiles(kern, call)
+            return
+        (_compiles if sm90 else _avoids)(kern, call)
 
     def gemm_w4a4(m, n, k):
         """nvfp4_matmul with an NVFP4 a: on Blackwell its kernel's SASS must hold the block-scaled FP4 MMA
@@ -322,9 +332,14 @@ def _cases(arch: int = 90):
                                           for i in range(4)))
             for shape, lse_shape in (((2, 33, 8, 128), (2, 8, 33)), ((45, 4, 80), (4, 45)))],
         "nvfp4_quantize": lambda: tileflash.nvfp4_quantize(torch.randn(64, 128, dtype=bf)),
-        "gemm M=1 (split-K), register operands": lambda: gemm(1, 4096, 4096, mma=True),
-        "gemm M=16 fp16, K tail, one slice, register operands": lambda: gemm(16, 200, 416, torch.float16, mma=True),
-        "gemm M=128": lambda: gemm(128, 512, 1024),
+        "gemm M=1 (split-K), register operands": lambda: gemm(1, 4096, 4096, kernel="mma"),
+        "gemm M=16 fp16, K tail, one slice, register operands": lambda: gemm(16, 200, 416, torch.float16,
+                                                                              kernel="mma"),
+        "gemm M=64 (split-K), wgmma": lambda: gemm(64, 512, 4096, kernel="wgmma"),
+        "gemm M=200 fp16, N tail, wgmma": lambda: gemm(200, 320, 1024, torch.float16, kernel="wgmma"),
+        "gemm M=100, one consumer, wgmma": None if not sm90 else lambda: gemm(
+            100, 256, 512, kernel="wgmma", wgmma_config=GemmWgmmaConfig(block_m=128, consumers=1, stages=4, split_k=1)),
+        "gemm M=128, K tail (Triton kernel)": lambda: gemm(128, 512, 1040),
         "gemm M=1024": lambda: gemm(1024, 512, 1024),
         "gemm W4A4 M=1 (split-K, swapped)": gemm_w4a4(1, 512, 2048),
         "gemm W4A4 M=200, K tail": gemm_w4a4(200, 384, 1040),
@@ -360,9 +375,9 @@ def _kernels() -> list:
     """(name, JIT function) of every kernel module's kernels."""
     from tileflash.kernels.gluon import attn_bwd as attn_bwd_ws, attn_fwd as attn_fwd_ws, decode_mma, mla_decode
     from tileflash.kernels.triton import attn_bwd, attn_fwd, combine, kv_append
-    from tileflash.lowp.kernels import gemm_dequant, gemm_mma, quant
+    from tileflash.lowp.kernels import gemm_dequant, gemm_mma, gemm_wgmma, quant
 
-    mods = (attn_fwd, attn_fwd_ws, attn_bwd, attn_bwd_ws, combine, kv_append, quant, gemm_dequant, gemm_mma,
+    mods = (attn_fwd, attn_fwd_ws, attn_bwd, attn_bwd_ws, combine, kv_append, quant, gemm_dequant, gemm_mma, gemm_wgmma,
             decode_mma, mla_decode)
     return [(name, getattr(mod, name)) for mod in mods for name in sorted(dir(mod))
             if hasattr(getattr(mod, name), "device_caches")]

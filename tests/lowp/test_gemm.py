@@ -8,7 +8,8 @@ import torch
 import tileflash._utils as tf_utils
 from helpers import DEVICE, ON_GPU, ON_SM90, check_2x
 from tileflash.lowp.formats import E4M3, nvfp4_dequantize_ref
-from tileflash.plan import GemmConfig, GemmMmaConfig, gemm_config, gemm_mma_config
+from tileflash.plan import (GemmConfig, GemmMmaConfig, GemmWgmmaConfig, gemm_config, gemm_mma_config,
+                            gemm_wgmma_config)
 from tileflash.plan.gemm import native_fp4_config
 from tileflash.lowp.gemm import nvfp4_matmul
 from tileflash.lowp.quant import nvfp4_dequantize, nvfp4_quantize
@@ -173,8 +174,10 @@ def test_bf16_check_can_fail(monkeypatch):
     (1, 4096, GemmConfig(16, 64, 128, 4, 4, split_k=4, swap_ab=True)),  # 64 N tiles: 7 slices wanted, 4 at most
     (16, 8192, GemmConfig(16, 64, 128, 4, 4, split_k=4, swap_ab=True)),
     (16, 65536, GemmConfig(16, 64, 128, 4, 4, split_k=1, swap_ab=True)),  # enough N tiles alone
-    (17, 4096, GemmConfig(64, 64, 128, 4, 3)),
-    (128, 4096, GemmConfig(128, 64, 128, 4, 3)),
+    # serving batches: swapped products too (the activation rows on wgmma's N side)
+    (17, 4096, GemmConfig(32, 128, 128, 4, 3, split_k=4, swap_ab=True)),
+    (64, 4096, GemmConfig(64, 64, 128, 4, 3, swap_ab=True)),
+    (128, 4096, GemmConfig(128, 64, 128, 4, 3, swap_ab=True)),
     (257, 4096, GemmConfig(128, 128, 64, 8, 3, weights_first=True)),  # b loaded first: 4-7% at M >= 1024
     (4096, 4096, GemmConfig(128, 128, 64, 8, 3, weights_first=True)),
 ])
@@ -221,15 +224,15 @@ def test_mma_kernel_matches_reference(m, n, k, dtype, monkeypatch):
     assert calls == [1]  # it ran the Gluon kernel
 
 
-def _count_mma_launches(monkeypatch):
-    """Count launches of the register-operand kernel (a call's first launch goes through direct.launch; later
-    calls of the same signature replay it)."""
-    from tileflash.lowp.kernels.gemm_mma import nvfp4_matmul_mma_kernel
+def _count_mma_launches(monkeypatch, kernel_name="nvfp4_matmul_mma_kernel"):
+    """Count launches of a Gluon GEMM kernel, the register-operand one by default (a call's first launch goes
+    through direct.launch; later calls of the same signature replay it)."""
     from tileflash.launch import direct
 
     calls, launch = [], direct.launch
     monkeypatch.setattr(direct, "launch", lambda kernel, *a, **k: (
-        calls.append(1) if kernel is nvfp4_matmul_mma_kernel else None) or launch(kernel, *a, **k))
+        calls.append(1) if getattr(kernel, "__name__", "") == kernel_name or getattr(
+            getattr(kernel, "fn", None), "__name__", "") == kernel_name else None) or launch(kernel, *a, **k))
     return calls
 
 
@@ -275,7 +278,7 @@ def test_gemm_config_w4a4_and_mma_sync_targets_take_8_warps():
     assert gemm_config(128, 4096, 4096, arch=120) == GemmConfig(128, 64, 128, 8, 3)
     assert gemm_config(128, 4096, 4096, arch=89) == GemmConfig(128, 64, 128, 8, 3)
     assert gemm_config(128, 4096, 4096, arch=90) == gemm_config(128, 4096, 4096, arch=100) \
-        == GemmConfig(128, 64, 128, 4, 3)
+        == GemmConfig(128, 64, 128, 4, 3, swap_ab=True)
     assert gemm_config(1, 4096, 4096, a_nvfp4=True) == gemm_config(1, 4096, 4096)
 
 
@@ -373,3 +376,128 @@ def test_out_dtype_errors(out_dtype, a_nvfp4, needle):
 def test_errors_name_the_argument(make_args, exc, needle):
     with pytest.raises(exc, match=needle):
         nvfp4_matmul(*make_args())
+
+
+# The wgmma kernel (16 < M <= 256 on sm_90, lowp/kernels/gemm_wgmma.py) and its activation prep pass.
+
+def _prep_reference(a, m_pad):
+    """activation_prep_kernel's definition: rows scaled by 2^k into [2^8, 2^9), even / odd K halves, each 64 values
+    in the weight decode's contraction order (position 16kb + 8i1 + 2t + i0 holds value 16t + 4kb + 2i1 + i0)."""
+    x = a.float()
+    amax = torch.where(x.abs() < float("inf"), x.abs(), 0.0).amax(1)
+    e = (amax.view(torch.int32) >> 23) & 0xFF
+    k = torch.where(e == 0, 0, (135 - e).clamp(-126, 126))
+    scaled = (x * torch.exp2(k.float())[:, None]).half()
+    m, kk = a.shape
+    halves = scaled.view(m, kk // 2, 2).permute(2, 0, 1)  # [2, M, K/2]
+    halves = halves.reshape(2, m, kk // 128, 4, 4, 2, 2).permute(0, 1, 2, 4, 5, 3, 6).reshape(2, m, kk // 2)
+    prep = torch.zeros(2, m_pad, kk // 2, dtype=torch.float16, device=a.device)
+    prep[:, :m] = halves
+    return prep.reshape(2 * m_pad, kk // 2), torch.exp2(-k.float())
+
+
+@pytest.mark.parametrize("k, block_k", [(256, 256), (768, 512)], ids=["one-block", "masked-tail"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_activation_prep_matches_its_definition(k, block_k, dtype):
+    """The prep pass in the interpreter (CPU) and on the GPU: halves, order, row scales (rows near bf16's top,
+    tiny, zero, strided) and the zero rows past M, bit for bit."""
+    from tileflash.lowp.kernels.gemm_wgmma import activation_prep_kernel
+
+    m, m_pad = 6, 8
+    g = torch.Generator().manual_seed(k)
+    rows = torch.tensor([1.0, 1e-30 if dtype == torch.bfloat16 else 1e-3, 0.0, 7e4 if dtype == torch.bfloat16
+                         else 300.0, 3e-6, 1e30 if dtype == torch.bfloat16 else 1.0])
+    wide = (torch.randn(m, 2 * k, generator=g) * rows[:, None]).to(DEVICE, dtype)
+    a = wide[:, ::2]  # column stride 2
+    prep = torch.full((2 * m_pad, k // 2), float("nan"), dtype=torch.float16, device=DEVICE)
+    factor = torch.full((m_pad,), float("nan"), device=DEVICE)
+    activation_prep_kernel[(m_pad,)](a, prep, factor, m, m_pad, k, a.stride(0), a.stride(1), BLOCK_K=block_k)
+    want, want_factor = _prep_reference(a, m_pad)
+    assert torch.equal(prep, want)
+    assert torch.equal(factor[:m], want_factor)
+
+
+def test_prep_order_pairs_with_the_weight_order():
+    """The algebra the wgmma kernel relies on, in PyTorch: the prepared halves times the weight's low / high
+    nibbles in the same contraction order (bytes of a row in the decode's digit order) give a @ w^T."""
+    m, n, k = 3, 5, 256
+    a, b_q = _inputs(m, n, k, torch.float16, seed=4)
+    w = nvfp4_dequantize_ref(*b_q)  # [N, K]
+    prep, factor = _prep_reference(a.cpu(), m)
+    order = torch.arange(k // 2).reshape(k // 128, 4, 4, 2, 2).permute(0, 2, 3, 1, 4).reshape(-1)
+    lo, hi = w.cpu()[:, 0::2][:, order], w.cpu()[:, 1::2][:, order]
+    got = (prep[:m].float() @ lo.T + prep[m:].float() @ hi.T) * factor[:, None]
+    torch.testing.assert_close(got, a.cpu().float() @ w.cpu().T, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("m, n, k, expected", [
+    (16, 8192, 8192, None),  # decode-sized: the register-operand kernel
+    (17, 8192, 8192, GemmWgmmaConfig(block_m=64, consumers=2, stages=7, split_k=2)),  # 64 tiles: K in two
+    (64, 8192, 8192, GemmWgmmaConfig(64, 2, 7, 2)),
+    (128, 8192, 8192, GemmWgmmaConfig(128, 2, 4, 2)),
+    (256, 8192, 8192, GemmWgmmaConfig(128, 2, 4, 1)),  # 128 tiles: one wave already
+    (128, 28672, 4096, GemmWgmmaConfig(128, 2, 4, 1)),
+    (64, 1024, 4096, GemmWgmmaConfig(64, 2, 7, 4)),  # 8 tiles: slices of the fewest 8 steps, 32 steps -> 4
+    (257, 8192, 8192, None),  # past GEMM_WGMMA_MAX_M: the Triton kernel
+    (64, 8192, 8320, None),  # K not a multiple of 256
+])
+def test_gemm_wgmma_config_table(m, n, k, expected):
+    assert gemm_wgmma_config(m, n, k) == expected
+
+
+WGMMA_SHAPES = [  # K a multiple of 256
+    (17, 256, 256),  # one step pair; 17 of 64 activation rows
+    (64, 4096, 4096),  # K in two slices
+    (100, 320, 1024),  # an N tail of 64 rows (half a CTA); 100 of 128 rows
+    (200, 1000, 2048),  # two 128-row tiles; an N tail of 40 rows
+    (33, 512, 28672),  # a long K (an MLP down-projection): 224 steps
+    (256, 8192, 512),
+]
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the wgmma Gluon kernel runs on sm_90 only")
+@pytest.mark.parametrize("m, n, k", WGMMA_SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in WGMMA_SHAPES])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_wgmma_kernel_matches_reference(m, n, k, dtype, monkeypatch):
+    calls = _count_mma_launches(monkeypatch, "nvfp4_matmul_wgmma_kernel")
+    a, b_q = _inputs(m, n, k, dtype, seed=m * 5 + n + k)
+    out = nvfp4_matmul(a, *b_q)
+    assert out.dtype == dtype and out.shape == (m, n)
+    _check(a, b_q, out)
+    assert calls == [1]
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the wgmma Gluon kernel runs on sm_90 only")
+@pytest.mark.parametrize("cfg", [GemmWgmmaConfig(64, 1, 4, 1), GemmWgmmaConfig(128, 1, 3, 4),
+                                 GemmWgmmaConfig(64, 2, 2, 8), GemmWgmmaConfig(128, 2, 4, 2)],
+                         ids=["bm64-one-consumer", "bm128-one-consumer-split4", "bm64-two-stages-split8",
+                              "bm128-split2"])
+def test_wgmma_kernel_configs_agree(override, cfg):
+    """Every tile the sweep may pick computes the same product (split partials summed in slice order)."""
+    a, b_q = _inputs(96, 384, 4096, torch.bfloat16, seed=21)
+    override(gemm_wgmma=cfg)
+    out = nvfp4_matmul(a, *b_q)
+    _check(a, b_q, out)
+    assert torch.equal(nvfp4_matmul(a, *b_q), out)  # reproducible, replayed
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the wgmma Gluon kernel runs on sm_90 only")
+def test_wgmma_kernel_row_scales_keep_every_magnitude():
+    """As the register-operand kernel: each activation row scaled by its own power of two into fp16."""
+    a, b_q = _inputs(24, 256, 1024, torch.bfloat16, seed=11)
+    scales = torch.tensor([1e30, 1e-30, 1.0, 0.0, 7e4, 3e-6, 1.0, 1e10] * 3, dtype=torch.bfloat16)
+    a = a * scales.to(DEVICE)[:, None]
+    _check(a, b_q, nvfp4_matmul(a, *b_q))
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the wgmma Gluon kernel runs on sm_90 only")
+def test_wgmma_kernel_declines_what_it_cannot_address(monkeypatch):
+    """K not a multiple of 256, weight rows not 16-byte aligned: the Triton kernel serves them (still correct)."""
+    calls = _count_mma_launches(monkeypatch, "nvfp4_matmul_wgmma_kernel")
+    a, b_q = _inputs(40, 64, 400, torch.bfloat16, seed=12)
+    _check(a, b_q, nvfp4_matmul(a, *b_q))
+    a, (data, scales, gs) = _inputs(40, 64, 512, torch.bfloat16, seed=13)
+    wide = torch.zeros(64, 264, dtype=torch.uint8, device=DEVICE)  # rows 264 bytes apart: not 16-byte multiples
+    wide[:, :256] = data
+    _check(a, (data, scales, gs), nvfp4_matmul(a, wide[:, :256], scales, gs))
+    assert calls == []

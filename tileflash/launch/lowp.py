@@ -1,5 +1,5 @@
-"""Launchers of the low-precision kernels: the NVFP4 quantizers and the NVFP4 GEMMs (the register-operand kernel for
-decode-sized M on sm_90, else the Triton dequantizing kernel)."""
+"""Launchers of the low-precision kernels: the NVFP4 quantizers and the NVFP4 GEMMs (on sm_90 the register-operand
+kernel for decode-sized M and the wgmma kernel for serving batches, else the Triton dequantizing kernel)."""
 from __future__ import annotations
 
 import torch
@@ -9,10 +9,11 @@ from . import direct
 from ..lowp.formats import NVFP4_BLOCK
 from ..lowp.kernels.gemm_dequant import nvfp4_matmul_kernel
 from ..lowp.kernels.gemm_mma import nvfp4_matmul_mma_kernel
+from ..lowp.kernels.gemm_wgmma import STEP_K, activation_prep_kernel, nvfp4_matmul_wgmma_kernel
 from ..lowp.kernels.quant import nvfp4_dequantize_kernel, nvfp4_quantize_kernel
-from ..plan.gemm import gemm_config, gemm_mma_config
+from ..plan.gemm import gemm_config, gemm_mma_config, gemm_wgmma_config
 from ..plan.target import native_fp4_mma, sm90_target, target_arch
-from .tensors import launch_sum_cast
+from .tensors import gluon_desc, launch_sum_cast
 
 
 def quant_blocks(k: int) -> tuple[int, int]:
@@ -45,10 +46,11 @@ def launch_nvfp4_dequantize(d2, s2, global_scale, out) -> None:
 
 
 class GemmPlan(direct.Replayable):
-    """One nvfp4_matmul call's kernel (the register-operand kernel for W4A16 with M <= 16 on sm_90, else the Triton
-    one; W4A4 on the native block-scaled MMA where the target has it), K slices and launch arguments. With one K
-    slice the kernel writes out [M, N] in out_dtype; with more, fp32 partials [slices, M, N] in the workspace,
-    which a second launch sums in slice order into out."""
+    """One nvfp4_matmul call's kernel (on sm_90, W4A16 takes the register-operand kernel at M <= 16 and the wgmma
+    kernel up to M = 256; else the Triton one; W4A4 on the native block-scaled MMA where the target has it), K
+    slices and launch arguments. With one K slice the kernel writes out [M, N] in out_dtype; with more, fp32
+    partials [slices, M, N] in the workspace, which a second launch sums in slice order into out. The wgmma
+    kernel's prepared activation ([2 * m_pad, K/2] fp16 and [m_pad] row factors) comes from the workspace too."""
 
     def __init__(self, a, b_data, b_scales, a_scales, out_dtype):
         self.a_nvfp4 = a_scales is not None
@@ -58,35 +60,81 @@ class GemmPlan(direct.Replayable):
         self.empty = m == 0 or n == 0
         arch = target_arch()
         self.native = self.a_nvfp4 and native_fp4_mma(arch)
-        self.mma = None
-        if not self.empty and not self.a_nvfp4 and sm90_target() and _mma_operands_ok(a, b_data, b_scales):
-            self.mma = config.chosen("gemm_mma", gemm_mma_config(m, n, k, num_sms=_utils.num_sms(a.device)))
+        self.mma = self.wgmma = None
+        if not self.empty and not self.a_nvfp4 and sm90_target():
+            num_sms = _utils.num_sms(a.device)
+            if _mma_operands_ok(a, b_data, b_scales):
+                self.mma = config.chosen("gemm_mma", gemm_mma_config(m, n, k, num_sms=num_sms))
+            if self.mma is None and _wgmma_operands_ok(b_data, b_scales):
+                self.wgmma = config.chosen("gemm_wgmma", gemm_wgmma_config(m, n, k, num_sms=num_sms))
         if self.empty:  # nothing to launch (no tile for an empty output)
             return
-        self.cfg = self.mma or config.chosen("gemm", gemm_config(m, n, k, interpret=_utils.is_interpreter(),
-                                                                 num_sms=_utils.num_sms(a.device),
-                                                                 a_nvfp4=self.a_nvfp4, native_fp4=self.native,
-                                                                 arch=arch))
-        self.k_per_split, self.split = _k_slices(k, self.cfg.block_k, self.cfg.split_k)
+        self.ws_numel = 0
+        if self.wgmma is not None:
+            self.cfg = self.wgmma
+            self.m_pad = _utils.cdiv(m, self.cfg.block_m) * self.cfg.block_m
+            self.split = self.cfg.split_k
+            self.k_per_split = k // self.split
+            if self.k_per_split % (2 * STEP_K) or k % self.split:
+                raise ValueError(f"GemmWgmmaConfig.split_k={self.split}: K={k} must split into slices of whole "
+                                 f"{2 * STEP_K}-value steps")
+            # prep (fp16, two per fp32 slot), the row factors, then the partials; each 16-byte aligned for TMA
+            self.ws_numel = self.m_pad * k // 2 + _round4(self.m_pad)
+        else:
+            self.cfg = self.mma or config.chosen("gemm", gemm_config(m, n, k, interpret=_utils.is_interpreter(),
+                                                                     num_sms=_utils.num_sms(a.device),
+                                                                     a_nvfp4=self.a_nvfp4, native_fp4=self.native,
+                                                                     arch=arch))
+            self.k_per_split, self.split = _k_slices(k, self.cfg.block_k, self.cfg.split_k)
+        if self.split > 1:
+            self.ws_numel += self.split * m * n
 
     def run(self, a, b_data, b_scales, b_global_scale, a_scales=None, a_global_scale=None):
         if self.empty:
             return a.new_empty(self.out_shape, dtype=self.dtype)
         out = _utils.new_output(self.out_shape, self.dtype, self.device)
         stream = direct.current_stream(self.device)
-        ws = direct.WORKSPACE.get(self.device, stream, self.split * out.numel()) if self.split > 1 else None
+        ws = direct.WORKSPACE.get(self.device, stream, self.ws_numel) if self.ws_numel else None
         self.execute(self._launch, (a, b_data, b_scales, b_global_scale, a_scales, a_global_scale, out, ws), stream)
         return out
 
     def _launch(self, a, b_data, b_scales, b_global_scale, a_scales, a_global_scale, out, ws) -> None:
         operands = (a, b_data, b_scales, b_global_scale, a_scales, a_global_scale)
         split = self.split
-        if split == 1:
+        if self.wgmma is not None:
+            partials = self._launch_wgmma(a, b_data, b_scales, b_global_scale, out, ws)
+        elif split == 1:
             self._launch_gemm(*operands, out)
             return
-        partials = direct.derived(ws[:split * out.numel()].view(split, *out.shape), ws)
-        self._launch_gemm(*operands, partials)
-        launch_sum_cast(partials, out, split)
+        else:
+            partials = direct.derived(ws[:split * out.numel()].view(split, *out.shape), ws)
+            self._launch_gemm(*operands, partials)
+        if split > 1:
+            launch_sum_cast(partials, out, split)
+
+    def _launch_wgmma(self, a, b_data, b_scales, b_global_scale, out, ws):
+        """The activation's prep pass, then the wgmma kernel into out (one K slice) or into fp32 partials, which it
+        returns."""
+        cfg, m_pad, split = self.cfg, self.m_pad, self.split
+        (m, k), n = a.shape, b_data.shape[0]
+        prep_numel = m_pad * k // 2
+        prep = direct.derived(ws[:prep_numel].view(torch.float16).view(2 * m_pad, k // 2), ws)
+        factor = direct.derived(ws[prep_numel:prep_numel + m_pad], ws)
+        dest = out
+        if split > 1:
+            start = prep_numel + _round4(m_pad)
+            dest = direct.derived(ws[start:start + split * m * n].view(split, m, n), ws)
+        direct.launch(activation_prep_kernel, (m_pad,), a, prep, factor, m, m_pad, k, a.stride(0), a.stride(1),
+                      BLOCK_K=min(_utils.next_pow2(k), 8192), num_warps=8)
+        words = direct.derived(b_data.view(torch.int32), b_data)
+        scale_bits = direct.derived(b_scales.view(torch.uint8), b_scales)
+        direct.launch(
+            nvfp4_matmul_wgmma_kernel, (_utils.cdiv(n, 64 * cfg.consumers), m_pad // cfg.block_m, split),
+            gluon_desc(prep, [cfg.block_m, STEP_K // 2], swizzled=True), gluon_desc(words, [64, 16]),
+            gluon_desc(scale_bits, [64, 16]), factor, b_global_scale, dest, m, n, m_pad,
+            self.k_per_split // STEP_K, dest.stride(-2), dest.stride(-1), BLOCK_M=cfg.block_m,
+            CONSUMERS=cfg.consumers, STAGES=cfg.stages, SPLIT_K=split, num_warps=4)
+        return dest
 
     def _launch_gemm(self, a, b_data, b_scales, b_global_scale, a_scales, a_global_scale, dest) -> None:
         m, n, k = a.shape[0], b_data.shape[0], b_data.shape[1] * 2
@@ -120,6 +168,18 @@ def _k_slices(k: int, block_k: int, split_k: int) -> tuple[int, int]:
     k_steps = _utils.cdiv(k, block_k)
     k_per_split = _utils.cdiv(k_steps, min(split_k, k_steps)) * block_k
     return k_per_split, _utils.cdiv(k, k_per_split)  # no empty slice
+
+
+def _round4(n: int) -> int:
+    """n rounded up to whole 16-byte groups of fp32 workspace slots."""
+    return -(-n // 4) * 4
+
+
+def _wgmma_operands_ok(b_data, b_scales) -> bool:
+    """What the wgmma kernel's TMA copies need of the weight: unit-stride rows, 16-byte aligned bases and row
+    strides (the activation is copied into the workspace first, so a may have any strides)."""
+    return (b_data.stride(1) == 1 and b_scales.stride(1) == 1
+            and all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in (b_data, b_scales)))
 
 
 def _mma_operands_ok(a, b_data, b_scales) -> bool:

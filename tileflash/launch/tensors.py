@@ -118,6 +118,19 @@ def desc_4d(t: torch.Tensor, block_rows: int, block_cols: int | None = None):
     return direct.derived(GluonDescriptor(t, list(t.shape), list(t.stride()), block, layout), t)
 
 
+def gluon_desc(t: torch.Tensor, block: list, swizzled: bool = False):
+    """A Gluon TMA descriptor over a 2D tensor with unit-stride rows, blocks `block`: in the default swizzled
+    layout (an MMA operand), or unswizzled row-major (tiles that registers read in layouts of their own)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    bits = t.element_size() * 8
+    dtype = getattr(gl, _GLUON_DTYPES[t.dtype]) if t.dtype in _GLUON_DTYPES else None
+    layout = (gl.NVMMASharedLayout.get_default_for(block, dtype) if swizzled
+              else gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=2))
+    return direct.derived(GluonDescriptor(t, list(t.shape), list(t.stride()), block, layout), t)
+
+
 def rows_desc(t, block_rows: int, block_cols: int, layout_rows: int):
     """A Gluon TMA descriptor over a cache [B or pages, S or page, 1, D] as rows [B * S, D], blocks [block_rows,
     block_cols], in the shared layout of [layout_rows, block_cols] tiles (the stage buffers it fills)."""

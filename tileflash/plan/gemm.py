@@ -63,6 +63,41 @@ def gemm_mma_config(m: int, n: int, k: int, num_sms: int = 132, tiles_per_progra
     return GemmMmaConfig(block_n=block_n, block_k=block_k, split_k=split, programs_n=-(-tiles // per_program))
 
 
+@dataclass(frozen=True)
+class GemmWgmmaConfig:
+    """The wgmma NVFP4 GEMM for serving batches on sm_90 (lowp/kernels/gemm_wgmma.py)."""
+    block_m: int  # activation rows per tile: wgmma's N (64 or 128)
+    consumers: int  # consumer warpgroups per CTA, 64 weight rows each (1 or 2)
+    stages: int  # K steps of 128 values in the TMA ring
+    split_k: int  # K slices (fp32 partials summed in order); each an even number of steps
+
+
+GEMM_WGMMA_MAX_M = 256
+GEMM_WGMMA_K_MULTIPLE = 256  # whole 16-byte scale boxes, slices of an even number of 128-value steps
+GEMM_WGMMA_STAGE_BYTES = 200 * 1024  # of the H200's 227 KB, what the ring may take
+
+
+def gemm_wgmma_config(m: int, n: int, k: int, num_sms: int = 132, block_m: int = 0, consumers: int = 0,
+                      split_k: int = 0) -> GemmWgmmaConfig | None:
+    """Tiles of the wgmma NVFP4 GEMM (None outside GEMM_MMA_MAX_M < M <= GEMM_WGMMA_MAX_M or when K is not a
+    multiple of GEMM_WGMMA_K_MULTIPLE: the Triton kernel). The activation rows are wgmma's N: 64 up to M = 64, else
+    128. K is split in two, four, ... while the tiles times the slices still fit one wave of CTAs (one CTA per SM:
+    the ring takes most of the shared memory) and each slice keeps >= 8 steps. The stages fill
+    GEMM_WGMMA_STAGE_BYTES. block_m / consumers / split_k > 0 force those choices (the sweep)."""
+    if not GEMM_MMA_MAX_M < m <= GEMM_WGMMA_MAX_M or k % GEMM_WGMMA_K_MULTIPLE:
+        return None
+    block_m = block_m or (64 if m <= 64 else 128)
+    consumers = consumers or 2
+    steps = k // 128
+    tiles = -(-n // (64 * consumers)) * -(-m // block_m)
+    split = split_k or 1
+    while not split_k and tiles * split * 2 <= num_sms and steps % (4 * split) == 0 and steps // (2 * split) >= 8:
+        split *= 2
+    stage_bytes = 2 * block_m * 64 * 2 + consumers * 64 * (64 + 16)
+    return GemmWgmmaConfig(block_m=block_m, consumers=consumers, stages=min(8, GEMM_WGMMA_STAGE_BYTES // stage_bytes),
+                           split_k=split)
+
+
 def gemm_config(m: int, n: int, k: int, interpret: bool = False, num_sms: int = 132, a_nvfp4: bool = False,
                 native_fp4: bool = False, arch: int | None = None) -> GemmConfig:
     """Tile shape from the problem shape only (CUDA-graph safe). Measured on the H200 (config_sweep.py
@@ -92,11 +127,20 @@ def gemm_config(m: int, n: int, k: int, interpret: bool = False, num_sms: int = 
         split = max(1, min(-(-3 * num_sms // tiles), k // (4 * block_k), 4))  # 4: the most measured
         return GemmConfig(block_m=16, block_n=block_n, block_k=block_k, num_warps=4, num_stages=4, split_k=split,
                           swap_ab=True)
-    if m <= 64:  # not measured at this M: the M = 128 runner-up, with a tile that wastes fewer rows
+    if m <= 256 and not a_nvfp4 and not mma_sync_target(arch):
+        # Swapped products on wgmma-class targets (sm_90 takes the wgmma kernel first where it applies), run 153
+        # (`sweep gemm`, graph replay over rotated inputs, N=K=8192, us, plain / swapped): M=32 50.7 / 33.4 (32
+        # rows, 128-row weight tiles, 4 K slices), M=64 53.1 / 49.3, M=128 69.8 / 57.8, M=256 137.1 / 90.0,
+        # N=28672 K=4096 M=64 98.3 / 77.3, M=128 141.5 / 91.2; 256-row activation tiles ran 1.6-3x slower.
+        if m <= 32:
+            return GemmConfig(block_m=32, block_n=128, block_k=128, num_warps=4, num_stages=3, split_k=4,
+                              swap_ab=True)
+        return GemmConfig(block_m=64 if m <= 64 else 128, block_n=64, block_k=128, num_warps=4, num_stages=3,
+                          swap_ab=True)
+    if m <= 64:  # W4A4 and mma.sync targets (not measured at this M): a tile that wastes fewer rows
         return GemmConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3)
     if m <= 256:
-        return GemmConfig(block_m=128, block_n=64, block_k=128, num_warps=8 if a_nvfp4 or mma_sync_target(arch) else 4,
-                          num_stages=3)
+        return GemmConfig(block_m=128, block_n=64, block_k=128, num_warps=8, num_stages=3)
     return GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, weights_first=True)
 
 

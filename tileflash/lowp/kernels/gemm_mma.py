@@ -102,21 +102,30 @@ def _scale_layout(block_n, bytes_per_row):
 
 
 @gluon.jit
+def scaled_halves(packed, s_bits, R: gl.constexpr, BK2: gl.constexpr):
+    """Weight words [R, BK2 / 4] (four bytes of a row each) and their scale bits [R, BK2 / 8] -> (lo, hi) [R, BK2]
+    fp16 in MMA order: the decoded low / high nibbles times their block scales (e2m1 * scale / 2^6, exact in fp16).
+    The callers' register layouts give each thread 16 contiguous bytes of a row and the two scales they need;
+    they convert the result to their MMA operand layout without moving data (shared with gemm_wgmma.py)."""
+    l0, l1, l2, l3, h0, h1, h2, h3 = _e2m1_words(packed)
+    lo = _bytes_of_words(l0, l1, l2, l3, R, BK2)
+    hi = _bytes_of_words(h0, h1, h2, h3, R, BK2)
+    scale = s_bits.to(gl.float8e4nv, bitcast=True).to(gl.float16)
+    blocks: gl.constexpr = gl.reshape(lo, [R, BK2 // 8, 8]).type.layout  # 8 bytes per scale block
+    scale = gl.expand_dims(gl.convert_layout(scale, gl.SliceLayout(2, blocks), assert_trivial=True), 2)
+    lo = gl.reshape(gl.reshape(lo, [R, BK2 // 8, 8]) * scale, [R, BK2])
+    hi = gl.reshape(gl.reshape(hi, [R, BK2 // 8, 8]) * scale, [R, BK2])
+    return _mma_order(lo, R, BK2), _mma_order(hi, R, BK2)
+
+
+@gluon.jit
 def _weight_tile(packed, s_bits, BLOCK_N: gl.constexpr, BK2: gl.constexpr):
     """One step of weight words (_weight_load) and scale bits -> (W_lo, W_hi) [BK2, BLOCK_N] fp16 in the MMA's B
-    layout, in MMA order: the decoded low / high nibbles times their block scales (e2m1 * scale / 2^6, exact in
-    fp16)."""
-    l0, l1, l2, l3, h0, h1, h2, h3 = _e2m1_words(packed)
-    lo = _bytes_of_words(l0, l1, l2, l3, BLOCK_N, BK2)
-    hi = _bytes_of_words(h0, h1, h2, h3, BLOCK_N, BK2)
-    scale = s_bits.to(gl.float8e4nv, bitcast=True).to(gl.float16)
-    blocks: gl.constexpr = gl.reshape(lo, [BLOCK_N, BK2 // 8, 8]).type.layout  # 8 bytes per scale block
-    scale = gl.expand_dims(gl.convert_layout(scale, gl.SliceLayout(2, blocks), assert_trivial=True), 2)
+    layout (scaled_halves, transposed)."""
+    lo, hi = scaled_halves(packed, s_bits, BLOCK_N, BK2)
     b_dot: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=_mma_layout(), k_width=2)
-    lo = gl.reshape(gl.reshape(lo, [BLOCK_N, BK2 // 8, 8]) * scale, [BLOCK_N, BK2])
-    hi = gl.reshape(gl.reshape(hi, [BLOCK_N, BK2 // 8, 8]) * scale, [BLOCK_N, BK2])
-    w_lo = gl.convert_layout(gl.permute(_mma_order(lo, BLOCK_N, BK2), [1, 0]), b_dot, assert_trivial=True)
-    w_hi = gl.convert_layout(gl.permute(_mma_order(hi, BLOCK_N, BK2), [1, 0]), b_dot, assert_trivial=True)
+    w_lo = gl.convert_layout(gl.permute(lo, [1, 0]), b_dot, assert_trivial=True)
+    w_hi = gl.convert_layout(gl.permute(hi, [1, 0]), b_dot, assert_trivial=True)
     return w_lo, w_hi
 
 

@@ -1,0 +1,229 @@
+"""NVFP4 weight GEMM for serving batches (17 <= M <= 256) on sm_90, on wgmma: c = a @ dequant(b)^T.
+
+Why a third kernel: above 16 activation rows the GEMM stops being bound by the weight's bytes and becomes bound by
+the tensor cores, and the Triton kernel (gemm_dequant.py) feeds them poorly: its decoded weight tile goes through
+shared memory into the MMA and the dequantisation runs in the same instruction stream as the products (run 153,
+graph replay, N=K=8192: M=64 48.5 us, M=128 55.0 us at its best tiles, cuBLAS bf16 38.3 / 38.7). Here, as in
+CUTLASS's mixed-input GEMMs, the weight is the wgmma's register operand:
+
+  * Swapped product c^T = w a^T: each consumer warpgroup owns 64 weight rows (wgmma's M) and the activation rows
+    are wgmma's N (BLOCK_M = 64 or 128), so the decoded weight never leaves the registers.
+  * The weight decode of the register-operand kernel for M <= 16 (gemm_mma.scaled_halves): byte j of a row holds
+    elements 2j and 2j+1, so c = a_even W_lo^T + a_odd W_hi^T, and a digit permutation of the contraction order
+    gives each thread 16 contiguous bytes of its two rows (the A fragment's rows g and g + 8): one 16-byte
+    shared-memory load per row and step, decoded in registers.
+  * The activation is prepared once per call by a small Triton kernel (activation_prep_kernel): each row scaled
+    by a power of two into fp16's range (the decode gives fp16), split into even and odd K and put in the same
+    permuted order, [2 * m_pad, K/2] fp16; it reaches shared memory by TMA, as wgmma's B operand.
+  * Warp specialisation: a producer warp streams each 128-value K step by TMA (the two activation halves
+    [BLOCK_M, 64], per consumer the weight bytes [64, 64] and a [64, 16] box of scale bytes that holds this step's
+    8 and its neighbour's; a TMA box is at least 16 bytes wide) into a ring of STAGES; the consumers decode step
+    j + 1 while the products of step j run, and release a stage once its products retire.
+
+Shapes: prep [2 * m_pad, K/2] fp16 with row factors [m_pad] fp32 (activation_prep_kernel); b_data viewed as int32
+words [N, K/8]; b_scales bytes [N, K/16]; g the float32 global scale; c [M, N] in a's dtype, or fp32 partials
+[SPLIT_K, M, N] that the caller sums. K is a multiple of 256 (whole scale boxes, split at even steps). Grid
+(cdiv(N, 64 * CONSUMERS), m_pad / BLOCK_M, SPLIT_K). No CPU interpreter for the Gluon kernel: the CPU suite runs
+activation_prep_kernel and compiles the rest for sm_90 (tests/sm90_compile_check.py); tests/lowp/test_gemm.py
+runs it on the GPU.
+"""
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+from ...kernels.gluon.common import DECODE_UNIT
+from .gemm_mma import scaled_halves
+
+WEIGHT_ROWS = 64  # weight rows per consumer warpgroup: wgmma's M
+STEP_K = 128  # K values per pipeline stage: 64 bytes of a weight row, 64 values of each activation half
+HALF_STEP = STEP_K // 2
+ROWS = gl.constexpr(WEIGHT_ROWS)
+HALF = gl.constexpr(HALF_STEP)
+
+
+@triton.jit
+def activation_prep_kernel(a_ptr, prep_ptr, factor_ptr, M, m_pad, K, stride_am, stride_ak, BLOCK_K: tl.constexpr):
+    """Row r of a [M, K] (fp16 / bf16) -> prep[r] and prep[m_pad + r] (the even and odd K values, [K/2] fp16 each,
+    in the weight decode's contraction order) times 2^k, and factor[r] = 2^-k, with k putting the row's largest
+    finite |value| in [2^8, 2^9) (k = 0 for a zero row; bf16 values stay exact unless 2^33 times smaller than the
+    largest); rows M..m_pad are zeros. Order within each 64 values of a half: position kk = 16kb + 8i1 + 2t + i0
+    holds value j = 16t + 4kb + 2i1 + i0 (gemm_mma._mma_order). Grid (m_pad,); K a multiple of 256, BLOCK_K a
+    power of two >= 128 (one load of the whole row when K <= BLOCK_K: the second pass reads it from L1)."""
+    r = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_K)
+    row = a_ptr + r.to(tl.int64) * stride_am
+    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.abs(tl.load(row + (k0 + offs) * stride_ak, mask=(r < M) & (k0 + offs < K), other=0.0).to(tl.float32))
+        amax = tl.maximum(amax, tl.where(x < float("inf"), x, 0.0))
+    e = (tl.max(amax, 0).to(tl.int32, bitcast=True) >> 23) & 0xFF
+    k = tl.where(e == 0, 0, tl.minimum(tl.maximum(135 - e, -126), 126))
+    up = ((127 + k) << 23).to(tl.float32, bitcast=True)
+    tl.store(factor_ptr + r, ((127 - k) << 23).to(tl.float32, bitcast=True))
+    half = tl.arange(0, BLOCK_K // 2)
+    out = prep_ptr + r.to(tl.int64) * (K // 2)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(row + (k0 + offs) * stride_ak, mask=(r < M) & (k0 + offs < K), other=0.0).to(tl.float32)
+        even, odd = tl.split(tl.reshape((x * up).to(tl.float16), [BLOCK_K // 2, 2]))
+        even = tl.reshape(tl.permute(tl.reshape(even, [BLOCK_K // 128, 4, 4, 2, 2]), [0, 2, 3, 1, 4]), [BLOCK_K // 2])
+        odd = tl.reshape(tl.permute(tl.reshape(odd, [BLOCK_K // 128, 4, 4, 2, 2]), [0, 2, 3, 1, 4]), [BLOCK_K // 2])
+        ok = k0 // 2 + half < K // 2
+        tl.store(out + k0 // 2 + half, even, mask=ok)
+        tl.store(out + m_pad.to(tl.int64) * (K // 2) + k0 // 2 + half, odd, mask=ok)
+
+
+@gluon.constexpr_function
+def _acc_layout(block_m):
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, block_m, 16])
+
+
+@gluon.constexpr_function
+def _word_layout():
+    """Registers of one step's weight words [64 rows, 16]: thread (warp w, lane 4g + t) holds words 4t..4t+3 (bytes
+    16t..16t+15) of rows 16w + g and 16w + g + 8, the rows of wgmma's A fragment."""
+    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [8, 0]],
+                                      lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+                                      warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[WEIGHT_ROWS, 16])
+
+
+@gluon.constexpr_function
+def _scale_layout():
+    """Registers of one step's scale bytes [64 rows, 8]: the two scales of each thread's 16 bytes (bytes 8s..8s+7
+    of a row share scale s), same rows as _word_layout."""
+    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [8, 0]],
+                                      lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+                                      warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[WEIGHT_ROWS, 8])
+
+
+@gluon.jit
+def _operands(w_bufs, s_bufs, ready, j, CID: gl.constexpr, PAR: gl.constexpr, STAGES: gl.constexpr,
+              CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Step j's decoded weight halves (lo, hi) [64, 64] fp16 in wgmma's A-operand registers, once its stage has
+    landed. PAR = j % 2: which 8 of the scale box's 16 bytes are this step's."""
+    st = j % STAGES
+    mbarrier.wait(ready.index(st), (j // STAGES) & 1)
+    words = w_bufs.index(st * CONSUMERS + CID).load(_word_layout())
+    s_bits = s_bufs.index(st * CONSUMERS + CID).slice(PAR * 8, 8, dim=1).load(_scale_layout())
+    lo, hi = scaled_halves(words, s_bits, ROWS, HALF)
+    a_dot: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_acc_layout(BLOCK_M), k_width=2)
+    return (gl.convert_layout(lo, a_dot, assert_trivial=True), gl.convert_layout(hi, a_dot, assert_trivial=True))
+
+
+@gluon.jit
+def _issue(acc, w_lo, w_hi, a_bufs, j, STAGES: gl.constexpr):
+    """Step j's two products (even activation half with W_lo, odd with W_hi), asynchronous."""
+    st = j % STAGES
+    acc = warpgroup_mma(w_lo, a_bufs.index(2 * st).permute((1, 0)), acc, is_async=True)
+    return warpgroup_mma(w_hi, a_bufs.index(2 * st + 1).permute((1, 0)), acc, is_async=True)
+
+
+@gluon.jit
+def _retire(acc, w_lo, w_hi, empty, j, STAGES: gl.constexpr):
+    """Wait for step j's products (its register operands stay live until then) and release its stage."""
+    acc, w_lo, w_hi = warpgroup_mma_wait(0, deps=(acc, w_lo, w_hi))
+    mbarrier.arrive(empty.index(j % STAGES), count=1)
+    return acc
+
+
+@gluon.jit
+def _consumer(a_bufs, w_bufs, s_bufs, ready, empty, factor_ptr, g_ptr, c_ptr, M, N, n_steps, stride_cm, stride_cn,
+              CID: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+              SPLIT_K: gl.constexpr):
+    """Weight rows [n0 + 64 CID, +64) times activation rows [m0, m0 + BLOCK_M) over this split's n_steps (even)
+    steps, two per trip: each step's products run while the next step decodes; nothing is in flight across a
+    trip (an accumulator carried in flight through the loop makes ptxas serialise the wgmmas)."""
+    acc = gl.zeros([ROWS, BLOCK_M], gl.float32, _acc_layout(BLOCK_M))
+    w_lo, w_hi = _operands(w_bufs, s_bufs, ready, 0, CID, 0, STAGES, CONSUMERS, BLOCK_M)
+    for j in range(0, n_steps - 2, 2):
+        acc = _issue(acc, w_lo, w_hi, a_bufs, j, STAGES)
+        x_lo, x_hi = _operands(w_bufs, s_bufs, ready, j + 1, CID, 1, STAGES, CONSUMERS, BLOCK_M)
+        acc = _retire(acc, w_lo, w_hi, empty, j, STAGES)
+        acc = _issue(acc, x_lo, x_hi, a_bufs, j + 1, STAGES)
+        w_lo, w_hi = _operands(w_bufs, s_bufs, ready, j + 2, CID, 0, STAGES, CONSUMERS, BLOCK_M)
+        acc = _retire(acc, x_lo, x_hi, empty, j + 1, STAGES)
+    j = n_steps - 2
+    acc = _issue(acc, w_lo, w_hi, a_bufs, j, STAGES)
+    x_lo, x_hi = _operands(w_bufs, s_bufs, ready, j + 1, CID, 1, STAGES, CONSUMERS, BLOCK_M)
+    acc = _retire(acc, w_lo, w_hi, empty, j, STAGES)
+    acc = _issue(acc, x_lo, x_hi, a_bufs, j + 1, STAGES)
+    acc = _retire(acc, x_lo, x_hi, empty, j + 1, STAGES)
+
+    layout: gl.constexpr = _acc_layout(BLOCK_M)
+    n_idx = gl.program_id(0) * (CONSUMERS * ROWS) + CID * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    m_idx = gl.program_id(1) * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, layout))
+    # The row's 2^-k, the decode's 2^-6 unit and the global scale in one factor per activation row.
+    factor = gl.load(factor_ptr + m_idx) * (gl.load(g_ptr) * DECODE_UNIT)
+    c = acc * gl.expand_dims(factor, 0)
+    offs = gl.expand_dims(m_idx.to(gl.int64) * stride_cm, 0) + gl.expand_dims(n_idx.to(gl.int64) * stride_cn, 1)
+    if SPLIT_K > 1:
+        c_ptr += gl.program_id(2).to(gl.int64) * M * N
+    gl.store(c_ptr + offs, c.to(c_ptr.dtype.element_ty),
+             mask=gl.expand_dims(m_idx < M, 0) & gl.expand_dims(n_idx < N, 1))
+
+
+@gluon.jit
+def _producer(a_desc, w_desc, s_desc, a_bufs, w_bufs, s_bufs, ready, empty, m_pad, n_steps,
+              STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+    """TMA copies of each step into the ring: both activation halves, then each consumer's weight words and scale
+    box (rows past N arrive as zeros: code 0 with scale 0)."""
+    m0 = gl.program_id(1) * a_desc.block_type.shape[0]
+    n0 = gl.program_id(0) * (CONSUMERS * ROWS)
+    step0 = gl.program_id(2) * n_steps
+    nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + CONSUMERS * (w_desc.block_type.nbytes
+                                                                        + s_desc.block_type.nbytes)
+    for j in range(n_steps):
+        st = j % STAGES
+        mbarrier.wait(empty.index(st), ((j // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1 at once
+        bar = ready.index(st)
+        mbarrier.expect(bar, nbytes)
+        step = step0 + j
+        tma.async_copy_global_to_shared(a_desc, [m0, step * HALF], bar, a_bufs.index(2 * st))
+        tma.async_copy_global_to_shared(a_desc, [m_pad + m0, step * HALF], bar, a_bufs.index(2 * st + 1))
+        for c in gl.static_range(CONSUMERS):
+            row = n0 + c * ROWS
+            tma.async_copy_global_to_shared(w_desc, [row, step * 16], bar, w_bufs.index(st * CONSUMERS + c))
+            tma.async_copy_global_to_shared(s_desc, [row, (step // 2) * 16], bar, s_bufs.index(st * CONSUMERS + c))
+
+
+@gluon.jit
+def nvfp4_matmul_wgmma_kernel(a_desc, w_desc, s_desc, factor_ptr, g_ptr, c_ptr, M, N, m_pad, n_steps,
+                              stride_cm, stride_cn, BLOCK_M: gl.constexpr, CONSUMERS: gl.constexpr,
+                              STAGES: gl.constexpr, SPLIT_K: gl.constexpr):
+    """4 warps (consumer 0; the partitions add consumer 1 when CONSUMERS == 2, and the producer warp). a_desc:
+    the prepared activation [2 * m_pad, K/2] fp16, blocks [BLOCK_M, 64]; w_desc: the weight words [N, K/8]
+    int32, blocks [64, 16]; s_desc: the scale bytes [N, K/16], blocks [64, 16]; n_steps: 128-value K steps per
+    split (even)."""
+    gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2, "one or two consumer warpgroups")
+    a_bufs = gl.allocate_shared_memory(gl.float16, [2 * STAGES, BLOCK_M, HALF], a_desc.layout)
+    w_bufs = gl.allocate_shared_memory(gl.int32, [STAGES * CONSUMERS, ROWS, 16], w_desc.layout)
+    s_bufs = gl.allocate_shared_memory(gl.uint8, [STAGES * CONSUMERS, ROWS, 16], s_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=CONSUMERS)
+    # Integer arguments equal to 1 arrive as constexprs, which worker partitions cannot take: make them tensors.
+    M = gl.to_tensor(M)
+    N = gl.to_tensor(N)
+    m_pad = gl.to_tensor(m_pad)
+    n_steps = gl.to_tensor(n_steps)
+    stride_cm = gl.to_tensor(stride_cm)
+    stride_cn = gl.to_tensor(stride_cn)
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_consumer, (a_bufs, w_bufs, s_bufs, ready, empty, factor_ptr, g_ptr, c_ptr, M, N, n_steps, stride_cm,
+                         stride_cn, 0, BLOCK_M, STAGES, CONSUMERS, SPLIT_K)),
+            (_consumer, (a_bufs, w_bufs, s_bufs, ready, empty, factor_ptr, g_ptr, c_ptr, M, N, n_steps, stride_cm,
+                         stride_cn, 1, BLOCK_M, STAGES, CONSUMERS, SPLIT_K)),
+            (_producer, (a_desc, w_desc, s_desc, a_bufs, w_bufs, s_bufs, ready, empty, m_pad, n_steps, STAGES,
+                         CONSUMERS)),
+        ], [4, 1], [232, 40])
+    else:
+        gl.warp_specialize([
+            (_consumer, (a_bufs, w_bufs, s_bufs, ready, empty, factor_ptr, g_ptr, c_ptr, M, N, n_steps, stride_cm,
+                         stride_cn, 0, BLOCK_M, STAGES, CONSUMERS, SPLIT_K)),
+            (_producer, (a_desc, w_desc, s_desc, a_bufs, w_bufs, s_bufs, ready, empty, m_pad, n_steps, STAGES,
+                         CONSUMERS)),
+        ], [1], [40])
