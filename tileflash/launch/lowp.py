@@ -102,19 +102,17 @@ class GemmPlan(direct.Replayable):
         operands = (a, b_data, b_scales, b_global_scale, a_scales, a_global_scale)
         split = self.split
         if self.wgmma is not None:
-            partials = self._launch_wgmma(a, b_data, b_scales, b_global_scale, out, ws)
+            self._launch_wgmma(a, b_data, b_scales, b_global_scale, out, ws)
         elif split == 1:
             self._launch_gemm(*operands, out)
-            return
         else:
             partials = direct.derived(ws[:split * out.numel()].view(split, *out.shape), ws)
             self._launch_gemm(*operands, partials)
-        if split > 1:
             launch_sum_cast(partials, out, split)
 
-    def _launch_wgmma(self, a, b_data, b_scales, b_global_scale, out, ws):
-        """The activation's prep pass, then the wgmma kernel into out (one K slice) or into fp32 partials, which it
-        returns."""
+    def _launch_wgmma(self, a, b_data, b_scales, b_global_scale, out, ws) -> None:
+        """The activation's prep pass, the wgmma kernel into out (one K slice) or into fp32 partials, then their
+        sum in slice order."""
         cfg, m_pad, split = self.cfg, self.m_pad, self.split
         (m, k), n = a.shape, b_data.shape[0]
         prep_numel = m_pad * k // 2
@@ -124,8 +122,10 @@ class GemmPlan(direct.Replayable):
         if split > 1:
             start = prep_numel + _round4(m_pad)
             dest = direct.derived(ws[start:start + split * m * n].view(split, m, n), ws)
+        # A programmatic dependent launch: the GEMM starts fetching weights while the prep pass runs, and waits in
+        # griddepcontrol.wait before it reads what the pass wrote.
         direct.launch(activation_prep_kernel, (m_pad,), a, prep, factor, m, m_pad, k, a.stride(0), a.stride(1),
-                      BLOCK_K=min(_utils.next_pow2(k), 8192), num_warps=8)
+                      BLOCK_K=min(_utils.next_pow2(k), 8192), PDL=True, num_warps=8)
         words = direct.derived(b_data.view(torch.int32), b_data)
         scale_bits = direct.derived(b_scales.view(torch.uint8), b_scales)
         direct.launch(
@@ -133,8 +133,9 @@ class GemmPlan(direct.Replayable):
             gluon_desc(prep, [cfg.block_m, STEP_K // 2], swizzled=True), gluon_desc(words, [64, 16]),
             gluon_desc(scale_bits, [64, 16]), factor, b_global_scale, dest, m, n, m_pad,
             self.k_per_split // STEP_K, dest.stride(-2), dest.stride(-1), BLOCK_M=cfg.block_m,
-            CONSUMERS=cfg.consumers, STAGES=cfg.stages, SPLIT_K=split, num_warps=4)
-        return dest
+            CONSUMERS=cfg.consumers, STAGES=cfg.stages, SPLIT_K=split, num_warps=4, launch_pdl=True)
+        if split > 1:
+            launch_sum_cast(dest, out, split)
 
     def _launch_gemm(self, a, b_data, b_scales, b_global_scale, a_scales, a_global_scale, dest) -> None:
         m, n, k = a.shape[0], b_data.shape[0], b_data.shape[1] * 2

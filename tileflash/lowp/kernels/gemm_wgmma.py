@@ -18,7 +18,9 @@ CUTLASS's mixed-input GEMMs, the weight is the wgmma's register operand:
   * Warp specialisation: a producer warp streams each 128-value K step by TMA (the two activation halves
     [BLOCK_M, 64], per consumer the weight bytes [64, 64] and a [64, 16] box of scale bytes that holds this step's
     8 and its neighbour's; a TMA box is at least 16 bytes wide) into a ring of STAGES; the consumers decode step
-    j + 1 while the products of step j run, and release a stage once its products retire.
+    j + 1 while the products of step j run, queue its products behind them, and release a stage once its
+    products retire. The GEMM is launched as a programmatic dependent of the prep pass: its producer requests the
+    first stages' weights before it waits for the prep grid (griddepcontrol.wait).
 
 Shapes: prep [2 * m_pad, K/2] fp16 with row factors [m_pad] fp32 (activation_prep_kernel); b_data viewed as int32
 words [N, K/8]; b_scales bytes [N, K/16]; g the float32 global scale; c [M, N] in a's dtype, or fp32 partials
@@ -34,6 +36,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from ...kernels.gluon.common import DECODE_UNIT
+from ...kernels.triton.combine import allow_dependent_launch
 from .gemm_mma import scaled_halves
 
 WEIGHT_ROWS = 64  # weight rows per consumer warpgroup: wgmma's M
@@ -44,13 +47,18 @@ HALF = gl.constexpr(HALF_STEP)
 
 
 @triton.jit
-def activation_prep_kernel(a_ptr, prep_ptr, factor_ptr, M, m_pad, K, stride_am, stride_ak, BLOCK_K: tl.constexpr):
+def activation_prep_kernel(a_ptr, prep_ptr, factor_ptr, M, m_pad, K, stride_am, stride_ak, BLOCK_K: tl.constexpr,
+                           PDL: tl.constexpr = False):
     """Row r of a [M, K] (fp16 / bf16) -> prep[r] and prep[m_pad + r] (the even and odd K values, [K/2] fp16 each,
     in the weight decode's contraction order) times 2^k, and factor[r] = 2^-k, with k putting the row's largest
     finite |value| in [2^8, 2^9) (k = 0 for a zero row; bf16 values stay exact unless 2^33 times smaller than the
     largest); rows M..m_pad are zeros. Order within each 64 values of a half: position kk = 16kb + 8i1 + 2t + i0
     holds value j = 16t + 4kb + 2i1 + i0 (gemm_mma._mma_order). Grid (m_pad,); K a multiple of 256, BLOCK_K a
-    power of two >= 128 (one load of the whole row when K <= BLOCK_K: the second pass reads it from L1)."""
+    power of two >= 128 (one load of the whole row when K <= BLOCK_K: the second pass reads it from L1). The
+    halves are reordered by a reshape and permute of the tile: measured 1.6-2.3x faster than gathering each
+    position's value from the row (run 157, M = 64..256, K = 8192: 4.7-5.5 vs 7.8-12.5 us). PDL: the GEMM after
+    it may launch at once (it fetches weights until griddepcontrol.wait)."""
+    allow_dependent_launch(PDL)
     r = tl.program_id(0)
     offs = tl.arange(0, BLOCK_K)
     row = a_ptr + r.to(tl.int64) * stride_am
@@ -120,77 +128,118 @@ def _issue(acc, w_lo, w_hi, a_bufs, j, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _retire(acc, w_lo, w_hi, empty, j, STAGES: gl.constexpr):
-    """Wait for step j's products (its register operands stay live until then) and release its stage."""
-    acc, w_lo, w_hi = warpgroup_mma_wait(0, deps=(acc, w_lo, w_hi))
+def _retire(acc, w_lo, w_hi, empty, j, STAGES: gl.constexpr, LEFT: gl.constexpr = 0):
+    """Wait for step j's products (its register operands stay live until then), leaving the LEFT newest product
+    groups in flight, and release its stage."""
+    acc, w_lo, w_hi = warpgroup_mma_wait(LEFT, deps=(acc, w_lo, w_hi))
     mbarrier.arrive(empty.index(j % STAGES), count=1)
     return acc
 
 
 @gluon.jit
-def _consumer(a_bufs, w_bufs, s_bufs, ready, empty, factor_ptr, g_ptr, c_ptr, M, N, n_steps, stride_cm, stride_cn,
+def _steps(acc, w_lo, w_hi, a_bufs, w_bufs, s_bufs, ready, empty, n_steps, CID: gl.constexpr, STAGES: gl.constexpr,
+           CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Steps 0..n_steps-1 (even; step 0 decoded in w_lo, w_hi), two per trip (the scale box's half is static):
+    step j + 1 decodes while step j's products run, and its products are queued behind them before step j
+    retires, so the tensor cores never wait for this warpgroup's decode. Measured against retiring each step
+    before queueing the next (run 156, graph replay): 1-6% faster at M = 32, 64 and N=28672 M=64, equal at M =
+    128, 256. No wgmma serialisation (ptxas C7515) although a step's products are in flight across the trip."""
+    acc = _issue(acc, w_lo, w_hi, a_bufs, 0, STAGES)
+    x_lo, x_hi = _operands(w_bufs, s_bufs, ready, 1, CID, 1, STAGES, CONSUMERS, BLOCK_M)
+    acc = _issue(acc, x_lo, x_hi, a_bufs, 1, STAGES)
+    acc = _retire(acc, w_lo, w_hi, empty, 0, STAGES, 2)
+    for j in range(2, n_steps, 2):
+        w_lo, w_hi = _operands(w_bufs, s_bufs, ready, j, CID, 0, STAGES, CONSUMERS, BLOCK_M)
+        acc = _issue(acc, w_lo, w_hi, a_bufs, j, STAGES)
+        acc = _retire(acc, x_lo, x_hi, empty, j - 1, STAGES, 2)
+        x_lo, x_hi = _operands(w_bufs, s_bufs, ready, j + 1, CID, 1, STAGES, CONSUMERS, BLOCK_M)
+        acc = _issue(acc, x_lo, x_hi, a_bufs, j + 1, STAGES)
+        acc = _retire(acc, w_lo, w_hi, empty, j, STAGES, 2)
+    return _retire(acc, x_lo, x_hi, empty, n_steps - 1, STAGES)
+
+
+@gluon.jit
+def _consumer(a_bufs, w_bufs, s_bufs, ready, empty, factor_ptr, g_ptr, out_ptr, M, N, n_steps, stride_cm, stride_cn,
               CID: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
               SPLIT_K: gl.constexpr):
-    """Weight rows [n0 + 64 CID, +64) times activation rows [m0, m0 + BLOCK_M) over this split's n_steps (even)
-    steps, two per trip: each step's products run while the next step decodes; nothing is in flight across a
-    trip (an accumulator carried in flight through the loop makes ptxas serialise the wgmmas)."""
+    """Weight rows [n0 + 64 CID, +64) times activation rows [m0, m0 + BLOCK_M) over this split's n_steps steps,
+    into out, or with SPLIT_K > 1 into this split's slice of the fp32 partials [SPLIT_K, M, N] (out_ptr, strides
+    stride_cm / stride_cn). Measured against summing the slices in the kernel (the split finishing a tile last
+    adds them): that was never faster, and 1.3x slower at M = 128 (run 158: 45.0 vs 34.6 us)."""
     acc = gl.zeros([ROWS, BLOCK_M], gl.float32, _acc_layout(BLOCK_M))
     w_lo, w_hi = _operands(w_bufs, s_bufs, ready, 0, CID, 0, STAGES, CONSUMERS, BLOCK_M)
-    for j in range(0, n_steps - 2, 2):
-        acc = _issue(acc, w_lo, w_hi, a_bufs, j, STAGES)
-        x_lo, x_hi = _operands(w_bufs, s_bufs, ready, j + 1, CID, 1, STAGES, CONSUMERS, BLOCK_M)
-        acc = _retire(acc, w_lo, w_hi, empty, j, STAGES)
-        acc = _issue(acc, x_lo, x_hi, a_bufs, j + 1, STAGES)
-        w_lo, w_hi = _operands(w_bufs, s_bufs, ready, j + 2, CID, 0, STAGES, CONSUMERS, BLOCK_M)
-        acc = _retire(acc, x_lo, x_hi, empty, j + 1, STAGES)
-    j = n_steps - 2
-    acc = _issue(acc, w_lo, w_hi, a_bufs, j, STAGES)
-    x_lo, x_hi = _operands(w_bufs, s_bufs, ready, j + 1, CID, 1, STAGES, CONSUMERS, BLOCK_M)
-    acc = _retire(acc, w_lo, w_hi, empty, j, STAGES)
-    acc = _issue(acc, x_lo, x_hi, a_bufs, j + 1, STAGES)
-    acc = _retire(acc, x_lo, x_hi, empty, j + 1, STAGES)
+    acc = _steps(acc, w_lo, w_hi, a_bufs, w_bufs, s_bufs, ready, empty, n_steps, CID, STAGES, CONSUMERS, BLOCK_M)
 
     layout: gl.constexpr = _acc_layout(BLOCK_M)
     n_idx = gl.program_id(0) * (CONSUMERS * ROWS) + CID * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     m_idx = gl.program_id(1) * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, layout))
+    # The prep pass wrote the row factors: long finished once its activation arrived, the wait only orders this
+    # read under PDL.
+    _grid_dependency_wait(m_idx)
     # The row's 2^-k, the decode's 2^-6 unit and the global scale in one factor per activation row.
     factor = gl.load(factor_ptr + m_idx) * (gl.load(g_ptr) * DECODE_UNIT)
     c = acc * gl.expand_dims(factor, 0)
+    mask = gl.expand_dims(m_idx < M, 0) & gl.expand_dims(n_idx < N, 1)
     offs = gl.expand_dims(m_idx.to(gl.int64) * stride_cm, 0) + gl.expand_dims(n_idx.to(gl.int64) * stride_cn, 1)
-    if SPLIT_K > 1:
-        c_ptr += gl.program_id(2).to(gl.int64) * M * N
-    gl.store(c_ptr + offs, c.to(c_ptr.dtype.element_ty),
-             mask=gl.expand_dims(m_idx < M, 0) & gl.expand_dims(n_idx < N, 1))
+    if SPLIT_K > 1:  # this split's fp32 partial; a second launch sums them in split order
+        out_ptr += gl.program_id(2).to(gl.int64) * M * N
+    gl.store(out_ptr + offs, c.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def _grid_dependency_wait(x):
+    """griddepcontrol.wait: with PDL, block until the grid before this one (the activation prep) has finished and
+    its writes are visible; a no-op for a kernel launched without it. x: any value (inline asm takes a tensor)."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False,
+                              pack=1)
+
+
+@gluon.jit
+def _load_weights(w_desc, s_desc, w_bufs, s_bufs, bar, st, n0, step, CONSUMERS: gl.constexpr):
+    """Each consumer's weight words and scale box of one step (rows past N arrive as zeros: code 0, scale 0)."""
+    for c in gl.static_range(CONSUMERS):
+        row = n0 + c * ROWS
+        tma.async_copy_global_to_shared(w_desc, [row, step * 16], bar, w_bufs.index(st * CONSUMERS + c))
+        tma.async_copy_global_to_shared(s_desc, [row, (step // 2) * 16], bar, s_bufs.index(st * CONSUMERS + c))
+
+
+@gluon.jit
+def _load_activation(a_desc, a_bufs, bar, st, m0, m_pad, step):
+    """Both activation halves of one step."""
+    tma.async_copy_global_to_shared(a_desc, [m0, step * HALF], bar, a_bufs.index(2 * st))
+    tma.async_copy_global_to_shared(a_desc, [m_pad + m0, step * HALF], bar, a_bufs.index(2 * st + 1))
 
 
 @gluon.jit
 def _producer(a_desc, w_desc, s_desc, a_bufs, w_bufs, s_bufs, ready, empty, m_pad, n_steps,
               STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
-    """TMA copies of each step into the ring: both activation halves, then each consumer's weight words and scale
-    box (rows past N arrive as zeros: code 0 with scale 0)."""
+    """TMA copies of each step into the ring. The first stages' weights are requested before the activation is
+    known to be ready (under PDL this overlaps the prep pass; the weights are the HBM-bound part)."""
     m0 = gl.program_id(1) * a_desc.block_type.shape[0]
     n0 = gl.program_id(0) * (CONSUMERS * ROWS)
     step0 = gl.program_id(2) * n_steps
     nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + CONSUMERS * (w_desc.block_type.nbytes
                                                                         + s_desc.block_type.nbytes)
-    for j in range(n_steps):
+    first = gl.minimum(n_steps, STAGES)
+    for j in range(first):  # fresh stages: no release to wait for
+        mbarrier.expect(ready.index(j), nbytes)
+        _load_weights(w_desc, s_desc, w_bufs, s_bufs, ready.index(j), j, n0, step0 + j, CONSUMERS)
+    _grid_dependency_wait(m0)
+    for j in range(first):
+        _load_activation(a_desc, a_bufs, ready.index(j), j, m0, m_pad, step0 + j)
+    for j in range(first, n_steps):
         st = j % STAGES
-        mbarrier.wait(empty.index(st), ((j // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1 at once
+        mbarrier.wait(empty.index(st), ((j // STAGES) & 1) ^ 1)
         bar = ready.index(st)
         mbarrier.expect(bar, nbytes)
-        step = step0 + j
-        tma.async_copy_global_to_shared(a_desc, [m0, step * HALF], bar, a_bufs.index(2 * st))
-        tma.async_copy_global_to_shared(a_desc, [m_pad + m0, step * HALF], bar, a_bufs.index(2 * st + 1))
-        for c in gl.static_range(CONSUMERS):
-            row = n0 + c * ROWS
-            tma.async_copy_global_to_shared(w_desc, [row, step * 16], bar, w_bufs.index(st * CONSUMERS + c))
-            tma.async_copy_global_to_shared(s_desc, [row, (step // 2) * 16], bar, s_bufs.index(st * CONSUMERS + c))
+        _load_weights(w_desc, s_desc, w_bufs, s_bufs, bar, st, n0, step0 + j, CONSUMERS)
+        _load_activation(a_desc, a_bufs, bar, st, m0, m_pad, step0 + j)
 
 
 @gluon.jit
-def nvfp4_matmul_wgmma_kernel(a_desc, w_desc, s_desc, factor_ptr, g_ptr, c_ptr, M, N, m_pad, n_steps,
-                              stride_cm, stride_cn, BLOCK_M: gl.constexpr, CONSUMERS: gl.constexpr,
-                              STAGES: gl.constexpr, SPLIT_K: gl.constexpr):
+def nvfp4_matmul_wgmma_kernel(a_desc, w_desc, s_desc, factor_ptr, g_ptr, out_ptr, M, N, m_pad, n_steps, stride_cm,
+                              stride_cn, BLOCK_M: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
+                              SPLIT_K: gl.constexpr):
     """4 warps (consumer 0; the partitions add consumer 1 when CONSUMERS == 2, and the producer warp). a_desc:
     the prepared activation [2 * m_pad, K/2] fp16, blocks [BLOCK_M, 64]; w_desc: the weight words [N, K/8]
     int32, blocks [64, 16]; s_desc: the scale bytes [N, K/16], blocks [64, 16]; n_steps: 128-value K steps per
@@ -213,16 +262,16 @@ def nvfp4_matmul_wgmma_kernel(a_desc, w_desc, s_desc, factor_ptr, g_ptr, c_ptr, 
     stride_cn = gl.to_tensor(stride_cn)
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (a_bufs, w_bufs, s_bufs, ready, empty, factor_ptr, g_ptr, c_ptr, M, N, n_steps, stride_cm,
+            (_consumer, (a_bufs, w_bufs, s_bufs, ready, empty, factor_ptr, g_ptr, out_ptr, M, N, n_steps, stride_cm,
                          stride_cn, 0, BLOCK_M, STAGES, CONSUMERS, SPLIT_K)),
-            (_consumer, (a_bufs, w_bufs, s_bufs, ready, empty, factor_ptr, g_ptr, c_ptr, M, N, n_steps, stride_cm,
+            (_consumer, (a_bufs, w_bufs, s_bufs, ready, empty, factor_ptr, g_ptr, out_ptr, M, N, n_steps, stride_cm,
                          stride_cn, 1, BLOCK_M, STAGES, CONSUMERS, SPLIT_K)),
             (_producer, (a_desc, w_desc, s_desc, a_bufs, w_bufs, s_bufs, ready, empty, m_pad, n_steps, STAGES,
                          CONSUMERS)),
         ], [4, 1], [232, 40])
     else:
         gl.warp_specialize([
-            (_consumer, (a_bufs, w_bufs, s_bufs, ready, empty, factor_ptr, g_ptr, c_ptr, M, N, n_steps, stride_cm,
+            (_consumer, (a_bufs, w_bufs, s_bufs, ready, empty, factor_ptr, g_ptr, out_ptr, M, N, n_steps, stride_cm,
                          stride_cn, 0, BLOCK_M, STAGES, CONSUMERS, SPLIT_K)),
             (_producer, (a_desc, w_desc, s_desc, a_bufs, w_bufs, s_bufs, ready, empty, m_pad, n_steps, STAGES,
                          CONSUMERS)),
