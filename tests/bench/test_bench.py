@@ -395,21 +395,24 @@ def test_lowp_registry():
 
 def test_gemm_registry():
     shapes = suites.GEMM_SHAPES
-    assert len(shapes) == 10
-    assert [(s["m"], s["n"]) for s in shapes] == [(m, nk) for nk in (4096, 8192) for m in (1, 16, 128, 1024, 4096)]
+    assert len(shapes) == 16
+    assert [(s["m"], s["n"], s["k"]) for s in shapes] == (
+        [(m, nk, nk) for nk in (4096, 8192) for m in (1, 16, 64, 128, 1024, 4096)]
+        + [(m, 28672, 4096) for m in (1, 16, 64, 128)])
     for s in shapes:
         assert set(s) == {"kind", "m", "n", "k", "label"}
-        assert s["kind"] == "gemm" and s["n"] == s["k"] and s["label"] == f"gemm-{s['n'] // 1024}k"
+        assert s["kind"] == "gemm"
+        assert s["label"] == (f"gemm-{s['n'] // 1024}k" if s["n"] == s["k"] else "gemm-mlp")
     assert suites.LOWP_SHAPES == suites.LOWP_DECODE_SHAPES + shapes
-    # --quick keeps the decode-sized M of each N = K; --only picks one half of the lowp suite.
+    # --quick keeps the decode-sized and serving M of each weight; --only picks one half of the lowp suite.
     quick = suites.select_shapes(suites.LOWP_SHAPES, quick=True)
-    assert len(quick) == 3 + 3 + 6  # fp8 decode, nvfp4 decode, gemm
-    assert [(s["m"], s["n"]) for s in quick if s["kind"] == "gemm"] == [(1, 4096), (16, 4096), (128, 4096),
-                                                                         (1, 8192), (16, 8192), (128, 8192)]
+    assert len(quick) == 3 + 3 + 9  # fp8 decode, nvfp4 decode, gemm
+    assert [(s["m"], s["n"]) for s in quick if s["kind"] == "gemm"] == [
+        (m, n) for n in (4096, 8192, 28672) for m in (1, 16, 64)]
     assert suites.select_shapes(suites.LOWP_SHAPES, only="gemm") == shapes
     assert suites.select_shapes(suites.LOWP_SHAPES, only="fp8") == [
         s for s in suites.LOWP_DECODE_SHAPES if s["kv"] == "fp8"]
-    assert suites.select_shapes(suites.LOWP_SHAPES, only="8k") == shapes[5:]
+    assert suites.select_shapes(suites.LOWP_SHAPES, only="8k") == shapes[6:12]
     for registry in (suites.PREFILL_SHAPES, suites.DECODE_SHAPES, suites.BACKWARD_SHAPES):
         assert not suites.select_shapes(registry, only="gemm") and not suites.select_shapes(registry, only="8k")
     assert cli.SUITES["lowp"] == (suites.LOWP_SHAPES, suites.run_lowp)
@@ -449,6 +452,7 @@ def cpu_timer(monkeypatch):
     monkeypatch.setattr(suites, "DEVICE", "cpu")
     monkeypatch.setattr(suites, "bench_ms", lambda fn: 0.5)
     monkeypatch.setattr(suites, "graphed", lambda fn: fn)
+    monkeypatch.setattr(suites, "rotating_graph_ms", lambda fns: 0.5 if all(callable(f) for f in fns) else None)
 
 
 @pytest.mark.skipif(CUDA, reason="runs nvfp4_quantize / nvfp4_matmul through Triton's CPU interpreter")
@@ -541,9 +545,9 @@ def test_run_lowp_splits_by_kind(monkeypatch):
     monkeypatch.setattr(suites, "run_gemm", fake("gemm"))
     rows = suites.run_lowp()
     assert calls == [("decode", suites.LOWP_DECODE_SHAPES), ("gemm", suites.GEMM_SHAPES)]
-    assert [r["from"] for r in rows] == ["decode"] * 20 + ["gemm"] * 10
+    assert [r["from"] for r in rows] == ["decode"] * 20 + ["gemm"] * 16
     calls.clear()
-    assert len(suites.run_lowp(suites.select_shapes(suites.LOWP_SHAPES, only="gemm"))) == 10
+    assert len(suites.run_lowp(suites.select_shapes(suites.LOWP_SHAPES, only="gemm"))) == 16
     assert [name for name, _ in calls] == ["gemm"]  # no empty decode run (and no empty table)
 
 
