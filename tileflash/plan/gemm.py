@@ -83,7 +83,11 @@ def gemm_wgmma_config(m: int, n: int, k: int, num_sms: int = 132, block_m: int =
     multiple of GEMM_WGMMA_K_MULTIPLE: the Triton kernel). The activation rows are wgmma's N: 64 up to M = 64, else
     128. K is split in two, four, ... while the tiles times the slices still fit one wave of CTAs (one CTA per SM:
     the ring takes most of the shared memory) and each slice keeps >= 8 steps. The stages fill
-    GEMM_WGMMA_STAGE_BYTES. block_m / consumers / split_k > 0 force those choices (the sweep)."""
+    GEMM_WGMMA_STAGE_BYTES. block_m / consumers / split_k > 0 force those choices (the sweep).
+    Measured (`sweep gemm-wgmma`, graph replay over inputs rotated past the L2, us): two consumers beat one by
+    1.17-1.24x everywhere (run 154); block_m and split as chosen are the best of block_m 64/128 x split 1/2/4 at
+    M = 64, 128 and N=28672 M=128 (e.g. N=K=8192 M=128: 36.3 vs 41.0-54.5, run 154); fewer stages are slower
+    (3 stages 1.07-1.22x, run 157)."""
     if not GEMM_MMA_MAX_M < m <= GEMM_WGMMA_MAX_M or k % GEMM_WGMMA_K_MULTIPLE:
         return None
     block_m = block_m or (64 if m <= 64 else 128)
