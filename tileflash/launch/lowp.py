@@ -122,7 +122,7 @@ class GemmPlan(direct.Replayable):
         if split > 1:
             start = prep_numel + _round4(m_pad)
             dest = direct.derived(ws[start:start + split * m * n].view(split, m, n), ws)
-        # Programmatic dependent launches: the GEMM starts fetching weights while the prep pass runs, and waits in
+        # A programmatic dependent launch: the GEMM starts fetching weights while the prep pass runs, and waits in
         # griddepcontrol.wait before it reads what the pass wrote.
         direct.launch(activation_prep_kernel, (m_pad,), a, prep, factor, m, m_pad, k, a.stride(0), a.stride(1),
                       BLOCK_K=min(_utils.next_pow2(k), 8192), PDL=True, num_warps=8)
@@ -134,8 +134,8 @@ class GemmPlan(direct.Replayable):
             gluon_desc(scale_bits, [64, 16]), factor, b_global_scale, dest, m, n, m_pad,
             self.k_per_split // STEP_K, dest.stride(-2), dest.stride(-1), BLOCK_M=cfg.block_m,
             CONSUMERS=cfg.consumers, STAGES=cfg.stages, SPLIT_K=split, num_warps=4, launch_pdl=True)
-        if split > 1:  # a programmatic dependent too: it launches while the GEMM runs, then waits for it
-            launch_sum_cast(dest, out, split, pdl=True)
+        if split > 1:
+            launch_sum_cast(dest, out, split)
 
     def _launch_gemm(self, a, b_data, b_scales, b_global_scale, a_scales, a_global_scale, dest) -> None:
         m, n, k = a.shape[0], b_data.shape[0], b_data.shape[1] * 2

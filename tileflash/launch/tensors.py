@@ -147,11 +147,9 @@ def rows_desc(t, block_rows: int, block_cols: int, layout_rows: int):
 SUM_CAST_BLOCK = 1024  # elements per program of sum_cast_kernel (an elementwise pass: not tuned)
 
 
-def launch_sum_cast(src: torch.Tensor, dst: torch.Tensor, slices: int, scale: float = 1.0, pdl: bool = False) -> None:
+def launch_sum_cast(src: torch.Tensor, dst: torch.Tensor, slices: int, scale: float = 1.0) -> None:
     """dst (contiguous, any float dtype) = scale * the sum of src's `slices` contiguous fp32 slices of dst's numel,
-    in slice order (kernels/triton/cast.py). pdl (sm_90): a programmatic dependent of the kernel before it on the
-    stream, which allows it early (griddepcontrol.launch_dependents)."""
+    in slice order (kernels/triton/cast.py)."""
     numel = dst.numel()
     direct.launch(sum_cast_kernel, (_utils.cdiv(numel, SUM_CAST_BLOCK),), src, dst, numel, slices, numel, scale,
-                  BLOCK=SUM_CAST_BLOCK, INTERPRETED=_utils.is_interpreter(), PDL=pdl, num_warps=4,
-                  **({"launch_pdl": True} if pdl else {}))
+                  BLOCK=SUM_CAST_BLOCK, INTERPRETED=_utils.is_interpreter(), num_warps=4)

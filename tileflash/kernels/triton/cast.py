@@ -7,7 +7,6 @@ near one-hot rows in a CPU fuzz run; rounding first makes the interpreter's bf16
 """
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 
 @triton.jit
@@ -39,13 +38,10 @@ def store_cast(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
 
 @triton.jit
 def sum_cast_kernel(src_ptr, dst_ptr, numel, slices, slice_stride, scale, BLOCK: tl.constexpr,
-                    INTERPRETED: tl.constexpr, PDL: tl.constexpr = False):
+                    INTERPRETED: tl.constexpr):
     """dst[i] = scale * sum_s src[s * slice_stride + i], summed in slice order in fp32, stored in dst's dtype; src
     fp32 slices and dst contiguous [numel]. One launch for what two torch ops did with their own host time each:
-    nvfp4_matmul's split-K sum (scale 1) and the backward's dQ = softmax_scale * its fp32 accumulator. PDL:
-    launched as a programmatic dependent of the kernel writing src; nothing is read before that grid finished."""
-    if PDL:
-        gdc_wait()
+    nvfp4_matmul's split-K sum (scale 1) and the backward's dQ = softmax_scale * its fp32 accumulator."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < numel
     acc = tl.load(src_ptr + offs, mask=ok, other=0.0)

@@ -245,9 +245,6 @@ def nvfp4_matmul_wgmma_kernel(a_desc, w_desc, s_desc, factor_ptr, g_ptr, out_ptr
     int32, blocks [64, 16]; s_desc: the scale bytes [N, K/16], blocks [64, 16]; n_steps: 128-value K steps per
     split (even)."""
     gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2, "one or two consumer warpgroups")
-    if SPLIT_K > 1:  # the split-K sum after this grid is its programmatic dependent: let it launch now
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.b32 $0, $1;", "=r,r", [gl.program_id(0)],
-                                  dtype=gl.int32, is_pure=False, pack=1)
     a_bufs = gl.allocate_shared_memory(gl.float16, [2 * STAGES, BLOCK_M, HALF], a_desc.layout)
     w_bufs = gl.allocate_shared_memory(gl.int32, [STAGES * CONSUMERS, ROWS, 16], w_desc.layout)
     s_bufs = gl.allocate_shared_memory(gl.uint8, [STAGES * CONSUMERS, ROWS, 16], s_desc.layout)
