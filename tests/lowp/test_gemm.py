@@ -447,11 +447,11 @@ def test_gemm_wgmma_config_table(m, n, k, expected):
 
 WGMMA_SHAPES = [  # K a multiple of 256
     (17, 256, 256),  # one step pair; 17 of 64 activation rows
-    (64, 4096, 4096),  # K in two slices
+    (64, 4096, 4096),  # K in four slices of 8 steps
     (100, 320, 1024),  # an N tail of 64 rows (half a CTA); 100 of 128 rows
     (200, 1000, 2048),  # two 128-row tiles; an N tail of 40 rows
-    (33, 512, 28672),  # a long K (an MLP down-projection): 224 steps
-    (256, 8192, 512),
+    (33, 512, 28672),  # a long K (an MLP down-projection): 16 slices of 14 steps
+    (256, 8192, 512),  # 128 CTAs of 4 steps
 ]
 
 

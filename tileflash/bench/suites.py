@@ -89,8 +89,9 @@ LOWP_DECODE_SHAPES = [{**s, "label": f"gqa-{fmt}", "kv": fmt, "kind": "decode"}
 
 # Low precision, GEMM half: bf16 activations a [M, K] times a weight w [N, K] (out = a @ w.T): N = K, M from one
 # decode token through serving batches (64, 128) to a prefill-sized batch, and an MLP up-projection (N=28672
-# K=4096, label "gemm-mlp") at serving M. One label per weight shape, so --quick keeps M in (1, 16, 64) of each, and --only gemm /
-# --only 8k pick these rows (no other label contains "gemm" or "8k"; "fp8" matches only the decode rows above).
+# K=4096, label "gemm-mlp") at serving M. One label per weight shape, so --quick keeps M in (1, 16, 64) of each,
+# and --only gemm / --only 8k pick these rows (no other label contains "gemm" or "8k"; "fp8" matches only the
+# decode rows above).
 GEMM_SHAPES = [
     *({"kind": "gemm", "m": m, "n": nk, "k": nk, "label": f"gemm-{nk // 1024}k"}
       for nk in (4096, 8192) for m in (1, 16, 64, 128, 1024, 4096)),
@@ -784,8 +785,8 @@ def _gemm_one(shape, tf, note):
 
 
 def gemm_table(rows):
-    headers = ["M", "N", "K", "tileflash us", "tf-graph us", "bf16 us", "bf16-graph us", "fp8 us", "tf/bf16", "tf/best",
-               "tf-graph weight GB/s", "failed"]
+    headers = ["M", "N", "K", "tileflash us", "tf-graph us", "bf16 us", "bf16-graph us", "fp8 us", "tf/bf16",
+               "tf/best", "tf-graph weight GB/s", "failed"]
     body = [
         [r["m"], r["n"], r["k"], *(_field(r, x, "us") for x in GEMM_BACKENDS), r["speedup_bf16"], r["speedup"],
          _field(r, "tileflash_nvfp4_graph", "GB/s"), _failed(r)]
