@@ -87,7 +87,7 @@ def gemm_wgmma_config(m: int, n: int, k: int, num_sms: int = 132, block_m: int =
     Measured (`sweep gemm-wgmma`, graph replay over inputs rotated past the L2, us): two consumers beat one by
     1.17-1.24x everywhere (run 154); block_m and split as chosen are the best of block_m 64/128 x split 1/2/4 at
     M = 64, 128 and N=28672 M=128 (e.g. N=K=8192 M=128: 36.3 vs 41.0-54.5, run 154); fewer stages are slower
-    (3 stages 1.07-1.22x, run 157)."""
+    (3 stages 1.07-1.22x, run 157), more are no faster (5 at block_m 128, 8 at 64: 0-4% slower, run 161)."""
     if not GEMM_MMA_MAX_M < m <= GEMM_WGMMA_MAX_M or k % GEMM_WGMMA_K_MULTIPLE:
         return None
     block_m = block_m or (64 if m <= 64 else 128)
