@@ -224,16 +224,23 @@ def test_mma_kernel_matches_reference(m, n, k, dtype, monkeypatch):
     assert calls == [1]  # it ran the Gluon kernel
 
 
-def _count_mma_launches(monkeypatch, kernel_name="nvfp4_matmul_mma_kernel"):
+def _count_mma_launches(monkeypatch, counted=None):
     """Count launches of a Gluon GEMM kernel, the register-operand one by default (a call's first launch goes
     through direct.launch; later calls of the same signature replay it)."""
+    from tileflash.lowp.kernels.gemm_mma import nvfp4_matmul_mma_kernel
     from tileflash.launch import direct
 
+    counted = counted or nvfp4_matmul_mma_kernel
     calls, launch = [], direct.launch
     monkeypatch.setattr(direct, "launch", lambda kernel, *a, **k: (
-        calls.append(1) if getattr(kernel, "__name__", "") == kernel_name or getattr(
-            getattr(kernel, "fn", None), "__name__", "") == kernel_name else None) or launch(kernel, *a, **k))
+        calls.append(1) if kernel is counted else None) or launch(kernel, *a, **k))
     return calls
+
+
+def _count_wgmma_launches(monkeypatch):
+    from tileflash.lowp.kernels.gemm_wgmma import nvfp4_matmul_wgmma_kernel
+
+    return _count_mma_launches(monkeypatch, nvfp4_matmul_wgmma_kernel)
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the register-operand Gluon kernel runs on sm_90 only")
@@ -459,7 +466,7 @@ WGMMA_SHAPES = [  # K a multiple of 256
 @pytest.mark.parametrize("m, n, k", WGMMA_SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in WGMMA_SHAPES])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_wgmma_kernel_matches_reference(m, n, k, dtype, monkeypatch):
-    calls = _count_mma_launches(monkeypatch, "nvfp4_matmul_wgmma_kernel")
+    calls = _count_wgmma_launches(monkeypatch)
     a, b_q = _inputs(m, n, k, dtype, seed=m * 5 + n + k)
     out = nvfp4_matmul(a, *b_q)
     assert out.dtype == dtype and out.shape == (m, n)
@@ -511,7 +518,7 @@ def test_wgmma_kernel_row_scales_keep_every_magnitude():
 @pytest.mark.skipif(not ON_SM90, reason="the wgmma Gluon kernel runs on sm_90 only")
 def test_wgmma_kernel_declines_what_it_cannot_address(monkeypatch):
     """K not a multiple of 256, weight rows not 16-byte aligned: the Triton kernel serves them (still correct)."""
-    calls = _count_mma_launches(monkeypatch, "nvfp4_matmul_wgmma_kernel")
+    calls = _count_wgmma_launches(monkeypatch)
     a, b_q = _inputs(40, 64, 400, torch.bfloat16, seed=12)
     _check(a, b_q, nvfp4_matmul(a, *b_q))
     a, (data, scales, gs) = _inputs(40, 64, 512, torch.bfloat16, seed=13)

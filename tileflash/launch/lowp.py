@@ -79,7 +79,8 @@ class GemmPlan(direct.Replayable):
                 raise ValueError(f"GemmWgmmaConfig.split_k={self.split}: K={k} must split into slices of whole "
                                  f"{2 * STEP_K}-value steps")
             # prep (fp16, two per fp32 slot), the row factors, then the partials; each 16-byte aligned for TMA
-            self.ws_numel = self.m_pad * k // 2 + _round4(self.m_pad)
+            self.partials_at = self.m_pad * k // 2 + _round4(self.m_pad)
+            self.ws_numel = self.partials_at
         else:
             self.cfg = self.mma or config.chosen("gemm", gemm_config(m, n, k, interpret=_utils.is_interpreter(),
                                                                      num_sms=_utils.num_sms(a.device),
@@ -120,7 +121,7 @@ class GemmPlan(direct.Replayable):
         factor = direct.derived(ws[prep_numel:prep_numel + m_pad], ws)
         dest = out
         if split > 1:
-            start = prep_numel + _round4(m_pad)
+            start = self.partials_at
             dest = direct.derived(ws[start:start + split * m * n].view(split, m, n), ws)
         # A programmatic dependent launch: the GEMM starts fetching weights while the prep pass runs, and waits in
         # griddepcontrol.wait before it reads what the pass wrote.

@@ -109,7 +109,8 @@ def gemm_config(m: int, n: int, k: int, interpret: bool = False, num_sms: int = 
     over 64-column weight tiles, K split into up to 4 slices until ~3 programs per SM are in flight (4 K steps per
     slice at least): M=1 N=K=4096 19.8 us with 4 slices, 23.5 with 2 (bf16 matmul 19.6); N=K=8192 40.1 us (bf16
     44.8); 128-column tiles ran 31-49 us; the earlier plain 32-column tiles 22.1 / 54.0 us. Eager calls at this
-    size are bound by the host, not the kernel. M = 128: (128, 64, 128, 4 warps) 138 us vs 156-250; M = 1024:
+    size are bound by the host, not the kernel. M = 128, plain tiles (what W4A4 and mma.sync targets keep; W4A16
+    on wgmma-class targets takes the swapped tiles below): (128, 64, 128, 4 warps) 138 us vs 156-250; M = 1024:
     (128, 128, 64, 8 warps) 649 us vs 1001-1161 (session 1 sweep). a_nvfp4 (W4A4 decoding both operands) takes 8
     warps for the 128x64 tile: with 4 it spills 296 bytes on sm_90 (compile check, --res-usage); not timed. So do
     targets whose MMA is mma.sync (arch < 90 or sm_12x: operands and accumulator in registers, no wgmma): 4 warps
