@@ -160,7 +160,8 @@ def _cases(arch: int = 90):
 
     def gemm(m, n, k, dtype=bf, kernel=None, wgmma_config=None):
         """An nvfp4_matmul call; kernel "mma" / "wgmma": it must take that Gluon kernel on sm_90
-        (lowp/kernels/gemm_mma.py, gemm_wgmma.py); wgmma_config forces the latter's tiles."""
+        (lowp/kernels/gemm_mma.py, gemm_wgmma.py; "mma" declines the wgmma kernel, which takes M <= 16 too where
+        it applies); wgmma_config forces the latter's tiles."""
         from tileflash.lowp.kernels.gemm_mma import nvfp4_matmul_mma_kernel
         from tileflash.lowp.kernels.gemm_wgmma import nvfp4_matmul_wgmma_kernel
 
@@ -171,7 +172,8 @@ def _cases(arch: int = 90):
             with config.override(gemm_wgmma=wgmma_config):
                 _compiles(kern, call)
             return
-        (_compiles if sm90 else _avoids)(kern, call)
+        with config.override(**({"gemm_wgmma": None} if kernel == "mma" else {})):
+            (_compiles if sm90 else _avoids)(kern, call)
 
     def gemm_w4a4(m, n, k):
         """nvfp4_matmul with an NVFP4 a: on Blackwell its kernel's SASS must hold the block-scaled FP4 MMA
@@ -336,7 +338,11 @@ def _cases(arch: int = 90):
         "gemm M=64 (split-K), wgmma": lambda: gemm(64, 512, 4096, kernel="wgmma"),
         "gemm M=200 fp16, N tail, wgmma": lambda: gemm(200, 320, 1024, torch.float16, kernel="wgmma"),
         "gemm M=100, one consumer, wgmma": None if not sm90 else lambda: gemm(
-            100, 256, 512, kernel="wgmma", wgmma_config=GemmWgmmaConfig(block_m=128, consumers=1, stages=4, split_k=1)),
+            100, 256, 512, kernel="wgmma", wgmma_config=GemmWgmmaConfig(block_m=128, consumers=1, stages=3, split_k=1, steps=1)),
+        "gemm M=1 (split-K), wgmma, one-step stages": None if not sm90 else lambda: gemm(
+            1, 4096, 4096, kernel="wgmma", wgmma_config=GemmWgmmaConfig(block_m=16, consumers=2, stages=6, split_k=2,
+                                                                         steps=1, prefetch=3)),
+        "gemm M=5, wgmma 16 rows": lambda: gemm(5, 4096, 4096, kernel="wgmma"),
         "gemm M=128, K tail (Triton kernel)": lambda: gemm(128, 512, 1040),
         "gemm M=1024": lambda: gemm(1024, 512, 1024),
         "gemm W4A4 M=1 (split-K, swapped)": gemm_w4a4(1, 512, 2048),

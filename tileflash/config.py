@@ -28,8 +28,8 @@ KINDS = {
     "quant_decode": "plan.decode.QuantDecodeConfig or None: the sm_90 register-operand NVFP4 decode",
     "combine_pdl": "bool: the split combine launched as a programmatic dependent (sm_90)",
     "gemm": "plan.gemm.GemmConfig: the Triton NVFP4 GEMM's tiles",
-    "gemm_mma": "plan.gemm.GemmMmaConfig or None: the sm_90 register-operand NVFP4 GEMM (M <= 16)",
-    "gemm_wgmma": "plan.gemm.GemmWgmmaConfig or None: the sm_90 wgmma NVFP4 GEMM (16 < M <= 256)",
+    "gemm_mma": "plan.gemm.GemmMmaConfig or None: the sm_90 register-operand NVFP4 GEMM (M <= 16, K not for wgmma)",
+    "gemm_wgmma": "plan.gemm.GemmWgmmaConfig or None: the sm_90 wgmma NVFP4 GEMM (M <= 256, K % 256 == 0)",
 }
 _FORCED: dict = {}
 

@@ -203,6 +203,8 @@ def test_gemm_mma_config_forced_choices():
     assert gemm_mma_config(1, 64, 256, split_k=4).split_k == 1  # never more slices than K steps
 
 
+# The register-operand kernel (lowp/kernels/gemm_mma.py) serves M <= 16 where the wgmma kernel cannot (K not a
+# multiple of 256, weights TMA cannot address); the tests decline the wgmma kernel to run it on any shape.
 MMA_SHAPES = [  # K a multiple of 32 (the kernel's 16-byte vectors)
     (1, 4096, 4096),  # decode GEMM: four K slices, one N tile per program
     (16, 200, 416),  # one slice of 1.6 steps (a masked K tail of 160 values), an N tail of 8 rows
@@ -215,7 +217,8 @@ MMA_SHAPES = [  # K a multiple of 32 (the kernel's 16-byte vectors)
 @pytest.mark.skipif(not ON_SM90, reason="the register-operand Gluon kernel runs on sm_90 only")
 @pytest.mark.parametrize("m, n, k", MMA_SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in MMA_SHAPES])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_mma_kernel_matches_reference(m, n, k, dtype, monkeypatch):
+def test_mma_kernel_matches_reference(m, n, k, dtype, monkeypatch, override):
+    override(gemm_wgmma=None)
     calls = _count_mma_launches(monkeypatch)
     a, b_q = _inputs(m, n, k, dtype, seed=m * 7 + n + k)
     out = nvfp4_matmul(a, *b_q)
@@ -244,8 +247,9 @@ def _count_wgmma_launches(monkeypatch):
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the register-operand Gluon kernel runs on sm_90 only")
-def test_mma_kernel_split_sum_is_reproducible():
+def test_mma_kernel_split_sum_is_reproducible(override):
     """Split K (16 slices): the fp32 partials are added in slice order, so repeated calls give the same bits."""
+    override(gemm_wgmma=None)
     a, b_q = _inputs(5, 1024, 8192, torch.bfloat16, seed=14)
     first = nvfp4_matmul(a, *b_q)
     _check(a, b_q, first)
@@ -254,8 +258,9 @@ def test_mma_kernel_split_sum_is_reproducible():
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the register-operand Gluon kernel runs on sm_90 only")
-def test_mma_kernel_declines_what_it_cannot_address(monkeypatch):
+def test_mma_kernel_declines_what_it_cannot_address(monkeypatch, override):
     """K not a multiple of 32, a column-strided a: the Triton kernel serves them (still correct)."""
+    override(gemm_wgmma=None)
     calls = _count_mma_launches(monkeypatch)
     a, b_q = _inputs(4, 64, 400, torch.bfloat16, seed=12)
     _check(a, b_q, nvfp4_matmul(a, *b_q))
@@ -267,9 +272,10 @@ def test_mma_kernel_declines_what_it_cannot_address(monkeypatch):
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the register-operand Gluon kernel runs on sm_90 only")
-def test_mma_kernel_row_scales_keep_every_magnitude():
+def test_mma_kernel_row_scales_keep_every_magnitude(override):
     """Each activation row goes to fp16 scaled by its own power of two: rows near bf16's top (fp16 overflows at
     65504), tiny rows (fp16 subnormals) and a zero row all match the reference; rows with a stride too."""
+    override(gemm_wgmma=None)
     a, b_q = _inputs(8, 256, 1024, torch.bfloat16, seed=11)
     a = a * torch.tensor([1e30, 1e-30, 1.0, 0.0, 7e4, 3e-6, 1.0, 1e10], device=DEVICE, dtype=torch.bfloat16)[:, None]
     _check(a, b_q, nvfp4_matmul(a, *b_q))
@@ -385,7 +391,7 @@ def test_errors_name_the_argument(make_args, exc, needle):
         nvfp4_matmul(*make_args())
 
 
-# The wgmma kernel (16 < M <= 256 on sm_90, lowp/kernels/gemm_wgmma.py) and its activation prep pass.
+# The wgmma kernel (M <= 256 on sm_90, lowp/kernels/gemm_wgmma.py) and its activation prep pass.
 
 def _prep_reference(a, m_pad):
     """activation_prep_kernel's definition: rows scaled by 2^k into [2^8, 2^9), even / odd K halves, each 64 values
@@ -438,13 +444,15 @@ def test_prep_order_pairs_with_the_weight_order():
 
 
 @pytest.mark.parametrize("m, n, k, expected", [
-    (16, 8192, 8192, None),  # decode-sized: the register-operand kernel
-    (17, 8192, 8192, GemmWgmmaConfig(block_m=64, consumers=2, stages=7, split_k=2)),  # 64 tiles: K in two
-    (64, 8192, 8192, GemmWgmmaConfig(64, 2, 7, 2)),
-    (128, 8192, 8192, GemmWgmmaConfig(128, 2, 4, 2)),
-    (256, 8192, 8192, GemmWgmmaConfig(128, 2, 4, 1)),  # 128 tiles: one wave already
-    (128, 28672, 4096, GemmWgmmaConfig(128, 2, 4, 1)),
-    (64, 1024, 4096, GemmWgmmaConfig(64, 2, 7, 4)),  # 8 tiles: slices of the fewest 8 steps, 32 steps -> 4
+    (16, 8192, 8192, GemmWgmmaConfig(16, 2, 6, 2)),  # decode-sized: 16-row activation tiles
+    (1, 28672, 4096, GemmWgmmaConfig(16, 2, 6, 4)),  # 224 tiles: 4 slices balance them over 132 CTAs (tiny partials)
+    (16, 28672, 4096, GemmWgmmaConfig(16, 2, 6, 1)),  # 16 rows of partials would cost more than the balance gains
+    (17, 8192, 8192, GemmWgmmaConfig(block_m=64, consumers=2, stages=4, split_k=2)),  # 64 tiles: K in two
+    (64, 8192, 8192, GemmWgmmaConfig(64, 2, 4, 2)),
+    (128, 8192, 8192, GemmWgmmaConfig(128, 2, 4, 2, steps=1)),
+    (256, 8192, 8192, GemmWgmmaConfig(128, 2, 4, 1, steps=1)),  # 128 tiles: one wave already
+    (128, 28672, 4096, GemmWgmmaConfig(128, 2, 4, 1, steps=1)),
+    (64, 1024, 4096, GemmWgmmaConfig(64, 2, 4, 4)),  # 8 tiles: slices of at least 4 stages, 16 stages -> 4
     (257, 8192, 8192, None),  # past GEMM_WGMMA_MAX_M: the Triton kernel
     (64, 8192, 8320, None),  # K not a multiple of 256
 ])
@@ -453,12 +461,13 @@ def test_gemm_wgmma_config_table(m, n, k, expected):
 
 
 WGMMA_SHAPES = [  # K a multiple of 256
-    (17, 256, 256),  # one step pair; 17 of 64 activation rows
-    (64, 4096, 4096),  # K in four slices of 8 steps
+    (17, 256, 256),  # one stage; 17 of 64 activation rows
+    (64, 4096, 4096),  # K in four slices of 4 stages
     (100, 320, 1024),  # an N tail of 64 rows (half a CTA); 100 of 128 rows
     (200, 1000, 2048),  # two 128-row tiles; an N tail of 40 rows
-    (33, 512, 28672),  # a long K (an MLP down-projection): 16 slices of 14 steps
-    (256, 8192, 512),  # 128 CTAs of 4 steps
+    (33, 512, 28672),  # a long K (an MLP down-projection): 16 slices of 7 stages
+    (256, 8192, 512),  # 128 CTAs of 2 stages
+    (20, 28672, 512),  # 224 units on at most 132 persistent CTAs: the ring runs on across units
 ]
 
 
@@ -475,10 +484,13 @@ def test_wgmma_kernel_matches_reference(m, n, k, dtype, monkeypatch):
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the wgmma Gluon kernel runs on sm_90 only")
-@pytest.mark.parametrize("cfg", [GemmWgmmaConfig(64, 1, 4, 1), GemmWgmmaConfig(128, 1, 3, 4),
-                                 GemmWgmmaConfig(64, 2, 2, 8), GemmWgmmaConfig(128, 2, 4, 2)],
-                         ids=["bm64-one-consumer", "bm128-one-consumer-split4", "bm64-two-stages-split8",
-                              "bm128-split2"])
+@pytest.mark.parametrize("cfg", [GemmWgmmaConfig(64, 1, 4, 1), GemmWgmmaConfig(128, 1, 3, 4, steps=1),
+                                 GemmWgmmaConfig(64, 2, 2, 8), GemmWgmmaConfig(128, 2, 2, 2),
+                                 GemmWgmmaConfig(16, 2, 4, 2, prefetch=3), GemmWgmmaConfig(32, 2, 5, 4, prefetch=0),
+                                 GemmWgmmaConfig(64, 2, 6, 2, steps=1, prefetch=6)],
+                         ids=["bm64-one-consumer", "bm128-one-consumer-split4-one-step", "bm64-two-stages-split8",
+                              "bm128-split2-two-steps", "bm16-prefetch3", "bm32-split4-no-prefetch",
+                              "bm64-one-step-stages"])
 def test_wgmma_kernel_configs_agree(override, cfg):
     """Every tile the sweep may pick computes the same product (split partials summed in slice order)."""
     a, b_q = _inputs(96, 384, 4096, torch.bfloat16, seed=21)
@@ -486,6 +498,18 @@ def test_wgmma_kernel_configs_agree(override, cfg):
     out = nvfp4_matmul(a, *b_q)
     _check(a, b_q, out)
     assert torch.equal(nvfp4_matmul(a, *b_q), out)  # reproducible, replayed
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the wgmma Gluon kernel runs on sm_90 only")
+@pytest.mark.parametrize("m, n, k", [(1, 256, 256), (7, 320, 1024), (16, 1000, 4096), (3, 512, 28672)],
+                         ids=["1x256x256", "7x320x1024", "16x1000x4096", "3x512x28672"])
+def test_wgmma_kernel_at_decode_sized_m(m, n, k, monkeypatch):
+    """16-row activation tiles (wgmma's N = 16) for M <= 16, the default where K is a multiple of 256: rows past M
+    are the prep's zeros."""
+    calls = _count_wgmma_launches(monkeypatch)
+    a, b_q = _inputs(m, n, k, torch.bfloat16, seed=m + n + k)
+    _check(a, b_q, nvfp4_matmul(a, *b_q))
+    assert calls == [1]
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the wgmma Gluon kernel runs on sm_90 only")

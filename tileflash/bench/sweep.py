@@ -42,7 +42,7 @@ FAMILY_HELP = {
     "decode-quant": "quant_decode / QuantDecodeConfig: shapes batch,ctx,hq,hkv,d,nvfp4 (the register-operand decode)",
     "gemm": "gemm / GemmConfig: the Triton NVFP4 GEMM; shapes m,n,k (bf16 activations)",
     "gemm-mma": "gemm_mma / GemmMmaConfig: the sm_90 register-operand GEMM (m <= 16); same shapes",
-    "gemm-wgmma": "gemm_wgmma / GemmWgmmaConfig: the sm_90 wgmma GEMM (16 < m <= 256); same shapes",
+    "gemm-wgmma": "gemm_wgmma / GemmWgmmaConfig: the sm_90 wgmma GEMM (m <= 256); same shapes",
 }
 
 
@@ -190,8 +190,9 @@ FAMILIES = {
                                              (128, 8192, 8192), (128, 28672, 4096)), _gemm, rotate=True,
                    also=("gemm_mma", "gemm_wgmma")),
     "gemm-mma": Family("gemm_mma", plan.GemmMmaConfig, ((1, 8192, 8192), (16, 8192, 8192), (16, 28672, 4096)),
-                       _gemm, rotate=True),
-    "gemm-wgmma": Family("gemm_wgmma", plan.GemmWgmmaConfig, ((32, 8192, 8192), (64, 8192, 8192), (128, 8192, 8192),
+                       _gemm, rotate=True, also=("gemm_wgmma",)),
+    "gemm-wgmma": Family("gemm_wgmma", plan.GemmWgmmaConfig, ((1, 8192, 8192), (16, 8192, 8192), (1, 28672, 4096),
+                                                               (16, 28672, 4096), (64, 8192, 8192), (128, 8192, 8192),
                                                                (256, 8192, 8192), (64, 28672, 4096),
                                                                (128, 28672, 4096)), _gemm, rotate=True),
 }

@@ -1,5 +1,6 @@
-"""Launchers of the low-precision kernels: the NVFP4 quantizers and the NVFP4 GEMMs (on sm_90 the register-operand
-kernel for decode-sized M and the wgmma kernel for serving batches, else the Triton dequantizing kernel)."""
+"""Launchers of the low-precision kernels: the NVFP4 quantizers and the NVFP4 GEMMs (on sm_90 the wgmma kernel up to
+M = 256 where its TMA copies apply, the register-operand kernel for other decode-sized calls, else the Triton
+dequantizing kernel)."""
 from __future__ import annotations
 
 import torch
@@ -9,9 +10,9 @@ from . import direct
 from ..lowp.formats import NVFP4_BLOCK
 from ..lowp.kernels.gemm_dequant import nvfp4_matmul_kernel
 from ..lowp.kernels.gemm_mma import nvfp4_matmul_mma_kernel
-from ..lowp.kernels.gemm_wgmma import STEP_K, activation_prep_kernel, nvfp4_matmul_wgmma_kernel
+from ..lowp.kernels.gemm_wgmma import HALF_STEP, STEP_K, activation_prep_kernel, nvfp4_matmul_wgmma_kernel
 from ..lowp.kernels.quant import nvfp4_dequantize_kernel, nvfp4_quantize_kernel
-from ..plan.gemm import gemm_config, gemm_mma_config, gemm_wgmma_config
+from ..plan.gemm import GEMM_WGMMA_K_MULTIPLE, gemm_config, gemm_mma_config, gemm_wgmma_config
 from ..plan.target import native_fp4_mma, sm90_target, target_arch
 from .tensors import gluon_desc, launch_sum_cast
 
@@ -46,8 +47,10 @@ def launch_nvfp4_dequantize(d2, s2, global_scale, out) -> None:
 
 
 class GemmPlan(direct.Replayable):
-    """One nvfp4_matmul call's kernel (on sm_90, W4A16 takes the register-operand kernel at M <= 16 and the wgmma
-    kernel up to M = 256; else the Triton one; W4A4 on the native block-scaled MMA where the target has it), K
+    """One nvfp4_matmul call's kernel (on sm_90, W4A16 takes the wgmma kernel up to M = 256 with K a multiple of 256
+    and TMA-addressable weights (run 165: 1.3-1.5x the register-operand kernel at M = 1 and 16), the register-
+    operand kernel for the other calls with M <= 16; else the Triton one; W4A4 on the native block-scaled MMA
+    where the target has it), K
     slices and launch arguments. With one K slice the kernel writes out [M, N] in out_dtype; with more, fp32
     partials [slices, M, N] in the workspace, which a second launch sums in slice order into out. The wgmma
     kernel's prepared activation ([2 * m_pad, K/2] fp16 and [m_pad] row factors) comes from the workspace too."""
@@ -63,10 +66,10 @@ class GemmPlan(direct.Replayable):
         self.mma = self.wgmma = None
         if not self.empty and not self.a_nvfp4 and sm90_target():
             num_sms = _utils.num_sms(a.device)
-            if _mma_operands_ok(a, b_data, b_scales):
-                self.mma = config.chosen("gemm_mma", gemm_mma_config(m, n, k, num_sms=num_sms))
-            if self.mma is None and _wgmma_operands_ok(b_data, b_scales):
+            if _wgmma_operands_ok(b_data, b_scales):
                 self.wgmma = config.chosen("gemm_wgmma", gemm_wgmma_config(m, n, k, num_sms=num_sms))
+            if self.wgmma is None and _mma_operands_ok(a, b_data, b_scales):
+                self.mma = config.chosen("gemm_mma", gemm_mma_config(m, n, k, num_sms=num_sms))
         if self.empty:  # nothing to launch (no tile for an empty output)
             return
         self.ws_numel = 0
@@ -75,9 +78,9 @@ class GemmPlan(direct.Replayable):
             self.m_pad = _utils.cdiv(m, self.cfg.block_m) * self.cfg.block_m
             self.split = self.cfg.split_k
             self.k_per_split = k // self.split
-            if self.k_per_split % (2 * STEP_K) or k % self.split:
-                raise ValueError(f"GemmWgmmaConfig.split_k={self.split}: K={k} must split into slices of whole "
-                                 f"{2 * STEP_K}-value steps")
+            if self.k_per_split % GEMM_WGMMA_K_MULTIPLE or k % self.split or self.cfg.steps not in (1, 2):
+                raise ValueError(f"GemmWgmmaConfig(split_k={self.split}, steps={self.cfg.steps}): K={k} must split "
+                                 f"into slices of a multiple of {GEMM_WGMMA_K_MULTIPLE} values, stages of 1 or 2 steps")
             # prep (fp16, two per fp32 slot), the row factors, then the partials; each 16-byte aligned for TMA
             self.partials_at = self.m_pad * k // 2 + _round4(self.m_pad)
             self.ws_numel = self.partials_at
@@ -129,12 +132,14 @@ class GemmPlan(direct.Replayable):
                       BLOCK_K=min(_utils.next_pow2(k), 8192), PDL=True, num_warps=8)
         words = direct.derived(b_data.view(torch.int32), b_data)
         scale_bits = direct.derived(b_scales.view(torch.uint8), b_scales)
+        units = _utils.cdiv(n, 64 * cfg.consumers) * (m_pad // cfg.block_m) * split
         direct.launch(
-            nvfp4_matmul_wgmma_kernel, (_utils.cdiv(n, 64 * cfg.consumers), m_pad // cfg.block_m, split),
-            gluon_desc(prep, [cfg.block_m, STEP_K // 2], swizzled=True), gluon_desc(words, [64, 16]),
+            nvfp4_matmul_wgmma_kernel, (min(units, _utils.num_sms(a.device)),),
+            gluon_desc(prep, [cfg.block_m, HALF_STEP], swizzled=True), gluon_desc(words, [64, 16 * cfg.steps]),
             gluon_desc(scale_bits, [64, 16]), factor, b_global_scale, dest, m, n, m_pad,
-            self.k_per_split // STEP_K, dest.stride(-2), dest.stride(-1), BLOCK_M=cfg.block_m,
-            CONSUMERS=cfg.consumers, STAGES=cfg.stages, SPLIT_K=split, num_warps=4, launch_pdl=True)
+            self.k_per_split // (STEP_K * cfg.steps), dest.stride(-2), dest.stride(-1), BLOCK_M=cfg.block_m,
+            CONSUMERS=cfg.consumers, STAGES=cfg.stages, STEPS=cfg.steps, SPLIT_K=split, PREFETCH=min(cfg.prefetch, cfg.stages),
+            num_warps=4, launch_pdl=True)
         if split > 1:
             launch_sum_cast(dest, out, split)
 

@@ -1,7 +1,7 @@
 """nvfp4_matmul: a @ dequant(b)^T with an NVFP4 weight b (the blockscaled GEMM), a either 16-bit (W4A16) or NVFP4
-(W4A4, both operands from nvfp4_quantize). Kernels: W4A16 on sm_90 takes the register-operand Gluon kernel at
-decode-sized M (<= 16, tileflash/lowp/kernels/gemm_mma.py) and the wgmma Gluon kernel for serving batches (16 < M
-<= 256 with K a multiple of 256, gemm_wgmma.py); everything else the Triton kernel
+(W4A4, both operands from nvfp4_quantize). Kernels: W4A16 on sm_90 takes the wgmma Gluon kernel up to M = 256
+with K a multiple of 256 (tileflash/lowp/kernels/gemm_wgmma.py) and the register-operand Gluon kernel for the
+other decode-sized calls (M <= 16, K a multiple of 32, gemm_mma.py); everything else the Triton kernel
 (tileflash/lowp/kernels/gemm_dequant.py), which also runs in the CPU interpreter; W4A4 on Blackwell (sm_100,
 sm_120) feeds the codes and scales to the native block-scaled MMA, elsewhere it decodes both operands.
 

@@ -65,41 +65,64 @@ def gemm_mma_config(m: int, n: int, k: int, num_sms: int = 132, tiles_per_progra
 
 @dataclass(frozen=True)
 class GemmWgmmaConfig:
-    """The wgmma NVFP4 GEMM for serving batches on sm_90 (lowp/kernels/gemm_wgmma.py)."""
-    block_m: int  # activation rows per tile: wgmma's N (64 or 128)
+    """The wgmma NVFP4 GEMM for sm_90 (lowp/kernels/gemm_wgmma.py): persistent CTAs over work units of (64 x
+    consumers weight rows, block_m activation rows, one K slice)."""
+    block_m: int  # activation rows per unit: wgmma's N (16, 32, 64 or 128)
     consumers: int  # consumer warpgroups per CTA, 64 weight rows each (1 or 2)
-    stages: int  # K steps of 128 values in the TMA ring
-    split_k: int  # K slices (fp32 partials summed in order); each an even number of steps
+    stages: int  # stages in the TMA ring
+    split_k: int  # K slices (fp32 partials summed in order) of whole stages, an even number when steps == 1
+    steps: int = 2  # MMA steps of 128 K values per stage (a stage of two reads 128-byte weight rows)
+    prefetch: int = 1  # stages whose weights are requested before the prep pass is waited for
 
 
 GEMM_WGMMA_MAX_M = 256
-GEMM_WGMMA_K_MULTIPLE = 256  # whole 16-byte scale boxes, slices of an even number of 128-value steps
-GEMM_WGMMA_STAGE_BYTES = 200 * 1024  # of the H200's 227 KB, what the ring may take
+GEMM_WGMMA_K_MULTIPLE = 256  # whole 16-byte scale boxes; slices of whole stages of one or two 128-value steps
+GEMM_WGMMA_STAGE_BYTES = 208 * 1024  # of the H200's 227 KB, what the ring may take
+GEMM_WGMMA_MAX_STAGES = 6
+GEMM_WGMMA_MIN_SLICE_STEPS = 8
+
+
+def gemm_wgmma_split(units: int, steps: int, m: int, n: int, k: int, num_sms: int = 132) -> int:
+    """K slices of the persistent wgmma GEMM: the count with the lowest estimate of (steps of the busiest CTA:
+    ceil(units x split / CTAs) x steps / split) x (1 + the fp32 partials' traffic, 2 x split x M x N x 4 bytes,
+    over the weight's bytes); slices of an even number of 128-value steps, at least GEMM_WGMMA_MIN_SLICE_STEPS;
+    ties take fewer slices."""
+    weight_bytes = n * k * 9 // 16
+    best, best_split = None, 1
+    split = 1
+    while steps % (2 * split) == 0 and steps // split >= GEMM_WGMMA_MIN_SLICE_STEPS:
+        busiest = -(-units * split // num_sms) * (steps // split)
+        cost = busiest * (1 + (8 * split * m * n / weight_bytes if split > 1 else 0))
+        if best is None or cost < best:
+            best, best_split = cost, split
+        split *= 2
+    return best_split
 
 
 def gemm_wgmma_config(m: int, n: int, k: int, num_sms: int = 132, block_m: int = 0, consumers: int = 0,
                       split_k: int = 0) -> GemmWgmmaConfig | None:
-    """Tiles of the wgmma NVFP4 GEMM (None outside GEMM_MMA_MAX_M < M <= GEMM_WGMMA_MAX_M or when K is not a
-    multiple of GEMM_WGMMA_K_MULTIPLE: the Triton kernel). The activation rows are wgmma's N: 64 up to M = 64, else
-    128. K is split in two, four, ... while the tiles times the slices still fit one wave of CTAs (one CTA per SM:
-    the ring takes most of the shared memory) and each slice keeps >= 8 steps. The stages fill
+    """Tiles of the wgmma NVFP4 GEMM (None above GEMM_WGMMA_MAX_M rows or when K is not a multiple of
+    GEMM_WGMMA_K_MULTIPLE: the Triton kernel). The activation rows are wgmma's N: 16 up to M = 16, 64 up to 64,
+    else 128; K slices by gemm_wgmma_split; stages of two MMA steps up to block_m 64, of one above (a 128-row
+    activation tile makes a two-step stage 82 KB: two of them hold too few steps in flight); the stages fill
     GEMM_WGMMA_STAGE_BYTES. block_m / consumers / split_k > 0 force those choices (the sweep).
     Measured (`sweep gemm-wgmma`, graph replay over inputs rotated past the L2, us): two consumers beat one by
-    1.17-1.24x everywhere (run 154); block_m and split as chosen are the best of block_m 64/128 x split 1/2/4 at
-    M = 64, 128 and N=28672 M=128 (e.g. N=K=8192 M=128: 36.3 vs 41.0-54.5, run 154); fewer stages are slower
-    (3 stages 1.07-1.22x, run 157), more are no faster (5 at block_m 128, 8 at 64: 0-4% slower, run 161)."""
-    if not GEMM_MMA_MAX_M < m <= GEMM_WGMMA_MAX_M or k % GEMM_WGMMA_K_MULTIPLE:
+    1.17-1.24x everywhere (run 154), three are 1.1-1.3x slower than two at M <= 16 (run 162); block_m 64 / 128 as
+    chosen are the best of block_m 64/128 x split 1/2/4 at M = 64, 128 and N=28672 M=128 (run 154, again with
+    persistent CTAs in run 163: block_m 64 is 1.2-1.4x slower at M = 96 .. 256)."""
+    if not 0 < m <= GEMM_WGMMA_MAX_M or k % GEMM_WGMMA_K_MULTIPLE:
         return None
-    block_m = block_m or (64 if m <= 64 else 128)
+    block_m = block_m or (16 if m <= 16 else 64 if m <= 64 else 128)
     consumers = consumers or 2
     steps = k // 128
-    tiles = -(-n // (64 * consumers)) * -(-m // block_m)
-    split = split_k or 1
-    while not split_k and tiles * split * 2 <= num_sms and steps % (4 * split) == 0 and steps // (2 * split) >= 8:
-        split *= 2
-    stage_bytes = 2 * block_m * 64 * 2 + consumers * 64 * (64 + 16)
-    return GemmWgmmaConfig(block_m=block_m, consumers=consumers, stages=min(8, GEMM_WGMMA_STAGE_BYTES // stage_bytes),
-                           split_k=split)
+    m_pad = -(-m // block_m) * block_m
+    units = -(-n // (64 * consumers)) * (m_pad // block_m)
+    split = split_k or gemm_wgmma_split(units, steps, m, n, k, num_sms)
+    per_stage = 2 if block_m <= 64 else 1
+    stage_bytes = per_stage * (2 * block_m * 64 * 2 + consumers * 64 * 64) + consumers * 64 * 16
+    return GemmWgmmaConfig(block_m=block_m, consumers=consumers,
+                           stages=min(GEMM_WGMMA_MAX_STAGES, GEMM_WGMMA_STAGE_BYTES // stage_bytes), split_k=split,
+                           steps=per_stage)
 
 
 def gemm_config(m: int, n: int, k: int, interpret: bool = False, num_sms: int = 132, a_nvfp4: bool = False,

@@ -1,4 +1,6 @@
-"""NVFP4 weight GEMM for decode-sized M (<= 16) on sm_90, written in Gluon: c = a @ dequant(b)^T.
+"""NVFP4 weight GEMM for decode-sized M (<= 16) on sm_90, written in Gluon: c = a @ dequant(b)^T. Since run 165
+the wgmma kernel (gemm_wgmma.py: a TMA ring, 1.3-1.5x faster at M = 1 and 16) takes these calls where K is a
+multiple of 256; this one serves the rest (K a multiple of 32, weights TMA cannot address).
 
 Why a second kernel (the Triton one is gemm_dequant.py): at M <= 16 the GEMM is bound by the bytes of the
 weight, 0.5625 per value, so the dequantisation has ~5 issue slots per value to spend at the copy roofline. The
