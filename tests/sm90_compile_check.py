@@ -338,7 +338,8 @@ def _cases(arch: int = 90):
         "gemm M=64 (split-K), wgmma": lambda: gemm(64, 512, 4096, kernel="wgmma"),
         "gemm M=200 fp16, N tail, wgmma": lambda: gemm(200, 320, 1024, torch.float16, kernel="wgmma"),
         "gemm M=100, one consumer, wgmma": None if not sm90 else lambda: gemm(
-            100, 256, 512, kernel="wgmma", wgmma_config=GemmWgmmaConfig(block_m=128, consumers=1, stages=3, split_k=1, steps=1)),
+            100, 256, 512, kernel="wgmma", wgmma_config=GemmWgmmaConfig(block_m=128, consumers=1, stages=3, split_k=1,
+                                                                         steps=1)),
         "gemm M=1 (split-K), wgmma, one-step stages": None if not sm90 else lambda: gemm(
             1, 4096, 4096, kernel="wgmma", wgmma_config=GemmWgmmaConfig(block_m=16, consumers=2, stages=6, split_k=2,
                                                                          steps=1, prefetch=3)),

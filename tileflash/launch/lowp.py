@@ -48,12 +48,12 @@ def launch_nvfp4_dequantize(d2, s2, global_scale, out) -> None:
 
 class GemmPlan(direct.Replayable):
     """One nvfp4_matmul call's kernel (on sm_90, W4A16 takes the wgmma kernel up to M = 256 with K a multiple of 256
-    and TMA-addressable weights (run 165: 1.3-1.5x the register-operand kernel at M = 1 and 16), the register-
-    operand kernel for the other calls with M <= 16; else the Triton one; W4A4 on the native block-scaled MMA
-    where the target has it), K
-    slices and launch arguments. With one K slice the kernel writes out [M, N] in out_dtype; with more, fp32
-    partials [slices, M, N] in the workspace, which a second launch sums in slice order into out. The wgmma
-    kernel's prepared activation ([2 * m_pad, K/2] fp16 and [m_pad] row factors) comes from the workspace too."""
+    and TMA-addressable weights (run 164: 1.2-1.5x the register-operand kernel at M = 1 and 16), the
+    register-operand kernel for the other calls with M <= 16; else the Triton one; W4A4 on the native
+    block-scaled MMA where the target has it), K slices and launch arguments. With one K slice the kernel writes
+    out [M, N] in out_dtype; with more, fp32 partials [slices, M, N] in the workspace, which a second launch sums
+    in slice order into out. The wgmma kernel's prepared activation ([2 * m_pad, K/2] fp16 and [m_pad] row
+    factors) comes from the workspace too."""
 
     def __init__(self, a, b_data, b_scales, a_scales, out_dtype):
         self.a_nvfp4 = a_scales is not None
@@ -138,8 +138,8 @@ class GemmPlan(direct.Replayable):
             gluon_desc(prep, [cfg.block_m, HALF_STEP], swizzled=True), gluon_desc(words, [64, 16 * cfg.steps]),
             gluon_desc(scale_bits, [64, 16]), factor, b_global_scale, dest, m, n, m_pad,
             self.k_per_split // (STEP_K * cfg.steps), dest.stride(-2), dest.stride(-1), BLOCK_M=cfg.block_m,
-            CONSUMERS=cfg.consumers, STAGES=cfg.stages, STEPS=cfg.steps, SPLIT_K=split, PREFETCH=min(cfg.prefetch, cfg.stages),
-            num_warps=4, launch_pdl=True)
+            CONSUMERS=cfg.consumers, STAGES=cfg.stages, STEPS=cfg.steps, SPLIT_K=split,
+            PREFETCH=min(cfg.prefetch, cfg.stages), num_warps=4, launch_pdl=True)
         if split > 1:
             launch_sum_cast(dest, out, split)
 

@@ -72,7 +72,7 @@ class GemmWgmmaConfig:
     stages: int  # stages in the TMA ring
     split_k: int  # K slices (fp32 partials summed in order) of whole stages, an even number when steps == 1
     steps: int = 2  # MMA steps of 128 K values per stage (a stage of two reads 128-byte weight rows)
-    prefetch: int = 1  # stages whose weights are requested before the prep pass is waited for
+    prefetch: int = 1  # stages whose weights are requested before the prep wait (run 163: 1 beats the ring by 2-8%)
 
 
 GEMM_WGMMA_MAX_M = 256

@@ -1,5 +1,5 @@
-"""NVFP4 weight GEMM for decode-sized M (<= 16) on sm_90, written in Gluon: c = a @ dequant(b)^T. Since run 165
-the wgmma kernel (gemm_wgmma.py: a TMA ring, 1.3-1.5x faster at M = 1 and 16) takes these calls where K is a
+"""NVFP4 weight GEMM for decode-sized M (<= 16) on sm_90, written in Gluon: c = a @ dequant(b)^T. Since run 164
+the wgmma kernel (gemm_wgmma.py: a TMA ring, 1.2-1.5x faster at M = 1 and 16) takes these calls where K is a
 multiple of 256; this one serves the rest (K a multiple of 32, weights TMA cannot address).
 
 Why a second kernel (the Triton one is gemm_dequant.py): at M <= 16 the GEMM is bound by the bytes of the
