@@ -186,7 +186,7 @@ def _steps(acc, a_bufs, w_bufs, s_bufs, ready, empty, sb, n_stages, CID: gl.cons
 
 
 @gluon.jit
-def _unit(u, N, m_pad, BLOCK_M: gl.constexpr, CONSUMERS: gl.constexpr, SPLIT_K: gl.constexpr):
+def _unit(u, m_pad, BLOCK_M: gl.constexpr, CONSUMERS: gl.constexpr, SPLIT_K: gl.constexpr):
     """Work unit u -> (first weight row, first activation row, K slice). The activation tiles of one weight tile
     and K slice are adjacent units, so CTAs running at the same time share the tile's weights in the L2."""
     m_tiles = m_pad // BLOCK_M
@@ -220,7 +220,7 @@ def _consumer(a_bufs, w_bufs, s_bufs, ready, empty, factor_ptr, g_ptr, out_ptr, 
     # warpgroup's reads of them under PDL.
     _grid_dependency_wait(n_stages)
     for i in range(_units(N, m_pad, BLOCK_M, CONSUMERS, SPLIT_K)):
-        n0, m0, split = _unit(gl.program_id(0) + i * gl.num_programs(0), N, m_pad, BLOCK_M, CONSUMERS, SPLIT_K)
+        n0, m0, split = _unit(gl.program_id(0) + i * gl.num_programs(0), m_pad, BLOCK_M, CONSUMERS, SPLIT_K)
         m_idx = m0 + cols
         factor = gl.load(factor_ptr + m_idx) * g  # in flight during the unit's steps
         acc = gl.zeros([ROWS, BLOCK_M], gl.float32, layout)
@@ -268,7 +268,7 @@ def _load_activation(a_desc, a_bufs, bar, st, m0, m_pad, step, STEPS: gl.constex
 def _stage_source(i, N, m_pad, n_stages, BLOCK_M: gl.constexpr, CONSUMERS: gl.constexpr, SPLIT_K: gl.constexpr):
     """Ring stage i of this CTA -> (first weight row, first activation row, K stage)."""
     unit = i // n_stages
-    n0, m0, split = _unit(gl.program_id(0) + unit * gl.num_programs(0), N, m_pad, BLOCK_M, CONSUMERS, SPLIT_K)
+    n0, m0, split = _unit(gl.program_id(0) + unit * gl.num_programs(0), m_pad, BLOCK_M, CONSUMERS, SPLIT_K)
     return n0, m0, split * n_stages + i - unit * n_stages
 
 
@@ -280,8 +280,8 @@ def _producer(a_desc, w_desc, s_desc, a_bufs, w_bufs, s_bufs, ready, empty, N, m
     PREFETCH stages are requested before the activation is known to be ready (under PDL this overlaps the prep
     pass; the weights are the HBM-bound part)."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
-    nbytes: gl.constexpr = 2 * STEPS * a_desc.block_type.nbytes + CONSUMERS * (w_desc.block_type.nbytes
-                                                                        + s_desc.block_type.nbytes)
+    nbytes: gl.constexpr = (2 * STEPS * a_desc.block_type.nbytes
+                            + CONSUMERS * (w_desc.block_type.nbytes + s_desc.block_type.nbytes))
     total = _units(N, m_pad, BLOCK_M, CONSUMERS, SPLIT_K) * n_stages
     first = gl.minimum(total, PREFETCH)
     for i in range(first):  # fresh stages: no release to wait for
@@ -312,7 +312,7 @@ def nvfp4_matmul_wgmma_kernel(a_desc, w_desc, s_desc, factor_ptr, g_ptr, out_ptr
     [N, K/16], blocks [64, 16]; n_stages: stages of STEPS MMA steps (128 K values each) per slice."""
     gl.static_assert(STEPS == 1 or STEPS == 2, "one or two MMA steps per stage")
     gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2, "one or two consumer warpgroups")
-    gl.static_assert(PREFETCH <= STAGES, "the prefetched steps are the ring's first stages")
+    gl.static_assert(PREFETCH <= STAGES, "the prefetched stages are the ring's first ones")
     a_bufs = gl.allocate_shared_memory(gl.float16, [2 * STEPS * STAGES, BLOCK_M, HALF], a_desc.layout)
     w_bufs = gl.allocate_shared_memory(gl.int32, [STAGES * CONSUMERS, ROWS, 16 * STEPS], w_desc.layout)
     s_bufs = gl.allocate_shared_memory(gl.uint8, [STAGES * CONSUMERS, ROWS, 16], s_desc.layout)
