@@ -158,21 +158,16 @@ def _cases(arch: int = 90):
 
         return case
 
-    def gemm(m, n, k, dtype=bf, kernel=None, wgmma_config=None):
+    def gemm(m, n, k, dtype=bf, kernel=None, forced=None):
         """An nvfp4_matmul call; kernel "mma" / "wgmma": it must take that Gluon kernel on sm_90
-        (lowp/kernels/gemm_mma.py, gemm_wgmma.py; "mma" declines the wgmma kernel, which takes M <= 16 too where
-        it applies); wgmma_config forces the latter's tiles."""
+        (lowp/kernels/gemm_mma.py, gemm_wgmma.py); forced: config.override's keywords (sm_90 cases only)."""
         from tileflash.lowp.kernels.gemm_mma import nvfp4_matmul_mma_kernel
         from tileflash.lowp.kernels.gemm_wgmma import nvfp4_matmul_wgmma_kernel
 
         kern = {"mma": (nvfp4_matmul_mma_kernel,), "wgmma": (nvfp4_matmul_wgmma_kernel,)}.get(kernel, ())
         call = lambda: tileflash.nvfp4_matmul(torch.randn(m, k, dtype=dtype),  # noqa: E731
                                               *tileflash.nvfp4_quantize(torch.randn(n, k)))
-        if wgmma_config is not None:  # sm_90 only: the case is None elsewhere
-            with config.override(gemm_wgmma=wgmma_config):
-                _compiles(kern, call)
-            return
-        with config.override(**({"gemm_wgmma": None} if kernel == "mma" else {})):
+        with config.override(**(forced or {})):
             (_compiles if sm90 else _avoids)(kern, call)
 
     def gemm_w4a4(m, n, k):
@@ -332,17 +327,17 @@ def _cases(arch: int = 90):
                                           for i in range(4)))
             for shape, lse_shape in (((2, 33, 8, 128), (2, 8, 33)), ((45, 4, 80), (4, 45)))],
         "nvfp4_quantize": lambda: tileflash.nvfp4_quantize(torch.randn(64, 128, dtype=bf)),
-        "gemm M=1 (split-K), register operands": lambda: gemm(1, 4096, 4096, kernel="mma"),
+        "gemm M=1 (split-K), register operands, wgmma declined": None if not sm90 else lambda: gemm(
+            1, 4096, 4096, kernel="mma", forced={"gemm_wgmma": None}),
+        # K not a multiple of 256: the heuristic's own fallback from the wgmma kernel
         "gemm M=16 fp16, K tail, one slice, register operands": lambda: gemm(16, 200, 416, torch.float16,
                                                                               kernel="mma"),
         "gemm M=64 (split-K), wgmma": lambda: gemm(64, 512, 4096, kernel="wgmma"),
         "gemm M=200 fp16, N tail, wgmma": lambda: gemm(200, 320, 1024, torch.float16, kernel="wgmma"),
-        "gemm M=100, one consumer, wgmma": None if not sm90 else lambda: gemm(
-            100, 256, 512, kernel="wgmma", wgmma_config=GemmWgmmaConfig(block_m=128, consumers=1, stages=3, split_k=1,
-                                                                         steps=1)),
-        "gemm M=1 (split-K), wgmma, one-step stages": None if not sm90 else lambda: gemm(
-            1, 4096, 4096, kernel="wgmma", wgmma_config=GemmWgmmaConfig(block_m=16, consumers=2, stages=6, split_k=2,
-                                                                         steps=1, prefetch=3)),
+        "gemm M=100, one consumer, wgmma": None if not sm90 else lambda: gemm(100, 256, 512, kernel="wgmma", forced={
+            "gemm_wgmma": GemmWgmmaConfig(block_m=128, consumers=1, stages=3, split_k=1, steps=1)}),
+        "gemm M=1 (split-K), wgmma, one-step stages": None if not sm90 else lambda: gemm(1, 4096, 4096, kernel="wgmma",
+            forced={"gemm_wgmma": GemmWgmmaConfig(block_m=16, consumers=2, stages=6, split_k=2, steps=1, prefetch=3)}),
         "gemm M=5, wgmma 16 rows": lambda: gemm(5, 4096, 4096, kernel="wgmma"),
         "gemm M=128, K tail (Triton kernel)": lambda: gemm(128, 512, 1040),
         "gemm M=1024": lambda: gemm(1024, 512, 1024),
