@@ -13,7 +13,7 @@ from ..lowp.kernels.gemm_mma import nvfp4_matmul_mma_kernel
 from ..lowp.kernels.gemm_wgmma import HALF_STEP, STEP_K, activation_prep_kernel, nvfp4_matmul_wgmma_kernel
 from ..lowp.kernels.quant import nvfp4_dequantize_kernel, nvfp4_quantize_kernel
 from ..plan.gemm import GEMM_WGMMA_K_MULTIPLE, gemm_config, gemm_mma_config, gemm_wgmma_config
-from ..plan.target import native_fp4_mma, sm90_target, target_arch
+from ..plan.target import native_fp4_mma, sm90_target, target_arch, tma_aligned
 from .tensors import gluon_desc, launch_sum_cast
 
 
@@ -82,7 +82,7 @@ class GemmPlan(direct.Replayable):
                 raise ValueError(f"GemmWgmmaConfig(split_k={self.split}, steps={self.cfg.steps}): K={k} must split "
                                  f"into slices of a multiple of {GEMM_WGMMA_K_MULTIPLE} values, stages of 1 or 2 steps")
             # prep (fp16, two per fp32 slot), the row factors, then the partials; each 16-byte aligned for TMA
-            self.partials_at = self.m_pad * k // 2 + _round4(self.m_pad)
+            self.partials_at = self.m_pad * k // 2 + _utils.cdiv(self.m_pad, 4) * 4
             self.ws_numel = self.partials_at
         else:
             self.cfg = self.mma or config.chosen("gemm", gemm_config(m, n, k, interpret=_utils.is_interpreter(),
@@ -177,16 +177,10 @@ def _k_slices(k: int, block_k: int, split_k: int) -> tuple[int, int]:
     return k_per_split, _utils.cdiv(k, k_per_split)  # no empty slice
 
 
-def _round4(n: int) -> int:
-    """n rounded up to whole 16-byte groups of fp32 workspace slots."""
-    return -(-n // 4) * 4
-
-
 def _wgmma_operands_ok(b_data, b_scales) -> bool:
-    """What the wgmma kernel's TMA copies need of the weight: unit-stride rows, 16-byte aligned bases and row
-    strides (the activation is copied into the workspace first, so a may have any strides)."""
-    return (b_data.stride(1) == 1 and b_scales.stride(1) == 1
-            and all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in (b_data, b_scales)))
+    """What the wgmma kernel's TMA copies need of the weight (the activation is copied into the workspace first,
+    so a may have any strides)."""
+    return tma_aligned(b_data, dims=(0,)) and tma_aligned(b_scales, dims=(0,))
 
 
 def _mma_operands_ok(a, b_data, b_scales) -> bool:

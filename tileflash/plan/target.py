@@ -73,10 +73,10 @@ def sm90_target() -> bool:
 
 
 def tma_aligned(t: torch.Tensor, dims) -> bool:
-    """TMA's layout rules for a [B, S, H, D] tensor whose dims `dims` a descriptor spans by stride: a 16-byte
-    aligned base, those strides multiples of 16 bytes, and D contiguous."""
+    """TMA's layout rules for a tensor (e.g. [B, S, H, D]) whose dims `dims` a descriptor spans by stride: a
+    16-byte aligned base, those strides multiples of 16 bytes, and the last dim contiguous."""
     es = t.element_size()
-    return t.data_ptr() % 16 == 0 and t.stride(3) == 1 and all((t.stride(i) * es) % 16 == 0 for i in dims)
+    return t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and all((t.stride(i) * es) % 16 == 0 for i in dims)
 
 
 def tma_4d_ok(t: torch.Tensor) -> bool:
