@@ -447,7 +447,9 @@ def test_prep_order_pairs_with_the_weight_order():
     (16, 8192, 8192, GemmWgmmaConfig(16, 2, 6, 2)),  # decode-sized: 16-row activation tiles
     (1, 28672, 4096, GemmWgmmaConfig(16, 2, 6, 4)),  # 224 tiles: 4 slices balance them over 132 CTAs (tiny partials)
     (16, 28672, 4096, GemmWgmmaConfig(16, 2, 6, 1)),  # 16 rows of partials would cost more than the balance gains
-    (17, 8192, 8192, GemmWgmmaConfig(block_m=64, consumers=2, stages=4, split_k=2)),  # 64 tiles: K in two
+    (17, 8192, 8192, GemmWgmmaConfig(block_m=32, consumers=2, stages=6, split_k=2)),  # 64 tiles: K in two
+    (32, 28672, 4096, GemmWgmmaConfig(32, 2, 6, 1)),  # 32-row tiles up to M = 32 (run 166)
+    (33, 8192, 8192, GemmWgmmaConfig(64, 2, 4, 2)),
     (64, 8192, 8192, GemmWgmmaConfig(64, 2, 4, 2)),
     (128, 8192, 8192, GemmWgmmaConfig(128, 2, 4, 2, steps=1)),
     (256, 8192, 8192, GemmWgmmaConfig(128, 2, 4, 1, steps=1)),  # 128 tiles: one wave already
@@ -461,7 +463,7 @@ def test_gemm_wgmma_config_table(m, n, k, expected):
 
 
 WGMMA_SHAPES = [  # K a multiple of 256
-    (17, 256, 256),  # one stage; 17 of 64 activation rows
+    (17, 256, 256),  # one stage; 17 of 32 activation rows
     (64, 4096, 4096),  # K in four slices of 4 stages
     (100, 320, 1024),  # an N tail of 64 rows (half a CTA); 100 of 128 rows
     (200, 1000, 2048),  # two 128-row tiles; an N tail of 40 rows

@@ -102,17 +102,19 @@ def gemm_wgmma_split(units: int, steps: int, m: int, n: int, k: int, num_sms: in
 def gemm_wgmma_config(m: int, n: int, k: int, num_sms: int = 132, block_m: int = 0, consumers: int = 0,
                       split_k: int = 0) -> GemmWgmmaConfig | None:
     """Tiles of the wgmma NVFP4 GEMM (None above GEMM_WGMMA_MAX_M rows or when K is not a multiple of
-    GEMM_WGMMA_K_MULTIPLE: the Triton kernel). The activation rows are wgmma's N: 16 up to M = 16, 64 up to 64,
-    else 128; K slices by gemm_wgmma_split; stages of two MMA steps up to block_m 64, of one above (a 128-row
+    GEMM_WGMMA_K_MULTIPLE: the Triton kernel). The activation rows are wgmma's N: 16 up to M = 16, 32 up to 32, 64
+    up to 64, else 128; K slices by gemm_wgmma_split; stages of two MMA steps up to block_m 64, of one above (a 128-row
     activation tile makes a two-step stage 82 KB: two of them hold too few steps in flight); the stages fill
     GEMM_WGMMA_STAGE_BYTES. block_m / consumers / split_k > 0 force those choices (the sweep).
     Measured (`sweep gemm-wgmma`, graph replay over inputs rotated past the L2, us): two consumers beat one by
     1.17-1.24x everywhere (run 154), three are 1.1-1.3x slower than two at M <= 16 (run 162); block_m 64 / 128 as
     chosen are the best of block_m 64/128 x split 1/2/4 at M = 64, 128 and N=28672 M=128 (run 154, again with
-    persistent CTAs in run 163: block_m 64 is 1.2-1.4x slower at M = 96 .. 256)."""
+    persistent CTAs in run 163: block_m 64 is 1.2-1.4x slower at M = 96 .. 256); block_m 32 at M = 17 .. 32 is
+    1.07-1.18x faster than 64 and 1.3-1.4x faster than two 16-row tiles (run 166: N=K=8192 M=32 21.9 vs 24.6 us,
+    N=28672 K=4096 M=32 30.8 vs 36.4)."""
     if not 0 < m <= GEMM_WGMMA_MAX_M or k % GEMM_WGMMA_K_MULTIPLE:
         return None
-    block_m = block_m or (16 if m <= 16 else 64 if m <= 64 else 128)
+    block_m = block_m or next((b for b in (16, 32, 64) if m <= b), 128)
     consumers = consumers or 2
     steps = k // 128
     m_pad = -(-m // block_m) * block_m
