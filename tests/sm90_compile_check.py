@@ -374,11 +374,11 @@ def _sass_has_fp4_mma(kernel) -> bool:
 def _kernels() -> list:
     """(name, JIT function) of every kernel module's kernels."""
     from tileflash.kernels.gluon import attn_bwd as attn_bwd_ws, attn_fwd as attn_fwd_ws, decode_mma, mla_decode
-    from tileflash.kernels.triton import attn_bwd, attn_fwd, combine, kv_append
+    from tileflash.kernels.triton import attn_bwd, attn_fwd, cast, combine, kv_append
     from tileflash.lowp.kernels import gemm_dequant, gemm_mma, gemm_wgmma, quant
 
-    mods = (attn_fwd, attn_fwd_ws, attn_bwd, attn_bwd_ws, combine, kv_append, quant, gemm_dequant, gemm_mma, gemm_wgmma,
-            decode_mma, mla_decode)
+    mods = (attn_fwd, attn_fwd_ws, attn_bwd, attn_bwd_ws, cast, combine, kv_append, quant, gemm_dequant, gemm_mma,
+            gemm_wgmma, decode_mma, mla_decode)
     return [(name, getattr(mod, name)) for mod in mods for name in sorted(dir(mod))
             if hasattr(getattr(mod, name), "device_caches")]
 

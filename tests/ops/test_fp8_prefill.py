@@ -53,6 +53,8 @@ if ON_GPU:  # many full tiles: the unmasked fast path
         (2, 1024, 1024, 8, 2, 128, True, (-1, -1), 0.0),
         (1, 777, 2049, 4, 4, 64, False, (-1, -1), 0.0),
         (1, 1000, 1000, 4, 1, 256, False, (-1, -1), 0.0),
+        (3, 500, 1000, 8, 2, 128, False, (-1, -1), 0.0),  # batches of 1000 keys: V^T columns padded to 1008
+        (2, 999, 999, 4, 4, 64, True, (-1, -1), 0.0),
     ]
 
 
@@ -86,15 +88,26 @@ def test_fp8_alibi_sink_fp16_out_and_strided_descales():
                                                         upcast=up, intermediate_dtype=inter), torch.float16)
 
 
-def test_fp8_varlen_and_paged():
-    lens_q, lens_k, hq, hkv, d = [5, 0, 17, 33], [5, 3, 40, 33], 4, 2, 64
-    q, k, v, cu_q, cu_k = packed_inputs(lens_q, lens_k, hq, hkv, d, torch.bfloat16, seed=7)
+def _check_fp8_varlen(lens_q, lens_k, hq, hkv, d, seed):
+    q, k, v, cu_q, cu_k = packed_inputs(lens_q, lens_k, hq, hkv, d, torch.bfloat16, seed=seed)
     q8, k8, v8, qd, kd, vd = tileflash.fp8_quantize_qkv(q, k, v, cu_q, cu_k)
     out, lse = tileflash.flash_attn_varlen_func(q8, k8, v8, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
                                                 return_lse=True, q_descale=qd, k_descale=kd, v_descale=vd)
     deq = dequantize(q8, qd, cu_q), dequantize(k8, kd, cu_k), dequantize(v8, vd, cu_k)
     check_fp8(out, lse, lambda up, inter: attention_varlen_ref(*deq, cu_q, cu_k, causal=True, upcast=up,
                                                                intermediate_dtype=inter))
+    return q8, qd, cu_q, cu_k, deq
+
+
+@pytest.mark.skipif(not ON_GPU, reason="thousands of keys: minutes in the interpreter")
+def test_fp8_varlen_long_sequences():
+    """Packed sequences starting at unaligned keys, long enough for many full blocks (V^T through TMA)."""
+    _check_fp8_varlen([700, 1, 301, 1000], [1000, 517, 2049, 1003], 8, 2, 128, seed=11)
+
+
+def test_fp8_varlen_and_paged():
+    lens_q, lens_k, hq, hkv, d = [5, 0, 17, 33], [5, 3, 40, 33], 4, 2, 64
+    q8, qd, cu_q, cu_k, deq = _check_fp8_varlen(lens_q, lens_k, hq, hkv, d, seed=7)
 
     # The same keys in pages of 5 tokens (a pool quantized per KV head: descales [Hkv] expanded to [B, Hkv]).
     page, max_pages = 5, 9
@@ -149,6 +162,31 @@ def test_fp8_quantize_qkv_bit_exact():
     for x8, descale, x, cu in zip(got[:3], got[3:], (q, k, v), (cu_q, cu_k, cu_k)):
         want8, want = _quantize_loop(x, 1, cu.tolist())
         assert torch.equal(x8.view(torch.uint8), want8.view(torch.uint8)) and torch.equal(descale, want)
+
+
+@pytest.mark.parametrize("lengths", [[37, 37, 37], [5, 0, 40, 16, 1]], ids=["padded", "packed"])
+def test_values_t_layout(lengths):
+    """launch_values_t: every sequence's tokens from its 16-byte aligned column (values_t_column), whatever the
+    lengths, and zeros up to the next sequence's first column (a V^T buffer full of NaN bytes to start with)."""
+    from tileflash.launch.tensors import launch_values_t, values_t_column, values_t_width
+
+    h, d = 3, 40
+    padded = len(set(lengths)) == 1
+    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32)
+    total, n = int(cu[-1]), len(lengths)
+    v = torch.randn(total, h, d, device=DEVICE).to(E4M3)
+    v4 = v.view(n, lengths[0], h, d) if padded else v.unsqueeze(0)
+    vt = torch.full((h, d, values_t_width(total, n)), 0x7F, dtype=torch.uint8, device=DEVICE).view(E4M3)  # NaN
+    launch_values_t(v4, vt, None if padded else cu.to(DEVICE))
+    vt = vt.view(torch.uint8).cpu()
+    v = v.cpu()
+    for i in range(n):
+        start, length = int(cu[i]), lengths[i]
+        col = values_t_column(start, i)
+        nxt = values_t_column(start + length, i + 1)
+        assert torch.equal(vt[:, :, col:col + length], v[start:start + length].view(torch.uint8).permute(1, 2, 0))
+        assert not vt[:, :, col + length:nxt].any()
+    assert nxt == vt.shape[2]
 
 
 @triton.jit

@@ -46,8 +46,8 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
     pdl: a split launch lets launch_combine(..., pdl=True) start as its programmatic dependent (sm_90 only).
     FP8 attention: q4, k4, v4 in float8_e4m3fn, q_scale / k_scale / v_scale FA3's descales (fp32 [B, Hkv], any
     strides, or None for 1); out4 in bf16 or fp16. A cache's k_scale / v_scale (fp32 [1] or [Hkv]) otherwise.
-    v_transposed: v4 is FP8 attention's V^T [Hkv, D, tokens] (tensors.transposed_values of a contiguous or packed
-    v; not paged).
+    v_transposed: v4 is FP8 attention's V^T [Hkv, D, width] (tensors.launch_values_t of a contiguous or packed v;
+    not paged).
     """
     dev = q4.device
     hq, d = q4.shape[2], q4.shape[3]  # q's head dim (an NVFP4 cache stores d / 2 bytes per head)
@@ -71,18 +71,17 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
     rows = k4.shape[0] * k4.shape[1]
     fp8_mode = FP8_V_T if v_transposed else FP8_V_ROWS
     if tma_tiles(config, k4.shape[1] if paged else 0, nvfp4):
-        if v_transposed:  # V^T's descriptor needs 16-byte aligned token offsets: each batch's start
+        if v_transposed:  # every sequence's V^T columns start 16-byte aligned (tensors.values_t_column)
             k_desc = row_descriptors((k4,), rows, config.block_n)
-            v_desc = values_t_descriptor(v4, rows, config.block_n) if cu_seqlens_k is None and \
-                k4.shape[1] % 16 == 0 else None
+            v_desc = values_t_descriptor(v4, v4.shape[2], config.block_n)
             descs = k_desc and (*k_desc, v_desc if v_desc is not None else v4)
             fp8_mode = FP8_V_T_DESC if descs and v_desc is not None else FP8_V_T
         else:
             descs = row_descriptors((k4, v4), rows, config.block_n)
     k_arg, v_arg = descs if descs else (k4, v4)
     fp8, scale_args = _scale_args(q4, k_scale, v_scale, q_scale, dummy)
-    # V^T's strides as the kernel takes them: tokens per batch, D's, the head's (attn_fwd.py)
-    v_strides = ((0 if k_batch_stride0 else k4.shape[1]), v4.stride(1), v4.stride(0)) if v_transposed else \
+    # V^T's strides as the kernel takes them: none per batch (tensors.values_t_column), D's, the head's (attn_fwd.py)
+    v_strides = (0, v4.stride(1), v4.stride(0)) if v_transposed else \
         strides3(v4, k_batch_stride0)
     return direct.launch(
         attn_fwd_kernel, grid,

@@ -5,11 +5,12 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import _utils
 from . import direct
-from ..kernels.triton.cast import sum_cast_kernel
+from ..kernels.triton.cast import sum_cast_kernel, values_t_kernel
 from ..plan.target import padded_head_dim, tma_aligned
 
 
@@ -69,20 +70,40 @@ def row_descriptors(tensors, rows: int, block_rows: int):
     return descs
 
 
-def transposed_values(v: torch.Tensor) -> torch.Tensor:
-    """FP8 attention's V^T: v [B, S, Hkv, D] (or packed [S, Hkv, D]) -> [Hkv, D, T_pad] with column b * S + s
-    holding token s of batch b (K's merged rows), T = B * S rounded up to 16 bytes (TMA's stride alignment): the
-    K-major layout FP8 tensor cores read P V's second operand in. Columns past T are never read."""
-    if v.dim() == 3:
-        v = v.unsqueeze(0)
-    b, s, h, d = v.shape
-    vt = torch.empty(h, d, _utils.cdiv(b * s, 16) * 16, dtype=v.dtype, device=v.device)
-    vt[:, :, :b * s].view(h, d, b, s).copy_(v.permute(2, 3, 0, 1))
-    return vt
+def values_t_width(rows: int, seqs: int) -> int:
+    """Columns of FP8 attention's V^T for `rows` key rows in `seqs` sequences (values_t_column)."""
+    return _utils.cdiv(rows, 16) * 16 + 16 * seqs
+
+
+def values_t_column(start: int, seq: int) -> int:
+    """V^T's column of the first key of sequence `seq`, whose first key is row `start` of the merged rows (batch b of
+    [B, S, ..] starts at b * S; packed sequences at cu_seqlens_k): 16-byte aligned, so that a TMA descriptor reads
+    every sequence (by pointers the Triton forward spilled and ran 3-6x slower, run 169), at least one zero column
+    after each sequence. kernels/triton/cast.values_t_kernel writes it, kernels/triton/attn_fwd.py reads it."""
+    return _utils.cdiv(start, 16) * 16 + 16 * seq
+
+
+def launch_values_t(v4: torch.Tensor, vt: torch.Tensor, cu_seqlens_k: torch.Tensor | None = None) -> None:
+    """FP8 attention's V^T: v4 [B, S, Hkv, D] (or packed [1, total, Hkv, D] with cu_seqlens_k [B + 1] int32) into vt
+    [Hkv, D, values_t_width] (any contents: every column is written, tokens or zeros), the K-major layout FP8
+    tensor cores read P V's second operand in."""
+    b, s, h, d = v4.shape
+    seqs = b if cu_seqlens_k is None else cu_seqlens_k.shape[0] - 1
+    if seqs == 0:
+        return
+    parts = max(1, min(_utils.cdiv(b * s // seqs, VALUES_T_BLOCK), 64))  # programs per sequence and head
+    src, dst = direct.derived(v4.view(torch.uint8), v4), direct.derived(vt.view(torch.uint8), vt)
+    direct.launch(values_t_kernel, (seqs, parts, h), src, dst, cu_seqlens_k if cu_seqlens_k is not None else dst,
+                  s, v4.stride(0), v4.stride(1), v4.stride(2), vt.stride(0), vt.stride(1), HEAD_DIM=d,
+                  HEAD_DIM_PAD=triton.next_power_of_2(d), BLOCK_T=VALUES_T_BLOCK, VARLEN=cu_seqlens_k is not None,
+                  num_warps=4)
+
+
+VALUES_T_BLOCK = 64  # tokens per program step of values_t_kernel (a copy: not tuned)
 
 
 def values_t_descriptor(vt: torch.Tensor, tokens: int, block_n: int):
-    """A TMA descriptor over V^T [Hkv, D, tokens] (transposed_values; columns past `tokens` read as zeros), boxes
+    """A TMA descriptor over V^T [Hkv, D, tokens] (launch_values_t; columns past `tokens` read as zeros), boxes
     [1, D, block_n]; None unless D is a power of two (a box never reaches into the next head) and tokens > 0."""
     h, d, _ = vt.shape
     if not 0 < tokens < 2 ** 31 or d != padded_head_dim(d, True) or d > 256:

@@ -12,7 +12,7 @@ from . import backward as _bwd
 from ..launch import direct
 from ..launch.backward import BwdPlan
 from ..launch.forward import launch_attn_fwd, launch_attn_fwd_ws
-from ..launch.tensors import transposed_values
+from ..launch.tensors import launch_values_t, values_t_width
 from ..plan.prefill import Mask, fwd_config, ws_forward_config
 from ..plan.target import target_arch
 
@@ -81,11 +81,12 @@ class FwdPlan(direct.Replayable):
 
     out_dtype = None  # FP8 attention's (bf16 / fp16); None: q's
 
-    def __init__(self, launch, lse_shape, device, keep_lse: bool, empty: bool, transpose_v: bool = False):
-        """out is q's shape and dtype (made per run from q); lse_shape [B, Hq, Sq] or [Hq, total_q]. transpose_v:
-        the launch takes V^T (FP8 attention, launch/tensors.transposed_values), made per run from v."""
+    def __init__(self, launch, lse_shape, device, keep_lse: bool, empty: bool, vt_shape: tuple | None = None):
+        """out is q's shape and dtype (made per run from q); lse_shape [B, Hq, Sq] or [Hq, total_q]. vt_shape: FP8
+        attention's V^T buffer [Hkv, D, width], made per run, which the launch fills (launch/tensors.launch_values_t)
+        and reads."""
         self.launch, self.lse_shape, self.device, self.keep_lse, self.empty = launch, lse_shape, device, keep_lse, empty
-        self.transpose_v = transpose_v
+        self.vt_shape = vt_shape
         self.lse_numel = 0 if keep_lse else _utils.cdiv(math.prod(lse_shape), 4) * 4
         self.backward_plans = direct.PlanCache(register=False)  # by dout's and dlse's signature (_AttnFunction)
 
@@ -98,11 +99,10 @@ class FwdPlan(direct.Replayable):
         lse = _utils.new_output(self.lse_shape, torch.float32, self.device) if self.keep_lse else None
         if self.empty:  # nothing to launch: every row sees no key
             return out, (lse.fill_(float("-inf")) if lse is not None else None)
-        if self.transpose_v:
-            tensors = (*tensors[:2], transposed_values(tensors[2]), *tensors[3:])
+        vt = torch.empty(self.vt_shape, dtype=FP8, device=self.device) if self.vt_shape else None
         stream = direct.current_stream(self.device)
         ws = direct.WORKSPACE.get(self.device, stream, self.lse_numel) if self.lse_numel else None
-        self.execute(self.launch, (*tensors, out, lse, ws), stream)
+        self.execute(self.launch, (*tensors, out, lse, ws, vt), stream)
         return out, lse
 
 
@@ -110,19 +110,23 @@ def _lse_or_workspace(lse, ws, shape):
     return lse if lse is not None else direct.derived(ws[:math.prod(shape)].view(shape), ws)
 
 
-def _launch_dense(ws_cfg, cfg, mask: Mask, softmax_scale: float, v_transposed: bool, q, k, v, alibi_slopes,
-                  learnable_sink, q_descale, k_descale, v_descale, out, lse, ws) -> None:
+def _launch_dense(ws_cfg, cfg, mask: Mask, softmax_scale: float, q, k, v, alibi_slopes, learnable_sink, q_descale,
+                  k_descale, v_descale, out, lse, ws, vt) -> None:
+    """vt: FP8 attention's V^T buffer (filled from v here), else None."""
     b, sq, hq, _ = q.shape
     lse = _lse_or_workspace(lse, ws, (b, hq, sq))
+    if vt is not None:
+        launch_values_t(v, vt)
     if ws_cfg is not None:
         launch_attn_fwd_ws(q, k, v, out, lse, causal=mask.window_right == 0, softmax_scale=softmax_scale,
                            config=ws_cfg, learnable_sink=learnable_sink)
     else:
-        launch_attn_fwd(q, k, v, out, lse, q_batch_stride0=False, k_batch_stride0=False, num_batches=b,
+        launch_attn_fwd(q, k, v if vt is None else vt, out, lse, q_batch_stride0=False, k_batch_stride0=False,
+                        num_batches=b,
                         seqlen_q=sq, seqlen_k=k.shape[1], m_rows=sq, softmax_scale=softmax_scale, mask=mask,
                         config=cfg, sp_overlap=cfg.sp_overlap, alibi_slopes=alibi_slopes,
                         learnable_sink=learnable_sink, q_scale=q_descale, k_scale=k_descale, v_scale=v_descale,
-                        v_transposed=v_transposed)
+                        v_transposed=vt is not None)
 
 
 def _dense_plan(q, k, v, softmax_scale: float, mask: Mask, keep_lse: bool, alibi: bool) -> FwdPlan:
@@ -139,9 +143,9 @@ def _dense_plan(q, k, v, softmax_scale: float, mask: Mask, keep_lse: bool, alibi
         if ws_cfg is None:
             cfg = config.chosen("fwd", fwd_config(d, causal=mask.window_right >= 0, interpret=_utils.is_interpreter(),
                                                   seqlen_k=sk, arch=target_arch(), fp8=q.dtype == FP8))
-    fp8 = q.dtype == FP8
-    launch = functools.partial(_launch_dense, ws_cfg, cfg, mask, softmax_scale, fp8)
-    return FwdPlan(launch, (b, hq, sq), q.device, keep_lse, empty, transpose_v=fp8)
+    vt_shape = (k.shape[2], d, values_t_width(b * sk, b)) if q.dtype == FP8 else None
+    launch = functools.partial(_launch_dense, ws_cfg, cfg, mask, softmax_scale)
+    return FwdPlan(launch, (b, hq, sq), q.device, keep_lse, empty, vt_shape)
 
 
 _DENSE_PLANS = direct.PlanCache()
@@ -184,10 +188,11 @@ def _varlen_ws_config(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax
 
 
 def _launch_varlen(ws_cfg, cfg, mask: Mask, softmax_scale: float, max_seqlen_q: int, max_seqlen_k: int, paged: bool,
-                   v_transposed: bool, q, k, v, alibi_slopes, learnable_sink, q_descale, k_descale, v_descale,
-                   cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, lse, ws) -> None:
+                   q, k, v, alibi_slopes, learnable_sink, q_descale, k_descale, v_descale, cu_seqlens_q, cu_seqlens_k,
+                   seqused_k, block_table, out, lse, ws, vt) -> None:
     """Packed queries q [total_q, H, D] viewed as [1, total_q, H, D] with a batch stride of 0 (cu_seqlens_q gives
-    each sequence's start); keys packed the same way, or (paged) page pools read through block_table."""
+    each sequence's start); keys packed the same way, or (paged) page pools read through block_table. vt: FP8
+    attention's V^T buffer (filled from v here), else None."""
     total_q, hq, _ = q.shape
     lse = _lse_or_workspace(lse, ws, (hq, total_q))
     q4, out4, lse3 = (direct.derived(t.unsqueeze(0), t) for t in (q, out, lse))
@@ -195,7 +200,10 @@ def _launch_varlen(ws_cfg, cfg, mask: Mask, softmax_scale: float, max_seqlen_q: 
         k4, v4 = k, v
     else:
         k4 = direct.derived(k.unsqueeze(0), k)
-        v4 = v if v_transposed else direct.derived(v.unsqueeze(0), v)
+        v4 = direct.derived(v.unsqueeze(0), v)
+        if vt is not None:
+            launch_values_t(v4, vt, cu_seqlens_k)
+            v4 = vt
     if ws_cfg is not None:
         launch_attn_fwd_ws(q4, k4, v4, out4, lse3, causal=mask.window_right == 0, softmax_scale=softmax_scale,
                            config=ws_cfg, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
@@ -207,7 +215,7 @@ def _launch_varlen(ws_cfg, cfg, mask: Mask, softmax_scale: float, max_seqlen_q: 
                     softmax_scale=softmax_scale, mask=mask, config=cfg, sp_overlap=cfg.sp_overlap,
                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=None if paged else cu_seqlens_k, seqlens_k=seqused_k,
                     block_table=block_table, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink,
-                    q_scale=q_descale, k_scale=k_descale, v_scale=v_descale, v_transposed=v_transposed)
+                    q_scale=q_descale, k_scale=k_descale, v_scale=v_descale, v_transposed=vt is not None)
 
 
 def _varlen_plan(q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_q: int, max_seqlen_k: int,
@@ -227,10 +235,10 @@ def _varlen_plan(q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_q: in
         if ws_cfg is None:
             cfg = config.chosen("fwd", fwd_config(d, causal=mask.window_right >= 0, interpret=_utils.is_interpreter(),
                                                   seqlen_k=max_seqlen_k, arch=target_arch(), fp8=q.dtype == FP8))
-    v_transposed = q.dtype == FP8 and not paged
-    launch = functools.partial(_launch_varlen, ws_cfg, cfg, mask, softmax_scale, max_seqlen_q, max_seqlen_k, paged,
-                               v_transposed)
-    return FwdPlan(launch, (hq, total_q), q.device, keep_lse, empty, transpose_v=v_transposed)
+    vt_shape = (k.shape[1], d, values_t_width(k.shape[0], cu_seqlens_q.shape[0] - 1)) \
+        if q.dtype == FP8 and not paged else None  # paged pools read V as stored
+    launch = functools.partial(_launch_varlen, ws_cfg, cfg, mask, softmax_scale, max_seqlen_q, max_seqlen_k, paged)
+    return FwdPlan(launch, (hq, total_q), q.device, keep_lse, empty, vt_shape)
 
 
 _VARLEN_PLANS = direct.PlanCache()

@@ -12,11 +12,12 @@ Shapes (element strides are passed explicitly; the head dim must be contiguous):
           HEAD_DIM_V] is a second query part whose keys are the values themselves: s = q k^T + qv v^T (DeepSeek's
           latent cache as V, its rotary part as K), so each latent byte is read once for both products.
   FP8 caches (decode): k/v in float8_e4m3fn with fp32 scales per tensor or per KV head (KV_SCALED).
-  FP8 attention (QKV_FP8: inner.FP8_V_ROWS, or FP8_V_T(_DESC) for v given as V^T [Hkv, D, tokens] with stride_vb
-  the tokens of a batch, stride_vs D's stride and stride_vh the head's; with KV_SCALED): q, k, v in float8_e4m3fn
-  with FA3's descales [B, Hkv] fp32 at q/k/v_scale_ptr (element (b, h) at b * stride_*sc_b + h * stride_*sc_h;
-  decode's cache scales have a batch stride of 0): s = q_descale k_descale (q k^T), out = v_descale (P V) / l
-  with P rounded to e4m3 (attn_inner's P_FP8) and every product on FP8 tensor cores; out in bf16 or fp16.
+  FP8 attention (QKV_FP8: inner.FP8_V_ROWS, or FP8_V_T(_DESC) for v given as V^T [Hkv, D, width] with each
+  sequence from launch/tensors.values_t_column, stride_vs D's stride and stride_vh the head's; with KV_SCALED): q,
+  k, v in float8_e4m3fn with FA3's descales [B, Hkv] fp32 at q/k/v_scale_ptr (element (b, h) at b * stride_*sc_b
+  + h * stride_*sc_h; decode's cache scales have a batch stride of 0): s = q_descale k_descale (q k^T), out =
+  v_descale (P V) / l with P rounded to e4m3 (attn_inner's P_FP8) and every product on FP8 tensor cores; out in
+  bf16 or fp16.
   NVFP4 caches (decode, KV_NVFP4): k/v uint8 [.., D/2] packed e2m1 pairs, block scales e4m3 [.., D/16] at
   k/v_bscale_ptr, and the per-tensor global scales at k/v_scale_ptr (KV_SCALED too).
   Decode extras (flash-attn's flash_attn_with_kvcache arguments): HAS_KV_BATCH reads sequence b's keys from cache
@@ -224,8 +225,11 @@ def attn_fwd_kernel(
         k_base = k_ptr + b64 * stride_kb + k0 * stride_ks + h64 * stride_kh
         v_base = v_ptr + b64 * stride_vb + k0 * stride_vs + h64 * stride_vh
         bt_ptr = block_table_ptr
-    if QKV_FP8 == FP8_V_T:  # V^T [Hkv, D, tokens] by pointers, K's descriptor or not (stride_vs: D's stride)
-        v_base = v_ptr + kv_b.to(tl.int64) * stride_vb + k_start.to(tl.int64) + head_kv.to(tl.int64) * stride_vh
+    v_row0 = desc_row0  # V's first row in its descriptor: K's, or V^T's first column (16-byte aligned)
+    if QKV_FP8 >= FP8_V_T:  # V^T [Hkv, D, width] (stride_vs: D's): launch/tensors.values_t_column
+        v_row0 = (kv_b * desc_rows_per_batch + k_start + 15) // 16 * 16 + 16 * kv_b
+        if QKV_FP8 == FP8_V_T:  # by pointers, K's descriptor or not
+            v_base = v_ptr + v_row0.to(tl.int64) + head_kv.to(tl.int64) * stride_vh
 
     if KV_SCALED:
         # FP8 cache: K = k_scale * K8, V = v_scale * V8 (NVFP4: the per-tensor global scales). Both factor out of
@@ -246,21 +250,21 @@ def attn_fwd_kernel(
     if HAS_LEFT:
         acc, m_i, l_i = attn_inner(
             acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr, stride_kb, stride_ks, stride_vb,
-            stride_vs, stride_bs_page, stride_bs_tok, desc_row0, head_kv, offs_d, seqlen_k,
+            stride_vs, stride_bs_page, stride_bs_tok, desc_row0, v_row0, head_kv, offs_d, seqlen_k,
             tl.maximum(s_lo, n_lo) * BLOCK_N, tl.minimum(s_hi, full_lo) * BLOCK_N, qk_scale, softcap_scale,
             window_left, window_right, alibi_slope, HEAD_DIM, BLOCK_N, True, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT,
             HAS_RIGHT, SOFTCAP, SP_OVERLAP, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv, HEAD_DIM_V, HAS_QV,
         QKV_FP8)
     acc, m_i, l_i = attn_inner(
         acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr, stride_kb, stride_ks, stride_vb,
-        stride_vs, stride_bs_page, stride_bs_tok, desc_row0, head_kv, offs_d, seqlen_k,
+        stride_vs, stride_bs_page, stride_bs_tok, desc_row0, v_row0, head_kv, offs_d, seqlen_k,
         tl.maximum(s_lo, full_lo) * BLOCK_N, tl.minimum(s_hi, full_hi) * BLOCK_N, qk_scale, softcap_scale,
         window_left, window_right, alibi_slope, HEAD_DIM, BLOCK_N, False, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT,
         HAS_RIGHT, SOFTCAP, SP_OVERLAP, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv, HEAD_DIM_V, HAS_QV,
         QKV_FP8)
     acc, m_i, l_i = attn_inner(
         acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr, stride_kb, stride_ks, stride_vb,
-        stride_vs, stride_bs_page, stride_bs_tok, desc_row0, head_kv, offs_d, seqlen_k,
+        stride_vs, stride_bs_page, stride_bs_tok, desc_row0, v_row0, head_kv, offs_d, seqlen_k,
         tl.maximum(s_lo, full_hi) * BLOCK_N, tl.minimum(s_hi, n_hi) * BLOCK_N, qk_scale, softcap_scale,
         window_left, window_right, alibi_slope, HEAD_DIM, BLOCK_N, True, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT,
         HAS_RIGHT, SOFTCAP, SP_OVERLAP, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv, HEAD_DIM_V, HAS_QV,

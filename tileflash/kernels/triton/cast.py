@@ -1,4 +1,5 @@
-"""Casts for stores of fp32 results into 16-bit outputs, identical on the GPU and in Triton's interpreter.
+"""Casts for stores of fp32 results into 16-bit outputs, identical on the GPU and in Triton's interpreter; FP8
+attention's transposed values (values_t_kernel).
 
 The interpreter holds bf16 as raw 16-bit patterns and its fp32 -> bf16 cast truncates (up to one bf16 ulp off,
 where the GPU rounds to nearest even). The tests compare outputs to references within rounding, and the backward
@@ -48,3 +49,34 @@ def sum_cast_kernel(src_ptr, dst_ptr, numel, slices, slice_stride, scale, BLOCK:
     for s in range(1, slices):
         acc += tl.load(src_ptr + s * slice_stride + offs, mask=ok, other=0.0)
     tl.store(dst_ptr + offs, store_cast(acc * scale, dst_ptr.dtype.element_ty, INTERPRETED), mask=ok)
+
+
+@triton.jit
+def values_t_kernel(v_ptr, vt_ptr, cu_ptr, seqlen, stride_vb, stride_vs, stride_vh, stride_th, stride_td,
+                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_T: tl.constexpr, VARLEN: tl.constexpr):
+    """FP8 attention's V^T (bytes): program (sequence, part, KV head) copies its sequence's tokens t = part *
+    BLOCK_T + i * num_programs(1) * BLOCK_T .. into V^T [Hkv, D, width] from column values_t_column (launch/
+    tensors.py), and part 0 zeroes the columns up to the next sequence's first, which the last block's loads read.
+    v: [B, seqlen, Hkv, D] (sequence b = batch b), or VARLEN packed [total, Hkv, D] with cu_ptr [B + 1] int32."""
+    seq, part, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if VARLEN:
+        start = tl.load(cu_ptr + seq)
+        length = tl.load(cu_ptr + seq + 1) - start
+        src = v_ptr + start.to(tl.int64) * stride_vs + h * stride_vh
+    else:
+        start = seq * seqlen
+        length = seqlen
+        src = v_ptr + seq.to(tl.int64) * stride_vb + h * stride_vh
+    col0 = (start + 15) // 16 * 16 + 16 * seq
+    dst = vt_ptr + h.to(tl.int64) * stride_th + col0
+    d = tl.arange(0, HEAD_DIM_PAD)
+    for t0 in range(part * BLOCK_T, length, tl.num_programs(1) * BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        ok = (t[:, None] < length) & (d[None, :] < HEAD_DIM)
+        x = tl.load(src + t[:, None].to(tl.int64) * stride_vs + d[None, :], mask=ok)
+        tl.store(dst + d[None, :] * stride_td + t[:, None], x, mask=ok)
+    if part == 0:
+        gap = length + tl.arange(0, 32)  # the next sequence starts at most 31 columns past this one's end
+        end = (start + length + 15) // 16 * 16 + 16 * (seq + 1) - col0
+        ok = (gap[:, None] < end) & (d[None, :] < HEAD_DIM)
+        tl.store(dst + d[None, :] * stride_td + gap[:, None], tl.zeros([32, HEAD_DIM_PAD], tl.uint8), mask=ok)

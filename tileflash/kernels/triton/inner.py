@@ -19,9 +19,9 @@ from ...lowp.kernels.quant import NVFP4_PURE_ASM, NVFP4_SCALE_WORDS, nvfp4_unpac
 P_FP8_LOG2: tl.constexpr = tl.constexpr(8.0)  # FP8 attention's P tiles span [0, 2^8] (e4m3's max is 448)
 # FP8 attention's V operand (attn_inner's P_FP8): FP8 MMAs read both operands K-major, i.e. V^T with tokens
 # contiguous. FP8_V_ROWS: V tiles [tokens, D] as stored (paged pools; Triton transposes each tile through shared
-# memory, byte by byte); FP8_V_T: V^T [Hkv, D, tokens] transposed on the host (launch/tensors.transposed_values),
-# read by pointers, or FP8_V_T_DESC: through a TMA descriptor (tile offsets along tokens must be 16-byte aligned,
-# so packed sequences, which start anywhere, take pointers).
+# memory, byte by byte); FP8_V_T: V^T [Hkv, D, width] written by launch/tensors.launch_values_t (every sequence
+# from a 16-byte aligned column), read by pointers, or FP8_V_T_DESC: through a TMA descriptor (its tile offsets
+# along tokens must be 16-byte aligned; pointers where no descriptor fits, e.g. head dims not a power of two).
 FP8_V_ROWS: tl.constexpr = tl.constexpr(1)
 FP8_V_T: tl.constexpr = tl.constexpr(2)
 FP8_V_T_DESC: tl.constexpr = tl.constexpr(3)
@@ -110,15 +110,15 @@ def _kv_tile(base, sbase, start_n, seqlen_k, pages, stride_page, stride_tok, sst
 
 
 @triton.jit
-def _vt_tile(base, start_n, seqlen_k, stride_d, desc_row0, head_kv, offs_dv, HEAD_DIM_V: tl.constexpr,
+def _vt_tile(base, start_n, seqlen_k, stride_d, vt_col0, head_kv, offs_dv, HEAD_DIM_V: tl.constexpr,
              BLOCK_N: tl.constexpr, VT_DESC: tl.constexpr, MASK_N: tl.constexpr, TILE_DTYPE: tl.constexpr):
-    """The [DP, BLOCK_N] tile of V^T for tokens start_n.. (FP8_V_T): V^T is [Hkv, D, tokens] with a batch's tokens
-    after the previous batch's, as in K's merged rows, so a descriptor (box [1, DP, BLOCK_N]) takes K's row
-    coordinate; by pointers, base is this head's and sequence's first token and stride_d D's stride. Columns at or
-    past seqlen_k are zero when MASK_N (with a descriptor they belong to the next sequence)."""
+    """The [DP, BLOCK_N] tile of V^T for tokens start_n.. (FP8_V_T): V^T is [Hkv, D, width] with each sequence's
+    tokens from column vt_col0 (launch/tensors.values_t_column), which a descriptor (box [1, DP, BLOCK_N]) reads;
+    by pointers, base is this head's and sequence's first token and stride_d D's stride. Columns at or past
+    seqlen_k are zero when MASK_N (with a descriptor they are the zero padding or the next sequence's)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     if VT_DESC:
-        t = base.load([head_kv, 0, desc_row0 + start_n]).reshape(offs_dv.shape[0], BLOCK_N)
+        t = base.load([head_kv, 0, vt_col0 + start_n]).reshape(offs_dv.shape[0], BLOCK_N)
         if MASK_N:
             t = tl.where(offs_n[None, :] < seqlen_k, t, 0.0)
     else:
@@ -134,17 +134,17 @@ def _vt_tile(base, start_n, seqlen_k, stride_d, desc_row0, head_kv, offs_dv, HEA
 
 @triton.jit
 def _v_tile(v_base, v_sbase, start_n, seqlen_k, pages, stride_v_page, stride_v_tok, sstride_page, sstride_tok,
-            desc_row0, head_kv, offs_dv, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+            v_row0, head_kv, offs_dv, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
             USE_DESC: tl.constexpr, KV_NVFP4: tl.constexpr, MASK: tl.constexpr, TILE_DTYPE: tl.constexpr,
             P_FP8: tl.constexpr):
     """The V tile the PV product takes: [BLOCK_N, DP] (_kv_tile), or [DP, BLOCK_N] of V^T with FP8_V_T(_DESC)
-    (then stride_v_tok is D's stride)."""
+    (then stride_v_tok is D's stride). v_row0: the sequence's first row (V^T: column) in V's descriptor."""
     if P_FP8 >= FP8_V_T:
-        v = _vt_tile(v_base, start_n, seqlen_k, stride_v_tok, desc_row0, head_kv, offs_dv, HEAD_DIM_V, BLOCK_N,
+        v = _vt_tile(v_base, start_n, seqlen_k, stride_v_tok, v_row0, head_kv, offs_dv, HEAD_DIM_V, BLOCK_N,
                      P_FP8 == FP8_V_T_DESC, MASK, TILE_DTYPE)
     else:
         v, _ = _kv_tile(v_base, v_sbase, start_n, seqlen_k, pages, stride_v_page, stride_v_tok, sstride_page,
-                        sstride_tok, desc_row0, head_kv, offs_dv, HEAD_DIM_V, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4,
+                        sstride_tok, v_row0, head_kv, offs_dv, HEAD_DIM_V, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4,
                         MASK, TILE_DTYPE)
     return v
 
@@ -257,8 +257,8 @@ def fp8_row_max(m_i, P_FP8: tl.constexpr):
 
 @triton.jit
 def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr, stride_k_page, stride_k_tok,
-               stride_v_page, stride_v_tok, sstride_page, sstride_tok, desc_row0, head_kv, offs_d, seqlen_k, lo, hi,
-               qk_scale, softcap_scale, window_left, window_right, alibi_slope, HEAD_DIM: tl.constexpr,
+               stride_v_page, stride_v_tok, sstride_page, sstride_tok, desc_row0, v_row0, head_kv, offs_d, seqlen_k,
+               lo, hi, qk_scale, softcap_scale, window_left, window_right, alibi_slope, HEAD_DIM: tl.constexpr,
                BLOCK_N: tl.constexpr, MASK: tl.constexpr, PAGE_SIZE: tl.constexpr, USE_DESC: tl.constexpr,
                KV_NVFP4: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                SP_OVERLAP: tl.constexpr, TILE_DTYPE: tl.constexpr, TRANS: tl.constexpr,
@@ -287,7 +287,7 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
                         alibi_slope, SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES, ALIBI)
             for start_n in range(lo, hi, BLOCK_N):
                 v = _v_tile(v_base, v_sbase, start_n, seqlen_k, pages, stride_v_page, stride_v_tok, sstride_page,
-                            sstride_tok, desc_row0, head_kv, offs_dv, HEAD_DIM_V, BLOCK_N, PAGE_SIZE, USE_DESC,
+                            sstride_tok, v_row0, head_kv, offs_dv, HEAD_DIM_V, BLOCK_N, PAGE_SIZE, USE_DESC,
                             KV_NVFP4, MASK, TILE_DTYPE, P_FP8)
                 # Next block's scores first (clamped to the last block on the final step; the result is unused).
                 next_start = tl.minimum(start_n + BLOCK_N, hi - BLOCK_N)
@@ -309,7 +309,8 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
                                      PAGE_SIZE, USE_DESC, MASK)
             acc, m_i, l_i = _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, pages,
                                         stride_k_page, stride_k_tok, stride_v_page, stride_v_tok, sstride_page,
-                                        sstride_tok, desc_row0, head_kv, offs_d, seqlen_k, start_n, qk_scale,
+                                        sstride_tok, desc_row0, v_row0, head_kv, offs_d, seqlen_k, start_n,
+                                        qk_scale,
                                         softcap_scale, window_left, window_right, alibi_slope, HEAD_DIM,
                                         BLOCK_N, MASK, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT, HAS_RIGHT,
                                         SOFTCAP, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv, HEAD_DIM_V,
@@ -320,8 +321,8 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
 
 @triton.jit
 def _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, pages, stride_k_page, stride_k_tok,
-                stride_v_page, stride_v_tok, sstride_page, sstride_tok, desc_row0, head_kv, offs_d, seqlen_k, start_n,
-                qk_scale, softcap_scale, window_left, window_right, alibi_slope, HEAD_DIM: tl.constexpr,
+                stride_v_page, stride_v_tok, sstride_page, sstride_tok, desc_row0, v_row0, head_kv, offs_d, seqlen_k,
+                start_n, qk_scale, softcap_scale, window_left, window_right, alibi_slope, HEAD_DIM: tl.constexpr,
                 BLOCK_N: tl.constexpr, MASK: tl.constexpr, PAGE_SIZE: tl.constexpr, USE_DESC: tl.constexpr,
                 KV_NVFP4: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                 TILE_DTYPE: tl.constexpr, TRANS: tl.constexpr, RAW_SCORES: tl.constexpr, ALIBI: tl.constexpr, qv,
@@ -332,7 +333,7 @@ def _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, pages
                          MASK, TILE_DTYPE)
     if HAS_QV:
         v, _ = _kv_tile(v_base, v_sbase, start_n, seqlen_k, pages, stride_v_page, stride_v_tok, sstride_page,
-                        sstride_tok, desc_row0, head_kv, offs_dv, HEAD_DIM_V, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4,
+                        sstride_tok, v_row0, head_kv, offs_dv, HEAD_DIM_V, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4,
                         MASK, TILE_DTYPE)
         s = _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right, alibi_slope,
                     SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES, ALIBI, qv, v, True)
@@ -340,6 +341,6 @@ def _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, pages
         s = _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right, alibi_slope,
                     SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES, ALIBI)
         v = _v_tile(v_base, v_sbase, start_n, seqlen_k, pages, stride_v_page, stride_v_tok, sstride_page, sstride_tok,
-                    desc_row0, head_kv, offs_dv, HEAD_DIM_V, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4, MASK, TILE_DTYPE,
+                    v_row0, head_kv, offs_dv, HEAD_DIM_V, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4, MASK, TILE_DTYPE,
                     P_FP8)
     return _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS, RAW_SCORES, P_FP8)
