@@ -350,8 +350,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     that sees no key gives out = 0, lse = sink_h. Differentiable (the sink gets its gradient too).
     FP8 attention (FA3's): q, k, v in float8_e4m3fn with q_descale, k_descale, v_descale fp32 [B, Hkv] (positive;
     None: 1), so q = q_descale * q8 for the queries of KV head h (likewise k, v): the scores are
-    q_descale k_descale (q8 k8^T) and out = v_descale (P v8) with P rounded to e4m3, in fp32 otherwise (each KV
-    block's P v8 is added into an fp32 accumulator, so long rows keep their precision). out_dtype: bfloat16
+    q_descale k_descale (q8 k8^T) and out = v_descale (P v8) with P rounded to e4m3 (paged caches: P v8 in fp16),
+    in fp32 otherwise (each KV block's P v8 is added into an fp32 accumulator, so long rows keep their precision). out_dtype: bfloat16
     (default) or float16; lse as above. Forward only. tileflash.fp8_quantize_qkv makes the inputs.
     """
     if dropout_p:

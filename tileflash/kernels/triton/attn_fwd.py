@@ -16,8 +16,8 @@ Shapes (element strides are passed explicitly; the head dim must be contiguous):
   sequence from launch/tensors.values_t_column, stride_vs D's stride and stride_vh the head's; with KV_SCALED): q,
   k, v in float8_e4m3fn with FA3's descales [B, Hkv] fp32 at q/k/v_scale_ptr (element (b, h) at b * stride_*sc_b
   + h * stride_*sc_h; decode's cache scales have a batch stride of 0): s = q_descale k_descale (q k^T), out =
-  v_descale (P V) / l with P rounded to e4m3 (attn_inner's P_FP8) and every product on FP8 tensor cores; out in
-  bf16 or fp16.
+  v_descale (P V) / l with P rounded to e4m3 and every product on FP8 tensor cores (V rows, paged: P V in fp16;
+  attn_inner's P_FP8); out in bf16 or fp16.
   NVFP4 caches (decode, KV_NVFP4): k/v uint8 [.., D/2] packed e2m1 pairs, block scales e4m3 [.., D/16] at
   k/v_bscale_ptr, and the per-tensor global scales at k/v_scale_ptr (KV_SCALED too).
   Decode extras (flash-attn's flash_attn_with_kvcache arguments): HAS_KV_BATCH reads sequence b's keys from cache

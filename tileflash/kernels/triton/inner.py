@@ -18,8 +18,9 @@ from ...lowp.kernels.quant import NVFP4_PURE_ASM, NVFP4_SCALE_WORDS, nvfp4_unpac
 
 P_FP8_LOG2: tl.constexpr = tl.constexpr(8.0)  # FP8 attention's P tiles span [0, 2^8] (e4m3's max is 448)
 # FP8 attention's V operand (attn_inner's P_FP8): FP8 MMAs read both operands K-major, i.e. V^T with tokens
-# contiguous. FP8_V_ROWS: V tiles [tokens, D] as stored (paged pools; Triton transposes each tile through shared
-# memory, byte by byte); FP8_V_T: V^T [Hkv, D, width] written by launch/tensors.launch_values_t (every sequence
+# contiguous. FP8_V_ROWS: V tiles [tokens, D] as stored (paged pools), whose P V runs in fp16 instead (e4m3 widens
+# exactly; the e4m3 product made Triton transpose each tile through shared memory byte by byte: 1.8-5.9x slower,
+# run 172); FP8_V_T: V^T [Hkv, D, width] written by launch/tensors.launch_values_t (every sequence
 # from a 16-byte aligned column), read by pointers, or FP8_V_T_DESC: through a TMA descriptor (its tile offsets
 # along tokens must be 16-byte aligned; pointers where no descriptor fits, e.g. head dims not a power of two).
 FP8_V_ROWS: tl.constexpr = tl.constexpr(1)
@@ -210,11 +211,11 @@ def _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS: tl.constexpr, RAW_SCORES: 
     """Online-softmax update with one block of scores s and values v (TRANS: s^T and acc^T [DP, M]).
     RAW_SCORES: s is unscaled and qk_scale > 0, so the row max scales after the reduction and the scale and the
     max subtraction are one FMA per score (FA's exp2(s * scale - m)) instead of a multiply and a subtract.
-    P_FP8 (e4m3 values, FP8_V_ROWS or FP8_V_T: v's layout): P is rounded to e4m3 for the PV product, computed as
-    exp2(s - m + P_FP8_LOG2) so it spans [0, 2^8] and stays clear of e4m3's subnormals (l_i carries the same 2^8:
-    m_i - P_FP8_LOG2 and l_i are the row's usual pair, see fp8_row_max); each block's product starts from zero and
-    is added into the fp32 acc, so the tensor cores' reduced-precision FP8 accumulation never runs over the whole
-    row (vLLM's long-context trap)."""
+    P_FP8 (e4m3 values, FP8_V_ROWS or FP8_V_T: v's layout): P is computed as exp2(s - m + P_FP8_LOG2) so it spans
+    [0, 2^8] and stays clear of e4m3's subnormals (l_i carries the same 2^8: m_i - P_FP8_LOG2 and l_i are the row's
+    usual pair, see fp8_row_max). With V^T it is rounded to e4m3 for the PV product, each block's product starts
+    from zero and is added into the fp32 acc, so the tensor cores' reduced-precision FP8 accumulation never runs
+    over the whole row (vLLM's long-context trap); with V rows (paged pools) P and V multiply in fp16."""
     key_axis: tl.constexpr = 0 if TRANS else 1
     if RAW_SCORES:
         m_new = tl.maximum(m_i, tl.max(s, key_axis) * qk_scale)
@@ -238,8 +239,8 @@ def _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS: tl.constexpr, RAW_SCORES: 
             p8 = p.to(v.dtype)
         if P_FP8 >= FP8_V_T:  # v holds V^T [DP, N]
             acc = acc + tl.dot(p8, tl.trans(v))
-        else:
-            acc = acc + tl.dot(p8, v)
+        else:  # V rows as stored: in fp16 (e4m3 widens exactly), not e4m3 with each tile's bytes transposed
+            acc = tl.dot(p.to(tl.float16), v.to(tl.float16), acc)
     elif TRANS:
         acc = tl.dot(tl.trans(v), p.to(v.dtype), acc)
     else:
@@ -273,8 +274,8 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
     TRANS=True computes the transposed products s^T = K q^T and acc^T += V^T P^T (q holds q^T [DP, M], acc holds
     acc^T): with decode's few query rows the KV tokens and the head dim fill the MMA's M side instead of padding.
     V tiles are HEAD_DIM_V wide (offs_dv); HAS_QV (MLA) adds qv v^T to the scores (the plain loop only).
-    P_FP8: e4m3 V tiles (FP8_V_ROWS: as stored; FP8_V_T(_DESC): V^T, stride_v_tok D's stride), P rounded to e4m3 for the
-    PV product (_softmax_pv).
+    P_FP8: e4m3 V tiles (FP8_V_ROWS: as stored; FP8_V_T(_DESC): V^T, stride_v_tok D's stride), P's product as
+    _softmax_pv says.
     """
     if SP_OVERLAP:
         tl.static_assert(not HAS_QV, "MLA (qv) takes the plain loop")
