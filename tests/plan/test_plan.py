@@ -98,6 +98,7 @@ def test_fwd_config_anchors(d, causal, seqlen_k, tile):
 ])
 def test_fwd_config_fp8_anchors(d, causal, seqlen_k, tile):
     c = fwd_config(d, causal, seqlen_k=seqlen_k, fp8=True)
+    assert fwd_config(d, causal, seqlen_k=seqlen_k, fp8=True, paged=True).block_n == 64  # run 173: 480 vs 309
     assert (c.block_m, c.block_n, c.num_warps, c.num_stages, c.tma) == (*tile, True)
     assert fwd_config(d, causal, interpret=True, seqlen_k=seqlen_k, fp8=True).block_m == 32  # small tiles
 

@@ -234,7 +234,8 @@ def _varlen_plan(q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_q: in
                                        alibi)
         if ws_cfg is None:
             cfg = config.chosen("fwd", fwd_config(d, causal=mask.window_right >= 0, interpret=_utils.is_interpreter(),
-                                                  seqlen_k=max_seqlen_k, arch=target_arch(), fp8=q.dtype == FP8))
+                                                  seqlen_k=max_seqlen_k, arch=target_arch(), fp8=q.dtype == FP8,
+                                                  paged=paged))
     vt_shape = (k.shape[1], d, values_t_width(k.shape[0], cu_seqlens_q.shape[0] - 1)) \
         if q.dtype == FP8 and not paged else None  # paged pools read V as stored
     launch = functools.partial(_launch_varlen, ws_cfg, cfg, mask, softmax_scale, max_seqlen_q, max_seqlen_k, paged)

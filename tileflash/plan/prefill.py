@@ -49,11 +49,15 @@ class Mask:
 ONE_WARPGROUP_MAX_KEYS = 4096
 
 
-def _fp8_fwd_config(d: int, causal: bool, seqlen_k: int) -> FwdConfig:
+def _fp8_fwd_config(d: int, causal: bool, seqlen_k: int, paged: bool) -> FwdConfig:
     """FP8 attention's tiles (run 139, `sweep prefill-fp8`, TFLOP/s, 16k tokens): one warpgroup over 128 keys per
     step, e4m3 tiles taking half the shared memory: d128 full 4k 643 vs 507 (64x64) and 320 (8 warps), causal 8k
     605 vs 491; d64 full 8k 491 vs 418 (128x64, 8 warps). d128 full past 4k keys keeps 128x128 on 8 warps (16k:
-    634 vs 550). d256: 64x64 on one warpgroup 505 vs 441 (128x64, 8 warps, which spills)."""
+    634 vs 550). d256: 64x64 on one warpgroup 505 vs 441 (128x64, 8 warps, which spills). Paged pools (V rows,
+    P V in fp16) step 64 keys: d128 chunked prefill, pages of 64 / 128 tokens, 480 vs 309 / 472 vs 327 (run 173;
+    d64 not measured)."""
+    if paged and d <= 128:
+        return FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, tma=True)
     if d <= 128 and not (d == 128 and not causal and seqlen_k > ONE_WARPGROUP_MAX_KEYS):
         return FwdConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, tma=True)
     if d <= 128:
@@ -62,14 +66,15 @@ def _fp8_fwd_config(d: int, causal: bool, seqlen_k: int) -> FwdConfig:
 
 
 def fwd_config(head_dim: int, causal: bool = False, interpret: bool = False, seqlen_k: int = 2 ** 30,
-               arch: int | None = 90, fp8: bool = False) -> FwdConfig:
+               arch: int | None = 90, fp8: bool = False, paged: bool = False) -> FwdConfig:
     """Measured on the H200 (sweep.py, s=4096, bf16, 2026-11-30; TFLOP/s in brackets).
     seqlen_k: keys per sequence (varlen: the longest). Triton's warp specialisation of this loop measured no gain
     on sm_90 with triton 3.6 (within 1%) and was removed (the Gluon forward is the warp-specialised one).
-    fp8: FP8 attention (e4m3 q, k, v): _fp8_fwd_config. Off the H200 (compiled only): target_tiles."""
+    fp8: FP8 attention (e4m3 q, k, v; paged: over a page pool): _fp8_fwd_config. Off the H200 (compiled only):
+    target_tiles."""
     d = padded_head_dim(head_dim)
     if fp8 and not interpret:
-        return target_tiles(_fp8_fwd_config(d, causal, seqlen_k), arch, sm10x_warps=True)
+        return target_tiles(_fp8_fwd_config(d, causal, seqlen_k, paged), arch, sm10x_warps=True)
     if d <= 64 and causal and seqlen_k <= ONE_WARPGROUP_MAX_KEYS:
         # One warpgroup per program, as for d128 (run 48, `sweep.py --dims 64`, TFLOP/s, causal s = 2k / 4k / 16k):
         # 346.6 / 380.3 / 391.4 against 325.0 / 364.3 / 394.2 for 128x64 with pointers and 324.8 / 359.6 / 402.0
