@@ -122,9 +122,8 @@ def _launch_dense(ws_cfg, cfg, mask: Mask, softmax_scale: float, q, k, v, alibi_
                            config=ws_cfg, learnable_sink=learnable_sink)
     else:
         launch_attn_fwd(q, k, v if vt is None else vt, out, lse, q_batch_stride0=False, k_batch_stride0=False,
-                        num_batches=b,
-                        seqlen_q=sq, seqlen_k=k.shape[1], m_rows=sq, softmax_scale=softmax_scale, mask=mask,
-                        config=cfg, sp_overlap=cfg.sp_overlap, alibi_slopes=alibi_slopes,
+                        num_batches=b, seqlen_q=sq, seqlen_k=k.shape[1], m_rows=sq, softmax_scale=softmax_scale,
+                        mask=mask, config=cfg, sp_overlap=cfg.sp_overlap, alibi_slopes=alibi_slopes,
                         learnable_sink=learnable_sink, q_scale=q_descale, k_scale=k_descale, v_scale=v_descale,
                         v_transposed=vt is not None)
 
@@ -352,8 +351,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     FP8 attention (FA3's): q, k, v in float8_e4m3fn with q_descale, k_descale, v_descale fp32 [B, Hkv] (positive;
     None: 1), so q = q_descale * q8 for the queries of KV head h (likewise k, v): the scores are
     q_descale k_descale (q8 k8^T) and out = v_descale (P v8) with P rounded to e4m3 (paged caches: P v8 in fp16),
-    in fp32 otherwise (each KV block's P v8 is added into an fp32 accumulator, so long rows keep their precision). out_dtype: bfloat16
-    (default) or float16; lse as above. Forward only. tileflash.fp8_quantize_qkv makes the inputs.
+    in fp32 otherwise (each KV block's P v8 is added into an fp32 accumulator, so long rows keep their precision).
+    out_dtype: bfloat16 (default) or float16; lse as above. Forward only. tileflash.fp8_quantize_qkv makes the inputs.
     """
     if dropout_p:
         _utils.check_dropout(dropout_p)

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from .inner import FP8_V_T, attn_inner, fp8_row_max
-from .cast import store_cast
+from .cast import store_cast, values_t_column
 from .masks import LOG2E, kv_block_range, logit_scales, seq_extents
 from .rotary import rotate_rows
 from .combine import allow_dependent_launch
@@ -227,7 +227,7 @@ def attn_fwd_kernel(
         bt_ptr = block_table_ptr
     v_row0 = desc_row0  # V's first row in its descriptor: K's, or V^T's first column (16-byte aligned)
     if QKV_FP8 >= FP8_V_T:  # V^T [Hkv, D, width] (stride_vs: D's): launch/tensors.values_t_column
-        v_row0 = (kv_b * desc_rows_per_batch + k_start + 15) // 16 * 16 + 16 * kv_b
+        v_row0 = values_t_column(kv_b * desc_rows_per_batch + k_start, kv_b)
         if QKV_FP8 == FP8_V_T:  # by pointers, K's descriptor or not
             v_base = v_ptr + v_row0.to(tl.int64) + head_kv.to(tl.int64) * stride_vh
 

@@ -52,6 +52,12 @@ def sum_cast_kernel(src_ptr, dst_ptr, numel, slices, slice_stride, scale, BLOCK:
 
 
 @triton.jit
+def values_t_column(start, seq):
+    """V^T's first column of sequence seq, whose first key is merged row `start` (launch/tensors.values_t_column)."""
+    return (start + 15) // 16 * 16 + 16 * seq
+
+
+@triton.jit
 def values_t_kernel(v_ptr, vt_ptr, cu_ptr, seqlen, stride_vb, stride_vs, stride_vh, stride_th, stride_td,
                     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_T: tl.constexpr, VARLEN: tl.constexpr):
     """FP8 attention's V^T (bytes): program (sequence, part, KV head) copies its sequence's tokens t = part *
@@ -67,7 +73,7 @@ def values_t_kernel(v_ptr, vt_ptr, cu_ptr, seqlen, stride_vb, stride_vs, stride_
         start = seq * seqlen
         length = seqlen
         src = v_ptr + seq.to(tl.int64) * stride_vb + h * stride_vh
-    col0 = (start + 15) // 16 * 16 + 16 * seq
+    col0 = values_t_column(start, seq)
     dst = vt_ptr + h.to(tl.int64) * stride_th + col0
     d = tl.arange(0, HEAD_DIM_PAD)
     # Columns up to the sequence's length rounded up to 16 (zeros past its end): stores along tokens under a mask
@@ -81,6 +87,6 @@ def values_t_kernel(v_ptr, vt_ptr, cu_ptr, seqlen, stride_vb, stride_vs, stride_
                  mask=(t[:, None] < length16) & (d[None, :] < HEAD_DIM))
     if part == 0:  # the next sequence starts 0 or 16 columns past length16
         gap = length16 + tl.arange(0, 16)
-        end = (start + length + 15) // 16 * 16 + 16 * (seq + 1) - col0
+        end = values_t_column(start + length, seq + 1) - col0
         ok = (gap[:, None] < end) & (d[None, :] < HEAD_DIM)
         tl.store(dst + d[None, :] * stride_td + gap[:, None], tl.zeros([16, HEAD_DIM_PAD], tl.uint8), mask=ok)
