@@ -233,11 +233,11 @@ def _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS: tl.constexpr, RAW_SCORES: 
     acc = acc * _per_row(alpha, TRANS)
     if P_FP8:
         tl.static_assert(not TRANS, "FP8 values take the untransposed products")
-        if v.dtype == tl.float32:  # the interpreter's tiles: P rounded as the GPU's cast rounds it
-            p8 = round_e4m3(p)
-        else:
-            p8 = p.to(v.dtype)
         if P_FP8 >= FP8_V_T:  # v holds V^T [DP, N]
+            if v.dtype == tl.float32:  # the interpreter's tiles: P rounded as the GPU's cast rounds it
+                p8 = round_e4m3(p)
+            else:
+                p8 = p.to(v.dtype)
             acc = acc + tl.dot(p8, tl.trans(v))
         else:  # V rows as stored: in fp16 (e4m3 widens exactly), not e4m3 with each tile's bytes transposed
             acc = tl.dot(p.to(tl.float16), v.to(tl.float16), acc)
@@ -311,8 +311,7 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
             acc, m_i, l_i = _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, pages,
                                         stride_k_page, stride_k_tok, stride_v_page, stride_v_tok, sstride_page,
                                         sstride_tok, desc_row0, v_row0, head_kv, offs_d, seqlen_k, start_n,
-                                        qk_scale,
-                                        softcap_scale, window_left, window_right, alibi_slope, HEAD_DIM,
+                                        qk_scale, softcap_scale, window_left, window_right, alibi_slope, HEAD_DIM,
                                         BLOCK_N, MASK, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT, HAS_RIGHT,
                                         SOFTCAP, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv, HEAD_DIM_V,
                                         HAS_QV, P_FP8)
