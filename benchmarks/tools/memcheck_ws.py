@@ -1,5 +1,6 @@
-"""GPU: small forward + backward calls that take the warp-specialised Gluon kernels (kernels/gluon/attn_fwd.py,
-kernels/gluon/attn_bwd.py), both dQ modes, for compute-sanitizer. Usage on the H200:
+"""GPU: small calls that take every Gluon kernel (kernels/gluon: the warp-specialised forward, with and without a
+sink, the dK/dV kernel in both dQ modes, the register-operand NVFP4 decode, the MLA decode), for compute-sanitizer
+(the NVFP4 GEMM's cases: memcheck_gemm.py). Usage on the H200:
 `PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 9 python benchmarks/memcheck_ws.py`
 (without the environment variable, an access that lands in another block of torch's caching allocator goes
 unreported). Shapes: one query and one key, partial tiles, MQA with Sq > Sk (rows that see no key), d64 (128-row
@@ -92,3 +93,37 @@ for cfg in (QuantDecodeConfig(32, 4, 2), QuantDecodeConfig(16, 4, 3)):
                                                     num_splits=3)
         torch.cuda.synchronize()
         print("decode nvfp4", cfg, page, "finite" if torch.isfinite(out).all().item() else "NONFINITE", flush=True)
+
+# The warp-specialised forward with a learnable sink (HAS_SINK, folded in the epilogue), one CTA per tile and
+# persistent, rows that see no key (the sink alone).
+for b, sq, sk, causal in [(2, 300, 97, True), (1, 2048, 2048, True), (2, 17, 1333, False)]:
+    q = torch.randn(b, sq, 8, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, sk, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out, lse = tileflash.flash_attn_func(q, k, v, causal=causal, return_lse=True,
+                                         learnable_sink=torch.randn(8, device="cuda"))
+    torch.cuda.synchronize()
+    ok = torch.isfinite(out).all().item() and not torch.isnan(lse).any().item()
+    print("forward sink", (b, sq, sk, causal), "written" if ok else "UNWRITTEN", flush=True)
+
+# The Gluon MLA decode (kernels/gluon/mla_decode.py): H = 128 and 16, contiguous and paged (64, and 16 in random
+# page order), split and whole, several query tokens with causal rows, lengths that end inside a step.
+from tileflash.plan.decode import mla_gluon_config  # noqa: E402
+
+for b, sq, h, ctx, page, splits in [(2, 1, 128, 1000, 0, 0), (1, 1, 128, 4100, 64, 5), (3, 2, 16, 777, 16, 3),
+                                    (2, 4, 16, 130, 0, 1)]:
+    q = torch.randn(b, sq, h, 64, device="cuda", dtype=torch.bfloat16)
+    qv = torch.randn(b, sq, h, 512, device="cuda", dtype=torch.bfloat16)
+    cap = -(-ctx // 64) * 64
+    kc = torch.randn(b, cap, 1, 64, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn(b, cap, 1, 512, device="cuda", dtype=torch.bfloat16)
+    table = None
+    if page:
+        kc, vc = (t.view(b * cap // page, page, 1, t.shape[-1]) for t in (kc, vc))
+        table = torch.randperm(b * cap // page, dtype=torch.int32, device="cuda").view(b, -1)
+    lens = torch.randint(ctx // 2, ctx + 1, (b,), dtype=torch.int32, device="cuda")
+    assert mla_gluon_config(q, kc, vc, table, extras=False, plain_mask=True) is not None, "not the Gluon MLA decode"
+    out = tileflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table, qv=qv,
+                                            causal=sq > 1, num_splits=splits)
+    torch.cuda.synchronize()
+    print("mla", (b, sq, h, ctx, page, splits), "finite" if torch.isfinite(out).all().item() else "NONFINITE",
+          flush=True)
