@@ -1,7 +1,7 @@
 """GPU: small calls that take every Gluon kernel (kernels/gluon: the warp-specialised forward, with and without a
 sink, the dK/dV kernel in both dQ modes, the register-operand NVFP4 decode, the MLA decode), for compute-sanitizer
 (the NVFP4 GEMM's cases: memcheck_gemm.py). Usage on the H200:
-`PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 9 python benchmarks/memcheck_ws.py`
+`PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 9 python benchmarks/tools/memcheck_ws.py`
 (without the environment variable, an access that lands in another block of torch's caching allocator goes
 unreported). Shapes: one query and one key, partial tiles, MQA with Sq > Sk (rows that see no key), d64 (128-row
 steps, one with whole row blocks that see no key), and keys that fit in one tile. Then the forward alone with every
@@ -95,7 +95,8 @@ for cfg in (QuantDecodeConfig(32, 4, 2), QuantDecodeConfig(16, 4, 3)):
         print("decode nvfp4", cfg, page, "finite" if torch.isfinite(out).all().item() else "NONFINITE", flush=True)
 
 # The warp-specialised forward with a learnable sink (HAS_SINK, folded in the epilogue), one CTA per tile and
-# persistent, rows that see no key (the sink alone).
+# persistent, rows that see no key (the sink alone). Outputs stay NaN-poisoned from here on (POISON_OUTPUTS above),
+# so a finite output is a written one.
 for b, sq, sk, causal in [(2, 300, 97, True), (1, 2048, 2048, True), (2, 17, 1333, False)]:
     q = torch.randn(b, sq, 8, 128, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(b, sk, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
