@@ -1,13 +1,12 @@
-"""GPU: small calls that take every Gluon kernel (kernels/gluon: the warp-specialised forward, with and without a
-sink, the dK/dV kernel in both dQ modes, the register-operand NVFP4 decode, the MLA decode), for compute-sanitizer
-(the NVFP4 GEMM's cases: memcheck_gemm.py). Usage on the H200:
-`PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 9 python benchmarks/tools/memcheck_ws.py`
-(without the environment variable, an access that lands in another block of torch's caching allocator goes
-unreported). Shapes: one query and one key, partial tiles, MQA with Sq > Sk (rows that see no key), d64 (128-row
-steps, one with whole row blocks that see no key), and keys that fit in one tile. Then the forward alone with every
-tile of plan.fwd_ws_config launched directly (one CTA per tile and persistent CTAs, d256's K/V rings), on
-shapes with partial tiles, an odd tile count and rows that see no key. The backward runs its opt-in variants
-(BWD_VARIANTS) too, and packed (varlen) sequences through both kernels."""
+"""GPU: small calls that take every Gluon kernel (kernels/gluon: the warp-specialised forward, with and without a sink,
+the dK/dV kernel in both dQ modes, the register-operand NVFP4 decode, the MLA decode), for compute-sanitizer (the NVFP4
+GEMM's cases: memcheck_gemm.py). Usage on the H200: `PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck
+--error-exitcode 9 python benchmarks/tools/memcheck_ws.py` (without the environment variable, an access that lands in
+another block of torch's caching allocator goes unreported). Shapes: one query and one key, partial tiles, MQA with Sq >
+Sk (rows that see no key), d64 (128-row steps, one with whole row blocks that see no key), and keys that fit in one
+tile. Then the forward alone with every tile of plan.fwd_ws_config launched directly (one CTA per tile and persistent
+CTAs, d256's K/V rings), on shapes with partial tiles, an odd tile count and rows that see no key. The backward runs its
+opt-in variants (BWD_VARIANTS) too, and packed (varlen) sequences through both kernels."""
 import sys
 
 import torch
