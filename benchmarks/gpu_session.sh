@@ -45,14 +45,18 @@ for phase in "$@"; do
   case $phase in
     tests) run_tests ;;
     test-sets) run_test_sets ;;
-    memcheck)  # one sanitizer process per file, in parallel (one process over the list covered ~18% of it in 300 s,
-      # run 178); graph capture needs the caching allocator, which memcheck needs off: graph tests are excluded
-      pids=()
-      for f in tests/ops/test_kvcache.py tests/ops/test_merge.py tests/ops/test_backward.py tests/lowp/test_quant.py \
-               tests/ops/test_varlen.py tests/lowp/test_gemm.py tests/ops/test_fp8_prefill.py; do
+    memcheck)  # one sanitizer process per file (test_backward.py: three, as one took over 300 s in run 178), in
+      # parallel; graph capture needs the caching allocator, which memcheck needs off: graph tests are excluded
+      pids=() i=0
+      for set in tests/ops/test_kvcache.py tests/ops/test_merge.py tests/lowp/test_quant.py tests/ops/test_varlen.py \
+                 tests/lowp/test_gemm.py tests/ops/test_fp8_prefill.py \
+                 "tests/ops/test_backward.py:func_backward and fp16" \
+                 "tests/ops/test_backward.py:func_backward and bf16" "tests/ops/test_backward.py:not func_backward"; do
+        f=${set%%:*} k=; [[ $set == *:* ]] && k="${set#*:} and "
+        i=$((i + 1))
         CUDA_VISIBLE_DEVICES=$TEST_GPU PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${MEMCHECK_LIMIT:-330}" \
           compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest "$f" -q -p no:cacheprovider \
-          -k "not graph and not overlap and not needle" > "$OUT/memcheck_$(basename "$f" .py).log" 2>&1 &
+          -k "${k}not graph and not overlap and not needle" > "$OUT/memcheck_test_${i}_$(basename "$f" .py).log" 2>&1 &
         pids+=($!)
       done
       wait "${pids[@]}"
