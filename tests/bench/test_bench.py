@@ -232,6 +232,8 @@ def cpu_suites(monkeypatch):
     monkeypatch.setattr(suites, "DEVICE", "cpu")
     monkeypatch.setattr(suites, "bench_ms", lambda fn: 0.5)
     monkeypatch.setattr(suites, "graphed", lambda fn: fn)
+    monkeypatch.setattr(suites, "rotating_graph_ms", lambda fns: 0.5 if fns and all(map(callable, fns)) else None)
+    monkeypatch.setattr(suites, "rotation_copies", lambda nbytes: 2)
 
     def use(mode):
         monkeypatch.setitem(sys.modules, "tileflash", _fake_tileflash(mode))
@@ -355,13 +357,13 @@ def test_suites_call_real_tileflash_cpu(monkeypatch):
     monkeypatch.setattr(suites, "DEVICE", "cpu")
     monkeypatch.setattr(suites, "bench_ms", lambda fn: 0.5)
     monkeypatch.setattr(suites, "graphed", lambda fn: fn)
+    monkeypatch.setattr(suites, "rotating_graph_ms", lambda fns: 0.5)
+    monkeypatch.setattr(suites, "rotation_copies", lambda nbytes: 2)
     rows = suites.run_prefill(PREFILL_TINY, out=lambda s: None)
     rows += suites.run_decode(DECODE_TINY + [{**s, "kv": "fp8"} for s in DECODE_TINY], out=lambda s: None)
     rows += suites.run_backward(PREFILL_TINY, out=lambda s: None)
     rows += suites.run_extend([{"batch": 2, "prefix": 40, "sq": 20, "hq": 4, "hkv": 2, "d": 64, "page_size": 16,
                                 "label": "page16"}], out=lambda s: None)
-    monkeypatch.setattr(suites, "rotating_graph_ms", lambda fns: 0.5)
-    monkeypatch.setattr(suites, "rotation_copies", lambda nbytes: 2)
     rows += suites.run_decode([{"kind": "mla", "hq": 16, "batch": 2, "ctx": 32, "page_size": ps, "label": "mla",
                                 **({"kv": "fp8"} if fp8 else {})} for ps, fp8 in ((16, False), (None, True))],
                               out=lambda s: None)
