@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import _utils
@@ -71,8 +70,8 @@ def row_descriptors(tensors, rows: int, block_rows: int):
 
 
 def values_t_width(rows: int, seqs: int) -> int:
-    """Columns of FP8 attention's V^T for `rows` key rows in `seqs` sequences (values_t_column)."""
-    return _utils.cdiv(rows, 16) * 16 + 16 * seqs
+    """Columns of FP8 attention's V^T for `rows` key rows in `seqs` sequences: where one more sequence would start."""
+    return values_t_column(rows, seqs)
 
 
 def values_t_column(start: int, seq: int) -> int:
@@ -93,10 +92,10 @@ def launch_values_t(v4: torch.Tensor, vt: torch.Tensor, cu_seqlens_k: torch.Tens
         return
     parts = max(1, min(_utils.cdiv(b * s // seqs, VALUES_T_BLOCK), 64))  # programs per sequence and head
     src, dst = direct.derived(v4.view(torch.uint8), v4), direct.derived(vt.view(torch.uint8), vt)
-    direct.launch(values_t_kernel, (seqs, parts, h), src, dst, cu_seqlens_k if cu_seqlens_k is not None else dst,
-                  s, v4.stride(0), v4.stride(1), v4.stride(2), vt.stride(0), vt.stride(1), HEAD_DIM=d,
-                  HEAD_DIM_PAD=triton.next_power_of_2(d), BLOCK_T=VALUES_T_BLOCK, VARLEN=cu_seqlens_k is not None,
-                  num_warps=4)
+    direct.launch(values_t_kernel, (seqs, parts, h), src, dst,
+                  cu_seqlens_k if cu_seqlens_k is not None else unused_pointer(v4.device), s, v4.stride(0),
+                  v4.stride(1), v4.stride(2), vt.stride(0), vt.stride(1), HEAD_DIM=d, HEAD_DIM_PAD=_utils.next_pow2(d),
+                  BLOCK_T=VALUES_T_BLOCK, VARLEN=cu_seqlens_k is not None, num_warps=4)
 
 
 VALUES_T_BLOCK = 64  # tokens per program step of values_t_kernel (a copy: not tuned)
