@@ -283,6 +283,7 @@ def _cases(arch: int = 90):
         "prefill fp8 d80 packed, fp16 out (V^T by pointers)": lambda: fp8_prefill(80, s=1000, packed=True),
         "prefill fp8 d128 causal paged (page 128)": lambda: fp8_prefill(128, causal=True, packed=True,
                                                                          page=128),
+        "prefill fp8 d256 paged (page 64)": lambda: fp8_prefill(256, packed=True, page=64),
         "decode 16-bit contiguous": lambda: decode("16bit"),
         "decode 16-bit paged append": lambda: decode("16bit", append=True, paged=True),
         "decode 16-bit paged, large cache (128-token steps)": lambda: decode("16bit", paged=True, ctx=16384),
