@@ -53,22 +53,23 @@ def test_ws_forward(case, dtype):
 
 @needs_sm90
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d, block_n, k_stages, v_stages, persistent", [
-    (128, 128, 3, 3, False), (128, 128, 2, 2, False), (64, 128, 3, 3, False), (64, 128, 4, 3, False),
-    (256, 64, 2, 2, False), (256, 64, 3, 2, False),  # d256: three K and two V stages fill 224 KB of shared memory
-    (128, 128, 3, 3, True), (64, 128, 3, 3, True), (256, 64, 3, 2, True),
+@pytest.mark.parametrize("d, block_n, k_stages, v_stages, persistent, q_bufs", [
+    (128, 128, 3, 3, False, 1), (128, 128, 2, 2, False, 1), (64, 128, 3, 3, False, 1), (64, 128, 4, 3, False, 1),
+    (256, 64, 2, 2, False, 1), (256, 64, 3, 2, False, 1),  # d256: 3 K and 2 V stages fill 224 KB of shared memory
+    (128, 128, 3, 3, True, 1), (64, 128, 3, 3, True, 1), (256, 64, 3, 2, True, 1),
+    (128, 128, 2, 3, True, 2), (128, 128, 3, 2, True, 2), (64, 128, 3, 3, True, 2),  # Q a tile ahead
 ])
-def test_ws_forward_tile_configs(d, block_n, k_stages, v_stages, persistent, causal):
+def test_ws_forward_tile_configs(d, block_n, k_stages, v_stages, persistent, q_bufs, causal):
     """Every tile the sweeps measure (`python -m tileflash sweep prefill-ws`), launched directly into NaN-poisoned
     outputs: the K and V rings of different depths wrap at different blocks (Sk spans 11-21 blocks), Sq < Sk shifts
     the diagonal, and 9 tiles per head make 5 units of which the last is one tile alone: 160 units walked by 132
-    persistent CTAs."""
+    persistent CTAs (with two Q buffers, both buffers' barrier phases wrap)."""
     q, k, v = attention_inputs(2, 1100, 1300, 16, 4, d, torch.bfloat16)
     out = torch.full_like(q, float("nan"))
     lse = torch.full((2, 16, 1100), float("nan"), device=DEVICE)
     scale = d ** -0.5
     launch_attn_fwd_ws(q, k, v, out, lse, causal=causal, softmax_scale=scale,
-                       config=WsFwdConfig(block_n, k_stages, v_stages, persistent))
+                       config=WsFwdConfig(block_n, k_stages, v_stages, persistent, q_bufs))
     ref, ref_lse = attention_ref(q, k, v, causal=causal, softmax_scale=scale)
     ref_lowp, _ = attention_ref(q, k, v, causal=causal, softmax_scale=scale, upcast=False)
     check_2x(out, ref, ref_lowp)

@@ -130,6 +130,7 @@ class WsFwdConfig:
     k_stages: int  # K blocks in shared memory
     v_stages: int  # V blocks in shared memory
     persistent: bool = False  # one CTA per SM walking pairs of tiles, else one CTA per 128-row tile
+    q_bufs: int = 1  # persistent: Q buffers per warpgroup (2: the next tile's Q loads a whole tile ahead)
 
 
 def fwd_ws_config(head_dim: int, causal: bool, seqlen_k: int) -> WsFwdConfig | None:

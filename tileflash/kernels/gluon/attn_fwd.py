@@ -106,19 +106,21 @@ def _block_range(start_m, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_N: gl.
 def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
               cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, m_tiles, num_heads_q, group_size, num_units,
               CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
-              PERSISTENT: gl.constexpr, VARLEN: gl.constexpr):
+              Q_BUFS: gl.constexpr, PERSISTENT: gl.constexpr, VARLEN: gl.constexpr):
     it = 0  # K/V blocks loaded so far: the position in both rings
     tiles_done = 0
     for step in range(_tile_count(num_units, PERSISTENT)):
         bd, h, hk, start_m, valid, q0, sq, k0, sk = _tile(step, m_tiles, num_heads_q, group_size, cu_seqlens_q,
                                                           cu_seqlens_k, seqlen_q, seqlen_k, PERSISTENT, VARLEN)
         if valid:
+            qb = (tiles_done % Q_BUFS) * 2
             for w in gl.static_range(2):
-                # Q's buffer is free once the consumer's last S product of the previous tile retired.
-                mbarrier.wait(q_empty.index(w), (tiles_done & 1) ^ 1)  # a fresh barrier passes parity 1 at once
-                mbarrier.expect(q_bar.index(w), q_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(q_desc, [bd, q0 + start_m + w * WG_ROWS, h, 0], q_bar.index(w),
-                                                q_smem.index(w))
+                # Q's buffer is free once the consumer's last S product of the tile before (Q_BUFS tiles before)
+                # retired.
+                mbarrier.wait(q_empty.index(qb + w), ((tiles_done // Q_BUFS) & 1) ^ 1)  # fresh: parity 1 passes
+                mbarrier.expect(q_bar.index(qb + w), q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [bd, q0 + start_m + w * WG_ROWS, h, 0], q_bar.index(qb + w),
+                                                q_smem.index(qb + w))
             full_hi, n_hi = _block_range(start_m, sq, sk, CAUSAL, BLOCK_N)
             for j in range(n_hi):
                 ks = it % K_STAGES
@@ -179,7 +181,8 @@ def _consumer(q_desc, o_desc, out_ptr, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, q
               v_empty, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, m_tiles, num_heads_q, group_size, num_units,
               stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale, sink_ptr, WG: gl.constexpr,
               CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
-              V_STAGES: gl.constexpr, PERSISTENT: gl.constexpr, VARLEN: gl.constexpr, HAS_SINK: gl.constexpr):
+              V_STAGES: gl.constexpr, Q_BUFS: gl.constexpr, PERSISTENT: gl.constexpr, VARLEN: gl.constexpr,
+              HAS_SINK: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -188,7 +191,6 @@ def _consumer(q_desc, o_desc, out_ptr, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, q
     # P feeds the PV product from registers: S's accumulator layout maps onto wgmma's A fragments.
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    q = q_smem.index(WG).reshape([WG_ROWS, HEAD_DIM])
     s_init = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, s_layout)  # ignored (use_acc=False): only its layout counts
     it = 0  # K/V blocks consumed so far: the position in both rings
     tiles_done = 0
@@ -204,7 +206,9 @@ def _consumer(q_desc, o_desc, out_ptr, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, q
             m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
             l_i = gl.zeros([WG_ROWS], gl.float32, gl.SliceLayout(1, s_layout))
             acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, o_layout)
-            mbarrier.wait(q_bar.index(WG), tiles_done & 1)
+            qi = (tiles_done % Q_BUFS) * 2 + WG
+            q = q_smem.index(qi).reshape([WG_ROWS, HEAD_DIM])
+            mbarrier.wait(q_bar.index(qi), (tiles_done // Q_BUFS) & 1)
             if n_hi > 0:
                 ks = it % K_STAGES
                 mbarrier.wait(k_ready.index(ks), (it // K_STAGES) & 1)
@@ -234,7 +238,7 @@ def _consumer(q_desc, o_desc, out_ptr, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, q
                     acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
                     p = gl.convert_layout(p_next.to(dtype), p_layout)
                 if PERSISTENT:
-                    mbarrier.arrive(q_empty.index(WG), count=1)  # every S product of this tile has retired
+                    mbarrier.arrive(q_empty.index(qi), count=1)  # every S product of this tile has retired
                 last = (it + n_hi - 1) % V_STAGES
                 mbarrier.wait(v_ready.index(last), ((it + n_hi - 1) // V_STAGES) & 1)
                 acc = warpgroup_mma(p, v_bufs.index(last).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
@@ -242,7 +246,7 @@ def _consumer(q_desc, o_desc, out_ptr, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, q
                 mbarrier.arrive(v_empty.index(last), count=1)
                 it += n_hi
             elif PERSISTENT:
-                mbarrier.arrive(q_empty.index(WG), count=1)
+                mbarrier.arrive(q_empty.index(qi), count=1)
 
             # Epilogue: rows that saw no key give out = 0 and lse = -inf (with a sink: lse = sink).
             m_i, l_i, acc_scale = _normaliser(m_i, l_i, sink2, HAS_SINK)
@@ -266,7 +270,7 @@ def _consumer(q_desc, o_desc, out_ptr, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, q
                 # rows past Sq.
                 q.store(o)
                 fence_async_shared()
-                tma.async_copy_shared_to_global(o_desc, [bd, row0, h, 0], q_smem.index(WG))
+                tma.async_copy_shared_to_global(o_desc, [bd, row0, h, 0], q_smem.index(qi))
                 tma.store_wait(0)
             tiles_done += 1
 
@@ -275,23 +279,24 @@ def _consumer(q_desc, o_desc, out_ptr, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, q
 def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, out_ptr, lse_ptr, cu_seqlens_q, cu_seqlens_k, seqlen_q,
                        seqlen_k, m_tiles, num_heads_q, group_size, num_units, stride_ob, stride_os, stride_oh,
                        stride_lb, stride_lh, qk_scale, sink_ptr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
-                       BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+                       BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
                        PERSISTENT: gl.constexpr, VARLEN: gl.constexpr, HAS_SINK: gl.constexpr):
     """Grid: (m_tiles * B * Hq,) or, PERSISTENT, (min(num_units, SMs),); 4 warps (the first consumer warpgroup;
     the partitions add 5 more). VARLEN (not with PERSISTENT): B sequences packed in [1, total, H, D] tensors, their
     rows and keys from cu_seqlens_q/k (int32 [B + 1]), m_tiles from the longest; lse [1, Hq, total_q]."""
     gl.static_assert(not (PERSISTENT and VARLEN), "persistent CTAs walk tiles of equal-length sequences")
+    gl.static_assert(PERSISTENT or Q_BUFS == 1, "one tile per CTA needs one Q buffer")
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [2, 1, WG_ROWS, 1, HEAD_DIM], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFS, 1, WG_ROWS, 1, HEAD_DIM], q_desc.layout)
     k_bufs = gl.allocate_shared_memory(dtype, [K_STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [V_STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
+    for i in gl.static_range(2 * Q_BUFS):
         mbarrier.init(q_bar.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)  # released by its consumer warpgroup (persistent CTAs)
     for i in gl.static_range(K_STAGES):
@@ -320,14 +325,14 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, out_ptr, lse_ptr, cu_seql
         (_consumer, (q_desc, o_desc, out_ptr, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready,
                      k_empty, v_empty, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, m_tiles, num_heads_q,
                      group_size, num_units, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale, sink_ptr,
-                     WG0, CAUSAL, HEAD_DIM, BLOCK_N, K_STAGES, V_STAGES, PERSISTENT, VARLEN, HAS_SINK)),
+                     WG0, CAUSAL, HEAD_DIM, BLOCK_N, K_STAGES, V_STAGES, Q_BUFS, PERSISTENT, VARLEN, HAS_SINK)),
         (_consumer, (q_desc, o_desc, out_ptr, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready,
                      k_empty, v_empty, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, m_tiles, num_heads_q,
                      group_size, num_units, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale, sink_ptr,
-                     WG1, CAUSAL, HEAD_DIM, BLOCK_N, K_STAGES, V_STAGES, PERSISTENT, VARLEN, HAS_SINK)),
+                     WG1, CAUSAL, HEAD_DIM, BLOCK_N, K_STAGES, V_STAGES, Q_BUFS, PERSISTENT, VARLEN, HAS_SINK)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready, k_empty,
                      v_empty, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, m_tiles, num_heads_q, group_size,
-                     num_units, CAUSAL, BLOCK_N, K_STAGES, V_STAGES, PERSISTENT, VARLEN)),
+                     num_units, CAUSAL, BLOCK_N, K_STAGES, V_STAGES, Q_BUFS, PERSISTENT, VARLEN)),
     ], [4, 1], [240, 24])
 
 
