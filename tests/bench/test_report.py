@@ -32,3 +32,12 @@ def test_performance_page_is_current():
     """A results file added without regenerating docs/performance.md fails here."""
     with open(report.PAGE) as f:
         assert f.read() == report.render(), "docs/performance.md is stale: run python -m tileflash bench report"
+
+
+def test_sweep_rows_show_their_shapes(tmp_path):
+    rows = [{"family": "decode", "shape": [1, 32768, 16], "variant": v, "us": us, "metric": 1.0, "unit": "TB/s",
+             "ok": True} for v, us in (("default", 21.5), ("num_splits=8", 157.2))]
+    meta = {"date": "2026-12-04", "run": 3, "device": "H200", "command": "sweep decode"}
+    (tmp_path / "s.json").write_text(json.dumps({"family": "decode", "rows": rows, "meta": meta}))
+    page = report.render(str(tmp_path))
+    assert "| 1,32768,16 | num_splits=8 |" in page

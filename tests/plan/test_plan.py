@@ -115,20 +115,22 @@ def test_fwd_ws_config_properties():
                 continue
             _frozen(c)
             assert _pow2(c.block_n) and c.k_stages >= 2 and c.v_stages >= 2, c
-            assert (128 + (c.k_stages + c.v_stages) * c.block_n) * d * 2 <= H200_SMEM, (d, seqlen_k, c)
+            assert (128 * c.q_bufs + (c.k_stages + c.v_stages) * c.block_n) * d * 2 <= H200_SMEM, (d, seqlen_k, c)
             assert persistent or not c.persistent, (d, causal, seqlen_k)
+            assert c.q_bufs == 1 or c.persistent, c  # one tile per CTA loads one Q
             persistent = c.persistent
 
 
 @pytest.mark.parametrize("d, causal, seqlen_k, expected", [
-    (128, True, 2048, (128, 3, 3, True)),  # d128: persistent CTAs up to 2k keys (run 108) ...
-    (128, True, 2049, (128, 3, 3, False)),  # ... one CTA per tile from there
-    (256, False, 16384, (64, 3, 2, False)),  # d256: 3 K + 2 V stages (224 KB)
-    (256, True, 1024, (64, 2, 2, False)),  # ... 2 + 2 with short rows
+    (128, True, 2048, (128, 3, 3, True, 1)),  # d128: persistent CTAs up to 2k keys (run 108) ...
+    (128, True, 2049, (128, 3, 3, False, 1)),  # ... one CTA per tile from there
+    (64, False, 4096, (128, 3, 3, True, 2)),  # d64: persistent up to 4k keys, Q a tile ahead (run 190)
+    (256, False, 16384, (64, 3, 2, False, 1)),  # d256: 3 K + 2 V stages (224 KB)
+    (256, True, 1024, (64, 2, 2, False, 1)),  # ... 2 + 2 with short rows
 ])
 def test_fwd_ws_config_anchors(d, causal, seqlen_k, expected):
     c = fwd_ws_config(d, causal, seqlen_k)
-    assert (c.block_n, c.k_stages, c.v_stages, c.persistent) == expected
+    assert (c.block_n, c.k_stages, c.v_stages, c.persistent, c.q_bufs) == expected
 
 
 # ---------------------------------------------------------------------------------------------------- backward

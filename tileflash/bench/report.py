@@ -54,14 +54,21 @@ def newest(results: list[dict]) -> dict:
 
 
 def _cell(value):
+    if isinstance(value, list):  # a sweep's shape tuple
+        return ",".join(map(str, value))
     return round(value, 2) if isinstance(value, float) else value
+
+
+def _scalar(value) -> bool:
+    return not isinstance(value, (dict, list)) or (
+        isinstance(value, list) and all(isinstance(x, (int, float, str)) for x in value))
 
 
 def table(rows: list[dict]) -> tuple[list[str], list[list]]:
     """(headers, rows): the rows' scalar fields, then one column per backend (its first metric of _METRICS)."""
     fields, backends = [], []
     for r in rows:
-        fields += [k for k, v in r.items() if k not in _SKIP and not isinstance(v, (dict, list)) and k not in fields]
+        fields += [k for k, v in r.items() if k not in _SKIP and _scalar(v) and k not in fields]
         backends += [b for b in r.get("backends", {}) if b not in backends]
 
     def result(r, b) -> dict:

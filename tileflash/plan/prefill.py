@@ -144,6 +144,10 @@ def fwd_ws_config(head_dim: int, causal: bool, seqlen_k: int) -> WsFwdConfig | N
       d64 (128 keys, 3 + 3): persistent at 1k / 2k / 4k (run 108) full 394 / 434 / 448 vs 364 / 420 / 439 with one
            CTA per tile, causal 292 / 369 / 405 vs 254 / 337 / 392 (and the one-warpgroup Triton tile that served
            causal rows <= 2048 keys: 285 / 340, run 58); 64-key steps (4 + 4 stages) ran slower everywhere.
+           Two Q buffers per warpgroup (the next tile's Q a tile ahead, run 190): 1k 410.9 vs 401.7, causal 1k
+           300.9 vs 291.5, causal 4k 427.0 vs 418.8, 2k 445.1 vs 442.6; d128 needs a K stage less for them and
+           measured within noise (2 K stages + 2 Q buffers 555.8 / 404.5 / 597.4 / 505.0 vs 550.2 / 398.5 / 589.6 /
+           496.1 at 1k / causal 1k / 2k / causal 2k).
       d256 (64 keys; the K and V rings have their own depth, run 107): 3 K + 2 V stages (224 KB of shared memory)
            full 569-650 vs cuDNN 628-662, causal 385-640 vs 444-596; 2 + 2 stages 576-691 / 429-609, taken at
            <= 1024 keys where the third K stage measured slower causal (385 vs 429); persistent CTAs mixed (run
@@ -155,7 +159,8 @@ def fwd_ws_config(head_dim: int, causal: bool, seqlen_k: int) -> WsFwdConfig | N
     if head_dim == 128:
         return WsFwdConfig(block_n=128, k_stages=3, v_stages=3, persistent=seqlen_k <= 2048)
     if head_dim == 64:
-        return WsFwdConfig(block_n=128, k_stages=3, v_stages=3, persistent=seqlen_k <= 4096)
+        persistent = seqlen_k <= 4096
+        return WsFwdConfig(block_n=128, k_stages=3, v_stages=3, persistent=persistent, q_bufs=2 if persistent else 1)
     if head_dim == 256:
         return WsFwdConfig(block_n=64, k_stages=3 if seqlen_k > 1024 else 2, v_stages=2)
     return None
