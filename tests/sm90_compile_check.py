@@ -288,6 +288,8 @@ def _cases(arch: int = 90):
         "decode 16-bit paged append": lambda: decode("16bit", append=True, paged=True),
         "decode 16-bit paged, large cache (128-token steps)": lambda: decode("16bit", paged=True, ctx=16384),
         "decode 16-bit paged, page 64 (TMA tiles)": lambda: decode("16bit", paged=True, page=64),
+        "decode 16-bit paged, page 64, large pool (3-stage TMA tiles)": lambda: decode("16bit", paged=True, page=64,
+                                                                                     ctx=16384),
         "decode fp8 paged, page 64 (TMA tiles)": lambda: decode("fp8", paged=True, page=64),
         "decode fp8 append": lambda: decode("fp8", append=True),
         "decode 16-bit append, rotary, cache_batch_idx, cache_leftpad": lambda: decode("16bit", append=True,

@@ -332,12 +332,26 @@ def test_decode_config_steps_grow_with_the_cache():
 @pytest.mark.parametrize("fmt, paged, kv_tokens, tokens_per_program, expected", [
     ("16bit", False, 2 ** 30, 0, (64, 2, False, 0)),  # 16-bit contiguous: 64 tokens, 2 stages, plain products
     ("16bit", False, 2 ** 30, 4096, (128, 2, False, 1)),  # long programs: 128 tokens, one program per SM
-    ("16bit", True, 32768 * 8, 0, (128, 2, False, 1)),  # paged, large (b=1 ctx 32k x 8 KV heads on)
+    ("16bit", True, 32768 * 8, 0, (128, 2, False, 1)),  # paged, large (b=1 ctx 32k x 8 KV heads on): gathers
     ("fp8", False, 2 ** 30, 0, (128, 3, True, 2)),  # quantized, large: transposed products, two per SM
 ])
 def test_decode_config_anchors(fmt, paged, kv_tokens, tokens_per_program, expected):
     c = decode_config(128, 4, kv_format=fmt, paged=paged, kv_tokens=kv_tokens, tokens_per_program=tokens_per_program)
     assert (c.block_n, c.num_stages, c.trans, c.resident_per_sm) == expected
+
+
+@pytest.mark.parametrize("d, page_size, kv_tokens, expected", [
+    (128, 64, 32768 * 8, (64, 3, 1)),  # large pools of 64-token pages: TMA boxes, 3 stages (run 193)
+    (128, 256, 2 ** 30, (64, 3, 1)),  # ... any page holding whole boxes
+    (128, 16, 2 ** 30, (128, 2, 1)),  # pages smaller than a box: pointer gathers over 128-token steps
+    (128, 64, 8192 * 8, (64, 2, 0)),  # small pools keep the contiguous tiles
+    (64, 64, 2 ** 30, (256, 2, 1)),  # d64: TMA steps of 128 tokens; a 64-token page cannot hold one (gathers)
+    (64, 128, 2 ** 30, (128, 3, 1)),  # ... a 128-token page can
+])
+def test_decode_config_paged_tma_tiles(d, page_size, kv_tokens, expected):
+    c = decode_config(d, 4, paged=True, kv_tokens=kv_tokens, page_size=page_size)
+    assert (c.block_n, c.num_stages, c.resident_per_sm) == expected
+    assert page_size % c.block_n == 0 or c.block_n == 128 * 128 // d  # TMA boxes, or the gather tile
 
 
 def test_quant_decode_config_properties():
@@ -508,7 +522,8 @@ def test_split_plan_properties(gpu_planning):
             cfg, s, capacity = _split_plan(b, ctx, hq, hkv, d, page, fmt=fmt)
             args = (b, ctx, hq, hkv, d, page, fmt, cfg, s)
             assert capacity == ctx and cfg == decode_config(d, hq // hkv, kv_format=fmt, paged=bool(page),
-                                                            kv_tokens=b * ctx * hkv, tokens_per_program=ctx // s), args
+                                                            kv_tokens=b * ctx * hkv, tokens_per_program=ctx // s,
+                                                            page_size=page), args
             assert 1 <= s <= min(MAX_SPLITS, _utils.cdiv(ctx, cfg.block_n)), args
             if ctx < MIN_SPLIT_TOKENS or b * hkv * _utils.cdiv(hq // hkv, cfg.block_m) >= 3 * H200_SMS:
                 assert s == 1, args
@@ -524,6 +539,7 @@ def test_split_plan_properties(gpu_planning):
     ((32, 8192, 32, 8, 128, 0, 2), (128, 2)),  # a forced count is kept; its programs are long
     ((1, 8192, 32, 8, 128, 16, 0), (64, 50)),  # small, pages shorter than a step (gathers): three programs per SM
     ((1, 8192, 32, 8, 128, 64, 0), (64, 33)),  # pages of whole steps (TMA boxes): two, like the contiguous cache
+    ((1, 131072, 32, 8, 128, 64, 0), (64, 33)),  # large pools of whole-step pages: 3-stage TMA steps (run 193)
 ])
 def test_decode_plan(shape, expected, gpu_planning):
     b, ctx, hq, hkv, d, page, num_splits = shape

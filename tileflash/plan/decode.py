@@ -47,8 +47,12 @@ def decode_block_m(group_rows: int) -> int:
 #   128 tokens (two programs per SM: ~200 registers per thread), run 18 at each tile's best split count: fp8 b=8 ctx
 #   32k 150.6 us vs 155.2 with 64 tokens, b=32 ctx 8k 145.9 vs 154.7, b=256 ctx 2k 288.4 vs 300.9; nvfp4 239.0 vs
 #   263.6, 239.1 vs 264.9, 489.8 vs 499.6; 8 warps (two warpgroups per step) lost everywhere (165-992 us).
+# - 16-bit paged, large, pages holding whole 64-token steps (read through TMA boxes): 64 tokens, 3 stages, one program
+#   per SM (run 193, `sweep decode`, page 64, us): b=1 ctx 128k 129.3 vs 133.0 with the gather tile (contiguous
+#   127.3), b=1 ctx 32k 39.6 vs 42.4, b=8 ctx 32k 248.6 vs 250.7; with 2 per SM 301.8 at b=8 ctx 32k. Page 16 (gathers)
+#   keeps 128 tokens (132.4-133.4 either way at b=1 ctx 128k).
 DECODE_TILES = {"16bit": (64, 2, False, 0), "16bit-long": (128, 2, False, 1),
-                "16bit-paged-large": (128, 2, False, 1),
+                "16bit-paged-large": (128, 2, False, 1), "16bit-paged-tma-large": (64, 3, False, 1),
                 "fp8": (64, 3, True, 4), "fp8-large": (128, 3, True, 2),
                 "nvfp4": (64, 3, True, 4), "nvfp4-large": (128, 3, True, 2)}
 
@@ -67,14 +71,15 @@ LONG_PROGRAM_TOKENS = 4096
 
 def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_format: str = "16bit",
                   paged: bool = False, kv_tokens: int = 2 ** 30, tokens_per_program: int = 0,
-                  arch: int | None = 90) -> DecodeConfig:
+                  arch: int | None = 90, page_size: int = 0) -> DecodeConfig:
     """Tiles by cache format (DECODE_TILES; "16bit", "fp8", "nvfp4"), layout and size: contiguous caches are read
     through TMA descriptors, paged ones too when a page holds whole tiles (one box per tile, its row from the block
     table), otherwise by per-token pointer gathers (a TMA descriptor covers one strided box, not a page list).
     kv_tokens = batch x cache capacity x KV heads; caches of LARGE_TILES_MIN_KV or more take the "-large" tiles.
     tokens_per_program = cache capacity / KV splits (0: not known yet): 16-bit contiguous caches take the
     "16bit-long" tiles from LONG_PROGRAM_TOKENS on. arch: the compile target (prefill.target_tiles; below sm_90
-    steps of at most 64 tokens)."""
+    steps of at most 64 tokens). page_size: tokens per page of a paged cache (0: not known); large 16-bit pools
+    whose pages hold whole "16bit-paged-tma-large" steps take those."""
     block_m = decode_block_m(group_rows)
     if interpret:  # small steps; K/V through TMA descriptors as on the GPU (NVFP4 caches, and pages smaller than
         # a step, take pointers)
@@ -86,15 +91,23 @@ def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_fo
         key = next((k for k in large if k in DECODE_TILES), kv_format)
     if key == "16bit" and not paged and tokens_per_program >= LONG_PROGRAM_TOKENS:
         key = "16bit-long"
+    tma_step = _step_tokens(DECODE_TILES["16bit-paged-tma-large"][0], d)
+    if key == "16bit-paged-large" and page_size and page_size % tma_step == 0:  # pages hold whole TMA boxes
+        key = "16bit-paged-tma-large"
     tokens, stages, trans, resident = DECODE_TILES[key]
-    # K+V bytes per step held constant across head dims (d=64 at 64 tokens per step ran 0.71-0.93x the peer);
-    # below 64 a step holds fewer bytes and registers, and an SM proportionally more programs.
-    block_n = tokens * 128 // d if d >= 64 else 2 * tokens
+    block_n = _step_tokens(tokens, d)
     if arch is not None and arch < 90 and block_n > 64:  # pointer gathers, no TMA: 128-token steps spilled on sm_80
         block_n //= 2
     resident *= tokens * 128 // (block_n * d)
     return target_tiles(DecodeConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=stages, tma=True,
                                      trans=trans, resident_per_sm=resident), arch, sm10x_warps=True)
+
+
+def _step_tokens(tokens: int, d: int) -> int:
+    """Tokens per step at head dim d (padded) for a DECODE_TILES entry of `tokens` at d=128: K+V bytes per step
+    held constant across head dims (d=64 at 64 tokens per step ran 0.71-0.93x the peer); below 64 a step holds
+    fewer bytes and registers, and an SM proportionally more programs."""
+    return tokens * 128 // d if d >= 64 else 2 * tokens
 
 
 # MLA decode (qv; a latent of up to 512 that is both V and most of the key, DeepSeek-V2/V3): (KV tokens per step,
@@ -340,7 +353,8 @@ def split_plan(q, k_cache, block_table, num_splits: int, mla: bool = False):
                                                        per_sm=cfg.resident_per_sm or 2), capacity
     tiles = functools.partial(decode_config, d, rows, _utils.is_interpreter(),
                               kv_format=KV_FORMATS.get(k_cache.dtype, "16bit"), paged=block_table is not None,
-                              kv_tokens=b * capacity * hkv, arch=target_arch())
+                              kv_tokens=b * capacity * hkv, arch=target_arch(),
+                              page_size=k_cache.shape[1] if block_table is not None else 0)
 
     def count(cfg):  # the asked count, else the heuristic's for this tile
         gathers = (block_table is not None and not cfg.resident_per_sm
