@@ -456,8 +456,10 @@ def _decode_one(shape, tf, note):
 
     n = min(b, CHECK_BATCH)
     ref = reference_fp32(q[:n], k_seq[:n], v_seq[:n], causal=False)  # Sq = 1 sees the whole cache
-    if DEVICE == "cuda":  # the copies below come from fresh segments, as an engine's startup cache does: cloned
-        torch.cuda.empty_cache()  # into the reference's freed blocks, ours ran 13% slower (run 188; cause open, run 189)
+    if DEVICE == "cuda":
+        # The copies below come from fresh segments, as an engine's startup cache does: cloned into the reference's
+        # freed blocks, our decode ran 13% slower (run 188; not reproduced in isolation, run 189: cause open).
+        torch.cuda.empty_cache()
 
     def check(out):
         return max_abs_err(out[:n], ref)

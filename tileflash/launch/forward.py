@@ -186,7 +186,8 @@ def launch_attn_fwd_ws(q4, k4, v4, out4, lse3, *, causal: bool, softmax_scale: f
         0 if varlen else lse3.stride(0), lse3.stride(1), softmax_scale * math.log2(math.e),
         learnable_sink if learnable_sink is not None else lse3, CAUSAL=causal,
         HEAD_DIM=d, BLOCK_N=config.block_n, K_STAGES=config.k_stages, V_STAGES=config.v_stages,
-        Q_BUFS=config.q_bufs if config.persistent else 1, PERSISTENT=config.persistent, VARLEN=varlen, HAS_SINK=learnable_sink is not None, num_warps=4)
+        Q_BUFS=config.q_bufs if config.persistent else 1, PERSISTENT=config.persistent, VARLEN=varlen,
+        HAS_SINK=learnable_sink is not None, num_warps=4)
 
 
 def launch_mla_decode(q, qv, k_cache, v_cache, out, lse, *, seqlens_k, seqlen_k_add: int, block_table,
