@@ -35,3 +35,9 @@ def test_sweep_needs_a_gpu(monkeypatch, capsys):
     monkeypatch.setattr(sweep.torch.cuda, "is_available", lambda: False)
     assert sweep.main(["decode"]) == 2
     assert "needs a GPU" in capsys.readouterr().err
+
+
+def test_check_column_says_how_far_a_variant_is_from_the_default():
+    assert sweep.check_cell({"ok": True, "diff": 0.001}) == "ok"
+    assert sweep.check_cell({"ok": False, "diff": 0.0234}) == "diff 2.3%"
+    assert sweep.check_cell({"ok": False, "error": "OutOfResources"}) == "OutOfResources"

@@ -3,7 +3,8 @@
 One CLI over the kernels' config dataclasses (tileflash.plan): every variant is the planner's own choice for the
 shape with the --vary fields replaced (the cartesian product of their values; a field that is not the config's is a
 call argument, e.g. num_splits for decode), forced through tileflash.config.override. Each variant's output is
-compared with the default's (ERR when it differs by more than 2% of the largest value; an error while compiling or
+compared with the default's ("diff X%" when it differs by more than 2% of the largest value: a difference from the
+default, which need not be the variant's error, e.g. FP8 variants rounding P differently; an error while compiling or
 running shows as its exception type), then timed: prefill / backward with do_bench, decode and the GEMM as
 CUDA-graph replay over input copies larger than the L2. `default` is the planner's choice unchanged.
 
@@ -270,13 +271,20 @@ def sweep(name: str, shapes, vary) -> list[dict]:
                     base = out
                 err = ((out - base).abs().max() / base.abs().max().clamp_min(1e-6)).item()
                 value, unit = metric(ms)
-                row.update(us=ms * 1e3, metric=value, unit=unit, ok=err <= 0.02)
+                row.update(us=ms * 1e3, metric=value, unit=unit, ok=err <= 0.02, diff=err)
             except Exception as e:  # a config that does not compile or fit: reported, the sweep goes on
                 row.update(us=None, metric=None, unit=None, ok=False, error=type(e).__name__, message=str(e)[:300])
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
             torch.cuda.empty_cache()
     return rows
+
+
+def check_cell(row: dict) -> str:
+    """The table's check column: ok, how far the output is from the default's, or the exception's type."""
+    if row["ok"]:
+        return "ok"
+    return row.get("error") or f"diff {100 * row['diff']:.1f}%"
 
 
 def main(argv=None) -> int:
@@ -293,8 +301,8 @@ def main(argv=None) -> int:
         print("python -m tileflash sweep times kernels: it needs a GPU", file=sys.stderr)
         return 2
     rows = sweep(args.family, [parse_shape(s) for s in args.shapes], args.vary)
-    table = [[",".join(map(str, r["shape"])), r["variant"], r["us"], r["metric"], r["unit"],
-              "ok" if r["ok"] else r.get("error", "ERR")] for r in rows]
+    table = [[",".join(map(str, r["shape"])), r["variant"], r["us"], r["metric"], r["unit"], check_cell(r)]
+             for r in rows]
     print(format_table(["shape", "variant", "us", "metric", "unit", "check"], table,
                        title=f"sweep {args.family} ({FAMILIES[args.family].config.__name__})"))
     if args.json:
