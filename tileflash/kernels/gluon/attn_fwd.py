@@ -17,7 +17,9 @@ session 8); it stayed at 0.78-0.86x cuDNN for d128. Gluon states the partitions 
 Persistent CTAs (PERSISTENT, for short rows: plan.prefill.fwd_ws_config): one CTA per SM walks units of two tiles
 (see _tile); the rings run on across tiles, a consumer releases its Q buffer as soon as its last S product has
 retired, so the next tile's Q and first K block load during the last PV product and the epilogue, which stores O
-from registers (Q's buffer, the TMA store's staging otherwise, may already hold the next Q).
+from registers (Q's buffer, the TMA store's staging otherwise, may already hold the next Q). With Q_BUFS = 2 each
+warpgroup alternates two Q buffers, so a tile's Q loads while the tile before it still runs (d64, where shared
+memory has room: +0.6-3.2%, run 190).
 
 Layout: q, out [B, Sq, Hq, D] and k, v [B, Sk, Hkv, D] through 4-D TMA descriptors with blocks [1, rows, 1, D], so
 rows past a sequence's end arrive as zeros and are never stored (no row masks on loads; the persistent epilogue
