@@ -227,13 +227,18 @@ def _fake_tileflash(mode="right"):
     return types.SimpleNamespace(flash_attn_func=flash_attn_func, flash_attn_with_kvcache=flash_attn_with_kvcache)
 
 
-@pytest.fixture
-def cpu_suites(monkeypatch):
+def _cpu_timing(monkeypatch):
+    """The suites on the CPU: fixed timings (no CUDA graphs), two input copies for the rotating columns."""
     monkeypatch.setattr(suites, "DEVICE", "cpu")
     monkeypatch.setattr(suites, "bench_ms", lambda fn: 0.5)
     monkeypatch.setattr(suites, "graphed", lambda fn: fn)
     monkeypatch.setattr(suites, "rotating_graph_ms", lambda fns: 0.5 if fns and all(map(callable, fns)) else None)
     monkeypatch.setattr(suites, "rotation_copies", lambda nbytes: 2)
+
+
+@pytest.fixture
+def cpu_suites(monkeypatch):
+    _cpu_timing(monkeypatch)
 
     def use(mode):
         monkeypatch.setitem(sys.modules, "tileflash", _fake_tileflash(mode))
@@ -354,11 +359,7 @@ def test_cli_runs_selected_shapes_and_writes_json(monkeypatch, tmp_path):
 @pytest.mark.skipif(CUDA, reason="runs the real kernels through Triton's CPU interpreter")
 def test_suites_call_real_tileflash_cpu(monkeypatch):
     """The suites' calls match tileflash's real API and agree with the fp32 reference."""
-    monkeypatch.setattr(suites, "DEVICE", "cpu")
-    monkeypatch.setattr(suites, "bench_ms", lambda fn: 0.5)
-    monkeypatch.setattr(suites, "graphed", lambda fn: fn)
-    monkeypatch.setattr(suites, "rotating_graph_ms", lambda fns: 0.5)
-    monkeypatch.setattr(suites, "rotation_copies", lambda nbytes: 2)
+    _cpu_timing(monkeypatch)
     rows = suites.run_prefill(PREFILL_TINY, out=lambda s: None)
     rows += suites.run_decode(DECODE_TINY + [{**s, "kv": "fp8"} for s in DECODE_TINY], out=lambda s: None)
     rows += suites.run_backward(PREFILL_TINY, out=lambda s: None)
