@@ -142,7 +142,7 @@ def _dense_plan(q, k, v, softmax_scale: float, mask: Mask, keep_lse: bool, alibi
         if ws_cfg is None:
             cfg = config.chosen("fwd", fwd_config(d, causal=mask.window_right >= 0, interpret=_utils.is_interpreter(),
                                                   seqlen_k=sk, arch=target_arch(), fp8=q.dtype == FP8))
-    vt_shape = (k.shape[2], d, values_t_width(b * sk, b)) if q.dtype == FP8 else None
+    vt_shape = (k.shape[2], d, values_t_width(b * sk, b)) if q.dtype == FP8 and not (cfg and cfg.v_rows) else None
     launch = functools.partial(_launch_dense, ws_cfg, cfg, mask, softmax_scale)
     return FwdPlan(launch, (b, hq, sq), q.device, keep_lse, empty, vt_shape)
 
@@ -236,7 +236,7 @@ def _varlen_plan(q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_q: in
                                                   seqlen_k=max_seqlen_k, arch=target_arch(), fp8=q.dtype == FP8,
                                                   paged=paged))
     vt_shape = (k.shape[1], d, values_t_width(k.shape[0], cu_seqlens_q.shape[0] - 1)) \
-        if q.dtype == FP8 and not paged else None  # paged pools read V as stored
+        if q.dtype == FP8 and not paged and not (cfg and cfg.v_rows) else None  # paged pools read V as stored
     launch = functools.partial(_launch_varlen, ws_cfg, cfg, mask, softmax_scale, max_seqlen_q, max_seqlen_k, paged)
     return FwdPlan(launch, (hq, total_q), q.device, keep_lse, empty, vt_shape)
 
