@@ -225,13 +225,20 @@ def _cases(arch: int = 90):
                                                 block_table=table, q_descale=qd, k_descale=kd, v_descale=vd,
                                                 out_dtype=fp16)
 
-    def sinks_on_triton(call):
+    def combine_launch(call):
+        """call with the split combine as its own launch (the heuristic merges few splits in the attention)."""
+        import dataclasses
+
+        with config.override(decode=lambda cfg: dataclasses.replace(cfg, fused_combine=False)):
+            call()
+
+    def sinks_on_triton(call, combine=True):
         """Run a decode with learnable_sink whose shape would take the register-operand kernel: it must compile
-        the Triton kernel's HAS_SINK variant and the split combine instead."""
+        the Triton kernel's HAS_SINK variant and the split combine (or its fused merge) instead."""
         from tileflash.kernels.triton.attn_fwd import attn_fwd_kernel
         from tileflash.kernels.triton.combine import attn_combine_kernel
 
-        return lambda: _compiles((attn_fwd_kernel, attn_combine_kernel), call)
+        return lambda: _compiles((attn_fwd_kernel, attn_combine_kernel) if combine else (attn_fwd_kernel,), call)
 
     return {
         "prefill fwd+bwd d128 causal GQA alibi [B, Hq], deterministic (Triton kernels)": alibi_on_triton(
@@ -249,8 +256,11 @@ def _cases(arch: int = 90):
         "prefill d128 causal learnable_sink, warp-specialised forward, persistent": warp_specialised(
             lambda: tileflash.flash_attn_func(*(torch.randn(2, 4096, 16, 128, dtype=bf) for _ in range(3)),
                                               causal=True, learnable_sink=torch.rand(16))),
-        "decode nvfp4 split learnable_sink (Triton kernel, the sink in the combine)": sinks_on_triton(
-            lambda: decode("nvfp4", b=8, ctx=4096, num_splits=2, learnable_sink=torch.rand(32))),
+        "decode nvfp4 split learnable_sink (Triton kernel, the sink in the fused merge)": sinks_on_triton(
+            lambda: decode("nvfp4", b=8, ctx=4096, num_splits=2, learnable_sink=torch.rand(32)), combine=False),
+        "decode nvfp4 split learnable_sink, combine launch (Triton kernel, the sink in the combine)": sinks_on_triton(
+            lambda: combine_launch(lambda: decode("nvfp4", b=8, ctx=4096, num_splits=2,
+                                                  learnable_sink=torch.rand(32)))),
         "prefill fwd+bwd d64 causal": lambda: tileflash.flash_attn_func(*grad_leaves(2, 300, 4, 64),
                                                                         causal=True).sum().backward(),
         "prefill fwd+bwd d128 window softcap": lambda: tileflash.flash_attn_func(
@@ -285,6 +295,11 @@ def _cases(arch: int = 90):
                                                                          page=128),
         "prefill fp8 d256 paged (page 64)": lambda: fp8_prefill(256, packed=True, page=64),
         "decode 16-bit contiguous": lambda: decode("16bit"),
+        "decode 16-bit b=1 ctx 8k, split, fused merge": lambda: decode("16bit", b=1, ctx=8192),
+        "decode 16-bit b=1 ctx 8k, split, combine launch": lambda: combine_launch(lambda: decode("16bit", b=1,
+                                                                                                ctx=8192)),
+        "decode fp8 b=1 ctx 8k, split, fused merge, sink": lambda: decode(
+            "fp8", b=1, ctx=8192, learnable_sink=torch.zeros(32)),
         "decode 16-bit paged append": lambda: decode("16bit", append=True, paged=True),
         "decode 16-bit paged, large cache (128-token steps)": lambda: decode("16bit", paged=True, ctx=16384),
         "decode 16-bit paged, page 64 (TMA tiles)": lambda: decode("16bit", paged=True, page=64),

@@ -80,6 +80,45 @@ def test_num_splits_agree(page_size, d):
         assert (lse - outs[0][1]).abs().max().item() <= 1e-4
 
 
+# (seqlens, Sq, Hq, Hkv, D, page_size, capacity, num_splits, sink) — the fused merge (the last split of each tile
+# merges its rows) against the combine launch:
+FUSED_CASES = [
+    ([700, 3, 0], 1, 8, 2, 64, None, 704, 5, False),  # GQA 4, a short and an empty sequence (empty splits)
+    ([90], 3, 6, 2, 40, 16, 96, 7, True),  # 9 rows (3 tokens x GQA 3), head dim 40, paged, a sink
+    ([60, 64], 4, 32, 1, 32, None, 64, 3, False),  # MQA 32 heads x 4 tokens = 128 rows: two 64-row tiles
+]
+
+
+@pytest.mark.parametrize("case", FUSED_CASES, ids=[f"case{i}" for i in range(len(FUSED_CASES))])
+def test_fused_merge_matches_combine(case, override):
+    """Both merges give the reference's result and agree to fp32 rounding; every arrival counter is zero after the
+    call (the next call's counting starts from it)."""
+    from tileflash.launch import direct
+
+    seqlens, sq, hq, hkv, d, page_size, capacity, num_splits, sink = case
+    g = torch.Generator().manual_seed(21)
+    k_cache, v_cache, table = make_cache(len(seqlens), capacity, hkv, d, torch.bfloat16, page_size, g)
+    q, _, _ = draw_queries_and_new_kv(g, len(seqlens), sq, 0, hq, hkv, d, torch.bfloat16)
+    lens = torch.tensor(seqlens, dtype=torch.int32, device=DEVICE)
+    learnable_sink = torch.randn(hq, generator=g).to(DEVICE) if sink else None
+    results = []
+    for fused in (True, False):
+        override(decode=lambda cfg, fused=fused: dataclasses.replace(cfg, fused_combine=fused))
+        results.append(tileflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, block_table=table,
+                                                         num_splits=num_splits, return_lse=True, causal=True,
+                                                         learnable_sink=learnable_sink))
+        assert all(not t.any() for t in direct.COUNTERS.buffers.values()), "an arrival counter was left non-zero"
+    (out, lse), (out_combine, lse_combine) = results
+    assert (out.float() - out_combine.float()).abs().max().item() <= 1e-2  # one bf16 rounding apart at most
+    torch.testing.assert_close(lse, lse_combine, atol=1e-5, rtol=0)  # -inf where a sequence is empty
+    ref, ref_lse, _, _ = kvcache_ref(q, k_cache, v_cache, cache_seqlens=lens, block_table=table, causal=True,
+                                     learnable_sink=learnable_sink)
+    ref_lowp, _, _, _ = kvcache_ref(q, k_cache, v_cache, cache_seqlens=lens, block_table=table, causal=True,
+                                    upcast=False, learnable_sink=learnable_sink)
+    check_2x(out, ref, ref_lowp)
+    check_lse(lse, ref_lse)
+
+
 @pytest.mark.parametrize("trans", [False, True], ids=["plain", "trans"])
 def test_window_and_softcap_in_decode(trans, override):
     force_trans(override, trans)
@@ -123,6 +162,38 @@ def test_cuda_graph_replay_follows_new_seqlens_and_table():
         ref_lowp, _, _, _ = kvcache_ref(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table,
                                         upcast=False)
         check_2x(out, ref, ref_lowp)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("warm_stream", [True, False], ids=["fused", "combine-fallback"])
+def test_cuda_graph_replay_of_the_fused_merge(warm_stream):
+    """b=1 ctx 8k merges its 33 splits in the attention launch. Captured on a stream that already ran a call, the
+    graph holds that one launch; on a fresh stream (no arrival counters yet, and zeros made inside a capture would
+    exist only in its replays) the call takes the combine launch instead. Both replay new lengths correctly."""
+    from tileflash.launch import direct
+
+    g = torch.Generator().manual_seed(4)
+    k_cache, v_cache, _ = make_cache(1, 8192, 8, 128, torch.bfloat16, None, g)
+    q = torch.randn(1, 1, 32, 128, generator=g).to(DEVICE, torch.bfloat16)
+    seqlens = torch.tensor([8192], dtype=torch.int32, device=DEVICE)
+    call = lambda: tileflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens)  # noqa: E731
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    if warm_stream:
+        with torch.cuda.stream(s):
+            call()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=s):
+        out = call()
+    for new_len in (5000, 8192, 1):
+        seqlens.fill_(new_len)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, _, _, _ = kvcache_ref(q, k_cache, v_cache, cache_seqlens=seqlens)
+        ref_lowp, _, _, _ = kvcache_ref(q, k_cache, v_cache, cache_seqlens=seqlens, upcast=False)
+        check_2x(out, ref, ref_lowp)
+    assert all(not t.any() for t in direct.COUNTERS.buffers.values())
 
 
 # (seqlens, Sq, Snew, Hq, Hkv, D, page_size, capacity, num_splits, per_head_scale) — FP8 (e4m3) caches:

@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from tileflash import _utils
-from tileflash.plan import (COMBINE_TILE, LONG_SPLIT_PROGRAMS_PER_SM, MAX_SPLITS, MIN_SPLIT_TOKENS,
-                            QUANT_MMA_HEAD_DIMS, SHARED_MEM_PER_BLOCK, bwd_config, bwd_ws_config, combine_tiles,
-                            decode_block_m, decode_config, fwd_config, fwd_ws_config, mla_decode_config,
-                            has_tma, mma_sync_target, num_splits_heuristic, padded_head_dim, quant_decode_config,
-                            small_shared_memory, tensor_memory)
+from tileflash.plan import (COMBINE_TILE, LONG_SPLIT_PROGRAMS_PER_SM, MAX_MERGE_LOADS, MAX_SPLITS, MERGE_TILE,
+                            MIN_SPLIT_TOKENS, QUANT_MMA_HEAD_DIMS, SHARED_MEM_PER_BLOCK, bwd_config, bwd_ws_config,
+                            combine_tiles, decode_block_m, decode_config, fused_combine_rule, fwd_config,
+                            fwd_ws_config, has_tma, merge_tiles, mla_decode_config, mma_sync_target,
+                            num_splits_heuristic, padded_head_dim, quant_decode_config, small_shared_memory,
+                            tensor_memory)
 from tileflash.plan import decode as plan_decode
 
 H200_SMS = 132
@@ -492,6 +493,29 @@ def test_combine_tiles_anchors(args, expected):
     assert combine_tiles(*args) == expected
 
 
+def test_merge_tiles_properties():
+    """Power-of-two loads of MERGE_TILE values (fewer where a tile has fewer rows), at least two splits a load, no
+    more rows than the tile has; the rule fuses exactly where the loads stay within MAX_MERGE_LOADS."""
+    for rows, d in itertools.product((1, 3, 4, 8, 16, 64), (32, 64, 128, 256, 512)):
+        merge_rows, merge_splits = merge_tiles(rows, d)
+        assert _pow2(merge_rows) and _pow2(merge_splits) and merge_splits >= 2, (rows, d)
+        assert merge_rows * merge_splits * d <= MERGE_TILE and merge_rows <= _utils.next_pow2(rows), (rows, d)
+        for splits in range(1, MAX_SPLITS + 1):
+            loads = _utils.cdiv(rows, merge_rows) * _utils.cdiv(splits, merge_splits)
+            assert fused_combine_rule(splits, rows, d) == (splits > 1 and loads <= MAX_MERGE_LOADS), (splits, rows)
+
+
+@pytest.mark.parametrize("args, fused", [
+    ((1, 4, 128), False),  # no split: nothing to merge
+    ((33, 4, 128), True),  # b=1 32/8 heads d128: 33 splits of 4 rows in 3 loads of 16
+    ((128, 8, 128), True),  # MQA b=1 ctx 8k: 128 splits of 8 rows in 16 loads (as fast as the combine, run 200)
+    ((129, 8, 128), False),  # one load more: the combine launch
+    ((4, 64, 128), True),  # many rows, few splits: two row blocks of 32
+])
+def test_fused_combine_anchors(args, fused):
+    assert fused_combine_rule(*args) == fused
+
+
 # ---------------------------------------------------------------------------------------------------- split plans
 
 
@@ -523,7 +547,8 @@ def test_split_plan_properties(gpu_planning):
             args = (b, ctx, hq, hkv, d, page, fmt, cfg, s)
             assert capacity == ctx and cfg == decode_config(d, hq // hkv, kv_format=fmt, paged=bool(page),
                                                             kv_tokens=b * ctx * hkv, tokens_per_program=ctx // s,
-                                                            page_size=page), args
+                                                            page_size=page, num_splits=s), args
+            assert cfg.fused_combine == fused_combine_rule(s, min(cfg.block_m, hq // hkv), d), args
             assert 1 <= s <= min(MAX_SPLITS, _utils.cdiv(ctx, cfg.block_n)), args
             if ctx < MIN_SPLIT_TOKENS or b * hkv * _utils.cdiv(hq // hkv, cfg.block_m) >= 3 * H200_SMS:
                 assert s == 1, args

@@ -351,26 +351,34 @@ def current_stream(device: torch.device) -> int:
 
 
 class Workspace:
-    """fp32 scratch per (device, stream) for buffers that live within one call (split-KV partials, an lse nobody
-    returns, the backward's row statistics). Calls on one stream are ordered, so they can share it. It only grows;
+    """Scratch per (device, stream) for buffers that live within one call (split-KV partials, an lse nobody
+    returns, the backward's row statistics: fp32), or that every call leaves as it found them (the fused merge's
+    arrival counters: int32 zeros, `zeroed`). Calls on one stream are ordered, so they can share it. It only grows;
     an outgrown buffer is kept, since a captured CUDA graph may still point into it."""
 
-    def __init__(self):
+    def __init__(self, dtype=torch.float32, zeroed: bool = False):
         self.buffers: dict = {}
         self.retired: list = []
+        self.dtype, self.zeroed = dtype, zeroed
 
-    def get(self, device: torch.device, stream: int, numel: int) -> torch.Tensor:
+    def get(self, device: torch.device, stream: int, numel: int) -> torch.Tensor | None:
+        """The buffer for (device, stream), at least numel long; None for a zeroed one that would have to be made
+        while the stream is captured (its zeros would exist only in that graph's replays)."""
         key = (device, stream)
         buf = self.buffers.get(key)
         if buf is None or buf.numel() < numel:
+            if self.zeroed and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return None
             if buf is not None:
                 self.retired.append(buf)
             size = max(numel, 2 * buf.numel() if buf is not None else 0, 1 << 16)
-            buf = self.buffers[key] = torch.empty(size, dtype=torch.float32, device=device)
+            buf = self.buffers[key] = (torch.zeros if self.zeroed else torch.empty)(size, dtype=self.dtype,
+                                                                                    device=device)
         return buf
 
 
 WORKSPACE = Workspace()
+COUNTERS = Workspace(torch.int32, zeroed=True)
 
 
 class PlanCache(dict):

@@ -16,7 +16,7 @@ from ..kernels.triton.inner import FP8_V_ROWS, FP8_V_T, FP8_V_T_DESC
 from ..kernels.triton.combine import attn_combine_kernel, merge_states_kernel
 from ..kernels.triton.kv_append import kv_append_kernel
 from ..lowp.kernels.quant import NVFP4_PURE_ASM, NVFP4_SCALE_BYTES, NVFP4_SCALE_WORDS
-from ..plan.decode import cache_capacity, combine_tiles
+from ..plan.decode import cache_capacity, combine_tiles, merge_tiles
 from ..plan.prefill import Mask, WsFwdConfig, tma_tiles
 from ..plan.target import padded_head_dim, sm90_target
 from .tensors import (alibi_args, as_bytes, desc_4d, unused_pointer, row_descriptors, rotary_args, rows_desc,
@@ -33,7 +33,8 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
                     o_part=None, lse_part=None, k_scale=None, v_scale=None, k_block_scale=None, v_block_scale=None,
                     pdl: bool = False, alibi_slopes=None, cache_batch_idx=None, cache_leftpad=None, rotary_cos=None,
                     rotary_sin=None, rotary_interleaved: bool = False, rotary_per_token: bool = False,
-                    cu_seqlens_k_new=None, learnable_sink=None, qv=None, q_scale=None, v_transposed: bool = False):
+                    cu_seqlens_k_new=None, learnable_sink=None, qv=None, q_scale=None, v_transposed: bool = False,
+                    counters=None):
     """q4 [Bq, Sq, Hq, D]; k4/v4 [Bk, Sk, Hkv, D] (paged: [pages, page_size, Hkv, D]); out4 [Bq, Sq, Hq, Dv] (Dv:
     v4's head dim); lse3 [Bq, Hq, Sq]. qv [Bq, Sq, Hq, Dv] or None: MLA's latent queries (scores add qv v^T).
     alibi_slopes: fp32 [Hq] or [num_batches, Hq] (checked by the public functions), or None.
@@ -44,6 +45,8 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
     at seqlens_k positions), cu_seqlens_k_new [Bq + 1] int32 (tokens appended per sequence, added to seqlens_k):
     flash_attn_with_kvcache's arguments (kernels/triton/attn_fwd.py).
     pdl: a split launch lets launch_combine(..., pdl=True) start as its programmatic dependent (sm_90 only).
+    counters: int32 zeros [>= grid axis 0] (direct.COUNTERS): a split launch merges its own splits (no
+    launch_combine; the learnable_sink goes into that merge).
     FP8 attention: q4, k4, v4 in float8_e4m3fn, q_scale / k_scale / v_scale FA3's descales (fp32 [B, Hkv], any
     strides, or None for 1); out4 in bf16 or fp16. A cache's k_scale / v_scale (fp32 [1] or [Hkv]) otherwise.
     v_transposed: v4 is FP8 attention's V^T [Hkv, D, width] (tensors.launch_values_t of a contiguous or packed v;
@@ -80,13 +83,15 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
             descs = row_descriptors((k4, v4), rows, config.block_n)
     k_arg, v_arg = descs if descs else (k4, v4)
     fp8, scale_args = _scale_args(q4, k_scale, v_scale, q_scale, dummy)
+    fused = split and counters is not None
+    merge_rows, merge_splits = merge_tiles(min(config.block_m, m_rows), padded_head_dim(dv, fp8)) if fused else (1, 1)
     # V^T's strides as the kernel takes them: none per batch (tensors.values_t_column), D's, the head's (attn_fwd.py)
     v_strides = (0, v4.stride(1), v4.stride(0)) if v_transposed else \
         strides3(v4, k_batch_stride0)
     return direct.launch(
         attn_fwd_kernel, grid,
         q4, k_arg, v_arg, out4, lse3,
-        o_part if split else dummy, lse_part if split else dummy,
+        o_part if split else dummy, lse_part if split else dummy, counters if fused else dummy,
         cu_seqlens_q if cu_seqlens_q is not None else dummy,
         cu_seqlens_k if cu_seqlens_k is not None else dummy,
         seqlens_k if seqlens_k is not None else dummy,
@@ -117,10 +122,11 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         ALIBI=alibi_slopes is not None, HAS_KV_BATCH=cache_batch_idx is not None,
         LEFTPAD_K=cache_leftpad is not None, ROTARY_DIM=2 * rotary_cos.shape[1] if rotary_cos is not None else 0,
         ROTARY_INTERLEAVED=bool(rotary_interleaved), ROTARY_PER_TOKEN=bool(rotary_per_token),
-        VARLEN_K_NEW=cu_seqlens_k_new is not None, PDL=pdl and split and sm90_target(),
+        VARLEN_K_NEW=cu_seqlens_k_new is not None, PDL=pdl and split and not fused and sm90_target(),
         HAS_SINK=learnable_sink is not None, HEAD_DIM_V=dv, HEAD_DIM_V_PAD=padded_head_dim(dv, fp8),
         HAS_QV=qv is not None,
-        QKV_FP8=fp8_mode if fp8 else 0, num_warps=config.num_warps, num_stages=config.num_stages,
+        QKV_FP8=fp8_mode if fp8 else 0, FUSED_COMBINE=fused, MERGE_ROWS=merge_rows, MERGE_SPLITS=merge_splits,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
 

@@ -1,7 +1,7 @@
 """flash_attn_with_kvcache: decode / speculative verify over a contiguous or paged KV cache.
 
-Split-KV: num_splits programs share one (sequence, KV head); each writes fp32 partial (o, lse) and attn_combine
-merges them. Pack-GQA: the Hq/Hkv query heads of one KV head x the Sq new tokens form one tile of rows.
+Split-KV: num_splits programs share one (sequence, KV head); each writes fp32 partial (o, lse), and the last to
+finish merges them (the Triton kernel's fused merge), or attn_combine does in a second launch. Pack-GQA: the Hq/Hkv query heads of one KV head x the Sq new tokens form one tile of rows.
 No host-device synchronisation and no value-dependent allocation, so the call can be captured in a CUDA graph
 (validate=True is the exception: it reads device values to check them).
 """
@@ -38,11 +38,13 @@ def _kv_scales(k_scale, v_scale, k_global_scale, v_global_scale) -> dict:
 def _launch_kvcache(s: DecodeSchedule, mask: Mask, softmax_scale: float, sp_overlap: bool, rotary_interleaved: bool,
                     q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos,
                     rotary_sin, cu_seqlens_q, alibi_slopes, cu_seqlens_k_new, learnable_sink, k_scale, v_scale,
-                    k_global_scale, v_global_scale, out, lse, ws, qv=None) -> None:
+                    k_global_scale, v_global_scale, out, lse, ws, counters=None, qv=None) -> None:
     """The launches of one decode call into out [B, Sq, Hq, Dv] and lse [B, Hq, Sq] (packed queries: [total_q, Hq,
     Dv] and [Hq, total_q]; or, when lse is None, the workspace's tail): the append, the attention, the split
     combine (which adds learnable_sink once: the split partials leave it out). ws: fp32 [>= s.workspace] or None.
-    qv [B, Sq, Hq, Dv] (MLA) or None; Dv is out's head dim."""
+    counters: int32 zeros [>= s.counters] (direct.COUNTERS), or None: the attention merges its own splits when
+    the schedule asks (s.counters) and counters are given, else the combine launches. qv [B, Sq, Hq, Dv] (MLA) or
+    None; Dv is out's head dim."""
     hq, d = out.shape[-2:]
     scales = _kv_scales(k_scale, v_scale, k_global_scale, v_global_scale)
     rotary = dict(rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved)
@@ -89,7 +91,9 @@ def _launch_kvcache(s: DecodeSchedule, mask: Mask, softmax_scale: float, sp_over
                         mask=mask, config=s.cfg, seqlens_k=cache_seqlens, seqlen_k_add=s.s_new,
                         block_table=block_table, pack_gqa=not s.prefill, num_splits=s.num_splits,
                         sp_overlap=s.cfg.sp_overlap if s.prefill else sp_overlap, o_part=o_part, lse_part=lse_part,
-                        pdl=s.pdl, **extras, **scales)
+                        pdl=s.pdl, counters=counters if s.counters else None, **extras, **scales)
+        if s.counters and counters is not None:
+            return
     if split:
         launch_combine(o_part, lse_part, out, lse, pdl=s.pdl, learnable_sink=learnable_sink)
 
@@ -117,10 +121,11 @@ def _attn_kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                   max_seqlen_q=max_seqlen_q, varlen_new=cu_seqlens_k_new is not None, mla=qv is not None,
                   plain_mask=Mask(window_left, window_right, softcap).at_most_causal)
     ws = torch.empty(s.workspace, dtype=torch.float32, device=q.device) if s.workspace else None
+    counters = direct.COUNTERS.get(q.device, direct.current_stream(q.device), s.counters) if s.counters else None
     _launch_kvcache(s, Mask(window_left, window_right, softcap), softmax_scale, sp_overlap, rotary_interleaved, q,
                     k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos,
                     rotary_sin, cu_seqlens_q, alibi_slopes, cu_seqlens_k_new, learnable_sink, k_scale, v_scale,
-                    k_global_scale, v_global_scale, out, lse, ws, qv)
+                    k_global_scale, v_global_scale, out, lse, ws, counters, qv)
     return out, lse
 
 
@@ -439,8 +444,11 @@ class DecodePlan(direct.Replayable):
         lse = _utils.new_output(self.lse_shape, torch.float32, self.device) if self.return_lse else None
         stream = direct.current_stream(self.device)
         ws = direct.WORKSPACE.get(self.device, stream, s.workspace) if s.workspace else None
-        slots = (q, k_cache, v_cache, k, v, *index, *scales, out, lse, ws, qv)
-        if self.batch:  # an empty batch launches nothing
+        counters = direct.COUNTERS.get(self.device, stream, s.counters) if s.counters else None
+        slots = (q, k_cache, v_cache, k, v, *index, *scales, out, lse, ws, counters, qv)
+        if self.batch and s.counters and counters is None:  # captured on a stream that has no counters yet:
+            self._launch(*slots)  # the combine launch, not recorded
+        elif self.batch:  # an empty batch launches nothing
             self.execute(self._launch, slots, stream)
         return (out, lse) if self.return_lse else out
 

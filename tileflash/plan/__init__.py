@@ -11,12 +11,12 @@ from .prefill import (FwdConfig, Mask, ONE_WARPGROUP_MAX_KEYS, WsFwdConfig, fwd_
 from .backward import BwdConfig, WsBwdConfig, bwd_config, bwd_ws_config, ws_backward_config  # noqa: F401
 from .decode import (COMBINE_TILE, DECODE_TILES, DecodeConfig, DecodeSchedule, GATHER_PROGRAMS_PER_SM, KV_FORMATS,
                     LARGE_TILES_MIN_KV, LONG_PROGRAM_TOKENS, LONG_SPLIT_PROGRAMS_PER_SM, MAX_DECODE_TOKENS,
-                    MAX_SPLITS, MIN_SPLIT_TOKENS, MLA_TILES, MlaGluonConfig, QUANT_MMA_HEAD_DIMS, QUANT_MMA_MAX_ROWS,
-                    QUANT_MMA_SMALL_STEP_MIN_TOKENS, QUANT_MMA_SMALL_STEP_PROGRAMS,
-                    QUANT_MMA_SMALL_STEP_SHORT_PROGRAMS, QuantDecodeConfig, SHORT_SPLIT_TOKENS, cache_capacity,
-                    combine_pdl, combine_tiles, decode_block_m, decode_config, decode_schedule, mla_decode_config,
-                    mla_gluon_config, num_splits_heuristic, quant_decode_config, quant_mma_config,
-                    split_plan)  # noqa: F401
+                    MAX_MERGE_LOADS, MAX_SPLITS, MERGE_TILE, MIN_SPLIT_TOKENS, MLA_TILES, MlaGluonConfig,
+                    QUANT_MMA_HEAD_DIMS, QUANT_MMA_MAX_ROWS, QUANT_MMA_SMALL_STEP_MIN_TOKENS,
+                    QUANT_MMA_SMALL_STEP_PROGRAMS, QUANT_MMA_SMALL_STEP_SHORT_PROGRAMS, QuantDecodeConfig,
+                    SHORT_SPLIT_TOKENS, cache_capacity, combine_pdl, combine_tiles, decode_block_m, decode_config,
+                    decode_schedule, fused_combine_rule, merge_tiles, mla_decode_config, mla_gluon_config,
+                    num_splits_heuristic, quant_decode_config, quant_mma_config, split_plan)  # noqa: F401
 from .gemm import (GEMM_MMA_MAX_M, GEMM_MMA_MAX_TILES, GEMM_MMA_PROGRAMS_PER_SM, GEMM_MMA_SLICE_STEPS,
                    GEMM_WGMMA_MAX_M, GemmConfig, GemmMmaConfig, GemmWgmmaConfig, gemm_config, gemm_mma_config,
                    gemm_wgmma_config)  # noqa: F401

@@ -3,6 +3,7 @@ call takes. Pure functions of shapes and the SM count, never of tensor values, s
 CUDA graphs (tests/plan/test_plan.py)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ class DecodeConfig:
     # tiles (page size a multiple of block_n; others, and NVFP4 caches, take pointers)
     trans: bool = False  # s^T = K q^T, acc^T += V^T P^T: KV tokens and head dim on the MMA's M side
     resident_per_sm: int = 0  # programs an SM holds at once when that limits splitting (0: it does not); splits
+    fused_combine: bool = False  # split calls merge their splits in the attention launch (merge_tiles), no combine
 
 
 def decode_block_m(group_rows: int) -> int:
@@ -71,7 +73,7 @@ LONG_PROGRAM_TOKENS = 4096
 
 def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_format: str = "16bit",
                   paged: bool = False, kv_tokens: int = 2 ** 30, tokens_per_program: int = 0,
-                  arch: int | None = 90, page_size: int = 0) -> DecodeConfig:
+                  arch: int | None = 90, page_size: int = 0, num_splits: int = 0) -> DecodeConfig:
     """Tiles by cache format (DECODE_TILES; "16bit", "fp8", "nvfp4"), layout and size: contiguous caches are read
     through TMA descriptors, paged ones too when a page holds whole tiles (one box per tile, its row from the block
     table), otherwise by per-token pointer gathers (a TMA descriptor covers one strided box, not a page list).
@@ -79,11 +81,13 @@ def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_fo
     tokens_per_program = cache capacity / KV splits (0: not known yet): 16-bit contiguous caches take the
     "16bit-long" tiles from LONG_PROGRAM_TOKENS on. arch: the compile target (prefill.target_tiles; below sm_90
     steps of at most 64 tokens). page_size: tokens per page of a paged cache (0: not known); large 16-bit pools
-    whose pages hold whole "16bit-paged-tma-large" steps take those."""
+    whose pages hold whole "16bit-paged-tma-large" steps take those. num_splits: KV splits (0: not known yet), for
+    fused_combine (fused_combine_rule)."""
     block_m = decode_block_m(group_rows)
+    fused = fused_combine_rule(num_splits, min(block_m, group_rows), padded_head_dim(head_dim))
     if interpret:  # small steps; K/V through TMA descriptors as on the GPU (NVFP4 caches, and pages smaller than
         # a step, take pointers)
-        return DecodeConfig(block_m=block_m, block_n=16, num_warps=4, num_stages=1, tma=True)
+        return DecodeConfig(block_m=block_m, block_n=16, num_warps=4, num_stages=1, tma=True, fused_combine=fused)
     d = padded_head_dim(head_dim)
     key = kv_format
     if kv_tokens * d >= LARGE_TILES_MIN_KV * 128:  # the "-paged-large" tiles where a format has them, else "-large"
@@ -100,7 +104,8 @@ def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_fo
         block_n //= 2
     resident *= tokens * 128 // (block_n * d)
     return target_tiles(DecodeConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=stages, tma=True,
-                                     trans=trans, resident_per_sm=resident), arch, sm10x_warps=True)
+                                     trans=trans, resident_per_sm=resident, fused_combine=fused), arch,
+                        sm10x_warps=True)
 
 
 def _step_tokens(tokens: int, d: int) -> int:
@@ -225,6 +230,35 @@ def combine_tiles(num_splits: int, head_dim_pad: int) -> tuple[int, int]:
     (one memory round trip), the head dim cut so the [splits, columns] tile stays at COMBINE_TILE values."""
     split_chunk = max(2, min(next_pow2(num_splits), COMBINE_TILE // 16))
     return split_chunk, max(16, min(head_dim_pad, COMBINE_TILE // split_chunk))
+
+
+MERGE_TILE = 8192  # fp32 partials per load of the fused merge: 64 registers a thread at 4 warps, in the epilogue
+
+
+# The fused merge's loads (memory round trips) at most; more take the combine launch. Run 200 (`sweep decode --vary
+# fused_combine=0,1`, graph replay over copies, us, fused vs the combine launch): b=1 ctx 8k / 32k / 128k 14.6 /
+# 39.7 / 126.9 vs 14.9 / 39.5 / 126.7, b=4 ctx 8k 40.1 vs 40.0, b=8 ctx 32k 246.0 vs 245.9, d64 b=1 ctx 32k 24.5 vs
+# 24.8, page 16 b=1 ctx 8k 16.4 vs 16.4, MQA b=1 ctx 8k (128 splits of 8 rows: 16 loads) 6.54 vs 6.53, b=8 15.0 vs
+# 15.1: the GPU time is the same, and the call saves the combine's launch (`bench host`: decode eager 38.5 us vs
+# SDPA 40.9, paged 16 + append 52.1 vs 80.3 in run 181).
+MAX_MERGE_LOADS = 16
+
+
+def merge_tiles(rows: int, head_dim_pad: int) -> tuple[int, int]:
+    """(rows, splits) per load of the fused merge (kernels/triton/combine.merge_tile_splits) of a tile of `rows`
+    rows: every row at once where MERGE_TILE allows, at least two splits per load. Not a function of the split
+    count, so the kernel's variants are not either (a load's unused splits are masked)."""
+    merge_rows = min(next_pow2(rows), max(1, MERGE_TILE // (2 * head_dim_pad)))
+    return merge_rows, MERGE_TILE // (merge_rows * head_dim_pad)
+
+
+def fused_combine_rule(num_splits: int, rows: int, head_dim_pad: int) -> bool:
+    """Whether a split call of the Triton decode kernel merges its splits itself (the last split of a tile to
+    finish), saving the combine's launch: where the merge takes at most MAX_MERGE_LOADS loads."""
+    if num_splits <= 1:
+        return False
+    merge_rows, merge_splits = merge_tiles(rows, head_dim_pad)
+    return cdiv(rows, merge_rows) * cdiv(num_splits, merge_splits) <= MAX_MERGE_LOADS
 
 
 def num_splits_heuristic(batch: int, nheads_kv: int, m_tiles: int, max_seqlen_k: int, block_n: int,
@@ -366,9 +400,12 @@ def split_plan(q, k_cache, block_table, num_splits: int, mla: bool = False):
 
     cfg = config.chosen("decode", tiles())
     splits = count(cfg)
-    long_cfg = config.chosen("decode", tiles(tokens_per_program=capacity // splits))
-    if long_cfg != cfg:  # fewer programs fit an SM: count again (never more splits than before)
-        splits = count(long_cfg)
+    long_cfg = config.chosen("decode", tiles(tokens_per_program=capacity // splits, num_splits=splits))
+    if dataclasses.replace(long_cfg, fused_combine=cfg.fused_combine) != cfg:  # fewer programs fit an SM: count
+        recount = count(long_cfg)  # again (never more splits than before)
+        if recount != splits:
+            long_cfg = config.chosen("decode", tiles(tokens_per_program=capacity // splits, num_splits=recount))
+        splits = recount
     return long_cfg, splits, capacity
 
 
@@ -418,6 +455,7 @@ class DecodeSchedule:
     varlen_new: bool = False  # k, v are packed [total_new, Hkv, D] with cu_seqlens_k_new (s_new is then 0)
     mla: bool = False  # qv given: MLA's tiles, V (and out) v_cache's head dim wide
     mcfg: object = None  # MlaGluonConfig: the Gluon MLA decode serves the call (cfg is then None)
+    counters: int = 0  # int32 arrival counters of the fused merge (cfg.fused_combine): one per attention tile
 
 
 def decode_schedule(q, k_cache, v_cache, k, block_table, num_splits: int, sp_overlap: bool, lse_in_workspace: bool,
@@ -454,5 +492,9 @@ def decode_schedule(q, k_cache, v_cache, k, block_table, num_splits: int, sp_ove
         cfg, num_splits, _ = split_plan(q, k_cache, block_table, num_splits, mla)
     workspace = (num_splits * rows * (dv + 1) if num_splits > 1 else 0) + (rows if lse_in_workspace else 0)
     pdl = config.chosen("combine_pdl", combine_pdl(block_table))
+    counters = 0
+    if cfg is not None and cfg.fused_combine and num_splits > 1:
+        hkv = k_cache.shape[2]
+        counters = b * hkv * cdiv(q.shape[1] * (hq // hkv), cfg.block_m)
     return DecodeSchedule(cfg, qcfg, num_splits, capacity, s_new, pdl, workspace,
-                          varlen_new=varlen_new, mla=mla, mcfg=mcfg)
+                          varlen_new=varlen_new, mla=mla, mcfg=mcfg, counters=counters)

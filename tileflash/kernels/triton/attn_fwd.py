@@ -29,6 +29,8 @@ Shapes (element strides are passed explicitly; the head dim must be contiguous):
   Split-KV (decode): o_part [num_splits, B, Sq, Hq, D] and lse_part [num_splits, B, Sq, Hq], fp32, merged by
   attn_combine; each split holds its own normalised output and LSE (an empty split: o = 0, lse = -inf). PDL (sm_90,
   contiguous caches): the combine may launch once every program here has started (programmatic dependent launch).
+  FUSED_COMBINE: no combine launch; the last split of each tile to finish merges the tile's rows (combine.
+  merge_tile_splits, int32 arrival counters [grid axis 0] at counter_ptr, zero before and after the launch).
 
 Program grid: axis 0 = (batch x head) x M tiles, flattened (axis 1 is capped at 65535), heaviest causal tiles first;
 axis 1 = KV split. A program's rows are either BLOCK_M consecutive query tokens of one query head (prefill) or, with
@@ -42,7 +44,7 @@ from .inner import FP8_V_T, attn_inner, fp8_row_max
 from .cast import store_cast, values_t_column
 from .masks import LOG2E, kv_block_range, logit_scales, seq_extents
 from .rotary import rotate_rows
-from .combine import allow_dependent_launch
+from .combine import allow_dependent_launch, merge_tile_splits
 from ...lowp.kernels.quant import E2M1_UNIT
 
 
@@ -75,7 +77,7 @@ def _fold_sink(m_i, l_i, sink2):
 
 @triton.jit
 def attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, o_part_ptr, lse_part_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, o_part_ptr, lse_part_ptr, counter_ptr,
     cu_seqlens_q_ptr, cu_seqlens_k_ptr, seqlens_k_ptr, block_table_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
     stride_qsc_b, stride_qsc_h, stride_ksc_b, stride_ksc_h, stride_vsc_b, stride_vsc_h,
     kv_batch_ptr, leftpad_k_ptr, rotary_cos_ptr, rotary_sin_ptr, stride_ro, seqlen_ro, cu_k_new_ptr,
@@ -100,7 +102,8 @@ def attn_fwd_kernel(
     LEFTPAD_K: tl.constexpr = False, ROTARY_DIM: tl.constexpr = 0, ROTARY_INTERLEAVED: tl.constexpr = False,
     ROTARY_PER_TOKEN: tl.constexpr = False, VARLEN_K_NEW: tl.constexpr = False, PDL: tl.constexpr = False,
     HAS_SINK: tl.constexpr = False, HEAD_DIM_V: tl.constexpr = 0, HEAD_DIM_V_PAD: tl.constexpr = 0,
-    HAS_QV: tl.constexpr = False, QKV_FP8: tl.constexpr = 0,
+    HAS_QV: tl.constexpr = False, QKV_FP8: tl.constexpr = 0, FUSED_COMBINE: tl.constexpr = False,
+    MERGE_ROWS: tl.constexpr = 1, MERGE_SPLITS: tl.constexpr = 1,
 ):
     allow_dependent_launch(PDL)  # the split combine that follows (launch/forward.launch_combine)
     pid = tl.program_id(0)
@@ -291,6 +294,12 @@ def attn_fwd_kernel(
         part = split.to(tl.int64) * rows_per_split + ((b * seqlen_q_static + tok) * num_heads_q + head_q).to(tl.int64)
         tl.store(o_part_ptr + part[:, None] * HEAD_DIM_V + offs_dv[None, :], o, mask=row_ok[:, None] & d_ok)
         tl.store(lse_part_ptr + part, lse, mask=row_ok)
+        if FUSED_COMBINE:
+            merge_tile_splits(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, sink_ptr, counter_ptr, pid,
+                              tl.num_programs(1), rows_per_split, start_m, tl.minimum(start_m + BLOCK_M, rows_total),
+                              b.to(tl.int64), head, group_size, seqlen_q_static, num_heads_q, stride_ob, stride_os,
+                              stride_oh, stride_lb, stride_lh, stride_ls, HEAD_DIM_V, HEAD_DIM_V_PAD, MERGE_ROWS,
+                              MERGE_SPLITS, PACK_GQA, HAS_SINK, TILE_DTYPE == tl.float32)
     else:
         o_rows = (q_start + tok).to(tl.int64) * stride_os + head_q.to(tl.int64) * stride_oh
         o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + o_rows[:, None] + offs_dv[None, :]

@@ -104,6 +104,59 @@ def attn_combine_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, num_splits, 
 
 
 @triton.jit
+def merge_tile_splits(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, sink_ptr, counter_ptr, tile, num_splits,
+                      rows_per_split, row_lo, row_hi, b, head, group_size, seqlen_q, num_heads_q,
+                      stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
+                      HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, MERGE_ROWS: tl.constexpr,
+                      MERGE_SPLITS: tl.constexpr, PACK_GQA: tl.constexpr, HAS_SINK: tl.constexpr,
+                      INTERPRETED: tl.constexpr):
+    """The split combine inside the split decode kernel, so a split call is one launch: after writing its partials,
+    each split of an attention tile counts itself in at counter[tile]; the last to arrive merges the tile's rows
+    [row_lo, row_hi) over every split (MERGE_SPLITS splits x MERGE_ROWS rows per load, one memory round trip each),
+    writes out and lse, adds the sink once, and zeroes its counter for the next call (the counters start at zero:
+    direct.COUNTERS). Rows as the attention tile numbers them: r = token * group_size + g (PACK_GQA) or the token."""
+    tl.debug_barrier()  # every thread's partial stores precede the release below
+    arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    if arrived == num_splits - 1:
+        tl.store(counter_ptr + tile, 0)
+        offs_s = tl.arange(0, MERGE_SPLITS)
+        offs_d = tl.arange(0, HEAD_DIM_PAD)
+        d_ok = offs_d < HEAD_DIM
+        for r0 in range(row_lo, row_hi, MERGE_ROWS):
+            r = r0 + tl.arange(0, MERGE_ROWS)
+            row_ok = r < row_hi
+            if PACK_GQA:
+                tok = r // group_size
+                head_q = head * group_size + r % group_size
+            else:
+                tok = r
+                head_q = head + tl.zeros([MERGE_ROWS], dtype=tl.int32)
+            tok, head_q = tok.to(tl.int64), head_q.to(tl.int64)
+            part = (b * seqlen_q + tok) * num_heads_q + head_q
+            acc = tl.zeros([MERGE_ROWS, HEAD_DIM_PAD], dtype=tl.float32)
+            m = tl.full([MERGE_ROWS], float("-inf"), dtype=tl.float32)  # running max LSE
+            l = tl.zeros([MERGE_ROWS], dtype=tl.float32)
+            for s0 in range(0, num_splits, MERGE_SPLITS):
+                idx = (s0 + offs_s).to(tl.int64)[:, None] * rows_per_split + part[None, :]
+                ok = (s0 + offs_s < num_splits)[:, None] & row_ok[None, :]
+                # .cg: the other splits' partials come from L2 (this SM's L1 may hold none of them)
+                lse_c = tl.load(lse_part_ptr + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
+                o_c = tl.load(o_part_ptr + idx[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                              mask=ok[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")
+                m_new = tl.maximum(m, tl.max(lse_c, 0))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp(m - m_safe)
+                w = tl.exp(lse_c - m_safe[None, :])
+                acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o_c, 0)
+                l = l * alpha + tl.sum(w, 0)
+                m = m_new
+            if HAS_SINK:  # the sink as one more part with o = 0
+                acc, m, l = _merge_step(acc, m, l, tl.zeros_like(acc), tl.load(sink_ptr + head_q, mask=row_ok))
+            _store_merged(acc, m, l, out_ptr, lse_ptr, b, tok, head_q, row_ok, offs_d, stride_ob, stride_os,
+                          stride_oh, stride_lb, stride_lh, stride_ls, HEAD_DIM, INTERPRETED)
+
+
+@triton.jit
 def merge_states_kernel(oa_ptr, la_ptr, ob_ptr, lb_ptr, out_ptr, lse_ptr, seqlen, num_heads, num_rows,
                         s_oab, s_oas, s_oah, s_lab, s_lah, s_las,
                         s_obb, s_obs, s_obh, s_lbb, s_lbh, s_lbs,
