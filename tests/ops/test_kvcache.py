@@ -165,27 +165,26 @@ def test_cuda_graph_replay_follows_new_seqlens_and_table():
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("warm_stream", [True, False], ids=["fused", "combine-fallback"])
-def test_cuda_graph_replay_of_the_fused_merge(warm_stream):
-    """b=1 ctx 8k merges its 33 splits in the attention launch. Captured on a stream that already ran a call, the
-    graph holds that one launch; on a fresh stream (no arrival counters yet, and zeros made inside a capture would
-    exist only in its replays) the call takes the combine launch instead. Both replay new lengths correctly."""
+@pytest.mark.parametrize("counters", ["reserve", "none"])
+def test_cuda_graph_replay_of_the_fused_merge(counters, monkeypatch):
+    """b=1 ctx 8k merges its 33 splits in the attention launch. Captured on a stream no call ran on, the graph's
+    launch takes the zeroed reserve the warm-up call made (and gives the eager call's bits); with no call before
+    the capture (zeros made inside it would exist only in its replays) it takes the combine launch. Both replay new
+    lengths correctly and leave every arrival counter at zero."""
     from tileflash.launch import direct
 
+    monkeypatch.setattr(direct, "COUNTERS", direct.Counters())
     g = torch.Generator().manual_seed(4)
     k_cache, v_cache, _ = make_cache(1, 8192, 8, 128, torch.bfloat16, None, g)
     q = torch.randn(1, 1, 32, 128, generator=g).to(DEVICE, torch.bfloat16)
     seqlens = torch.tensor([8192], dtype=torch.int32, device=DEVICE)
     call = lambda: tileflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens)  # noqa: E731
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    if warm_stream:
-        with torch.cuda.stream(s):
-            call()
-    torch.cuda.current_stream().wait_stream(s)
+    if counters == "reserve":
+        call()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=s):
+    with torch.cuda.graph(graph, stream=torch.cuda.Stream()):
         out = call()
+    assert len(direct.COUNTERS.buffers) == (2 if counters == "reserve" else 0)  # warm-up's stream, capture's
     for new_len in (5000, 8192, 1):
         seqlens.fill_(new_len)
         graph.replay()
@@ -193,6 +192,8 @@ def test_cuda_graph_replay_of_the_fused_merge(warm_stream):
         ref, _, _, _ = kvcache_ref(q, k_cache, v_cache, cache_seqlens=seqlens)
         ref_lowp, _, _, _ = kvcache_ref(q, k_cache, v_cache, cache_seqlens=seqlens, upcast=False)
         check_2x(out, ref, ref_lowp)
+        if counters == "reserve":
+            assert torch.equal(out, call())
     assert all(not t.any() for t in direct.COUNTERS.buffers.values())
 
 

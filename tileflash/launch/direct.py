@@ -351,34 +351,63 @@ def current_stream(device: torch.device) -> int:
 
 
 class Workspace:
-    """Scratch per (device, stream) for buffers that live within one call (split-KV partials, an lse nobody
-    returns, the backward's row statistics: fp32), or that every call leaves as it found them (the fused merge's
-    arrival counters: int32 zeros, `zeroed`). Calls on one stream are ordered, so they can share it. It only grows;
+    """fp32 scratch per (device, stream) for buffers that live within one call (split-KV partials, an lse nobody
+    returns, the backward's row statistics). Calls on one stream are ordered, so they can share it. It only grows;
     an outgrown buffer is kept, since a captured CUDA graph may still point into it."""
 
-    def __init__(self, dtype=torch.float32, zeroed: bool = False):
+    def __init__(self):
         self.buffers: dict = {}
         self.retired: list = []
-        self.dtype, self.zeroed = dtype, zeroed
 
-    def get(self, device: torch.device, stream: int, numel: int) -> torch.Tensor | None:
-        """The buffer for (device, stream), at least numel long; None for a zeroed one that would have to be made
-        while the stream is captured (its zeros would exist only in that graph's replays)."""
+    def get(self, device: torch.device, stream: int, numel: int) -> torch.Tensor:
         key = (device, stream)
         buf = self.buffers.get(key)
         if buf is None or buf.numel() < numel:
-            if self.zeroed and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            if buf is not None:
+                self.retired.append(buf)
+            buf = self.buffers[key] = self._new(device, max(numel, 2 * buf.numel() if buf is not None else 0,
+                                                            1 << 16))
+        return buf
+
+    def _new(self, device, size: int) -> torch.Tensor:
+        return torch.empty(size, dtype=torch.float32, device=device)
+
+
+class Counters(Workspace):
+    """int32 zeros per (device, stream) that every call leaves as it found them (the fused split merge's arrival
+    counters). Zeros made inside a CUDA-graph capture would exist only in that graph's replays, so a stream first
+    seen during a capture (torch.cuda.graph's own stream) takes a reserve zeroed beforehand, one per device, made
+    again by the next call outside a capture; get() is None when there is none (the call then takes the combine
+    launch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reserve: dict = {}
+
+    def get(self, device: torch.device, stream: int, numel: int) -> torch.Tensor | None:
+        buf = self.buffers.get((device, stream))
+        if buf is not None and buf.numel() >= numel:
+            return buf
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            spare = self.reserve.get(device)
+            if spare is None or spare.numel() < numel:
                 return None
             if buf is not None:
                 self.retired.append(buf)
-            size = max(numel, 2 * buf.numel() if buf is not None else 0, 1 << 16)
-            buf = self.buffers[key] = (torch.zeros if self.zeroed else torch.empty)(size, dtype=self.dtype,
-                                                                                    device=device)
+            self.buffers[(device, stream)] = spare
+            del self.reserve[device]
+            return spare
+        buf = super().get(device, stream, numel)
+        if self.reserve.get(device) is None or self.reserve[device].numel() < buf.numel():
+            self.reserve[device] = self._new(device, buf.numel())
         return buf
+
+    def _new(self, device, size: int) -> torch.Tensor:
+        return torch.zeros(size, dtype=torch.int32, device=device)
 
 
 WORKSPACE = Workspace()
-COUNTERS = Workspace(torch.int32, zeroed=True)
+COUNTERS = Counters()
 
 
 class PlanCache(dict):
