@@ -1,7 +1,8 @@
 """flash_attn_with_kvcache: decode / speculative verify over a contiguous or paged KV cache.
 
 Split-KV: num_splits programs share one (sequence, KV head); each writes fp32 partial (o, lse), and the last to
-finish merges them (the Triton kernel's fused merge), or attn_combine does in a second launch. Pack-GQA: the Hq/Hkv query heads of one KV head x the Sq new tokens form one tile of rows.
+finish merges them (the Triton kernel's fused merge), or attn_combine does in a second launch. Pack-GQA: the Hq/Hkv
+query heads of one KV head x the Sq new tokens form one tile of rows.
 No host-device synchronisation and no value-dependent allocation, so the call can be captured in a CUDA graph
 (validate=True is the exception: it reads device values to check them).
 """
@@ -91,8 +92,8 @@ def _launch_kvcache(s: DecodeSchedule, mask: Mask, softmax_scale: float, sp_over
                         mask=mask, config=s.cfg, seqlens_k=cache_seqlens, seqlen_k_add=s.s_new,
                         block_table=block_table, pack_gqa=not s.prefill, num_splits=s.num_splits,
                         sp_overlap=s.cfg.sp_overlap if s.prefill else sp_overlap, o_part=o_part, lse_part=lse_part,
-                        pdl=s.pdl, counters=counters if s.counters else None, **extras, **scales)
-        if s.counters and counters is not None:
+                        pdl=s.pdl, counters=counters, **extras, **scales)
+        if counters is not None:  # the splits merged in the attention launch
             return
     if split:
         launch_combine(o_part, lse_part, out, lse, pdl=s.pdl, learnable_sink=learnable_sink)
