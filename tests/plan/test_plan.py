@@ -516,6 +516,22 @@ def test_fused_combine_anchors(args, fused):
     assert fused_combine_rule(*args) == fused
 
 
+@pytest.mark.parametrize("cache, new, rows, plain, strides_equal, fused", [
+    (torch.bfloat16, torch.bfloat16, 4, True, True, True),  # GQA decode with a one-token append: in the kernel
+    (torch.float16, torch.float16, 16, True, True, True),  # a whole 16-row tile
+    (torch.bfloat16, torch.bfloat16, 128, True, True, False),  # two M tiles would both read the new positions
+    (torch.float8_e4m3fn, torch.bfloat16, 4, True, True, False),  # quantized caches: the append kernel quantizes
+    (torch.bfloat16, torch.bfloat16, 4, False, True, False),  # rotary tables or cache_leftpad: the append kernel
+    (torch.bfloat16, torch.bfloat16, 4, True, False, False),  # k and v of different strides
+])
+def test_append_in_kernel(cache, new, rows, plain, strides_equal, fused):
+    k_cache = torch.empty(2, 64, 8, 128, device="meta", dtype=cache)
+    k = torch.empty(2, 1, 8, 128, device="meta", dtype=new)
+    v = k if strides_equal else torch.empty(2, 8, 1, 128, device="meta", dtype=new).transpose(1, 2)
+    cfg = decode_config(128, rows)
+    assert plan_decode.append_in_kernel(k_cache, k, v, cfg, rows, plain) == fused
+
+
 # ---------------------------------------------------------------------------------------------------- split plans
 
 

@@ -34,7 +34,7 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
                     pdl: bool = False, alibi_slopes=None, cache_batch_idx=None, cache_leftpad=None, rotary_cos=None,
                     rotary_sin=None, rotary_interleaved: bool = False, rotary_per_token: bool = False,
                     cu_seqlens_k_new=None, learnable_sink=None, qv=None, q_scale=None, v_transposed: bool = False,
-                    counters=None):
+                    counters=None, k_new=None, v_new=None):
     """q4 [Bq, Sq, Hq, D]; k4/v4 [Bk, Sk, Hkv, D] (paged: [pages, page_size, Hkv, D]); out4 [Bq, Sq, Hq, Dv] (Dv:
     v4's head dim); lse3 [Bq, Hq, Sq]. qv [Bq, Sq, Hq, Dv] or None: MLA's latent queries (scores add qv v^T).
     alibi_slopes: fp32 [Hq] or [num_batches, Hq] (checked by the public functions), or None.
@@ -47,6 +47,8 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
     pdl: a split launch lets launch_combine(..., pdl=True) start as its programmatic dependent (sm_90 only).
     counters: int32 zeros [>= grid axis 0] (direct.COUNTERS): a split launch merges its own splits (no
     launch_combine; the learnable_sink goes into that merge).
+    k_new, v_new [Bq, Snew, Hkv, D] (equal strides) or None: appended at cache_seqlens (seqlens_k) by the attention
+    programs themselves (16-bit caches, pack-GQA decode of one M tile; seqlen_k_add = Snew): no launch_kv_append.
     FP8 attention: q4, k4, v4 in float8_e4m3fn, q_scale / k_scale / v_scale FA3's descales (fp32 [B, Hkv], any
     strides, or None for 1); out4 in bf16 or fp16. A cache's k_scale / v_scale (fp32 [1] or [Hkv]) otherwise.
     v_transposed: v4 is FP8 attention's V^T [Hkv, D, width] (tensors.launch_values_t of a contiguous or packed v;
@@ -110,6 +112,7 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         softmax_scale, mask.softcap, mask.window_left, mask.window_right, *alibi_args(alibi_slopes, dummy),
         learnable_sink if learnable_sink is not None else dummy,
         *((qv, *strides3(qv, q_batch_stride0)) if qv is not None else (dummy, 0, 0, 0)),
+        *((k_new, v_new, k4, v4, *k_new.stride()[:3]) if k_new is not None else (dummy,) * 4 + (0, 0, 0)),
         HEAD_DIM=d, HEAD_DIM_PAD=padded_head_dim(d, fp8), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         VARLEN_Q=cu_seqlens_q is not None, VARLEN_K=cu_seqlens_k is not None, HAS_SEQLENS_K=seqlens_k is not None,
         PAGE_SIZE=k4.shape[1] if paged else 0, KV_SCALED=fp8 or k_scale is not None, KV_NVFP4=kv_nvfp4,
@@ -126,6 +129,7 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         HAS_SINK=learnable_sink is not None, HEAD_DIM_V=dv, HEAD_DIM_V_PAD=padded_head_dim(dv, fp8),
         HAS_QV=qv is not None,
         QKV_FP8=fp8_mode if fp8 else 0, FUSED_COMBINE=fused, MERGE_ROWS=merge_rows, MERGE_SPLITS=merge_splits,
+        APPEND_NEW=_utils.next_pow2(k_new.shape[1]) if k_new is not None else 0,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 

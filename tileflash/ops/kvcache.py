@@ -49,7 +49,7 @@ def _launch_kvcache(s: DecodeSchedule, mask: Mask, softmax_scale: float, sp_over
     hq, d = out.shape[-2:]
     scales = _kv_scales(k_scale, v_scale, k_global_scale, v_global_scale)
     rotary = dict(rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved)
-    if s.s_new or s.varlen_new:
+    if (s.s_new or s.varlen_new) and not s.fused_append:
         launch_kv_append(k, v, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx=cache_batch_idx,
                          cu_seqlens_k_new=cu_seqlens_k_new, **rotary, **scales)
     extras = dict(cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, alibi_slopes=alibi_slopes,
@@ -92,7 +92,8 @@ def _launch_kvcache(s: DecodeSchedule, mask: Mask, softmax_scale: float, sp_over
                         mask=mask, config=s.cfg, seqlens_k=cache_seqlens, seqlen_k_add=s.s_new,
                         block_table=block_table, pack_gqa=not s.prefill, num_splits=s.num_splits,
                         sp_overlap=s.cfg.sp_overlap if s.prefill else sp_overlap, o_part=o_part, lse_part=lse_part,
-                        pdl=s.pdl, counters=counters, **extras, **scales)
+                        pdl=s.pdl, counters=counters, k_new=k if s.fused_append else None,
+                        v_new=v if s.fused_append else None, **extras, **scales)
         if counters is not None:  # the splits merged in the attention launch
             return
     if split:
@@ -120,7 +121,8 @@ def _attn_kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     s = decode_schedule(q, k_cache, v_cache, k, block_table, num_splits, sp_overlap, lse_in_workspace=False,
                   extras=extras, causal_tiles=window_right >= 0,
                   max_seqlen_q=max_seqlen_q, varlen_new=cu_seqlens_k_new is not None, mla=qv is not None,
-                  plain_mask=Mask(window_left, window_right, softcap).at_most_causal)
+                  plain_mask=Mask(window_left, window_right, softcap).at_most_causal, v=v,
+                  plain_append=rotary_cos is None and cache_leftpad is None)
     ws = torch.empty(s.workspace, dtype=torch.float32, device=q.device) if s.workspace else None
     counters = direct.COUNTERS.get(q.device, direct.current_stream(q.device), s.counters) if s.counters else None
     _launch_kvcache(s, Mask(window_left, window_right, softcap), softmax_scale, sp_overlap, rotary_interleaved, q,
@@ -474,7 +476,8 @@ def _make_plan(q, k_cache, v_cache, k, v, index, softmax_scale, causal, window_s
                       lse_in_workspace=not return_lse,
                       extras=_triton_only(batch_idx, leftpad, rotary_cos, alibi_slopes, cu_k_new, learnable_sink),
                       causal_tiles=mask.window_right >= 0, max_seqlen_q=max(int(max_seqlen_q), 1) if packed else 0,
-                      varlen_new=cu_k_new is not None, mla=qv is not None, plain_mask=mask.at_most_causal)
+                      varlen_new=cu_k_new is not None, mla=qv is not None, plain_mask=mask.at_most_causal, v=v,
+                      plain_append=rotary_cos is None and leftpad is None)
     # On the CPU reading values costs no sync, so they are always checked there.
     validate = bool(validate) or q.device.type == "cpu"
     return DecodePlan(sched, mask, _default_scale(softmax_scale, q, qv), bool(sp_overlap),

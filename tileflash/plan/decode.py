@@ -456,15 +456,28 @@ class DecodeSchedule:
     mla: bool = False  # qv given: MLA's tiles, V (and out) v_cache's head dim wide
     mcfg: object = None  # MlaGluonConfig: the Gluon MLA decode serves the call (cfg is then None)
     counters: int = 0  # int32 arrival counters of the fused merge (cfg.fused_combine): one per attention tile
+    fused_append: bool = False  # the attention programs append k, v themselves (append_in_kernel): one launch less
+
+
+def append_in_kernel(k_cache, k, v, cfg, rows: int, plain_append: bool) -> bool:
+    """Whether the Triton decode kernel's programs append the new tokens k, v [B, Snew, Hkv, D] themselves instead
+    of a kv_append launch: 16-bit caches of k's dtype (a copy: quantized formats and rotated keys take the append
+    kernel; plain_append: no rotary tables and no cache_leftpad), pack-GQA tiles of one M tile (rows = Hq/Hkv x Sq
+    <= cfg.block_m: one program per KV head and split reads each position, so it writes what it reads), k and v of
+    equal strides."""
+    return (plain_append and k is not None and k.dtype == k_cache.dtype and k_cache.dtype in (torch.float16,
+            torch.bfloat16) and v.dtype == k.dtype and v.stride()[:3] == k.stride()[:3] and rows <= cfg.block_m)
 
 
 def decode_schedule(q, k_cache, v_cache, k, block_table, num_splits: int, sp_overlap: bool, lse_in_workspace: bool,
               extras: bool = False, causal_tiles: bool = False, max_seqlen_q: int = 0,
-              varlen_new: bool = False, mla: bool = False, plain_mask: bool = False) -> DecodeSchedule:
+              varlen_new: bool = False, mla: bool = False, plain_mask: bool = False, v=None,
+              plain_append: bool = False) -> DecodeSchedule:
     """causal_tiles: the mask has a right bound (prefill tiles differ for causal calls). max_seqlen_q > 0: packed
     queries, which take the prefill tiles (their rows are ragged: no pack-GQA tile or split partial layout).
     mla: qv is given (its calls are checked to be decode-sized: at most MAX_DECODE_TOKENS, not ragged).
-    plain_mask: no window beyond causal and no softcap (what the Gluon MLA decode takes)."""
+    plain_mask: no window beyond causal and no softcap (what the Gluon MLA decode takes). v, plain_append: the new
+    values and whether the append is a plain copy (append_in_kernel)."""
     hq = q.shape[-2]
     dv = v_cache.shape[-1] if mla else q.shape[-1]  # the partials' width
     s_new = k.shape[1] if k is not None and not varlen_new else 0
@@ -492,9 +505,12 @@ def decode_schedule(q, k_cache, v_cache, k, block_table, num_splits: int, sp_ove
         cfg, num_splits, _ = split_plan(q, k_cache, block_table, num_splits, mla)
     workspace = (num_splits * rows * (dv + 1) if num_splits > 1 else 0) + (rows if lse_in_workspace else 0)
     pdl = config.chosen("combine_pdl", combine_pdl(block_table))
-    counters = 0
-    if cfg is not None and cfg.fused_combine and num_splits > 1:
+    counters, fused_append = 0, False
+    if cfg is not None:
         hkv = k_cache.shape[2]
-        counters = b * hkv * cdiv(q.shape[1] * (hq // hkv), cfg.block_m)
+        rows_per_kv = q.shape[1] * (hq // hkv)
+        if cfg.fused_combine and num_splits > 1:
+            counters = b * hkv * cdiv(rows_per_kv, cfg.block_m)
+        fused_append = bool(s_new) and not mla and append_in_kernel(k_cache, k, v, cfg, rows_per_kv, plain_append)
     return DecodeSchedule(cfg, qcfg, num_splits, capacity, s_new, pdl, workspace,
-                          varlen_new=varlen_new, mla=mla, mcfg=mcfg, counters=counters)
+                          varlen_new=varlen_new, mla=mla, mcfg=mcfg, counters=counters, fused_append=fused_append)

@@ -29,6 +29,9 @@ Shapes (element strides are passed explicitly; the head dim must be contiguous):
   Split-KV (decode): o_part [num_splits, B, Sq, Hq, D] and lse_part [num_splits, B, Sq, Hq], fp32, merged by
   attn_combine; each split holds its own normalised output and LSE (an empty split: o = 0, lse = -inf). PDL (sm_90,
   contiguous caches): the combine may launch once every program here has started (programmatic dependent launch).
+  APPEND_NEW > 0 (decode, 16-bit caches, pack-GQA, one M tile): the call's k/v_new [B, Snew, Hkv, D] (strides
+  stride_n*, Snew = seqlen_k_add <= APPEND_NEW) are appended by the programs that read their positions
+  (kv_append.append_in_range into k/v_cache_ptr, the raw caches under any descriptors): no append launch.
   FUSED_COMBINE: no combine launch; the last split of each tile to finish merges the tile's rows (combine.
   merge_tile_splits, int32 arrival counters [grid axis 0] at counter_ptr, zero before and after the launch).
 
@@ -44,6 +47,7 @@ from .inner import FP8_V_T, attn_inner, fp8_row_max
 from .cast import store_cast, values_t_column
 from .masks import LOG2E, kv_block_range, logit_scales, seq_extents
 from .rotary import rotate_rows
+from .kv_append import append_in_range
 from .combine import allow_dependent_launch, merge_tile_splits
 from ...lowp.kernels.quant import E2M1_UNIT
 
@@ -92,6 +96,7 @@ def attn_fwd_kernel(
     num_heads_q, group_size, m_tiles, rows_per_split,
     softmax_scale, softcap, window_left, window_right, alibi_ptr, stride_alibi_b, sink_ptr,
     qv_ptr, stride_qvb, stride_qvs, stride_qvh,
+    k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, stride_nb, stride_ns, stride_nh,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     VARLEN_Q: tl.constexpr, VARLEN_K: tl.constexpr, HAS_SEQLENS_K: tl.constexpr,
     PAGE_SIZE: tl.constexpr, KV_SCALED: tl.constexpr, KV_NVFP4: tl.constexpr,
@@ -103,7 +108,7 @@ def attn_fwd_kernel(
     ROTARY_PER_TOKEN: tl.constexpr = False, VARLEN_K_NEW: tl.constexpr = False, PDL: tl.constexpr = False,
     HAS_SINK: tl.constexpr = False, HEAD_DIM_V: tl.constexpr = 0, HEAD_DIM_V_PAD: tl.constexpr = 0,
     HAS_QV: tl.constexpr = False, QKV_FP8: tl.constexpr = 0, FUSED_COMBINE: tl.constexpr = False,
-    MERGE_ROWS: tl.constexpr = 1, MERGE_SPLITS: tl.constexpr = 1,
+    MERGE_ROWS: tl.constexpr = 1, MERGE_SPLITS: tl.constexpr = 1, APPEND_NEW: tl.constexpr = 0,
 ):
     allow_dependent_launch(PDL)  # the split combine that follows (launch/forward.launch_combine)
     pid = tl.program_id(0)
@@ -228,6 +233,12 @@ def attn_fwd_kernel(
         k_base = k_ptr + b64 * stride_kb + k0 * stride_ks + h64 * stride_kh
         v_base = v_ptr + b64 * stride_vb + k0 * stride_vs + h64 * stride_vh
         bt_ptr = block_table_ptr
+    if APPEND_NEW > 0:  # this call's new tokens (seqlen_k_add of them, at most APPEND_NEW) go into the cache first
+        append_in_range(k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, b, kv_b, head_kv,
+                        tl.load(seqlens_k_ptr + b), seqlen_k_add, s_lo * BLOCK_N, s_hi * BLOCK_N, seqlen_k_static,
+                        stride_nb, stride_ns, stride_nh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                        stride_vh, bt_ptr, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, APPEND_NEW, PAGE_SIZE,
+                        USE_DESC and TILE_DTYPE != tl.float32)
     v_row0 = desc_row0  # V's first row in its descriptor: K's, or V^T's first column (16-byte aligned)
     if QKV_FP8 >= FP8_V_T:  # V^T [Hkv, D, width] (stride_vs: D's): launch/tensors.values_t_column
         v_row0 = values_t_column(kv_b * desc_rows_per_batch + k_start, kv_b)

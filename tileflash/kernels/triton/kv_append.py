@@ -107,3 +107,40 @@ def kv_append_kernel(k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, k_bs_ptr, v
                 row * stride_vcb + slot * stride_vcs, bs_off, offs_h, tl.arange(0, HEAD_DIM_V_PAD), stride_vnh,
                 stride_vch, stride_bsh, stride_scale, head_ok, pos, cos_ptr, sin_ptr, stride_ro, seqlen_ro,
                 HEAD_DIM_V, HEADS_PAD, FORMAT, 0, INTERLEAVED, INTERPRETED)
+
+
+@triton.jit
+def append_in_range(k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, b, cache_row, head_kv, old_len, s_new, pos_lo,
+                    pos_hi, capacity, stride_nb, stride_ns, stride_nh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                    stride_vh, bt_ptr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                    HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, S_NEW_PAD: tl.constexpr,
+                    PAGE_SIZE: tl.constexpr, ASYNC_READS: tl.constexpr):
+    """The append inside the decode launch (16-bit caches, one program per KV head and split): the program writes
+    the new tokens of its own KV head whose cache positions old_len + i fall in its key range [pos_lo, pos_hi) (and
+    inside the capacity) before it reads that range, so no other program reads what it writes. bt_ptr: sequence b's
+    block-table row (PAGE_SIZE > 0); else the contiguous cache's row cache_row (cache_batch_idx[b] or b). ASYNC_READS: the range is read through TMA (the async proxy),
+    which sees these generic-proxy stores only after a proxy fence."""
+    i = tl.arange(0, S_NEW_PAD)
+    pos = old_len + i
+    ok = (i < s_new) & (pos >= pos_lo) & (pos < pos_hi) & (pos < capacity)
+    if PAGE_SIZE > 0:
+        page = tl.load(bt_ptr + pos // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
+        slot = (pos % PAGE_SIZE).to(tl.int64)
+    else:
+        page = cache_row.to(tl.int64) + tl.zeros([S_NEW_PAD], dtype=tl.int64)
+        slot = pos.to(tl.int64)
+    src = b.to(tl.int64) * stride_nb + i.to(tl.int64) * stride_ns + head_kv.to(tl.int64) * stride_nh
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    mask = ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    k = tl.load(k_new_ptr + src[:, None] + offs_d[None, :], mask=mask)
+    tl.store(k_cache_ptr + (page * stride_kb + slot * stride_ks + head_kv.to(tl.int64) * stride_kh)[:, None]
+             + offs_d[None, :], k, mask=mask)
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
+    mask = ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
+    v = tl.load(v_new_ptr + src[:, None] + offs_dv[None, :], mask=mask)
+    tl.store(v_cache_ptr + (page * stride_vb + slot * stride_vs + head_kv.to(tl.int64) * stride_vh)[:, None]
+             + offs_dv[None, :], v, mask=mask)
+    if ASYNC_READS:
+        tl.inline_asm_elementwise("fence.proxy.async.global; mov.b32 $0, $1;", "=r,r", [s_new], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+    tl.debug_barrier()
