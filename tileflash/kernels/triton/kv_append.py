@@ -111,15 +111,16 @@ def kv_append_kernel(k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, k_bs_ptr, v
 
 @triton.jit
 def append_in_range(k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, b, cache_row, head_kv, old_len, s_new, pos_lo,
-                    pos_hi, capacity, stride_nb, stride_ns, stride_nh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-                    stride_vh, bt_ptr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                    pos_hi, capacity, stride_nb, stride_ns, stride_nh, stride_kb, stride_ks, stride_kh, stride_vb,
+                    stride_vs, stride_vh, bt_ptr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                     HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, S_NEW_PAD: tl.constexpr,
                     PAGE_SIZE: tl.constexpr, ASYNC_READS: tl.constexpr):
     """The append inside the decode launch (16-bit caches, one program per KV head and split): the program writes
     the new tokens of its own KV head whose cache positions old_len + i fall in its key range [pos_lo, pos_hi) (and
     inside the capacity) before it reads that range, so no other program reads what it writes. bt_ptr: sequence b's
-    block-table row (PAGE_SIZE > 0); else the contiguous cache's row cache_row (cache_batch_idx[b] or b). ASYNC_READS: the range is read through TMA (the async proxy),
-    which sees these generic-proxy stores only after a proxy fence."""
+    block-table row (PAGE_SIZE > 0); else the contiguous cache's row cache_row (cache_batch_idx[b] or b).
+    ASYNC_READS: the range is read through TMA (the async proxy), which sees these generic-proxy stores only after
+    a proxy fence."""
     i = tl.arange(0, S_NEW_PAD)
     pos = old_len + i
     ok = (i < s_new) & (pos >= pos_lo) & (pos < pos_hi) & (pos < capacity)
