@@ -24,6 +24,7 @@ CASES = [
     ([40], 16, 16, 8, 1, 128, 16, 64, 0),  # 16 query tokens (speculative verify) x GQA 8 = 128 packed rows
     ([50, 3], 4, 0, 16, 2, 80, None, 60, 3),  # contiguous cache, no append, head dim 80
     ([33], 1, 1, 32, 1, 64, 16, 48, 5),  # MQA with 32 query heads: pack-GQA needs several M tiles
+    ([15, 31], 2, 2, 8, 2, 64, 16, 64, 4),  # appends straddling a step and split edge: two programs write one append
 ]
 if ON_GPU:
     CASES += [
