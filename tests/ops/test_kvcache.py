@@ -137,6 +137,22 @@ def test_window_and_softcap_in_decode(trans, override):
     check_lse(lse, ref_lse)
 
 
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_append_outside_every_window(page_size):
+    """A left window narrower than the append: the first new tokens are keys no query attends to (no program reads
+    their block), and they must still land in the cache."""
+    g = torch.Generator().manual_seed(8)
+    k_cache, v_cache, table = make_cache(2, 64, 2, 64, torch.bfloat16, page_size, g)
+    q, k, v = draw_queries_and_new_kv(g, 2, 1, 6, 8, 2, 64, torch.bfloat16)
+    seqlens = torch.tensor([12, 40], dtype=torch.int32, device=DEVICE)  # new tokens 12..17 and 40..45
+    kw = dict(cache_seqlens=seqlens, block_table=table, window_size=(1, 0))
+    ref, _, ref_k, ref_v = kvcache_ref(q, k_cache, v_cache, k, v, causal=True, **kw)
+    ref_lowp, _, _, _ = kvcache_ref(q, k_cache, v_cache, k, v, causal=True, upcast=False, **kw)
+    out = tileflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, causal=True, num_splits=3, **kw)
+    check_2x(out, ref, ref_lowp)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v), "appended cache contents differ"
+
+
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
 def test_cuda_graph_replay_follows_new_seqlens_and_table():
     g = torch.Generator().manual_seed(2)

@@ -122,7 +122,7 @@ def _attn_kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                   extras=extras, causal_tiles=window_right >= 0,
                   max_seqlen_q=max_seqlen_q, varlen_new=cu_seqlens_k_new is not None, mla=qv is not None,
                   plain_mask=Mask(window_left, window_right, softcap).at_most_causal, v=v,
-                  plain_append=rotary_cos is None and cache_leftpad is None)
+                  plain_append=rotary_cos is None and cache_leftpad is None and window_left < 0)
     ws = torch.empty(s.workspace, dtype=torch.float32, device=q.device) if s.workspace else None
     counters = direct.COUNTERS.get(q.device, direct.current_stream(q.device), s.counters) if s.counters else None
     _launch_kvcache(s, Mask(window_left, window_right, softcap), softmax_scale, sp_overlap, rotary_interleaved, q,
@@ -477,7 +477,7 @@ def _make_plan(q, k_cache, v_cache, k, v, index, softmax_scale, causal, window_s
                       extras=_triton_only(batch_idx, leftpad, rotary_cos, alibi_slopes, cu_k_new, learnable_sink),
                       causal_tiles=mask.window_right >= 0, max_seqlen_q=max(int(max_seqlen_q), 1) if packed else 0,
                       varlen_new=cu_k_new is not None, mla=qv is not None, plain_mask=mask.at_most_causal, v=v,
-                      plain_append=rotary_cos is None and leftpad is None)
+                      plain_append=rotary_cos is None and leftpad is None and mask.window_left < 0)
     # On the CPU reading values costs no sync, so they are always checked there.
     validate = bool(validate) or q.device.type == "cpu"
     return DecodePlan(sched, mask, _default_scale(softmax_scale, q, qv), bool(sp_overlap),
