@@ -102,15 +102,16 @@ def _rotary_tables(rows, rotary_dim, dtype, seed=5):
     return angle.cos().to(DEVICE, dtype), angle.sin().to(DEVICE, dtype)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])  # 3: split-KV partials and the combine
+@pytest.mark.parametrize("leftpad", [True, False])  # without: the append inside the attention launch
+@pytest.mark.parametrize("num_splits", [1, 3])  # 3: split-KV partials and their merge
 @pytest.mark.parametrize("causal", [False, True])
-def test_cache_batch_idx_and_leftpad(causal, num_splits):
+def test_cache_batch_idx_and_leftpad(causal, num_splits, leftpad):
     """Sequences read cache rows 4, 0, 2 of 5 (rows 1 and 3 stay untouched), keys from a left pad on (0 keeps the
     whole sequence, 13 is mid-block, 20 leaves one cached key before the append)."""
     q, k, v, kc, vc = _extras_case(torch.float16)
     idx = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEVICE)
     lens = torch.tensor([30, 17, 21], dtype=torch.int32, device=DEVICE)
-    pad = torch.tensor([0, 13, 20], dtype=torch.int32, device=DEVICE)
+    pad = torch.tensor([0, 13, 20], dtype=torch.int32, device=DEVICE) if leftpad else None
     check_kvcache_call(q, k, v, kc, vc, cache_seqlens=lens, cache_batch_idx=idx, cache_leftpad=pad, causal=causal,
                        num_splits=num_splits)
 
