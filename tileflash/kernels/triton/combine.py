@@ -32,6 +32,18 @@ def _merge_step(acc, m, l, o_part, lse_part):
 
 
 @triton.jit
+def _merge_chunk(acc, m, l, o_c, lse_c):
+    """Fold a chunk of parts (axis 0 of lse_c and o_c; the running m, l are lse_c's other axes, acc o_c's) into
+    the running (acc, m, l) as _merge_step does one part: the split combine (one row) and the fused merge (rows)."""
+    m_new = tl.maximum(m, tl.max(lse_c, 0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_safe)
+    w = tl.exp(lse_c - tl.expand_dims(m_safe, 0))
+    acc = acc * tl.expand_dims(alpha, -1) + tl.sum(tl.expand_dims(w, -1) * o_c, 0)
+    return acc, m_new, l * alpha + tl.sum(w, 0)
+
+
+@triton.jit
 def _store_merged(acc, m, l, out_ptr, lse_ptr, b, s, h, row_ok, offs_d, stride_ob, stride_os, stride_oh,
                   stride_lb, stride_lh, stride_ls, HEAD_DIM: tl.constexpr, INTERPRETED: tl.constexpr):
     seen = l > 0.0
@@ -79,13 +91,7 @@ def attn_combine_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, num_splits, 
         lse_c = tl.load(lse_part_ptr + (c + offs_s) * num_rows + row, mask=split_ok, other=float("-inf"))
         o_c = tl.load(o_part_ptr + ((c + offs_s) * num_rows + row)[:, None] * HEAD_DIM + offs_d[None, :],
                       mask=split_ok[:, None] & d_ok[None, :], other=0.0)
-        m_new = tl.maximum(m, tl.max(lse_c, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        w = tl.exp(lse_c - m_safe)
-        acc = acc * alpha + tl.sum(w[:, None] * o_c, 0)
-        l = l * alpha + tl.sum(w, 0)
-        m = m_new
+        acc, m, l = _merge_chunk(acc, m, l, o_c, lse_c)
     if HAS_SINK:  # the sink as one more part with o = 0: only m and l take it
         sink = tl.load(sink_ptr + h)
         m_new = tl.maximum(m, sink)
@@ -143,13 +149,7 @@ def merge_tile_splits(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, sink_ptr, coun
                 lse_c = tl.load(lse_part_ptr + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
                 o_c = tl.load(o_part_ptr + idx[:, :, None] * HEAD_DIM + offs_d[None, None, :],
                               mask=ok[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")
-                m_new = tl.maximum(m, tl.max(lse_c, 0))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp(m - m_safe)
-                w = tl.exp(lse_c - m_safe[None, :])
-                acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o_c, 0)
-                l = l * alpha + tl.sum(w, 0)
-                m = m_new
+                acc, m, l = _merge_chunk(acc, m, l, o_c, lse_c)
             if HAS_SINK:  # the sink as one more part with o = 0
                 acc, m, l = _merge_step(acc, m, l, tl.zeros_like(acc), tl.load(sink_ptr + head_q, mask=row_ok))
             _store_merged(acc, m, l, out_ptr, lse_ptr, b, tok, head_q, row_ok, offs_d, stride_ob, stride_os,
