@@ -307,6 +307,7 @@ def _cases(arch: int = 90):
                                                                                      ctx=16384),
         "decode fp8 paged, page 64 (TMA tiles)": lambda: decode("fp8", paged=True, page=64),
         "decode fp8 append": lambda: decode("fp8", append=True),
+        "decode fp8 paged append (in the attention launch)": lambda: decode("fp8", append=True, paged=True),
         "decode 16-bit append, rotary, cache_batch_idx, cache_leftpad": lambda: decode("16bit", append=True,
                                                                                   extras=True, causal=True),
         "decode fp8 paged append, rotary (GPT-NeoX)": lambda: decode("fp8", append=True, paged=True, extras=True,

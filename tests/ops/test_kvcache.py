@@ -244,6 +244,38 @@ def test_kvcache_fp8(case, dtype, trans, override):
     assert torch.equal(v_cache.view(torch.uint8), ref_v.view(torch.uint8))
 
 
+@pytest.mark.parametrize("case", FP8_CASES[:2], ids=["paged16", "contiguous-4-splits"])
+def test_fp8_append_in_launch_is_bitwise_the_append_kernel(case, monkeypatch):
+    """An FP8 cache's new tokens quantized by the attention programs (plan/decode.append_in_kernel) give the cache,
+    out and lse of the kv_append launch bit for bit."""
+    from tileflash.launch import direct
+    from tileflash.plan import decode as plan_decode
+    from tileflash.reference import fp8_quantize_ref
+
+    seqlens, sq, s_new, hq, hkv, d, page_size, capacity, num_splits, per_head = case
+    g = torch.Generator().manual_seed(5)
+    k_hi, v_hi, table = make_cache(len(seqlens), capacity, hkv, d, torch.float32, page_size, g)
+    scales = dict(k_scale=(torch.rand(hkv if per_head else 1, generator=g) * 0.02 + 0.005).to(DEVICE),
+                  v_scale=(torch.rand(hkv if per_head else 1, generator=g) * 0.02 + 0.005).to(DEVICE))
+    q, k, v = draw_queries_and_new_kv(g, len(seqlens), sq, s_new, hq, hkv, d, torch.bfloat16)
+    kw = dict(cache_seqlens=torch.tensor(seqlens, dtype=torch.int32, device=DEVICE), block_table=table,
+              num_splits=num_splits, return_lse=True, **scales)
+    runs = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(plan_decode, "append_in_kernel", lambda *args: False)
+            direct.clear_all()  # eager calls plan anew
+        k_cache, v_cache = fp8_quantize_ref(k_hi, scales["k_scale"]), fp8_quantize_ref(v_hi, scales["v_scale"])
+        plan = tileflash.decode_plan(q, k_cache, v_cache, kw["cache_seqlens"], k=k, v=v, block_table=table,
+                                     num_splits=num_splits, return_lse=True, **scales)
+        assert plan.schedule.fused_append == fused
+        runs.append((*tileflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, **kw), k_cache, v_cache))
+    direct.clear_all()  # no plan made under the patch outlives it
+    bits = lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t  # noqa: E731
+    for a, b in zip(*runs):
+        assert torch.equal(bits(a), bits(b))
+
+
 def _fp8_decode_case(q_fill, k_scale_value=0.01, seed=41):
     """A small fp8-cache decode (2 sequences, 2 tokens x 8 query heads over 2 KV heads): q from q_fill(q) of a
     standard normal bf16 q; returns (out, lse, ref, ref_lse, ref_lowp)."""

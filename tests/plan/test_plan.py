@@ -520,7 +520,9 @@ def test_fused_combine_anchors(args, fused):
     (torch.bfloat16, torch.bfloat16, 4, True, True, True),  # GQA decode with a one-token append: in the kernel
     (torch.float16, torch.float16, 16, True, True, True),  # a whole 16-row tile
     (torch.bfloat16, torch.bfloat16, 128, True, True, False),  # two M tiles would both read the new positions
-    (torch.float8_e4m3fn, torch.bfloat16, 4, True, True, False),  # quantized caches: the append kernel quantizes
+    (torch.float8_e4m3fn, torch.bfloat16, 4, True, True, True),  # FP8 caches: quantized in the kernel too
+    (torch.uint8, torch.bfloat16, 4, True, True, False),  # NVFP4 caches: the append kernel quantizes
+    (torch.float16, torch.bfloat16, 4, True, True, False),  # a 16-bit cache of another dtype (refused earlier)
     (torch.bfloat16, torch.bfloat16, 4, False, True, False),  # rotary tables or cache_leftpad: the append kernel
     (torch.bfloat16, torch.bfloat16, 4, True, False, False),  # k and v of different strides
 ])

@@ -48,7 +48,8 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
     counters: int32 zeros [>= grid axis 0] (direct.COUNTERS): a split launch merges its own splits (no
     launch_combine; the learnable_sink goes into that merge).
     k_new, v_new [Bq, Snew, Hkv, D] (equal strides) or None: appended at cache_seqlens (seqlens_k) by the attention
-    programs themselves (16-bit caches, pack-GQA decode of one M tile; seqlen_k_add = Snew): no launch_kv_append.
+    programs themselves (16-bit caches, or FP8 caches quantizing them with k_scale / v_scale; pack-GQA decode of
+    one M tile; seqlen_k_add = Snew): no launch_kv_append.
     FP8 attention: q4, k4, v4 in float8_e4m3fn, q_scale / k_scale / v_scale FA3's descales (fp32 [B, Hkv], any
     strides, or None for 1); out4 in bf16 or fp16. A cache's k_scale / v_scale (fp32 [1] or [Hkv]) otherwise.
     v_transposed: v4 is FP8 attention's V^T [Hkv, D, width] (tensors.launch_values_t of a contiguous or packed v;
@@ -112,7 +113,8 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         softmax_scale, mask.softcap, mask.window_left, mask.window_right, *alibi_args(alibi_slopes, dummy),
         learnable_sink if learnable_sink is not None else dummy,
         *((qv, *strides3(qv, q_batch_stride0)) if qv is not None else (dummy, 0, 0, 0)),
-        *((k_new, v_new, k4, v4, *k_new.stride()[:3]) if k_new is not None else (dummy,) * 4 + (0, 0, 0)),
+        *((k_new, v_new, *_raw_caches(k4, v4), *k_new.stride()[:3]) if k_new is not None
+          else (dummy,) * 4 + (0, 0, 0)),
         HEAD_DIM=d, HEAD_DIM_PAD=padded_head_dim(d, fp8), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         VARLEN_Q=cu_seqlens_q is not None, VARLEN_K=cu_seqlens_k is not None, HAS_SEQLENS_K=seqlens_k is not None,
         PAGE_SIZE=k4.shape[1] if paged else 0, KV_SCALED=fp8 or k_scale is not None, KV_NVFP4=kv_nvfp4,
@@ -132,6 +134,13 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         APPEND_NEW=_utils.next_pow2(k_new.shape[1]) if k_new is not None else 0,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
+
+
+def _raw_caches(k4, v4) -> tuple:
+    """The caches the in-launch append writes: FP8 ones as their bytes (it stores e4m3 bit patterns)."""
+    if k4.dtype == torch.float8_e4m3fn:
+        return as_bytes(k4), as_bytes(v4)
+    return k4, v4
 
 
 def _scale_args(q4, k_scale, v_scale, q_scale, dummy) -> tuple:

@@ -461,13 +461,15 @@ class DecodeSchedule:
 
 def append_in_kernel(k_cache, k, v, cfg, rows: int, plain_append: bool) -> bool:
     """Whether the Triton decode kernel's programs append the new tokens k, v [B, Snew, Hkv, D] themselves instead
-    of a kv_append launch: 16-bit caches of k's dtype (a copy: quantized formats and rotated keys take the append
-    kernel), plain_append (no rotary tables, no cache_leftpad, and no left window: the programs' key ranges then
-    cover every new token, which a left window narrower than the append would not), pack-GQA tiles of one M tile
-    (rows = Hq/Hkv x Sq <= cfg.block_m: one program per KV head and split reads each position, so it writes what it
-    reads), k and v of equal strides."""
-    return (plain_append and k is not None and k.dtype == k_cache.dtype and k_cache.dtype in (torch.float16,
-            torch.bfloat16) and v.dtype == k.dtype and v.stride()[:3] == k.stride()[:3] and rows <= cfg.block_m)
+    of a kv_append launch: 16-bit k, v into a cache of their dtype (a copy) or an FP8 cache (quantized with the
+    cache's scales, bit for bit as kv_append does; NVFP4 caches and rotated keys take the append kernel),
+    plain_append (no rotary tables, no cache_leftpad, and no left window: the programs' key ranges then cover every
+    new token, which a left window narrower than the append would not), pack-GQA tiles of one M tile (rows =
+    Hq/Hkv x Sq <= cfg.block_m: one program per KV head and split reads each position, so it writes what it reads),
+    k and v of equal strides."""
+    return (plain_append and k is not None and k.dtype in (torch.float16, torch.bfloat16)
+            and k_cache.dtype in (k.dtype, torch.float8_e4m3fn) and v.dtype == k.dtype
+            and v.stride()[:3] == k.stride()[:3] and rows <= cfg.block_m)
 
 
 def decode_schedule(q, k_cache, v_cache, k, block_table, num_splits: int, sp_overlap: bool, lse_in_workspace: bool,

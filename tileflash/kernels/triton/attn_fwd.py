@@ -29,9 +29,10 @@ Shapes (element strides are passed explicitly; the head dim must be contiguous):
   Split-KV (decode): o_part [num_splits, B, Sq, Hq, D] and lse_part [num_splits, B, Sq, Hq], fp32, merged by
   attn_combine; each split holds its own normalised output and LSE (an empty split: o = 0, lse = -inf). PDL (sm_90,
   contiguous caches): the combine may launch once every program here has started (programmatic dependent launch).
-  APPEND_NEW > 0 (decode, 16-bit caches, pack-GQA, one M tile): the call's k/v_new [B, Snew, Hkv, D] (strides
-  stride_n*, Snew = seqlen_k_add <= APPEND_NEW) are appended by the programs that read their positions
-  (kv_append.append_in_range into k/v_cache_ptr, the raw caches under any descriptors): no append launch.
+  APPEND_NEW > 0 (decode, 16-bit or FP8 caches, pack-GQA, one M tile): the call's k/v_new [B, Snew, Hkv, D]
+  (strides stride_n*, Snew = seqlen_k_add <= APPEND_NEW) are appended by the programs that read their positions
+  (kv_append.append_in_range into k/v_cache_ptr, the raw caches under any descriptors, FP8 ones as uint8 and
+  quantized with the cache scales): no append launch.
   FUSED_COMBINE: no combine launch; the last split of each tile to finish merges the tile's rows (combine.
   merge_tile_splits, int32 arrival counters [grid axis 0] at counter_ptr, zero before and after the launch).
 
@@ -234,11 +235,17 @@ def attn_fwd_kernel(
         v_base = v_ptr + b64 * stride_vb + k0 * stride_vs + h64 * stride_vh
         bt_ptr = block_table_ptr
     if APPEND_NEW > 0:  # this call's new tokens (seqlen_k_add of them, at most APPEND_NEW) go into the cache first
+        fp8_cache: tl.constexpr = KV_SCALED and not KV_NVFP4  # quantized with this KV head's scales
+        k_scale = 1.0
+        v_scale = 1.0
+        if fp8_cache:
+            k_scale = tl.load(k_scale_ptr + k_scale_off)
+            v_scale = tl.load(v_scale_ptr + v_scale_off)
         append_in_range(k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, b, kv_b, head_kv,
                         tl.load(seqlens_k_ptr + b), seqlen_k_add, s_lo * BLOCK_N, s_hi * BLOCK_N, seqlen_k_static,
                         stride_nb, stride_ns, stride_nh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-                        stride_vh, bt_ptr, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, APPEND_NEW, PAGE_SIZE,
-                        USE_DESC and TILE_DTYPE != tl.float32)
+                        stride_vh, bt_ptr, k_scale, v_scale, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD,
+                        APPEND_NEW, PAGE_SIZE, USE_DESC and TILE_DTYPE != tl.float32, fp8_cache)
     v_row0 = desc_row0  # V's first row in its descriptor: K's, or V^T's first column (16-byte aligned)
     if QKV_FP8 >= FP8_V_T:  # V^T [Hkv, D, width] (stride_vs: D's): launch/tensors.values_t_column
         v_row0 = values_t_column(kv_b * desc_rows_per_batch + k_start, kv_b)

@@ -27,6 +27,15 @@ def e4m3_bits(y):
 
 
 @triton.jit
+def _quantized(x, scale, FP8: tl.constexpr):
+    """x as the cache stores it: unchanged, or (FP8, the cache viewed as uint8) the e4m3 bits of x / scale, rounded
+    to nearest even with IEEE division (Triton's fp32 `/` is approximate on the GPU and would move ties)."""
+    if FP8:
+        x = e4m3_bits(tl.math.div_rn(x.to(tl.float32), scale))
+    return x
+
+
+@triton.jit
 def _append_one(src_ptr, dst_ptr, bs_ptr, scale_ptr, src_off, dst_off, bs_off, offs_h, offs_d, stride_src_h,
                 stride_dst_h, stride_bs_h, stride_scale, head_ok, pos, cos_ptr, sin_ptr, stride_ro, seqlen_ro,
                 HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr, FORMAT: tl.constexpr, ROTARY_DIM: tl.constexpr,
@@ -48,9 +57,7 @@ def _append_one(src_ptr, dst_ptr, bs_ptr, scale_ptr, src_off, dst_off, bs_off, o
                  mask=head_ok[:, None])
     else:
         if FORMAT == 1:  # FP8: dst is the cache viewed as uint8
-            scale = tl.load(scale_ptr + offs_h * stride_scale, mask=head_ok, other=1.0)
-            # IEEE division: Triton's fp32 `/` is approximate on the GPU and would move ties.
-            x = e4m3_bits(tl.math.div_rn(x.to(tl.float32), scale[:, None]))
+            x = _quantized(x, tl.load(scale_ptr + offs_h * stride_scale, mask=head_ok, other=1.0)[:, None], True)
         tl.store(dst_ptr + dst_off + h_off + offs_d[None, :], x, mask=mask)
 
 
@@ -112,15 +119,16 @@ def kv_append_kernel(k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, k_bs_ptr, v
 @triton.jit
 def append_in_range(k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, b, cache_row, head_kv, old_len, s_new, pos_lo,
                     pos_hi, capacity, stride_nb, stride_ns, stride_nh, stride_kb, stride_ks, stride_kh, stride_vb,
-                    stride_vs, stride_vh, bt_ptr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                    HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr, S_NEW_PAD: tl.constexpr,
-                    PAGE_SIZE: tl.constexpr, ASYNC_READS: tl.constexpr):
-    """The append inside the decode launch (16-bit caches, one program per KV head and split): the program writes
-    the new tokens of its own KV head whose cache positions old_len + i fall in its key range [pos_lo, pos_hi) (and
-    inside the capacity) before it reads that range, so no other program reads what it writes. bt_ptr: sequence b's
-    block-table row (PAGE_SIZE > 0); else the contiguous cache's row cache_row (cache_batch_idx[b] or b).
-    ASYNC_READS: the range is read through TMA (the async proxy), which sees these generic-proxy stores only after
-    a proxy fence."""
+                    stride_vs, stride_vh, bt_ptr, k_scale, v_scale, HEAD_DIM: tl.constexpr,
+                    HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
+                    S_NEW_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, ASYNC_READS: tl.constexpr, FP8: tl.constexpr):
+    """The append inside the decode launch (16-bit or FP8 caches, one program per KV head and split): the program
+    writes the new tokens of its own KV head whose cache positions old_len + i fall in its key range [pos_lo,
+    pos_hi) (and inside the capacity) before it reads that range, so no other program reads what it writes.
+    bt_ptr: sequence b's block-table row (PAGE_SIZE > 0); else the contiguous cache's row cache_row
+    (cache_batch_idx[b] or b). FP8: the caches viewed as uint8, the new tokens quantized with this KV head's
+    k_scale / v_scale (fp32 values) as kv_append_kernel does. ASYNC_READS: the range is read through TMA (the async
+    proxy), which sees these generic-proxy stores only after a proxy fence."""
     i = tl.arange(0, S_NEW_PAD)
     pos = old_len + i
     ok = (i < s_new) & (pos >= pos_lo) & (pos < pos_hi) & (pos < capacity)
@@ -133,12 +141,12 @@ def append_in_range(k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, b, cache_row
     src = b.to(tl.int64) * stride_nb + i.to(tl.int64) * stride_ns + head_kv.to(tl.int64) * stride_nh
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     mask = ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    k = tl.load(k_new_ptr + src[:, None] + offs_d[None, :], mask=mask)
+    k = _quantized(tl.load(k_new_ptr + src[:, None] + offs_d[None, :], mask=mask), k_scale, FP8)
     tl.store(k_cache_ptr + (page * stride_kb + slot * stride_ks + head_kv.to(tl.int64) * stride_kh)[:, None]
              + offs_d[None, :], k, mask=mask)
     offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
     mask = ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
-    v = tl.load(v_new_ptr + src[:, None] + offs_dv[None, :], mask=mask)
+    v = _quantized(tl.load(v_new_ptr + src[:, None] + offs_dv[None, :], mask=mask), v_scale, FP8)
     tl.store(v_cache_ptr + (page * stride_vb + slot * stride_vs + head_kv.to(tl.int64) * stride_vh)[:, None]
              + offs_dv[None, :], v, mask=mask)
     if ASYNC_READS:
