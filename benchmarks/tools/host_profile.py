@@ -21,6 +21,16 @@ def _one_arg(x_ptr):
     tl.store(x_ptr, 1)
 
 
+@triton.jit
+def _many_args(p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15, p16, p17, p18, p19, p20, p21,
+               p22, p23, p24, n0, n1, n2, n3, n4, n5, n6, n7, n8, n9, n10, n11, n12, n13, n14, n15, n16, n17, n18,
+               n19, n20, n21, n22, n23, n24, n25, n26, n27, n28, n29, n30, n31, n32, n33, n34, n35, n36, n37, n38,
+               n39, n40, n41, n42, n43, n44, n45, n46, n47, n48, n49):
+    """As many run-time arguments as the decode attention launch (25 pointers, 50 integers): against _one_arg, what
+    the argument count alone costs Triton's launcher and the driver."""
+    tl.store(p0, n0 + n49)
+
+
 def _host_us(fn, calls):
     for _ in range(10):
         fn()
@@ -52,19 +62,22 @@ def main():
     plan.run(q, kc, vc)
     del plan.execute
     slots, stream = captured[0], direct.current_stream(q.device)
-    attn, combine = plan.launches
+    attn = plan.launches[0]  # the splits merge inside it (fused merge): one launch
     x = torch.zeros(1, device=dev)
     one = _one_arg[(1,)](x)
+    many_args = [x.data_ptr()] * 25 + [1000 + i for i in range(50)]  # pointers as ints, as replays pass them
+    many = _many_args[(1,)](*([x] * 25), *many_args[25:])
     pieces = {
         "flash_attn_with_kvcache": lambda: tileflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens),
         "plan.run": lambda: plan.run(q, kc, vc),
         "plan.run's Python without the launches": None,
         "torch.empty_like (out)": lambda: torch.empty_like(q),
         "torch.empty (shape, dtype, device)": lambda: torch.empty((1, 1, 32, 128), dtype=bf16, device=dev),
-        "replayed attention launch (2 TMA descriptors)": lambda: attn.call(slots, stream, None),
-        "replayed combine launch": lambda: combine.call(slots, stream, None),
+        "replayed attention launch (2 TMA descriptors, fused merge)": lambda: attn.call(slots, stream, None),
         "compiled.run, 1-arg kernel": lambda: one.run(1, 1, 1, stream, one.function, one.packed_metadata, None,
                                                       None, None, x),
+        "compiled.run, 75-arg kernel (25 pointers as ints, 50 ints)": lambda: many.run(
+            1, 1, 1, stream, many.function, many.packed_metadata, None, None, None, *many_args),
         "triton JIT launch, 1-arg kernel": lambda: _one_arg[(1,)](x),
         "sdpa decode": lambda: torch.nn.functional.scaled_dot_product_attention(
             q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2), enable_gqa=True),
