@@ -26,6 +26,9 @@ CASES = [
     (1, 1, 128, 64, None, 0, (33,), 1, False, torch.bfloat16),  # one partial step after a full one
     (1, 3, 32, 64, 8, 0, (64,), 1, True, torch.float16),  # page 8, exactly two steps, a partial row tile
     (4, 1, 128, 8192, 64, 1, (8191, 5000, 1, 3000), 0, False, torch.bfloat16),  # long, ragged, page 64
+    # one split over 3..7 steps of 64 keys: odd and even counts, the last step partial or whole
+    (3, 1, 128, 512, None, 0, (300, 200, 448), 1, False, torch.bfloat16),
+    (2, 2, 64, 512, 32, 1, (383, 130), 1, True, torch.bfloat16),
 ]
 
 
