@@ -109,7 +109,8 @@ def test_tma_descriptor_path(override, varlen):
         ref_lowp, _ = attention_varlen_ref(q, k, v, cu, cu, causal=True, upcast=False)
     else:
         q, k, v = attention_inputs(2, 37, 45, 4, 2, 64, torch.bfloat16, seed=6)
-        v[1, :3] = float("nan")  # the next batch's rows must not leak into batch 0's last block
+        k[1, :3] = float("nan")  # the next batch's rows must not leak into batch 0's last block: keys (their
+        v[1, :3] = float("nan")  # scores are masked, the tile is not) and values (zeroed there)
         out = tileflash.flash_attn_func(q, k, v[:, :], causal=True)
         ref, _ = attention_ref(q, k, v, causal=True)
         ref_lowp, _ = attention_ref(q, k, v, causal=True, upcast=False)
