@@ -99,6 +99,23 @@ def _check_fp8_varlen(lens_q, lens_k, hq, hkv, d, seed):
     return q8, qd, cu_q, cu_k, deq
 
 
+def test_fp8_wide_values_t_gap_keeps_sequences_apart():
+    """Sequences of >= 576 keys take V^T's wide gap (plan/prefill.values_t_gap): each one's last key block reads
+    zeros past its end, unmasked (inner.FP8_V_T_ZEROS). NaN values at the start of batch 1 must not reach batch 0."""
+    from tileflash.plan.prefill import VALUES_T_WIDE_GAP, values_t_gap
+
+    b, sq, sk, hq, hkv, d = 2, 9, 600, 2, 1, 32
+    assert values_t_gap(b * sk, b) == VALUES_T_WIDE_GAP
+    q, k, v = attention_inputs(b, sq, sk, hq, hkv, d, torch.bfloat16, seed=4)
+    q8, k8, v8, qd, kd, vd = tileflash.fp8_quantize_qkv(q, k, v)
+    v8.view(torch.uint8)[1, :3] = 0x7F  # e4m3 NaN
+    out, lse = tileflash.flash_attn_func(q8, k8, v8, return_lse=True, q_descale=qd, k_descale=kd, v_descale=vd)
+    deq = dequantize(q8[:1], qd[:1]), dequantize(k8[:1], kd[:1]), dequantize(v8[:1], vd[:1])
+    check_fp8(out[:1], lse[:1], lambda up, inter: attention_ref(*deq, upcast=up, intermediate_dtype=inter))
+    if ON_GPU:  # (the interpreter's e4m3 widening does not carry NaN: on the CPU only the layout is checked)
+        assert torch.isnan(out[1]).all()
+
+
 @pytest.mark.skipif(not ON_GPU, reason="thousands of keys: minutes in the interpreter")
 def test_fp8_varlen_long_sequences():
     """Packed sequences starting at unaligned keys, long enough for many full blocks (V^T through TMA)."""
@@ -164,8 +181,9 @@ def test_fp8_quantize_qkv_bit_exact():
         assert torch.equal(x8.view(torch.uint8), want8.view(torch.uint8)) and torch.equal(descale, want)
 
 
+@pytest.mark.parametrize("gap", [16, 144], ids=["gap16", "wide"])
 @pytest.mark.parametrize("lengths", [[37, 37, 37], [5, 0, 40, 16, 1]], ids=["padded", "packed"])
-def test_values_t_layout(lengths):
+def test_values_t_layout(lengths, gap):
     """launch_values_t: every sequence's tokens from its 16-byte aligned column (values_t_column), whatever the
     lengths, and zeros up to the next sequence's first column (a V^T buffer full of NaN bytes to start with)."""
     from tileflash.launch.tensors import launch_values_t, values_t_column, values_t_width
@@ -176,14 +194,14 @@ def test_values_t_layout(lengths):
     total, n = int(cu[-1]), len(lengths)
     v = torch.randn(total, h, d, device=DEVICE).to(E4M3)
     v4 = v.view(n, lengths[0], h, d) if padded else v.unsqueeze(0)
-    vt = torch.full((h, d, values_t_width(total, n)), 0x7F, dtype=torch.uint8, device=DEVICE).view(E4M3)  # NaN
-    launch_values_t(v4, vt, None if padded else cu.to(DEVICE))
+    vt = torch.full((h, d, values_t_width(total, n, gap)), 0x7F, dtype=torch.uint8, device=DEVICE).view(E4M3)  # NaN
+    launch_values_t(v4, vt, None if padded else cu.to(DEVICE), gap)
     vt = vt.view(torch.uint8).cpu()
     v = v.cpu()
     for i in range(n):
         start, length = int(cu[i]), lengths[i]
-        col = values_t_column(start, i)
-        nxt = values_t_column(start + length, i + 1)
+        col = values_t_column(start, i, gap)
+        nxt = values_t_column(start + length, i + 1, gap)
         assert torch.equal(vt[:, :, col:col + length], v[start:start + length].view(torch.uint8).permute(1, 2, 0))
         assert not vt[:, :, col + length:nxt].any()
     assert nxt == vt.shape[2]

@@ -677,3 +677,16 @@ def test_mla_gluon_only_on_sm90(monkeypatch):
     q, kc, vc, table = _mla_call()
     monkeypatch.setattr(plan_decode, "sm90_target", lambda: False)  # the interpreter / other targets (any machine)
     assert plan_decode.mla_gluon_config(q, kc, vc, table, False, True) is None
+
+
+@pytest.mark.parametrize("rows, seqs, gap", [
+    (2 * 4096, 2, 144),  # long sequences: zeros through every last key block
+    (576, 1, 144),  # the boundary: 144 extra columns are a quarter of the tokens
+    (575, 1, 16),
+    (4096 * 64, 4096, 16),  # many short sequences: the wide gap would triple V^T
+    (0, 0, 144),  # nothing to lay out
+])
+def test_values_t_gap(rows, seqs, gap):
+    from tileflash.plan.prefill import values_t_gap
+
+    assert values_t_gap(rows, seqs) == gap

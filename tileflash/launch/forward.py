@@ -12,7 +12,7 @@ from .. import _utils
 from . import direct
 from ..kernels.gluon import attn_fwd as gluon_fwd, decode_mma, mla_decode
 from ..kernels.triton.attn_fwd import attn_fwd_kernel
-from ..kernels.triton.inner import FP8_V_ROWS, FP8_V_T, FP8_V_T_DESC
+from ..kernels.triton.inner import FP8_V_ROWS, FP8_V_T, FP8_V_T_DESC, FP8_V_T_ZEROS
 from ..kernels.triton.combine import attn_combine_kernel, merge_states_kernel
 from ..kernels.triton.kv_append import kv_append_kernel
 from ..lowp.kernels.quant import NVFP4_PURE_ASM, NVFP4_SCALE_BYTES, NVFP4_SCALE_WORDS
@@ -33,7 +33,7 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
                     o_part=None, lse_part=None, k_scale=None, v_scale=None, k_block_scale=None, v_block_scale=None,
                     pdl: bool = False, alibi_slopes=None, cache_batch_idx=None, cache_leftpad=None, rotary_cos=None,
                     rotary_sin=None, rotary_interleaved: bool = False, rotary_per_token: bool = False,
-                    cu_seqlens_k_new=None, learnable_sink=None, qv=None, q_scale=None, v_transposed: bool = False,
+                    cu_seqlens_k_new=None, learnable_sink=None, qv=None, q_scale=None, vt_gap: int = 0,
                     counters=None, k_new=None, v_new=None):
     """q4 [Bq, Sq, Hq, D]; k4/v4 [Bk, Sk, Hkv, D] (paged: [pages, page_size, Hkv, D]); out4 [Bq, Sq, Hq, Dv] (Dv:
     v4's head dim); lse3 [Bq, Hq, Sq]. qv [Bq, Sq, Hq, Dv] or None: MLA's latent queries (scores add qv v^T).
@@ -52,8 +52,8 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
     one M tile; seqlen_k_add = Snew): no launch_kv_append.
     FP8 attention: q4, k4, v4 in float8_e4m3fn, q_scale / k_scale / v_scale FA3's descales (fp32 [B, Hkv], any
     strides, or None for 1); out4 in bf16 or fp16. A cache's k_scale / v_scale (fp32 [1] or [Hkv]) otherwise.
-    v_transposed: v4 is FP8 attention's V^T [Hkv, D, width] (tensors.launch_values_t of a contiguous or packed v;
-    not paged).
+    vt_gap > 0: v4 is FP8 attention's V^T [Hkv, D, width] (tensors.launch_values_t of a contiguous or packed v, not
+    paged, vt_gap columns per sequence: tensors.values_t_column); 0: v4 as stored.
     """
     dev = q4.device
     hq, d = q4.shape[2], q4.shape[3]  # q's head dim (an NVFP4 cache stores d / 2 bytes per head)
@@ -75,13 +75,14 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
             kv_nvfp4 += NVFP4_PURE_ASM
     descs = None
     rows = k4.shape[0] * k4.shape[1]
-    fp8_mode = FP8_V_T if v_transposed else FP8_V_ROWS
+    fp8_mode = FP8_V_T if vt_gap else FP8_V_ROWS
     if tma_tiles(config, k4.shape[1] if paged else 0, nvfp4):
-        if v_transposed:  # every sequence's V^T columns start 16-byte aligned (tensors.values_t_column)
+        if vt_gap:  # every sequence's V^T columns start 16-byte aligned (tensors.values_t_column)
             k_desc = row_descriptors((k4,), rows, config.block_n)
             v_desc = values_t_descriptor(v4, v4.shape[2], config.block_n)
             descs = k_desc and (*k_desc, v_desc if v_desc is not None else v4)
-            fp8_mode = FP8_V_T_DESC if descs and v_desc is not None else FP8_V_T
+            if descs and v_desc is not None:  # zeros through each sequence's last block: no V^T mask there
+                fp8_mode = FP8_V_T_ZEROS if vt_gap >= config.block_n + 14 else FP8_V_T_DESC
         else:
             descs = row_descriptors((k4, v4), rows, config.block_n)
     k_arg, v_arg = descs if descs else (k4, v4)
@@ -89,7 +90,7 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
     fused = split and counters is not None
     merge_rows, merge_splits = merge_tiles(min(config.block_m, m_rows), padded_head_dim(dv, fp8)) if fused else (1, 1)
     # V^T's strides as the kernel takes them: none per batch (tensors.values_t_column), D's, the head's (attn_fwd.py)
-    v_strides = (0, v4.stride(1), v4.stride(0)) if v_transposed else \
+    v_strides = (0, v4.stride(1), v4.stride(0)) if vt_gap else \
         strides3(v4, k_batch_stride0)
     return direct.launch(
         attn_fwd_kernel, grid,
@@ -131,7 +132,7 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         HAS_SINK=learnable_sink is not None, HEAD_DIM_V=dv, HEAD_DIM_V_PAD=padded_head_dim(dv, fp8),
         HAS_QV=qv is not None,
         QKV_FP8=fp8_mode if fp8 else 0, FUSED_COMBINE=fused, MERGE_ROWS=merge_rows, MERGE_SPLITS=merge_splits,
-        APPEND_NEW=_utils.next_pow2(k_new.shape[1]) if k_new is not None else 0,
+        APPEND_NEW=_utils.next_pow2(k_new.shape[1]) if k_new is not None else 0, VT_GAP=vt_gap or 16,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 

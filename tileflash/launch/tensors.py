@@ -69,23 +69,25 @@ def row_descriptors(tensors, rows: int, block_rows: int):
     return descs
 
 
-def values_t_width(rows: int, seqs: int) -> int:
+def values_t_width(rows: int, seqs: int, gap: int = 16) -> int:
     """Columns of FP8 attention's V^T for `rows` key rows in `seqs` sequences: where one more sequence would start."""
-    return values_t_column(rows, seqs)
+    return values_t_column(rows, seqs, gap)
 
 
-def values_t_column(start: int, seq: int) -> int:
+def values_t_column(start: int, seq: int, gap: int = 16) -> int:
     """V^T's column of the first key of sequence `seq`, whose first key is row `start` of the merged rows (batch b of
     [B, S, ..] starts at b * S; packed sequences at cu_seqlens_k): 16-byte aligned, so that a TMA descriptor reads
-    every sequence (by pointers the Triton forward spilled and ran 3-6x slower, run 169), at least one zero column
-    after each sequence. kernels/triton/cast.values_t_kernel writes it, kernels/triton/attn_fwd.py reads it."""
-    return _utils.cdiv(start, 16) * 16 + 16 * seq
+    every sequence (by pointers the Triton forward spilled and ran 3-6x slower, run 169), with at least gap - 15
+    zero columns after each sequence (gap: 16, or plan/prefill.VALUES_T_WIDE_GAP, which zero-fills each
+    sequence's last key block). kernels/triton/cast.values_t_kernel writes it, kernels/triton/attn_fwd.py reads it."""
+    return _utils.cdiv(start, 16) * 16 + gap * seq
 
 
-def launch_values_t(v4: torch.Tensor, vt: torch.Tensor, cu_seqlens_k: torch.Tensor | None = None) -> None:
+def launch_values_t(v4: torch.Tensor, vt: torch.Tensor, cu_seqlens_k: torch.Tensor | None = None,
+                    gap: int = 16) -> None:
     """FP8 attention's V^T: v4 [B, S, Hkv, D] (or packed [1, total, Hkv, D] with cu_seqlens_k [B + 1] int32) into vt
-    [Hkv, D, values_t_width] (any contents: every column is written, tokens or zeros), the K-major layout FP8
-    tensor cores read P V's second operand in."""
+    [Hkv, D, values_t_width(.., gap)] (any contents: every column is written, tokens or zeros), the K-major layout
+    FP8 tensor cores read P V's second operand in."""
     b, s, h, d = v4.shape
     seqs = b if cu_seqlens_k is None else cu_seqlens_k.shape[0] - 1
     if seqs == 0:
@@ -95,7 +97,7 @@ def launch_values_t(v4: torch.Tensor, vt: torch.Tensor, cu_seqlens_k: torch.Tens
     direct.launch(values_t_kernel, (seqs, parts, h), src, dst,
                   cu_seqlens_k if cu_seqlens_k is not None else unused_pointer(v4.device), s, v4.stride(0),
                   v4.stride(1), v4.stride(2), vt.stride(0), vt.stride(1), HEAD_DIM=d, HEAD_DIM_PAD=_utils.next_pow2(d),
-                  BLOCK_T=VALUES_T_BLOCK, VARLEN=cu_seqlens_k is not None, num_warps=4)
+                  BLOCK_T=VALUES_T_BLOCK, VARLEN=cu_seqlens_k is not None, GAP=gap, num_warps=4)
 
 
 VALUES_T_BLOCK = 64  # tokens per program step of values_t_kernel (a copy: not tuned)

@@ -13,7 +13,7 @@ from ..launch import direct
 from ..launch.backward import BwdPlan
 from ..launch.forward import launch_attn_fwd, launch_attn_fwd_ws
 from ..launch.tensors import launch_values_t, values_t_width
-from ..plan.prefill import Mask, fwd_config, ws_forward_config
+from ..plan.prefill import Mask, fwd_config, values_t_gap, ws_forward_config
 from ..plan.target import target_arch
 
 
@@ -110,13 +110,13 @@ def _lse_or_workspace(lse, ws, shape):
     return lse if lse is not None else direct.derived(ws[:math.prod(shape)].view(shape), ws)
 
 
-def _launch_dense(ws_cfg, cfg, mask: Mask, softmax_scale: float, q, k, v, alibi_slopes, learnable_sink, q_descale,
-                  k_descale, v_descale, out, lse, ws, vt) -> None:
-    """vt: FP8 attention's V^T buffer (filled from v here), else None."""
+def _launch_dense(ws_cfg, cfg, vt_gap: int, mask: Mask, softmax_scale: float, q, k, v, alibi_slopes, learnable_sink,
+                  q_descale, k_descale, v_descale, out, lse, ws, vt) -> None:
+    """vt: FP8 attention's V^T buffer (filled from v here, vt_gap columns per sequence), else None."""
     b, sq, hq, _ = q.shape
     lse = _lse_or_workspace(lse, ws, (b, hq, sq))
     if vt is not None:
-        launch_values_t(v, vt)
+        launch_values_t(v, vt, gap=vt_gap)
     if ws_cfg is not None:
         launch_attn_fwd_ws(q, k, v, out, lse, causal=mask.window_right == 0, softmax_scale=softmax_scale,
                            config=ws_cfg, learnable_sink=learnable_sink)
@@ -125,7 +125,7 @@ def _launch_dense(ws_cfg, cfg, mask: Mask, softmax_scale: float, q, k, v, alibi_
                         num_batches=b, seqlen_q=sq, seqlen_k=k.shape[1], m_rows=sq, softmax_scale=softmax_scale,
                         mask=mask, config=cfg, sp_overlap=cfg.sp_overlap, alibi_slopes=alibi_slopes,
                         learnable_sink=learnable_sink, q_scale=q_descale, k_scale=k_descale, v_scale=v_descale,
-                        v_transposed=vt is not None)
+                        vt_gap=vt_gap if vt is not None else 0)
 
 
 def _dense_plan(q, k, v, softmax_scale: float, mask: Mask, keep_lse: bool, alibi: bool) -> FwdPlan:
@@ -142,8 +142,10 @@ def _dense_plan(q, k, v, softmax_scale: float, mask: Mask, keep_lse: bool, alibi
         if ws_cfg is None:
             cfg = config.chosen("fwd", fwd_config(d, causal=mask.window_right >= 0, interpret=_utils.is_interpreter(),
                                                   seqlen_k=sk, arch=target_arch(), fp8=q.dtype == FP8))
-    vt_shape = (k.shape[2], d, values_t_width(b * sk, b)) if q.dtype == FP8 and not (cfg and cfg.v_rows) else None
-    launch = functools.partial(_launch_dense, ws_cfg, cfg, mask, softmax_scale)
+    vt_gap = values_t_gap(b * sk, b)
+    vt_shape = (k.shape[2], d, values_t_width(b * sk, b, vt_gap)) if q.dtype == FP8 and not (cfg and cfg.v_rows) \
+        else None
+    launch = functools.partial(_launch_dense, ws_cfg, cfg, vt_gap, mask, softmax_scale)
     return FwdPlan(launch, (b, hq, sq), q.device, keep_lse, empty, vt_shape)
 
 
@@ -186,12 +188,12 @@ def _varlen_ws_config(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax
     return ws_forward_config(q4, k4, v4, q4, softmax_scale, mask, max_seqlen_k=max_seqlen_k, alibi=alibi)
 
 
-def _launch_varlen(ws_cfg, cfg, mask: Mask, softmax_scale: float, max_seqlen_q: int, max_seqlen_k: int, paged: bool,
-                   q, k, v, alibi_slopes, learnable_sink, q_descale, k_descale, v_descale, cu_seqlens_q, cu_seqlens_k,
-                   seqused_k, block_table, out, lse, ws, vt) -> None:
+def _launch_varlen(ws_cfg, cfg, vt_gap: int, mask: Mask, softmax_scale: float, max_seqlen_q: int, max_seqlen_k: int,
+                   paged: bool, q, k, v, alibi_slopes, learnable_sink, q_descale, k_descale, v_descale, cu_seqlens_q,
+                   cu_seqlens_k, seqused_k, block_table, out, lse, ws, vt) -> None:
     """Packed queries q [total_q, H, D] viewed as [1, total_q, H, D] with a batch stride of 0 (cu_seqlens_q gives
     each sequence's start); keys packed the same way, or (paged) page pools read through block_table. vt: FP8
-    attention's V^T buffer (filled from v here), else None."""
+    attention's V^T buffer (filled from v here, vt_gap columns per sequence), else None."""
     total_q, hq, _ = q.shape
     lse = _lse_or_workspace(lse, ws, (hq, total_q))
     q4, out4, lse3 = (direct.derived(t.unsqueeze(0), t) for t in (q, out, lse))
@@ -201,7 +203,7 @@ def _launch_varlen(ws_cfg, cfg, mask: Mask, softmax_scale: float, max_seqlen_q: 
         k4 = direct.derived(k.unsqueeze(0), k)
         v4 = direct.derived(v.unsqueeze(0), v)
         if vt is not None:
-            launch_values_t(v4, vt, cu_seqlens_k)
+            launch_values_t(v4, vt, cu_seqlens_k, vt_gap)
             v4 = vt
     if ws_cfg is not None:
         launch_attn_fwd_ws(q4, k4, v4, out4, lse3, causal=mask.window_right == 0, softmax_scale=softmax_scale,
@@ -214,7 +216,7 @@ def _launch_varlen(ws_cfg, cfg, mask: Mask, softmax_scale: float, max_seqlen_q: 
                     softmax_scale=softmax_scale, mask=mask, config=cfg, sp_overlap=cfg.sp_overlap,
                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=None if paged else cu_seqlens_k, seqlens_k=seqused_k,
                     block_table=block_table, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink,
-                    q_scale=q_descale, k_scale=k_descale, v_scale=v_descale, v_transposed=vt is not None)
+                    q_scale=q_descale, k_scale=k_descale, v_scale=v_descale, vt_gap=vt_gap if vt is not None else 0)
 
 
 def _varlen_plan(q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_q: int, max_seqlen_k: int,
@@ -235,9 +237,11 @@ def _varlen_plan(q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_q: in
             cfg = config.chosen("fwd", fwd_config(d, causal=mask.window_right >= 0, interpret=_utils.is_interpreter(),
                                                   seqlen_k=max_seqlen_k, arch=target_arch(), fp8=q.dtype == FP8,
                                                   paged=paged))
-    vt_shape = (k.shape[1], d, values_t_width(k.shape[0], cu_seqlens_q.shape[0] - 1)) \
+    vt_gap = values_t_gap(k.shape[0], cu_seqlens_q.shape[0] - 1)
+    vt_shape = (k.shape[1], d, values_t_width(k.shape[0], cu_seqlens_q.shape[0] - 1, vt_gap)) \
         if q.dtype == FP8 and not paged and not (cfg and cfg.v_rows) else None  # paged pools read V as stored
-    launch = functools.partial(_launch_varlen, ws_cfg, cfg, mask, softmax_scale, max_seqlen_q, max_seqlen_k, paged)
+    launch = functools.partial(_launch_varlen, ws_cfg, cfg, vt_gap, mask, softmax_scale, max_seqlen_q, max_seqlen_k,
+                               paged)
     return FwdPlan(launch, (hq, total_q), q.device, keep_lse, empty, vt_shape)
 
 

@@ -12,8 +12,9 @@ Shapes (element strides are passed explicitly; the head dim must be contiguous):
           HEAD_DIM_V] is a second query part whose keys are the values themselves: s = q k^T + qv v^T (DeepSeek's
           latent cache as V, its rotary part as K), so each latent byte is read once for both products.
   FP8 caches (decode): k/v in float8_e4m3fn with fp32 scales per tensor or per KV head (KV_SCALED).
-  FP8 attention (QKV_FP8: inner.FP8_V_ROWS, or FP8_V_T(_DESC) for v given as V^T [Hkv, D, width] with each
-  sequence from launch/tensors.values_t_column, stride_vs D's stride and stride_vh the head's; with KV_SCALED): q,
+  FP8 attention (QKV_FP8: inner.FP8_V_ROWS, or FP8_V_T(_DESC, _ZEROS) for v given as V^T [Hkv, D, width] with each
+  sequence from launch/tensors.values_t_column, VT_GAP columns apart, stride_vs D's stride and stride_vh the head's;
+  with KV_SCALED): q,
   k, v in float8_e4m3fn with FA3's descales [B, Hkv] fp32 at q/k/v_scale_ptr (element (b, h) at b * stride_*sc_b
   + h * stride_*sc_h; decode's cache scales have a batch stride of 0): s = q_descale k_descale (q k^T), out =
   v_descale (P V) / l with P rounded to e4m3 and every product on FP8 tensor cores (V rows, paged: P V in fp16;
@@ -110,6 +111,7 @@ def attn_fwd_kernel(
     HAS_SINK: tl.constexpr = False, HEAD_DIM_V: tl.constexpr = 0, HEAD_DIM_V_PAD: tl.constexpr = 0,
     HAS_QV: tl.constexpr = False, QKV_FP8: tl.constexpr = 0, FUSED_COMBINE: tl.constexpr = False,
     MERGE_ROWS: tl.constexpr = 1, MERGE_SPLITS: tl.constexpr = 1, APPEND_NEW: tl.constexpr = 0,
+    VT_GAP: tl.constexpr = 16,
 ):
     allow_dependent_launch(PDL)  # the split combine that follows (launch/forward.launch_combine)
     pid = tl.program_id(0)
@@ -248,7 +250,7 @@ def attn_fwd_kernel(
                         APPEND_NEW, PAGE_SIZE, USE_DESC and TILE_DTYPE != tl.float32, fp8_cache)
     v_row0 = desc_row0  # V's first row in its descriptor: K's, or V^T's first column (16-byte aligned)
     if QKV_FP8 >= FP8_V_T:  # V^T [Hkv, D, width] (stride_vs: D's): launch/tensors.values_t_column
-        v_row0 = values_t_column(kv_b * desc_rows_per_batch + k_start, kv_b)
+        v_row0 = values_t_column(kv_b * desc_rows_per_batch + k_start, kv_b, VT_GAP)
         if QKV_FP8 == FP8_V_T:  # by pointers, K's descriptor or not
             v_base = v_ptr + v_row0.to(tl.int64) + head_kv.to(tl.int64) * stride_vh
 

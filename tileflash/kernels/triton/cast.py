@@ -52,17 +52,19 @@ def sum_cast_kernel(src_ptr, dst_ptr, numel, slices, slice_stride, scale, BLOCK:
 
 
 @triton.jit
-def values_t_column(start, seq):
+def values_t_column(start, seq, GAP: tl.constexpr):
     """V^T's first column of sequence seq, whose first key is merged row `start` (launch/tensors.values_t_column)."""
-    return (start + 15) // 16 * 16 + 16 * seq
+    return (start + 15) // 16 * 16 + GAP * seq
 
 
 @triton.jit
 def values_t_kernel(v_ptr, vt_ptr, cu_ptr, seqlen, stride_vb, stride_vs, stride_vh, stride_th, stride_td,
-                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_T: tl.constexpr, VARLEN: tl.constexpr):
+                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_T: tl.constexpr, VARLEN: tl.constexpr,
+                    GAP: tl.constexpr = 16):
     """FP8 attention's V^T (bytes): program (sequence, part, KV head) copies its sequence's tokens t = part *
     BLOCK_T + i * num_programs(1) * BLOCK_T .. into V^T [Hkv, D, width] from column values_t_column (launch/
-    tensors.py), zeros up to the next sequence's first column (which the last block's loads read).
+    tensors.py, GAP columns per sequence), zeros up to the next sequence's first column (which the last block's
+    loads read).
     v: [B, seqlen, Hkv, D] (sequence b = batch b), or VARLEN packed [total, Hkv, D] with cu_ptr [B + 1] int32."""
     seq, part, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if VARLEN:
@@ -73,7 +75,7 @@ def values_t_kernel(v_ptr, vt_ptr, cu_ptr, seqlen, stride_vb, stride_vs, stride_
         start = seq * seqlen
         length = seqlen
         src = v_ptr + seq.to(tl.int64) * stride_vb + h * stride_vh
-    col0 = values_t_column(start, seq)
+    col0 = values_t_column(start, seq, GAP)
     dst = vt_ptr + h.to(tl.int64) * stride_th + col0
     d = tl.arange(0, HEAD_DIM_PAD)
     # Columns up to the sequence's length rounded up to 16 (zeros past its end): stores along tokens under a mask
@@ -85,8 +87,8 @@ def values_t_kernel(v_ptr, vt_ptr, cu_ptr, seqlen, stride_vb, stride_vs, stride_
                     mask=(t[:, None] < length) & (d[None, :] < HEAD_DIM), other=0)
         tl.store(dst + d[None, :] * stride_td + t[:, None], x,
                  mask=(t[:, None] < length16) & (d[None, :] < HEAD_DIM))
-    if part == 0:  # the next sequence starts 0 or 16 columns past length16
-        gap = length16 + tl.arange(0, 16)
-        end = values_t_column(start + length, seq + 1) - col0
+    end = values_t_column(start + length, seq + 1, GAP) - col0  # the next sequence's first column
+    for g0 in range(length16 + part * 16, end, tl.num_programs(1) * 16):  # zeros up to it, 16 columns a store
+        gap = g0 + tl.arange(0, 16)
         ok = (gap[:, None] < end) & (d[None, :] < HEAD_DIM)
         tl.store(dst + d[None, :] * stride_td + gap[:, None], tl.zeros([16, HEAD_DIM_PAD], tl.uint8), mask=ok)
