@@ -23,6 +23,13 @@ from .prefill import check_softcap
 MAX_LATENT_DIM = 512  # MLA (qv): DeepSeek-V2/V3's latent width; wider accumulators would not fit the registers
 
 
+def _plain_append(rotary_cos, cache_leftpad, mask: Mask) -> bool:
+    """Whether the call's append is a plain copy into positions its attention programs read (plan/decode.
+    append_in_kernel): no rotated keys, no left pads, no left window (one narrower than the append would leave new
+    tokens outside every program's key range)."""
+    return rotary_cos is None and cache_leftpad is None and mask.window_left < 0
+
+
 def _triton_only(cache_batch_idx, cache_leftpad, rotary_cos, alibi_slopes, cu_seqlens_k_new, learnable_sink) -> bool:
     """Whether a call passes an argument only the Triton decode kernel has (the register-operand one does not)."""
     return any(t is not None for t in (cache_batch_idx, cache_leftpad, rotary_cos, alibi_slopes, cu_seqlens_k_new,
@@ -118,17 +125,17 @@ def _attn_kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     if cache_seqlens.shape[0] == 0:
         return out, lse
     extras = _triton_only(cache_batch_idx, cache_leftpad, rotary_cos, alibi_slopes, cu_seqlens_k_new, learnable_sink)
+    mask = Mask(window_left, window_right, softcap)
     s = decode_schedule(q, k_cache, v_cache, k, block_table, num_splits, sp_overlap, lse_in_workspace=False,
                   extras=extras, causal_tiles=window_right >= 0,
                   max_seqlen_q=max_seqlen_q, varlen_new=cu_seqlens_k_new is not None, mla=qv is not None,
-                  plain_mask=Mask(window_left, window_right, softcap).at_most_causal, v=v,
-                  plain_append=rotary_cos is None and cache_leftpad is None and window_left < 0)
+                  plain_mask=mask.at_most_causal, v=v, plain_append=_plain_append(rotary_cos, cache_leftpad, mask))
     ws = torch.empty(s.workspace, dtype=torch.float32, device=q.device) if s.workspace else None
     counters = direct.COUNTERS.get(q.device, direct.current_stream(q.device), s.counters) if s.counters else None
-    _launch_kvcache(s, Mask(window_left, window_right, softcap), softmax_scale, sp_overlap, rotary_interleaved, q,
-                    k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos,
-                    rotary_sin, cu_seqlens_q, alibi_slopes, cu_seqlens_k_new, learnable_sink, k_scale, v_scale,
-                    k_global_scale, v_global_scale, out, lse, ws, counters, qv)
+    _launch_kvcache(s, mask, softmax_scale, sp_overlap, rotary_interleaved, q, k_cache, v_cache, k, v, cache_seqlens,
+                    block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin, cu_seqlens_q, alibi_slopes,
+                    cu_seqlens_k_new, learnable_sink, k_scale, v_scale, k_global_scale, v_global_scale, out, lse, ws,
+                    counters, qv)
     return out, lse
 
 
@@ -477,7 +484,7 @@ def _make_plan(q, k_cache, v_cache, k, v, index, softmax_scale, causal, window_s
                       extras=_triton_only(batch_idx, leftpad, rotary_cos, alibi_slopes, cu_k_new, learnable_sink),
                       causal_tiles=mask.window_right >= 0, max_seqlen_q=max(int(max_seqlen_q), 1) if packed else 0,
                       varlen_new=cu_k_new is not None, mla=qv is not None, plain_mask=mask.at_most_causal, v=v,
-                      plain_append=rotary_cos is None and leftpad is None and mask.window_left < 0)
+                      plain_append=_plain_append(rotary_cos, leftpad, mask))
     # On the CPU reading values costs no sync, so they are always checked there.
     validate = bool(validate) or q.device.type == "cpu"
     return DecodePlan(sched, mask, _default_scale(softmax_scale, q, qv), bool(sp_overlap),
