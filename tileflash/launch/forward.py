@@ -132,7 +132,7 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         HAS_SINK=learnable_sink is not None, HEAD_DIM_V=dv, HEAD_DIM_V_PAD=padded_head_dim(dv, fp8),
         HAS_QV=qv is not None,
         QKV_FP8=fp8_mode if fp8 else 0, FUSED_COMBINE=fused, MERGE_ROWS=merge_rows, MERGE_SPLITS=merge_splits,
-        APPEND_NEW=_utils.next_pow2(k_new.shape[1]) if k_new is not None else 0, VT_GAP=vt_gap or 16,
+        APPEND_NEW=_utils.next_pow2(k_new.shape[1]) if k_new is not None else 0, VT_GAP=vt_gap,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 

@@ -69,22 +69,22 @@ def row_descriptors(tensors, rows: int, block_rows: int):
     return descs
 
 
-def values_t_width(rows: int, seqs: int, gap: int = 16) -> int:
+def values_t_width(rows: int, seqs: int, gap: int) -> int:
     """Columns of FP8 attention's V^T for `rows` key rows in `seqs` sequences: where one more sequence would start."""
     return values_t_column(rows, seqs, gap)
 
 
-def values_t_column(start: int, seq: int, gap: int = 16) -> int:
+def values_t_column(start: int, seq: int, gap: int) -> int:
     """V^T's column of the first key of sequence `seq`, whose first key is row `start` of the merged rows (batch b of
     [B, S, ..] starts at b * S; packed sequences at cu_seqlens_k): 16-byte aligned, so that a TMA descriptor reads
     every sequence (by pointers the Triton forward spilled and ran 3-6x slower, run 169), with at least gap - 15
-    zero columns after each sequence (gap: 16, or plan/prefill.VALUES_T_WIDE_GAP, which zero-fills each
-    sequence's last key block). kernels/triton/cast.values_t_kernel writes it, kernels/triton/attn_fwd.py reads it."""
+    zero columns after each sequence (gap: plan/prefill.values_t_gap's VALUES_T_GAP, or VALUES_T_WIDE_GAP, which
+    zero-fills each sequence's last key block). kernels/triton/cast.values_t_kernel writes it, kernels/triton/
+    attn_fwd.py reads it."""
     return _utils.cdiv(start, 16) * 16 + gap * seq
 
 
-def launch_values_t(v4: torch.Tensor, vt: torch.Tensor, cu_seqlens_k: torch.Tensor | None = None,
-                    gap: int = 16) -> None:
+def launch_values_t(v4: torch.Tensor, vt: torch.Tensor, cu_seqlens_k: torch.Tensor | None, gap: int) -> None:
     """FP8 attention's V^T: v4 [B, S, Hkv, D] (or packed [1, total, Hkv, D] with cu_seqlens_k [B + 1] int32) into vt
     [Hkv, D, values_t_width(.., gap)] (any contents: every column is written, tokens or zeros), the K-major layout
     FP8 tensor cores read P V's second operand in."""

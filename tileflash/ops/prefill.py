@@ -116,7 +116,7 @@ def _launch_dense(ws_cfg, cfg, vt_gap: int, mask: Mask, softmax_scale: float, q,
     b, sq, hq, _ = q.shape
     lse = _lse_or_workspace(lse, ws, (b, hq, sq))
     if vt is not None:
-        launch_values_t(v, vt, gap=vt_gap)
+        launch_values_t(v, vt, None, vt_gap)
     if ws_cfg is not None:
         launch_attn_fwd_ws(q, k, v, out, lse, causal=mask.window_right == 0, softmax_scale=softmax_scale,
                            config=ws_cfg, learnable_sink=learnable_sink)

@@ -198,13 +198,15 @@ def ws_forward_config(q4, k4, v4, out4, softmax_scale: float, mask: Mask, max_se
 # FP8 attention's V^T keeps each sequence's columns this far apart when it can (launch/tensors.values_t_column):
 # zeros then fill every sequence's last key block (BLOCK_N <= 128 keys, so at least BLOCK_N + 14 columns), whose V^T
 # tile needs no mask (inner.FP8_V_T_ZEROS). The wide gap costs 144 columns of D x Hkv bytes per sequence, written
-# by values_t_kernel: taken while that stays under a quarter of the tokens (mean length >= 576), else 16.
+# by values_t_kernel: taken while that stays under a quarter of the tokens (mean length >= 576), else the narrow
+# gap, which only keeps every sequence's first column 16-byte aligned.
 VALUES_T_WIDE_GAP = 144
+VALUES_T_GAP = 16
 
 
 def values_t_gap(rows: int, seqs: int) -> int:
     """Columns per sequence in FP8 attention's V^T for `rows` key rows in `seqs` sequences."""
-    return VALUES_T_WIDE_GAP if 4 * VALUES_T_WIDE_GAP * seqs <= rows else 16
+    return VALUES_T_WIDE_GAP if 4 * VALUES_T_WIDE_GAP * seqs <= rows else VALUES_T_GAP
 
 
 def tma_tiles(cfg, page_size: int, nvfp4: bool) -> bool:

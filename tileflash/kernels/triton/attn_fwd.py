@@ -13,8 +13,8 @@ Shapes (element strides are passed explicitly; the head dim must be contiguous):
           latent cache as V, its rotary part as K), so each latent byte is read once for both products.
   FP8 caches (decode): k/v in float8_e4m3fn with fp32 scales per tensor or per KV head (KV_SCALED).
   FP8 attention (QKV_FP8: inner.FP8_V_ROWS, or FP8_V_T(_DESC, _ZEROS) for v given as V^T [Hkv, D, width] with each
-  sequence from launch/tensors.values_t_column, VT_GAP columns apart, stride_vs D's stride and stride_vh the head's;
-  with KV_SCALED): q,
+  sequence from launch/tensors.values_t_column, VT_GAP columns apart (0: v not V^T), stride_vs D's stride and
+  stride_vh the head's; with KV_SCALED): q,
   k, v in float8_e4m3fn with FA3's descales [B, Hkv] fp32 at q/k/v_scale_ptr (element (b, h) at b * stride_*sc_b
   + h * stride_*sc_h; decode's cache scales have a batch stride of 0): s = q_descale k_descale (q k^T), out =
   v_descale (P V) / l with P rounded to e4m3 and every product on FP8 tensor cores (V rows, paged: P V in fp16;
@@ -111,7 +111,7 @@ def attn_fwd_kernel(
     HAS_SINK: tl.constexpr = False, HEAD_DIM_V: tl.constexpr = 0, HEAD_DIM_V_PAD: tl.constexpr = 0,
     HAS_QV: tl.constexpr = False, QKV_FP8: tl.constexpr = 0, FUSED_COMBINE: tl.constexpr = False,
     MERGE_ROWS: tl.constexpr = 1, MERGE_SPLITS: tl.constexpr = 1, APPEND_NEW: tl.constexpr = 0,
-    VT_GAP: tl.constexpr = 16,
+    VT_GAP: tl.constexpr = 0,
 ):
     allow_dependent_launch(PDL)  # the split combine that follows (launch/forward.launch_combine)
     pid = tl.program_id(0)

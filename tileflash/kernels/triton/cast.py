@@ -60,7 +60,7 @@ def values_t_column(start, seq, GAP: tl.constexpr):
 @triton.jit
 def values_t_kernel(v_ptr, vt_ptr, cu_ptr, seqlen, stride_vb, stride_vs, stride_vh, stride_th, stride_td,
                     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_T: tl.constexpr, VARLEN: tl.constexpr,
-                    GAP: tl.constexpr = 16):
+                    GAP: tl.constexpr):
     """FP8 attention's V^T (bytes): program (sequence, part, KV head) copies its sequence's tokens t = part *
     BLOCK_T + i * num_programs(1) * BLOCK_T .. into V^T [Hkv, D, width] from column values_t_column (launch/
     tensors.py, GAP columns per sequence), zeros up to the next sequence's first column (which the last block's
