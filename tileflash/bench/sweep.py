@@ -36,7 +36,8 @@ FAMILY_HELP = {
     "prefill-fp8": "fwd / FwdConfig: the Triton forward on e4m3 q, k, v with descales; same shapes",
     "backward": "bwd / BwdConfig: the Triton backward; same shapes (deterministic via --vary deterministic=1)",
     "backward-ws": "bwd_ws / WsBwdConfig: the sm_90 Gluon dK/dV; same shapes",
-    "decode": "decode / DecodeConfig: shapes batch,ctx,hq,hkv,d,page (page 0: contiguous), bf16, one token",
+    "decode": "decode / DecodeConfig: shapes batch,ctx,hq,hkv,d,page[,fp8] (page 0: contiguous), a bf16 cache (an "
+              "e4m3 one with fp8), one token",
     "decode-mla": "mla_decode / DecodeConfig: the Triton MLA decode; shapes batch,ctx,hq (latent 512 + rotary 64, one "
                   "KV head)",
     "decode-mla-gluon": "mla_gluon / MlaGluonConfig: the sm_90 Gluon MLA decode; same shapes",
@@ -109,14 +110,20 @@ def _decode_cache(batch, ctx, hkv, d, page, dtype=BF16):
 
 
 def _decode(shape, kw):
+    """batch,ctx,hq,hkv,d,page[,fp8]: a bf16 cache, or an e4m3 one (scales 1) with "fp8"."""
     import tileflash
 
-    batch, ctx, hq, hkv, d, page = shape
-    nbytes = decode_kv_bytes(batch, ctx, hkv, d)
+    (batch, ctx, hq, hkv, d, page), fmt = shape[:6], shape[6:]
+    fp8 = fmt == ("fp8",)
+    if fmt and not fp8:
+        raise SystemExit(f"decode shape {shape}: the 7th field may only be fp8")
+    nbytes = decode_kv_bytes(batch, ctx, hkv, d, 1 if fp8 else 2)
     copies = []
     for _ in range(rotation_copies(nbytes)):
-        kc, vc, table = _decode_cache(batch, ctx, hkv, d, page)
+        kc, vc, table = _decode_cache(batch, ctx, hkv, d, page, torch.float8_e4m3fn if fp8 else BF16)
         copies.append((torch.randn(batch, 1, hq, d, device="cuda", dtype=BF16), kc, vc, table))
+    if fp8:
+        kw = {**kw, "k_scale": torch.ones(1, device="cuda"), "v_scale": torch.ones(1, device="cuda")}
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     fns = [lambda c=c: tileflash.flash_attn_with_kvcache(c[0], c[1], c[2], cache_seqlens=lens, block_table=c[3],
                                                          **kw) for c in copies]
