@@ -210,7 +210,8 @@ def _by_warp(t, WARP_SPLIT: tl.constexpr):
 @triton.jit
 def merge_warp_states(acc, m_i, l_i):
     """The row states (acc [M, D], m_i, l_i [M]) of W warps' states (acc [W, M, D], m_i, l_i [W, M]), each over its
-    own keys (attn_inner's WARP_SPLIT): one cross-warp reduction after the loop instead of two per step."""
+    own keys (attn_inner's WARP_SPLIT): one exchange between warps after the loop instead of three in every step
+    (the row max, the row sum, P)."""
     m = tl.max(m_i, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)  # no warp saw a key: every weight is exp2(-inf) = 0
     w = tl.math.exp2(m_i - m_safe[None, :])
@@ -334,6 +335,7 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
     row max, row sum and P cross warps through shared memory (sm_90 SASS, 16-bit decode, 64-key steps: 9-11 CTA
     barriers a step, 3 with the warps split).
     """
+    tl.static_assert(not (TRANS and WARP_SPLIT), "warps split untransposed products only")
     if SP_OVERLAP:
         tl.static_assert(not HAS_QV, "MLA (qv) takes the plain loop")
         if lo < hi:
