@@ -11,9 +11,15 @@ from helpers import (DEVICE, ON_GPU, check_2x, check_lse, check_quantized_decode
 from tileflash.reference import kvcache_ref
 
 
-def force_trans(override, trans: bool):
-    """Run decode with the transposed products (attn_inner's TRANS) on or off, whatever the heuristic picks."""
-    override(decode=lambda cfg: dataclasses.replace(cfg, trans=trans))
+def force_trans(override, trans: bool, warp_split: bool = False):
+    """Run decode with the transposed products (attn_inner's TRANS) on or off, and untransposed ones with each
+    warp's own share of a step's keys (WARP_SPLIT) or not, whatever the heuristic picks (on the GPU the warp split
+    where its tile takes it: 16 rows, at least 16 keys per warp for mma.sync)."""
+    def fits(cfg):
+        return not ON_GPU or (cfg.block_m == 16 and cfg.block_n // cfg.num_warps >= 16)
+
+    override(decode=lambda cfg: dataclasses.replace(cfg, trans=trans, warp_split=warp_split and not trans
+                                                    and fits(cfg)))
 
 
 # (seqlens, Sq, Snew, Hq, Hkv, D, page_size, capacity, num_splits) — why each is here:
@@ -37,15 +43,15 @@ if ON_GPU:
 # The S/P-overlapped loop (sp_overlap=True, a documented option no heuristic picks) on a representative subset: a
 # paged GQA split with an append, MQA over odd pages with 7 splits, a contiguous cache with head dim 80.
 OVERLAP_CASES = (0, 2, 4)
-LOOPS = [(i, loop) for i in range(len(CASES)) for loop in ("plain", "trans")] + \
-    [(i, loop) for i in OVERLAP_CASES for loop in ("overlap", "trans-overlap")]
+LOOPS = [(i, loop) for i in range(len(CASES)) for loop in ("plain", "split", "trans")] + \
+    [(i, loop) for i in OVERLAP_CASES for loop in ("overlap", "split-overlap", "trans-overlap")]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("index, loop", LOOPS, ids=[f"case{i}-{loop}" for i, loop in LOOPS])
 def test_kvcache(index, loop, dtype, override):
     case = CASES[index]
-    force_trans(override, loop.startswith("trans"))
+    force_trans(override, loop.startswith("trans"), loop.startswith("split"))
     sp_overlap = loop.endswith("overlap")
     seqlens, sq, s_new, hq, hkv, d, page_size, capacity, num_splits = case
     b = len(seqlens)
@@ -120,9 +126,10 @@ def test_fused_merge_matches_combine(case, override):
     check_lse(lse, ref_lse)
 
 
-@pytest.mark.parametrize("trans", [False, True], ids=["plain", "trans"])
-def test_window_and_softcap_in_decode(trans, override):
-    force_trans(override, trans)
+@pytest.mark.parametrize("trans, warp_split", [(False, False), (False, True), (True, False)],
+                         ids=["plain", "split", "trans"])
+def test_window_and_softcap_in_decode(trans, warp_split, override):
+    force_trans(override, trans, warp_split)
     g = torch.Generator().manual_seed(9)
     k_cache, v_cache, table = make_cache(2, 80, 2, 64, torch.bfloat16, 16, g)
     q = torch.randn(2, 4, 8, 64, generator=g).to(DEVICE, torch.bfloat16)
@@ -133,6 +140,39 @@ def test_window_and_softcap_in_decode(trans, override):
     ref, ref_lse, _, _ = kvcache_ref(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, **kw)
     ref_lowp, _, _, _ = kvcache_ref(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, upcast=False,
                                     **kw)
+    check_2x(out, ref, ref_lowp)
+    check_lse(lse, ref_lse)
+
+
+@pytest.mark.parametrize("trans, warp_split", [(False, False), (False, True), (True, False)],
+                         ids=["plain", "split", "trans"])
+@pytest.mark.parametrize("page_size", [None, 16, 5])
+def test_cache_rows_past_each_sequence_may_hold_nan(page_size, trans, warp_split, override):
+    """Cache rows at and past each sequence's length (the next sequence's rows, unused pages, a step's tail) hold
+    NaN and inf: no output reads them, whichever loop runs (a masked step's V tile is zeroed there, its keys'
+    scores are -inf) and wherever the splits fall."""
+    force_trans(override, trans, warp_split)
+    g = torch.Generator().manual_seed(5)
+    k_cache, v_cache, table = make_cache(3, 70, 2, 64, torch.bfloat16, page_size, g)
+    seqlens = torch.tensor([70, 33, 1], dtype=torch.int32, device=DEVICE)
+    for cache in (k_cache, v_cache):
+        if table is None:
+            for i, n in enumerate(seqlens.tolist()):
+                cache[i, n:] = float("nan")
+                cache[i, n + 1:] = float("inf")
+        else:
+            used = torch.zeros(cache.shape[0] * cache.shape[1], dtype=torch.bool, device=DEVICE)
+            for i, n in enumerate(seqlens.tolist()):
+                pos = torch.arange(n, device=DEVICE)
+                used[table[i, pos // page_size].long() * page_size + pos % page_size] = True
+            cache.view(-1, *cache.shape[2:])[~used] = float("nan")
+    q = torch.randn(3, 2, 8, 64, generator=g).to(DEVICE, torch.bfloat16)
+    out, lse = tileflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table,
+                                                 num_splits=3, return_lse=True, causal=True)
+    ref, ref_lse, _, _ = kvcache_ref(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, causal=True)
+    ref_lowp, _, _, _ = kvcache_ref(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, causal=True,
+                                    upcast=False)
+    assert torch.isfinite(ref).all() and torch.isfinite(out).all()
     check_2x(out, ref, ref_lowp)
     check_lse(lse, ref_lse)
 
@@ -222,11 +262,12 @@ FP8_CASES = [
 ]
 
 
-@pytest.mark.parametrize("trans", [False, True], ids=["plain", "trans"])
+@pytest.mark.parametrize("trans, warp_split", [(False, False), (False, True), (True, False)],
+                         ids=["plain", "split", "trans"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("case", FP8_CASES, ids=[f"fp8case{i}" for i in range(len(FP8_CASES))])
-def test_kvcache_fp8(case, dtype, trans, override):
-    force_trans(override, trans)
+def test_kvcache_fp8(case, dtype, trans, warp_split, override):
+    force_trans(override, trans, warp_split)
     from tileflash.reference import fp8_quantize_ref
 
     seqlens, sq, s_new, hq, hkv, d, page_size, capacity, num_splits, per_head = case
