@@ -134,6 +134,10 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         HAS_QV=qv is not None,
         QKV_FP8=fp8_mode if fp8 else 0, FUSED_COMBINE=fused, MERGE_ROWS=merge_rows, MERGE_SPLITS=merge_splits,
         APPEND_NEW=_utils.next_pow2(k_new.shape[1]) if k_new is not None else 0, VT_GAP=vt_gap,
+        # masked blocks' boxes kept inside each sequence (no V mask): contiguous descriptors, calls without new keys
+        # (appended in this launch they could be another program's; appended before, the call's result stays the
+        # in-launch append's bit for bit)
+        BOX_IN_SEQ=descs is not None and not paged and not seqlen_k_add and cu_seqlens_k_new is None and not vt_gap,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 

@@ -36,6 +36,9 @@ Shapes (element strides are passed explicitly; the head dim must be contiguous):
   quantized with the cache scales): no append launch.
   WARP_SPLIT = num_warps (decode, 16-row tiles): each warp takes its own share of every step's keys with its own
   softmax state, merged after the loop (attn_inner's WARP_SPLIT).
+  BOX_IN_SEQ (K/V through a contiguous cache's descriptors, a call without new keys, not FP8 attention's V^T): when a
+  sequence has at least BLOCK_N keys, its masked blocks read boxes that end at or before its last key, so no V tile
+  is masked (inner._kv_tile); shorter sequences take the masked V tiles.
   FUSED_COMBINE: no combine launch; the last split of each tile to finish merges the tile's rows (combine.
   merge_tile_splits, int32 arrival counters [grid axis 0] at counter_ptr, zero before and after the launch).
 
@@ -113,7 +116,7 @@ def attn_fwd_kernel(
     HAS_SINK: tl.constexpr = False, HEAD_DIM_V: tl.constexpr = 0, HEAD_DIM_V_PAD: tl.constexpr = 0,
     HAS_QV: tl.constexpr = False, QKV_FP8: tl.constexpr = 0, FUSED_COMBINE: tl.constexpr = False,
     MERGE_ROWS: tl.constexpr = 1, MERGE_SPLITS: tl.constexpr = 1, APPEND_NEW: tl.constexpr = 0,
-    VT_GAP: tl.constexpr = 0, WARP_SPLIT: tl.constexpr = 0,
+    VT_GAP: tl.constexpr = 0, WARP_SPLIT: tl.constexpr = 0, BOX_IN_SEQ: tl.constexpr = False,
 ):
     allow_dependent_launch(PDL)  # the split combine that follows (launch/forward.launch_combine)
     pid = tl.program_id(0)
@@ -292,13 +295,22 @@ def attn_fwd_kernel(
         window_left, window_right, alibi_slope, HEAD_DIM, BLOCK_N, False, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT,
         HAS_RIGHT, SOFTCAP, SP_OVERLAP, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv, HEAD_DIM_V, HAS_QV,
         QKV_FP8, WARP_SPLIT)
-    acc, m_i, l_i = attn_inner(
-        acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr, stride_kb, stride_ks, stride_vb,
-        stride_vs, stride_bs_page, stride_bs_tok, desc_row0, v_row0, head_kv, offs_d, seqlen_k,
-        tl.maximum(s_lo, full_hi) * BLOCK_N, tl.minimum(s_hi, n_hi) * BLOCK_N, qk_scale, softcap_scale,
-        window_left, window_right, alibi_slope, HEAD_DIM, BLOCK_N, True, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT,
-        HAS_RIGHT, SOFTCAP, SP_OVERLAP, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv, HEAD_DIM_V, HAS_QV,
-        QKV_FP8, WARP_SPLIT)
+    if BOX_IN_SEQ and seqlen_k >= BLOCK_N:  # boxes inside the sequence: no V mask (inner._kv_tile)
+        acc, m_i, l_i = attn_inner(
+            acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr, stride_kb, stride_ks, stride_vb,
+            stride_vs, stride_bs_page, stride_bs_tok, desc_row0, v_row0, head_kv, offs_d, seqlen_k,
+            tl.maximum(s_lo, full_hi) * BLOCK_N, tl.minimum(s_hi, n_hi) * BLOCK_N, qk_scale, softcap_scale,
+            window_left, window_right, alibi_slope, HEAD_DIM, BLOCK_N, True, PAGE_SIZE, USE_DESC, KV_NVFP4,
+            HAS_LEFT, HAS_RIGHT, SOFTCAP, SP_OVERLAP, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv, HEAD_DIM_V,
+            HAS_QV, QKV_FP8, WARP_SPLIT, True)
+    else:
+        acc, m_i, l_i = attn_inner(
+            acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr, stride_kb, stride_ks, stride_vb,
+            stride_vs, stride_bs_page, stride_bs_tok, desc_row0, v_row0, head_kv, offs_d, seqlen_k,
+            tl.maximum(s_lo, full_hi) * BLOCK_N, tl.minimum(s_hi, n_hi) * BLOCK_N, qk_scale, softcap_scale,
+            window_left, window_right, alibi_slope, HEAD_DIM, BLOCK_N, True, PAGE_SIZE, USE_DESC, KV_NVFP4,
+            HAS_LEFT, HAS_RIGHT, SOFTCAP, SP_OVERLAP, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv, HEAD_DIM_V,
+            HAS_QV, QKV_FP8, WARP_SPLIT)
 
     # ---- epilogue: normalise; rows that saw no key give out = 0 and lse = -inf (with a sink: lse = sink) --
     if WARP_SPLIT:

@@ -67,14 +67,18 @@ def _kv_row_offsets(offs_n, pages, stride_page, stride_tok, PAGE_SIZE: tl.conste
 def _kv_tile(base, sbase, start_n, seqlen_k, pages, stride_page, stride_tok, sstride_page, sstride_tok, desc_row0,
              head_kv, offs_d, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
              USE_DESC: tl.constexpr, KV_NVFP4: tl.constexpr, MASK_N: tl.constexpr, TILE_DTYPE: tl.constexpr,
-             VALUES: tl.constexpr = True):
+             VALUES: tl.constexpr = True, BOX_IN_SEQ: tl.constexpr = False):
     """The [BLOCK_N, DP] K or V tile of tokens start_n.. : through a TMA tensor descriptor (base is a descriptor over
     [rows, Hkv, D], contiguous or a page pool whose pages hold whole tiles; columns past D arrive as zeros), or by
     pointers (contiguous or paged, any page size); pages: the block's block_pages. Rows at or past seqlen_k
     are zero when MASK_N (with a descriptor they belong to the next sequence: never let them reach P @ V). Keys
     (VALUES=False) through a descriptor stay as loaded: their scores are masked to -inf, whatever the rows hold, and
     the select would take the tile from shared memory into registers and back (FP8 d128, 4088 keys: the masked
-    step 1607 -> 1203 SASS instructions, 530 unmasked).
+    step 1607 -> 1203 SASS instructions, 530 unmasked). BOX_IN_SEQ (masked blocks through a contiguous cache's
+    descriptor, seqlen_k >= BLOCK_N, no key written by another program in this launch): a block reaching past
+    seqlen_k is read from BLOCK_N keys before seqlen_k instead, its keys before start_n (the previous block's) get
+    position seqlen_k so their scores are masked, and V needs no mask either (the 16-bit warp-split decode step:
+    425 -> 267 SASS instructions, 248 unmasked).
     KV_NVFP4 (NVFP4_SCALE_BYTES or _WORDS, plus NVFP4_PURE_ASM off sm_90): base holds packed e2m1 pairs [.., D/2]
     and sbase the e4m3 scale of each 16 elements [.., D/16] (strides sstride_*); the tile is decoded in registers
     (e2m1 x e4m3 is exact in fp16/bf16) and the per-tensor global scale is folded in by the caller."""
@@ -102,8 +106,13 @@ def _kv_tile(base, sbase, start_n, seqlen_k, pages, stride_page, stride_tok, sst
             row = pages * PAGE_SIZE + start_n % PAGE_SIZE
         else:
             row = desc_row0 + start_n
+        if BOX_IN_SEQ and MASK_N:
+            tl.static_assert(PAGE_SIZE == 0, "a page's box cannot move into another page")
+            back = tl.maximum(start_n + BLOCK_N - seqlen_k, 0)
+            row -= back
+            offs_n = tl.where(offs_n - back < start_n, seqlen_k, offs_n - back)
         t = base.load([row, head_kv, 0]).reshape(BLOCK_N, offs_d.shape[0])
-        if MASK_N and VALUES:
+        if MASK_N and VALUES and not BOX_IN_SEQ:
             t = tl.where(offs_n[:, None] < seqlen_k, t, 0.0)
     else:
         row_off = _kv_row_offsets(offs_n, pages, stride_page, stride_tok, PAGE_SIZE)
@@ -145,16 +154,17 @@ def _vt_tile(base, start_n, seqlen_k, stride_d, vt_col0, head_kv, offs_dv, HEAD_
 def _v_tile(v_base, v_sbase, start_n, seqlen_k, pages, stride_v_page, stride_v_tok, sstride_page, sstride_tok,
             v_row0, head_kv, offs_dv, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
             USE_DESC: tl.constexpr, KV_NVFP4: tl.constexpr, MASK: tl.constexpr, TILE_DTYPE: tl.constexpr,
-            P_FP8: tl.constexpr):
+            P_FP8: tl.constexpr, BOX_IN_SEQ: tl.constexpr = False):
     """The V tile the PV product takes: [BLOCK_N, DP] (_kv_tile), or [DP, BLOCK_N] of V^T with FP8_V_T(_DESC)
     (then stride_v_tok is D's stride). v_row0: the sequence's first row (V^T: column) in V's descriptor."""
     if P_FP8 >= FP8_V_T:
+        tl.static_assert(not BOX_IN_SEQ, "V^T's boxes do not move with the keys'")
         v = _vt_tile(v_base, start_n, seqlen_k, stride_v_tok, v_row0, head_kv, offs_dv, HEAD_DIM_V, BLOCK_N,
                      P_FP8 >= FP8_V_T_DESC, MASK and P_FP8 != FP8_V_T_ZEROS, TILE_DTYPE)
     else:
         v, _ = _kv_tile(v_base, v_sbase, start_n, seqlen_k, pages, stride_v_page, stride_v_tok, sstride_page,
                         sstride_tok, v_row0, head_kv, offs_dv, HEAD_DIM_V, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4,
-                        MASK, TILE_DTYPE)
+                        MASK, TILE_DTYPE, BOX_IN_SEQ=BOX_IN_SEQ)
     return v
 
 
@@ -317,7 +327,8 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
                KV_NVFP4: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                SP_OVERLAP: tl.constexpr, TILE_DTYPE: tl.constexpr, TRANS: tl.constexpr,
                RAW_SCORES: tl.constexpr, ALIBI: tl.constexpr, qv, offs_dv, HEAD_DIM_V: tl.constexpr,
-               HAS_QV: tl.constexpr, P_FP8: tl.constexpr = False, WARP_SPLIT: tl.constexpr = 0):
+               HAS_QV: tl.constexpr, P_FP8: tl.constexpr = False, WARP_SPLIT: tl.constexpr = 0,
+               BOX_IN_SEQ: tl.constexpr = False):
     """Accumulate KV tokens [lo, hi) (lo, hi multiples of BLOCK_N) into (acc, m_i, l_i).
 
     MASK=False is the fast path for blocks that are fully visible to every row (no per-element masks).
@@ -334,6 +345,7 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
     products put the warps on that axis), merged once after the loop (merge_warp_states). Undivided, a step's
     row max, row sum and P cross warps through shared memory (sm_90 SASS, 16-bit decode, 64-key steps: 9-11 CTA
     barriers a step, 3 with the warps split).
+    BOX_IN_SEQ: masked blocks read K and V boxes that end at or before seqlen_k (_kv_tile; seqlen_k >= BLOCK_N).
     """
     tl.static_assert(not (TRANS and WARP_SPLIT), "warps split untransposed products only")
     if SP_OVERLAP:
@@ -342,20 +354,21 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
             pages = block_pages(bt_ptr, lo, seqlen_k, BLOCK_N, PAGE_SIZE, USE_DESC, MASK)
             k, offs_n = _kv_tile(k_base, k_sbase, lo, seqlen_k, pages, stride_k_page, stride_k_tok, sstride_page,
                                  sstride_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC,
-                                 KV_NVFP4, MASK, TILE_DTYPE, False)
+                                 KV_NVFP4, MASK, TILE_DTYPE, False, BOX_IN_SEQ)
             s = _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right,
                         alibi_slope, SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES, ALIBI,
                         WARP_SPLIT=WARP_SPLIT)
             for start_n in range(lo, hi, BLOCK_N):
                 v = _v_tile(v_base, v_sbase, start_n, seqlen_k, pages, stride_v_page, stride_v_tok, sstride_page,
                             sstride_tok, v_row0, head_kv, offs_dv, HEAD_DIM_V, BLOCK_N, PAGE_SIZE, USE_DESC,
-                            KV_NVFP4, MASK, TILE_DTYPE, P_FP8)
+                            KV_NVFP4, MASK, TILE_DTYPE, P_FP8, BOX_IN_SEQ)
                 # Next block's scores first (clamped to the last block on the final step; the result is unused).
                 next_start = tl.minimum(start_n + BLOCK_N, hi - BLOCK_N)
                 pages = block_pages(bt_ptr, next_start, seqlen_k, BLOCK_N, PAGE_SIZE, USE_DESC, MASK)
                 k_next, next_n = _kv_tile(k_base, k_sbase, next_start, seqlen_k, pages, stride_k_page,
                                           stride_k_tok, sstride_page, sstride_tok, desc_row0, head_kv, offs_d,
-                                          HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4, MASK, TILE_DTYPE, False)
+                                          HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4, MASK, TILE_DTYPE, False,
+                                          BOX_IN_SEQ)
                 s_next = _scores(q, k_next, qk_scale, softcap_scale, q_pos, next_n, seqlen_k, window_left,
                                  window_right, alibi_slope, SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES,
                                  ALIBI, WARP_SPLIT=WARP_SPLIT)
@@ -374,7 +387,7 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
                                         qk_scale, softcap_scale, window_left, window_right, alibi_slope, HEAD_DIM,
                                         BLOCK_N, MASK, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT, HAS_RIGHT,
                                         SOFTCAP, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv, HEAD_DIM_V,
-                                        HAS_QV, P_FP8, WARP_SPLIT)
+                                        HAS_QV, P_FP8, WARP_SPLIT, BOX_IN_SEQ)
             pages = next_pages
     return acc, m_i, l_i
 
@@ -387,12 +400,13 @@ def _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, pages
                 KV_NVFP4: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                 TILE_DTYPE: tl.constexpr, TRANS: tl.constexpr, RAW_SCORES: tl.constexpr, ALIBI: tl.constexpr, qv,
                 offs_dv, HEAD_DIM_V: tl.constexpr, HAS_QV: tl.constexpr, P_FP8: tl.constexpr,
-                WARP_SPLIT: tl.constexpr):
+                WARP_SPLIT: tl.constexpr, BOX_IN_SEQ: tl.constexpr):
     """One block of the plain loop: load K, scores, load V, online softmax and PV (MLA: V before the scores)."""
     k, offs_n = _kv_tile(k_base, k_sbase, start_n, seqlen_k, pages, stride_k_page, stride_k_tok, sstride_page,
                          sstride_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4,
-                         MASK, TILE_DTYPE, False)
+                         MASK, TILE_DTYPE, False, BOX_IN_SEQ)
     if HAS_QV:
+        tl.static_assert(not BOX_IN_SEQ, "MLA reads its latents by pointers")
         v, _ = _kv_tile(v_base, v_sbase, start_n, seqlen_k, pages, stride_v_page, stride_v_tok, sstride_page,
                         sstride_tok, v_row0, head_kv, offs_dv, HEAD_DIM_V, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4,
                         MASK, TILE_DTYPE)
@@ -403,5 +417,5 @@ def _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, pages
                     SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES, ALIBI, WARP_SPLIT=WARP_SPLIT)
         v = _v_tile(v_base, v_sbase, start_n, seqlen_k, pages, stride_v_page, stride_v_tok, sstride_page, sstride_tok,
                     v_row0, head_kv, offs_dv, HEAD_DIM_V, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4, MASK, TILE_DTYPE,
-                    P_FP8)
+                    P_FP8, BOX_IN_SEQ)
     return _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS, RAW_SCORES, P_FP8, WARP_SPLIT)
