@@ -90,7 +90,7 @@ def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_fo
     if interpret:  # small steps; K/V through TMA descriptors as on the GPU (NVFP4 caches, and pages smaller than
         # a step, take pointers)
         return _warp_split(DecodeConfig(block_m=block_m, block_n=16, num_warps=4, num_stages=1, tma=True,
-                                        fused_combine=fused), kv_format, paged, page_size, None)
+                                        fused_combine=fused), kv_format, paged, page_size, arch, interpret=True)
     d = padded_head_dim(head_dim)
     key = kv_format
     if kv_tokens * d >= LARGE_TILES_MIN_KV * 128:  # the "-paged-large" tiles where a format has them, else "-large"
@@ -112,18 +112,20 @@ def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_fo
     return _warp_split(cfg, kv_format, paged, page_size, arch)
 
 
-def _warp_split(cfg: DecodeConfig, kv_format: str, paged: bool, page_size: int, arch: int | None) -> DecodeConfig:
+def _warp_split(cfg: DecodeConfig, kv_format: str, paged: bool, page_size: int, arch: int | None,
+                interpret: bool = False) -> DecodeConfig:
     """cfg with warp_split where each warp takes its share of every step's keys with its own softmax state
     (attn_inner's WARP_SPLIT): 16-bit caches whose steps come through TMA boxes (contiguous, or pages holding whole
     steps; tiles gathered into registers by pointers spilled: 255 registers and 120 B of stack for the 128-token
     page-16 step), untransposed products, 16-row tiles (a warp holds a [16, D] fp32 accumulator), at least 16 keys
-    per warp (mma.sync's K) on sm_90 (arch None: the interpreter, any share). SASS of the b=1 ctx 8k step (sm_90,
+    per warp (mma.sync's K) on sm_90 (arch None: planned as for it, as target_tiles does; the interpreter: any
+    share). SASS of the b=1 ctx 8k step (sm_90,
     64 keys, 4 warps): 3 CTA barriers instead of 9-11 (the row max, row sum and P no longer cross warps through
     shared memory), 168 registers instead of 125, the same instruction count."""
     boxes = tma_tiles(cfg, page_size, False) and (page_size > 0 or not paged)
     split = (kv_format == "16bit" and boxes and cfg.block_m == 16 and not cfg.trans
              and cfg.block_n % cfg.num_warps == 0
-             and (arch is None or (arch == 90 and cfg.block_n // cfg.num_warps >= 16)))
+             and (interpret or (arch in (None, 90) and cfg.block_n // cfg.num_warps >= 16)))
     return dataclasses.replace(cfg, warp_split=split)
 
 
