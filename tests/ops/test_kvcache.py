@@ -147,13 +147,20 @@ def test_window_and_softcap_in_decode(trans, warp_split, override):
 @pytest.mark.parametrize("trans, warp_split", [(False, False), (False, True), (True, False)],
                          ids=["plain", "split", "trans"])
 @pytest.mark.parametrize("page_size", [None, 16, 5])
-def test_cache_rows_past_each_sequence_may_hold_nan(page_size, trans, warp_split, override):
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_cache_rows_past_each_sequence_may_hold_nan(fp8, page_size, trans, warp_split, override):
     """Cache rows at and past each sequence's length (the next sequence's rows, unused pages, a step's tail) hold
-    NaN and inf: no output reads them, whichever loop runs (a masked step's V tile is zeroed there, its keys'
-    scores are -inf) and wherever the splits fall."""
+    NaN and inf (an FP8 cache: NaN bytes): no output reads them, whichever loop runs (a masked step's V tile is
+    zeroed there or its box kept inside the sequence, its keys' scores are -inf) and wherever the splits fall.
+    (Triton's interpreter widens the e4m3 NaN byte to 480: the FP8 rows check on the GPU only.)"""
     force_trans(override, trans, warp_split)
     g = torch.Generator().manual_seed(5)
-    k_cache, v_cache, table = make_cache(3, 70, 2, 64, torch.bfloat16, page_size, g)
+    k_cache, v_cache, table = make_cache(3, 70, 2, 64, torch.float32 if fp8 else torch.bfloat16, page_size, g)
+    scales = {}
+    if fp8:
+        scales = dict(k_scale=torch.full((1,), 0.02, device=DEVICE), v_scale=torch.full((1,), 0.03, device=DEVICE))
+        k_cache = (k_cache / scales["k_scale"]).to(torch.float8_e4m3fn)
+        v_cache = (v_cache / scales["v_scale"]).to(torch.float8_e4m3fn)
     seqlens = torch.tensor([70, 33, 1], dtype=torch.int32, device=DEVICE)
     for cache in (k_cache, v_cache):
         if table is None:
@@ -165,13 +172,15 @@ def test_cache_rows_past_each_sequence_may_hold_nan(page_size, trans, warp_split
             for i, n in enumerate(seqlens.tolist()):
                 pos = torch.arange(n, device=DEVICE)
                 used[table[i, pos // page_size].long() * page_size + pos % page_size] = True
-            cache.view(-1, *cache.shape[2:])[~used] = float("nan")
+            bits = cache.view(torch.uint8) if fp8 else cache  # (no masked stores into e4m3 tensors; 0x7F is NaN)
+            bits.view(-1, *cache.shape[2:])[~used] = 0x7F if fp8 else float("nan")
     q = torch.randn(3, 2, 8, 64, generator=g).to(DEVICE, torch.bfloat16)
     out, lse = tileflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table,
-                                                 num_splits=3, return_lse=True, causal=True)
-    ref, ref_lse, _, _ = kvcache_ref(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, causal=True)
+                                                 num_splits=3, return_lse=True, causal=True, **scales)
+    ref, ref_lse, _, _ = kvcache_ref(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, causal=True,
+                                     **scales)
     ref_lowp, _, _, _ = kvcache_ref(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, causal=True,
-                                    upcast=False)
+                                    upcast=False, **scales)
     assert torch.isfinite(ref).all() and torch.isfinite(out).all()
     check_2x(out, ref, ref_lowp)
     check_lse(lse, ref_lse)
@@ -259,6 +268,7 @@ FP8_CASES = [
     ([0, 29, 50], 1, 1, 8, 2, 64, 16, 64, 0, False),  # per-tensor scales, paged, empty cache, append
     ([13, 40], 3, 3, 4, 4, 128, None, 48, 4, True),  # per-KV-head scales, contiguous, append crossing 4 splits
     ([21], 2, 0, 8, 1, 32, 5, 30, 1, True),  # MQA, page 5, no append
+    ([37, 5, 48], 1, 0, 8, 2, 64, None, 48, 3, False),  # contiguous, no append: last blocks read inside the sequence
 ]
 
 
