@@ -48,7 +48,8 @@ for phase in "$@"; do
     memcheck)  # one sanitizer process per file (test_backward.py: three, as one took over 300 s in run 178), in
       # parallel; graph capture needs the caching allocator, which memcheck needs off: graph tests are excluded
       pids=() i=0
-      for set in tests/ops/test_kvcache.py tests/ops/test_merge.py tests/lowp/test_quant.py tests/ops/test_varlen.py \
+      for set in tests/ops/test_kvcache.py tests/ops/test_kvcache_quant.py tests/ops/test_merge.py tests/lowp/test_quant.py \
+                 tests/ops/test_varlen.py \
                  tests/lowp/test_gemm.py tests/ops/test_fp8_prefill.py \
                  "tests/ops/test_backward.py:func_backward and fp16" \
                  "tests/ops/test_backward.py:func_backward and bf16" "tests/ops/test_backward.py:not func_backward"; do
