@@ -295,22 +295,17 @@ def attn_fwd_kernel(
         window_left, window_right, alibi_slope, HEAD_DIM, BLOCK_N, False, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT,
         HAS_RIGHT, SOFTCAP, SP_OVERLAP, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv, HEAD_DIM_V, HAS_QV,
         QKV_FP8, WARP_SPLIT)
-    if BOX_IN_SEQ and seqlen_k >= BLOCK_N:  # boxes inside the sequence: no V mask (inner._kv_tile)
-        acc, m_i, l_i = attn_inner(
-            acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr, stride_kb, stride_ks, stride_vb,
-            stride_vs, stride_bs_page, stride_bs_tok, desc_row0, v_row0, head_kv, offs_d, seqlen_k,
-            tl.maximum(s_lo, full_hi) * BLOCK_N, tl.minimum(s_hi, n_hi) * BLOCK_N, qk_scale, softcap_scale,
-            window_left, window_right, alibi_slope, HEAD_DIM, BLOCK_N, True, PAGE_SIZE, USE_DESC, KV_NVFP4,
-            HAS_LEFT, HAS_RIGHT, SOFTCAP, SP_OVERLAP, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv, HEAD_DIM_V,
-            HAS_QV, QKV_FP8, WARP_SPLIT, True)
-    else:
-        acc, m_i, l_i = attn_inner(
-            acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr, stride_kb, stride_ks, stride_vb,
-            stride_vs, stride_bs_page, stride_bs_tok, desc_row0, v_row0, head_kv, offs_d, seqlen_k,
-            tl.maximum(s_lo, full_hi) * BLOCK_N, tl.minimum(s_hi, n_hi) * BLOCK_N, qk_scale, softcap_scale,
-            window_left, window_right, alibi_slope, HEAD_DIM, BLOCK_N, True, PAGE_SIZE, USE_DESC, KV_NVFP4,
-            HAS_LEFT, HAS_RIGHT, SOFTCAP, SP_OVERLAP, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv, HEAD_DIM_V,
-            HAS_QV, QKV_FP8, WARP_SPLIT)
+    # BOX_IN_SEQ: a compiled copy of this phase's loop per case, boxes inside the sequence (no V mask,
+    # inner._kv_tile) when it holds a block, V tiles zeroed past it otherwise; the runtime test picks one.
+    for boxed in tl.static_range(2 if BOX_IN_SEQ else 1):
+        if (boxed == 1) == (BOX_IN_SEQ and seqlen_k >= BLOCK_N):
+            acc, m_i, l_i = attn_inner(
+                acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr, stride_kb, stride_ks, stride_vb,
+                stride_vs, stride_bs_page, stride_bs_tok, desc_row0, v_row0, head_kv, offs_d, seqlen_k,
+                tl.maximum(s_lo, full_hi) * BLOCK_N, tl.minimum(s_hi, n_hi) * BLOCK_N, qk_scale, softcap_scale,
+                window_left, window_right, alibi_slope, HEAD_DIM, BLOCK_N, True, PAGE_SIZE, USE_DESC, KV_NVFP4,
+                HAS_LEFT, HAS_RIGHT, SOFTCAP, SP_OVERLAP, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv,
+                HEAD_DIM_V, HAS_QV, QKV_FP8, WARP_SPLIT, boxed == 1)
 
     # ---- epilogue: normalise; rows that saw no key give out = 0 and lse = -inf (with a sink: lse = sink) --
     if WARP_SPLIT:
