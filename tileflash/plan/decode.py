@@ -119,9 +119,9 @@ def _warp_split(cfg: DecodeConfig, kv_format: str, paged: bool, page_size: int, 
     steps; tiles gathered into registers by pointers spilled: 255 registers and 120 B of stack for the 128-token
     page-16 step), untransposed products, 16-row tiles (a warp holds a [16, D] fp32 accumulator), at least 16 keys
     per warp (mma.sync's K) on sm_90 (arch None: planned as for it, as target_tiles does; the interpreter: any
-    share). SASS of the b=1 ctx 8k step (sm_90,
-    64 keys, 4 warps): 3 CTA barriers instead of 9-11 (the row max, row sum and P no longer cross warps through
-    shared memory), 168 registers instead of 125, the same instruction count."""
+    share). SASS of the b=1 ctx 8k step (sm_90, 64 keys, 4 warps): 3 CTA barriers instead of 9-11 (the row max,
+    row sum and P no longer cross warps through shared memory), 168 registers instead of 125, the same instruction
+    count."""
     boxes = tma_tiles(cfg, page_size, False) and (page_size > 0 or not paged)
     split = (kv_format == "16bit" and boxes and cfg.block_m == 16 and not cfg.trans
              and cfg.block_n % cfg.num_warps == 0
