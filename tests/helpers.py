@@ -171,12 +171,6 @@ def check_quantized_decode(g, seqlens, sq, s_new, hq, hkv, d, dtype, table, k_ca
     return ref_k, ref_v
 
 
-def force_trans(override, trans: bool, warp_split: bool = False):
-    """Run decode with the transposed products (attn_inner's TRANS) on or off, and untransposed ones with each
-    warp's own share of a step's keys (WARP_SPLIT) or not, whatever the heuristic picks (on the GPU the warp split
-    where its tile takes it: 16 rows, at least 16 keys per warp for mma.sync)."""
-    def fits(cfg):
-        return not ON_GPU or (cfg.block_m == 16 and cfg.block_n // cfg.num_warps >= 16)
-
-    override(decode=lambda cfg: dataclasses.replace(cfg, trans=trans, warp_split=warp_split and not trans
-                                                    and fits(cfg)))
+def force_trans(override, trans: bool):
+    """Run decode with the transposed products (attn_inner's TRANS) on or off, whatever the heuristic picks."""
+    override(decode=lambda cfg: dataclasses.replace(cfg, trans=trans))

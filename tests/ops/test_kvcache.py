@@ -30,15 +30,15 @@ if ON_GPU:
 # The S/P-overlapped loop (sp_overlap=True, a documented option no heuristic picks) on a representative subset: a
 # paged GQA split with an append, MQA over odd pages with 7 splits, a contiguous cache with head dim 80.
 OVERLAP_CASES = (0, 2, 4)
-LOOPS = [(i, loop) for i in range(len(CASES)) for loop in ("plain", "split", "trans")] + \
-    [(i, loop) for i in OVERLAP_CASES for loop in ("overlap", "split-overlap", "trans-overlap")]
+LOOPS = [(i, loop) for i in range(len(CASES)) for loop in ("plain", "trans")] + \
+    [(i, loop) for i in OVERLAP_CASES for loop in ("overlap", "trans-overlap")]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("index, loop", LOOPS, ids=[f"case{i}-{loop}" for i, loop in LOOPS])
 def test_kvcache(index, loop, dtype, override):
     case = CASES[index]
-    force_trans(override, loop.startswith("trans"), loop.startswith("split"))
+    force_trans(override, loop.startswith("trans"))
     sp_overlap = loop.endswith("overlap")
     seqlens, sq, s_new, hq, hkv, d, page_size, capacity, num_splits = case
     b = len(seqlens)
@@ -113,10 +113,9 @@ def test_fused_merge_matches_combine(case, override):
     check_lse(lse, ref_lse)
 
 
-@pytest.mark.parametrize("trans, warp_split", [(False, False), (False, True), (True, False)],
-                         ids=["plain", "split", "trans"])
-def test_window_and_softcap_in_decode(trans, warp_split, override):
-    force_trans(override, trans, warp_split)
+@pytest.mark.parametrize("trans", [False, True], ids=["plain", "trans"])
+def test_window_and_softcap_in_decode(trans, override):
+    force_trans(override, trans)
     g = torch.Generator().manual_seed(9)
     k_cache, v_cache, table = make_cache(2, 80, 2, 64, torch.bfloat16, 16, g)
     q = torch.randn(2, 4, 8, 64, generator=g).to(DEVICE, torch.bfloat16)
@@ -131,16 +130,15 @@ def test_window_and_softcap_in_decode(trans, warp_split, override):
     check_lse(lse, ref_lse)
 
 
-@pytest.mark.parametrize("trans, warp_split", [(False, False), (False, True), (True, False)],
-                         ids=["plain", "split", "trans"])
+@pytest.mark.parametrize("trans", [False, True], ids=["plain", "trans"])
 @pytest.mark.parametrize("page_size", [None, 16, 5])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-def test_cache_rows_past_each_sequence_may_hold_nan(fp8, page_size, trans, warp_split, override):
+def test_cache_rows_past_each_sequence_may_hold_nan(fp8, page_size, trans, override):
     """Cache rows at and past each sequence's length (the next sequence's rows, unused pages, a step's tail) hold
     NaN and inf (an FP8 cache: NaN bytes): no output reads them, whichever loop runs (a masked step's V tile is
     zeroed there or its box kept inside the sequence, its keys' scores are -inf) and wherever the splits fall.
     (Triton's interpreter widens the e4m3 NaN byte to 480: the FP8 rows check on the GPU only.)"""
-    force_trans(override, trans, warp_split)
+    force_trans(override, trans)
     g = torch.Generator().manual_seed(5)
     k_cache, v_cache, table = make_cache(3, 70, 2, 64, torch.float32 if fp8 else torch.bfloat16, page_size, g)
     scales = {}

@@ -307,35 +307,6 @@ def test_decode_config_properties():
                 ref.resident_per_sm * ref.block_n * 128, (d, fmt, c, ref)
 
 
-def test_decode_config_warp_split():
-    """Each warp takes its own share of a step's keys exactly for 16-bit caches read through TMA boxes (contiguous,
-    or pages holding whole steps) with 16-row tiles (a warp holds a [16, D] accumulator) and at least 16 keys per
-    warp (mma.sync's K) on sm_90; the interpreter splits any such 16-row step; other targets never (untimed
-    there)."""
-    for d, fmt, paged, kv_tokens, tpp in DECODE_GRID:
-        for rows in (1, 4, 16, 64):
-            c = decode_config(d, rows, kv_format=fmt, paged=paged, kv_tokens=kv_tokens, tokens_per_program=tpp)
-            assert c.warp_split == (fmt == "16bit" and not paged and c.block_m == 16
-                                    and c.block_n // c.num_warps >= 16), c
-            small = decode_config(d, rows, True, kv_format=fmt, paged=paged, kv_tokens=kv_tokens)
-            assert small.warp_split == (fmt == "16bit" and not paged and small.block_m == 16), small
-            for page in (16, 64, 256):  # page pools whose pages hold whole steps read TMA boxes
-                c = decode_config(d, rows, kv_format=fmt, paged=True, kv_tokens=kv_tokens, tokens_per_program=tpp,
-                                  page_size=page)
-                assert c.warp_split == (fmt == "16bit" and page % c.block_n == 0 and c.block_m == 16
-                                        and c.block_n // c.num_warps >= 16), c
-            for arch in (80, 100, 120):
-                assert not decode_config(d, rows, kv_format=fmt, paged=paged, kv_tokens=kv_tokens,
-                                         tokens_per_program=tpp, arch=arch).warp_split
-
-
-@pytest.mark.parametrize("d, rows, expected", [(128, 4, True), (64, 8, True), (256, 4, False), (128, 32, False)])
-def test_decode_config_warp_split_anchors(d, rows, expected):
-    """d128 GQA 32/8 (64-key steps, 16 a warp), d64 MQA 8/1 (128-key steps); d256 steps hold 8 keys a warp; 32 rows
-    would hold a [32, 128] fp32 accumulator per warp."""
-    assert decode_config(d, rows).warp_split == expected
-
-
 def test_decode_config_steps_grow_with_the_cache():
     """Larger caches (kv_tokens) and longer programs (tokens_per_program) never take shorter steps; only
     16-bit contiguous caches look at the program length."""

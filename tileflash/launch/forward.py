@@ -124,8 +124,6 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         USE_DESC=descs is not None, SP_OVERLAP=sp_overlap,
         TILE_DTYPE=_utils.tile_dtype(q4.dtype if fp8 or k_scale is None else torch.float16),
         TRANS=config.trans,
-        WARP_SPLIT=config.num_warps if config.warp_split and not config.trans and qv is None and descs is not None
-        else 0,
         RAW_SCORES=softmax_scale > 0 and mask.softcap == 0.0 and (fp8 or k_scale is None) and alibi_slopes is None,
         ALIBI=alibi_slopes is not None, HAS_KV_BATCH=cache_batch_idx is not None,
         LEFTPAD_K=cache_leftpad is not None, ROTARY_DIM=2 * rotary_cos.shape[1] if rotary_cos is not None else 0,

@@ -24,8 +24,6 @@ class DecodeConfig:
     tma: bool = False  # K/V through TMA tensor descriptors: contiguous caches, and page pools whose pages hold whole
     # tiles (page size a multiple of block_n; others, and NVFP4 caches, take pointers)
     trans: bool = False  # s^T = K q^T, acc^T += V^T P^T: KV tokens and head dim on the MMA's M side
-    warp_split: bool = False  # each warp its share of every step's keys, with its own softmax state, merged once
-    # after the loop (attn_inner's WARP_SPLIT): no shared-memory exchange of row statistics or P inside a step
     resident_per_sm: int = 0  # programs an SM holds at once when that limits splitting (0: it does not); splits
     fused_combine: bool = False  # split calls merge their splits in the attention launch (merge_tiles), no combine
 
@@ -89,8 +87,7 @@ def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_fo
     fused = fused_combine_rule(num_splits, min(block_m, group_rows), padded_head_dim(head_dim))
     if interpret:  # small steps; K/V through TMA descriptors as on the GPU (NVFP4 caches, and pages smaller than
         # a step, take pointers)
-        return _warp_split(DecodeConfig(block_m=block_m, block_n=16, num_warps=4, num_stages=1, tma=True,
-                                        fused_combine=fused), kv_format, paged, page_size, arch, interpret=True)
+        return DecodeConfig(block_m=block_m, block_n=16, num_warps=4, num_stages=1, tma=True, fused_combine=fused)
     d = padded_head_dim(head_dim)
     key = kv_format
     if kv_tokens * d >= LARGE_TILES_MIN_KV * 128:  # the "-paged-large" tiles where a format has them, else "-large"
@@ -106,27 +103,9 @@ def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_fo
     if arch is not None and arch < 90 and block_n > 64:  # pointer gathers, no TMA: 128-token steps spilled on sm_80
         block_n //= 2
     resident *= tokens * 128 // (block_n * d)
-    cfg = target_tiles(DecodeConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=stages, tma=True,
-                                    trans=trans, resident_per_sm=resident, fused_combine=fused), arch,
-                       sm10x_warps=True)
-    return _warp_split(cfg, kv_format, paged, page_size, arch)
-
-
-def _warp_split(cfg: DecodeConfig, kv_format: str, paged: bool, page_size: int, arch: int | None,
-                interpret: bool = False) -> DecodeConfig:
-    """cfg with warp_split where each warp takes its share of every step's keys with its own softmax state
-    (attn_inner's WARP_SPLIT): 16-bit caches whose steps come through TMA boxes (contiguous, or pages holding whole
-    steps; tiles gathered into registers by pointers spilled: 255 registers and 120 B of stack for the 128-token
-    page-16 step), untransposed products, 16-row tiles (a warp holds a [16, D] fp32 accumulator), at least 16 keys
-    per warp (mma.sync's K) on sm_90 (arch None: planned as for it, as target_tiles does; the interpreter: any
-    share). SASS of the b=1 ctx 8k step (sm_90, 64 keys, 4 warps): 3 CTA barriers instead of 9-11 (the row max,
-    row sum and P no longer cross warps through shared memory), 168 registers instead of 125, the same instruction
-    count."""
-    boxes = tma_tiles(cfg, page_size, False) and (page_size > 0 or not paged)
-    split = (kv_format == "16bit" and boxes and cfg.block_m == 16 and not cfg.trans
-             and cfg.block_n % cfg.num_warps == 0
-             and (interpret or (arch in (None, 90) and cfg.block_n // cfg.num_warps >= 16)))
-    return dataclasses.replace(cfg, warp_split=split)
+    return target_tiles(DecodeConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=stages, tma=True,
+                                     trans=trans, resident_per_sm=resident, fused_combine=fused), arch,
+                        sm10x_warps=True)
 
 
 def _step_tokens(tokens: int, d: int) -> int:

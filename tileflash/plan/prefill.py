@@ -19,7 +19,6 @@ class FwdConfig:
     num_stages: int
     tma: bool = False  # K/V through TMA tensor descriptors (when strides allow; else pointers)
     trans: bool = False  # transposed products: decode only (DecodeConfig)
-    warp_split: bool = False  # each warp its share of every step's keys: decode only (DecodeConfig)
     sp_overlap: bool = False  # QK^T of block j+1 issued before the softmax of block j (attn_inner's SP_OVERLAP)
     v_rows: bool = False  # FP8 attention: P V in fp16 over V as stored, as paged pools do (no V^T, no second acc)
 

@@ -34,8 +34,6 @@ Shapes (element strides are passed explicitly; the head dim must be contiguous):
   (strides stride_n*, Snew = seqlen_k_add <= APPEND_NEW) are appended by the programs that read their positions
   (kv_append.append_in_range into k/v_cache_ptr, the raw caches under any descriptors, FP8 ones as uint8 and
   quantized with the cache scales): no append launch.
-  WARP_SPLIT = num_warps (decode, 16-row tiles): each warp takes its own share of every step's keys with its own
-  softmax state, merged after the loop (attn_inner's WARP_SPLIT).
   BOX_IN_SEQ (K/V through a contiguous cache's descriptors, a call without new keys, not FP8 attention's V^T): when a
   sequence has at least BLOCK_N keys, its masked blocks read boxes that end at or before its last key, so no V tile
   is masked (inner._kv_tile); shorter sequences take the masked V tiles.
@@ -50,7 +48,7 @@ once per group.
 import triton
 import triton.language as tl
 
-from .inner import FP8_V_T, attn_inner, fp8_row_max, merge_warp_states
+from .inner import FP8_V_T, attn_inner, fp8_row_max
 from .cast import store_cast, values_t_column
 from .masks import LOG2E, kv_block_range, logit_scales, seq_extents
 from .rotary import rotate_rows
@@ -116,7 +114,7 @@ def attn_fwd_kernel(
     HAS_SINK: tl.constexpr = False, HEAD_DIM_V: tl.constexpr = 0, HEAD_DIM_V_PAD: tl.constexpr = 0,
     HAS_QV: tl.constexpr = False, QKV_FP8: tl.constexpr = 0, FUSED_COMBINE: tl.constexpr = False,
     MERGE_ROWS: tl.constexpr = 1, MERGE_SPLITS: tl.constexpr = 1, APPEND_NEW: tl.constexpr = 0,
-    VT_GAP: tl.constexpr = 0, WARP_SPLIT: tl.constexpr = 0, BOX_IN_SEQ: tl.constexpr = False,
+    VT_GAP: tl.constexpr = 0, BOX_IN_SEQ: tl.constexpr = False,
 ):
     allow_dependent_launch(PDL)  # the split combine that follows (launch/forward.launch_combine)
     pid = tl.program_id(0)
@@ -197,18 +195,11 @@ def attn_fwd_kernel(
             qv = qv * q_scale
     q = q.to(TILE_DTYPE)
     qv = qv.to(TILE_DTYPE)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if TRANS:  # transposed products (see attn_inner): q^T and acc^T
         q = tl.trans(q)
         if HAS_QV:
             qv = tl.trans(qv)
         acc = tl.zeros([HEAD_DIM_V_PAD, BLOCK_M], dtype=tl.float32)
-    elif WARP_SPLIT:  # each warp its share of every step's keys, with its own row states (see attn_inner)
-        q = tl.broadcast_to(q[None, :, :], [WARP_SPLIT, BLOCK_M, HEAD_DIM_PAD])
-        acc = tl.zeros([WARP_SPLIT, BLOCK_M, HEAD_DIM_V_PAD], dtype=tl.float32)
-        m_i = tl.full([WARP_SPLIT, BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([WARP_SPLIT, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PAD], dtype=tl.float32)
 
@@ -278,6 +269,8 @@ def attn_fwd_kernel(
     if ALIBI:  # each row's slope in log2 units, like the scores (pack-GQA rows differ in head)
         alibi_slope = tl.load(alibi_ptr + b * stride_alibi_b + head_q) * LOG2E
 
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     # Three phases: masked blocks at the window's left edge, unmasked blocks, masked blocks at the diagonal/end.
     # (Only the bounds and MASK differ; a static loop over them would hide which phase is which.)
     if HAS_LEFT:
@@ -287,14 +280,14 @@ def attn_fwd_kernel(
             tl.maximum(s_lo, n_lo) * BLOCK_N, tl.minimum(s_hi, full_lo) * BLOCK_N, qk_scale, softcap_scale,
             window_left, window_right, alibi_slope, HEAD_DIM, BLOCK_N, True, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT,
             HAS_RIGHT, SOFTCAP, SP_OVERLAP, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv, HEAD_DIM_V, HAS_QV,
-        QKV_FP8, WARP_SPLIT)
+        QKV_FP8)
     acc, m_i, l_i = attn_inner(
         acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr, stride_kb, stride_ks, stride_vb,
         stride_vs, stride_bs_page, stride_bs_tok, desc_row0, v_row0, head_kv, offs_d, seqlen_k,
         tl.maximum(s_lo, full_lo) * BLOCK_N, tl.minimum(s_hi, full_hi) * BLOCK_N, qk_scale, softcap_scale,
         window_left, window_right, alibi_slope, HEAD_DIM, BLOCK_N, False, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT,
         HAS_RIGHT, SOFTCAP, SP_OVERLAP, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv, HEAD_DIM_V, HAS_QV,
-        QKV_FP8, WARP_SPLIT)
+        QKV_FP8)
     # BOX_IN_SEQ: a compiled copy of this phase's loop per case, boxes inside the sequence (no V mask,
     # inner._kv_tile) when it holds a block, V tiles zeroed past it otherwise; the runtime test picks one.
     for boxed in tl.static_range(2 if BOX_IN_SEQ else 1):
@@ -305,11 +298,9 @@ def attn_fwd_kernel(
                 tl.maximum(s_lo, full_hi) * BLOCK_N, tl.minimum(s_hi, n_hi) * BLOCK_N, qk_scale, softcap_scale,
                 window_left, window_right, alibi_slope, HEAD_DIM, BLOCK_N, True, PAGE_SIZE, USE_DESC, KV_NVFP4,
                 HAS_LEFT, HAS_RIGHT, SOFTCAP, SP_OVERLAP, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv,
-                HEAD_DIM_V, HAS_QV, QKV_FP8, WARP_SPLIT, boxed == 1)
+                HEAD_DIM_V, HAS_QV, QKV_FP8, boxed == 1)
 
     # ---- epilogue: normalise; rows that saw no key give out = 0 and lse = -inf (with a sink: lse = sink) --
-    if WARP_SPLIT:
-        acc, m_i, l_i = merge_warp_states(acc, m_i, l_i)
     m_i = fp8_row_max(m_i, QKV_FP8)
     acc_scale = 1.0
     if HAS_SINK and not SPLIT:  # split partials stay sink-free: attn_combine adds the sink once per row

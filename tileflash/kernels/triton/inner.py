@@ -77,7 +77,7 @@ def _kv_tile(base, sbase, start_n, seqlen_k, pages, stride_page, stride_tok, sst
     step 1607 -> 1203 SASS instructions, 530 unmasked). BOX_IN_SEQ (masked blocks through a contiguous cache's
     descriptor, seqlen_k >= BLOCK_N, no key written by another program in this launch): a block reaching past
     seqlen_k is read from BLOCK_N keys before seqlen_k instead, its keys before start_n (the previous block's) get
-    position seqlen_k so their scores are masked, and V needs no mask either (the 16-bit warp-split decode step:
+    position seqlen_k so their scores are masked, and V needs no mask either (the 16-bit decode step:
     425 -> 267 SASS instructions, 248 unmasked).
     KV_NVFP4 (NVFP4_SCALE_BYTES or _WORDS, plus NVFP4_PURE_ASM off sm_90): base holds packed e2m1 pairs [.., D/2]
     and sbase the e4m3 scale of each 16 elements [.., D/16] (strides sstride_*); the tile is decoded in registers
@@ -177,72 +177,31 @@ def tanh(y):
 
 
 @triton.jit
-def _per_row(x, TRANS: tl.constexpr, WARP_SPLIT: tl.constexpr = 0):
-    """A per-row vector broadcast against scores: [M, 1], [1, M] when the tiles are transposed, [1, M, 1] when
-    warps split the keys (attn_inner's WARP_SPLIT)."""
-    if WARP_SPLIT:
-        return x[None, :, None]
-    elif TRANS:
+def _per_row(x, TRANS: tl.constexpr):
+    """A per-row vector broadcast against scores: [M, 1], or [1, M] when the tiles are transposed."""
+    if TRANS:
         return x[None, :]
     else:
         return x[:, None]
 
 
 @triton.jit
-def _per_key(x, TRANS: tl.constexpr, WARP_SPLIT: tl.constexpr = 0):
-    """A per-key vector [N] broadcast against scores: [1, N], [N, 1] when the tiles are transposed, [W, 1, N / W]
-    when W warps split the keys (warp w takes keys w N / W ..)."""
-    if WARP_SPLIT:
-        return x.reshape(WARP_SPLIT, x.shape[0] // WARP_SPLIT)[:, None, :]
-    else:
-        return _per_row(x, not TRANS)
-
-
-@triton.jit
-def _row_state(x, TRANS: tl.constexpr, WARP_SPLIT: tl.constexpr = 0):
-    """A running row statistic (the row max, its rescale factor) broadcast against scores: per row as _per_row, or
-    per warp and row [W, M, 1] when warps split the keys."""
-    if WARP_SPLIT:
-        return x[:, :, None]
-    else:
-        return _per_row(x, TRANS)
-
-
-@triton.jit
-def _by_warp(t, WARP_SPLIT: tl.constexpr):
-    """A [N, D] K or V tile as [W, N / W, D]: warp w's keys (WARP_SPLIT = W), or the tile itself (0)."""
-    if WARP_SPLIT:
-        return t.reshape(WARP_SPLIT, t.shape[0] // WARP_SPLIT, t.shape[1])
-    else:
-        return t
-
-
-@triton.jit
-def merge_warp_states(acc, m_i, l_i):
-    """The row states (acc [M, D], m_i, l_i [M]) of W warps' states (acc [W, M, D], m_i, l_i [W, M]), each over its
-    own keys (attn_inner's WARP_SPLIT): one exchange between warps after the loop instead of three in every step
-    (the row max, the row sum, P)."""
-    m = tl.max(m_i, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)  # no warp saw a key: every weight is exp2(-inf) = 0
-    w = tl.math.exp2(m_i - m_safe[None, :])
-    return tl.sum(acc * w[:, :, None], 0), m, tl.sum(l_i * w, 0)
+def _per_key(x, TRANS: tl.constexpr):
+    """A per-key vector broadcast against scores: [1, N], or [N, 1] when the tiles are transposed."""
+    return _per_row(x, not TRANS)
 
 
 @triton.jit
 def _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right, alibi_slope,
             SOFTCAP: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
             TRANS: tl.constexpr, RAW_SCORES: tl.constexpr, ALIBI: tl.constexpr, qv=None, v=None,
-            HAS_QV: tl.constexpr = False, WARP_SPLIT: tl.constexpr = 0):
-    """s = mask(softcap(q k^T * scale) + alibi) in log2 units; TRANS: q holds q^T and s comes out as s^T [N, M];
-    WARP_SPLIT: q holds [W, M, DP] (q broadcast) and s comes out as [W, M, N / W], warp w's keys' scores.
+            HAS_QV: tl.constexpr = False):
+    """s = mask(softcap(q k^T * scale) + alibi) in log2 units; TRANS: q holds q^T and s comes out as s^T [N, M].
     RAW_SCORES (a positive scale known on the host, no softcap, no ALiBi; not with quantized caches, whose scales
     live on the device): s stays q k^T and _softmax_pv applies the scale inside exp2's argument.
     ALIBI: alibi_slope holds each row's slope times log2(e) ([M]); the bias is a bias, not a mask, so unmasked
     blocks add it too. HAS_QV (MLA): the values are keys too, s = q k^T + qv v^T."""
-    if WARP_SPLIT:
-        tl.static_assert(not HAS_QV, "MLA (qv) takes undivided steps")
-        s = tl.dot(q, tl.trans(_by_warp(k, WARP_SPLIT), 0, 2, 1))
-    elif TRANS:
+    if TRANS:
         s = tl.dot(k, q)
         if HAS_QV:
             s = tl.dot(v, qv, s)
@@ -256,20 +215,18 @@ def _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left,
     elif not RAW_SCORES:
         s = s * qk_scale
     if ALIBI:
-        s = s - _per_row(alibi_slope, TRANS, WARP_SPLIT) * alibi_distance(_per_row(q_pos, TRANS, WARP_SPLIT),
-                                                                          _per_key(offs_n, TRANS, WARP_SPLIT))
+        s = s - _per_row(alibi_slope, TRANS) * alibi_distance(_per_row(q_pos, TRANS), _per_key(offs_n, TRANS))
     if MASK:
-        ok = visible(_per_row(q_pos, TRANS, WARP_SPLIT), _per_key(offs_n, TRANS, WARP_SPLIT), seqlen_k, window_left,
-                     window_right, HAS_LEFT, HAS_RIGHT)
+        ok = visible(_per_row(q_pos, TRANS), _per_key(offs_n, TRANS), seqlen_k, window_left, window_right, HAS_LEFT,
+                     HAS_RIGHT)
         s = tl.where(ok, s, float("-inf"))
     return s
 
 
 @triton.jit
 def _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS: tl.constexpr, RAW_SCORES: tl.constexpr,
-                P_FP8: tl.constexpr = False, WARP_SPLIT: tl.constexpr = 0):
-    """Online-softmax update with one block of scores s and values v (TRANS: s^T and acc^T [DP, M]; WARP_SPLIT:
-    s [W, M, N / W], and acc [W, M, DP], m_i, l_i [W, M] each warp's own).
+                P_FP8: tl.constexpr = False):
+    """Online-softmax update with one block of scores s and values v (TRANS: s^T and acc^T [DP, M]).
     RAW_SCORES: s is unscaled and qk_scale > 0, so the row max scales after the reduction and the scale and the
     max subtraction are one FMA per score (FA's exp2(s * scale - m)) instead of a multiply and a subtract.
     P_FP8 (e4m3 values, FP8_V_ROWS or FP8_V_T: v's layout): P is computed as exp2(s - m + P_FP8_LOG2) so it spans
@@ -277,7 +234,7 @@ def _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS: tl.constexpr, RAW_SCORES: 
     usual pair, see fp8_row_max). With V^T it is rounded to e4m3 for the PV product, each block's product starts
     from zero and is added into the fp32 acc, so the tensor cores' reduced-precision FP8 accumulation never runs
     over the whole row (vLLM's long-context trap); with V rows (paged pools) P and V multiply in fp16."""
-    key_axis: tl.constexpr = 2 if WARP_SPLIT else 0 if TRANS else 1
+    key_axis: tl.constexpr = 0 if TRANS else 1
     if RAW_SCORES:
         m_new = tl.maximum(m_i, tl.max(s, key_axis) * qk_scale)
     else:
@@ -286,14 +243,14 @@ def _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS: tl.constexpr, RAW_SCORES: 
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     m_sub = m_safe - P_FP8_LOG2 if P_FP8 else m_safe
     if RAW_SCORES:
-        p = tl.math.exp2(tl.fma(s, qk_scale, -_row_state(m_sub, TRANS, WARP_SPLIT)))
+        p = tl.math.exp2(tl.fma(s, qk_scale, -_per_row(m_sub, TRANS)))
     else:
-        p = tl.math.exp2(s - _row_state(m_sub, TRANS, WARP_SPLIT))
+        p = tl.math.exp2(s - _per_row(m_sub, TRANS))
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, key_axis)
-    acc = acc * _row_state(alpha, TRANS, WARP_SPLIT)
+    acc = acc * _per_row(alpha, TRANS)
     if P_FP8:
-        tl.static_assert(not TRANS and not WARP_SPLIT, "FP8 values take the untransposed, undivided products")
+        tl.static_assert(not TRANS, "FP8 values take the untransposed products")
         if P_FP8 >= FP8_V_T:  # v holds V^T [DP, N]
             if v.dtype == tl.float32:  # the interpreter's tiles: P rounded as the GPU's cast rounds it
                 p8 = round_e4m3(p)
@@ -304,8 +261,6 @@ def _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS: tl.constexpr, RAW_SCORES: 
             acc = tl.dot(p.to(tl.float16), v.to(tl.float16), acc)
     elif TRANS:
         acc = tl.dot(tl.trans(v), p.to(v.dtype), acc)
-    elif WARP_SPLIT:
-        acc = tl.dot(p.to(v.dtype), _by_warp(v, WARP_SPLIT), acc)
     else:
         acc = tl.dot(p.to(v.dtype), v, acc)
     return acc, m_new, l_i
@@ -327,8 +282,7 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
                KV_NVFP4: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                SP_OVERLAP: tl.constexpr, TILE_DTYPE: tl.constexpr, TRANS: tl.constexpr,
                RAW_SCORES: tl.constexpr, ALIBI: tl.constexpr, qv, offs_dv, HEAD_DIM_V: tl.constexpr,
-               HAS_QV: tl.constexpr, P_FP8: tl.constexpr = False, WARP_SPLIT: tl.constexpr = 0,
-               BOX_IN_SEQ: tl.constexpr = False):
+               HAS_QV: tl.constexpr, P_FP8: tl.constexpr = False, BOX_IN_SEQ: tl.constexpr = False):
     """Accumulate KV tokens [lo, hi) (lo, hi multiples of BLOCK_N) into (acc, m_i, l_i).
 
     MASK=False is the fast path for blocks that are fully visible to every row (no per-element masks).
@@ -340,14 +294,8 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
     V tiles are HEAD_DIM_V wide (offs_dv); HAS_QV (MLA) adds qv v^T to the scores (the plain loop only).
     P_FP8: e4m3 V tiles (FP8_V_ROWS: as stored; FP8_V_T(_DESC): V^T, stride_v_tok D's stride), P's product as
     _softmax_pv says.
-    WARP_SPLIT = W (the program's warps; decode's few query rows): warp w takes keys w N / W .. (w + 1) N / W - 1 of
-    every step with its own softmax state (q broadcast [W, M, DP], acc [W, M, DP], m_i and l_i [W, M]; the batched
-    products put the warps on that axis), merged once after the loop (merge_warp_states). Undivided, a step's
-    row max, row sum and P cross warps through shared memory (sm_90 SASS, 16-bit decode, 64-key steps: 9-11 CTA
-    barriers a step, 3 with the warps split).
     BOX_IN_SEQ: masked blocks read K and V boxes that end at or before seqlen_k (_kv_tile; seqlen_k >= BLOCK_N).
     """
-    tl.static_assert(not (TRANS and WARP_SPLIT), "warps split untransposed products only")
     if SP_OVERLAP:
         tl.static_assert(not HAS_QV, "MLA (qv) takes the plain loop")
         if lo < hi:
@@ -356,8 +304,7 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
                                  sstride_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC,
                                  KV_NVFP4, MASK, TILE_DTYPE, False, BOX_IN_SEQ)
             s = _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right,
-                        alibi_slope, SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES, ALIBI,
-                        WARP_SPLIT=WARP_SPLIT)
+                        alibi_slope, SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES, ALIBI)
             for start_n in range(lo, hi, BLOCK_N):
                 v = _v_tile(v_base, v_sbase, start_n, seqlen_k, pages, stride_v_page, stride_v_tok, sstride_page,
                             sstride_tok, v_row0, head_kv, offs_dv, HEAD_DIM_V, BLOCK_N, PAGE_SIZE, USE_DESC,
@@ -371,8 +318,8 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
                                           BOX_IN_SEQ)
                 s_next = _scores(q, k_next, qk_scale, softcap_scale, q_pos, next_n, seqlen_k, window_left,
                                  window_right, alibi_slope, SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES,
-                                 ALIBI, WARP_SPLIT=WARP_SPLIT)
-                acc, m_i, l_i = _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS, RAW_SCORES, P_FP8, WARP_SPLIT)
+                                 ALIBI)
+                acc, m_i, l_i = _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS, RAW_SCORES, P_FP8)
                 s = s_next
     elif lo < hi:  # (no table entry is read for an empty range: lo may be past the table's end)
         pages = block_pages(bt_ptr, lo, seqlen_k, BLOCK_N, PAGE_SIZE, USE_DESC, MASK)
@@ -387,7 +334,7 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
                                         qk_scale, softcap_scale, window_left, window_right, alibi_slope, HEAD_DIM,
                                         BLOCK_N, MASK, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT, HAS_RIGHT,
                                         SOFTCAP, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv, HEAD_DIM_V,
-                                        HAS_QV, P_FP8, WARP_SPLIT, BOX_IN_SEQ)
+                                        HAS_QV, P_FP8, BOX_IN_SEQ)
             pages = next_pages
     return acc, m_i, l_i
 
@@ -400,7 +347,7 @@ def _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, pages
                 KV_NVFP4: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                 TILE_DTYPE: tl.constexpr, TRANS: tl.constexpr, RAW_SCORES: tl.constexpr, ALIBI: tl.constexpr, qv,
                 offs_dv, HEAD_DIM_V: tl.constexpr, HAS_QV: tl.constexpr, P_FP8: tl.constexpr,
-                WARP_SPLIT: tl.constexpr, BOX_IN_SEQ: tl.constexpr):
+                BOX_IN_SEQ: tl.constexpr):
     """One block of the plain loop: load K, scores, load V, online softmax and PV (MLA: V before the scores)."""
     k, offs_n = _kv_tile(k_base, k_sbase, start_n, seqlen_k, pages, stride_k_page, stride_k_tok, sstride_page,
                          sstride_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4,
@@ -414,8 +361,8 @@ def _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, pages
                     SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES, ALIBI, qv, v, True)
     else:
         s = _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right, alibi_slope,
-                    SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES, ALIBI, WARP_SPLIT=WARP_SPLIT)
+                    SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES, ALIBI)
         v = _v_tile(v_base, v_sbase, start_n, seqlen_k, pages, stride_v_page, stride_v_tok, sstride_page, sstride_tok,
                     v_row0, head_kv, offs_dv, HEAD_DIM_V, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4, MASK, TILE_DTYPE,
                     P_FP8, BOX_IN_SEQ)
-    return _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS, RAW_SCORES, P_FP8, WARP_SPLIT)
+    return _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS, RAW_SCORES, P_FP8)
