@@ -216,12 +216,11 @@ def test_cuda_graph_replay_follows_new_seqlens_and_table():
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("counters", ["reserve", "none"])
-def test_cuda_graph_replay_of_the_fused_merge(counters, monkeypatch):
-    """b=1 ctx 8k merges its 33 splits in the attention launch. Captured on a stream no call ran on, the graph's
-    launch takes the zeroed reserve the warm-up call made (and gives the eager call's bits); with no call before
-    the capture (zeros made inside it would exist only in its replays) it takes the combine launch. Both replay new
-    lengths correctly and leave every arrival counter at zero."""
+@pytest.mark.parametrize("warm_stream", [True, False], ids=["stream-ran-a-call", "fresh-stream"])
+def test_cuda_graph_replay_of_a_split_call(warm_stream, monkeypatch):
+    """b=1 ctx 8k splits its keys 33 ways. Eager calls merge the splits in the attention launch (arrival counters);
+    a captured call takes the combine launch (direct.Counters), also on a stream whose eager calls made counters.
+    Replays follow new lengths, and no arrival counter is left non-zero."""
     from tileflash.launch import direct
 
     monkeypatch.setattr(direct, "COUNTERS", direct.Counters())
@@ -230,12 +229,17 @@ def test_cuda_graph_replay_of_the_fused_merge(counters, monkeypatch):
     q = torch.randn(1, 1, 32, 128, generator=g).to(DEVICE, torch.bfloat16)
     seqlens = torch.tensor([8192], dtype=torch.int32, device=DEVICE)
     call = lambda: tileflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens)  # noqa: E731
-    if counters == "reserve":
-        call()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    if warm_stream:
+        with torch.cuda.stream(s):
+            call()
+    torch.cuda.current_stream().wait_stream(s)
+    assert len(direct.COUNTERS.buffers) == int(warm_stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=torch.cuda.Stream()):
+    with torch.cuda.graph(graph, stream=s):
         out = call()
-    assert len(direct.COUNTERS.buffers) == (2 if counters == "reserve" else 0)  # warm-up's stream, capture's
+    assert len(direct.COUNTERS.buffers) == int(warm_stream)  # the capture made none
     for new_len in (5000, 8192, 1):
         seqlens.fill_(new_len)
         graph.replay()
@@ -243,6 +247,5 @@ def test_cuda_graph_replay_of_the_fused_merge(counters, monkeypatch):
         ref, _, _, _ = kvcache_ref(q, k_cache, v_cache, cache_seqlens=seqlens)
         ref_lowp, _, _, _ = kvcache_ref(q, k_cache, v_cache, cache_seqlens=seqlens, upcast=False)
         check_2x(out, ref, ref_lowp)
-        if counters == "reserve":
-            assert torch.equal(out, call())
+        check_2x(call(), ref, ref_lowp)  # the eager call's fused merge
     assert all(not t.any() for t in direct.COUNTERS.buffers.values())

@@ -235,12 +235,12 @@ def combine_tiles(num_splits: int, head_dim_pad: int) -> tuple[int, int]:
 MERGE_TILE = 8192  # fp32 partials per load of the fused merge: 64 registers a thread at 4 warps, in the epilogue
 
 
-# The fused merge's loads (memory round trips) at most; more take the combine launch. Run 200 (`sweep decode --vary
-# fused_combine=0,1`, graph replay over copies, us, fused vs the combine launch): b=1 ctx 8k / 32k / 128k 14.6 /
-# 39.7 / 126.9 vs 14.9 / 39.5 / 126.7, b=4 ctx 8k 40.1 vs 40.0, b=8 ctx 32k 246.0 vs 245.9, d64 b=1 ctx 32k 24.5 vs
-# 24.8, page 16 b=1 ctx 8k 16.4 vs 16.4, MQA b=1 ctx 8k (128 splits of 8 rows: 16 loads) 6.54 vs 6.53, b=8 15.0 vs
-# 15.1: the GPU time is the same, and the call saves the combine's launch (`bench host`: decode eager 38.5 us vs
-# SDPA 40.9, paged 16 + append 52.1 vs 80.3 in run 181).
+# The fused merge's loads (memory round trips) at most; more take the combine launch. Eager calls only (captured
+# ones take the combine launch: launch/direct.Counters). Run 200's `sweep decode --vary fused_combine=0,1` (b=1
+# ctx 8k 14.6 vs 14.9 us, MQA b=1 ctx 8k at 16 loads 6.54 vs 6.53) timed graph replays that both took the combine
+# launch; run 210 found the merge in the attention launch ~10 us slower at b=1 ctx 8k (24.2-25.2 us). Eager calls
+# are host-bound and save the combine's launch (`bench host`: decode eager 38.5 us vs SDPA 40.9, paged 16 + append
+# 52.1 vs 80.3 in run 181).
 MAX_MERGE_LOADS = 16
 
 
