@@ -456,7 +456,7 @@ class DecodePlan(direct.Replayable):
         ws = direct.WORKSPACE.get(self.device, stream, s.workspace) if s.workspace else None
         counters = direct.COUNTERS.get(self.device, stream, s.counters) if s.counters else None
         slots = (q, k_cache, v_cache, k, v, *index, *scales, out, lse, ws, counters, qv)
-        if self.batch and s.counters and counters is None:  # captured on a stream that has no counters yet:
+        if self.batch and s.counters and counters is None:  # inside a CUDA-graph capture (direct.Counters):
             self._launch(*slots)  # the combine launch, not recorded
         elif self.batch:  # an empty batch launches nothing
             self.execute(self._launch, slots, stream)
