@@ -53,10 +53,14 @@ def test_decode_plan_takes_a_shape_and_out():
 
 
 def test_decode_plan_run_refuses_other_layouts():
-    q, kc, vc, table, lens, _, _ = _decode_inputs(seed=2)
+    q, kc, vc, table, lens, kn, vn = _decode_inputs(seed=2)
     plan = tileflash.decode_plan(q, kc, vc, lens, block_table=table)
     with pytest.raises(ValueError, match="must match the plan"):
         plan.run(q.transpose(0, 2).contiguous().transpose(0, 2), kc, vc)  # other strides
+    with pytest.raises(ValueError, match="must match the plan"):  # new tokens the plan was not made for
+        plan.run(q, kc, vc, kn, vn)
+    with pytest.raises(ValueError, match="must match the plan"):
+        plan.run(q, kc, vc, k_scale=torch.ones(1, device=q.device))
     with pytest.raises(ValueError, match="must match the plan"):
         plan.run(q.half(), kc, vc)
     with pytest.raises(ValueError, match="out"):

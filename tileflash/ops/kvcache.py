@@ -415,6 +415,8 @@ class DecodePlan(direct.Replayable):
         self.schedule, self.mask, self.softmax_scale, self.sp_overlap = schedule, mask, softmax_scale, sp_overlap
         self.rotary_interleaved, self.batch = rotary_interleaved, batch
         self.keys = (q_key, *map(direct.tensor_key, (k_cache, v_cache, k, v, *scales, qv)))
+        # A run without new tokens, scales or qv compares three keys (the plan's scales are its own)
+        self.cache_keys = self.keys[:3] if k is None and v is None and qv is None else None
         self.return_lse, self.validate = return_lse, validate
         self.out_shape, self.dtype, self.device = q_key[0], q_key[2], q_key[3]
         if qv is not None:  # MLA: out is the latent's width
@@ -429,8 +431,13 @@ class DecodePlan(direct.Replayable):
         tensors must have the plan's shapes, strides, dtypes, devices and 16-byte alignment (qv: given exactly when
         the plan's was); scale tensors default to the plan's."""
         given = (k_scale, v_scale, k_global_scale, v_global_scale)
-        scales = tuple(g if g is not None else p for g, p in zip(given, self.scales))
-        if tuple(map(direct.tensor_key, (q, k_cache, v_cache, k, v, *scales, qv))) != self.keys:
+        if self.cache_keys is not None and k is v is qv is k_scale is v_scale is k_global_scale is v_global_scale \
+                is None:
+            scales, keys, expected = self.scales, (q, k_cache, v_cache), self.cache_keys
+        else:
+            scales = tuple(g if g is not None else p for g, p in zip(given, self.scales))
+            keys, expected = (q, k_cache, v_cache, k, v, *scales, qv), self.keys
+        if tuple(map(direct.tensor_key, keys)) != expected:
             raise ValueError("DecodePlan.run: q, k_cache, v_cache, k, v, scales and qv must match the plan's shapes, "
                              "strides, dtypes, devices and 16-byte alignment (make a plan per layout)")
         if out is not None and (out.shape != self.out_shape or out.dtype != self.dtype or out.device != self.device
