@@ -195,8 +195,9 @@ def kvcache_ref(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_t
         if nvfp4:
             kk = nvfp4_dequantize_ref(kk, gather_cache(k_scale, block_table, n, row)[None, pad:], k_global_scale)
             vv = nvfp4_dequantize_ref(vv, gather_cache(v_scale, block_table, n, row)[None, pad:], v_global_scale)
-        elif k_scale is not None:
-            kk, vv = fp8_dequantize_ref(kk, k_scale), fp8_dequantize_ref(vv, v_scale)
+        elif k_scale is not None:  # [1], [Hkv], or per sequence [B, Hkv] (FA3's descales)
+            kk = fp8_dequantize_ref(kk, k_scale[i] if k_scale.dim() == 2 else k_scale)
+            vv = fp8_dequantize_ref(vv, v_scale[i] if v_scale.dim() == 2 else v_scale)
         if kk.dtype != q.dtype and not kw.get("upcast", True):
             kk, vv = kk.to(q.dtype), vv.to(q.dtype)
         qq = q[i: i + 1]

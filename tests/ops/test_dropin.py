@@ -363,3 +363,106 @@ def test_head_dim_59_through_varlen_and_the_cache():
     lens = torch.tensor([20, 41], dtype=torch.int32, device=DEVICE)
     check_kvcache_call(qd, kn, vn, kc, vc, cache_seqlens=lens, causal=True, num_splits=2, rotary_cos=cos,
                        rotary_sin=sin, rotary_interleaved=False)
+
+
+def test_fa3_keywords_of_the_prefill_entry_points():
+    """FA3's return_attn_probs gives (out, lse); its scheduling arguments leave the result bit for bit; arguments
+    tileflash does not implement are refused by name before any launch."""
+    q, k, v = attention_inputs(2, 37, 37, 4, 2, 64, torch.float16)
+    out, lse = tileflash.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    got = tileflash.flash_attn_func(q, k, v, causal=True, return_attn_probs=True, num_splits=0, pack_gqa=True,
+                                    sm_margin=4, attention_chunk=0, qv=None)
+    assert torch.equal(got[0], out) and torch.equal(got[1], lse)
+    cu = torch.tensor([0, 37, 74], dtype=torch.int32, device=DEVICE)
+    packed = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v)]
+    vout, vlse = tileflash.flash_attn_varlen_func(*packed, cu, cu, 37, 37, causal=True, return_attn_probs=True,
+                                                  pack_gqa=False, sm_margin=0, seqused_q=None)
+    assert torch.equal(vout, out.reshape(-1, *out.shape[2:]))
+    for call, match, exc in [
+        (lambda: tileflash.flash_attn_func(q, k, v, attention_chunk=16), "attention_chunk", NotImplementedError),
+        (lambda: tileflash.flash_attn_func(q, k, v, qv=q), "qv", NotImplementedError),
+        (lambda: tileflash.flash_attn_func(q, k, v, sm_margin=-1), "sm_margin", ValueError),
+        (lambda: tileflash.flash_attn_func(q, k, v, pack_gqa=1), "pack_gqa", ValueError),
+        (lambda: tileflash.flash_attn_varlen_func(*packed, cu, cu, 37, 37, seqused_q=cu[1:]), "seqused_q",
+         NotImplementedError),
+    ]:
+        with pytest.raises(exc, match=match):
+            call()
+
+
+def test_fa3_keywords_of_flash_attn_with_kvcache():
+    q, kc, vc = _cache(seed=3)
+    lens = torch.tensor([30, 17], dtype=torch.int32, device=DEVICE)
+    want = tileflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True)
+    got = tileflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True, scheduler_metadata=None,
+                                            pack_gqa=False, sm_margin=8, attention_chunk=0, rotary_seqlens=None)
+    assert torch.equal(want, got)
+    with pytest.raises(NotImplementedError, match="rotary_seqlens"):
+        tileflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, rotary_seqlens=lens)
+    with pytest.raises(NotImplementedError, match="attention_chunk"):
+        tileflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, attention_chunk=8)
+
+
+@pytest.mark.parametrize("q_fp8", [False, True], ids=["q16", "q8"])
+@pytest.mark.parametrize("page_size", [None, 8], ids=["contiguous", "paged8"])
+def test_fa3_fp8_cache_with_per_sequence_descales(q_fp8, page_size):
+    """FA3's FP8 call (SGLang's with an FP8 KV cache): e4m3 caches with k_descale / v_descale [B, Hkv] that differ
+    per sequence (and q_descale with an e4m3 q) against the reference on the dequantized values; a per-layer scale
+    expanded to [B, Hkv] (stride 0) gives the [Hkv] call's bits."""
+    from helpers import make_cache
+    from tileflash.reference import fp8_quantize_ref
+
+    b, hq, hkv, d, cap = 3, 8, 2, 64, 48
+    g = torch.Generator().manual_seed(7)
+    k_hi, v_hi, table = make_cache(b, cap, hkv, d, torch.float32, page_size, g)
+    kd = (torch.rand(b, hkv, generator=g) * 0.02 + 0.005).to(DEVICE)
+    vd = (torch.rand(b, hkv, generator=g) * 0.02 + 0.005).to(DEVICE)
+    rows = (lambda t, i: t[i]) if page_size is None else (lambda t, i: t[table[i].long()])
+    k_cache, v_cache = torch.empty_like(k_hi, dtype=torch.float8_e4m3fn), torch.empty_like(v_hi, dtype=torch.float8_e4m3fn)
+    for i in range(b):  # each sequence's rows (pages) quantized with its own scales
+        idx = i if page_size is None else table[i].long()
+        k_cache[idx], v_cache[idx] = fp8_quantize_ref(rows(k_hi, i), kd[i]), fp8_quantize_ref(rows(v_hi, i), vd[i])
+    lens = torch.tensor([47, 9, 30], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(b, 1, hq, d, generator=g).to(DEVICE, torch.bfloat16)
+    kw = dict(cache_seqlens=lens, block_table=table)
+    ref, ref_lse, _, _ = kvcache_ref(q, k_cache, v_cache, k_scale=kd, v_scale=vd, **kw)
+    ref_lowp, *_ = kvcache_ref(q, k_cache, v_cache, k_scale=kd, v_scale=vd, upcast=False, **kw)
+    if q_fp8:  # q = q_descale * q8: the reference's q is that product
+        qd = (torch.rand(b, hkv, generator=g) + 0.5).to(DEVICE)
+        q8 = (q.float() / qd.repeat_interleave(hq // hkv, 1)[:, None, :, None]).to(torch.float8_e4m3fn)
+        q = (q8.float() * qd.repeat_interleave(hq // hkv, 1)[:, None, :, None]).to(torch.bfloat16)
+        ref, ref_lse, _, _ = kvcache_ref(q, k_cache, v_cache, k_scale=kd, v_scale=vd, **kw)
+        ref_lowp, *_ = kvcache_ref(q, k_cache, v_cache, k_scale=kd, v_scale=vd, upcast=False, **kw)
+        out, lse = tileflash.flash_attn_with_kvcache(q8, k_cache, v_cache, q_descale=qd, k_descale=kd,
+                                                     v_descale=vd, return_softmax_lse=True, **kw)
+    else:
+        out, lse = tileflash.flash_attn_with_kvcache(q, k_cache, v_cache, k_descale=kd, v_descale=vd,
+                                                     return_softmax_lse=True, **kw)
+    assert out.dtype == torch.bfloat16
+    check_2x(out, ref, ref_lowp)
+    torch.testing.assert_close(lse, ref_lse.to(lse.device), atol=2e-2, rtol=0)
+    if not q_fp8:
+        per_head = kd[0].contiguous()
+        expanded = tileflash.flash_attn_with_kvcache(q, k_cache, v_cache, k_descale=per_head.expand(b, hkv),
+                                                     v_descale=per_head.expand(b, hkv), **kw)
+        assert torch.equal(expanded, tileflash.flash_attn_with_kvcache(q, k_cache, v_cache, k_scale=per_head,
+                                                                      v_scale=per_head, **kw))
+
+
+def test_fa3_fp8_errors():
+    q, kc, vc = _cache(seed=4)
+    lens = torch.tensor([30, 17], dtype=torch.int32, device=DEVICE)
+    k8, v8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+    qb = q.to(torch.bfloat16)
+    d2 = torch.ones(2, 2, device=DEVICE)
+    with pytest.raises(ValueError, match="float8_e4m3fn caches"):
+        tileflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, k_descale=d2, v_descale=d2)
+    with pytest.raises(ValueError, match="one way"):
+        tileflash.flash_attn_with_kvcache(qb, k8, v8, cache_seqlens=lens, k_descale=d2, v_descale=d2,
+                                          k_scale=d2[0], v_scale=d2[0])
+    with pytest.raises(ValueError, match=r"\[batch, Hkv\]"):
+        tileflash.flash_attn_with_kvcache(qb, k8, v8, cache_seqlens=lens, k_descale=torch.ones(3, 2, device=DEVICE),
+                                          v_descale=torch.ones(3, 2, device=DEVICE))
+    new = torch.zeros(2, 1, 2, 64, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(NotImplementedError, match="appends"):
+        tileflash.flash_attn_with_kvcache(qb, k8, v8, new, new, cache_seqlens=lens, k_descale=d2, v_descale=d2)

@@ -28,10 +28,11 @@ def unit_scale(device) -> torch.Tensor:
 
 def scale_strides(scale, batch_stride: bool) -> tuple[int, int]:
     """(batch, head) strides of a scale: FP8 attention's descales [B, Hkv] (batch_stride), a cache's [1] or
-    [Hkv] scales, or an absent one (unit_scale): 0 along any dim of size 1, so [1] serves every head."""
+    [Hkv] scales or FA3's per-sequence [B, Hkv] ones, or an absent one (unit_scale): 0 along any dim of size 1, so
+    [1] serves every head."""
     if scale is None:
         return 0, 0
-    if batch_stride:
+    if batch_stride or scale.dim() == 2:
         return tuple(st if n > 1 else 0 for n, st in zip(scale.shape, scale.stride()))
     return 0, scale.stride(0) if scale.numel() > 1 else 0
 

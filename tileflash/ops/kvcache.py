@@ -16,6 +16,7 @@ from .. import _utils
 from ..launch import direct
 from ..launch.forward import (launch_attn_fwd, launch_combine, launch_decode_quant, launch_kv_append,
                               launch_mla_decode)
+from ..launch.tensors import unit_scale
 from ..plan.decode import KV_FORMATS, MAX_DECODE_TOKENS, MAX_SPLITS, DecodeSchedule, decode_schedule
 from ..plan.prefill import Mask
 from .prefill import check_softcap
@@ -161,7 +162,8 @@ def _(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, ca
 
 def _check_kv_scales(k_cache, v_cache, k_scale, v_scale, k_global_scale, v_global_scale, num_heads_kv: int,
                      head_dim: int, device) -> None:
-    """FP8 caches need fp32 scales ([1] per tensor or [Hkv] per KV head); NVFP4 caches (uint8) need e4m3 block
+    """FP8 caches need fp32 scales ([1] per tensor or [Hkv] per KV head; [B, Hkv] from FA3's descales, whose shape
+    _check_kvcache checks); NVFP4 caches (uint8) need e4m3 block
     scales shaped like the cache with D/16 in the last dim, sharing strides, and fp32 global scales; bf16/fp16
     caches take none."""
     fmt = KV_FORMATS.get(k_cache.dtype)
@@ -180,8 +182,10 @@ def _check_kv_scales(k_cache, v_cache, k_scale, v_scale, k_global_scale, v_globa
             raise ValueError(f"{name}: required with a {k_cache.dtype} cache, got None")
     if fmt == "fp8":
         for name, t in names[:2]:
-            _utils.check_tensor(name, t, ndim=1, dtypes=(torch.float32,), device=device)
-            if t.shape[0] not in (1, num_heads_kv) or (t.shape[0] > 1 and t.stride(0) != 1):
+            _utils.check_tensor(name, t, dtypes=(torch.float32,), device=device)
+            if t.dim() == 2:  # FA3's [B, Hkv] descales (flash_attn_with_kvcache's k_descale / v_descale)
+                continue
+            if t.dim() != 1 or t.shape[0] not in (1, num_heads_kv) or (t.shape[0] > 1 and t.stride(0) != 1):
                 raise ValueError(f"{name}: expected a contiguous shape [1] or [{num_heads_kv}], got {tuple(t.shape)}")
         if k_scale.shape != v_scale.shape:
             raise ValueError(f"k_scale, v_scale: expected equal shapes, got {tuple(k_scale.shape)} and "
@@ -308,6 +312,13 @@ def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_sp
     if hkv == 0 or hq % hkv != 0:
         raise ValueError(f"k_cache: number of KV heads must divide the query heads, got Hq={hq}, Hkv={hkv}")
     _check_kv_scales(k_cache, v_cache, k_scale, v_scale, k_global_scale, v_global_scale, hkv, d, dev)
+    if k_scale is not None and k_scale.dim() == 2:  # FA3's per-sequence descales
+        if tuple(k_scale.shape) != (b, hkv):
+            raise ValueError(f"k_scale, v_scale (FA3's k_descale, v_descale): per-sequence scales are [batch, Hkv] = "
+                             f"({b}, {hkv}), got {tuple(k_scale.shape)}")
+        if k is not None or qv is not None:
+            raise NotImplementedError("k_scale, v_scale (FA3's k_descale, v_descale): per-sequence [batch, Hkv] scales "
+                                      "are for reading the cache; appends (k, v) and qv take [1] or [Hkv] scales")
     if block_table is not None:
         _utils.check_int32("block_table", block_table, 2, dev)
         if block_table.shape[0] != b:
@@ -547,7 +558,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False, *,
                             return_lse=False, page_table=None, cu_seqlens_q=None, max_seqlen_q=None,
                             cu_seqlens_k_new=None, sp_overlap=False, validate=False, k_scale=None, v_scale=None,
-                            k_global_scale=None, v_global_scale=None, learnable_sink=None, qv=None):
+                            k_global_scale=None, v_global_scale=None, learnable_sink=None, qv=None, q_descale=None,
+                            k_descale=None, v_descale=None, rotary_seqlens=None, attention_chunk=0,
+                            scheduler_metadata=None, pack_gqa=None, sm_margin=0):
     """Attention of new query tokens over a KV cache, appending new K/V in place: decode (1..16 tokens per
     sequence: pack-GQA tiles, split-KV) or extend / chunked prefill (more tokens: prefill tiles, no split).
 
@@ -588,9 +601,21 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     the rest of the key and the value: score = q . k + qv . v, out [B, Sq, Hq, Dv]. Dv <= 512, 16-bit or FP8 caches
     (k_scale for the rotary keys, v_scale for the latent), at most 16 query tokens per sequence; k, v append rotary rows
     and latent rows. The default softmax_scale is 1 / sqrt(D + Dv) (FA3's).
+    FA3's FP8 call: q (float8_e4m3fn, or 16-bit) over float8_e4m3fn caches with q_descale / k_descale / v_descale
+    (fp32 [B, Hkv], FA3's names; absent: 1), so K = k_descale[b, h] * k_cache for sequence b and KV head h; out is
+    bfloat16 (q's dtype when 16-bit). Runs as the FP8-cache call above with q exact in bfloat16 and q_descale folded
+    into the keys' scale; appends (k, v) and qv take tileflash's k_scale / v_scale instead.
+    FA3's scheduling arguments (scheduler_metadata, pack_gqa, sm_margin) are accepted and leave the result as it is
+    (tileflash plans its own schedule, cached per call signature: decode_plan for engines); attention_chunk must
+    be 0 and rotary_seqlens None.
     Returns out [B, Sq, Hq, D], and with return_softmax_lse=True (or return_lse=True) (out, lse [B, Hq, Sq] fp32).
     """
     return_lse = bool(return_lse or return_softmax_lse)
+    if pack_gqa is not None or sm_margin or attention_chunk or rotary_seqlens is not None:
+        _utils.check_fa3_tail(num_splits, pack_gqa, sm_margin, attention_chunk, rotary_seqlens=rotary_seqlens)
+    if q_descale is not None or k_descale is not None or v_descale is not None or \
+            getattr(q, "dtype", None) == torch.float8_e4m3fn:
+        q, k_scale, v_scale = _fa3_fp8(q, k_cache, k_scale, v_scale, q_descale, k_descale, v_descale)
     block_table = _block_table(block_table, page_table)
     if cu_seqlens_q is not None and isinstance(q, torch.Tensor) and q.dim() == 3 and isinstance(max_seqlen_q, int) \
             and cu_seqlens_q.dim() == 1 and 0 < max_seqlen_q and q.shape[0] == (len(cu_seqlens_q) - 1) * max_seqlen_q:
@@ -610,6 +635,31 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                     block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
                     num_splits, return_lse, cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new, sp_overlap, validate,
                     k_scale, v_scale, k_global_scale, v_global_scale, learnable_sink, qv)
+
+
+def _fa3_fp8(q, k_cache, k_scale, v_scale, q_descale, k_descale, v_descale):
+    """FA3's FP8 KV-cache call as tileflash's: (q in bfloat16, the keys' scale with q_descale folded in, the values'
+    scale). e4m3 values are exact in bfloat16, and the scores' scale q_descale * k_descale is what the kernel
+    multiplies the dots by either way."""
+    if k_cache.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"q_descale, k_descale, v_descale, an e4m3 q: FA3's FP8 call needs float8_e4m3fn caches, got "
+                         f"{k_cache.dtype}")
+    if k_scale is not None or v_scale is not None:
+        raise ValueError("k_scale, v_scale / k_descale, v_descale: pass the cache's scales one way, tileflash's "
+                         "([1] or [Hkv]) or FA3's ([batch, Hkv] descales)")
+    one = unit_scale(k_cache.device)
+    k_scale, v_scale = (t if t is not None else one for t in (k_descale, v_descale))
+    if q_descale is not None:
+        _utils.check_tensor("q_descale", q_descale, ndim=2, dtypes=(torch.float32,), device=k_cache.device)
+        if k_scale.dim() == 2 and k_scale.shape != q_descale.shape:
+            raise ValueError(f"q_descale, k_descale: expected equal shapes ([batch, Hkv]), got "
+                             f"{tuple(q_descale.shape)} and {tuple(k_scale.shape)}")
+        k_scale = q_descale * k_scale  # [B, Hkv] (the batch and head counts are checked with the call)
+    if k_scale.shape != v_scale.shape:  # one [B, Hkv], the other 1: the same shape, the kernel reads stride 0
+        k_scale, v_scale = torch.broadcast_tensors(k_scale, v_scale)
+    if q.dtype == torch.float8_e4m3fn:
+        q = q.to(torch.bfloat16)
+    return q, k_scale, v_scale
 
 
 def _kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,

@@ -337,7 +337,8 @@ def _check_max_seqlens(**max_seqlens) -> None:
 
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     return_lse=False, deterministic=False, dropout_p=0.0, alibi_slopes=None, learnable_sink=None,
-                    q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
+                    q_descale=None, k_descale=None, v_descale=None, out_dtype=None, *, return_attn_probs=False,
+                    num_splits=1, pack_gqa=None, sm_margin=0, attention_chunk=0, qv=None):
     """Attention over a padded batch. q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (Hq % Hkv == 0), fp16/bf16, or
     float8_e4m3fn for FP8 attention (below).
 
@@ -357,9 +358,16 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     q_descale k_descale (q8 k8^T) and out = v_descale (P v8) with P rounded to e4m3 (paged caches: P v8 in fp16),
     in fp32 otherwise (each KV block's P v8 is added into an fp32 accumulator, so long rows keep their precision).
     out_dtype: bfloat16 (default) or float16; lse as above. Forward only. tileflash.fp8_quantize_qkv makes the inputs.
+    FA3's keyword arguments: return_attn_probs=True returns (out, lse) as return_lse does (FA3's pair; flash-attn
+    2.x's third value, the dropout pattern, does not exist without dropout); num_splits, pack_gqa and sm_margin are
+    accepted and leave the result as it is (tileflash plans its own schedule); attention_chunk must be 0 and qv None.
     """
     if dropout_p:
         _utils.check_dropout(dropout_p)
+    if return_attn_probs or num_splits != 1 or pack_gqa is not None or sm_margin or attention_chunk or \
+            qv is not None:
+        _utils.check_fa3_tail(num_splits, pack_gqa, sm_margin, attention_chunk, qv)
+        return_lse = bool(return_lse or return_attn_probs)
     if torch.compiler.is_compiling():
         if q.dtype == FP8:  # forward only: run eagerly (a graph break) rather than through the custom op
             return _flash_attn_func_eager(q, k, v, softmax_scale, causal, window_size, softcap, return_lse,
@@ -474,7 +482,9 @@ def _check_cu_seqlens(name: str, t, device) -> None:
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=None,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, return_lse=False,
                            deterministic=False, block_table=None, dropout_p=0.0, alibi_slopes=None,
-                           learnable_sink=None, q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
+                           learnable_sink=None, q_descale=None, k_descale=None, v_descale=None, out_dtype=None, *,
+                           return_attn_probs=False, num_splits=1, pack_gqa=None, sm_margin=0, attention_chunk=0,
+                           qv=None, seqused_q=None):
     """Attention over packed variable-length sequences. q [total_q, Hq, D], k/v [total_k, Hkv, D];
     cu_seqlens_q/k [batch + 1] int32 offsets; optional seqused_k [batch] int32 (keys actually used per sequence).
     Empty sequences are allowed. Returns out [total_q, Hq, D] and with return_lse=True lse [Hq, total_q].
@@ -491,9 +501,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     sink_h).
     FP8 attention: float8_e4m3fn q, k, v (or page pools) with descales fp32 [batch, Hkv] and out_dtype, as in
     flash_attn_func (forward only).
+    FA3's keyword arguments as in flash_attn_func; seqused_q must be None (every sequence uses all its query rows).
+    FA3's positional order differs from this one after max_seqlen_k (its seqused_q comes before seqused_k): pass those
+    by name.
     """
     if dropout_p:
         _utils.check_dropout(dropout_p)
+    if return_attn_probs or num_splits != 1 or pack_gqa is not None or sm_margin or attention_chunk or \
+            qv is not None or seqused_q is not None:
+        _utils.check_fa3_tail(num_splits, pack_gqa, sm_margin, attention_chunk, qv, seqused_q=seqused_q)
+        return_lse = bool(return_lse or return_attn_probs)
     # The kernels index these with unit stride; a strided view (e.g. every other element) becomes a small copy.
     cu_seqlens_q, cu_seqlens_k, seqused_k = (t.contiguous() if isinstance(t, torch.Tensor) else t
                                              for t in (cu_seqlens_q, cu_seqlens_k, seqused_k))
