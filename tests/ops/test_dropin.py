@@ -466,3 +466,31 @@ def test_fa3_fp8_errors():
     new = torch.zeros(2, 1, 2, 64, dtype=torch.bfloat16, device=DEVICE)
     with pytest.raises(NotImplementedError, match="appends"):
         tileflash.flash_attn_with_kvcache(qb, k8, v8, new, new, cache_seqlens=lens, k_descale=d2, v_descale=d2)
+
+
+def test_fa3_fp8_descales_with_ragged_packed_queries():
+    """SGLang's extend over an FP8 paged cache: packed queries of 5, 0 and 19 tokens (the prefill tiles), causal,
+    each sequence with its own k_descale / v_descale row, against the per-sequence reference."""
+    from helpers import make_cache
+    from tileflash.reference import fp8_quantize_ref
+
+    g = torch.Generator().manual_seed(17)
+    b, hq, hkv, d, page = 3, 4, 2, 64, 16
+    k_hi, v_hi, table = make_cache(b, 48, hkv, d, torch.float32, page, g)
+    kd = (torch.rand(b, hkv, generator=g) * 0.02 + 0.005).to(DEVICE)
+    vd = (torch.rand(b, hkv, generator=g) * 0.02 + 0.005).to(DEVICE)
+    k8, v8 = torch.empty_like(k_hi, dtype=torch.float8_e4m3fn), torch.empty_like(v_hi, dtype=torch.float8_e4m3fn)
+    for i in range(b):
+        pages = table[i].long()
+        k8[pages], v8[pages] = fp8_quantize_ref(k_hi[pages], kd[i]), fp8_quantize_ref(v_hi[pages], vd[i])
+    cu = torch.tensor([0, 5, 5, 24], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([40, 4, 29], dtype=torch.int32, device=DEVICE)  # keys including each sequence's queries
+    q = torch.randn(24, hq, d, generator=g).to(DEVICE, torch.bfloat16)
+    out = tileflash.flash_attn_with_kvcache(q, k8, v8, cache_seqlens=lens, page_table=table, causal=True,
+                                            cu_seqlens_q=cu, max_seqlen_q=19, k_descale=kd, v_descale=vd)
+    for i in (0, 2):
+        rows = slice(int(cu[i]), int(cu[i + 1]))
+        kw = dict(cache_seqlens=lens[i:i + 1], block_table=table[i:i + 1], causal=True, k_scale=kd[i], v_scale=vd[i])
+        ref, *_ = kvcache_ref(q[None, rows], k8, v8, **kw)
+        ref_lowp, *_ = kvcache_ref(q[None, rows], k8, v8, upcast=False, **kw)
+        check_2x(out[rows], ref[0], ref_lowp[0])
