@@ -494,3 +494,15 @@ def test_fa3_fp8_descales_with_ragged_packed_queries():
         ref, *_ = kvcache_ref(q[None, rows], k8, v8, **kw)
         ref_lowp, *_ = kvcache_ref(q[None, rows], k8, v8, upcast=False, **kw)
         check_2x(out[rows], ref[0], ref_lowp[0])
+
+
+def test_e4m3_queries_with_tileflash_cache_scales():
+    """An e4m3 q (FA3's FP8 call) over an FP8 cache with tileflash's per-head k_scale / v_scale: the call of its
+    exact bfloat16 values, bit for bit."""
+    q, kc, vc = _cache(seed=5)
+    lens = torch.tensor([30, 17], dtype=torch.int32, device=DEVICE)
+    k8, v8 = (kc.float() * 20).to(torch.float8_e4m3fn), (vc.float() * 20).to(torch.float8_e4m3fn)
+    scales = dict(k_scale=torch.full((2,), 0.05, device=DEVICE), v_scale=torch.tensor([0.05, 0.04], device=DEVICE))
+    q8 = q.to(torch.float8_e4m3fn)
+    want = tileflash.flash_attn_with_kvcache(q8.to(torch.bfloat16), k8, v8, cache_seqlens=lens, **scales)
+    assert torch.equal(tileflash.flash_attn_with_kvcache(q8, k8, v8, cache_seqlens=lens, **scales), want)

@@ -162,10 +162,9 @@ def _(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, ca
 
 def _check_kv_scales(k_cache, v_cache, k_scale, v_scale, k_global_scale, v_global_scale, num_heads_kv: int,
                      head_dim: int, device) -> None:
-    """FP8 caches need fp32 scales ([1] per tensor or [Hkv] per KV head; [B, Hkv] from FA3's descales, whose shape
-    _check_kvcache checks); NVFP4 caches (uint8) need e4m3 block
-    scales shaped like the cache with D/16 in the last dim, sharing strides, and fp32 global scales; bf16/fp16
-    caches take none."""
+    """FP8 caches need fp32 scales ([1] per tensor or [Hkv] per KV head; FA3's per-sequence [B, Hkv], whose shape
+    _check_kvcache checks); NVFP4 caches (uint8) need e4m3 block scales shaped like the cache with D/16 in the last
+    dim, sharing strides, and fp32 global scales; bf16/fp16 caches take none."""
     fmt = KV_FORMATS.get(k_cache.dtype)
     if fmt is not None:
         _utils.check_fp8_hardware("k_cache", k_cache)
@@ -644,11 +643,13 @@ def _fa3_fp8(q, k_cache, k_scale, v_scale, q_descale, k_descale, v_descale):
     if k_cache.dtype != torch.float8_e4m3fn:
         raise ValueError(f"q_descale, k_descale, v_descale, an e4m3 q: FA3's FP8 call needs float8_e4m3fn caches, got "
                          f"{k_cache.dtype}")
-    if k_scale is not None or v_scale is not None:
-        raise ValueError("k_scale, v_scale / k_descale, v_descale: pass the cache's scales one way, tileflash's "
-                         "([1] or [Hkv]) or FA3's ([batch, Hkv] descales)")
+    if k_descale is not None or v_descale is not None:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError("k_scale, v_scale / k_descale, v_descale: pass the cache's scales one way, tileflash's "
+                             "([1] or [Hkv]) or FA3's ([batch, Hkv] descales)")
+        k_scale, v_scale = k_descale, v_descale
     one = unit_scale(k_cache.device)
-    k_scale, v_scale = (t if t is not None else one for t in (k_descale, v_descale))
+    k_scale, v_scale = (t if t is not None else one for t in (k_scale, v_scale))
     if q_descale is not None:
         _utils.check_tensor("q_descale", q_descale, ndim=2, dtypes=(torch.float32,), device=k_cache.device)
         if k_scale.dim() == 2 and k_scale.shape != q_descale.shape:
