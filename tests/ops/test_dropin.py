@@ -397,7 +397,7 @@ def test_fa3_keywords_of_flash_attn_with_kvcache():
     got = tileflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True, scheduler_metadata=None,
                                             pack_gqa=False, sm_margin=8, attention_chunk=0, rotary_seqlens=None)
     assert torch.equal(want, got)
-    with pytest.raises(NotImplementedError, match="rotary_seqlens"):
+    with pytest.raises(ValueError, match="rotary_seqlens"):  # positions of a rotation that is not asked for
         tileflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, rotary_seqlens=lens)
     with pytest.raises(NotImplementedError, match="attention_chunk"):
         tileflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, attention_chunk=8)
@@ -506,3 +506,36 @@ def test_e4m3_queries_with_tileflash_cache_scales():
     q8 = q.to(torch.float8_e4m3fn)
     want = tileflash.flash_attn_with_kvcache(q8.to(torch.bfloat16), k8, v8, cache_seqlens=lens, **scales)
     assert torch.equal(tileflash.flash_attn_with_kvcache(q8, k8, v8, cache_seqlens=lens, **scales), want)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("interleaved", [True, False], ids=["gptj", "neox"])
+def test_fa3_rotary_seqlens(causal, interleaved):
+    """FA3's rotary_seqlens: q and the new k rotate from their own positions (here 5 and 40 tokens away from the
+    cache lengths), the append still lands at cache_seqlens; against the reference of the pre-rotated q and k."""
+    from tileflash.reference import rotary_ref
+
+    g = torch.Generator().manual_seed(9)
+    mk = lambda *s: torch.randn(*s, generator=g).to(DEVICE, torch.float16)  # noqa: E731
+    b, sq, hq, hkv, d, cap = 2, 3, 4, 2, 64, 64
+    q, kc, vc, k, v = mk(b, sq, hq, d), mk(b, cap, hkv, d), mk(b, cap, hkv, d), mk(b, sq, hkv, d), mk(b, sq, hkv, d)
+    lens = torch.tensor([20, 7], dtype=torch.int32, device=DEVICE)
+    ro = torch.tensor([25, 47], dtype=torch.int32, device=DEVICE)
+    angle = torch.arange(96)[:, None] * (1e-2 * torch.arange(1, 17))[None, :]  # rotary_dim 32 < d
+    cos, sin = angle.cos().to(DEVICE, torch.float16), angle.sin().to(DEVICE, torch.float16)
+    kc_got, vc_got = kc.clone(), vc.clone()
+    out = tileflash.flash_attn_with_kvcache(q, kc_got, vc_got, k, v, rotary_cos=cos, rotary_sin=sin,
+                                            cache_seqlens=lens, causal=causal, rotary_interleaved=interleaved,
+                                            rotary_seqlens=ro)
+    q_rot, k_rot = torch.empty_like(q), torch.empty_like(k)
+    for i in range(b):
+        q_pos = int(ro[i]) + (torch.arange(sq) if causal else torch.zeros(sq, dtype=torch.long))
+        q_rot[i] = rotary_ref(q[i], cos, sin, q_pos, interleaved)
+        k_rot[i] = rotary_ref(k[i], cos, sin, int(ro[i]) + torch.arange(sq), interleaved)
+    ref, _, kc_ref, vc_ref = kvcache_ref(q_rot, kc, vc, k_rot, v, cache_seqlens=lens, causal=causal)
+    ref_lowp, *_ = kvcache_ref(q_rot, kc, vc, k_rot, v, cache_seqlens=lens, causal=causal, upcast=False)
+    check_2x(out, ref, ref_lowp)
+    assert torch.equal(kc_got, kc_ref) and torch.equal(vc_got, vc_ref)
+    with pytest.raises(ValueError, match="rotary_seqlens"):
+        tileflash.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k, v, rotary_cos=cos, rotary_sin=sin,
+                                          cache_seqlens=lens, rotary_seqlens=ro - 30)

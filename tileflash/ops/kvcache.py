@@ -604,17 +604,25 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     (fp32 [B, Hkv], FA3's names; absent: 1), so K = k_descale[b, h] * k_cache for sequence b and KV head h; out is
     bfloat16 (q's dtype when 16-bit). Runs as the FP8-cache call above with q exact in bfloat16 and q_descale folded
     into the keys' scale; appends (k, v) and qv take tileflash's k_scale / v_scale instead.
+    FA3's rotary_seqlens [B] int32 (with the rotary tables and k, v; padded q and k): the rotary positions start at
+    rotary_seqlens[b] instead of cache_seqlens[b] (q and the new k rotated by torch ops before the launch, in fp32 and
+    rounded once; the cache positions stay cache_seqlens + i).
     FA3's scheduling arguments (scheduler_metadata, pack_gqa, sm_margin) are accepted and leave the result as it is
     (tileflash plans its own schedule, cached per call signature: decode_plan for engines); attention_chunk must
-    be 0 and rotary_seqlens None.
+    be 0.
     Returns out [B, Sq, Hq, D], and with return_softmax_lse=True (or return_lse=True) (out, lse [B, Hq, Sq] fp32).
     """
     return_lse = bool(return_lse or return_softmax_lse)
-    if pack_gqa is not None or sm_margin or attention_chunk or rotary_seqlens is not None:
-        _utils.check_fa3_tail(num_splits, pack_gqa, sm_margin, attention_chunk, rotary_seqlens=rotary_seqlens)
+    if pack_gqa is not None or sm_margin or attention_chunk:
+        _utils.check_fa3_tail(num_splits, pack_gqa, sm_margin, attention_chunk)
     if q_descale is not None or k_descale is not None or v_descale is not None or \
             getattr(q, "dtype", None) == torch.float8_e4m3fn:
         q, k_scale, v_scale = _fa3_fp8(q, k_cache, k_scale, v_scale, q_descale, k_descale, v_descale)
+    if rotary_seqlens is not None:
+        q, k = _rotate_from(rotary_seqlens, q, k, rotary_cos, rotary_sin, rotary_interleaved,
+                            causal or _utils.check_window(window_size) != (-1, -1), cu_seqlens_q, cu_seqlens_k_new,
+                            validate)
+        rotary_cos = rotary_sin = None
     block_table = _block_table(block_table, page_table)
     if cu_seqlens_q is not None and isinstance(q, torch.Tensor) and q.dim() == 3 and isinstance(max_seqlen_q, int) \
             and cu_seqlens_q.dim() == 1 and 0 < max_seqlen_q and q.shape[0] == (len(cu_seqlens_q) - 1) * max_seqlen_q:
@@ -661,6 +669,45 @@ def _fa3_fp8(q, k_cache, k_scale, v_scale, q_descale, k_descale, v_descale):
     if q.dtype == torch.float8_e4m3fn:
         q = q.to(torch.bfloat16)
     return q, k_scale, v_scale
+
+
+def _rotate_from(rotary_seqlens, q, k, rotary_cos, rotary_sin, interleaved: bool, per_token: bool, cu_seqlens_q,
+                 cu_seqlens_k_new, validate: bool):
+    """(q, k) rotated at positions rotary_seqlens[b] + i (q at rotary_seqlens[b] for every token unless per_token),
+    as the kernels rotate at cache_seqlens[b] + i: fp32, rounded once; positions past the table take its last row."""
+    if rotary_cos is None or k is None:
+        raise ValueError("rotary_seqlens: the rotary positions of q and the new k; pass rotary_cos, rotary_sin, k and v")
+    if cu_seqlens_q is not None or cu_seqlens_k_new is not None:
+        raise NotImplementedError("rotary_seqlens: with padded q and k (not with cu_seqlens_q / cu_seqlens_k_new)")
+    _utils.check_int32("rotary_seqlens", rotary_seqlens, 1, q.device)
+    if rotary_seqlens.shape[0] != q.shape[0]:
+        raise ValueError(f"rotary_seqlens: expected {q.shape[0]} elements (q's batch), got {rotary_seqlens.shape[0]}")
+    if (validate or q.device.type == "cpu") and rotary_seqlens.numel() and int(rotary_seqlens.min()) < 0:
+        raise ValueError(f"rotary_seqlens: expected values >= 0, got min {int(rotary_seqlens.min())}")
+    for name, t in (("k", k), ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        _utils.check_tensor(name, t, device=q.device)
+    if rotary_cos.dim() != 2 or rotary_cos.shape != rotary_sin.shape or not 0 < 2 * rotary_cos.shape[1] <= q.shape[-1]:
+        raise ValueError(f"rotary_cos, rotary_sin: expected equal shapes [seqlen_ro, rotary_dim / 2] with rotary_dim <= "
+                         f"{q.shape[-1]}, got {tuple(rotary_cos.shape)} / {tuple(rotary_sin.shape)}")
+    base = rotary_seqlens.long()[:, None]
+    last = rotary_cos.shape[0] - 1
+
+    def rotate(x, offsets):
+        pos = (base + offsets.to(x.device)).clamp(0, last)  # [B, S]
+        c, s_ = (t[pos].float()[:, :, None, :] for t in (rotary_cos, rotary_sin))  # [B, S, 1, rotary_dim / 2]
+        r = 2 * rotary_cos.shape[1]
+        xr = x[..., :r].float()
+        if interleaved:  # GPT-J pairs (2i, 2i + 1)
+            x1, x2 = xr[..., 0::2], xr[..., 1::2]
+            rot = torch.stack((x1 * c - x2 * s_, x2 * c + x1 * s_), dim=-1).flatten(-2)
+        else:  # GPT-NeoX pairs (i, i + rotary_dim / 2)
+            x1, x2 = xr[..., : r // 2], xr[..., r // 2:]
+            rot = torch.cat((x1 * c - x2 * s_, x2 * c + x1 * s_), dim=-1)
+        return torch.cat((rot.to(x.dtype), x[..., r:]), dim=-1)
+
+    sq = q.shape[1]
+    q_offsets = torch.arange(sq) if per_token else torch.zeros(sq, dtype=torch.long)
+    return rotate(q, q_offsets), rotate(k, torch.arange(k.shape[1]))
 
 
 def _kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
