@@ -203,27 +203,32 @@ def check_dropout(dropout_p) -> None:
         raise ValueError(f"dropout_p: attention dropout is not supported, expected 0.0, got {dropout_p}")
 
 
-def check_fa3_tail(num_splits=0, pack_gqa=None, sm_margin=0, attention_chunk=0, qv=None, **unsupported) -> None:
+def check_fa3_tail(num_splits=0, pack_gqa=None, sm_margin=0, qv=None, **unsupported) -> None:
     """FA3's arguments that tileflash takes for drop-in calls. num_splits, pack_gqa and sm_margin tune FA3's
     schedule ("can be tuned for speed"; sm_margin leaves SMs free for communication) and never change its results:
     they are checked and accepted, and tileflash's planner chooses its own schedule (its grids do not reserve SMs).
-    attention_chunk (FA3's chunked local attention, forward only) and qv (MLA) are refused here when given, as is
-    any argument in `unsupported` that is not None, before any launch."""
+    qv (MLA) is refused here when given, as is any argument in `unsupported` that is not None or 0, before any
+    launch."""
     if as_int("num_splits", num_splits) < 0:
         raise ValueError(f"num_splits: expected >= 0, got {num_splits}")
     if pack_gqa is not None and not isinstance(pack_gqa, bool):
         raise ValueError(f"pack_gqa: expected None, True or False, got {pack_gqa!r}")
     if as_int("sm_margin", sm_margin) < 0:
         raise ValueError(f"sm_margin: expected >= 0, got {sm_margin}")
-    if as_int("attention_chunk", attention_chunk) != 0:
-        raise NotImplementedError(f"attention_chunk: FA3's chunked local attention is not supported (expected 0, "
-                                  f"got {attention_chunk}); sliding windows (window_size) are")
     if qv is not None:
         raise NotImplementedError("qv: MLA's latent queries are taken by flash_attn_with_kvcache (decode); the "
                                   "prefill entry points do not take them")
     for name, value in unsupported.items():
-        if value is not None:
-            raise NotImplementedError(f"{name}: not supported by tileflash (expected None)")
+        if value is not None and not (isinstance(value, int) and value == 0):
+            raise NotImplementedError(f"{name}: not supported here (expected None or 0, got {value!r})")
+
+
+def check_attention_chunk(attention_chunk) -> int:
+    """FA3's attention_chunk: 0 (off) or a positive chunk length in key positions."""
+    chunk = as_int("attention_chunk", attention_chunk)
+    if chunk < 0:
+        raise ValueError(f"attention_chunk: expected >= 0 (0: off), got {attention_chunk}")
+    return chunk
 
 
 def check_block_table_values(block_table: torch.Tensor, used_tokens, page_size: int, num_pages: int) -> None:

@@ -12,8 +12,9 @@ import torch
 
 
 def visible_mask(seqlen_q: int, seqlen_k: int, causal: bool = False, window_size=(-1, -1),
-                 device=None) -> torch.Tensor:
-    """[Sq, Sk] bool: query i sees key j. Bottom-right aligned: row i sits at key position i + Sk - Sq."""
+                 device=None, attention_chunk: int = 0) -> torch.Tensor:
+    """[Sq, Sk] bool: query i sees key j. Bottom-right aligned: row i sits at key position i + Sk - Sq.
+    attention_chunk c > 0 (FA3's): only keys in the query's chunk [floor(p / c) * c, + c) are seen."""
     left, right = window_size
     if causal:
         right = 0
@@ -24,6 +25,8 @@ def visible_mask(seqlen_q: int, seqlen_k: int, causal: bool = False, window_size
         ok &= k_pos <= q_pos + right
     if left >= 0:
         ok &= k_pos >= q_pos - left
+    if attention_chunk > 0:
+        ok &= k_pos // attention_chunk == torch.div(q_pos, attention_chunk, rounding_mode="floor")
     return ok
 
 
@@ -37,13 +40,14 @@ def alibi_bias(alibi_slopes, seqlen_q: int, seqlen_k: int) -> torch.Tensor:
 
 
 def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, upcast=True,
-                  alibi_slopes=None, learnable_sink=None, intermediate_dtype=None):
+                  alibi_slopes=None, learnable_sink=None, intermediate_dtype=None, attention_chunk=0):
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] -> (out [B, Sq, Hq, D] in q's dtype, lse [B, Hq, Sq] float32).
     intermediate_dtype (flash-attn's rule for FP8): the probabilities are rounded to it before the PV product (the
     low-precision reference of FP8 attention, on dequantized inputs).
     alibi_slopes [Hq] or [B, Hq]: alibi_bias is added after the scale and softcap, before the mask.
     learnable_sink [Hq]: one more logit column per row (unscaled, never masked) with no value: it enters the
-    logsumexp, so lse includes it and p = exp(s - lse) sums to less than 1 (autograd reaches the sink)."""
+    logsumexp, so lse includes it and p = exp(s - lse) sums to less than 1 (autograd reaches the sink).
+    attention_chunk: FA3's chunked attention (visible_mask)."""
     dtype = q.dtype
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
@@ -57,7 +61,7 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1
         s = softcap * torch.tanh(s / softcap)
     if alibi_slopes is not None:
         s = s + alibi_bias(alibi_slopes, sq, sk)
-    ok = visible_mask(sq, sk, causal, window_size, device=q.device)
+    ok = visible_mask(sq, sk, causal, window_size, device=q.device, attention_chunk=attention_chunk)
     s = s.masked_fill(~ok, float("-inf"))
     if learnable_sink is None:
         lse = torch.logsumexp(s, dim=-1)  # -inf for rows that see no key

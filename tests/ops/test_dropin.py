@@ -379,7 +379,8 @@ def test_fa3_keywords_of_the_prefill_entry_points():
                                                   pack_gqa=False, sm_margin=0, seqused_q=None)
     assert torch.equal(vout, out.reshape(-1, *out.shape[2:]))
     for call, match, exc in [
-        (lambda: tileflash.flash_attn_func(q, k, v, attention_chunk=16), "attention_chunk", NotImplementedError),
+        (lambda: tileflash.flash_attn_varlen_func(*packed, cu, cu, 37, 37, attention_chunk=16), "attention_chunk",
+         NotImplementedError),
         (lambda: tileflash.flash_attn_func(q, k, v, qv=q), "qv", NotImplementedError),
         (lambda: tileflash.flash_attn_func(q, k, v, sm_margin=-1), "sm_margin", ValueError),
         (lambda: tileflash.flash_attn_func(q, k, v, pack_gqa=1), "pack_gqa", ValueError),
@@ -539,3 +540,39 @@ def test_fa3_rotary_seqlens(causal, interleaved):
     with pytest.raises(ValueError, match="rotary_seqlens"):
         tileflash.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k, v, rotary_cos=cos, rotary_sin=sin,
                                           cache_seqlens=lens, rotary_seqlens=ro - 30)
+
+
+def test_chunk_pieces_table():
+    from tileflash.ops.chunked import chunk_pieces
+
+    assert chunk_pieces(10, 10, 4) == [(4, 4), (4, 4), (2, 2)]
+    assert chunk_pieces(3, 10, 4) == [(0, 4), (1, 4), (2, 2)]  # the keys of a chunk without queries first
+    assert chunk_pieces(6, 3, 2) == [(1, 0), (2, 0), (2, 2), (1, 1)]  # queries before every key see none
+    assert chunk_pieces(5, 8, 16) == [(5, 8)]  # one chunk: the plain call
+
+
+@pytest.mark.parametrize("sq,sk,chunk,causal,window", [
+    (37, 37, 8, True, (-1, -1)),  # Llama 4's layout: causal within chunks
+    (20, 45, 16, True, (-1, -1)),  # fewer queries than keys (bottom-right), a chunk without queries
+    (30, 19, 8, False, (-1, -1)),  # more queries than keys, block-diagonal
+    (33, 33, 16, True, (5, -1)),  # a sliding window inside the chunks
+], ids=["causal", "prefix", "sq>sk", "window"])
+def test_attention_chunk_forward_and_backward(sq, sk, chunk, causal, window):
+    """FA3's attention_chunk on flash_attn_func against the reference's chunk mask: out, lse and the gradients
+    (GQA, per-sequence ALiBi slopes, a sink)."""
+    from helpers import check_grads, check_out_lse
+
+    q, k, v = attention_inputs(2, sq, sk, 4, 2, 64, torch.float16, seed=3)
+    slopes = torch.rand(2, 4, device=DEVICE) * 0.1
+    sink = torch.randn(4, device=DEVICE)
+    kw = dict(causal=causal, window_size=window, alibi_slopes=slopes, learnable_sink=sink)
+    run = lambda q, k, v: tileflash.flash_attn_func(q, k, v, attention_chunk=chunk, return_lse=True, **kw)  # noqa
+    ref = lambda q, k, v, upcast=True: attention_ref(q, k, v, attention_chunk=chunk, upcast=upcast, **kw)  # noqa
+    check_out_lse(run(q, k, v), lambda upcast: ref(q, k, v, upcast))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    g = torch.Generator().manual_seed(4)
+    dout = torch.randn(2, sq, 4, 64, generator=g).to(DEVICE, torch.float16)
+    dlse = torch.randn(2, 4, sq, generator=g).to(DEVICE)
+    check_grads(run, ref, leaves, dout, dlse)
+    with pytest.raises(ValueError, match="attention_chunk"):
+        tileflash.flash_attn_func(q, k, v, attention_chunk=-4)

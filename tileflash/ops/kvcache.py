@@ -609,12 +609,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     rounded once; the cache positions stay cache_seqlens + i).
     FA3's scheduling arguments (scheduler_metadata, pack_gqa, sm_margin) are accepted and leave the result as it is
     (tileflash plans its own schedule, cached per call signature: decode_plan for engines); attention_chunk must
-    be 0.
+    be 0 here (flash_attn_func takes it).
     Returns out [B, Sq, Hq, D], and with return_softmax_lse=True (or return_lse=True) (out, lse [B, Hq, Sq] fp32).
     """
     return_lse = bool(return_lse or return_softmax_lse)
     if pack_gqa is not None or sm_margin or attention_chunk:
-        _utils.check_fa3_tail(num_splits, pack_gqa, sm_margin, attention_chunk)
+        _utils.check_fa3_tail(num_splits, pack_gqa, sm_margin,
+                              attention_chunk=_utils.check_attention_chunk(attention_chunk))
     if q_descale is not None or k_descale is not None or v_descale is not None or \
             getattr(q, "dtype", None) == torch.float8_e4m3fn:
         q, k_scale, v_scale = _fa3_fp8(q, k_cache, k_scale, v_scale, q_descale, k_descale, v_descale)

@@ -360,14 +360,25 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     out_dtype: bfloat16 (default) or float16; lse as above. Forward only. tileflash.fp8_quantize_qkv makes the inputs.
     FA3's keyword arguments: return_attn_probs=True returns (out, lse) as return_lse does (FA3's pair; flash-attn
     2.x's third value, the dropout pattern, does not exist without dropout); num_splits, pack_gqa and sm_margin are
-    accepted and leave the result as it is (tileflash plans its own schedule); attention_chunk must be 0 and qv None.
+    accepted and leave the result as it is (tileflash plans its own schedule); qv must be None. attention_chunk=c > 0
+    (Llama 4's chunked attention): a query at key position p sees only keys in [floor(p / c) * c, + c), intersected
+    with causal / the window (FA3's mask); it runs as packed sequences of one chunk each (ops/chunked.py), forward
+    and backward.
     """
     if dropout_p:
         _utils.check_dropout(dropout_p)
     if return_attn_probs or num_splits != 1 or pack_gqa is not None or sm_margin or attention_chunk or \
             qv is not None:
-        _utils.check_fa3_tail(num_splits, pack_gqa, sm_margin, attention_chunk, qv)
+        _utils.check_fa3_tail(num_splits, pack_gqa, sm_margin, qv)
         return_lse = bool(return_lse or return_attn_probs)
+        if _utils.check_attention_chunk(attention_chunk) and isinstance(q, torch.Tensor) and q.dim() == 4 \
+                and q.shape[1] > 0:
+            from .chunked import chunked_attention
+
+            return chunked_attention(flash_attn_varlen_func, q, k, v, int(attention_chunk), return_lse,
+                                     alibi_slopes, q_descale, k_descale, v_descale, softmax_scale=softmax_scale,
+                                     causal=causal, window_size=window_size, softcap=softcap,
+                                     deterministic=deterministic, learnable_sink=learnable_sink, out_dtype=out_dtype)
     if torch.compiler.is_compiling():
         if q.dtype == FP8:  # forward only: run eagerly (a graph break) rather than through the custom op
             return _flash_attn_func_eager(q, k, v, softmax_scale, causal, window_size, softcap, return_lse,
@@ -501,7 +512,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     sink_h).
     FP8 attention: float8_e4m3fn q, k, v (or page pools) with descales fp32 [batch, Hkv] and out_dtype, as in
     flash_attn_func (forward only).
-    FA3's keyword arguments as in flash_attn_func; seqused_q must be None (every sequence uses all its query rows).
+    FA3's keyword arguments as in flash_attn_func; seqused_q must be None (every sequence uses all its query rows)
+    and attention_chunk 0 (flash_attn_func takes it).
     FA3's positional order differs from this one after max_seqlen_k (its seqused_q comes before seqused_k): pass those
     by name.
     """
@@ -509,7 +521,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         _utils.check_dropout(dropout_p)
     if return_attn_probs or num_splits != 1 or pack_gqa is not None or sm_margin or attention_chunk or \
             qv is not None or seqused_q is not None:
-        _utils.check_fa3_tail(num_splits, pack_gqa, sm_margin, attention_chunk, qv, seqused_q=seqused_q)
+        _utils.check_fa3_tail(num_splits, pack_gqa, sm_margin, qv, seqused_q=seqused_q,
+                              attention_chunk=_utils.check_attention_chunk(attention_chunk))
         return_lse = bool(return_lse or return_attn_probs)
     # The kernels index these with unit stride; a strided view (e.g. every other element) becomes a small copy.
     cu_seqlens_q, cu_seqlens_k, seqused_k = (t.contiguous() if isinstance(t, torch.Tensor) else t

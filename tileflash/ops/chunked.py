@@ -1,0 +1,80 @@
+"""FA3's attention_chunk (Llama 4's chunked local attention) on flash_attn_func: a query at key position p sees only
+the keys of its own chunk, [floor(p / c) * c, floor(p / c) * c + c), with causal, windows, softcap, ALiBi and sinks
+applied as usual (FA3's mask: the chunk bounds intersect the window's).
+
+It runs as packed sequences, one per (sequence, chunk): the chunk's query rows and keys are contiguous rows of q and
+k, so the packed tensors are views, and each piece's bottom-right alignment is the chunk's own (its last query sits
+at its last key, or before a chunk's end only in the last chunk, where the keys end too). So forward and backward
+are flash_attn_varlen_func's, and only the offsets are new: computed from the shapes on the host, once per shape.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import _utils
+
+_OFFSETS: dict = {}
+
+
+def chunk_pieces(seqlen_q: int, seqlen_k: int, chunk: int) -> list[tuple[int, int]]:
+    """(query rows, keys) of one sequence's pieces in order, tiling its rows and keys: keys no query's chunk holds
+    (before the first query's chunk) form a piece without rows; queries before every key (Sq > Sk) one without
+    keys."""
+    diag = seqlen_k - seqlen_q  # query i sits at key position i + diag
+    pieces, row, key = [], 0, 0
+    for j in range((0 + diag) // chunk, (seqlen_q - 1 + diag) // chunk + 1):  # the chunks of the first to last query
+        rows_end = min(max((j + 1) * chunk - diag, 0), seqlen_q)
+        keys_start, keys_end = (min(max(x, 0), seqlen_k) for x in (j * chunk, (j + 1) * chunk))
+        if keys_start > key:  # keys of chunks that hold no query
+            pieces.append((0, keys_start - key))
+        if rows_end > row or keys_end > keys_start:
+            pieces.append((rows_end - row, keys_end - keys_start))
+        row, key = rows_end, keys_end
+    return pieces
+
+
+def _offsets(batch: int, seqlen_q: int, seqlen_k: int, chunk: int, device):
+    """(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, the batch index of each piece) for `batch` equal
+    sequences, cached per shape (the offsets' copy to the device is paid once)."""
+    key = (batch, seqlen_q, seqlen_k, chunk, device)
+    hit = _OFFSETS.get(key)
+    if hit is None:
+        pieces = chunk_pieces(seqlen_q, seqlen_k, chunk)
+        cu_q, cu_k = [0], [0]
+        for _ in range(batch):
+            for rows, keys in pieces:
+                cu_q.append(cu_q[-1] + rows)
+                cu_k.append(cu_k[-1] + keys)
+        owner = torch.arange(batch).repeat_interleave(len(pieces))
+        as_device = lambda x: torch.tensor(x, dtype=torch.int32).to(device)  # noqa: E731
+        hit = (as_device(cu_q), as_device(cu_k), max(r for r, _ in pieces), max(k for _, k in pieces),
+               owner.to(device))
+        if len(_OFFSETS) >= 256:
+            _OFFSETS.clear()
+        _OFFSETS[key] = hit
+    return hit
+
+
+def chunked_attention(varlen_fn, q, k, v, chunk: int, return_lse: bool, alibi_slopes, q_descale, k_descale,
+                      v_descale, **kw):
+    """flash_attn_func(q, k, v, ...) with attention_chunk=chunk (> 0) through varlen_fn (flash_attn_varlen_func):
+    per-sequence tensors (ALiBi slopes [B, Hq], FP8 descales [B, Hkv]) are repeated for each of its pieces."""
+    _utils.check_tensor("q", q, ndim=4)
+    _utils.check_tensor("k", k, ndim=4, device=q.device)
+    _utils.check_tensor("v", v, ndim=4, device=q.device)
+    b, sq, hq, d = q.shape
+    if k.shape[0] != b or v.shape[:2] != k.shape[:2]:
+        raise ValueError(f"k, v: expected [B={b}, Sk, Hkv, D] with equal B and Sk, got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+    sk = k.shape[1]
+    cu_q, cu_k, max_q, max_k, owner = _offsets(b, sq, sk, chunk, q.device)
+    per_piece = lambda t: t.index_select(0, owner) if isinstance(t, torch.Tensor) and t.dim() == 2 else t  # noqa
+    res = varlen_fn(q.reshape(b * sq, hq, d), k.reshape(b * sk, *k.shape[2:]), v.reshape(b * sk, *v.shape[2:]),
+                    cu_q, cu_k, max_q, max_k, return_lse=return_lse, alibi_slopes=per_piece(alibi_slopes),
+                    q_descale=per_piece(q_descale), k_descale=per_piece(k_descale), v_descale=per_piece(v_descale),
+                    **kw)
+    out, lse = res if return_lse else (res, None)
+    out = out.view(b, sq, hq, out.shape[-1])
+    if not return_lse:
+        return out
+    return out, lse.view(hq, b, sq).transpose(0, 1).contiguous()
