@@ -576,3 +576,27 @@ def test_attention_chunk_forward_and_backward(sq, sk, chunk, causal, window):
     check_grads(run, ref, leaves, dout, dlse)
     with pytest.raises(ValueError, match="attention_chunk"):
         tileflash.flash_attn_func(q, k, v, attention_chunk=-4)
+
+
+def test_attention_chunk_varlen():
+    """attention_chunk on packed sequences (pieces from device lengths, no sync): empty, shorter-than-a-chunk and
+    prefix-shaped sequences, causal, against the per-sequence reference; with gradients."""
+    from helpers import check_grads, check_lse, packed_inputs
+    from tileflash.reference import attention_varlen_ref
+
+    lens_q, lens_k = [13, 0, 5, 30], [13, 7, 21, 30]
+    q, k, v, cu_q, cu_k = packed_inputs(lens_q, lens_k, 4, 2, 64, torch.float16, seed=6)
+    kw = dict(causal=True, attention_chunk=8)
+    run = lambda q, k, v: tileflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),  # noqa
+                                                           return_lse=True, **kw)
+    ref = lambda q, k, v, upcast=True: attention_varlen_ref(q, k, v, cu_q, cu_k, upcast=upcast, **kw)  # noqa
+    out, lse = run(q, k, v)
+    check_2x(out, ref(q, k, v)[0], ref(q, k, v, False)[0])
+    check_lse(lse, ref(q, k, v)[1])
+    g = torch.Generator().manual_seed(2)
+    dout = torch.randn(q.shape, generator=g).to(DEVICE, torch.float16)
+    dlse = torch.randn(lse.shape, generator=g).to(DEVICE)
+    check_grads(run, ref, [t.clone().requires_grad_() for t in (q, k, v)], dout, dlse)
+    with pytest.raises(NotImplementedError, match="attention_chunk with seqused_k"):
+        tileflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 30, 30, seqused_k=cu_k[1:] - cu_k[:-1],
+                                         attention_chunk=8)

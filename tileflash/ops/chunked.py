@@ -1,4 +1,4 @@
-"""FA3's attention_chunk (Llama 4's chunked local attention) on flash_attn_func: a query at key position p sees only
+"""FA3's attention_chunk (Llama 4's chunked local attention) on flash_attn_func and flash_attn_varlen_func: a query at key position p sees only
 the keys of its own chunk, [floor(p / c) * c, floor(p / c) * c + c), with causal, windows, softcap, ALiBi and sinks
 applied as usual (FA3's mask: the chunk bounds intersect the window's).
 
@@ -78,3 +78,24 @@ def chunked_attention(varlen_fn, q, k, v, chunk: int, return_lse: bool, alibi_sl
     if not return_lse:
         return out
     return out, lse.view(hq, b, sq).transpose(0, 1).contiguous()
+
+
+def chunked_varlen(varlen_fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                   chunk: int, alibi_slopes, q_descale, k_descale, v_descale, **kw):
+    """flash_attn_varlen_func(...) with attention_chunk=chunk (> 0). The pieces come from device lengths without a
+    sync: every sequence takes the chunks j of one range [J0, J1] that covers every query of every sequence
+    (J0 = floor(-max_seqlen_q / c), J1 = floor((max_seqlen_k - 1) / c)); piece j of sequence b holds its rows
+    with key positions in [jc, jc + c) and its keys there (empty pieces are free), so rows and keys stay in order."""
+    first, last = -max_seqlen_q // chunk, max(max_seqlen_k - 1, 0) // chunk
+    ends = (torch.arange(first, last + 1, device=q.device) + 1) * chunk  # [P]: each piece's end key position
+    len_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()[:, None]  # [B, 1]
+    len_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()[:, None]
+    rows_end = torch.minimum(torch.clamp(ends[None, :] - (len_k - len_q), min=0), len_q)  # [B, P]
+    keys_end = torch.minimum(torch.clamp(ends[None, :], min=0), len_k)
+    cu_q = torch.cat([cu_seqlens_q[:1], (cu_seqlens_q[:-1, None].long() + rows_end).flatten().to(torch.int32)])
+    cu_k = torch.cat([cu_seqlens_k[:1], (cu_seqlens_k[:-1, None].long() + keys_end).flatten().to(torch.int32)])
+    owner = torch.arange(len_q.shape[0], device=q.device).repeat_interleave(ends.shape[0])
+    per_piece = lambda t: t.index_select(0, owner) if isinstance(t, torch.Tensor) and t.dim() == 2 else t  # noqa
+    return varlen_fn(q, k, v, cu_q, cu_k, min(max_seqlen_q, chunk), min(max_seqlen_k, chunk),
+                     alibi_slopes=per_piece(alibi_slopes), q_descale=per_piece(q_descale),
+                     k_descale=per_piece(k_descale), v_descale=per_piece(v_descale), **kw)
