@@ -379,7 +379,9 @@ def test_fa3_keywords_of_the_prefill_entry_points():
                                                   pack_gqa=False, sm_margin=0, seqused_q=None)
     assert torch.equal(vout, out.reshape(-1, *out.shape[2:]))
     for call, match, exc in [
-        (lambda: tileflash.flash_attn_varlen_func(*packed, cu, cu, 37, 37, attention_chunk=16), "attention_chunk",
+        (lambda: tileflash.flash_attn_varlen_func(*packed, cu, cu, 37, 37, seqused_k=cu[1:] - cu[:-1],
+                                                  attention_chunk=16), "attention_chunk", NotImplementedError),
+        (lambda: tileflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=37, attention_chunk=16), "attention_chunk",
          NotImplementedError),
         (lambda: tileflash.flash_attn_func(q, k, v, qv=q), "qv", NotImplementedError),
         (lambda: tileflash.flash_attn_func(q, k, v, sm_margin=-1), "sm_margin", ValueError),
