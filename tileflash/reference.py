@@ -215,12 +215,14 @@ def kvcache_ref(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_t
 
 
 def merge_ref(out_a, lse_a, out_b, lse_b):
-    """out_* [B, S, H, D], lse_* [B, H, S] -> merged (out, lse), float32 maths."""
+    """out_* [B, S, H, D], lse_* [B, H, S] -> merged (out, lse), float32 maths. A part that saw no key (lse -inf,
+    or flash-attn 2.x's +inf) contributes nothing, whatever its out holds."""
+    lse_a, lse_b = (torch.where(t == float("inf"), float("-inf"), t) for t in (lse_a, lse_b))
     lse = torch.logaddexp(lse_a, lse_b)
     safe = torch.where(torch.isinf(lse), 0.0, lse)
     wa = torch.exp(lse_a - safe).transpose(1, 2)[..., None]
     wb = torch.exp(lse_b - safe).transpose(1, 2)[..., None]
-    out = wa * out_a.float() + wb * out_b.float()
+    out = torch.where(wa > 0, wa * out_a.float(), 0.0) + torch.where(wb > 0, wb * out_b.float(), 0.0)
     return out.to(out_a.dtype), lse
 
 

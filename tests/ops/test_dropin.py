@@ -545,7 +545,7 @@ def test_fa3_rotary_seqlens(causal, interleaved):
 
 
 def test_chunk_pieces_table():
-    from tileflash.ops.chunked import chunk_pieces
+    from tileflash.ops.repack import chunk_pieces
 
     assert chunk_pieces(10, 10, 4) == [(4, 4), (4, 4), (2, 2)]
     assert chunk_pieces(3, 10, 4) == [(0, 4), (1, 4), (2, 2)]  # the keys of a chunk without queries first
@@ -602,3 +602,35 @@ def test_attention_chunk_varlen():
     with pytest.raises(NotImplementedError, match="attention_chunk with seqused_k"):
         tileflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 30, 30, seqused_k=cu_k[1:] - cu_k[:-1],
                                          attention_chunk=8)
+
+
+def test_kvcache_without_cache_seqlens_reads_the_whole_cache_and_empty_batches():
+    """flash-attn 2.x: without cache_seqlens (and no new keys) every sequence is the whole cache; an empty batch
+    returns an empty output (decode tiles and split planning included)."""
+    q, kc, vc = _cache(seed=6)
+    whole = tileflash.flash_attn_with_kvcache(q, kc, vc, causal=True)
+    assert torch.equal(whole, tileflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=kc.shape[1], causal=True))
+    with pytest.raises(ValueError, match="cache_seqlens: required with new keys"):
+        tileflash.flash_attn_with_kvcache(q, kc, vc, kc[:, :1], vc[:, :1])
+    for sq in (1, 3):
+        empty_q = torch.zeros(0, sq, 4, 64, dtype=q.dtype, device=DEVICE)
+        empty_kv = torch.zeros(0, 8, 2, 64, dtype=q.dtype, device=DEVICE)
+        out = tileflash.flash_attn_with_kvcache(empty_q, empty_kv, empty_kv.clone(),
+                                                cache_seqlens=torch.zeros(0, dtype=torch.int32, device=DEVICE))
+        assert out.shape == empty_q.shape
+
+
+def test_packed_queries_in_a_buffer_of_batch_times_max_rows_with_ragged_counts():
+    """q with batch * max_seqlen_q rows but ragged cu_seqlens_q (a speculative-decoding buffer): the rows past
+    cu_seqlens_q[-1] belong to no sequence, so the result is that of q trimmed to cu_seqlens_q[-1] rows (checked on
+    the CPU for free, with validate=True on the GPU)."""
+    g = torch.Generator().manual_seed(12)
+    mk = lambda *s: torch.randn(*s, generator=g).to(DEVICE, torch.float16)  # noqa: E731
+    kc, vc, q6 = mk(2, 32, 1, 16), mk(2, 32, 1, 16), mk(6, 2, 16)
+    lens = torch.tensor([10, 20], dtype=torch.int32, device=DEVICE)
+    cu = torch.tensor([0, 1, 3], dtype=torch.int32, device=DEVICE)
+    kw = dict(cache_seqlens=lens, cu_seqlens_q=cu, max_seqlen_q=3, causal=True, return_softmax_lse=True,
+              validate=True)
+    out6, lse6 = tileflash.flash_attn_with_kvcache(q6, kc, vc, **kw)
+    out3, lse3 = tileflash.flash_attn_with_kvcache(q6[:3], kc, vc, **kw)
+    assert torch.equal(out6[:3], out3) and torch.equal(lse6[:, :3], lse3)

@@ -50,3 +50,21 @@ def test_varlen_layout():
     ref, ref_lse = merge_ref(oa[None], la[None], ob[None], lb[None])
     assert (out.float() - ref[0].float()).abs().max().item() <= 2e-3
     assert torch.allclose(lse, ref_lse[0], atol=1e-5)
+
+
+def test_a_part_that_saw_no_key_contributes_nothing():
+    """flash-attn 2.x marks a row that saw no key with lse = +inf (tileflash and FA3: -inf): both mean "no part",
+    and such a part's out (here NaN: never written) is ignored."""
+    g = torch.Generator().manual_seed(8)
+    oa, ob = (torch.randn(1, 3, 2, 16, generator=g).to(DEVICE, torch.float16) for _ in range(2))
+    la, lb = (torch.randn(1, 2, 3, generator=g).to(DEVICE) for _ in range(2))
+    la[0, 0, 0] = float("inf")
+    oa[0, 0, 0] = float("nan")
+    lb[0, 1, 2] = float("-inf")
+    ob[0, 2, 1] = float("nan")
+    out, lse = tileflash.merge_attn_states(oa, la, ob, lb)
+    assert not torch.isnan(out).any()
+    assert torch.equal(out[0, 0, 0], ob[0, 0, 0]) and lse[0, 0, 0] == lb[0, 0, 0]
+    assert torch.equal(out[0, 2, 1], oa[0, 2, 1]) and lse[0, 1, 2] == la[0, 1, 2]
+    ref, ref_lse = merge_ref(oa, la, ob, lb)
+    assert (out.float() - ref.float()).abs().max() <= 2e-3 and torch.allclose(lse, ref_lse, atol=1e-5)

@@ -17,7 +17,7 @@ from ..launch import direct
 from ..launch.forward import (launch_attn_fwd, launch_combine, launch_decode_quant, launch_kv_append,
                               launch_mla_decode)
 from ..launch.tensors import unit_scale
-from ..plan.decode import KV_FORMATS, MAX_DECODE_TOKENS, MAX_SPLITS, DecodeSchedule, decode_schedule
+from ..plan.decode import KV_FORMATS, MAX_DECODE_TOKENS, MAX_SPLITS, DecodeSchedule, cache_capacity, decode_schedule
 from ..plan.prefill import Mask
 from .prefill import check_softcap
 
@@ -337,7 +337,8 @@ def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_sp
             raise ValueError("k_cache: a contiguous cache with no rows")
         capacity = k_cache.shape[1]
     if cache_seqlens is None:
-        raise ValueError("cache_seqlens: required ([batch] int32, tokens already in each sequence's cache), got None")
+        raise ValueError("cache_seqlens: required with new keys k, v ([batch] int32, tokens already in each "
+                         "sequence's cache; without k, v it defaults to the whole cache), got None")
     _utils.check_int32("cache_seqlens", cache_seqlens, 1, dev)
     if cache_seqlens.shape[0] != b:
         raise ValueError(f"cache_seqlens: expected {b} elements (batch), got {cache_seqlens.shape[0]}")
@@ -569,7 +570,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     k, v [B, Snew, Hkv, D] are written at positions cache_seqlens .. cache_seqlens + Snew, then attention runs over
     cache_seqlens + Snew tokens; causal=True masks bottom-right aligned (flash-attn's default, causal=False, lets
     every new query see every new key: pass causal=True for several new tokens of one sequence). cache_seqlens may
-    be an int (every sequence's length). num_splits (decode): 0 heuristic, 1 none, n exactly n.
+    be an int (every sequence's length), or None without k, v: the whole cache (flash-attn 2.x). num_splits
+    (decode): 0 heuristic, 1 none, n exactly n.
     cache_batch_idx [B] int32: the contiguous cache's row of each sequence (the cache may hold more rows than B).
     cache_leftpad [B] int32: sequence b's keys start at cache position cache_leftpad[b] (contiguous caches; keys
     [cache_leftpad, cache_seqlens + Snew), positions and masks counted from the pad).
@@ -591,7 +593,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     FA3's packed queries: q [total_q, Hq, D] with cu_seqlens_q [B + 1] int32 and max_seqlen_q (SGLang's extend and
     decode); out [total_q, Hq, D], lse [Hq, total_q]. When every sequence has max_seqlen_q tokens (total_q =
     B * max_seqlen_q, e.g. one each in decode) the call runs as the padded one; ragged queries take the prefill
-    tiles. FA3's packed appends: k, v [total_new, Hkv, D] with cu_seqlens_k_new [B + 1] int32 (sequence b appends
+    tiles. A q of exactly B * max_seqlen_q rows is taken to hold max_seqlen_q queries per sequence (read from
+    cu_seqlens_q only on CPU tensors or with validate=True: on the GPU that costs a sync), so a buffer of that size
+    with ragged counts must be trimmed to cu_seqlens_q[-1] rows. FA3's packed appends: k, v [total_new, Hkv, D] with cu_seqlens_k_new [B + 1] int32 (sequence b appends
     k[cu[b]:cu[b + 1]] at cache_seqlens[b]).
     alibi_slopes: fp32 [Hq] or [B, Hq], as in flash_attn_func, with Sk = cache_seqlens + Snew (after the append).
     learnable_sink: fp32 [Hq], as in flash_attn_func (forward only here); split-KV adds it once, in the combine.
@@ -626,7 +630,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         rotary_cos = rotary_sin = None
     block_table = _block_table(block_table, page_table)
     if cu_seqlens_q is not None and isinstance(q, torch.Tensor) and q.dim() == 3 and isinstance(max_seqlen_q, int) \
-            and cu_seqlens_q.dim() == 1 and 0 < max_seqlen_q and q.shape[0] == (len(cu_seqlens_q) - 1) * max_seqlen_q:
+            and cu_seqlens_q.dim() == 1 and 0 < max_seqlen_q and q.shape[0] == (len(cu_seqlens_q) - 1) * max_seqlen_q \
+            and _equal_counts(cu_seqlens_q, max_seqlen_q, validate):
         # Every sequence holds exactly max_seqlen_q queries: the padded call, with its decode tiles and splits.
         total_q, hq = q.shape[:2]
         padded = lambda t: t if t is None else t.view(-1, max_seqlen_q, hq, t.shape[-1])  # noqa: E731
@@ -643,6 +648,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                     block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
                     num_splits, return_lse, cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new, sp_overlap, validate,
                     k_scale, v_scale, k_global_scale, v_global_scale, learnable_sink, qv)
+
+
+def _equal_counts(cu_seqlens_q, max_seqlen_q: int, validate: bool) -> bool:
+    """Whether every packed sequence holds max_seqlen_q queries, for a q of exactly batch * max_seqlen_q rows (then
+    the call runs as the padded one, with decode tiles and splits). Read where it costs no sync (CPU tensors) or on
+    request (validate=True); otherwise the caller's contract (flash_attn_with_kvcache's docstring)."""
+    if not (validate or cu_seqlens_q.device.type == "cpu") or cu_seqlens_q.dtype != torch.int32:
+        return True
+    steps = torch.arange(cu_seqlens_q.shape[0], dtype=torch.int32, device=cu_seqlens_q.device) * max_seqlen_q
+    return bool(torch.equal(cu_seqlens_q, steps))
 
 
 def _fa3_fp8(q, k_cache, k_scale, v_scale, q_descale, k_descale, v_descale):
@@ -717,6 +732,9 @@ def _kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
              k_global_scale, v_global_scale, learnable_sink, qv=None):
     """flash_attn_with_kvcache without its argument aliases: plan (cached per signature) and run."""
     scales = (k_scale, v_scale, k_global_scale, v_global_scale)
+    if cache_seqlens is None and k is None and isinstance(k_cache, torch.Tensor) and k_cache.dim() == 4 and \
+            (block_table is None or isinstance(block_table, torch.Tensor) and block_table.dim() == 2):
+        cache_seqlens = cache_capacity(k_cache, block_table)  # flash-attn 2.x: without new keys, the whole cache
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool) and isinstance(q, torch.Tensor):
         batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)

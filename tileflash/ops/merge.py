@@ -22,7 +22,7 @@ class MergePlan(direct.Replayable):
     def run(self, out_a, lse_a, out_b, lse_b):
         out, lse = _utils.new_output_like(out_a), _utils.new_output_like(lse_a)
         if self.empty:  # nothing to launch for; an empty head dim still has LSEs to merge
-            return out, torch.logaddexp(lse_a, lse_b)
+            return out, torch.logaddexp(*(torch.where(t == float("inf"), float("-inf"), t) for t in (lse_a, lse_b)))
         self.execute(self._launch, (out_a, lse_a, out_b, lse_b, out, lse), direct.current_stream(self.device))
         return out, lse
 
@@ -50,7 +50,8 @@ def merge_attn_states(out_a, lse_a, out_b, lse_b):
 
     out_* [B, S, H, D] with lse_* [B, H, S] (flash_attn_func / flash_attn_with_kvcache layouts), or out_* [T, H, D]
     with lse_* [H, T] (varlen layout); lse float32, natural log, -inf for a part that saw no key (it contributes
-    nothing). Returns (out, lse) with out in out_a's dtype.
+    nothing, whatever its out holds; flash-attn 2.x's +inf is taken the same way). Returns (out, lse) with out in
+    out_a's dtype.
     """
     if torch.compiler.is_compiling():
         _check_merge(out_a, lse_a, out_b, lse_b)

@@ -362,7 +362,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     2.x's third value, the dropout pattern, does not exist without dropout); num_splits, pack_gqa and sm_margin are
     accepted and leave the result as it is (tileflash plans its own schedule); qv must be None. attention_chunk=c > 0
     (Llama 4's chunked attention): a query at key position p sees only keys in [floor(p / c) * c, + c), intersected
-    with causal / the window (FA3's mask); it runs as packed sequences of one chunk each (ops/chunked.py), forward
+    with causal / the window (FA3's mask); it runs as packed sequences of one chunk each (ops/repack.py), forward
     and backward.
     """
     if dropout_p:
@@ -373,7 +373,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
         return_lse = bool(return_lse or return_attn_probs)
         if _utils.check_attention_chunk(attention_chunk) and isinstance(q, torch.Tensor) and q.dim() == 4 \
                 and q.shape[1] > 0:
-            from .chunked import chunked_attention
+            from .repack import chunked_attention
 
             return chunked_attention(flash_attn_varlen_func, q, k, v, int(attention_chunk), return_lse,
                                      alibi_slopes, q_descale, k_descale, v_descale, softmax_scale=softmax_scale,
@@ -527,7 +527,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                  if seqused_k is not None or block_table is not None else {}))
         return_lse = bool(return_lse or return_attn_probs)
         if chunk and isinstance(cu_seqlens_q, torch.Tensor) and isinstance(cu_seqlens_k, torch.Tensor):
-            from .chunked import chunked_varlen
+            from .repack import chunked_varlen
 
             _check_max_seqlens(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
             for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):

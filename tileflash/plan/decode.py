@@ -289,6 +289,8 @@ def num_splits_heuristic(batch: int, nheads_kv: int, m_tiles: int, max_seqlen_k:
     259 (run 12), 4 splits 260 (run 13).
     """
     base = batch * nheads_kv * m_tiles
+    if base == 0:  # an empty batch launches nothing
+        return 1
     by_length = cdiv(max_seqlen_k, block_n) if max_seqlen_k >= MIN_SPLIT_TOKENS else 1
     if not resident_per_sm:
         target = per_sm * num_sms

@@ -23,12 +23,13 @@ def allow_dependent_launch(PDL: tl.constexpr):
 
 @triton.jit
 def _merge_step(acc, m, l, o_part, lse_part):
-    """Fold one part into the running (acc, m, l); m is the running max LSE and acc/l are scaled by exp(-m)."""
+    """Fold one part into the running (acc, m, l); m is the running max LSE and acc/l are scaled by exp(-m). A part
+    of weight 0 (lse -inf: it saw no key) adds nothing, even where its out is not finite."""
     m_new = tl.maximum(m, lse_part)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     a = tl.exp(m - m_safe)
     w = tl.exp(lse_part - m_safe)
-    return acc * a[:, None] + w[:, None] * o_part, m_new, l * a + w
+    return acc * a[:, None] + tl.where(w[:, None] > 0.0, w[:, None] * o_part, 0.0), m_new, l * a + w
 
 
 @triton.jit
@@ -170,10 +171,13 @@ def merge_states_kernel(oa_ptr, la_ptr, ob_ptr, lb_ptr, out_ptr, lse_ptr, seqlen
     acc = tl.zeros([BLOCK_R, HEAD_DIM_PAD], dtype=tl.float32)
     m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
     l = tl.zeros([BLOCK_R], dtype=tl.float32)
+    # flash-attn 2.x writes +inf for a row that saw no key, tileflash and FA3 -inf: both contribute nothing
     lse_a = tl.load(la_ptr + b * s_lab + h * s_lah + s * s_las, mask=row_ok, other=float("-inf"))
+    lse_a = tl.where(lse_a == float("inf"), float("-inf"), lse_a)
     o_a = tl.load(oa_ptr + (b * s_oab + s * s_oas + h * s_oah)[:, None] + offs_d[None, :], mask=mask, other=0.0)
     acc, m, l = _merge_step(acc, m, l, o_a.to(tl.float32), lse_a)
     lse_b = tl.load(lb_ptr + b * s_lbb + h * s_lbh + s * s_lbs, mask=row_ok, other=float("-inf"))
+    lse_b = tl.where(lse_b == float("inf"), float("-inf"), lse_b)
     o_b = tl.load(ob_ptr + (b * s_obb + s * s_obs + h * s_obh)[:, None] + offs_d[None, :], mask=mask, other=0.0)
     acc, m, l = _merge_step(acc, m, l, o_b.to(tl.float32), lse_b)
     _store_merged(acc, m, l, out_ptr, lse_ptr, b, s, h, row_ok, offs_d, stride_ob, stride_os, stride_oh,
