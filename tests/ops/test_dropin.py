@@ -386,8 +386,8 @@ def test_fa3_keywords_of_the_prefill_entry_points():
         (lambda: tileflash.flash_attn_func(q, k, v, qv=q), "qv", NotImplementedError),
         (lambda: tileflash.flash_attn_func(q, k, v, sm_margin=-1), "sm_margin", ValueError),
         (lambda: tileflash.flash_attn_func(q, k, v, pack_gqa=1), "pack_gqa", ValueError),
-        (lambda: tileflash.flash_attn_varlen_func(*packed, cu, cu, 37, 37, seqused_q=cu[1:]), "seqused_q",
-         NotImplementedError),
+        (lambda: tileflash.flash_attn_varlen_func(*packed, cu, cu, 37, 37, seqused_q=cu[1:], attention_chunk=8),
+         "attention_chunk", NotImplementedError),
     ]:
         with pytest.raises(exc, match=match):
             call()
@@ -634,3 +634,33 @@ def test_packed_queries_in_a_buffer_of_batch_times_max_rows_with_ragged_counts()
     out6, lse6 = tileflash.flash_attn_with_kvcache(q6, kc, vc, **kw)
     out3, lse3 = tileflash.flash_attn_with_kvcache(q6[:3], kc, vc, **kw)
     assert torch.equal(out6[:3], out3) and torch.equal(lse6[:, :3], lse3)
+
+
+def test_fa3_seqused_q():
+    """FA3's seqused_q: each sequence's first seqused_q[b] rows are its queries (bottom-right aligned to its keys);
+    the other rows give out 0 and lse -inf; gradients flow to the used rows only."""
+    from helpers import check_grads, check_lse, packed_inputs
+
+    lens_q, lens_k, used = [13, 0, 5, 30], [13, 7, 21, 30], [7, 0, 5, 12]
+    q, k, v, cu_q, cu_k = packed_inputs(lens_q, lens_k, 4, 2, 64, torch.float16, seed=7)
+    seqused_q = torch.tensor(used, dtype=torch.int32, device=DEVICE)
+
+    def ref(q, k, v, upcast=True):
+        out = torch.zeros_like(q, dtype=q.dtype if not upcast else torch.float32)
+        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
+        for b, n in enumerate(used):
+            q0, k0, k1 = int(cu_q[b]), int(cu_k[b]), int(cu_k[b + 1])
+            if n:
+                o, l = attention_ref(q[None, q0:q0 + n], k[None, k0:k1], v[None, k0:k1], causal=True, upcast=upcast)
+                out[q0:q0 + n], lse[:, q0:q0 + n] = o[0], l[0]
+        return out.to(q.dtype), lse
+
+    run = lambda q, k, v: tileflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 30, 30, causal=True,  # noqa: E731
+                                                           return_lse=True, seqused_q=seqused_q)
+    out, lse = run(q, k, v)
+    check_2x(out, ref(q, k, v)[0], ref(q, k, v, False)[0])
+    check_lse(lse, ref(q, k, v)[1])
+    g = torch.Generator().manual_seed(3)
+    dout = torch.randn(q.shape, generator=g).to(DEVICE, torch.float16)
+    dlse = torch.randn(lse.shape, generator=g).to(DEVICE)
+    check_grads(run, ref, [t.clone().requires_grad_() for t in (q, k, v)], dout, dlse)

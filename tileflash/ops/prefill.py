@@ -513,7 +513,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     FP8 attention: float8_e4m3fn q, k, v (or page pools) with descales fp32 [batch, Hkv] and out_dtype, as in
     flash_attn_func (forward only).
     FA3's keyword arguments as in flash_attn_func (attention_chunk without seqused_k or block_table: each sequence's
-    positions are its own); seqused_q must be None (every sequence uses all its query rows).
+    positions are its own). seqused_q [batch] int32 (FA3's): sequence b's queries are its first seqused_q[b] rows,
+    bottom-right aligned to its keys; its other rows get out 0 and lse -inf (not with block_table).
     FA3's positional order differs from this one after max_seqlen_k (its seqused_q comes before seqused_k): pass those
     by name.
     """
@@ -522,12 +523,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if return_attn_probs or num_splits != 1 or pack_gqa is not None or sm_margin or attention_chunk or \
             qv is not None or seqused_q is not None:
         chunk = _utils.check_attention_chunk(attention_chunk)
-        _utils.check_fa3_tail(num_splits, pack_gqa, sm_margin, qv, seqused_q=seqused_q,
-                              **({"attention_chunk with seqused_k or block_table": chunk}
-                                 if seqused_k is not None or block_table is not None else {}))
+        _utils.check_fa3_tail(num_splits, pack_gqa, sm_margin, qv, **(
+            {"attention_chunk with seqused_k, seqused_q or block_table": chunk}
+            if seqused_k is not None or seqused_q is not None or block_table is not None else {}),
+            **({"seqused_q with block_table": seqused_q} if block_table is not None else {}))
         return_lse = bool(return_lse or return_attn_probs)
-        if chunk and isinstance(cu_seqlens_q, torch.Tensor) and isinstance(cu_seqlens_k, torch.Tensor):
-            from .repack import chunked_varlen
+        if (chunk or seqused_q is not None) and isinstance(cu_seqlens_q, torch.Tensor) \
+                and isinstance(cu_seqlens_k, torch.Tensor):
+            from . import repack
 
             _check_max_seqlens(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
             for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
@@ -535,11 +538,17 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             if cu_seqlens_k.shape != cu_seqlens_q.shape:
                 raise ValueError(f"cu_seqlens_k: expected {cu_seqlens_q.shape[0]} elements (cu_seqlens_q's), got "
                                  f"{cu_seqlens_k.shape[0]}")
-            return chunked_varlen(flash_attn_varlen_func, q, k, v, cu_seqlens_q.contiguous(),
-                                  cu_seqlens_k.contiguous(), int(max_seqlen_q), int(max_seqlen_k), chunk,
-                                  alibi_slopes, q_descale, k_descale, v_descale, softmax_scale=softmax_scale,
-                                  causal=causal, window_size=window_size, softcap=softcap, return_lse=return_lse,
-                                  deterministic=deterministic, learnable_sink=learnable_sink, out_dtype=out_dtype)
+            kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                      return_lse=return_lse, deterministic=deterministic, learnable_sink=learnable_sink,
+                      out_dtype=out_dtype)
+            if chunk:
+                return repack.chunked_varlen(flash_attn_varlen_func, q, k, v, cu_seqlens_q.contiguous(),
+                                             cu_seqlens_k.contiguous(), int(max_seqlen_q), int(max_seqlen_k), chunk,
+                                             alibi_slopes, q_descale, k_descale, v_descale, **kw)
+            return repack.used_rows_varlen(flash_attn_varlen_func, q, k, v, cu_seqlens_q.contiguous(),
+                                           cu_seqlens_k.contiguous(), seqused_q, int(max_seqlen_q),
+                                           int(max_seqlen_k), seqused_k, alibi_slopes, q_descale, k_descale,
+                                           v_descale, **kw)
     # The kernels index these with unit stride; a strided view (e.g. every other element) becomes a small copy.
     cu_seqlens_q, cu_seqlens_k, seqused_k = (t.contiguous() if isinstance(t, torch.Tensor) else t
                                              for t in (cu_seqlens_q, cu_seqlens_k, seqused_k))

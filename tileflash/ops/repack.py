@@ -1,11 +1,15 @@
-"""FA3's attention_chunk (Llama 4's chunked local attention) on flash_attn_func and flash_attn_varlen_func: a query at key position p sees only
-the keys of its own chunk, [floor(p / c) * c, floor(p / c) * c + c), with causal, windows, softcap, ALiBi and sinks
-applied as usual (FA3's mask: the chunk bounds intersect the window's).
+"""FA3's arguments that run as flash_attn_varlen_func over re-cut sequences: seqused_q (a sequence's first rows are
+its queries, the rest a piece without keys) and attention_chunk.
 
-It runs as packed sequences, one per (sequence, chunk): the chunk's query rows and keys are contiguous rows of q and
-k, so the packed tensors are views, and each piece's bottom-right alignment is the chunk's own (its last query sits
-at its last key, or before a chunk's end only in the last chunk, where the keys end too). So forward and backward
-are flash_attn_varlen_func's, and only the offsets are new: computed from the shapes on the host, once per shape.
+attention_chunk (Llama 4's chunked local attention) on flash_attn_func and flash_attn_varlen_func: a query at key
+position p sees only the keys of its own chunk, [floor(p / c) * c, floor(p / c) * c + c), with causal, windows,
+softcap, ALiBi and sinks applied as usual (FA3's mask: the chunk bounds intersect the window's). It runs as packed
+sequences, one per (sequence, chunk): the chunk's query rows and keys are contiguous rows of q and k, so the packed
+tensors are views, and each piece's bottom-right alignment is the chunk's own (its last query sits at its last key,
+or before a chunk's end only in the last chunk, where the keys end too).
+
+Forward and backward are flash_attn_varlen_func's; only the offsets are new (from the shapes on the host once per
+shape, or from device lengths without a sync).
 """
 from __future__ import annotations
 
@@ -97,5 +101,24 @@ def chunked_varlen(varlen_fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q:
     owner = torch.arange(len_q.shape[0], device=q.device).repeat_interleave(ends.shape[0])
     per_piece = lambda t: t.index_select(0, owner) if isinstance(t, torch.Tensor) and t.dim() == 2 else t  # noqa
     return varlen_fn(q, k, v, cu_q, cu_k, min(max_seqlen_q, chunk), min(max_seqlen_k, chunk),
+                     alibi_slopes=per_piece(alibi_slopes), q_descale=per_piece(q_descale),
+                     k_descale=per_piece(k_descale), v_descale=per_piece(v_descale), **kw)
+
+
+def used_rows_varlen(varlen_fn, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, max_seqlen_q: int,
+                     max_seqlen_k: int, seqused_k, alibi_slopes, q_descale, k_descale, v_descale, **kw):
+    """flash_attn_varlen_func(...) with FA3's seqused_q [B] int32: sequence b's first seqused_q[b] rows are its
+    queries (bottom-right aligned to its keys), its other rows a piece without keys (out 0, lse -inf)."""
+    _utils.check_int32("seqused_q", seqused_q, 1, q.device)
+    if seqused_q.shape[0] != cu_seqlens_q.shape[0] - 1:
+        raise ValueError(f"seqused_q: expected {cu_seqlens_q.shape[0] - 1} elements, got {seqused_q.shape[0]}")
+    starts, ends = cu_seqlens_q[:-1], cu_seqlens_q[1:]
+    used_end = torch.minimum(starts + seqused_q.clamp(min=0), ends)
+    cu_q = torch.cat([cu_seqlens_q[:1], torch.stack([used_end, ends], dim=1).flatten()]).to(torch.int32)
+    cu_k = torch.cat([cu_seqlens_k[:1], cu_seqlens_k[1:].repeat_interleave(2)])
+    if seqused_k is not None:
+        seqused_k = torch.stack([seqused_k, torch.zeros_like(seqused_k)], dim=1).flatten()
+    per_piece = lambda t: t.repeat_interleave(2, dim=0) if isinstance(t, torch.Tensor) and t.dim() == 2 else t  # noqa
+    return varlen_fn(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, seqused_k=seqused_k,
                      alibi_slopes=per_piece(alibi_slopes), q_descale=per_piece(q_descale),
                      k_descale=per_piece(k_descale), v_descale=per_piece(v_descale), **kw)
