@@ -664,3 +664,12 @@ def test_fa3_seqused_q():
     dout = torch.randn(q.shape, generator=g).to(DEVICE, torch.float16)
     dlse = torch.randn(lse.shape, generator=g).to(DEVICE)
     check_grads(run, ref, [t.clone().requires_grad_() for t in (q, k, v)], dout, dlse)
+
+
+def test_flash_attn_2x_positional_dropout_is_not_a_zero_scale():
+    """flash-attn 2.x's flash_attn_func(q, k, v, 0.0): its fourth argument is dropout_p, here FA3's softmax_scale;
+    0 would average the values uniformly without a word, so it is refused with a pointer to the keyword."""
+    q, k, v = attention_inputs(1, 17, 17, 2, 2, 64, torch.float16)
+    with pytest.raises(ValueError, match="dropout_p=0.0 by name"):
+        tileflash.flash_attn_func(q, k, v, 0.0, causal=True)
+    tileflash.flash_attn_func(q, k, v, dropout_p=0.0, causal=True)

@@ -72,7 +72,8 @@ def kvcache_args(paged=True):
 
 KVCACHE_CASES = [
     ("cache_seqlens", TypeError, lambda a: a.update(cache_seqlens=a["cache_seqlens"].long())),
-    ("cache_seqlens", ValueError, lambda a: a.update(cache_seqlens=None)),
+    ("cache_seqlens", ValueError, lambda a: a.update(cache_seqlens=None, k=torch.randn(2, 1, 2, 64, **F16),
+                                                     v=torch.randn(2, 1, 2, 64, **F16))),  # None: only without k, v
     ("block_table", TypeError, lambda a: a.update(block_table=a["block_table"].long())),
     ("k, v", ValueError, lambda a: a.update(k=torch.randn(2, 1, 2, 64, **F16))),
     ("query token", ValueError, lambda a: a.update(q=torch.randn(2, 0, 4, 64, **F16))),

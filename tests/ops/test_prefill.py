@@ -63,10 +63,11 @@ def test_strided_inputs_from_packed_qkv():
     check_2x(out, ref, ref_lowp)
 
 
-@pytest.mark.parametrize("scale", [0.0, -0.3, 0.3])
+@pytest.mark.parametrize("scale", [-0.3, 0.3])
 def test_any_softmax_scale_sign(scale):
-    """A positive scale is applied inside exp2's argument (one FMA); zero and negative scales take the scale-first
-    path (exp2(s * scale - max) needs scale > 0 for the max to commute): all match the reference, masks included."""
+    """A positive scale is applied inside exp2's argument (one FMA); negative scales take the scale-first path
+    (exp2(s * scale - max) needs scale > 0 for the max to commute): both match the reference, masks included. (0 is
+    refused by flash_attn_func: test_dropin.py, flash-attn 2.x's positional dropout_p.)"""
     q, k, v = attention_inputs(2, 37, 53, 4, 2, 64, torch.float16, seed=9)
     out, lse = tileflash.flash_attn_func(q, k, v, causal=True, window_size=(20, -1), softmax_scale=scale,
                                          return_lse=True)

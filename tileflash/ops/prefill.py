@@ -412,6 +412,12 @@ _flash_attn_func_eager = torch.compiler.disable(flash_attn_func)
 def _checked_dense(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
                    learnable_sink) -> tuple[Mask, float]:
     _check_qkv(q, k, v, 4)
+    if softmax_scale is not None and _utils.finite_float("softmax_scale", softmax_scale) == 0.0:
+        # flash-attn 2.x's fourth positional argument is dropout_p: flash_attn_func(q, k, v, 0.0) written for it
+        # would otherwise average the values uniformly
+        raise ValueError("softmax_scale: 0 makes every key weigh the same; flash-attn 2.x code passing dropout_p "
+                         "positionally (the fourth argument here is FA3's softmax_scale) must pass dropout_p=0.0 by "
+                         "name")
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"k: expected batch {q.shape[0]} (q's), got {k.shape[0]}")
     _utils.check_alibi_slopes(alibi_slopes, q.shape[0], q.shape[2], q.device)
