@@ -580,10 +580,24 @@ def test_attention_chunk_forward_and_backward(sq, sk, chunk, causal, window):
         tileflash.flash_attn_func(q, k, v, attention_chunk=-4)
 
 
+def _check_packed_run(run, ref, q, k, v, seed: int):
+    """run(q, k, v) -> (out, lse) of packed sequences against ref(q, k, v, upcast): out by the 2x rule, lse, and the
+    gradients of q, k, v."""
+    from helpers import check_grads, check_lse
+
+    out, lse = run(q, k, v)
+    check_2x(out, ref(q, k, v)[0], ref(q, k, v, False)[0])
+    check_lse(lse, ref(q, k, v)[1])
+    g = torch.Generator().manual_seed(seed)
+    dout = torch.randn(q.shape, generator=g).to(DEVICE, torch.float16)
+    dlse = torch.randn(lse.shape, generator=g).to(DEVICE)
+    check_grads(run, ref, [t.clone().requires_grad_() for t in (q, k, v)], dout, dlse)
+
+
 def test_attention_chunk_varlen():
     """attention_chunk on packed sequences (pieces from device lengths, no sync): empty, shorter-than-a-chunk and
     prefix-shaped sequences, causal, against the per-sequence reference; with gradients."""
-    from helpers import check_grads, check_lse, packed_inputs
+    from helpers import packed_inputs
     from tileflash.reference import attention_varlen_ref
 
     lens_q, lens_k = [13, 0, 5, 30], [13, 7, 21, 30]
@@ -592,13 +606,7 @@ def test_attention_chunk_varlen():
     run = lambda q, k, v: tileflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),  # noqa
                                                            return_lse=True, **kw)
     ref = lambda q, k, v, upcast=True: attention_varlen_ref(q, k, v, cu_q, cu_k, upcast=upcast, **kw)  # noqa
-    out, lse = run(q, k, v)
-    check_2x(out, ref(q, k, v)[0], ref(q, k, v, False)[0])
-    check_lse(lse, ref(q, k, v)[1])
-    g = torch.Generator().manual_seed(2)
-    dout = torch.randn(q.shape, generator=g).to(DEVICE, torch.float16)
-    dlse = torch.randn(lse.shape, generator=g).to(DEVICE)
-    check_grads(run, ref, [t.clone().requires_grad_() for t in (q, k, v)], dout, dlse)
+    _check_packed_run(run, ref, q, k, v, seed=2)
     with pytest.raises(NotImplementedError, match="attention_chunk with seqused_k"):
         tileflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 30, 30, seqused_k=cu_k[1:] - cu_k[:-1],
                                          attention_chunk=8)
@@ -639,7 +647,7 @@ def test_packed_queries_in_a_buffer_of_batch_times_max_rows_with_ragged_counts()
 def test_fa3_seqused_q():
     """FA3's seqused_q: each sequence's first seqused_q[b] rows are its queries (bottom-right aligned to its keys);
     the other rows give out 0 and lse -inf; gradients flow to the used rows only."""
-    from helpers import check_grads, check_lse, packed_inputs
+    from helpers import packed_inputs
 
     lens_q, lens_k, used = [13, 0, 5, 30], [13, 7, 21, 30], [7, 0, 5, 12]
     q, k, v, cu_q, cu_k = packed_inputs(lens_q, lens_k, 4, 2, 64, torch.float16, seed=7)
@@ -657,13 +665,7 @@ def test_fa3_seqused_q():
 
     run = lambda q, k, v: tileflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 30, 30, causal=True,  # noqa: E731
                                                            return_lse=True, seqused_q=seqused_q)
-    out, lse = run(q, k, v)
-    check_2x(out, ref(q, k, v)[0], ref(q, k, v, False)[0])
-    check_lse(lse, ref(q, k, v)[1])
-    g = torch.Generator().manual_seed(3)
-    dout = torch.randn(q.shape, generator=g).to(DEVICE, torch.float16)
-    dlse = torch.randn(lse.shape, generator=g).to(DEVICE)
-    check_grads(run, ref, [t.clone().requires_grad_() for t in (q, k, v)], dout, dlse)
+    _check_packed_run(run, ref, q, k, v, seed=3)
 
 
 def test_flash_attn_2x_positional_dropout_is_not_a_zero_scale():
