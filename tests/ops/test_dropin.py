@@ -421,7 +421,7 @@ def test_fa3_fp8_cache_with_per_sequence_descales(q_fp8, page_size):
     kd = (torch.rand(b, hkv, generator=g) * 0.02 + 0.005).to(DEVICE)
     vd = (torch.rand(b, hkv, generator=g) * 0.02 + 0.005).to(DEVICE)
     rows = (lambda t, i: t[i]) if page_size is None else (lambda t, i: t[table[i].long()])
-    k_cache, v_cache = torch.empty_like(k_hi, dtype=torch.float8_e4m3fn), torch.empty_like(v_hi, dtype=torch.float8_e4m3fn)
+    k_cache, v_cache = (torch.empty_like(t, dtype=torch.float8_e4m3fn) for t in (k_hi, v_hi))
     for i in range(b):  # each sequence's rows (pages) quantized with its own scales
         idx = i if page_size is None else table[i].long()
         k_cache[idx], v_cache[idx] = fp8_quantize_ref(rows(k_hi, i), kd[i]), fp8_quantize_ref(rows(v_hi, i), vd[i])

@@ -282,3 +282,14 @@ def test_fp8_needle_in_64k_keys():
     needle = (v8[0, at, 0].float() * vd[0, 0]).expand_as(out)
     err = (out - needle).abs()
     assert (err <= needle.abs() * 2 ** -8 + 2 ** -12).all(), f"max error {err.max().item():.3e}"
+
+
+def test_fp8_attention_chunk():
+    """FA3's attention_chunk with FP8 inputs: the per-sequence descales follow each sequence into its chunk pieces."""
+    q, k, v = attention_inputs(2, 40, 40, 4, 2, 64, torch.bfloat16, seed=5)
+    q8, k8, v8, qd, kd, vd = tileflash.fp8_quantize_qkv(q, k, v)
+    out, lse = tileflash.flash_attn_func(q8, k8, v8, causal=True, return_lse=True, q_descale=qd, k_descale=kd,
+                                         v_descale=vd, attention_chunk=16)
+    deq = dequantize(q8, qd), dequantize(k8, kd), dequantize(v8, vd)
+    check_fp8(out, lse, lambda up, inter: attention_ref(*deq, causal=True, attention_chunk=16, upcast=up,
+                                                        intermediate_dtype=inter))

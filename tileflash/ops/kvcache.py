@@ -584,7 +584,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     FP8 caches: k_cache/v_cache in float8_e4m3fn with k_scale/v_scale (float32, [1] per tensor or [Hkv] per KV
     head): K = k_scale * k_cache; new k/v (in q's dtype) are quantized into the cache (x / scale, saturated, RNE).
     NVFP4 caches: k_cache/v_cache uint8 [.., S, Hkv, D/2] (element 2i in the low nibble), k_scale/v_scale
-    float8_e4m3fn [.., S, Hkv, D/16] (one scale per 16 elements), k_global_scale/v_global_scale float32 [1]:
+    float8_e4m3fn [.., S, Hkv, D/16] (one scale per 16 elements), k_global_scale/v_global_scale float32 [1] or []:
     K = e2m1 * k_scale * k_global_scale (tileflash.nvfp4_quantize's format); appends quantize with the global
     scale. D must be a power of two >= 32.
     validate=True checks cache_seqlens, block_table, cache_batch_idx and cache_leftpad values against the cache
@@ -595,8 +595,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     B * max_seqlen_q, e.g. one each in decode) the call runs as the padded one; ragged queries take the prefill
     tiles. A q of exactly B * max_seqlen_q rows is taken to hold max_seqlen_q queries per sequence (read from
     cu_seqlens_q only on CPU tensors or with validate=True: on the GPU that costs a sync), so a buffer of that size
-    with ragged counts must be trimmed to cu_seqlens_q[-1] rows. FA3's packed appends: k, v [total_new, Hkv, D] with cu_seqlens_k_new [B + 1] int32 (sequence b appends
-    k[cu[b]:cu[b + 1]] at cache_seqlens[b]).
+    with ragged counts must be trimmed to cu_seqlens_q[-1] rows. FA3's packed appends: k, v [total_new, Hkv, D]
+    with cu_seqlens_k_new [B + 1] int32 (sequence b appends k[cu[b]:cu[b + 1]] at cache_seqlens[b]).
     alibi_slopes: fp32 [Hq] or [B, Hq], as in flash_attn_func, with Sk = cache_seqlens + Snew (after the append).
     learnable_sink: fp32 [Hq], as in flash_attn_func (forward only here); split-KV adds it once, in the combine.
     MLA (DeepSeek-V2/V3's latent attention, FA3's qv): qv [B, Sq, Hq, Dv] holds the queries' latent part and q their
@@ -692,7 +692,8 @@ def _rotate_from(rotary_seqlens, q, k, rotary_cos, rotary_sin, interleaved: bool
     """(q, k) rotated at positions rotary_seqlens[b] + i (q at rotary_seqlens[b] for every token unless per_token),
     as the kernels rotate at cache_seqlens[b] + i: fp32, rounded once; positions past the table take its last row."""
     if rotary_cos is None or k is None:
-        raise ValueError("rotary_seqlens: the rotary positions of q and the new k; pass rotary_cos, rotary_sin, k and v")
+        raise ValueError("rotary_seqlens: the rotary positions of q and the new k; pass rotary_cos, rotary_sin, k "
+                         "and v")
     if cu_seqlens_q is not None or cu_seqlens_k_new is not None:
         raise NotImplementedError("rotary_seqlens: with padded q and k (not with cu_seqlens_q / cu_seqlens_k_new)")
     _utils.check_int32("rotary_seqlens", rotary_seqlens, 1, q.device)
@@ -703,8 +704,8 @@ def _rotate_from(rotary_seqlens, q, k, rotary_cos, rotary_sin, interleaved: bool
     for name, t in (("k", k), ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
         _utils.check_tensor(name, t, device=q.device)
     if rotary_cos.dim() != 2 or rotary_cos.shape != rotary_sin.shape or not 0 < 2 * rotary_cos.shape[1] <= q.shape[-1]:
-        raise ValueError(f"rotary_cos, rotary_sin: expected equal shapes [seqlen_ro, rotary_dim / 2] with rotary_dim <= "
-                         f"{q.shape[-1]}, got {tuple(rotary_cos.shape)} / {tuple(rotary_sin.shape)}")
+        raise ValueError(f"rotary_cos, rotary_sin: expected equal shapes [seqlen_ro, rotary_dim / 2] with "
+                         f"rotary_dim <= {q.shape[-1]}, got {tuple(rotary_cos.shape)} / {tuple(rotary_sin.shape)}")
     base = rotary_seqlens.long()[:, None]
     last = rotary_cos.shape[0] - 1
 
