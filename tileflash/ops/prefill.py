@@ -538,12 +538,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                 and isinstance(cu_seqlens_k, torch.Tensor):
             from . import repack
 
-            _check_max_seqlens(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
-            for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-                _check_cu_seqlens(name, t, cu_seqlens_q.device)
-            if cu_seqlens_k.shape != cu_seqlens_q.shape:
-                raise ValueError(f"cu_seqlens_k: expected {cu_seqlens_q.shape[0]} elements (cu_seqlens_q's), got "
-                                 f"{cu_seqlens_k.shape[0]}")
+            _check_packed_offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cu_seqlens_q.device)
             kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
                       return_lse=return_lse, deterministic=deterministic, learnable_sink=learnable_sink,
                       out_dtype=out_dtype)
@@ -602,6 +597,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 _flash_attn_varlen_func_eager = torch.compiler.disable(flash_attn_varlen_func)
 
 
+def _check_packed_offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, device) -> None:
+    """Packed sequences' int32 offsets [batch + 1], as many for the keys as for the queries, and their bounds."""
+    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, device)
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, device)
+    if cu_seqlens_k.shape[0] != cu_seqlens_q.shape[0]:
+        raise ValueError(f"cu_seqlens_k: expected {cu_seqlens_q.shape[0]} elements (cu_seqlens_q's), "
+                         f"got {cu_seqlens_k.shape[0]}")
+    _check_max_seqlens(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+
+
 def _checked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
                     softmax_scale, causal, window_size, softcap, alibi_slopes, learnable_sink) -> tuple[Mask, float]:
     if block_table is not None:
@@ -610,17 +615,12 @@ def _checked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
         _check_max_seqlens(max_seqlen_q=max_seqlen_q)
     else:
         _check_qkv(q, k, v, 3)
-        _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
-        _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device)
-        if cu_seqlens_k.shape[0] != cu_seqlens_q.shape[0]:
-            raise ValueError(f"cu_seqlens_k: expected {cu_seqlens_q.shape[0]} elements (cu_seqlens_q's), "
-                             f"got {cu_seqlens_k.shape[0]}")
+        _check_packed_offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.device)
         if seqused_k is not None:
             _utils.check_int32("seqused_k", seqused_k, 1, q.device)
             if seqused_k.shape[0] != cu_seqlens_q.shape[0] - 1:
                 raise ValueError(f"seqused_k: expected {cu_seqlens_q.shape[0] - 1} elements, "
                                  f"got {seqused_k.shape[0]}")
-        _check_max_seqlens(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     _utils.check_alibi_slopes(alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1], q.device)
     _utils.check_learnable_sink(learnable_sink, q.shape[1], q.device)
     left, right = _utils.check_window(window_size)
