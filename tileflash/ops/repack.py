@@ -20,6 +20,14 @@ from .. import _utils
 _OFFSETS: dict = {}
 
 
+def _per_piece(owner, alibi_slopes, q_descale, k_descale, v_descale) -> dict:
+    """The per-sequence arguments for the pieces (owner: each piece's sequence): [B, Hq] ALiBi slopes and [B, Hkv]
+    FP8 descales repeated per piece; [Hq] slopes and absent ones as they are."""
+    pick = lambda t: t.index_select(0, owner) if isinstance(t, torch.Tensor) and t.dim() == 2 else t  # noqa: E731
+    return dict(alibi_slopes=pick(alibi_slopes), q_descale=pick(q_descale), k_descale=pick(k_descale),
+                v_descale=pick(v_descale))
+
+
 def chunk_pieces(seqlen_q: int, seqlen_k: int, chunk: int) -> list[tuple[int, int]]:
     """(query rows, keys) of one sequence's pieces in order, tiling its rows and keys: keys no query's chunk holds
     (before the first query's chunk) form a piece without rows; queries before every key (Sq > Sk) one without
@@ -72,11 +80,9 @@ def chunked_attention(varlen_fn, q, k, v, chunk: int, return_lse: bool, alibi_sl
                          f"{tuple(v.shape)}")
     sk = k.shape[1]
     cu_q, cu_k, max_q, max_k, owner = _offsets(b, sq, sk, chunk, q.device)
-    per_piece = lambda t: t.index_select(0, owner) if isinstance(t, torch.Tensor) and t.dim() == 2 else t  # noqa
     res = varlen_fn(q.reshape(b * sq, hq, d), k.reshape(b * sk, *k.shape[2:]), v.reshape(b * sk, *v.shape[2:]),
-                    cu_q, cu_k, max_q, max_k, return_lse=return_lse, alibi_slopes=per_piece(alibi_slopes),
-                    q_descale=per_piece(q_descale), k_descale=per_piece(k_descale), v_descale=per_piece(v_descale),
-                    **kw)
+                    cu_q, cu_k, max_q, max_k, return_lse=return_lse,
+                    **_per_piece(owner, alibi_slopes, q_descale, k_descale, v_descale), **kw)
     out, lse = res if return_lse else (res, None)
     out = out.view(b, sq, hq, out.shape[-1])
     if not return_lse:
@@ -99,10 +105,8 @@ def chunked_varlen(varlen_fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q:
     cu_q = torch.cat([cu_seqlens_q[:1], (cu_seqlens_q[:-1, None].long() + rows_end).flatten().to(torch.int32)])
     cu_k = torch.cat([cu_seqlens_k[:1], (cu_seqlens_k[:-1, None].long() + keys_end).flatten().to(torch.int32)])
     owner = torch.arange(len_q.shape[0], device=q.device).repeat_interleave(ends.shape[0])
-    per_piece = lambda t: t.index_select(0, owner) if isinstance(t, torch.Tensor) and t.dim() == 2 else t  # noqa
     return varlen_fn(q, k, v, cu_q, cu_k, min(max_seqlen_q, chunk), min(max_seqlen_k, chunk),
-                     alibi_slopes=per_piece(alibi_slopes), q_descale=per_piece(q_descale),
-                     k_descale=per_piece(k_descale), v_descale=per_piece(v_descale), **kw)
+                     **_per_piece(owner, alibi_slopes, q_descale, k_descale, v_descale), **kw)
 
 
 def used_rows_varlen(varlen_fn, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, max_seqlen_q: int,
@@ -118,7 +122,6 @@ def used_rows_varlen(varlen_fn, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, 
     cu_k = torch.cat([cu_seqlens_k[:1], cu_seqlens_k[1:].repeat_interleave(2)])
     if seqused_k is not None:
         seqused_k = torch.stack([seqused_k, torch.zeros_like(seqused_k)], dim=1).flatten()
-    per_piece = lambda t: t.repeat_interleave(2, dim=0) if isinstance(t, torch.Tensor) and t.dim() == 2 else t  # noqa
+    owner = torch.arange(seqused_q.shape[0], device=q.device).repeat_interleave(2)
     return varlen_fn(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, seqused_k=seqused_k,
-                     alibi_slopes=per_piece(alibi_slopes), q_descale=per_piece(q_descale),
-                     k_descale=per_piece(k_descale), v_descale=per_piece(v_descale), **kw)
+                     **_per_piece(owner, alibi_slopes, q_descale, k_descale, v_descale), **kw)
