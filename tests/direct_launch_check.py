@@ -180,6 +180,9 @@ CASES = {
         2, 150, 4, 2, 128, backward=True, causal=True, alibi_slopes=torch.rand(2, 4)),
     "decode paged append, split, alibi [Hq]": lambda: _decode(paged=True, append=True, num_splits=3,
                                                               alibi_slopes=torch.rand(32)),
+    "prefill fwd+bwd d128 causal dropout (the seed a slot, drawn per call)": lambda: _prefill(
+        2, 150, 4, 2, 128, backward=True, causal=True, dropout_p=0.1),
+    "varlen fwd+bwd d64 dropout": lambda: _varlen(backward=True, causal=True, dropout_p=0.2),
     "prefill fwd+bwd d128 causal learnable_sink (sink and d sink slots)": lambda: _prefill(
         2, 150, 4, 2, 128, backward=True, causal=True, learnable_sink=torch.randn(4, requires_grad=True)),
     "decode append, split, sink, rotary, cache_batch_idx, cache_leftpad": lambda: _decode(

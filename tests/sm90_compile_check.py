@@ -188,13 +188,15 @@ def _cases(arch: int = 90):
                 raise AssertionError("a block-scaled FP4 MMA off Blackwell")
         return case
 
-    def alibi_on_triton(call, backward=False):
-        """Run a call with alibi_slopes whose shape would take a Gluon kernel: it must compile the Triton kernels'
-        ALIBI variants instead (the forward; with backward also the dK/dV and dQ kernels)."""
+    def on_triton_kernels(call, backward=False, dq_pass=True):
+        """Run a call with alibi_slopes or dropout_p whose shape would take a Gluon kernel: it must compile the
+        Triton kernels' ALIBI / DROPOUT variants instead (the forward; with backward also the dK/dV and dQ
+        kernels)."""
         from tileflash.kernels.triton.attn_bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
         from tileflash.kernels.triton.attn_fwd import attn_fwd_kernel
 
-        kernels = (attn_fwd_kernel, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel) if backward else (attn_fwd_kernel,)
+        kernels = (attn_fwd_kernel, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel)
+        kernels = kernels[:(3 if dq_pass else 2) if backward else 1]  # (d128 dQ by atomics: no dQ pass)
         return lambda: _compiles(kernels, call)
 
     def sink_on_gluon(call):
@@ -241,12 +243,26 @@ def _cases(arch: int = 90):
         return lambda: _compiles((attn_fwd_kernel, attn_combine_kernel) if combine else (attn_fwd_kernel,), call)
 
     return {
-        "prefill fwd+bwd d128 causal GQA alibi [B, Hq], deterministic (Triton kernels)": alibi_on_triton(
+        "prefill fwd+bwd d128 causal GQA alibi [B, Hq], deterministic (Triton kernels)": on_triton_kernels(
             lambda: tileflash.flash_attn_func(
                 torch.randn(2, 300, 8, 128, dtype=bf, requires_grad=True),
                 *(torch.randn(2, 333, 2, 128, dtype=bf, requires_grad=True) for _ in range(2)), causal=True,
                 deterministic=True, alibi_slopes=torch.rand(2, 8)).sum().backward(), backward=True),
-        "decode nvfp4 paged split alibi [Hq] (Triton kernel, not register operands)": alibi_on_triton(
+        "prefill fwd+bwd d128 causal GQA dropout, deterministic (Triton kernels)": on_triton_kernels(
+            lambda: tileflash.flash_attn_func(
+                torch.randn(2, 300, 8, 128, dtype=bf, requires_grad=True),
+                *(torch.randn(2, 333, 2, 128, dtype=bf, requires_grad=True) for _ in range(2)), causal=True,
+                deterministic=True, dropout_p=0.1).sum().backward(), backward=True),
+        "prefill fwd+bwd d128 fp16 dropout, dQ by atomics (Triton kernels)": on_triton_kernels(
+            lambda: tileflash.flash_attn_func(
+                *(torch.randn(1, 1500, 4, 128, dtype=fp16, requires_grad=True) for _ in range(3)),
+                dropout_p=0.25).sum().backward(), backward=True, dq_pass=False),
+        "varlen fwd+bwd d64 windowed dropout (Triton kernels)": on_triton_kernels(
+            lambda: tileflash.flash_attn_varlen_func(
+                *(torch.randn(700, 4, 64, dtype=bf, requires_grad=True) for _ in range(3)),
+                torch.tensor([0, 300, 700], dtype=torch.int32), torch.tensor([0, 300, 700], dtype=torch.int32), 400,
+                400, window_size=(64, 0), dropout_p=0.1).sum().backward(), backward=True),
+        "decode nvfp4 paged split alibi [Hq] (Triton kernel, not register operands)": on_triton_kernels(
             lambda: decode("nvfp4", paged=True, b=8, ctx=4096, num_splits=2, alibi_slopes=torch.rand(32))),
         "prefill fwd+bwd d128 GQA fp16 learnable_sink (Gluon forward, d sink in the preprocess)": sink_on_gluon(
             lambda: tileflash.flash_attn_func(

@@ -197,10 +197,24 @@ def softmax_scale_or_default(softmax_scale, head_dim: int) -> float:
     return head_dim ** -0.5 if softmax_scale is None else finite_float("softmax_scale", softmax_scale)
 
 
-def check_dropout(dropout_p) -> None:
-    """flash-attn's dropout_p, accepted as a keyword: 0 only (tileflash has no attention dropout)."""
-    if finite_float("dropout_p", dropout_p) != 0.0:
-        raise ValueError(f"dropout_p: attention dropout is not supported, expected 0.0, got {dropout_p}")
+def check_dropout(dropout_p, **unsupported) -> float:
+    """flash-attn 2.x's dropout_p as a float in [0, 1); unsupported: name -> value of arguments that do not combine
+    with dropout (a truthy value raises)."""
+    p = finite_float("dropout_p", dropout_p)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p: expected a probability in [0, 1), got {dropout_p}")
+    if p:
+        for name, value in unsupported.items():
+            if value:
+                raise ValueError(f"dropout_p: attention dropout does not combine with {name}")
+    return p
+
+
+def dropout_seed(device: torch.device) -> torch.Tensor:
+    """The int64 seed [1] of one call's dropout pattern, drawn from torch's generator of the device (so
+    torch.manual_seed reproduces it, and a captured CUDA graph draws a new one at every replay); the backward
+    reuses it."""
+    return torch.randint(1 << 62, (1,), dtype=torch.int64, device=device)
 
 
 def check_fa3_tail(num_splits=0, pack_gqa=None, sm_margin=0, qv=None, **unsupported) -> None:

@@ -39,15 +39,60 @@ def alibi_bias(alibi_slopes, seqlen_q: int, seqlen_k: int) -> torch.Tensor:
     return -slopes[:, :, None, None] * (i + (seqlen_k - seqlen_q) - j).abs()
 
 
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(a, b):
+    """(high, low) 32-bit halves of a * b for int64 tensors / ints holding 32-bit unsigned values, without
+    overflowing int64 (a split into 16-bit halves)."""
+    a_hi, a_lo = a >> 16, a & 0xFFFF
+    return (a_hi * b + ((a_lo * b) >> 16)) >> 16, ((((a_hi * b) & 0xFFFF) << 16) + a_lo * b) & _M32
+
+
+def philox4x32(key: int, c0, c1, c2, c3, rounds: int = 10):
+    """Random123's Philox4x32-`rounds` of counters (c0, c1, c2, c3) (int64 tensors of 32-bit values) under the 64-bit
+    key, written from the Random123 paper, not from Triton's code: the four output words as int64 tensors."""
+    k0, k1 = key & _M32, (key >> 32) & _M32
+    for _ in range(rounds):
+        hi0, lo0 = _mul32(c0, 0xD2511F53)
+        hi1, lo1 = _mul32(c2, 0xCD9E8D57)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0, k1 = (k0 + 0x9E3779B9) & _M32, (k1 + 0xBB67AE85) & _M32
+    return c0, c1, c2, c3
+
+
+DROPOUT_ROUNDS = 7  # kernels/triton/dropout.PHILOX_ROUNDS
+
+
+def dropout_keep(seed: int, dropout_p: float, num_heads: int, seqlen_q: int, seqlen_k: int, sequences,
+                 device=None) -> torch.Tensor:
+    """[len(sequences), num_heads, Sq, Sk] bool: which probabilities attention dropout keeps for these sequence
+    indices (kernels/triton/dropout.py's definition): key j of row i of head h of sequence s is kept iff word j % 4 of
+    Philox4x32-7(seed; j // 4, i, s * num_heads + h, 0) shifted right by one is >= floor(p * 2^31)."""
+    seq = torch.as_tensor(list(sequences), dtype=torch.int64, device=device)[:, None, None, None]
+    h = torch.arange(num_heads, device=device)[None, :, None, None]
+    i = torch.arange(seqlen_q, device=device)[None, None, :, None]
+    c = torch.arange((seqlen_k + 3) // 4, device=device)[None, None, None, :]
+    shape = (seq.shape[0], num_heads, seqlen_q, c.shape[-1])
+    words = philox4x32(seed, c.expand(shape), i.expand(shape), (seq * num_heads + h).expand(shape),
+                       torch.zeros(shape, dtype=torch.int64, device=device), DROPOUT_ROUNDS)
+    words = torch.stack(words, dim=-1).flatten(-2)[..., :seqlen_k]
+    return (words >> 1) >= int(dropout_p * 2 ** 31)
+
+
 def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, upcast=True,
-                  alibi_slopes=None, learnable_sink=None, intermediate_dtype=None, attention_chunk=0):
+                  alibi_slopes=None, learnable_sink=None, intermediate_dtype=None, attention_chunk=0, dropout_p=0.0,
+                  dropout_seed=None, dropout_sequence=0):
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] -> (out [B, Sq, Hq, D] in q's dtype, lse [B, Hq, Sq] float32).
     intermediate_dtype (flash-attn's rule for FP8): the probabilities are rounded to it before the PV product (the
     low-precision reference of FP8 attention, on dequantized inputs).
     alibi_slopes [Hq] or [B, Hq]: alibi_bias is added after the scale and softcap, before the mask.
     learnable_sink [Hq]: one more logit column per row (unscaled, never masked) with no value: it enters the
     logsumexp, so lse includes it and p = exp(s - lse) sums to less than 1 (autograd reaches the sink).
-    attention_chunk: FA3's chunked attention (visible_mask)."""
+    attention_chunk: FA3's chunked attention (visible_mask).
+    dropout_p > 0 with dropout_seed (the int seed of a call): the probabilities dropout_keep drops are zeroed and the
+    others scaled by 1 / (1 - dropout_p) before the PV product; the lse is the undropped one. dropout_sequence: the
+    sequence index of batch row 0 (attention_varlen_ref's)."""
     dtype = q.dtype
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
@@ -71,6 +116,10 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1
     p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
     if intermediate_dtype is not None:
         p = p.to(intermediate_dtype).to(p.dtype)
+    if dropout_p:
+        keep = dropout_keep(dropout_seed, dropout_p, hq, sq, sk, range(dropout_sequence, dropout_sequence + b),
+                            device=q.device)
+        p = torch.where(keep, p / (1.0 - dropout_p), 0.0)
     out = torch.einsum("bhqk,bkhd->bqhd", p.to(v.dtype), v)
     return out.to(dtype), lse
 
@@ -85,7 +134,7 @@ def _slopes_of(alibi_slopes, b: int):
 def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None, alibi_slopes=None, **kw):
     """Packed sequences: q [total_q, Hq, D], k/v [total_k, Hkv, D] -> (out [total_q, Hq, D], lse [Hq, total_q]).
     alibi_slopes [Hq] or [batch, Hq]: positions and lengths are each sequence's. learnable_sink [Hq] (through kw):
-    every sequence's."""
+    every sequence's. dropout_p / dropout_seed (through kw): sequence i's pattern is dropout_keep's for sequence i."""
     out = torch.zeros_like(q)
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
@@ -96,7 +145,7 @@ def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None, al
         if q1 == q0:
             continue
         o, l = attention_ref(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1],
-                             alibi_slopes=_slopes_of(alibi_slopes, i), **kw)
+                             alibi_slopes=_slopes_of(alibi_slopes, i), dropout_sequence=i, **kw)
         out[q0:q1], lse[:, q0:q1] = o[0], l[0]
     return out, lse
 

@@ -344,14 +344,16 @@ def test_cli_runs_selected_shapes_and_writes_json(monkeypatch, tmp_path):
     monkeypatch.setitem(cli.SUITES, "prefill", (suites.PREFILL_SHAPES, fake_runner("prefill")))
     monkeypatch.setitem(cli.SUITES, "decode", (suites.DECODE_SHAPES, fake_runner("decode")))
     monkeypatch.setitem(cli.SUITES, "backward", (suites.BACKWARD_SHAPES, fake_runner("backward")))
+    monkeypatch.setitem(cli.SUITES, "dropout", (suites.DROPOUT_SHAPES, fake_runner("dropout")))
     path = tmp_path / "r.json"
     assert cli.main(["all", "--quick", "--only", "d64", "--json", str(path)]) == 0
     assert [s["label"] for s in seen["prefill"]] == ["d64-full"] * 3 + ["d64-causal"] * 3
     assert len(seen["decode"]) == 3 and all(s["label"] == "gqa-d64" for s in seen["decode"])
     assert [s["label"] for s in seen["backward"]] == ["d64-full"] * 3 + ["d64-causal"] * 3
     data = json.loads(path.read_text())
+    assert [s["label"] for s in seen["dropout"]] == ["dropout-d64", "dropout-d64-causal"]
     assert data == {"env": {"device": "fake", "flush": "zero"}, "prefill": [{"n": 6}], "decode": [{"n": 3}],
-                    "backward": [{"n": 6}]}
+                    "backward": [{"n": 6}], "dropout": [{"n": 2}]}
     with pytest.raises(SystemExit):
         cli.main(["bogus"])
 
@@ -370,6 +372,8 @@ def test_suites_call_real_tileflash_cpu(monkeypatch):
                               out=lambda s: None)
     rows += suites.run_sinks([{"kind": kind, "batch": 2, "seqlen": 40, "nheads": 4, "hkv": 2, "d": 32, "window": w,
                                "label": kind} for kind, w in (("prefill", 15), ("decode", None))], out=lambda s: None)
+    rows += suites.run_dropout([{"batch": 2, "seqlen": 40, "nheads": 4, "d": 32, "causal": c, "label": "dropout"}
+                                for c in (False, True)], out=lambda s: None)
     for row in rows:
         for name, rec in row["backends"].items():
             if name.startswith("tileflash"):

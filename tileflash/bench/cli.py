@@ -1,6 +1,6 @@
-"""Command line: ``python -m tileflash bench {prefill,decode,backward,lowp,extend,sinks,all} [--quick] [--only LABEL]
-[--json PATH] [--plot DIR]``, ``python -m tileflash bench host [--no-launch] [--json PATH]`` (and ``torchrun ... -m
-tileflash bench cp``, see bench/cp.py)."""
+"""Command line: ``python -m tileflash bench {prefill,decode,backward,lowp,extend,sinks,dropout,all} [--quick]
+[--only LABEL] [--json PATH] [--plot DIR]``, ``python -m tileflash bench host [--no-launch] [--json PATH]``
+(and ``torchrun ... -m tileflash bench cp``, see bench/cp.py)."""
 
 import argparse
 import datetime
@@ -19,6 +19,7 @@ SUITES = {
     "lowp": (suites.LOWP_SHAPES, suites.run_lowp),  # FP8-cache decode grid, then the NVFP4 GEMM grid
     "extend": (suites.EXTEND_SHAPES, suites.run_extend),  # many new queries over a paged cache
     "sinks": (suites.SINK_SHAPES, suites.run_sinks),  # the same calls with and without learnable_sink
+    "dropout": (suites.DROPOUT_SHAPES, suites.run_dropout),  # training steps with and without dropout_p
 }
 
 

@@ -56,8 +56,9 @@ def available_peers():
     }
 
 
-def sdpa_prefill(q, k, v, causal, backend, note=print):
-    """torch SDPA forced to one backend, "flash" or "cudnn"; q/k/v are [B, S, H, D]."""
+def sdpa_prefill(q, k, v, causal, backend, note=print, dropout_p=0.0):
+    """torch SDPA forced to one backend, "flash" or "cudnn"; q/k/v are [B, S, H, D]; dropout_p: SDPA's attention
+    dropout (its own RNG)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     sdp_backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
@@ -68,7 +69,8 @@ def sdpa_prefill(q, k, v, causal, backend, note=print):
     def make():
         def fn():
             with sdpa_kernel(sdp_backend):
-                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=gqa).transpose(1, 2)
+                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=gqa,
+                                                      dropout_p=dropout_p).transpose(1, 2)
 
         return fn
 

@@ -123,6 +123,16 @@ SINK_SHAPES = [
 ]
 SINK_BACKENDS = ("tileflash", "tileflash_sink")
 
+# Attention dropout (flash-attn 2.x's dropout_p): one training step's attention (forward + backward) with and without
+# dropout, and SDPA's flash backend with the same dropout_p. Dropout runs on the Triton kernels, so its cost includes
+# leaving the sm_90 warp-specialised ones.
+DROPOUT_P = 0.1
+DROPOUT_SHAPES = [
+    {"batch": 4, "seqlen": 4096, "nheads": 16, "d": d, "causal": causal, "label": f"dropout-d{d}" + "-causal" * causal}
+    for d in (64, 128) for causal in (False, True)
+]
+DROPOUT_BACKENDS = ("tileflash", "tileflash_dropout", "sdpa_flash_dropout")
+
 # MLA decode (issue 28; DeepSeek-V2/V3: a 512-wide latent that is V and most of the key, a 64-wide rotary key, one
 # KV head): H = 128 is compute-bound, H = 16 memory-bound. Graph replay over input copies larger than the L2.
 MLA_SHAPES = [
@@ -753,6 +763,73 @@ def run_sinks(shapes=None, out=print):
     """Time tileflash with and without learnable_sink (issue 28's <= 3% cost)."""
     return _run(SINK_SHAPES if shapes is None else shapes, _sinks_one,
                 lambda s, r: f"sinks {s['label']}: cost {format_cell(r['sink_cost_pct'])} %", sinks_table, out)
+
+
+def _dropout_one(shape, tf, note):
+    """Forward + backward (d out = a fixed dout) of each backend. Checks: tileflash against the fp32 reference on a
+    slice (batch 0, the first CHECK_KV_HEADS heads), with dropout the reference regenerating the call's pattern
+    from its seed (tileflash.reference.dropout_keep); SDPA's pattern is its own, so it is checked by what any
+    correct dropout keeps: out is linear in v, so sum(out * dout) = sum(v * dv) within bf16 rounding."""
+    from tileflash import _utils
+    from tileflash.reference import attention_ref
+
+    b, s, h, d, causal = (shape[k] for k in ("batch", "seqlen", "nheads", "d", "causal"))
+    q, k, v = (_randn(b, s, h, d).requires_grad_() for _ in range(3))
+    dout = _randn(b, s, h, d)
+    hs = min(CHECK_KV_HEADS, h)
+    seed = 1234
+    torch.manual_seed(seed)
+    drawn = int(_utils.dropout_seed(q.device))  # the seed of a call made right after torch.manual_seed(seed)
+    sl = [x[:1, :, :hs].detach().float().requires_grad_() for x in (q, k, v)]
+    refs = {p: torch.autograd.grad(attention_ref(*sl, causal=causal, dropout_p=p, dropout_seed=drawn)[0], sl,
+                                   dout[:1, :, :hs].float()) for p in (0.0, DROPOUT_P)}
+
+    def step(forward):
+        def fn():
+            out = forward()
+            return (out, *torch.autograd.grad(out, (q, k, v), dout))
+        return fn
+
+    def against(ref):
+        return lambda res: max(max_abs_err(g[:1, :, :hs], r) / max(float(r.abs().max()), 1.0)
+                               for g, r in zip(res[1:], ref))
+
+    def linear_in_v(res):
+        out, _, _, dv = res
+        lhs, rhs = (out.float() * dout.float()).sum(), (v.detach().float() * dv.float()).sum()
+        return float((lhs - rhs).abs() / max(float(lhs.abs()), 1.0))
+
+    def seeded(fn):
+        torch.manual_seed(seed)
+        return fn()
+
+    sdpa = peers.sdpa_prefill(q, k, v, causal, "flash", note, dropout_p=DROPOUT_P)
+    builders = {
+        "tileflash": (lambda: step(lambda: tf.flash_attn_func(q, k, v, causal=causal)), against(refs[0.0])),
+        "tileflash_dropout": (lambda: step(lambda: seeded(lambda: tf.flash_attn_func(
+            q, k, v, causal=causal, dropout_p=DROPOUT_P))), against(refs[DROPOUT_P])),
+        "sdpa_flash_dropout": (lambda: step(sdpa) if sdpa else None, linear_in_v),
+    }
+    results = {name: _measure(name, build, check, note) for name, (build, check) in builders.items()}
+    base, drop, peer = (_field({"backends": results}, n, "ms") for n in DROPOUT_BACKENDS)
+    return {**shape, "backends": results, "dropout_cost_pct": 100 * (drop / base - 1) if base and drop else None,
+            "speedup": peer / drop if peer and drop and results["tileflash_dropout"]["ok"] else None}
+
+
+def dropout_table(rows):
+    headers = ["shape", "B", "S", "H", "d", "causal", "tf ms", "tf dropout ms", "SDPA-flash dropout ms", "cost %",
+               "SDPA/tf", "failed"]
+    body = [[r["label"], r["batch"], r["seqlen"], r["nheads"], r["d"], r["causal"],
+             *(_field(r, n, "ms") for n in DROPOUT_BACKENDS), r["dropout_cost_pct"], r["speedup"], _failed(r)]
+            for r in rows]
+    return format_table(headers, body, title=f"Attention dropout: forward + backward, bf16, dropout_p={DROPOUT_P} "
+                                             "(tileflash without it for the cost); SDPA/tf > 1: tileflash faster")
+
+
+def run_dropout(shapes=None, out=print):
+    """Time one training step's attention with and without dropout_p, and SDPA-flash with the same dropout."""
+    return _run(DROPOUT_SHAPES if shapes is None else shapes, _dropout_one,
+                lambda s, r: f"dropout {s['label']}: cost {format_cell(r['dropout_cost_pct'])} %", dropout_table, out)
 
 
 def _gemm_one(shape, tf, note):

@@ -42,8 +42,6 @@ def _packed_from_position_ids(position_ids: torch.Tensor):
 
 def tileflash_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                                 sliding_window=None, softcap=None, is_causal=None, **kwargs):
-    if dropout:
-        raise ValueError("tileflash: attention dropout is not supported (use it in eval mode or dropout=0)")
     out_dtype = query.dtype
     # tileflash computes in fp16/bf16; fp32 activations (e.g. layer norms kept in fp32) run in bf16.
     compute = out_dtype if out_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
@@ -53,7 +51,7 @@ def tileflash_attention_forward(module, query, key, value, attention_mask, dropo
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     # transformers' sliding window counts the current token; flash-attn's left window does not.
     window = (sliding_window - 1, sliding_window - 1) if sliding_window else (-1, -1)
-    kw = dict(softmax_scale=scaling, causal=causal, window_size=window, softcap=softcap or 0.0)
+    kw = dict(softmax_scale=scaling, causal=causal, window_size=window, softcap=softcap or 0.0, dropout_p=dropout)
     if kwargs.get("s_aux") is not None:  # gpt-oss's per-head attention sinks
         kw["learnable_sink"] = kwargs["s_aux"].float()
 

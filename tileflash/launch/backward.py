@@ -16,7 +16,7 @@ from ..kernels.gluon import attn_bwd as gluon_bwd
 from ..kernels.triton.attn_bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
 from ..plan.backward import WsBwdConfig, bwd_config, ws_backward_config
 from ..plan.target import padded_head_dim, target_arch
-from .tensors import alibi_args, desc_4d, launch_sum_cast, unused_pointer, row_descriptors, strides3
+from .tensors import alibi_args, desc_4d, dropout_args, launch_sum_cast, unused_pointer, row_descriptors, strides3
 
 
 PREPROCESS_BLOCK_ROWS = 32
@@ -69,12 +69,13 @@ def _stats_views(ws: torch.Tensor, lse3: torch.Tensor, start: int = 0):
 def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, delta, lse2, dq_acc, *, cfg, ws, atomic_dq: bool,
                 varlen: bool, num_batches: int, seqlen_q: int, seqlen_k: int, max_seqlen_q: int, max_seqlen_k: int,
                 cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, learnable_sink, dsink, softmax_scale: float,
-                window_left: int, window_right: int, softcap: float) -> None:
+                window_left: int, window_right: int, softcap: float, dropout_p: float = 0.0, rng=None) -> None:
     """All tensors 4-D [Bv, S, H, D] (varlen: Bv = 1 with batch strides passed as 0) and lse/dlse [Bv, H, S];
     delta, lse2 from _stats_views; dq_acc: the fp32 dQ buffer (contiguous, like dq4) when atomic_dq, zeroed by the
     first launch (dq4 = its scaled copy, made by the caller after these launches). cfg: the Triton kernels' tiles;
     ws: the Gluon dK/dV kernel's or None (never with alibi_slopes: fp32 [Hq] or [num_batches, Hq], or None, nor
-    with learnable_sink: fp32 [Hq] or None). dsink: fp32 [Hq], zeroed, which the preprocess adds d sink into."""
+    with learnable_sink: fp32 [Hq] or None, nor with dropout: rng the forward's seed tensor, or None). dsink: fp32
+    [Hq], zeroed, which the preprocess adds d sink into."""
     dev = q4.device
     hq, d = q4.shape[2], q4.shape[3]
     hkv = k4.shape[2]
@@ -95,8 +96,8 @@ def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, delta, lse2, dq
     dummy = unused_pointer(dev)
     common = dict(HEAD_DIM=d, HEAD_DIM_PAD=dp, VARLEN_Q=varlen, VARLEN_K=varlen, HAS_SEQUSED_K=seqused_k is not None,
                   HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, SOFTCAP=softcap > 0.0,
-                  TILE_DTYPE=_utils.tile_dtype(q4.dtype), ALIBI=alibi_slopes is not None)
-    alibi = alibi_args(alibi_slopes, dummy)
+                  TILE_DTYPE=_utils.tile_dtype(q4.dtype), ALIBI=alibi_slopes is not None, DROPOUT=rng is not None)
+    extras = (*alibi_args(alibi_slopes, dummy), *dropout_args(rng, dropout_p, dummy))  # ALiBi's, dropout's arguments
     seq_args = (cu_seqlens_q if varlen else dummy, cu_seqlens_k if varlen else dummy,
                 seqused_k if seqused_k is not None else dummy)
     lse_strides = (0, lse2.stride(1), lse2.stride(2)) if varlen else strides3(lse2)  # lse2 and delta
@@ -109,7 +110,7 @@ def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, delta, lse2, dq
                            max_seqlen_k=max_seqlen_k)
     else:
         _launch_dkdv(q4, k4, v4, do4, lse2, delta, dk4, dv4, dq_acc, cfg, common, seq_args, lse_strides, bstride,
-                     alibi, varlen=varlen, num_batches=num_batches, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                     extras, varlen=varlen, num_batches=num_batches, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                      max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, softcap=softcap,
                      window_left=window_left, window_right=window_right, atomic_dq=atomic_dq)
     if atomic_dq:
@@ -119,11 +120,11 @@ def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, delta, lse2, dq
         attn_bwd_dq_kernel, (m_tiles * num_batches * hq,),
         q4, k4, v4, do4, lse2, delta, dq4, *seq_args,
         *bstride(q4), *bstride(k4), *bstride(v4), *bstride(do4), *bstride(dq4), *lse_strides,
-        seqlen_q, seqlen_k, hq, hq // hkv, m_tiles, softmax_scale, softcap, window_left, window_right, *alibi,
+        seqlen_q, seqlen_k, hq, hq // hkv, m_tiles, softmax_scale, softcap, window_left, window_right, *extras,
         BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, num_warps=cfg.dq_warps, num_stages=cfg.dq_stages, **common)
 
 
-def _launch_dkdv(q4, k4, v4, do4, lse2, delta, dk4, dv4, dq_acc, cfg, common, seq_args, lse_strides, bstride, alibi,
+def _launch_dkdv(q4, k4, v4, do4, lse2, delta, dk4, dv4, dq_acc, cfg, common, seq_args, lse_strides, bstride, extras,
                  *, varlen, num_batches, seqlen_q, seqlen_k, max_seqlen_k, softmax_scale, softcap, window_left,
                  window_right, atomic_dq):
     """The Triton dK/dV kernel (kernels/triton/attn_bwd.py), every variant."""
@@ -136,7 +137,7 @@ def _launch_dkdv(q4, k4, v4, do4, lse2, delta, dk4, dv4, dq_acc, cfg, common, se
         *seq_args,
         *bstride(q4), *bstride(k4), *bstride(v4), *bstride(do4), *bstride(dk4), *bstride(dv4),
         *(bstride(dq_acc) if atomic_dq else (0, 0, 0)), *lse_strides,
-        seqlen_q, seqlen_k, hkv, hq // hkv, n_tiles, softmax_scale, softcap, window_left, window_right, *alibi,
+        seqlen_q, seqlen_k, hkv, hq // hkv, n_tiles, softmax_scale, softcap, window_left, window_right, *extras,
         BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
         # Bounded on the right (causal), the programs already start at staggered query blocks (their diagonals).
         ATOMIC_DQ=atomic_dq, ROTATE=cfg.rotate and window_right < 0, QDO_DESC=qdo_descs is not None, **common)
@@ -149,7 +150,7 @@ class BwdPlan(direct.Replayable):
 
     def __init__(self, q, k, v, dout, cu_seqlens_q, seqused_k, alibi_slopes, learnable_sink, max_seqlen_q: int,
                  max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int, softcap: float,
-                 deterministic: bool):
+                 deterministic: bool, dropout_p: float = 0.0):
         self.varlen = cu_seqlens_q is not None
         if self.varlen:
             num_batches, seqlen_q, seqlen_k = cu_seqlens_q.shape[0] - 1, q.shape[0], k.shape[0]  # packed rows
@@ -165,7 +166,7 @@ class BwdPlan(direct.Replayable):
         if self.dout_contiguous:
             do4 = do4.contiguous()
         cfg = config.chosen("bwd", bwd_config(q.shape[-1], _utils.is_interpreter(), target_arch()))
-        ws = None if self.empty else ws_backward_config(
+        ws = None if self.empty or dropout_p else ws_backward_config(
             q4, k4, v4, do4, varlen=self.varlen, window_left=window_left, window_right=window_right,
             softcap=softcap, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k is not None,
             alibi=alibi_slopes is not None)
@@ -180,10 +181,10 @@ class BwdPlan(direct.Replayable):
         self.kw = dict(cfg=cfg, ws=ws, atomic_dq=self.atomic_dq, varlen=self.varlen, num_batches=num_batches,
                        seqlen_q=seqlen_q, seqlen_k=seqlen_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                        softmax_scale=softmax_scale, window_left=window_left, window_right=window_right,
-                       softcap=softcap)
+                       softcap=softcap, dropout_p=dropout_p)
 
     def _launch(self, q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes,
-                learnable_sink, dq, dk, dv, dsink, dq_acc, ws) -> None:
+                learnable_sink, dq, dk, dv, dsink, dq_acc, ws, rng) -> None:
         if self.dq_ws_numel:  # the fp32 dQ accumulator heads the workspace (a TMA descriptor's 16-byte aligned start)
             dq_acc = direct.derived(ws[:dq.numel()].view(dq.shape), ws)
         if self.varlen:
@@ -196,12 +197,13 @@ class BwdPlan(direct.Replayable):
         delta, lse2 = _stats_views(ws, lse, self.dq_ws_numel)
         _launch_bwd(q, k, v, out, lse, dout, dlse, dq, dk, dv, delta, lse2, dq_acc, cu_seqlens_q=cu_seqlens_q,
                     cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, alibi_slopes=alibi_slopes,
-                    learnable_sink=learnable_sink, dsink=dsink, **self.kw)
+                    learnable_sink=learnable_sink, dsink=dsink, rng=rng, **self.kw)
         if self.atomic_dq:
             launch_sum_cast(dq_acc, dq, 1, self.softmax_scale)
 
     def run(self, q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes,
-            learnable_sink):
+            learnable_sink, rng=None):
+        """rng: the forward's dropout seed (a plan made with dropout_p > 0), else None."""
         dq, dk, dv = _utils.new_output_like(q), _utils.new_output_like(k), _utils.new_output_like(v)
         # Zeroed here, not by a launch: every preprocess program adds its rows' shares into it.
         dsink = torch.zeros_like(learnable_sink) if learnable_sink is not None else None
@@ -217,7 +219,7 @@ class BwdPlan(direct.Replayable):
         stream = direct.current_stream(q.device)
         ws = direct.WORKSPACE.get(q.device, stream, self.dq_ws_numel + 2 * self.stats_numel)
         self.execute(self._launch, (q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                                    alibi_slopes, learnable_sink, dq, dk, dv, dsink, dq_acc, ws), stream)
+                                    alibi_slopes, learnable_sink, dq, dk, dv, dsink, dq_acc, ws, rng), stream)
         return dq, dk, dv, dsink
 
 
@@ -226,16 +228,16 @@ _PLANS = direct.PlanCache()
 
 def attn_backward(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q: int,
                   max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int, softcap: float,
-                  deterministic: bool, alibi_slopes=None, learnable_sink=None):
+                  deterministic: bool, alibi_slopes=None, learnable_sink=None, dropout_p: float = 0.0, rng=None):
     """(dq, dk, dv, dsink) of flash_attn_func (cu_seqlens_q None) or flash_attn_varlen_func; lse as their forward
-    returned it, dlse its gradient or None, alibi_slopes and learnable_sink the forward's (dsink None without a
-    sink)."""
+    returned it, dlse its gradient or None, alibi_slopes, learnable_sink, dropout_p and its seed tensor rng the
+    forward's (dsink None without a sink)."""
     plan = direct.plan_for(
         _PLANS, lambda: (*(direct.tensor_key(t) for t in (q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k,
-                                                            seqused_k, alibi_slopes, learnable_sink)),
+                                                            seqused_k, alibi_slopes, learnable_sink, rng)),
                          max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap,
-                         deterministic),
+                         deterministic, dropout_p),
         lambda: BwdPlan(q, k, v, dout, cu_seqlens_q, seqused_k, alibi_slopes, learnable_sink, max_seqlen_q,
-                        max_seqlen_k, softmax_scale, window_left, window_right, softcap, deterministic))
+                        max_seqlen_k, softmax_scale, window_left, window_right, softcap, deterministic, dropout_p))
     return plan.run(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes,
-                    learnable_sink)
+                    learnable_sink, rng)

@@ -19,8 +19,8 @@ from ..lowp.kernels.quant import NVFP4_PURE_ASM, NVFP4_SCALE_BYTES, NVFP4_SCALE_
 from ..plan.decode import cache_capacity, combine_tiles, merge_tiles
 from ..plan.prefill import Mask, WsFwdConfig, tma_tiles
 from ..plan.target import padded_head_dim, sm90_target
-from .tensors import (alibi_args, as_bytes, desc_4d, unused_pointer, row_descriptors, rotary_args, rows_desc,
-                      scale_strides, strides3, unit_scale, values_t_descriptor)
+from .tensors import (alibi_args, as_bytes, desc_4d, dropout_args, unused_pointer, row_descriptors, rotary_args,
+                      rows_desc, scale_strides, strides3, unit_scale, values_t_descriptor)
 
 
 COMBINE_BLOCK_ROWS = 16
@@ -34,7 +34,7 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
                     pdl: bool = False, alibi_slopes=None, cache_batch_idx=None, cache_leftpad=None, rotary_cos=None,
                     rotary_sin=None, rotary_interleaved: bool = False, rotary_per_token: bool = False,
                     cu_seqlens_k_new=None, learnable_sink=None, qv=None, q_scale=None, vt_gap: int = 0,
-                    counters=None, k_new=None, v_new=None):
+                    counters=None, k_new=None, v_new=None, rng=None, dropout_p: float = 0.0):
     """q4 [Bq, Sq, Hq, D]; k4/v4 [Bk, Sk, Hkv, D] (paged: [pages, page_size, Hkv, D]); out4 [Bq, Sq, Hq, Dv] (Dv:
     v4's head dim); lse3 [Bq, Hq, Sq]. qv [Bq, Sq, Hq, Dv] or None: MLA's latent queries (scores add qv v^T).
     alibi_slopes: fp32 [Hq] or [num_batches, Hq] (checked by the public functions), or None.
@@ -52,6 +52,8 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
     one M tile; seqlen_k_add = Snew): no launch_kv_append.
     FP8 attention: q4, k4, v4 in float8_e4m3fn, q_scale / k_scale / v_scale FA3's descales (fp32 [B, Hkv], any
     strides, or None for 1); out4 in bf16 or fp16. A cache's k_scale / v_scale (fp32 [1] or [Hkv]) otherwise.
+    rng: attention dropout's int64 seed tensor [1] (dropout_p in (0, 1); prefill tiles only: no split or pack-GQA),
+    or None.
     vt_gap > 0: v4 is FP8 attention's V^T [Hkv, D, width] (tensors.launch_values_t of a contiguous or packed v, not
     paged, vt_gap columns per sequence: tensors.values_t_column); 0: v4 as stored.
     """
@@ -116,6 +118,7 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         *((qv, *strides3(qv, q_batch_stride0)) if qv is not None else (dummy, 0, 0, 0)),
         *((k_new, v_new, *_raw_caches(k4, v4), *k_new.stride()[:3]) if k_new is not None
           else (dummy,) * 4 + (0, 0, 0)),
+        *dropout_args(rng, dropout_p, dummy),
         HEAD_DIM=d, HEAD_DIM_PAD=padded_head_dim(d, fp8), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         VARLEN_Q=cu_seqlens_q is not None, VARLEN_K=cu_seqlens_k is not None, HAS_SEQLENS_K=seqlens_k is not None,
         PAGE_SIZE=k4.shape[1] if paged else 0, KV_SCALED=fp8 or k_scale is not None, KV_NVFP4=kv_nvfp4,
@@ -136,7 +139,8 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         # masked blocks' boxes kept inside each sequence (no V mask): contiguous descriptors, calls without new keys
         # (appended in this launch they could be another program's; appended before, the call's result stays the
         # in-launch append's bit for bit)
-        BOX_IN_SEQ=descs is not None and not paged and not seqlen_k_add and cu_seqlens_k_new is None and not vt_gap,
+        BOX_IN_SEQ=descs is not None and not paged and not seqlen_k_add and cu_seqlens_k_new is None and not vt_gap
+        and rng is None, DROPOUT=rng is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 

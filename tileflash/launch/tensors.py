@@ -121,6 +121,14 @@ def alibi_args(alibi_slopes, dummy) -> tuple:
     return alibi_slopes, alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0
 
 
+def dropout_args(rng, dropout_p: float, dummy) -> tuple:
+    """(seed pointer, threshold, scale) for a kernel's rng_ptr, dropout_thr, dropout_scale (kernels/triton/dropout.py):
+    rng the call's int64 seed tensor; without dropout (rng None) stand-ins, never read."""
+    if rng is None:
+        return dummy, 0, 1.0
+    return rng, int(dropout_p * 2 ** 31), 1.0 / (1.0 - dropout_p)
+
+
 def rotary_args(rotary_cos, rotary_sin, dummy) -> tuple:
     """(cos, sin, row stride, rows) of a rotary table, or stand-ins without one."""
     if rotary_cos is None:

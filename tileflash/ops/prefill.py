@@ -90,9 +90,9 @@ class FwdPlan(direct.Replayable):
         self.lse_numel = 0 if keep_lse else _utils.cdiv(math.prod(lse_shape), 4) * 4
         self.backward_plans = direct.PlanCache(register=False)  # by dout's and dlse's signature (_AttnFunction)
 
-    def run(self, *tensors):
+    def run(self, *tensors, rng=None):
         """(out, lse) for the plan's call on these tensors (q, k, v, alibi_slopes, learnable_sink, the three FP8
-        descales, and the index tensors of its kind)."""
+        descales, and the index tensors of its kind); rng: the dropout seed of a plan made with dropout_p > 0."""
         q = tensors[0]
         out = _utils.new_output_like(q) if self.out_dtype is None else _utils.new_output(q.shape, self.out_dtype,
                                                                                           self.device)
@@ -102,7 +102,7 @@ class FwdPlan(direct.Replayable):
         vt = torch.empty(self.vt_shape, dtype=FP8, device=self.device) if self.vt_shape else None
         stream = direct.current_stream(self.device)
         ws = direct.WORKSPACE.get(self.device, stream, self.lse_numel) if self.lse_numel else None
-        self.execute(self.launch, (*tensors, out, lse, ws, vt), stream)
+        self.execute(self.launch, (*tensors, out, lse, ws, vt, rng), stream)
         return out, lse
 
 
@@ -110,9 +110,10 @@ def _lse_or_workspace(lse, ws, shape):
     return lse if lse is not None else direct.derived(ws[:math.prod(shape)].view(shape), ws)
 
 
-def _launch_dense(ws_cfg, cfg, vt_gap: int, mask: Mask, softmax_scale: float, q, k, v, alibi_slopes, learnable_sink,
-                  q_descale, k_descale, v_descale, out, lse, ws, vt) -> None:
-    """vt: FP8 attention's V^T buffer (filled from v here, vt_gap columns per sequence), else None."""
+def _launch_dense(ws_cfg, cfg, vt_gap: int, mask: Mask, softmax_scale: float, dropout_p: float, q, k, v, alibi_slopes,
+                  learnable_sink, q_descale, k_descale, v_descale, out, lse, ws, vt, rng) -> None:
+    """vt: FP8 attention's V^T buffer (filled from v here, vt_gap columns per sequence), else None; rng: the
+    dropout seed (dropout_p > 0), else None."""
     b, sq, hq, _ = q.shape
     lse = _lse_or_workspace(lse, ws, (b, hq, sq))
     if vt is not None:
@@ -125,12 +126,14 @@ def _launch_dense(ws_cfg, cfg, vt_gap: int, mask: Mask, softmax_scale: float, q,
                         num_batches=b, seqlen_q=sq, seqlen_k=k.shape[1], m_rows=sq, softmax_scale=softmax_scale,
                         mask=mask, config=cfg, sp_overlap=cfg.sp_overlap, alibi_slopes=alibi_slopes,
                         learnable_sink=learnable_sink, q_scale=q_descale, k_scale=k_descale, v_scale=v_descale,
-                        vt_gap=vt_gap if vt is not None else 0)
+                        vt_gap=vt_gap if vt is not None else 0, rng=rng, dropout_p=dropout_p)
 
 
-def _dense_plan(q, k, v, softmax_scale: float, mask: Mask, keep_lse: bool, alibi: bool) -> FwdPlan:
+def _dense_plan(q, k, v, softmax_scale: float, mask: Mask, keep_lse: bool, alibi: bool,
+                dropout_p: float = 0.0) -> FwdPlan:
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D], checked; plan.run(q, k, v, alibi_slopes, learnable_sink, q_descale,
-    k_descale, v_descale) (None where absent)."""
+    k_descale, v_descale, rng=seed) (None where absent). Dropout runs on the Triton kernel (the Gluon forward has
+    none)."""
     b, sq, hq, d = q.shape
     sk = k.shape[1]
     empty = q.numel() == 0
@@ -138,14 +141,14 @@ def _dense_plan(q, k, v, softmax_scale: float, mask: Mask, keep_lse: bool, alibi
     if not empty:
         # out will be a fresh contiguous tensor of q's shape, which a TMA descriptor addresses whenever q's does,
         # so q stands in for it (None for Sk = 0 too: no TMA over 0 rows).
-        ws_cfg = ws_forward_config(q, k, v, q, softmax_scale, mask, alibi=alibi)
+        ws_cfg = None if dropout_p else ws_forward_config(q, k, v, q, softmax_scale, mask, alibi=alibi)
         if ws_cfg is None:
             cfg = config.chosen("fwd", fwd_config(d, causal=mask.window_right >= 0, interpret=_utils.is_interpreter(),
                                                   seqlen_k=sk, arch=target_arch(), fp8=q.dtype == FP8))
     vt_gap = values_t_gap(b * sk, b)
     vt_shape = (k.shape[2], d, values_t_width(b * sk, b, vt_gap)) if q.dtype == FP8 and not (cfg and cfg.v_rows) \
         else None
-    launch = functools.partial(_launch_dense, ws_cfg, cfg, vt_gap, mask, softmax_scale)
+    launch = functools.partial(_launch_dense, ws_cfg, cfg, vt_gap, mask, softmax_scale, dropout_p)
     return FwdPlan(launch, (b, hq, sq), q.device, keep_lse, empty, vt_shape)
 
 
@@ -154,23 +157,25 @@ _DENSE_PLANS = direct.PlanCache()
 
 def _attn_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, window_left: int,
                    window_right: int, softcap: float, deterministic: bool,
-                   alibi_slopes: Optional[torch.Tensor],
-                   learnable_sink: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The custom op's implementation (torch.compile and the HF path that records autograd through it);
-    deterministic only travels to the backward (saved by setup_fwd_context)."""
+                   alibi_slopes: Optional[torch.Tensor], learnable_sink: Optional[torch.Tensor],
+                   dropout_p: float = 0.0, rng: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The custom op's implementation (torch.compile traces it); deterministic only travels to the backward (saved
+    by setup_fwd_context), like the dropout seed rng, drawn by the caller (_utils.dropout_seed)."""
     mask = Mask(window_left, window_right, softcap)
     plan = direct.plan_for(
         _DENSE_PLANS, lambda: (direct.tensor_key(q), direct.tensor_key(k), direct.tensor_key(v), softmax_scale, mask,
-                               direct.tensor_key(alibi_slopes), direct.tensor_key(learnable_sink), True),
-        lambda: _dense_plan(q, k, v, softmax_scale, mask, keep_lse=True, alibi=alibi_slopes is not None))
-    return plan.run(q, k, v, alibi_slopes, learnable_sink, None, None, None)
+                               direct.tensor_key(alibi_slopes), direct.tensor_key(learnable_sink), True, dropout_p),
+        lambda: _dense_plan(q, k, v, softmax_scale, mask, keep_lse=True, alibi=alibi_slopes is not None,
+                            dropout_p=dropout_p))
+    return plan.run(q, k, v, alibi_slopes, learnable_sink, None, None, None, rng=rng)
 
 
 _attn_fwd_op = torch.library.custom_op("tileflash::attn_fwd", mutates_args=())(_attn_fwd_impl)
 
 
 @_attn_fwd_op.register_fake
-def _(q, k, v, softmax_scale, window_left, window_right, softcap, deterministic, alibi_slopes, learnable_sink):
+def _(q, k, v, softmax_scale, window_left, window_right, softcap, deterministic, alibi_slopes, learnable_sink,
+      dropout_p=0.0, rng=None):
     b, sq, hq, _ = q.shape
     return torch.empty_like(q), q.new_empty((b, hq, sq), dtype=torch.float32)
 
@@ -178,10 +183,11 @@ def _(q, k, v, softmax_scale, window_left, window_right, softcap, deterministic,
 _attn_fwd_op.register_autograd(_bwd.fwd_backward, setup_context=_bwd.setup_fwd_context)
 
 
-def _varlen_ws_config(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale, mask, alibi: bool):
+def _varlen_ws_config(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale, mask, alibi: bool,
+                      dropout_p: float):
     """The warp-specialised forward's tiles for packed sequences, or None where it does not serve the call
-    (plan.prefill.ws_forward_config; no TMA descriptor over zero rows)."""
-    if q.shape[0] == 0 or k.shape[0] == 0 or max_seqlen_q == 0 or cu_seqlens_q.shape[0] < 2:
+    (plan.prefill.ws_forward_config; no TMA descriptor over zero rows; no dropout)."""
+    if dropout_p or q.shape[0] == 0 or k.shape[0] == 0 or max_seqlen_q == 0 or cu_seqlens_q.shape[0] < 2:
         return None
     q4, k4, v4 = (t.unsqueeze(0) for t in (q, k, v))
     # out will be a fresh contiguous tensor of q's shape, which a TMA descriptor addresses whenever q's does.
@@ -189,8 +195,8 @@ def _varlen_ws_config(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax
 
 
 def _launch_varlen(ws_cfg, cfg, vt_gap: int, mask: Mask, softmax_scale: float, max_seqlen_q: int, max_seqlen_k: int,
-                   paged: bool, q, k, v, alibi_slopes, learnable_sink, q_descale, k_descale, v_descale, cu_seqlens_q,
-                   cu_seqlens_k, seqused_k, block_table, out, lse, ws, vt) -> None:
+                   paged: bool, dropout_p: float, q, k, v, alibi_slopes, learnable_sink, q_descale, k_descale,
+                   v_descale, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, lse, ws, vt, rng) -> None:
     """Packed queries q [total_q, H, D] viewed as [1, total_q, H, D] with a batch stride of 0 (cu_seqlens_q gives
     each sequence's start); keys packed the same way, or (paged) page pools read through block_table. vt: FP8
     attention's V^T buffer (filled from v here, vt_gap columns per sequence), else None."""
@@ -216,13 +222,14 @@ def _launch_varlen(ws_cfg, cfg, vt_gap: int, mask: Mask, softmax_scale: float, m
                     softmax_scale=softmax_scale, mask=mask, config=cfg, sp_overlap=cfg.sp_overlap,
                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=None if paged else cu_seqlens_k, seqlens_k=seqused_k,
                     block_table=block_table, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink,
-                    q_scale=q_descale, k_scale=k_descale, v_scale=v_descale, vt_gap=vt_gap if vt is not None else 0)
+                    q_scale=q_descale, k_scale=k_descale, v_scale=v_descale, vt_gap=vt_gap if vt is not None else 0,
+                    rng=rng, dropout_p=dropout_p)
 
 
 def _varlen_plan(q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_q: int, max_seqlen_k: int,
-                 softmax_scale: float, mask: Mask, keep_lse: bool, alibi: bool) -> FwdPlan:
+                 softmax_scale: float, mask: Mask, keep_lse: bool, alibi: bool, dropout_p: float = 0.0) -> FwdPlan:
     """Checked packed (or paged) arguments; plan.run(q, k, v, alibi_slopes, learnable_sink, q_descale, k_descale,
-    v_descale, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)."""
+    v_descale, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, rng=seed)."""
     total_q, hq, d = q.shape
     paged = block_table is not None
     if paged:
@@ -232,7 +239,7 @@ def _varlen_plan(q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_q: in
     if not empty:
         if not paged and seqused_k is None:
             ws_cfg = _varlen_ws_config(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale, mask,
-                                       alibi)
+                                       alibi, dropout_p)
         if ws_cfg is None:
             cfg = config.chosen("fwd", fwd_config(d, causal=mask.window_right >= 0, interpret=_utils.is_interpreter(),
                                                   seqlen_k=max_seqlen_k, arch=target_arch(), fp8=q.dtype == FP8,
@@ -241,7 +248,7 @@ def _varlen_plan(q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_q: in
     vt_shape = (k.shape[1], d, values_t_width(k.shape[0], cu_seqlens_q.shape[0] - 1, vt_gap)) \
         if q.dtype == FP8 and not paged and not (cfg and cfg.v_rows) else None  # paged pools read V as stored
     launch = functools.partial(_launch_varlen, ws_cfg, cfg, vt_gap, mask, softmax_scale, max_seqlen_q, max_seqlen_k,
-                               paged)
+                               paged, dropout_p)
     return FwdPlan(launch, (hq, total_q), q.device, keep_lse, empty, vt_shape)
 
 
@@ -260,16 +267,18 @@ def _attn_varlen_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
                           cu_seqlens_k: torch.Tensor, seqused_k: Optional[torch.Tensor], max_seqlen_q: int,
                           max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
                           softcap: float, deterministic: bool,
-                          alibi_slopes: Optional[torch.Tensor],
-                          learnable_sink: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                          alibi_slopes: Optional[torch.Tensor], learnable_sink: Optional[torch.Tensor],
+                          dropout_p: float = 0.0,
+                          rng: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     mask = Mask(window_left, window_right, softcap)
     plan = direct.plan_for(
         _VARLEN_PLANS, lambda: _varlen_key(q, k, v, alibi_slopes, learnable_sink, cu_seqlens_q, cu_seqlens_k,
-                                           seqused_k, None, max_seqlen_q, max_seqlen_k, softmax_scale, mask, True),
+                                           seqused_k, None, max_seqlen_q, max_seqlen_k, softmax_scale, mask, True,
+                                           dropout_p),
         lambda: _varlen_plan(q, k, v, cu_seqlens_q, seqused_k, None, max_seqlen_q, max_seqlen_k, softmax_scale,
-                             mask, keep_lse=True, alibi=alibi_slopes is not None))
+                             mask, keep_lse=True, alibi=alibi_slopes is not None, dropout_p=dropout_p))
     return plan.run(q, k, v, alibi_slopes, learnable_sink, None, None, None, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                    None)
+                    None, rng=rng)
 
 
 _attn_varlen_fwd_op = torch.library.custom_op("tileflash::attn_varlen_fwd",
@@ -278,7 +287,7 @@ _attn_varlen_fwd_op = torch.library.custom_op("tileflash::attn_varlen_fwd",
 
 @_attn_varlen_fwd_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
-      window_right, softcap, deterministic, alibi_slopes, learnable_sink):
+      window_right, softcap, deterministic, alibi_slopes, learnable_sink, dropout_p=0.0, rng=None):
     total_q, hq, _ = q.shape
     return torch.empty_like(q), q.new_empty((hq, total_q), dtype=torch.float32)
 
@@ -347,7 +356,12 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     Differentiable in q, k, v (and through lse). Above head dim 64 the backward adds dq up with fp32 atomics, so
     dq may differ in the last bits from run to run; deterministic=True computes dq in a separate pass without
     atomics (bitwise reproducible gradients, slower). The argument order is FA3's (softmax_scale fourth);
-    flash-attn 2.x's dropout_p is taken as a keyword only, and must be 0.
+    flash-attn 2.x's dropout_p is taken as a keyword only.
+    dropout_p in [0, 1) (flash-attn 2.x's attention dropout): each probability is dropped with probability
+    dropout_p and the kept ones scaled by 1 / (1 - dropout_p); the lse is the undropped softmax's. The pattern comes
+    from a seed drawn from torch's generator of q's device at every call (torch.manual_seed reproduces it; a captured
+    CUDA graph draws a new one at every replay), and the backward regenerates it (kernels/triton/dropout.py). Not
+    with FP8 inputs or attention_chunk; it runs on the Triton kernels (the sm_90 warp-specialised ones have none).
     alibi_slopes: fp32 [Hq] or [B, Hq] (flash-attn's ALiBi): -slope * |i + Sk - Sq - j| is added to the score of
     query i and key j after softmax_scale (and softcap), causal or not; gradients flow to q, k, v, not the slopes.
     learnable_sink: fp32 [Hq] (FA4's attention sink): one more logit per query head in every row's softmax, with no
@@ -359,14 +373,15 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     in fp32 otherwise (each KV block's P v8 is added into an fp32 accumulator, so long rows keep their precision).
     out_dtype: bfloat16 (default) or float16; lse as above. Forward only. tileflash.fp8_quantize_qkv makes the inputs.
     FA3's keyword arguments: return_attn_probs=True returns (out, lse) as return_lse does (FA3's pair; flash-attn
-    2.x's third value, the dropout pattern, does not exist without dropout); num_splits, pack_gqa and sm_margin are
+    2.x's third value, the probabilities with the dropout pattern, is not materialised); num_splits, pack_gqa and sm_margin are
     accepted and leave the result as it is (tileflash plans its own schedule); qv must be None. attention_chunk=c > 0
     (Llama 4's chunked attention): a query at key position p sees only keys in [floor(p / c) * c, + c), intersected
     with causal / the window (FA3's mask); it runs as packed sequences of one chunk each (ops/repack.py), forward
     and backward.
     """
     if dropout_p:
-        _utils.check_dropout(dropout_p)
+        dropout_p = _utils.check_dropout(dropout_p, **{"FP8 inputs": getattr(q, "dtype", None) == FP8,
+                                                       "attention_chunk": attention_chunk})
     if return_attn_probs or num_splits != 1 or pack_gqa is not None or sm_margin or attention_chunk or \
             qv is not None:
         _utils.check_fa3_tail(num_splits, pack_gqa, sm_margin, qv)
@@ -388,7 +403,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
         mask, scale = _checked_dense(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                      learnable_sink)
         out, lse = _attn_fwd_op(q, k, v, scale, mask.window_left, mask.window_right, mask.softcap,
-                                bool(deterministic), alibi_slopes, learnable_sink)
+                                bool(deterministic), alibi_slopes, learnable_sink, dropout_p,
+                                _utils.dropout_seed(q.device) if dropout_p else None)
         return (out, lse) if return_lse else out
     grad = _utils.needs_grad(q, k, v, learnable_sink)
     plan = direct.plan_for(
@@ -396,13 +412,14 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
                                 causal, direct.window_key(window_size), softcap, return_lse, deterministic, grad,
                                 direct.tensor_key(alibi_slopes), direct.tensor_key(learnable_sink),
                                 direct.tensor_key(q_descale), direct.tensor_key(k_descale),
-                                direct.tensor_key(v_descale), out_dtype),
+                                direct.tensor_key(v_descale), out_dtype, dropout_p),
         lambda: _public_dense_plan(q, k, v, softmax_scale, causal, window_size, softcap, return_lse or grad,
                                    deterministic, alibi_slopes, learnable_sink, q_descale, k_descale, v_descale,
-                                   out_dtype, grad))
+                                   out_dtype, grad, dropout_p))
+    rng = _utils.dropout_seed(q.device) if dropout_p else None
     if grad:
-        return _attn_autograd(bool(return_lse), q, k, v, plan, alibi_slopes, learnable_sink)
-    out, lse = plan.run(q, k, v, alibi_slopes, learnable_sink, q_descale, k_descale, v_descale)
+        return _attn_autograd(bool(return_lse), q, k, v, plan, alibi_slopes, learnable_sink, rng)
+    out, lse = plan.run(q, k, v, alibi_slopes, learnable_sink, q_descale, k_descale, v_descale, rng=rng)
     return (out, lse) if return_lse else out
 
 
@@ -428,13 +445,14 @@ def _checked_dense(q, k, v, softmax_scale, causal, window_size, softcap, alibi_s
 
 
 def _public_dense_plan(q, k, v, softmax_scale, causal, window_size, softcap, keep_lse, deterministic,
-                       alibi_slopes, learnable_sink, q_descale, k_descale, v_descale, out_dtype, grad) -> FwdPlan:
+                       alibi_slopes, learnable_sink, q_descale, k_descale, v_descale, out_dtype, grad,
+                       dropout_p) -> FwdPlan:
     mask, scale = _checked_dense(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, learnable_sink)
     out_dtype = _check_fp8(q, k, q.shape[0], q_descale, k_descale, v_descale, out_dtype, grad)
-    plan = _dense_plan(q, k, v, scale, mask, keep_lse, alibi=alibi_slopes is not None)
+    plan = _dense_plan(q, k, v, scale, mask, keep_lse, alibi=alibi_slopes is not None, dropout_p=dropout_p)
     plan.out_dtype = out_dtype if out_dtype != q.dtype else None
     plan.backward_args = (None, None, None, 0, 0, scale, mask.window_left, mask.window_right, mask.softcap,
-                          bool(deterministic))
+                          bool(deterministic), dropout_p)
     return plan
 
 
@@ -450,9 +468,9 @@ class _AttnFunction(torch.autograd.Function):
     track in a training step."""
 
     @staticmethod
-    def forward(ctx, return_lse, q, k, v, plan, alibi_slopes, learnable_sink, *index):
-        out, lse = plan.run(q, k, v, alibi_slopes, learnable_sink, None, None, None, *index)
-        ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, learnable_sink, *index)
+    def forward(ctx, return_lse, q, k, v, plan, alibi_slopes, learnable_sink, rng, *index):
+        out, lse = plan.run(q, k, v, alibi_slopes, learnable_sink, None, None, None, *index, rng=rng)
+        ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, learnable_sink, rng, *index)
         ctx.plan = plan
         ctx.set_materialize_grads(False)
         return (out, lse) if return_lse else out
@@ -463,7 +481,7 @@ class _AttnFunction(torch.autograd.Function):
             raise RuntimeError("flash_attn_varlen_func with block_table: paged keys have no backward (inputs that "
                                "require grad are accepted, as flash-attn does, for forward-only use); gather the pages "
                                "into packed k/v to differentiate")
-        q, k, v, out, lse, alibi_slopes, learnable_sink, *index = ctx.saved_tensors
+        q, k, v, out, lse, alibi_slopes, learnable_sink, rng, *index = ctx.saved_tensors
         if dout is None:  # only lse was used
             dout = torch.zeros_like(out)
         cu_q, cu_k, seqused_k, max_q, max_k, *rest = ctx.plan.backward_args
@@ -474,8 +492,8 @@ class _AttnFunction(torch.autograd.Function):
             lambda: (direct.tensor_key(dout), direct.tensor_key(dlse)),
             lambda: BwdPlan(q, k, v, dout, cu_q, seqused_k, alibi_slopes, learnable_sink, max_q, max_k, *rest))
         dq, dk, dv, dsink = bwd.run(q, k, v, out, lse, dout, dlse, cu_q, cu_k, seqused_k, alibi_slopes,
-                                    learnable_sink)
-        return (None, dq, dk, dv, None, None, dsink) + (None,) * len(index)
+                                    learnable_sink, rng)
+        return (None, dq, dk, dv, None, None, dsink, None) + (None,) * len(index)
 
 
 _FAST_APPLY = super(torch.autograd.Function, _AttnFunction).apply  # autograd's C++ entry point
@@ -512,7 +530,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Paged keys (vLLM-style chunked prefill / prefix caching): with block_table [batch, max_pages] int32, k and v
     are page pools [num_pages, page_size, Hkv, D], sequence b's keys are the first seqused_k[b] tokens of its pages
     (cu_seqlens_k is ignored and may be None), and its queries are the last tokens of that sequence (bottom-right
-    causal). Forward only. dropout_p (flash-attn 2.x) is taken as a keyword and must be 0.
+    causal). Forward only. dropout_p (flash-attn 2.x's, as in flash_attn_func; rows and keys count from each
+    sequence's start) is taken as a keyword; not with block_table, seqused_q or attention_chunk.
     alibi_slopes: fp32 [Hq] or [batch, Hq], as in flash_attn_func, with i, j, Sq and Sk those of each sequence.
     learnable_sink: fp32 [Hq], as in flash_attn_func (every sequence's rows; rows of an empty key range: out 0, lse
     sink_h).
@@ -525,7 +544,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     by name.
     """
     if dropout_p:
-        _utils.check_dropout(dropout_p)
+        dropout_p = _utils.check_dropout(dropout_p, block_table=block_table is not None,
+                                         seqused_q=seqused_q is not None, attention_chunk=attention_chunk,
+                                         **{"FP8 inputs": getattr(q, "dtype", None) == FP8})
     if return_attn_probs or num_splits != 1 or pack_gqa is not None or sm_margin or attention_chunk or \
             qv is not None or seqused_q is not None:
         chunk = _utils.check_attention_chunk(attention_chunk)
@@ -574,7 +595,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         else:
             out, lse = _attn_varlen_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q),
                                            int(max_seqlen_k), scale, mask.window_left, mask.window_right,
-                                           mask.softcap, bool(deterministic), alibi_slopes, learnable_sink)
+                                           mask.softcap, bool(deterministic), alibi_slopes, learnable_sink, dropout_p,
+                                           _utils.dropout_seed(q.device) if dropout_p else None)
         return (out, lse) if return_lse else out
     grad = _utils.needs_grad(q, k, v, learnable_sink)
     plan = direct.plan_for(
@@ -582,15 +604,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                             seqused_k, block_table, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                                             direct.window_key(window_size), softcap, return_lse, deterministic, grad,
                                             direct.tensor_key(q_descale), direct.tensor_key(k_descale),
-                                            direct.tensor_key(v_descale), out_dtype),
+                                            direct.tensor_key(v_descale), out_dtype, dropout_p),
         lambda: _public_varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q,
                                     max_seqlen_k, softmax_scale, causal, window_size, softcap, return_lse or grad,
                                     deterministic, alibi_slopes, learnable_sink, q_descale, k_descale, v_descale,
-                                    out_dtype, grad))
+                                    out_dtype, grad, dropout_p))
     index = (cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
+    rng = _utils.dropout_seed(q.device) if dropout_p else None
     if grad:
-        return _attn_autograd(bool(return_lse), q, k, v, plan, alibi_slopes, learnable_sink, *index)
-    out, lse = plan.run(q, k, v, alibi_slopes, learnable_sink, q_descale, k_descale, v_descale, *index)
+        return _attn_autograd(bool(return_lse), q, k, v, plan, alibi_slopes, learnable_sink, rng, *index)
+    out, lse = plan.run(q, k, v, alibi_slopes, learnable_sink, q_descale, k_descale, v_descale, *index, rng=rng)
     return (out, lse) if return_lse else out
 
 
@@ -631,16 +654,16 @@ def _checked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
 def _public_varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
                         softmax_scale, causal, window_size, softcap, keep_lse, deterministic,
                         alibi_slopes, learnable_sink, q_descale, k_descale, v_descale, out_dtype,
-                        grad) -> FwdPlan:
+                        grad, dropout_p) -> FwdPlan:
     mask, scale = _checked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q,
                                   max_seqlen_k, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                   learnable_sink)
     out_dtype = _check_fp8(q, k, cu_seqlens_q.shape[0] - 1, q_descale, k_descale, v_descale, out_dtype, grad)
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), (int(max_seqlen_k) if block_table is None else 0)
     plan = _varlen_plan(q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, scale, mask,
-                        keep_lse, alibi=alibi_slopes is not None)
+                        keep_lse, alibi=alibi_slopes is not None, dropout_p=dropout_p)
     plan.out_dtype = out_dtype if out_dtype != q.dtype else None
     plan.backward_args = None if block_table is not None else (
         None, None, None, max_seqlen_q, max_seqlen_k, scale, mask.window_left, mask.window_right, mask.softcap,
-        bool(deterministic))
+        bool(deterministic), dropout_p)
     return plan

@@ -8,6 +8,9 @@ With logits z = softmax_scale * q.k (softcap: z = cap * tanh(softmax_scale * q.k
   (ALiBi adds -slope * |q_pos - key| to z: P is recomputed with it; it has no gradient in q, k, v),
   dQ = dS K,   dK = dS^T Q.
 (-dlse folds the gradient of a returned lse into delta: d lse / dz = P.)
+Attention dropout (DROPOUT; kernels/triton/dropout.py regenerates the forward's pattern Z, kept entries scaled by
+1 / (1 - p)): out = (P * Z) V, so dV = (P * Z)^T dO and dZ = P * (dP * Z - delta); delta = rowsum(dO * O) holds
+unchanged.
 
 Kernels (on sm_90, head dims 64 and 128 without window/softcap/varlen take kernels/gluon/attn_bwd.py's warp-specialised
 dK/dV kernel instead of the dK/dV kernel here; the preprocess and, for deterministic=True, the dQ pass stay):
@@ -45,6 +48,7 @@ import triton
 import triton.language as tl
 
 from .inner import tanh
+from .dropout import dropout_keep
 from .cast import store_cast
 from .masks import LOG2E, alibi_distance, kv_block_range, logit_scales, q_block_range, seq_extents, visible
 
@@ -114,12 +118,15 @@ def _load_rows(ptr, rows, row_ok, offs_d, stride_s, HEAD_DIM: tl.constexpr, TILE
 @triton.jit
 def _probs_and_dscores(q, k, v, do, lse2, delta, q_pos, k_pos, seqlen_k, qk_scale, softcap_scale, window_left,
                        window_right, alibi_slope, MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                       SOFTCAP: tl.constexpr, KEYS_MAJOR: tl.constexpr, ALIBI: tl.constexpr):
+                       SOFTCAP: tl.constexpr, KEYS_MAJOR: tl.constexpr, ALIBI: tl.constexpr, rng_ptr, rows, bh,
+                       start_n, dropout_thr, dropout_scale, DROPOUT: tl.constexpr):
     """Recompute P from the saved lse (lse2 = lse * log2(e), +inf for rows that saw no key), with the forward's
     ALiBi bias when ALIBI (alibi_slope: the head's slope times log2(e); the bias has no gradient), and return
     (P, dS / softmax_scale) for one block: [BM, BN] tiles, or with KEYS_MAJOR their transposes [BN, BM], which the
     dK/dV program feeds to its MMAs as the register operand as they come out of the accumulator (a transpose of
-    P and dS would move each through shared memory every step)."""
+    P and dS would move each through shared memory every step). DROPOUT: the P returned is the dropped and scaled
+    one dV takes, and dP is dropped likewise before dS (rows: the block's query rows, bh: its (sequence, query head)
+    row, start_n: its first key)."""
     if KEYS_MAJOR:
         s = tl.dot(k, tl.trans(q))
         lse_b, delta_b = lse2[None, :], delta[None, :]
@@ -142,7 +149,14 @@ def _probs_and_dscores(q, k, v, do, lse2, delta, q_pos, k_pos, seqlen_k, qk_scal
         dp = tl.dot(v, tl.trans(do))
     else:
         dp = tl.dot(do, tl.trans(v))
+    if DROPOUT:
+        kept = tl.where(dropout_keep(rng_ptr, rows, bh, start_n, dropout_thr, k.shape[0]), dropout_scale, 0.0)
+        if KEYS_MAJOR:
+            kept = tl.trans(kept)
+        dp = dp * kept
     ds = p * (dp - delta_b)
+    if DROPOUT:
+        p = p * kept
     if SOFTCAP:
         ds = ds * (1.0 - t * t)
     return p, ds
@@ -174,11 +188,12 @@ def _row_stats(lse2_ptr, delta_ptr, b, h, tok, row_ok, stride_lb, stride_lh, str
 
 @triton.jit
 def _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, q_desc, do_desc, desc_row0, lse2_ptr, delta_ptr, b, head_q,
-                 stride_lb, stride_lh, stride_ls, stride_qs, stride_dos, stride_dqs, q_start, offs_d, offs_n, diag,
+                 stride_lb, stride_lh, stride_ls, stride_qs, stride_dos, stride_dqs, q_start, offs_d, start_n, diag,
                  seqlen_q, seqlen_k, lo, hi, rot, qk_scale, softcap_scale, window_left, window_right, alibi_slope,
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr,
                  HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, TILE_DTYPE: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                 QDO_DESC: tl.constexpr, ALIBI: tl.constexpr):
+                 QDO_DESC: tl.constexpr, ALIBI: tl.constexpr, rng_ptr, drop_bh, dropout_thr, dropout_scale,
+                 DROPOUT: tl.constexpr):
     """dV += P^T dO and dK += dS^T Q (dS without softmax_scale) over query blocks [lo, hi) of one head (multiples
     of BLOCK_M), starting at block rot and wrapping around; with ATOMIC_DQ also dQ += dS K, added in fp32 into
     dq_base's rows (relaxed: only the sum matters). QDO_DESC: unmasked blocks read Q and dO through TMA
@@ -187,6 +202,7 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, q_desc, do_desc, desc_r
     # No modulo by the block count inside the loop: that count is 0 for an empty range, and a version that divided
     # by it there crashed on the GPU with an illegal address (notebook, run 29).
     first = lo + (rot % tl.maximum((hi - lo) // BLOCK_M, 1)) * BLOCK_M
+    offs_n = start_n + tl.arange(0, k.shape[0])
     for start in range(lo, hi, BLOCK_M):
         start_m = start + (first - lo)
         start_m = tl.where(start_m >= hi, start_m - (hi - lo), start_m)
@@ -203,7 +219,8 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, q_desc, do_desc, desc_r
                                  stride_ls, not MASK)
         p_t, ds_t = _probs_and_dscores(q, k, v, do, lse2, delta, tok + diag, offs_n, seqlen_k, qk_scale,
                                        softcap_scale, window_left, window_right, alibi_slope, MASK, HAS_LEFT,
-                                       HAS_RIGHT, SOFTCAP, True, ALIBI)
+                                       HAS_RIGHT, SOFTCAP, True, ALIBI, rng_ptr, tok, drop_bh, start_n,
+                                       dropout_thr, dropout_scale, DROPOUT)
         dv = tl.dot(p_t.to(do.dtype), do, dv)
         ds_t = ds_t.to(q.dtype)
         dk = tl.dot(ds_t, q, dk)
@@ -227,11 +244,13 @@ def attn_bwd_dkdv_kernel(
     stride_dob, stride_dos, stride_doh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
     stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh, stride_ls,
     seqlen_q_static, seqlen_k_static, num_heads_kv, group_size, n_tiles,
-    softmax_scale, softcap, window_left, window_right, alibi_ptr, stride_alibi_b,
+    softmax_scale, softcap, window_left, window_right, alibi_ptr, stride_alibi_b, rng_ptr, dropout_thr,
+    dropout_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     VARLEN_Q: tl.constexpr, VARLEN_K: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, TILE_DTYPE: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, ROTATE: tl.constexpr, QDO_DESC: tl.constexpr, ALIBI: tl.constexpr,
+    DROPOUT: tl.constexpr = False,
 ):
     """dK, dV of one KV block of one KV head; with ATOMIC_DQ also the block's share of dQ (dq_acc, fp32, without
     softmax_scale). ROTATE: the programs of one head start their unmasked query blocks at different blocks (their
@@ -279,23 +298,27 @@ def attn_bwd_dkdv_kernel(
         do_base = do_ptr + b64 * stride_dob + head_q.to(tl.int64) * stride_doh
         dq_base = dq_acc_ptr + b64 * stride_dqb + head_q.to(tl.int64) * stride_dqh
         alibi_slope = _alibi_slope(alibi_ptr, b, stride_alibi_b, head_q, ALIBI)
+        drop_bh = b * num_heads_kv * group_size + head_q  # dropout's (sequence, query head) row
         # Masked blocks at the diagonal, unmasked interior (staggered start), masked blocks at the left window edge
         # (one call each: MASK is a compile-time constant and Triton unrolls no loop over a tuple).
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, q_desc, do_desc, desc_row0, lse2_ptr, delta_ptr,
                               b, head_q, stride_lb, stride_lh, stride_ls, stride_qs, stride_dos, stride_dqs, q_start,
-                              offs_d, offs_n, diag, seqlen_q, seqlen_k, m_lo * BLOCK_M, full_lo * BLOCK_M, 0, qk_scale,
+                              offs_d, start_n, diag, seqlen_q, seqlen_k, m_lo * BLOCK_M, full_lo * BLOCK_M, 0, qk_scale,
                               softcap_scale, window_left, window_right, alibi_slope, HEAD_DIM, BLOCK_M, True,
-                              HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE, ATOMIC_DQ, QDO_DESC, ALIBI)
+                              HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE, ATOMIC_DQ, QDO_DESC, ALIBI,
+                              rng_ptr, drop_bh, dropout_thr, dropout_scale, DROPOUT)
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, q_desc, do_desc, desc_row0, lse2_ptr, delta_ptr,
                               b, head_q, stride_lb, stride_lh, stride_ls, stride_qs, stride_dos, stride_dqs, q_start,
-                              offs_d, offs_n, diag, seqlen_q, seqlen_k, full_lo * BLOCK_M, full_hi * BLOCK_M, rot,
+                              offs_d, start_n, diag, seqlen_q, seqlen_k, full_lo * BLOCK_M, full_hi * BLOCK_M, rot,
                               qk_scale, softcap_scale, window_left, window_right, alibi_slope, HEAD_DIM, BLOCK_M,
-                              False, HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE, ATOMIC_DQ, QDO_DESC, ALIBI)
+                              False, HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE, ATOMIC_DQ, QDO_DESC, ALIBI,
+                              rng_ptr, drop_bh, dropout_thr, dropout_scale, DROPOUT)
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, q_desc, do_desc, desc_row0, lse2_ptr, delta_ptr,
                               b, head_q, stride_lb, stride_lh, stride_ls, stride_qs, stride_dos, stride_dqs, q_start,
-                              offs_d, offs_n, diag, seqlen_q, seqlen_k, full_hi * BLOCK_M, m_hi * BLOCK_M, 0, qk_scale,
+                              offs_d, start_n, diag, seqlen_q, seqlen_k, full_hi * BLOCK_M, m_hi * BLOCK_M, 0, qk_scale,
                               softcap_scale, window_left, window_right, alibi_slope, HEAD_DIM, BLOCK_M, True,
-                              HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE, ATOMIC_DQ, QDO_DESC, ALIBI)
+                              HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE, ATOMIC_DQ, QDO_DESC, ALIBI,
+                              rng_ptr, drop_bh, dropout_thr, dropout_scale, DROPOUT)
     dk = dk * softmax_scale
     interpreted: tl.constexpr = TILE_DTYPE == tl.float32  # tiles are fp32 only in the interpreter
     store_ok = (offs_n[:, None] < stored_k) & (offs_d[None, :] < HEAD_DIM)
@@ -310,7 +333,8 @@ def attn_bwd_dkdv_kernel(
 def _dq_blocks(dq, q, do, lse2, delta, q_pos, k_base, v_base, stride_ks, stride_vs, k_start, offs_d, seqlen_k,
                lo, hi, qk_scale, softcap_scale, window_left, window_right, alibi_slope, HEAD_DIM: tl.constexpr,
                BLOCK_N: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-               SOFTCAP: tl.constexpr, TILE_DTYPE: tl.constexpr, ALIBI: tl.constexpr):
+               SOFTCAP: tl.constexpr, TILE_DTYPE: tl.constexpr, ALIBI: tl.constexpr, rng_ptr, drop_rows, drop_bh,
+               dropout_thr, dropout_scale, DROPOUT: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         key_ok = offs_n < seqlen_k
@@ -319,7 +343,7 @@ def _dq_blocks(dq, q, do, lse2, delta, q_pos, k_base, v_base, stride_ks, stride_
         v = _load_rows(v_base, k_start + offs_n, key_ok, offs_d, stride_vs, HEAD_DIM, TILE_DTYPE, not MASK)
         p, ds = _probs_and_dscores(q, k, v, do, lse2, delta, q_pos, offs_n, seqlen_k, qk_scale, softcap_scale,
                                    window_left, window_right, alibi_slope, MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP, False,
-                                   ALIBI)
+                                   ALIBI, rng_ptr, drop_rows, drop_bh, start_n, dropout_thr, dropout_scale, DROPOUT)
         dq = tl.dot(ds.to(k.dtype), k, dq)
     return dq
 
@@ -332,11 +356,12 @@ def attn_bwd_dq_kernel(
     stride_dob, stride_dos, stride_doh, stride_dqb, stride_dqs, stride_dqh,
     stride_lb, stride_lh, stride_ls,
     seqlen_q_static, seqlen_k_static, num_heads_q, group_size, m_tiles,
-    softmax_scale, softcap, window_left, window_right, alibi_ptr, stride_alibi_b,
+    softmax_scale, softcap, window_left, window_right, alibi_ptr, stride_alibi_b, rng_ptr, dropout_thr,
+    dropout_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     VARLEN_Q: tl.constexpr, VARLEN_K: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, TILE_DTYPE: tl.constexpr,
-    ALIBI: tl.constexpr,
+    ALIBI: tl.constexpr, DROPOUT: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     start_m = (m_tiles - 1 - pid % m_tiles) * BLOCK_M  # heaviest causal tiles first
@@ -368,16 +393,20 @@ def attn_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     q_pos = tok + diag
     alibi_slope = _alibi_slope(alibi_ptr, b, stride_alibi_b, head_q, ALIBI)
+    drop_bh = b * num_heads_q + head_q  # dropout's (sequence, query head) row
     # Masked blocks at the left window edge, unmasked interior, masked blocks at the diagonal / end.
     dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, k_base, v_base, stride_ks, stride_vs, k_start, offs_d, seqlen_k,
                     n_lo * BLOCK_N, full_lo * BLOCK_N, qk_scale, softcap_scale, window_left, window_right,
-                    alibi_slope, HEAD_DIM, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE, ALIBI)
+                    alibi_slope, HEAD_DIM, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE, ALIBI, rng_ptr,
+                    tok, drop_bh, dropout_thr, dropout_scale, DROPOUT)
     dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, k_base, v_base, stride_ks, stride_vs, k_start, offs_d, seqlen_k,
                     full_lo * BLOCK_N, full_hi * BLOCK_N, qk_scale, softcap_scale, window_left, window_right,
-                    alibi_slope, HEAD_DIM, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE, ALIBI)
+                    alibi_slope, HEAD_DIM, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE, ALIBI, rng_ptr,
+                    tok, drop_bh, dropout_thr, dropout_scale, DROPOUT)
     dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, k_base, v_base, stride_ks, stride_vs, k_start, offs_d, seqlen_k,
                     full_hi * BLOCK_N, n_hi * BLOCK_N, qk_scale, softcap_scale, window_left, window_right,
-                    alibi_slope, HEAD_DIM, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE, ALIBI)
+                    alibi_slope, HEAD_DIM, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE, ALIBI, rng_ptr,
+                    tok, drop_bh, dropout_thr, dropout_scale, DROPOUT)
     dq = dq * softmax_scale
     interpreted: tl.constexpr = TILE_DTYPE == tl.float32  # tiles are fp32 only in the interpreter
     rows = (q_start + tok).to(tl.int64)

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from .masks import alibi_distance, visible
 from .cast import round_e4m3
+from .dropout import dropout_keep
 from ...lowp.kernels.quant import NVFP4_PURE_ASM, NVFP4_SCALE_WORDS, nvfp4_unpack_tile
 
 P_FP8_LOG2: tl.constexpr = tl.constexpr(8.0)  # FP8 attention's P tiles span [0, 2^8] (e4m3's max is 448)
@@ -225,7 +226,8 @@ def _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left,
 
 @triton.jit
 def _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS: tl.constexpr, RAW_SCORES: tl.constexpr,
-                P_FP8: tl.constexpr = False):
+                P_FP8: tl.constexpr = False, start_n=0, rng_ptr=None, drop_rows=None, drop_bh=0, drop_thr=0,
+                DROPOUT: tl.constexpr = False):
     """Online-softmax update with one block of scores s and values v (TRANS: s^T and acc^T [DP, M]).
     RAW_SCORES: s is unscaled and qk_scale > 0, so the row max scales after the reduction and the scale and the
     max subtraction are one FMA per score (FA's exp2(s * scale - m)) instead of a multiply and a subtract.
@@ -233,7 +235,9 @@ def _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS: tl.constexpr, RAW_SCORES: 
     [0, 2^8] and stays clear of e4m3's subnormals (l_i carries the same 2^8: m_i - P_FP8_LOG2 and l_i are the row's
     usual pair, see fp8_row_max). With V^T it is rounded to e4m3 for the PV product, each block's product starts
     from zero and is added into the fp32 acc, so the tensor cores' reduced-precision FP8 accumulation never runs
-    over the whole row (vLLM's long-context trap); with V rows (paged pools) P and V multiply in fp16."""
+    over the whole row (vLLM's long-context trap); with V rows (paged pools) P and V multiply in fp16.
+    DROPOUT (prefill rows of one head, keys start_n..): the probabilities dropout.dropout_keep drops leave the PV
+    product, not l_i (the caller scales the output by 1 / (1 - p))."""
     key_axis: tl.constexpr = 0 if TRANS else 1
     if RAW_SCORES:
         m_new = tl.maximum(m_i, tl.max(s, key_axis) * qk_scale)
@@ -249,6 +253,9 @@ def _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS: tl.constexpr, RAW_SCORES: 
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, key_axis)
     acc = acc * _per_row(alpha, TRANS)
+    if DROPOUT:
+        tl.static_assert(not TRANS and not P_FP8, "dropout: untransposed 16-bit products only")
+        p = tl.where(dropout_keep(rng_ptr, drop_rows, drop_bh, start_n, drop_thr, p.shape[1]), p, 0.0)
     if P_FP8:
         tl.static_assert(not TRANS, "FP8 values take the untransposed products")
         if P_FP8 >= FP8_V_T:  # v holds V^T [DP, N]
@@ -282,7 +289,8 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
                KV_NVFP4: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                SP_OVERLAP: tl.constexpr, TILE_DTYPE: tl.constexpr, TRANS: tl.constexpr,
                RAW_SCORES: tl.constexpr, ALIBI: tl.constexpr, qv, offs_dv, HEAD_DIM_V: tl.constexpr,
-               HAS_QV: tl.constexpr, P_FP8: tl.constexpr = False, BOX_IN_SEQ: tl.constexpr = False):
+               HAS_QV: tl.constexpr, P_FP8: tl.constexpr = False, BOX_IN_SEQ: tl.constexpr = False, rng_ptr=None,
+               drop_rows=None, drop_bh=0, drop_thr=0, DROPOUT: tl.constexpr = False):
     """Accumulate KV tokens [lo, hi) (lo, hi multiples of BLOCK_N) into (acc, m_i, l_i).
 
     MASK=False is the fast path for blocks that are fully visible to every row (no per-element masks).
@@ -295,6 +303,7 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
     P_FP8: e4m3 V tiles (FP8_V_ROWS: as stored; FP8_V_T(_DESC): V^T, stride_v_tok D's stride), P's product as
     _softmax_pv says.
     BOX_IN_SEQ: masked blocks read K and V boxes that end at or before seqlen_k (_kv_tile; seqlen_k >= BLOCK_N).
+    DROPOUT: attention dropout of rows drop_rows of head row drop_bh (_softmax_pv; seed at rng_ptr).
     """
     if SP_OVERLAP:
         tl.static_assert(not HAS_QV, "MLA (qv) takes the plain loop")
@@ -319,7 +328,8 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
                 s_next = _scores(q, k_next, qk_scale, softcap_scale, q_pos, next_n, seqlen_k, window_left,
                                  window_right, alibi_slope, SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES,
                                  ALIBI)
-                acc, m_i, l_i = _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS, RAW_SCORES, P_FP8)
+                acc, m_i, l_i = _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS, RAW_SCORES, P_FP8, start_n, rng_ptr,
+                                            drop_rows, drop_bh, drop_thr, DROPOUT)
                 s = s_next
     elif lo < hi:  # (no table entry is read for an empty range: lo may be past the table's end)
         pages = block_pages(bt_ptr, lo, seqlen_k, BLOCK_N, PAGE_SIZE, USE_DESC, MASK)
@@ -334,7 +344,7 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
                                         qk_scale, softcap_scale, window_left, window_right, alibi_slope, HEAD_DIM,
                                         BLOCK_N, MASK, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT, HAS_RIGHT,
                                         SOFTCAP, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv, HEAD_DIM_V,
-                                        HAS_QV, P_FP8, BOX_IN_SEQ)
+                                        HAS_QV, P_FP8, BOX_IN_SEQ, rng_ptr, drop_rows, drop_bh, drop_thr, DROPOUT)
             pages = next_pages
     return acc, m_i, l_i
 
@@ -347,7 +357,7 @@ def _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, pages
                 KV_NVFP4: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                 TILE_DTYPE: tl.constexpr, TRANS: tl.constexpr, RAW_SCORES: tl.constexpr, ALIBI: tl.constexpr, qv,
                 offs_dv, HEAD_DIM_V: tl.constexpr, HAS_QV: tl.constexpr, P_FP8: tl.constexpr,
-                BOX_IN_SEQ: tl.constexpr):
+                BOX_IN_SEQ: tl.constexpr, rng_ptr, drop_rows, drop_bh, drop_thr, DROPOUT: tl.constexpr):
     """One block of the plain loop: load K, scores, load V, online softmax and PV (MLA: V before the scores)."""
     k, offs_n = _kv_tile(k_base, k_sbase, start_n, seqlen_k, pages, stride_k_page, stride_k_tok, sstride_page,
                          sstride_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4,
@@ -365,4 +375,5 @@ def _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, pages
         v = _v_tile(v_base, v_sbase, start_n, seqlen_k, pages, stride_v_page, stride_v_tok, sstride_page, sstride_tok,
                     v_row0, head_kv, offs_dv, HEAD_DIM_V, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4, MASK, TILE_DTYPE,
                     P_FP8, BOX_IN_SEQ)
-    return _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS, RAW_SCORES, P_FP8)
+    return _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS, RAW_SCORES, P_FP8, start_n, rng_ptr, drop_rows, drop_bh,
+                       drop_thr, DROPOUT)
