@@ -48,10 +48,17 @@ def _normalise(args, names):
     return out
 
 
+class _Named:
+    """Tensors that one name stands for in _launches (each call's own dropout seed: _seeded_calls)."""
+
+    def __init__(self, name, tensors):
+        self.name, self.tensors = name, tensors
+
+
 def _launches(fn, tensors):
     """Collected launches of fn(): grid, stream, function, and normalised arguments."""
-    names = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes(), f"input{i}")
-             for i, t in enumerate(tensors)]
+    names = [(x.untyped_storage().data_ptr(), x.untyped_storage().nbytes(), t.name if isinstance(t, _Named)
+              else f"input{i}") for i, t in enumerate(tensors) for x in (t.tensors if isinstance(t, _Named) else [t])]
     names += [(b.data_ptr(), b.numel() * 4, "workspace") for b in direct.WORKSPACE.buffers.values()]
     NoLaunch.calls = []
     fn()
@@ -149,6 +156,26 @@ def _varlen(d=64, backward=False, paged=False, **kw):
     return fn, [q, k, v, cu]
 
 
+def _seeded_calls(make):
+    """make()'s call with tileflash's dropout seed taken from three tensors in turn (the recording call's, the
+    replay's, the plain launch's), the last two named "seed": a replay that kept the recording call's seed would
+    pass a pointer named "fresh" where the plain launch passes "seed"."""
+    import tileflash._utils as utils
+
+    fn, tensors = make()
+    named = [torch.full((1,), 100 + i, dtype=torch.int64) for i in range(3)]
+    seeds = iter(named)
+
+    def call():
+        draw, utils.dropout_seed = utils.dropout_seed, lambda device: next(seeds)
+        try:
+            fn()
+        finally:
+            utils.dropout_seed = draw
+
+    return call, [*tensors, _Named("seed", named[1:])]
+
+
 def _merge(three_d):
     shape, lse_shape = ((50, 4, 64), (4, 50)) if three_d else ((2, 25, 4, 64), (2, 4, 25))
     oa, ob = torch.randn(*shape, dtype=bf), torch.randn(*shape, dtype=bf)
@@ -180,9 +207,9 @@ CASES = {
         2, 150, 4, 2, 128, backward=True, causal=True, alibi_slopes=torch.rand(2, 4)),
     "decode paged append, split, alibi [Hq]": lambda: _decode(paged=True, append=True, num_splits=3,
                                                               alibi_slopes=torch.rand(32)),
-    "prefill fwd+bwd d128 causal dropout (the seed a slot, drawn per call)": lambda: _prefill(
-        2, 150, 4, 2, 128, backward=True, causal=True, dropout_p=0.1),
-    "varlen fwd+bwd d64 dropout": lambda: _varlen(backward=True, causal=True, dropout_p=0.2),
+    "prefill fwd+bwd d128 causal dropout (each call's seed a slot)": lambda: _seeded_calls(lambda: _prefill(
+        2, 150, 4, 2, 128, backward=True, causal=True, dropout_p=0.1)),
+    "varlen fwd+bwd d64 dropout": lambda: _seeded_calls(lambda: _varlen(backward=True, causal=True, dropout_p=0.2)),
     "prefill fwd+bwd d128 causal learnable_sink (sink and d sink slots)": lambda: _prefill(
         2, 150, 4, 2, 128, backward=True, causal=True, learnable_sink=torch.randn(4, requires_grad=True)),
     "decode append, split, sink, rotary, cache_batch_idx, cache_leftpad": lambda: _decode(

@@ -185,6 +185,17 @@ def test_compiled_forward_and_backward_share_a_pattern():
     _forward_backward_agree(torch.compile(fn, fullgraph=True), v)
 
 
+def test_none_or_zero_is_no_dropout_eager_and_compiled():
+    """flash-attn callers pass dropout_p=None or 0 (a model's attention_dropout): the plain call, also through the
+    custom op (whose dropout_p is a float)."""
+    q, k, v = attention_inputs(1, 24, 24, 2, 2, 32, torch.float16, seed=15)
+    want = tileflash.flash_attn_func(q, k, v, causal=True)
+    for p in (None, 0, 0.0):
+        assert torch.equal(tileflash.flash_attn_func(q, k, v, causal=True, dropout_p=p), want)
+    compiled = torch.compile(lambda q: tileflash.flash_attn_func(q, k, v, causal=True, dropout_p=None), fullgraph=True)
+    assert torch.equal(compiled(q), want)
+
+
 def test_hugging_face_backend_passes_dropout():
     from tileflash.integrations.transformers import tileflash_attention_forward
 

@@ -373,15 +373,17 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     in fp32 otherwise (each KV block's P v8 is added into an fp32 accumulator, so long rows keep their precision).
     out_dtype: bfloat16 (default) or float16; lse as above. Forward only. tileflash.fp8_quantize_qkv makes the inputs.
     FA3's keyword arguments: return_attn_probs=True returns (out, lse) as return_lse does (FA3's pair; flash-attn
-    2.x's third value, the probabilities with the dropout pattern, is not materialised); num_splits, pack_gqa and sm_margin are
-    accepted and leave the result as it is (tileflash plans its own schedule); qv must be None. attention_chunk=c > 0
-    (Llama 4's chunked attention): a query at key position p sees only keys in [floor(p / c) * c, + c), intersected
-    with causal / the window (FA3's mask); it runs as packed sequences of one chunk each (ops/repack.py), forward
-    and backward.
+    2.x's third value, the probabilities with the dropout pattern, is not materialised); num_splits, pack_gqa and
+    sm_margin are accepted and leave the result as it is (tileflash plans its own schedule); qv must be None.
+    attention_chunk=c > 0 (Llama 4's chunked attention): a query at key position p sees only keys in
+    [floor(p / c) * c, + c), intersected with causal / the window (FA3's mask); it runs as packed sequences of one
+    chunk each (ops/repack.py), forward and backward.
     """
     if dropout_p:
         dropout_p = _utils.check_dropout(dropout_p, **{"FP8 inputs": getattr(q, "dtype", None) == FP8,
                                                        "attention_chunk": attention_chunk})
+    else:
+        dropout_p = 0.0  # None, 0, False: one plan key, and the custom op's float
     if return_attn_probs or num_splits != 1 or pack_gqa is not None or sm_margin or attention_chunk or \
             qv is not None:
         _utils.check_fa3_tail(num_splits, pack_gqa, sm_margin, qv)
@@ -547,6 +549,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         dropout_p = _utils.check_dropout(dropout_p, block_table=block_table is not None,
                                          seqused_q=seqused_q is not None, attention_chunk=attention_chunk,
                                          **{"FP8 inputs": getattr(q, "dtype", None) == FP8})
+    else:
+        dropout_p = 0.0
     if return_attn_probs or num_splits != 1 or pack_gqa is not None or sm_margin or attention_chunk or \
             qv is not None or seqused_q is not None:
         chunk = _utils.check_attention_chunk(attention_chunk)

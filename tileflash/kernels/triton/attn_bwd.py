@@ -10,7 +10,7 @@ With logits z = softmax_scale * q.k (softcap: z = cap * tanh(softmax_scale * q.k
 (-dlse folds the gradient of a returned lse into delta: d lse / dz = P.)
 Attention dropout (DROPOUT; kernels/triton/dropout.py regenerates the forward's pattern Z, kept entries scaled by
 1 / (1 - p)): out = (P * Z) V, so dV = (P * Z)^T dO and dZ = P * (dP * Z - delta); delta = rowsum(dO * O) holds
-unchanged.
+unchanged. (The 1 / (1 - p) of dV is applied to the fp32 sum, once.)
 
 Kernels (on sm_90, head dims 64 and 128 without window/softcap/varlen take kernels/gluon/attn_bwd.py's warp-specialised
 dK/dV kernel instead of the dK/dV kernel here; the preprocess and, for deterministic=True, the dQ pass stay):
@@ -124,9 +124,10 @@ def _probs_and_dscores(q, k, v, do, lse2, delta, q_pos, k_pos, seqlen_k, qk_scal
     ALiBi bias when ALIBI (alibi_slope: the head's slope times log2(e); the bias has no gradient), and return
     (P, dS / softmax_scale) for one block: [BM, BN] tiles, or with KEYS_MAJOR their transposes [BN, BM], which the
     dK/dV program feeds to its MMAs as the register operand as they come out of the accumulator (a transpose of
-    P and dS would move each through shared memory every step). DROPOUT: the P returned is the dropped and scaled
-    one dV takes, and dP is dropped likewise before dS (rows: the block's query rows, bh: its (sequence, query head)
-    row, start_n: its first key)."""
+    P and dS would move each through shared memory every step). DROPOUT: the P returned is the dropped one dV takes,
+    unscaled (the caller scales dV by 1 / (1 - p) once: P scaled before its cast to fp16 could overflow as p nears 1),
+    and dP is dropped and scaled before dS (rows: the block's query rows, bh: its (sequence, query head) row,
+    start_n: its first key)."""
     if KEYS_MAJOR:
         s = tl.dot(k, tl.trans(q))
         lse_b, delta_b = lse2[None, :], delta[None, :]
@@ -150,10 +151,10 @@ def _probs_and_dscores(q, k, v, do, lse2, delta, q_pos, k_pos, seqlen_k, qk_scal
     else:
         dp = tl.dot(do, tl.trans(v))
     if DROPOUT:
-        kept = tl.where(dropout_keep(rng_ptr, rows, bh, start_n, dropout_thr, k.shape[0]), dropout_scale, 0.0)
+        kept = tl.where(dropout_keep(rng_ptr, rows, bh, start_n, dropout_thr, k.shape[0]), 1.0, 0.0)
         if KEYS_MAJOR:
             kept = tl.trans(kept)
-        dp = dp * kept
+        dp = dp * kept * dropout_scale
     ds = p * (dp - delta_b)
     if DROPOUT:
         p = p * kept
@@ -320,6 +321,8 @@ def attn_bwd_dkdv_kernel(
                               HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE, ATOMIC_DQ, QDO_DESC, ALIBI,
                               rng_ptr, drop_bh, dropout_thr, dropout_scale, DROPOUT)
     dk = dk * softmax_scale
+    if DROPOUT:
+        dv = dv * dropout_scale  # _probs_and_dscores' dropped P is unscaled
     interpreted: tl.constexpr = TILE_DTYPE == tl.float32  # tiles are fp32 only in the interpreter
     store_ok = (offs_n[:, None] < stored_k) & (offs_d[None, :] < HEAD_DIM)
     rows = (k_start + offs_n).to(tl.int64)
