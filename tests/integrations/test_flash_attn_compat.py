@@ -1,0 +1,157 @@
+"""flash-attn's module names on tileflash (tileflash/integrations/flash_attn.py): `import flash_attn` (2.x) and
+`import flash_attn_interface` (FA3) after install(), each with its own library's signatures, so positional calls
+written for either bind as they do there."""
+import inspect
+import sys
+
+import pytest
+import torch
+
+import tileflash
+from helpers import DEVICE, attention_inputs, packed_inputs
+from tileflash.integrations import fa2, fa3
+from tileflash.integrations import flash_attn as compat
+
+# flash-attn's own parameter lists, in order (2.8's flash_attn/flash_attn_interface.py; FA3's
+# hopper/flash_attn_interface.py). tileflash may add trailing parameters, never reorder these.
+FA2 = {
+    "flash_attn_func": "q k v dropout_p softmax_scale causal window_size softcap alibi_slopes deterministic "
+                       "return_attn_probs",
+    "flash_attn_varlen_func": "q k v cu_seqlens_q cu_seqlens_k max_seqlen_q max_seqlen_k dropout_p softmax_scale "
+                              "causal window_size softcap alibi_slopes deterministic return_attn_probs block_table",
+    "flash_attn_qkvpacked_func": "qkv dropout_p softmax_scale causal window_size softcap alibi_slopes deterministic "
+                                 "return_attn_probs",
+    "flash_attn_kvpacked_func": "q kv dropout_p softmax_scale causal window_size softcap alibi_slopes deterministic "
+                                "return_attn_probs",
+    "flash_attn_varlen_qkvpacked_func": "qkv cu_seqlens max_seqlen dropout_p softmax_scale causal window_size softcap "
+                                        "alibi_slopes deterministic return_attn_probs",
+    "flash_attn_varlen_kvpacked_func": "q kv cu_seqlens_q cu_seqlens_k max_seqlen_q max_seqlen_k dropout_p "
+                                       "softmax_scale causal window_size softcap alibi_slopes deterministic "
+                                       "return_attn_probs",
+    "flash_attn_with_kvcache": "q k_cache v_cache k v rotary_cos rotary_sin cache_seqlens cache_batch_idx "
+                               "cache_leftpad block_table softmax_scale causal window_size softcap rotary_interleaved "
+                               "alibi_slopes num_splits return_softmax_lse",
+}
+FA3 = {
+    "flash_attn_func": "q k v softmax_scale causal qv q_descale k_descale v_descale window_size attention_chunk "
+                       "softcap num_splits pack_gqa deterministic sm_margin return_attn_probs",
+    "flash_attn_varlen_func": "q k v cu_seqlens_q cu_seqlens_k max_seqlen_q max_seqlen_k seqused_q seqused_k "
+                              "softmax_scale causal qv q_descale k_descale v_descale window_size attention_chunk "
+                              "softcap num_splits pack_gqa deterministic sm_margin return_attn_probs",
+    "flash_attn_with_kvcache": "q k_cache v_cache k v qv rotary_cos rotary_sin cache_seqlens cache_batch_idx "
+                               "cache_leftpad page_table cu_seqlens_q cu_seqlens_k_new max_seqlen_q rotary_seqlens "
+                               "q_descale k_descale v_descale softmax_scale causal window_size attention_chunk "
+                               "softcap rotary_interleaved scheduler_metadata num_splits pack_gqa sm_margin "
+                               "return_softmax_lse",
+}
+
+
+@pytest.fixture
+def installed():
+    before = {name: sys.modules.get(name) for name in compat.MODULES}
+    compat.install()
+    yield
+    compat.uninstall()
+    assert {name: sys.modules.get(name) for name in compat.MODULES} == before
+
+
+@pytest.mark.parametrize("module, table", [(fa2, FA2), (fa3, FA3)], ids=["flash_attn", "flash_attn_interface"])
+def test_signatures_are_flash_attns(module, table):
+    for name, params in table.items():
+        got = list(inspect.signature(getattr(module, name)).parameters)
+        assert got[:len(params.split())] == params.split(), name
+
+
+def test_flash_attn_2x_code_runs_unchanged(installed):
+    """2.x's positional order: dropout_p fourth, softmax_scale fifth; return_attn_probs gives three values."""
+    import flash_attn
+    from flash_attn import flash_attn_func
+    from flash_attn.flash_attn_interface import flash_attn_varlen_func
+
+    assert flash_attn.__version__.startswith("2.")
+    q, k, v = attention_inputs(2, 33, 33, 4, 2, 64, torch.float16, seed=1)
+    scale = 0.3
+    want, lse = tileflash.flash_attn_func(q, k, v, scale, True, return_lse=True)
+    out, got_lse, probs = flash_attn_func(q, k, v, 0.0, scale, True, (-1, -1), 0.0, None, False, True)
+    assert torch.equal(out, want) and torch.equal(got_lse, lse) and probs is None
+    torch.manual_seed(0)
+    dropped = flash_attn_func(q, k, v, 0.2, scale, True)
+    torch.manual_seed(0)
+    assert torch.equal(dropped, tileflash.flash_attn_func(q, k, v, scale, True, dropout_p=0.2))
+
+    qp, kp, vp, cu_q, cu_k = packed_inputs([7, 20], [9, 20], 4, 2, 64, torch.float16, seed=2)
+    want = tileflash.flash_attn_varlen_func(qp, kp, vp, cu_q, cu_k, 20, 20, causal=True)
+    assert torch.equal(flash_attn_varlen_func(qp, kp, vp, cu_q, cu_k, 20, 20, 0.0, None, True), want)
+
+
+def test_flash_attn_2x_paged_varlen_takes_cu_seqlens_k_as_key_counts(installed):
+    from flash_attn import flash_attn_varlen_func
+
+    q, _, _, cu_q, _ = packed_inputs([5, 3], [5, 3], 4, 2, 64, torch.float16, seed=3)
+    g = torch.Generator().manual_seed(4)
+    kc, vc = (torch.randn(6, 16, 2, 64, generator=g).to(DEVICE, torch.float16) for _ in range(2))
+    table = torch.tensor([[4, 1, 0], [2, 5, 3]], dtype=torch.int32, device=DEVICE)
+    used = torch.tensor([40, 21], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 40, 61], dtype=torch.int32, device=DEVICE)
+    want = tileflash.flash_attn_varlen_func(q, kc, vc, cu_q, None, 5, 48, seqused_k=used, block_table=table,
+                                            causal=True)
+    assert torch.equal(flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, 5, 48, causal=True, block_table=table), want)
+
+
+def test_bert_padding_round_trip_around_a_varlen_call(installed):
+    """2.x's unpad / call / pad pattern gives the padded call's rows."""
+    from flash_attn import flash_attn_varlen_func
+    from flash_attn.bert_padding import pad_input, unpad_input
+
+    q, k, v = attention_inputs(2, 12, 12, 2, 2, 32, torch.float16, seed=5)
+    mask = torch.ones(2, 12, dtype=torch.int32, device=DEVICE)
+    mask[1, 7:] = 0  # the second sequence is 7 tokens, right-padded
+    (qu, idx, cu, max_len, used), (ku, *_), (vu, *_) = (unpad_input(x, mask) for x in (q, k, v))
+    assert cu.tolist() == [0, 12, 19] and max_len == 12 and used.tolist() == [12, 7] and qu.shape[0] == 19
+    out = pad_input(flash_attn_varlen_func(qu, ku, vu, cu, cu, max_len, max_len, causal=True), idx, 2, 12)
+    assert torch.equal(out[0], tileflash.flash_attn_func(q[:1], k[:1], v[:1], causal=True)[0])
+    assert torch.equal(out[1, :7], tileflash.flash_attn_func(q[1:, :7], k[1:, :7], v[1:, :7], causal=True)[0])
+    assert not out[1, 7:].any()
+
+
+def test_fa3_code_runs_unchanged(installed):
+    """FA3's positional order: softmax_scale fourth, causal fifth; seqused_q / seqused_k after max_seqlen_k; qv
+    sixth in flash_attn_with_kvcache, whose return_softmax_lse gives (out, lse)."""
+    from flash_attn_interface import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+
+    q, k, v = attention_inputs(1, 20, 20, 4, 2, 64, torch.float16, seed=6)
+    assert torch.equal(flash_attn_func(q, k, v, 0.2, True), tileflash.flash_attn_func(q, k, v, 0.2, True))
+    out, lse = flash_attn_func(q, k, v, None, True, return_attn_probs=True)
+    want, want_lse = tileflash.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+
+    qp, kp, vp, cu_q, cu_k = packed_inputs([6, 9], [8, 9], 4, 2, 64, torch.float16, seed=7)
+    used_k = torch.tensor([5, 9], dtype=torch.int32, device=DEVICE)
+    assert torch.equal(flash_attn_varlen_func(qp, kp, vp, cu_q, cu_k, 9, 9, None, used_k, None, True),
+                       tileflash.flash_attn_varlen_func(qp, kp, vp, cu_q, cu_k, 9, 9, used_k, causal=True))
+
+    kc, vc = (torch.randn(2, 32, 2, 64, generator=torch.Generator().manual_seed(8)).to(DEVICE, torch.float16)
+              for _ in range(2))
+    qd = q[:, :1].expand(2, 1, 4, 64).contiguous()
+    lens = torch.tensor([30, 11], dtype=torch.int32, device=DEVICE)
+    want = tileflash.flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=lens, return_softmax_lse=True)
+    got = flash_attn_with_kvcache(qd, kc, vc, None, None, None, None, None, lens, return_softmax_lse=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_uninstall_restores_what_was_there():
+    sentinel = type(sys)("flash_attn")
+    previous, fa3_before = sys.modules.get("flash_attn"), sys.modules.get("flash_attn_interface")
+    sys.modules["flash_attn"] = sentinel
+    try:
+        compat.install()
+        import flash_attn
+
+        assert flash_attn is fa2
+        compat.uninstall()
+        assert sys.modules["flash_attn"] is sentinel and sys.modules.get("flash_attn_interface") is fa3_before
+    finally:
+        if previous is None:
+            sys.modules.pop("flash_attn", None)
+        else:
+            sys.modules["flash_attn"] = previous
