@@ -154,6 +154,43 @@ def flashinfer_decode(q, k_cache, v_cache, block_table, seqlen, use_tensor_cores
     return _guarded("flashinfer_tc" if use_tensor_cores else "flashinfer", make, note)
 
 
+def flashinfer_mla(inputs, seqlens, block_table, note=print):
+    """FlashInfer's BatchMLAPagedAttentionWrapper (its MLA decode, backend chosen by FlashInfer) over the same
+    caches: inputs a list of (q [B, 1, H, 64], qv [B, 1, H, 512], k_cache, v_cache) copies, caches [B, ctx, 1, D]
+    (taken as pages of 64 tokens) or page pools [pages, page, 1, D] with block_table [B, pages]; seqlens [B] int32.
+    Planned once here; returns one call per copy (for rotating graph replay), each giving out [B, 1, H, 512]."""
+    flashinfer = _import("flashinfer")
+    if flashinfer is None:
+        return None
+    q, qv, kc, vc = inputs[0]
+    batch, heads, dev = q.shape[0], q.shape[2], q.device
+    paged = block_table is not None
+    page = kc.shape[1] if paged else 64
+    pages_per_seq = block_table.shape[1] if paged else kc.shape[1] // page
+    indices = (block_table.reshape(-1) if paged else torch.arange(batch * pages_per_seq, device=dev)).to(torch.int32)
+
+    def make():
+        wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(torch.zeros(128 << 20, dtype=torch.uint8, device=dev))
+        wrapper.plan(torch.arange(batch + 1, dtype=torch.int32, device=dev),
+                     torch.arange(batch + 1, dtype=torch.int32, device=dev) * pages_per_seq, indices,
+                     seqlens.to(torch.int32), heads, 512, 64, page, False, 576 ** -0.5, q.dtype, vc.dtype)
+
+        def call(x):
+            q_pe, q_nope = x[0][:, 0].contiguous(), x[1][:, 0].contiguous()
+            kpe, ckv = (c.reshape(-1, page, c.shape[-1]) for c in (x[2], x[3]))
+            return lambda: wrapper.run(q_nope, q_pe, ckv, kpe).unsqueeze(1)
+
+        calls = [call(x) for x in inputs]
+        calls[0]()
+        return calls
+
+    try:
+        return make()
+    except Exception as e:
+        note(f"  note: peer flashinfer_mla failed: {short_error(e)}")
+        return None
+
+
 def _e4m3_per_tensor(x):
     """x -> (e4m3 copy, fp32 [] scale) with x ~= x8 * scale; scale = amax / 448 (1.0 for an all-zero x)."""
     amax = x.abs().amax().float()

@@ -147,7 +147,8 @@ MLA_SHAPES = [
     for hq, b, ctx in ((128, 32, 4096), (128, 1, 32768), (16, 8, 32768), (16, 128, 4096))
 ]
 # tileflash_triton_graph: the Triton MLA kernel (the sm_90 Gluon one declined), to show what the Gluon kernel gains
-MLA_BACKENDS = ("tileflash_graph", "tileflash", "tileflash_triton_graph", "sdpa_graph")
+# flashinfer_mla_graph: FlashInfer's MLA wrapper over the same cache copies (where flashinfer imports)
+MLA_BACKENDS = ("tileflash_graph", "tileflash", "tileflash_triton_graph", "sdpa_graph", "flashinfer_mla_graph")
 
 PREFILL_BACKENDS = ("tileflash", "sdpa_flash", "sdpa_cudnn", "fa4")
 BACKWARD_BACKENDS = ("tileflash", "tileflash_det", "sdpa_flash", "sdpa_cudnn")
@@ -625,6 +626,13 @@ def _mla_one(shape, tf, note):
                     continue
                 rec["max_err"] = check(fn())
                 rec["us"] = bench_ms(graphed(fn)) * 1e3  # one copy (the peer's cache layout is not ours)
+            elif name == "flashinfer_mla_graph":
+                calls = peers.flashinfer_mla([(x[0], x[1], values(x[2]), values(x[3])) for x in inputs], seqlens,
+                                             table, note)  # FP8 rows: the dequantized values, as SDPA's
+                if calls is None:
+                    continue
+                rec["max_err"] = check(calls[0]())
+                rec["us"] = rotating_graph_ms(calls) * 1e3
             elif name == "tileflash_triton_graph":
                 from tileflash import config
 
@@ -650,15 +658,16 @@ def _mla_one(shape, tf, note):
 
 def mla_table(rows):
     headers = ["set", "B", "ctx", "tf-graph us", "tf eager us", "TB/s", "%copy", "TFLOP/s", "%GEMM", "triton us",
-               "triton/tf", "SDPA-graph us", "tf/SDPA", "failed"]
+               "triton/tf", "SDPA-graph us", "tf/SDPA", "FlashInfer us", "tf/FI", "failed"]
     body = []
     for r in rows:
         ours, sdpa = _field(r, "tileflash_graph", "us"), _field(r, "sdpa_graph", "us")
-        tri = _field(r, "tileflash_triton_graph", "us")
+        tri, fi = _field(r, "tileflash_triton_graph", "us"), _field(r, "flashinfer_mla_graph", "us")
         body.append([r["label"], r["batch"], r["ctx"], ours, _field(r, "tileflash", "us"), r["TB/s"],
                      100 * r["TB/s"] / COPY_TBPS if r["TB/s"] else None, r["TFLOP/s"],
                      100 * r["TFLOP/s"] / BF16_GEMM_TFLOPS if r["TFLOP/s"] else None, tri,
-                     tri / ours if ours and tri else None, sdpa, sdpa / ours if ours and sdpa else None, _failed(r)])
+                     tri / ours if ours and tri else None, sdpa, sdpa / ours if ours and sdpa else None, fi,
+                     fi / ours if ours and fi else None, _failed(r)])
     title = ("MLA decode (qv: latent 512 + rotary 64, one KV head, Sq=1), bf16, microseconds; tf-graph: graph replay "
              "over input copies > 2x L2; roofline: bytes 576 x 2 per token, FLOPs 2 x H x (576 + 512) per token")
     return format_table(headers, body, title=title)
