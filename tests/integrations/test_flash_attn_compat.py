@@ -73,7 +73,7 @@ def test_flash_attn_2x_code_runs_unchanged(installed):
     scale = 0.3
     want, lse = tileflash.flash_attn_func(q, k, v, scale, True, return_lse=True)
     out, got_lse, probs = flash_attn_func(q, k, v, 0.0, scale, True, (-1, -1), 0.0, None, False, True)
-    assert torch.equal(out, want) and torch.equal(got_lse, lse) and probs is None
+    assert torch.equal(out, want) and torch.equal(got_lse, lse) and probs.numel() == 0
     torch.manual_seed(0)
     dropped = flash_attn_func(q, k, v, 0.2, scale, True)
     torch.manual_seed(0)
@@ -136,7 +136,59 @@ def test_fa3_code_runs_unchanged(installed):
     lens = torch.tensor([30, 11], dtype=torch.int32, device=DEVICE)
     want = tileflash.flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=lens, return_softmax_lse=True)
     got = flash_attn_with_kvcache(qd, kc, vc, None, None, None, None, None, lens, return_softmax_lse=True)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert len(got) == 4 and all(torch.equal(a, b) for a, b in zip(got, want))  # FA3's (out, lse, *accums)
+
+
+def test_flash_attn_conventions_beyond_the_signatures(installed):
+    """2.x's lse is +inf for a row that sees no key (FA3's -inf, as tileflash's); both copy inputs whose last dim
+    is strided; FA3 reads descales for e4m3 inputs only; int32 indices in bert_padding; FA3's
+    get_scheduler_metadata."""
+    import flash_attn
+    import flash_attn_interface
+    from flash_attn.bert_padding import index_first_axis, pad_input
+
+    q, k, v = attention_inputs(1, 5, 2, 2, 2, 32, torch.float16, seed=9)  # causal, Sq > Sk: rows 0-2 see no key
+    _, lse, _ = flash_attn.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert torch.isposinf(lse[..., :3]).all() and torch.isfinite(lse[..., 3:]).all()
+    _, lse = flash_attn_interface.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert torch.isneginf(lse[..., :3]).all()
+
+    wide = torch.randn(1, 5, 2, 64, generator=torch.Generator().manual_seed(10)).to(DEVICE, torch.float16)
+    strided = wide[..., ::2]  # last dim stride 2
+    want = tileflash.flash_attn_func(strided.contiguous(), k, v)
+    assert torch.equal(flash_attn.flash_attn_func(strided, k, v), want)
+    assert torch.equal(flash_attn_interface.flash_attn_func(strided, k, v), want)
+    ones = torch.ones(1, 2, device=DEVICE)
+    assert torch.equal(flash_attn_interface.flash_attn_func(q, k, v, q_descale=ones, k_descale=ones, v_descale=ones),
+                       tileflash.flash_attn_func(q, k, v))
+
+    rows, idx = torch.randn(3, 4, device=DEVICE), torch.tensor([5, 0, 2], dtype=torch.int32, device=DEVICE)
+    padded = pad_input(rows, idx, 2, 3)
+    assert torch.equal(padded.view(6, 4)[idx.long()], rows) and torch.equal(index_first_axis(padded.view(6, 4), idx),
+                                                                            rows)
+    assert flash_attn_interface.get_scheduler_metadata(2, 1, 64, 4, 2, 64, torch.zeros(2, dtype=torch.int32)) is None
+
+
+def test_real_flash_attn_submodules_still_import(installed, tmp_path, monkeypatch):
+    """With a flash-attn package on the path, `flash_attn` resolves to tileflash and its other submodules (e.g.
+    flash_attn.layers.rotary) to the real package's files."""
+    compat.uninstall()
+    real = tmp_path / "flash_attn"
+    (real / "layers").mkdir(parents=True)
+    (real / "__init__.py").write_text("")
+    (real / "layers" / "__init__.py").write_text("")
+    (real / "layers" / "rotary.py").write_text("REAL = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    compat.install()
+    try:
+        import flash_attn
+        from flash_attn.layers.rotary import REAL
+        from flash_attn_3.flash_attn_interface import flash_attn_func
+
+        assert flash_attn is fa2 and REAL and flash_attn_func is fa3.flash_attn_func
+    finally:
+        for name in [n for n in sys.modules if n.startswith("flash_attn.layers")]:
+            del sys.modules[name]
 
 
 def test_uninstall_restores_what_was_there():

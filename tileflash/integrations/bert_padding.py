@@ -9,14 +9,14 @@ __all__ = ["index_first_axis", "index_put_first_axis", "pad_input", "unpad_input
 
 
 def index_first_axis(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """x[indices] along dim 0 (differentiable)."""
+    """x[indices] along dim 0 (differentiable; int32 or int64 indices)."""
     return x.index_select(0, indices)
 
 
 def index_put_first_axis(values: torch.Tensor, indices: torch.Tensor, first_axis_dim: int) -> torch.Tensor:
     """Zeros [first_axis_dim, ...] with values at rows indices (differentiable)."""
     out = values.new_zeros(first_axis_dim, *values.shape[1:])
-    return out.index_copy(0, indices, values)
+    return out.index_copy(0, indices.long(), values)  # flash-attn takes int32 indices too
 
 
 def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor, unused_mask: torch.Tensor | None = None):

@@ -1,19 +1,33 @@
-"""FA3's `flash_attn_interface` module (flash-attn's hopper/ build) on tileflash: its three attention functions with
-its exact signatures and argument order (`qv` sixth in flash_attn_with_kvcache, seqused_q / seqused_k right after
-max_seqlen_k in flash_attn_varlen_func). tileflash.integrations.flash_attn.install() makes `import
-flash_attn_interface` resolve here. Its scheduling hints (num_splits, pack_gqa, sm_margin, scheduler_metadata) are
-accepted and leave results as they are (docs/api.md)."""
+"""FA3's `flash_attn_interface` module (flash-attn's hopper/ build) on tileflash: its attention functions with its
+exact signatures, argument order and conventions (`qv` sixth in flash_attn_with_kvcache, seqused_q / seqused_k right
+after max_seqlen_k in flash_attn_varlen_func; inputs whose last dim is strided are copied; descales are read for
+e4m3 inputs only; flash_attn_with_kvcache's return_softmax_lse gives (out, lse, out_accum, lse_accum), the last two
+empty here). tileflash.integrations.flash_attn.install() makes `import flash_attn_interface` (and
+`flash_attn_3.flash_attn_interface`) resolve here. Its scheduling hints (num_splits, pack_gqa, sm_margin,
+scheduler_metadata) are accepted and leave results as they are (docs/api.md); get_scheduler_metadata returns None,
+which flash_attn_with_kvcache takes."""
 from __future__ import annotations
 
-from ..ops import kvcache, prefill
+import torch
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
+from ..ops import kvcache, prefill
+from .fa2 import maybe_contiguous
+
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "get_scheduler_metadata"]
+FP8 = torch.float8_e4m3fn
+
+
+def _descales(x, *descales):
+    """FA3 reads q/k/v descales for e4m3 inputs only: None for others."""
+    return descales if x is not None and x.dtype == FP8 else (None,) * len(descales)
 
 
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
                     v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1, pack_gqa=None,
                     deterministic=False, sm_margin=0, return_attn_probs=False):
     """FA3's flash_attn_func: out, or (out, softmax_lse) with return_attn_probs."""
+    q, k, v = (maybe_contiguous(x) for x in (q, k, v))
+    q_descale, k_descale, v_descale = _descales(q, q_descale, k_descale, v_descale)
     return prefill.flash_attn_func(
         q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
         deterministic=deterministic, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
@@ -26,6 +40,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
                            pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False):
     """FA3's flash_attn_varlen_func: out, or (out, softmax_lse) with return_attn_probs."""
+    q, k, v = (maybe_contiguous(x) for x in (q, k, v))
+    q_descale, k_descale, v_descale = _descales(q, q_descale, k_descale, v_descale)
     return prefill.flash_attn_varlen_func(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=seqused_k,
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
@@ -41,8 +57,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                             window_size=(-1, -1), attention_chunk=0, softcap=0.0, rotary_interleaved=True,
                             scheduler_metadata=None, num_splits=0, pack_gqa=None, sm_margin=0,
                             return_softmax_lse=False):
-    """FA3's flash_attn_with_kvcache: out, or (out, softmax_lse) with return_softmax_lse."""
-    return kvcache.flash_attn_with_kvcache(
+    """FA3's flash_attn_with_kvcache: out, or (out, softmax_lse, out_accum, softmax_lse_accum) with
+    return_softmax_lse (tileflash's split partials live in its workspace: the last two are empty). Descales apply
+    to e4m3 caches (tileflash also takes a 16-bit q over them)."""
+    q, k, v, qv = (maybe_contiguous(x) for x in (q, k, v, qv))
+    q_descale, k_descale, v_descale = _descales(k_cache, q_descale, k_descale, v_descale)
+    result = kvcache.flash_attn_with_kvcache(
         q, k_cache, v_cache, k, v, rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_seqlens=cache_seqlens,
         cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, softmax_scale=softmax_scale, causal=causal,
         window_size=window_size, softcap=softcap, rotary_interleaved=rotary_interleaved, num_splits=num_splits,
@@ -50,3 +70,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         max_seqlen_q=max_seqlen_q, cu_seqlens_k_new=cu_seqlens_k_new, qv=qv, q_descale=q_descale,
         k_descale=k_descale, v_descale=v_descale, rotary_seqlens=rotary_seqlens, attention_chunk=attention_chunk,
         scheduler_metadata=scheduler_metadata, pack_gqa=pack_gqa, sm_margin=sm_margin)
+    if not return_softmax_lse:
+        return result
+    out, lse = result
+    return out, lse, out.new_empty(0), lse.new_empty(0)
+
+
+def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim, cache_seqlens,
+                           qkv_dtype=torch.bfloat16, headdim_v=None, cu_seqlens_q=None, cu_seqlens_k_new=None,
+                           cache_leftpad=None, page_size=None, max_seqlen_k_new=0, causal=False, window_size=(-1, -1),
+                           attention_chunk=0, has_softcap=False, num_splits=0, pack_gqa=None, sm_margin=0):
+    """FA3's precomputed schedule for flash_attn_with_kvcache: None, since tileflash plans each call signature once
+    and keeps it (tileflash.decode_plan is the explicit form)."""
+    return None
