@@ -107,3 +107,28 @@ def test_gpt_oss_attention_sinks():
                                       ("tileflash", name, torch.float16))}
     err, bound = error_and_bound(logits["tileflash"], logits["ref32"], logits["eager16"])
     assert err <= bound, (err, bound)
+
+
+def test_training_with_attention_dropout(calls):
+    """A Llama with attention_dropout > 0 in train mode: transformers passes the dropout to tileflash, which applies
+    it (two steps differ, a repeated seed repeats one) and differentiates through it; eval mode has none."""
+    name = tf_hf.register()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**CONFIG, attention_dropout=0.3),
+                                                          attn_implementation=name).to(DEVICE, torch.float16)
+    ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+
+    def step(seed):
+        torch.manual_seed(seed)
+        return model(ids, labels=ids)
+
+    model.train()
+    first, again, other = step(1), step(1), step(2)
+    assert torch.equal(first.logits, again.logits) and not torch.equal(first.logits, other.logits)
+    first.loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(step(1).logits, step(2).logits)
+    assert calls
