@@ -207,3 +207,50 @@ def test_uninstall_restores_what_was_there():
             sys.modules.pop("flash_attn", None)
         else:
             sys.modules["flash_attn"] = previous
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
+def test_flash_attn_private_forward_and_backward(installed, dropout_p):
+    """flash-attn 2.8's lower-level functions, as ring-attention libraries call them (by keyword, from their own
+    autograd): the same results as tileflash's autograd through flash_attn_func / flash_attn_varlen_func, the
+    dropout seed passed from forward to backward as rng_state."""
+    from flash_attn.flash_attn_interface import (_flash_attn_backward, _flash_attn_forward,
+                                                 _flash_attn_varlen_backward, _flash_attn_varlen_forward)
+
+    q, k, v = attention_inputs(2, 19, 23, 4, 2, 64, torch.float16, seed=11)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(12)).to(DEVICE, torch.float16)
+    kw = dict(dropout_p=dropout_p, softmax_scale=None, causal=True)
+    torch.manual_seed(3)
+    out, lse, s_dmask, rng = _flash_attn_forward(q, k, v, window_size_left=-1, window_size_right=-1, softcap=0.0,
+                                                 alibi_slopes=None, return_softmax=False, **kw)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    d = _flash_attn_backward(dout, q, k, v, out, lse, dq, dk, dv, window_size_left=-1, window_size_right=-1,
+                             softcap=0.0, alibi_slopes=None, deterministic=True, rng_state=rng, **kw)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    torch.manual_seed(3)
+    want, want_lse = tileflash.flash_attn_func(*leaves, causal=True, dropout_p=dropout_p, deterministic=True,
+                                               return_lse=True)
+    grads = torch.autograd.grad(want, leaves, dout)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse) and s_dmask.numel() == 0
+    assert all(torch.equal(a, b) for a, b in zip((dq, dk, dv), grads))
+    assert d.shape == lse.shape
+    torch.testing.assert_close(d, (dout.float() * out.float()).sum(-1).transpose(1, 2))
+    if dropout_p:
+        with pytest.raises(ValueError, match="rng_state"):
+            _flash_attn_backward(dout, q, k, v, out, lse, dq, dk, dv, window_size_left=-1, window_size_right=-1,
+                                 softcap=0.0, alibi_slopes=None, deterministic=True, **kw)
+
+    qp, kp, vp, cu_q, cu_k = packed_inputs([7, 12], [9, 12], 4, 2, 64, torch.float16, seed=13)
+    doutp = torch.randn(qp.shape, generator=torch.Generator().manual_seed(14)).to(DEVICE, torch.float16)
+    torch.manual_seed(4)
+    out, lse, _, rng = _flash_attn_varlen_forward(qp, kp, vp, cu_q, cu_k, 12, 12, **kw)
+    dq, dk, dv = torch.empty_like(qp), torch.empty_like(kp), torch.empty_like(vp)
+    _flash_attn_varlen_backward(doutp, qp, kp, vp, out, lse, dq, dk, dv, cu_q, cu_k, 12, 12, window_size_left=-1,
+                                window_size_right=-1, softcap=0.0, alibi_slopes=None, deterministic=True,
+                                rng_state=rng, **kw)
+    leaves = [t.clone().requires_grad_() for t in (qp, kp, vp)]
+    torch.manual_seed(4)
+    want = tileflash.flash_attn_varlen_func(*leaves, cu_q, cu_k, 12, 12, causal=True, dropout_p=dropout_p,
+                                            deterministic=True)
+    grads = torch.autograd.grad(want, leaves, doutp)
+    assert torch.equal(out, want) and all(torch.equal(a, b) for a, b in zip((dq, dk, dv), grads))
