@@ -141,6 +141,18 @@ def test_varlen_forward_and_backward(deterministic):
                 (q, k, v), dout, dlse)
 
 
+def test_forward_with_the_overlapped_loop(override):
+    """The S/P-overlapped loop (attn_inner's SP_OVERLAP, which no prefill plan picks today) drops the same
+    probabilities: each block's pattern follows its own keys."""
+    import dataclasses
+
+    q, k, v = attention_inputs(1, 40, 70, 2, 2, 64, torch.float16, seed=17)
+    want = _seeded(lambda: tileflash.flash_attn_func(q, k, v, causal=True, dropout_p=0.3), 6)
+    override(fwd=lambda cfg: dataclasses.replace(cfg, sp_overlap=True))
+    got = _seeded(lambda: tileflash.flash_attn_func(q, k, v, causal=True, dropout_p=0.3), 6)
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=0)
+
+
 def test_kept_probabilities_are_scaled_to_keep_the_expectation():
     """With every value 1, a row's output is sum_j p_j z_j / (1 - p): 1 on average over rows."""
     q, k, _ = attention_inputs(1, 64, 256, 4, 4, 32, torch.float16, seed=8)
