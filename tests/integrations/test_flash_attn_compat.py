@@ -38,6 +38,8 @@ FA3 = {
     "flash_attn_varlen_func": "q k v cu_seqlens_q cu_seqlens_k max_seqlen_q max_seqlen_k seqused_q seqused_k "
                               "softmax_scale causal qv q_descale k_descale v_descale window_size attention_chunk "
                               "softcap num_splits pack_gqa deterministic sm_margin return_attn_probs",
+    "flash_attn_qkvpacked_func": "qkv softmax_scale causal q_descale k_descale v_descale window_size attention_chunk "
+                                 "softcap deterministic num_heads_q sm_margin return_attn_probs",
     "flash_attn_with_kvcache": "q k_cache v_cache k v qv rotary_cos rotary_sin cache_seqlens cache_batch_idx "
                                "cache_leftpad page_table cu_seqlens_q cu_seqlens_k_new max_seqlen_q rotary_seqlens "
                                "q_descale k_descale v_descale softmax_scale causal window_size attention_chunk "
@@ -137,6 +139,22 @@ def test_fa3_code_runs_unchanged(installed):
     want = tileflash.flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=lens, return_softmax_lse=True)
     got = flash_attn_with_kvcache(qd, kc, vc, None, None, None, None, None, lens, return_softmax_lse=True)
     assert len(got) == 4 and all(torch.equal(a, b) for a, b in zip(got, want))  # FA3's (out, lse, *accums)
+
+
+def test_fa3_packed_qkv_with_and_without_num_heads_q(installed):
+    from flash_attn_interface import flash_attn_qkvpacked_func
+
+    q, k, v = attention_inputs(2, 17, 17, 4, 2, 64, torch.float16, seed=15)
+    fused = torch.cat([q, k, v], dim=2).requires_grad_()  # a fused GQA projection: [B, S, Hq + 2 Hkv, D]
+    out = flash_attn_qkvpacked_func(fused, None, True, num_heads_q=4)
+    assert torch.equal(out, tileflash.flash_attn_func(q, k, v, causal=True))
+    out.float().sum().backward()
+    assert fused.grad is not None and fused.grad.shape == fused.shape
+    k4, v4 = (x.repeat_interleave(2, dim=2) for x in (k, v))
+    out, lse = flash_attn_qkvpacked_func(torch.stack([q, k4, v4], 2), causal=True, return_attn_probs=True)
+    assert torch.equal(out, tileflash.flash_attn_func(q, k4, v4, causal=True)) and lse.shape == (2, 4, 17)
+    with pytest.raises(ValueError, match="num_heads_q"):
+        flash_attn_qkvpacked_func(fused, num_heads_q=3)
 
 
 def test_flash_attn_conventions_beyond_the_signatures(installed):

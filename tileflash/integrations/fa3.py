@@ -13,7 +13,8 @@ import torch
 from ..ops import kvcache, prefill
 from .fa2 import maybe_contiguous
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "get_scheduler_metadata"]
+__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
+           "get_scheduler_metadata"]
 FP8 = torch.float8_e4m3fn
 
 
@@ -33,6 +34,26 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
         deterministic=deterministic, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
         return_attn_probs=return_attn_probs, num_splits=num_splits, pack_gqa=pack_gqa, sm_margin=sm_margin,
         attention_chunk=attention_chunk, qv=qv)
+
+
+def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=None, k_descale=None, v_descale=None,
+                              window_size=(-1, -1), attention_chunk=0, softcap=0.0, deterministic=False,
+                              num_heads_q=None, sm_margin=0, return_attn_probs=False):
+    """FA3's flash_attn_qkvpacked_func: qkv [B, S, 3, H, D], or [B, S, Hq + 2 Hkv, D] with num_heads_q (a fused
+    GQA projection); views of it, so gradients flow into qkv."""
+    if num_heads_q is None:
+        if qkv.dim() != 5 or qkv.shape[2] != 3:
+            raise ValueError(f"qkv: expected [B, S, 3, H, D] (or [B, S, Hq + 2 Hkv, D] with num_heads_q), got shape "
+                             f"{tuple(qkv.shape)}")
+        q, k, v = qkv.unbind(2)
+    else:
+        if qkv.dim() != 4 or (qkv.shape[2] - num_heads_q) % 2 or qkv.shape[2] <= num_heads_q:
+            raise ValueError(f"qkv: expected [B, S, num_heads_q + 2 Hkv, D] with num_heads_q={num_heads_q}, got shape "
+                             f"{tuple(qkv.shape)}")
+        num_heads_k = (qkv.shape[2] - num_heads_q) // 2
+        q, k, v = qkv.split([num_heads_q, num_heads_k, num_heads_k], dim=2)
+    return flash_attn_func(q, k, v, softmax_scale, causal, None, q_descale, k_descale, v_descale, window_size,
+                           attention_chunk, softcap, 1, None, deterministic, sm_margin, return_attn_probs)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
