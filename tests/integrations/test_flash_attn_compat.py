@@ -38,6 +38,7 @@ FA3 = {
     "flash_attn_varlen_func": "q k v cu_seqlens_q cu_seqlens_k max_seqlen_q max_seqlen_k seqused_q seqused_k "
                               "softmax_scale causal qv q_descale k_descale v_descale window_size attention_chunk "
                               "softcap num_splits pack_gqa deterministic sm_margin return_attn_probs",
+    "flash_attn_combine": "out_partial lse_partial out out_dtype",
     "flash_attn_qkvpacked_func": "qkv softmax_scale causal q_descale k_descale v_descale window_size attention_chunk "
                                  "softcap deterministic num_heads_q sm_margin return_attn_probs",
     "flash_attn_with_kvcache": "q k_cache v_cache k v qv rotary_cos rotary_sin cache_seqlens cache_batch_idx "
@@ -155,6 +156,28 @@ def test_fa3_packed_qkv_with_and_without_num_heads_q(installed):
     assert torch.equal(out, tileflash.flash_attn_func(q, k4, v4, causal=True)) and lse.shape == (2, 4, 17)
     with pytest.raises(ValueError, match="num_heads_q"):
         flash_attn_qkvpacked_func(fused, num_heads_q=3)
+
+
+def test_fa3_combine(installed):
+    """FA3's flash_attn_combine against the merge of the partials in torch: an empty split (-inf) weighs nothing,
+    lse_partial as FA3 keeps it (seqlen contiguous), bf16 into a given out."""
+    from flash_attn_interface import flash_attn_combine
+
+    g = torch.Generator().manual_seed(16)
+    out_partial = torch.randn(3, 2, 5, 4, 40, generator=g).to(DEVICE)
+    lse_partial = torch.randn(3, 2, 4, 5, generator=g).to(DEVICE).transpose(2, 3)  # [splits, B, S, H], S contiguous
+    lse_partial[1, 0] = float("-inf")
+    weights = torch.softmax(lse_partial, dim=0)
+    want = (weights[..., None] * out_partial).sum(0)
+    out, lse = flash_attn_combine(out_partial, lse_partial)
+    assert out.dtype == torch.float32 and lse.shape == (2, 5, 4)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, torch.logsumexp(lse_partial, dim=0), atol=1e-5, rtol=1e-5)
+    given = torch.empty(2, 5, 4, 40, dtype=torch.bfloat16, device=DEVICE)
+    assert flash_attn_combine(out_partial, lse_partial, out=given)[0] is given
+    torch.testing.assert_close(given.float(), want, atol=1e-2, rtol=1e-2)
+    with pytest.raises(ValueError, match="lse_partial"):
+        flash_attn_combine(out_partial, lse_partial[:, :1])
 
 
 def test_flash_attn_conventions_beyond_the_signatures(installed):

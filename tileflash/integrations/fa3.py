@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import torch
 
+from .. import _utils
+from ..launch.forward import launch_combine
 from ..ops import kvcache, prefill
 from .fa2 import maybe_contiguous
 
-__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
-           "get_scheduler_metadata"]
+__all__ = ["flash_attn_combine", "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
+           "flash_attn_with_kvcache", "get_scheduler_metadata"]
 FP8 = torch.float8_e4m3fn
 
 
@@ -104,3 +106,32 @@ def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, 
     """FA3's precomputed schedule for flash_attn_with_kvcache: None, since tileflash plans each call signature once
     and keeps it (tileflash.decode_plan is the explicit form)."""
     return None
+
+
+def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
+    """FA3's split-KV merge: out_partial fp32 [splits, B, S, H, D] and lse_partial fp32 [splits, B, S, H] (natural
+    log, -inf for an empty split) -> (out [B, S, H, D] in out_dtype, fp32 by default, or into out; lse [B, S, H]),
+    by tileflash's combine kernel (kernels/triton/combine.py)."""
+    _utils.check_tensor("out_partial", out_partial, ndim=5, dtypes=(torch.float32,))
+    splits, b, s, h, d = out_partial.shape
+    _utils.check_tensor("lse_partial", lse_partial, ndim=4, dtypes=(torch.float32,), device=out_partial.device)
+    if tuple(lse_partial.shape) != (splits, b, s, h):
+        raise ValueError(f"lse_partial: expected shape {(splits, b, s, h)}, got {tuple(lse_partial.shape)}")
+    if splits < 1:
+        raise ValueError("out_partial: expected at least one split")
+    out_dtype = out_dtype or (out.dtype if out is not None else torch.float32)
+    if out_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"out_dtype: expected float32, float16 or bfloat16, got {out_dtype}")
+    if out is None:
+        out = torch.empty(b, s, h, d, dtype=out_dtype, device=out_partial.device)
+    else:
+        _utils.check_tensor("out", out, ndim=4, dtypes=(out_dtype,), device=out_partial.device)
+        _utils.check_last_dim_contiguous("out", out)
+        if tuple(out.shape) != (b, s, h, d):
+            raise ValueError(f"out: expected shape {(b, s, h, d)}, got {tuple(out.shape)}")
+    lse = torch.empty(b, h, s, dtype=torch.float32, device=out_partial.device)
+    if out.numel():
+        launch_combine(out_partial.contiguous().view(splits, b * s * h, d),
+                       lse_partial.contiguous().view(splits, b * s * h), out, lse)
+    return out, lse.transpose(1, 2)
+
