@@ -602,3 +602,46 @@ def test_mla_set_and_roofline():
     assert formulas.mla_decode_bytes(3, 10) == 3 * 10 * 576 * 2
     assert formulas.mla_decode_flops(2, 128, 1, 10) == 2 * 2 * 128 * 10 * (576 + 512)
     assert timing.rotation_copies(10 * 2 ** 20) == 10 and timing.rotation_copies(300 * 2 ** 20) == 2
+
+
+class _FakeFlashInferMLA:
+    """FlashInfer's BatchMLAPagedAttentionWrapper as its documentation defines it, in torch: pages of page_size
+    tokens listed per sequence by kv_indptr / kv_indices, kv_len tokens used, scores q_nope . ckv + q_pe . kpe."""
+
+    def __init__(self, workspace, *args, **kwargs):
+        self.plan_args = None
+
+    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len, num_heads, head_dim_ckv, head_dim_kpe, page_size,
+             causal, sm_scale, q_dtype, kv_dtype):
+        assert not causal and head_dim_ckv == 512 and head_dim_kpe == 64
+        assert qo_indptr.tolist() == list(range(kv_len.numel() + 1))  # one query row per sequence
+        self.plan_args = (kv_indptr.tolist(), kv_indices.long(), kv_len.tolist(), num_heads, page_size, sm_scale)
+
+    def run(self, q_nope, q_pe, ckv, kpe):
+        indptr, indices, lens, heads, page, scale = self.plan_args
+        assert ckv.shape[1:] == (page, 512) and kpe.shape[1:] == (page, 64) and q_nope.shape[1] == heads
+        out = torch.empty(q_nope.shape, dtype=q_nope.dtype)
+        for b, n in enumerate(lens):
+            pages = indices[indptr[b]:indptr[b + 1]]
+            c, r = ckv[pages].reshape(-1, 512)[:n].float(), kpe[pages].reshape(-1, 64)[:n].float()
+            p = torch.softmax((q_nope[b].float() @ c.T + q_pe[b].float() @ r.T) * scale, dim=-1)
+            out[b] = (p @ c).to(out.dtype)
+        return out
+
+
+@pytest.mark.skipif(CUDA, reason="a stand-in for flashinfer on the CPU")
+def test_flashinfer_mla_peer_builds_flashinfers_call(monkeypatch):
+    """bench/peers.flashinfer_mla hands FlashInfer's documented MLA wrapper pages, indices, lengths and scale that
+    give the fp32 reference (contiguous caches as 64-token pages, paged pools in random order, FP8 rows dequantized),
+    checked through the MLA suite with a torch stand-in for flashinfer."""
+    _cpu_timing(monkeypatch)
+    fake = types.ModuleType("flashinfer")
+    fake.mla = types.SimpleNamespace(BatchMLAPagedAttentionWrapper=_FakeFlashInferMLA)
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    rows = suites.run_decode([{"kind": "mla", "hq": 16, "batch": 2, "ctx": 128, "page_size": ps, "label": "mla",
+                               **({"kv": "fp8"} if fp8 else {})} for ps, fp8 in ((None, False), (32, False),
+                                                                                  (None, True))],
+                             out=lambda s: None)
+    for row in rows:
+        rec = row["backends"]["flashinfer_mla_graph"]
+        assert rec["ok"] and rec["us"] == 500.0, (row["page_size"], rec)
