@@ -630,7 +630,7 @@ class _FakeFlashInferMLA:
 
 
 @pytest.mark.skipif(CUDA, reason="a stand-in for flashinfer on the CPU")
-def test_flashinfer_mla_peer_builds_flashinfers_call(monkeypatch):
+def test_flashinfer_mla_peer_builds_flashinfers_call(monkeypatch, request):
     """bench/peers.flashinfer_mla hands FlashInfer's documented MLA wrapper pages, indices, lengths and scale that
     give the fp32 reference (contiguous caches as 64-token pages, paged pools in random order, FP8 rows dequantized),
     checked through the MLA suite with a torch stand-in for flashinfer."""
@@ -638,6 +638,8 @@ def test_flashinfer_mla_peer_builds_flashinfers_call(monkeypatch):
     fake = types.ModuleType("flashinfer")
     fake.mla = types.SimpleNamespace(BatchMLAPagedAttentionWrapper=_FakeFlashInferMLA)
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    peers._import.cache_clear()  # (cached per process: an earlier suite found no flashinfer)
+    request.addfinalizer(peers._import.cache_clear)  # later tests must not find the stand-in
     rows = suites.run_decode([{"kind": "mla", "hq": 16, "batch": 2, "ctx": 128, "page_size": ps, "label": "mla",
                                **({"kv": "fp8"} if fp8 else {})} for ps, fp8 in ((None, False), (32, False),
                                                                                   (None, True))],
