@@ -12,7 +12,7 @@ import torch
 
 from .. import _utils
 from ..launch.forward import launch_combine
-from ..ops import kvcache, prefill
+from ..ops import kvcache, packed, prefill
 from .fa2 import maybe_contiguous
 
 __all__ = ["flash_attn_combine", "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
@@ -44,9 +44,7 @@ def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=N
     """FA3's flash_attn_qkvpacked_func: qkv [B, S, 3, H, D], or [B, S, Hq + 2 Hkv, D] with num_heads_q (a fused
     GQA projection); views of it, so gradients flow into qkv."""
     if num_heads_q is None:
-        if qkv.dim() != 5 or qkv.shape[2] != 3:
-            raise ValueError(f"qkv: expected [B, S, 3, H, D] (or [B, S, Hq + 2 Hkv, D] with num_heads_q), got shape "
-                             f"{tuple(qkv.shape)}")
+        packed._check_packed("qkv", qkv, 5, 2, 3)  # flash-attn 2.x's [B, S, 3, H, D] form
         q, k, v = qkv.unbind(2)
     else:
         if qkv.dim() != 4 or (qkv.shape[2] - num_heads_q) % 2 or qkv.shape[2] <= num_heads_q:
