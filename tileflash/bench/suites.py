@@ -360,6 +360,12 @@ def run_prefill(shapes=None, out=print):
                 prefill_table, out)
 
 
+def _grads_err(grads, refs, heads: int) -> float:
+    """The largest error of gradients on the checked slice (batch 0, the first `heads` heads) against their fp32
+    references, relative to each reference's largest value (at least 1)."""
+    return max(max_abs_err(g[:1, :, :heads], r) / max(float(r.abs().max()), 1.0) for g, r in zip(grads, refs))
+
+
 def _backward_one(shape, tf, note):
     """Time the backward alone (the forward graph is kept and re-differentiated) and record the peak memory of
     one forward + backward next to each backend's time."""
@@ -371,7 +377,7 @@ def _backward_one(shape, tf, note):
     ref = torch.autograd.grad(reference_fp32(*sl, causal), sl, dout[:1, :, :hs].float())
 
     def check(grads):
-        return max(max_abs_err(g[:1, :, :hs], r) / max(float(r.abs().max()), 1.0) for g, r in zip(grads, ref))
+        return _grads_err(grads, ref, hs)
 
     def backward_of(forward):
         if forward is None:
@@ -800,8 +806,7 @@ def _dropout_one(shape, tf, note):
         return fn
 
     def against(ref):
-        return lambda res: max(max_abs_err(g[:1, :, :hs], r) / max(float(r.abs().max()), 1.0)
-                               for g, r in zip(res[1:], ref))
+        return lambda res: _grads_err(res[1:], ref, hs)
 
     def linear_in_v(res):
         out, _, _, dv = res
