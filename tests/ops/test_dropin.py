@@ -541,7 +541,7 @@ def test_fa3_rotary_seqlens(causal, interleaved):
     assert torch.equal(kc_got, kc_ref) and torch.equal(vc_got, vc_ref)
     with pytest.raises(ValueError, match="rotary_seqlens"):
         tileflash.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k, v, rotary_cos=cos, rotary_sin=sin,
-                                          cache_seqlens=lens, rotary_seqlens=ro - 30)
+                                          cache_seqlens=lens, rotary_seqlens=ro - 30, validate=True)
 
 
 def test_chunk_pieces_table():
