@@ -653,8 +653,8 @@ MLA_GLUON_TABLE = [
     (dict(hq=8), False, True, False),  # 8 rows: the Triton kernel (not measured)
     (dict(hq=8, sq=2), False, True, True),  # 16 rows of two tokens
     (dict(page=64), False, True, True), (dict(page=16), False, True, True), (dict(page=8), False, True, True),
-    (dict(page=128), False, True, True),  # a multiple of the step
-    (dict(page=48), False, True, False),  # neither a divisor nor a multiple of 32 tokens
+    (dict(page=128), False, True, True),  # a multiple of the 64-token block
+    (dict(page=48), False, True, False), (dict(page=96), False, True, False),  # neither 8..32 nor a multiple of 64
     (dict(), True, True, False),  # cache_batch_idx, rotary, ALiBi, sinks: the Triton kernel's extras
     (dict(), False, False, False),  # a window or softcap
     (dict(dtype=torch.float16), False, True, True),
@@ -670,7 +670,7 @@ def test_mla_gluon_dispatch(call, extras, plain, taken, monkeypatch):
     cfg = plan_decode.mla_gluon_config(q, kc, vc, table, extras, plain)
     assert (cfg is not None) == taken
     if taken:
-        assert cfg == plan_decode.MlaGluonConfig(block_n=32, stages=4)
+        assert cfg == plan_decode.MlaGluonConfig(block_n=64, stages=2)
 
 
 def test_mla_gluon_only_on_sm90(monkeypatch):

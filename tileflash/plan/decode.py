@@ -144,15 +144,15 @@ def mla_decode_config(group_rows: int, interpret: bool = False, arch: int | None
                                      resident_per_sm=resident), arch, sm10x_warps=True)
 
 
-# The sm_90 Gluon MLA decode (kernels/gluon/mla_decode.py): tokens per step and ring stages. A step's stage is the
-# rotary keys and the latent, 1152 bytes per token; q and qv take 72 KB, so 32-token steps in four stages (147 KB)
-# fit the 227 KB where 64-token steps would hold two, and the overlapped loop needs three (S_{j+1} is issued
-# before step j-1's stage is released; the kernel asserts it). Run 148 (`sweep decode-mla-gluon`, graph replay):
-# 3 stages 1.3-1.55x slower than 4 (H=128 b=32 ctx 4k 137.1 vs 94.4 us).
+# The sm_90 Gluon MLA decode (kernels/gluon/mla_decode.py, FlashMLA's seesaw): 64-token blocks in two buffers
+# (72 KB each; q and qv 72 KB), the only shape its schedule takes (the kernel asserts it). Run 211 (H100, `bench
+# decode --only mla-h`, graph replay, us, vs the 32-token 4-stage ring kernel before it): H=128 b=1 ctx 4k 17.1 vs
+# 20.5, b=32 ctx 4k / 16k 96.8 / 302.2 vs 100.9 / 327.0, b=128 ctx 1k / 4k 100.7 / 312.2 vs 108.8 / 338.7; H=16
+# b=128 ctx 1k 61.0 vs 67.8, b=32 ctx 4k 72.5 vs 62.8, other H=16 rows within 3%.
 @dataclass(frozen=True)
 class MlaGluonConfig:
-    block_n: int = 32
-    stages: int = 4
+    block_n: int = 64
+    stages: int = 2
 
 
 # Run 149 (session 25: S_{j+1} issued before the softmax of step j; `bench decode --only mla` and `sweep
@@ -499,9 +499,10 @@ def decode_schedule(q, k_cache, v_cache, k, block_table, num_splits: int, sp_ove
     cfg = None
     qcfg = None if mla else quant_mma_config(q, k_cache, v_cache, block_table, capacity, sp_overlap, extras)
     mcfg = mla_gluon_config(q, k_cache, v_cache, block_table, extras, plain_mask) if mla else None
-    if mcfg is not None:  # one 225 KB CTA per SM: one wave of splits at most
+    if mcfg is not None:  # one 225 KB CTA per SM: one wave of splits at most, of whole block pairs (the
+        # kernel's warpgroups alternate blocks: b=1 ctx 4k would otherwise take 64 one-block splits)
         num_splits = num_splits or num_splits_heuristic(b, 1, cdiv(q.shape[1] * hq, MLA_GLUON_ROWS), capacity,
-                                                        mcfg.block_n, _utils.num_sms(q.device), resident_per_sm=1,
+                                                        2 * mcfg.block_n, _utils.num_sms(q.device), resident_per_sm=1,
                                                         per_sm=1)
     elif qcfg is not None:
         num_splits = num_splits or num_splits_heuristic(b, k_cache.shape[2], 1, capacity, qcfg.step,

@@ -1,25 +1,33 @@
-"""MLA decode for sm_90 (DeepSeek-V2/V3 through FA3's qv), warp-specialised in Gluon: FlashMLA's split of the work.
+"""MLA decode for sm_90 (DeepSeek-V2/V3 through FA3's qv), warp-specialised in Gluon: FlashMLA's seesaw schedule.
 
 Why a second MLA kernel (the Triton decode kernel serves qv too): the 64-row tile's O is [64, 512] fp32, two
 warpgroups' worth of registers, and Triton runs both products and the softmax of every step in one instruction
-stream over pointer loads, which left H=128 at 223-274 TFLOP/s (issue 28 asks 550). Here:
+stream over pointer loads, which left H=128 at 223-274 TFLOP/s (issue 28 asks 550). The Gluon kernel before this one
+(sessions 24-25) computed S on one warpgroup in 32-token steps, 36 m64n32k16 wgmmas re-reading q (72 KB) from shared
+memory each step, and that warpgroup's softmax gated both P V halves (run 149: H=128 b=32 ctx 16k 459 TFLOP/s,
+tensor pipe 42%). Here (FlashMLA's 2025-04 kernel, its deep-dive write-up):
 
-  producer (1 warp): TMA loads of a step's BN keys into a ring of STAGES stages, each the rotary keys [BN, 64] and
-      the latent [BN, 512] as two [BN, 256] halves (a TMA box spans <= 256 elements). Paged caches take one copy
-      per page (pages shorter than BN) or per step; pages past the sequence load from row -BN (zero-filled, no
-      memory read), so every stage carries the same byte count. The sequence's last, partial step has its rows
-      past the end zeroed in shared memory before the consumers see it: P is 0 there, but 0 * (NaN or inf) from
-      an unwritten cache row would not be.
-  consumer 0 (warpgroup 0): S_j = q k_j^T + qv c_j^T (q, qv [64 rows, 64 / 512] in shared memory, written once by
-      this warpgroup before the partitions start), the online softmax, P_j into shared memory (two slots) with the
-      row rescale alpha_j, and O[:, :256] += P_j c_j[:, :256]. S_{j+1} is issued before the softmax of step j,
-      so the chain S -> softmax -> S never leaves the tensor cores idle (run 147's profile of the earlier order,
-      S_{j+1} after the softmax: 2730 cycles a 32-token step, the tensor pipe 39% busy, consumer 1 waiting on P
-      68% of its time). A stage is released once both halves of its PV have retired; S_{j+1} is issued while
-      step j-1's stage is still held, so the ring needs STAGES >= 3.
-  consumer 1 (warpgroup 1): O[:, 256:] = alpha_j O[:, 256:] + P_j c_j[:, 256:], from consumer 0's P and alpha.
-  Epilogue: consumer 0 hands 1 / l to consumer 1 through shared memory; each stores its half of the output (or
-  of the split's fp32 partial), consumer 0 the lse.
+  * 64-token blocks, two buffers (a block's rotary keys and latent: 72 KB each); S = q k^T over N = 64 halves the q
+    re-reads per FLOP. q's rotary part stays in registers (the A operand of its wgmma), which frees its 8 KB of shared
+    memory for P1: q latent 64 KB + two blocks 144 KB + P0 8 KB + P1 8 KB fits the 227 KB.
+  * Blocks alternate between the warpgroups: warpgroup 0 computes S of even blocks, warpgroup 1 of odd ones. Each
+    warpgroup keeps half of O (64 x 256 fp32). For a pair (K0, K1), with m the running row max:
+      [0] m0 = max(m, rowmax S0), scale0 = exp(m - m0), P0 = exp(S0 - m0) -> shared memory;
+          O_L = O_L scale0 + P0 V0_L (P0 from registers)
+      [1] m1 = max(m0, rowmax S1), scale1 = exp(m0 - m1), P1 = exp(S1 - m1) -> shared memory (over q's rotary
+          part); O_R = (O_R scale0 + P0 V0_R) scale1 + P1 V1_R (P1 from registers)
+      [0] O_L = O_L scale1 + P1 V1_L
+    so one warpgroup's softmax runs under the other's products (a "ping-pong" over a single O). Row sums: each
+    warpgroup sums its own blocks' P in the common frame; they add up in the epilogue.
+  * No producer warp: a 1-warp partition takes 40-56 registers of each warpgroup's budget, and with it every
+    layout spilled. Each block is loaded in two parts, A (rotary keys and the latent's left half, 40 KB) and B (the
+    right half, 32 KB), each completing on its own barrier, by the warpgroup that last reads that part of the
+    buffer, as soon as its product retires: 0A by warpgroup 0 after P0 V0_L, 0B by warpgroup 1 after P0 V0_R, 1B by
+    warpgroup 1 after P1 V1_R, 1A by warpgroup 0 after P1 V1_L. Warpgroup 0 issues S over part A first, warpgroup
+    1 over part B first. The sequence's partial last block loads like any other; each warpgroup zeroes the latent
+    rows past the end in its half before its P V (P is 0 there, but 0 * (NaN or inf) would not be).
+  * Registers: 255 per thread over 8 warps, no spill, once the loop addresses its buffers through an opaque zero
+    (attn_bwd.py's remedy: else ptxas hoists the ~80 wgmma descriptors out of the loop and spills them).
 
 Rows: r = token * H + head of one sequence (pack-GQA over the single latent head), 64 per CTA (wgmma's M); rows
 past Sq * H read zeros and are not stored. Grid (cdiv(Sq * H, 64) * B, num_splits). Split s covers its share of
@@ -37,8 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_init, warpgroup_mma_wait)
 
 from .attn_fwd import LN2, _softmax
-from .common import barrier
-from ..triton.masks import LOG2E
+from .common import barrier, opaque_zero
 
 ROWS = 64  # query rows per CTA: wgmma's M
 ROPE_DIM = 64
@@ -49,6 +56,19 @@ ROPE = gl.constexpr(ROPE_DIM)
 HALF = gl.constexpr(HALF_DIM)
 O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_DIM, 16]))
 O_ROWS = gl.constexpr(gl.SliceLayout(1, O_LAYOUT))  # one value per row of either consumer's half of O
+BLOCK_TOKENS = 64
+BLOCK = gl.constexpr(BLOCK_TOKENS)  # tokens per block
+S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BLOCK_TOKENS, 16]))
+S_ROWS = gl.constexpr(gl.SliceLayout(1, S_LAYOUT))
+Q_ROPE_A = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=S_LAYOUT, k_width=2))
+P_A = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2))
+# rows of `vecs` (fp32 [4, 64]): the running max, scale0, scale1, the row sums / 1 / l in the epilogue
+VM, VS0, VS1, VL = (gl.constexpr(i) for i in range(4))
+# barriers of `bars`: S0 / S1 softmax published, P0 / P1 in shared memory, P0 / P1 read, q loaded, l1 given,
+# 1 / l given
+B_S0, B_S1, B_P0, B_P1, B_P0_FREE, B_P1_FREE, B_Q, B_L, B_F = (gl.constexpr(i) for i in range(9))
+N_BARS = gl.constexpr(9)
 
 
 @gluon.jit
@@ -78,69 +98,6 @@ def _unit(cache_seqlens, seqlen_k_add, seqlen_q, m_tiles, BN: gl.constexpr, CAUS
 
 
 @gluon.jit
-def _zero_tail(buf, valid, BN: gl.constexpr):
-    """Rows >= valid of a [BN, HALF] stage buffer set to zero, 8 rows at a time (one warp)."""
-    lay: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [1, 1], [1, 0])
-    rows = gl.arange(0, 8, layout=gl.SliceLayout(1, lay))
-    for c in gl.static_range(BN // 8):
-        if c * 8 + 8 > valid:
-            chunk = buf.slice(c * 8, 8)
-            x = chunk.load(lay)
-            chunk.store(gl.where(gl.expand_dims(c * 8 + rows < valid, 1), x, gl.zeros_like(x)))
-
-
-@gluon.jit
-def _load_step(k_desc, c_desc, k_bufs, c_bufs, bar, st, t0, b, seqlen_k, block_table, stride_bt, max_pages,
-               cache_rows, BN: gl.constexpr, PAGE: gl.constexpr, CHUNK: gl.constexpr):
-    """The copies of keys [t0, t0 + BN) into stage st, completing on bar (always the same byte count)."""
-    mbarrier.expect(bar, BN // CHUNK * (k_desc.block_type.nbytes + 2 * c_desc.block_type.nbytes))
-    for i in gl.static_range(BN // CHUNK):
-        t = t0 + i * CHUNK
-        if PAGE == 0:
-            row = b * cache_rows + t
-        else:
-            page = gl.load(block_table + b.to(gl.int64) * stride_bt + gl.minimum(t // PAGE, max_pages - 1))
-            row = gl.where(t < seqlen_k, page * PAGE + t % PAGE, -BN)  # past the end: zeros, no read
-        tma.async_copy_global_to_shared(k_desc, [row, 0], bar, k_bufs.index(st).slice(i * CHUNK, CHUNK))
-        for h in gl.static_range(2):
-            tma.async_copy_global_to_shared(c_desc, [row, h * HALF], bar,
-                                            c_bufs.index(2 * st + h).slice(i * CHUNK, CHUNK))
-
-
-@gluon.jit
-def _producer(k_desc, c_desc, k_bufs, c_bufs, kv_ready, kv_empty, tail_bar, cache_seqlens, block_table, stride_bt,
-              max_pages, cache_rows, seqlen_k_add, seqlen_q, m_tiles, BN: gl.constexpr, STAGES: gl.constexpr,
-              PAGE: gl.constexpr, CAUSAL: gl.constexpr):
-    b, _, _, seqlen_k, s_hi, s_lo, _ = _unit(cache_seqlens, seqlen_k_add, seqlen_q, m_tiles, BN, CAUSAL)
-    CHUNK: gl.constexpr = BN if PAGE == 0 or PAGE >= BN else PAGE  # rows per copy
-    for j in range(s_hi - s_lo):
-        st = j % STAGES
-        t0 = (s_lo + j) * BN
-        tail = t0 + BN > seqlen_k
-        mbarrier.wait(kv_empty.index(st), ((j // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1 at once
-        if tail:  # the producer zeroes the rows past the end before it releases the stage
-            _load_step(k_desc, c_desc, k_bufs, c_bufs, tail_bar.index(0), st, t0, b, seqlen_k, block_table,
-                       stride_bt, max_pages, cache_rows, BN, PAGE, CHUNK)
-        else:
-            _load_step(k_desc, c_desc, k_bufs, c_bufs, kv_ready.index(st), st, t0, b, seqlen_k, block_table,
-                       stride_bt, max_pages, cache_rows, BN, PAGE, CHUNK)
-        if tail:
-            mbarrier.wait(tail_bar.index(0), 0)  # one tail per CTA: the barrier's first phase
-            for h in gl.static_range(2):
-                _zero_tail(c_bufs.index(2 * st + h), seqlen_k - t0, BN)
-            fence_async_shared()
-            mbarrier.arrive(kv_ready.index(st), count=1)
-
-
-@gluon.jit
-def _scores(q_rope, q_lat, k_bufs, c_bufs, st, s_init):
-    """S = q k^T + qv c^T of stage st, issued (not waited)."""
-    s = warpgroup_mma(q_rope, k_bufs.index(st).permute((1, 0)), s_init, use_acc=False, is_async=True)
-    s = warpgroup_mma(q_lat.index(0), c_bufs.index(2 * st).permute((1, 0)), s, is_async=True)
-    return warpgroup_mma(q_lat.index(1), c_bufs.index(2 * st + 1).permute((1, 0)), s, is_async=True)
-
-
-@gluon.jit
 def _masked(s, jb, seqlen_k, seqlen_q, row0, num_heads, full_hi, BN: gl.constexpr, CAUSAL: gl.constexpr):
     """Scores of block jb's keys past the sequence's end (or past a row's token, causal) set to -inf; blocks below
     full_hi need no mask."""
@@ -152,30 +109,6 @@ def _masked(s, jb, seqlen_k, seqlen_q, row0, num_heads, full_hi, BN: gl.constexp
         tok = (row0 + gl.arange(0, M_ROWS, layout=gl.SliceLayout(1, s.type.layout))) // num_heads
         ok = ok & (gl.expand_dims(cols, 0) < gl.expand_dims(seqlen_k - seqlen_q + 1 + tok, 1))
     return gl.where(ok, s, float("-inf"))
-
-
-@gluon.jit
-def _publish(p, alpha, p_smem, a_smem, p_ready, p_empty, j):
-    """P_j and alpha_j into shared memory slot j % 2 for both consumers, once consumer 1 is done with P_{j-2}
-    (two slots: consumer 0 runs a step ahead of consumer 1)."""
-    slot = j % 2
-    mbarrier.wait(p_empty.index(slot), ((j // 2) & 1) ^ 1)
-    p_smem.index(slot).store(p.to(p_smem.dtype))
-    a_smem.index(slot).store(alpha)
-    fence_async_shared()
-    barrier()
-    mbarrier.arrive(p_ready.index(slot), count=1)
-
-
-@gluon.jit
-def _rescale_and_pv(acc, alpha, p_smem, c_bufs, kv_empty, j, STAGES: gl.constexpr):
-    """With nothing in flight (a non-wgmma write to an accumulator inside a pipeline stage makes ptxas serialise
-    every wgmma of the kernel: C7514 / C7515): release step j-1's stage, O[:, :256] *= alpha_j, then issue
-    O[:, :256] += P_j c_j[:, :256]. Consumer 1's half of PV_j keeps the tensor cores busy meanwhile."""
-    if j > 0:
-        mbarrier.arrive(kv_empty.index((j - 1) % STAGES), count=1)
-    acc = warpgroup_mma_init(acc * gl.expand_dims(gl.convert_layout(alpha, O_ROWS), 1))
-    return warpgroup_mma(p_smem.index(j % 2), c_bufs.index(2 * (j % STAGES)), acc, is_async=True)
 
 
 @gluon.jit
@@ -197,89 +130,6 @@ def _store_half(acc, inv_l, out_ptr, o_part_ptr, b, row0, rows_q, num_heads, spl
 
 
 @gluon.jit
-def _consumer0(q_ptr, qv_ptr, stride_qb, stride_qs, stride_qh, stride_qvb, stride_qvs, stride_qvh, q_rope, q_lat,
-               k_bufs, c_bufs, p_smem, a_smem, f_smem, kv_ready, kv_empty, p_ready, p_empty, f_ready, out_ptr,
-               lse_ptr, o_part_ptr, lse_part_ptr, cache_seqlens, seqlen_k_add, seqlen_q, m_tiles,
-               num_heads, rows_per_split, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-               qk_scale, BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr):
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BN, 16])
-    b, row0, split, seqlen_k, s_hi, s_lo, full_hi = _unit(cache_seqlens, seqlen_k_add, seqlen_q, m_tiles, BN, CAUSAL)
-    n = s_hi - s_lo
-    # q and qv by pointers while the producer's first loads are in flight (only this warpgroup reads them).
-    rows_q = seqlen_q * num_heads
-    _load_q(q_rope, q_ptr, row0, rows_q, num_heads, stride_qb, stride_qs, stride_qh, b, 0, ROPE)
-    for h in gl.static_range(2):
-        _load_q(q_lat.index(h), qv_ptr, row0, rows_q, num_heads, stride_qvb, stride_qvs, stride_qvh, b, h * HALF,
-                HALF)
-    fence_async_shared()
-    barrier()
-    s_init = gl.zeros([M_ROWS, BN], gl.float32, s_layout)  # ignored (use_acc=False): only its layout counts
-    m_i = gl.full([M_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([M_ROWS], gl.float32, gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([M_ROWS, HALF], gl.float32, O_LAYOUT)
-    if n > 0:
-        mbarrier.wait(kv_ready.index(0), 0)
-        s = warpgroup_mma_wait(0, deps=(_scores(q_rope, q_lat, k_bufs, c_bufs, 0, s_init),))
-        acc = warpgroup_mma_init(acc)  # PV_{j-1} stays in flight across steps
-        for j in range(n - 1):  # S_j is complete, PV_{j-1} may be in flight
-            # S_{j+1} is issued first: it runs under this step's softmax, so the tensor cores never wait for it.
-            st = (j + 1) % STAGES
-            mbarrier.wait(kv_ready.index(st), ((j + 1) // STAGES) & 1)
-            s_next = _scores(q_rope, q_lat, k_bufs, c_bufs, st, s_init)
-            p, m_i, l_i, alpha = _softmax(_masked(s, s_lo + j, seqlen_k, seqlen_q, row0, num_heads, full_hi, BN,
-                                                  CAUSAL), m_i, l_i, qk_scale)
-            _publish(p, alpha, p_smem, a_smem, p_ready, p_empty, j)
-            acc, s = warpgroup_mma_wait(0, deps=(acc, s_next))  # PV_{j-1} and S_{j+1} have retired
-            acc = _rescale_and_pv(acc, alpha, p_smem, c_bufs, kv_empty, j, STAGES)
-        p, m_i, l_i, alpha = _softmax(_masked(s, s_hi - 1, seqlen_k, seqlen_q, row0, num_heads, full_hi, BN, CAUSAL),
-                                      m_i, l_i, qk_scale)
-        _publish(p, alpha, p_smem, a_smem, p_ready, p_empty, n - 1)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        acc = _rescale_and_pv(acc, alpha, p_smem, c_bufs, kv_empty, n - 1, STAGES)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(kv_empty.index((n - 1) % STAGES), count=1)
-
-    # Epilogue: rows that saw no key give out = 0 and lse = -inf.
-    seen = l_i > 0.0
-    inv_l = gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0)
-    f_smem.store(inv_l)
-    barrier()
-    mbarrier.arrive(f_ready.index(0), count=1)
-    lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
-    r = row0 + gl.arange(0, M_ROWS, layout=gl.SliceLayout(1, s_layout))
-    if SPLIT:
-        gl.store(lse_part_ptr + split.to(gl.int64) * rows_per_split + b.to(gl.int64) * rows_q + r, lse,
-                 mask=r < rows_q)
-    else:
-        off = b.to(gl.int64) * stride_lb + (r % num_heads).to(gl.int64) * stride_lh + (r // num_heads) * stride_ls
-        gl.store(lse_ptr + off, lse, mask=r < rows_q)
-    _store_half(acc, gl.convert_layout(inv_l, O_ROWS), out_ptr, o_part_ptr, b, row0, rows_q, num_heads, split,
-                rows_per_split, stride_ob, stride_os, stride_oh, 0, SPLIT)
-
-
-@gluon.jit
-def _consumer1(c_bufs, p_smem, a_smem, f_smem, kv_ready, kv_empty, p_ready, p_empty, f_ready, out_ptr, o_part_ptr,
-               cache_seqlens, seqlen_k_add, seqlen_q, m_tiles, num_heads, rows_per_split, stride_ob, stride_os,
-               stride_oh, BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr):
-    b, row0, split, seqlen_k, s_hi, s_lo, full_hi = _unit(cache_seqlens, seqlen_k_add, seqlen_q, m_tiles, BN, CAUSAL)
-    acc = gl.zeros([M_ROWS, HALF], gl.float32, O_LAYOUT)
-    for j in range(s_hi - s_lo):
-        st = j % STAGES
-        mbarrier.wait(kv_ready.index(st), (j // STAGES) & 1)  # the stage's bytes, seen by this warpgroup too
-        slot = j % 2
-        mbarrier.wait(p_ready.index(slot), (j // 2) & 1)
-        acc = acc * gl.expand_dims(a_smem.index(slot).load(O_ROWS), 1)
-        acc = warpgroup_mma(p_smem.index(slot), c_bufs.index(2 * st + 1), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(p_empty.index(slot), count=1)
-        mbarrier.arrive(kv_empty.index(st), count=1)
-    mbarrier.wait(f_ready.index(0), 0)
-    _store_half(acc, f_smem.load(O_ROWS), out_ptr, o_part_ptr, b, row0, seqlen_q * num_heads, num_heads, split,
-                rows_per_split, stride_ob, stride_os, stride_oh, HALF, SPLIT)
-
-
-@gluon.jit
 def _load_q(smem, ptr, row0, rows_q, num_heads, stride_b, stride_s, stride_h, b, col0, COLS: gl.constexpr):
     """Rows [row0, row0 + 64) of q or qv (row r = token r // H, head r % H of sequence b), columns [col0, col0 +
     COLS), into smem; rows past Sq * H as zeros."""
@@ -292,43 +142,323 @@ def _load_q(smem, ptr, row0, rows_q, num_heads, stride_b, stride_s, stride_h, b,
 
 
 @gluon.jit
+def _copy(desc, buf, bar, t0, b, seqlen_k, block_table, stride_bt, max_pages, cache_rows, col, PAGE: gl.constexpr,
+          CHUNK: gl.constexpr):
+    """Rows [t0, t0 + 64) of one cache (columns [col, col + box)) into buf, on bar."""
+    for i in gl.static_range(BLOCK // CHUNK):
+        t = t0 + i * CHUNK
+        if PAGE == 0:
+            row = b * cache_rows + t
+        else:
+            page = gl.load(block_table + b.to(gl.int64) * stride_bt + gl.minimum(t // PAGE, max_pages - 1))
+            row = gl.where(t < seqlen_k, page * PAGE + t % PAGE, -BLOCK)  # past the end: zeros, no read
+        tma.async_copy_global_to_shared(desc, [row, col], bar, buf.slice(i * CHUNK, CHUNK))
+
+
+@gluon.jit
+def _part_a(k_desc, c_desc, k_bufs, c_bufs, bar, x, t0, b, seqlen_k, block_table, stride_bt, max_pages, cache_rows,
+            PAGE: gl.constexpr, CHUNK: gl.constexpr):
+    _copy(k_desc, k_bufs.index(x), bar, t0, b, seqlen_k, block_table, stride_bt, max_pages, cache_rows, 0, PAGE,
+          CHUNK)
+    _copy(c_desc, c_bufs.index(2 * x), bar, t0, b, seqlen_k, block_table, stride_bt, max_pages, cache_rows, 0, PAGE,
+          CHUNK)
+
+
+@gluon.jit
+def _part_b(c_desc, c_bufs, bar, x, t0, b, seqlen_k, block_table, stride_bt, max_pages, cache_rows,
+            PAGE: gl.constexpr, CHUNK: gl.constexpr):
+    _copy(c_desc, c_bufs.index(2 * x + 1), bar, t0, b, seqlen_k, block_table, stride_bt, max_pages, cache_rows, HALF,
+          PAGE, CHUNK)
+
+
+@gluon.jit
+def _load(PART: gl.constexpr, x, j, n, k_desc, c_desc, k_bufs, c_bufs, ready, b, s_lo, seqlen_k, block_table,
+          stride_bt, max_pages, cache_rows, PAGE: gl.constexpr):
+    """Part PART (0: rotary keys and the latent's left half; 1: its right half) of the split's block j into buffer x,
+    completing on ready[x]; nothing when j >= n. Issued by the warpgroup that last read that part of the buffer."""
+    CHUNK: gl.constexpr = BLOCK if PAGE == 0 or PAGE >= BLOCK else PAGE
+    if j < n:
+        t0 = (s_lo + j) * BLOCK
+        bar = ready.index(x)
+        if PART == 0:
+            mbarrier.expect(bar, BLOCK // CHUNK * (k_desc.block_type.nbytes + c_desc.block_type.nbytes))
+            _part_a(k_desc, c_desc, k_bufs, c_bufs, bar, x, t0, b, seqlen_k, block_table, stride_bt, max_pages,
+                    cache_rows, PAGE, CHUNK)
+        else:
+            mbarrier.expect(bar, BLOCK // CHUNK * c_desc.block_type.nbytes)
+            _part_b(c_desc, c_bufs, bar, x, t0, b, seqlen_k, block_table, stride_bt, max_pages, cache_rows, PAGE,
+                    CHUNK)
+
+
+@gluon.jit
+def _zero_past_end(buf, t0, seqlen_k):
+    """A block half [64, 256] of keys t0.. with its rows past the sequence's end set to zero, 8 rows at a time by the
+    calling warpgroup, before its P V reads it: P is 0 there, but 0 * (NaN or inf) from an unwritten cache row would
+    not be. A no-op for a whole block."""
+    valid = seqlen_k - t0
+    if valid < BLOCK:
+        lay: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        rows = gl.arange(0, 8, layout=gl.SliceLayout(1, lay))
+        for c in gl.static_range(BLOCK // 8):
+            if c * 8 + 8 > valid:
+                chunk = buf.slice(c * 8, 8)
+                x = chunk.load(lay)
+                chunk.store(gl.where(gl.expand_dims(c * 8 + rows < valid, 1), x, gl.zeros_like(x)))
+        fence_async_shared()
+        barrier()
+
+
+# ------------------------------------------------------------------------------------------------------ consumers
+
+
+@gluon.jit
+def _s_part_a(q_r, q_lat, k_bufs, c_bufs, x, z, s, FIRST: gl.constexpr):
+    """S += q_rope k^T (q's rotary part from registers) + q_L c_L^T of buffer x, issued. z: an opaque 0 (see _wg0)."""
+    s = warpgroup_mma(q_r, k_bufs.index(x + z).permute((1, 0)), s, use_acc=not FIRST, is_async=True)
+    return warpgroup_mma(q_lat.index(z), c_bufs.index(2 * x + z).permute((1, 0)), s, is_async=True)
+
+
+@gluon.jit
+def _s_part_b(q_lat, c_bufs, x, z, s, FIRST: gl.constexpr):
+    """S += q_R c_R^T of buffer x, issued."""
+    return warpgroup_mma(q_lat.index(1 + z), c_bufs.index(2 * x + 1 + z).permute((1, 0)), s, use_acc=not FIRST,
+                         is_async=True)
+
+
+@gluon.jit
+def _rescale(acc, scale):
+    """acc * scale per row, with no wgmma in flight (ptxas would serialise every wgmma otherwise: C7514 / C7515)."""
+    return acc * gl.expand_dims(gl.convert_layout(scale, O_ROWS), 1)
+
+
+@gluon.jit
+def _publish(vecs, i: gl.constexpr, x, bar):
+    """Row vector x into vecs[i] for the other warpgroup, then bar."""
+    vecs.index(i).store(x)
+    barrier()
+    mbarrier.arrive(bar, count=1)
+
+
+@gluon.jit
+def _wg0(q_ptr, qv_ptr, stride_qb, stride_qs, stride_qh, stride_qvb, stride_qvs, stride_qvh, q_rope, q_lat, k_bufs,
+         c_bufs, p0_smem, vecs, ready_a, ready_b, bars, k_desc, c_desc, block_table, stride_bt, max_pages, cache_rows,
+         out_ptr, lse_ptr, o_part_ptr, lse_part_ptr, cache_seqlens, seqlen_k_add, seqlen_q, m_tiles, num_heads,
+         rows_per_split, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls, qk_scale,
+         PAGE: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr):
+    """Even blocks' S and softmax, O[:, :256]; loads q (both warpgroups read it) and block 0, writes lse."""
+    dtype: gl.constexpr = q_lat.dtype
+    b, row0, split, seqlen_k, s_hi, s_lo, full_hi = _unit(cache_seqlens, seqlen_k_add, seqlen_q, m_tiles, BLOCK,
+                                                          CAUSAL)
+    n = s_hi - s_lo
+    for part in gl.static_range(2):  # block 0, in flight while q loads
+        _load(part, 0, 0, n, k_desc, c_desc, k_bufs, c_bufs, ready_b if part else ready_a, b, s_lo, seqlen_k,
+              block_table, stride_bt, max_pages, cache_rows, PAGE)
+    rows_q = seqlen_q * num_heads
+    _load_q(q_rope, q_ptr, row0, rows_q, num_heads, stride_qb, stride_qs, stride_qh, b, 0, ROPE)
+    for h in gl.static_range(2):
+        _load_q(q_lat.index(h), qv_ptr, row0, rows_q, num_heads, stride_qvb, stride_qvs, stride_qvh, b, h * HALF,
+                HALF)
+    fence_async_shared()
+    barrier()
+    q_r = q_rope.load(Q_ROPE_A)  # before warpgroup 1 may write P1 over it (after B_S0 of pair 0)
+    mbarrier.arrive(bars.index(B_Q), count=1)
+    s = gl.zeros([M_ROWS, BLOCK], gl.float32, S_LAYOUT)  # ignored by the first S (use_acc=False): its registers
+    m_i = gl.full([M_ROWS], float("-inf"), gl.float32, S_ROWS)
+    l_i = gl.zeros([M_ROWS], gl.float32, S_ROWS)
+    acc = gl.zeros([M_ROWS, HALF], gl.float32, O_LAYOUT)
+    if n > 0:
+        mbarrier.wait(ready_a.index(0), 0)
+        s = _s_part_a(q_r, q_lat, k_bufs, c_bufs, 0, 0, s, True)
+        mbarrier.wait(ready_b.index(0), 0)
+        s = _s_part_b(q_lat, c_bufs, 0, 0, s, False)
+        s = warpgroup_mma_wait(0, deps=(s,))
+    for u in range((n + 1) // 2):
+        ph = u & 1
+        has1 = 2 * u + 1 < n
+        # Buffers addressed through a zero the compiler cannot see: otherwise it hoists the ~80 wgmma descriptors
+        # (one per 16-wide slice) out of the loop and spills them (attn_bwd.py's remedy).
+        z = opaque_zero(u)
+        p, m0, l_i, scale0 = _softmax(_masked(s, s_lo + 2 * u, seqlen_k, seqlen_q, row0, num_heads, full_hi, BLOCK,
+                                              CAUSAL), m_i, l_i, qk_scale)
+        vecs.index(VM).store(m0)
+        _publish(vecs, VS0, scale0, bars.index(B_S0))
+        p_b = p.to(dtype)
+        mbarrier.wait(bars.index(B_P0_FREE), ph ^ 1)  # warpgroup 1 has read the last P0
+        p0_smem.store(p_b)
+        fence_async_shared()
+        barrier()
+        mbarrier.arrive(bars.index(B_P0), count=1)
+        # O_L = O_L scale0 + P0 V0_L, P0 from registers; then this warpgroup was the last reader of buffer 0's part A.
+        t0 = (s_lo + 2 * u) * BLOCK
+        _zero_past_end(c_bufs.index(0), t0, seqlen_k)
+        acc = warpgroup_mma_init(_rescale(acc, scale0))
+        p_a = gl.convert_layout(p_b, P_A, assert_trivial=True)
+        acc = warpgroup_mma(p_a, c_bufs.index(z), acc, is_async=True)
+        acc, p_a = warpgroup_mma_wait(0, deps=(acc, p_a))
+        _load(0, 0, 2 * u + 2, n, k_desc, c_desc, k_bufs, c_bufs, ready_a, b, s_lo, seqlen_k, block_table, stride_bt,
+              max_pages, cache_rows, PAGE)
+        # Warpgroup 1's softmax of S1: O_L and l0 move to its frame, then O_L += P1 V1_L.
+        mbarrier.wait(bars.index(B_S1), ph)
+        scale1 = vecs.index(VS1).load(S_ROWS)
+        m_i = vecs.index(VM).load(S_ROWS)
+        l_i = l_i * scale1
+        acc = warpgroup_mma_init(_rescale(acc, scale1))
+        if has1:  # P1 from shared memory (where q's rotary part was)
+            _zero_past_end(c_bufs.index(2), t0 + BLOCK, seqlen_k)
+            mbarrier.wait(bars.index(B_P1), ph)
+            acc = warpgroup_mma(q_rope, c_bufs.index(2 + z), acc, is_async=True)
+        if 2 * u + 2 < n:  # the next pair's S0, part A first (loaded first)
+            mbarrier.wait(ready_a.index(0), ph ^ 1)
+            s = _s_part_a(q_r, q_lat, k_bufs, c_bufs, 0, z, s, True)  # the spent S's registers (use_acc=False)
+            if has1:
+                acc = warpgroup_mma_init(warpgroup_mma_wait(2, deps=(acc,)))  # P1 V1_L retired, S0's part A not
+                mbarrier.arrive(bars.index(B_P1_FREE), count=1)
+                _load(0, 1, 2 * u + 3, n, k_desc, c_desc, k_bufs, c_bufs, ready_a, b, s_lo, seqlen_k, block_table,
+                      stride_bt, max_pages, cache_rows, PAGE)
+            mbarrier.wait(ready_b.index(0), ph ^ 1)
+            s = _s_part_b(q_lat, c_bufs, 0, z, s, False)
+            o, s = warpgroup_mma_wait(0, deps=(acc, s))
+        else:
+            o = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(bars.index(B_P1_FREE), count=1, pred=has1)
+        acc = o
+
+    # Epilogue: l = l0 + l1 (warpgroup 1's sum arrives through vecs[VL]); rows that saw no key give out = 0 and
+    # lse = -inf.
+    mbarrier.wait(bars.index(B_L), 0)
+    l_i = l_i + vecs.index(VL).load(S_ROWS)
+    barrier()  # every thread has read l1 before 1 / l overwrites it (a row's 4 threads need not run in step)
+    seen = l_i > 0.0
+    inv_l = gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0)
+    vecs.index(VL).store(inv_l)
+    barrier()
+    mbarrier.arrive(bars.index(B_F), count=1)
+    lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+    r = row0 + gl.arange(0, M_ROWS, layout=S_ROWS)
+    if SPLIT:
+        gl.store(lse_part_ptr + split.to(gl.int64) * rows_per_split + b.to(gl.int64) * rows_q + r, lse,
+                 mask=r < rows_q)
+    else:
+        off = b.to(gl.int64) * stride_lb + (r % num_heads).to(gl.int64) * stride_lh + (r // num_heads) * stride_ls
+        gl.store(lse_ptr + off, lse, mask=r < rows_q)
+    _store_half(acc, gl.convert_layout(inv_l, O_ROWS), out_ptr, o_part_ptr, b, row0, rows_q, num_heads, split,
+                rows_per_split, stride_ob, stride_os, stride_oh, 0, SPLIT)
+
+
+@gluon.jit
+def _wg1(q_rope, q_lat, k_bufs, c_bufs, p0_smem, vecs, ready_a, ready_b, bars, k_desc, c_desc, block_table,
+         stride_bt, max_pages, cache_rows, out_ptr, o_part_ptr, cache_seqlens, seqlen_k_add, seqlen_q, m_tiles,
+         num_heads, rows_per_split, stride_ob, stride_os, stride_oh, qk_scale, PAGE: gl.constexpr,
+         CAUSAL: gl.constexpr, SPLIT: gl.constexpr):
+    """Odd blocks' S and softmax, O[:, 256:]; loads block 1."""
+    dtype: gl.constexpr = q_lat.dtype
+    b, row0, split, seqlen_k, s_hi, s_lo, full_hi = _unit(cache_seqlens, seqlen_k_add, seqlen_q, m_tiles, BLOCK,
+                                                          CAUSAL)
+    n = s_hi - s_lo
+    for part in gl.static_range(2):
+        _load(1 - part, 1, 1, n, k_desc, c_desc, k_bufs, c_bufs, ready_a if part else ready_b, b, s_lo, seqlen_k,
+              block_table, stride_bt, max_pages, cache_rows, PAGE)
+    mbarrier.wait(bars.index(B_Q), 0)
+    q_r = q_rope.load(Q_ROPE_A)
+    s = gl.zeros([M_ROWS, BLOCK], gl.float32, S_LAYOUT)
+    l_i = gl.zeros([M_ROWS], gl.float32, S_ROWS)
+    acc = gl.zeros([M_ROWS, HALF], gl.float32, O_LAYOUT)
+    if n > 1:
+        mbarrier.wait(ready_b.index(1), 0)
+        s = _s_part_b(q_lat, c_bufs, 1, 0, s, True)
+        mbarrier.wait(ready_a.index(1), 0)
+        s = _s_part_a(q_r, q_lat, k_bufs, c_bufs, 1, 0, s, False)
+        s = warpgroup_mma_wait(0, deps=(s,))
+    for u in range((n + 1) // 2):
+        ph = u & 1
+        has1 = 2 * u + 1 < n
+        z = opaque_zero(u)  # see _wg0
+        mbarrier.wait(bars.index(B_S0), ph)
+        m0 = vecs.index(VM).load(S_ROWS)
+        scale0 = vecs.index(VS0).load(S_ROWS)
+        if has1:
+            p, m1, l_i, scale1 = _softmax(_masked(s, s_lo + 2 * u + 1, seqlen_k, seqlen_q, row0, num_heads, full_hi,
+                                                  BLOCK, CAUSAL), m0, l_i * scale0, qk_scale)
+        else:  # no odd block: the frame stays warpgroup 0's (p unused)
+            p = s
+            m1 = m0
+            l_i = l_i * scale0
+            scale1 = gl.full_like(scale0, 1.0)
+        vecs.index(VM).store(m1)
+        _publish(vecs, VS1, scale1, bars.index(B_S1))
+        p_b = p.to(dtype)
+        if has1:  # P1 to shared memory for warpgroup 0
+            mbarrier.wait(bars.index(B_P1_FREE), ph ^ 1)
+            q_rope.store(p_b)
+            fence_async_shared()
+            barrier()
+            mbarrier.arrive(bars.index(B_P1), count=1)
+        # O_R = (O_R scale0 + P0 V0_R) scale1 + P1 V1_R: P0 (warpgroup 0's frame) from shared memory, P1 from
+        # registers; this warpgroup is the last reader of both buffers' right halves.
+        t0 = (s_lo + 2 * u) * BLOCK
+        _zero_past_end(c_bufs.index(1), t0, seqlen_k)
+        acc = warpgroup_mma_init(_rescale(acc, scale0))
+        mbarrier.wait(bars.index(B_P0), ph)
+        acc = warpgroup_mma(p0_smem, c_bufs.index(1 + z), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(bars.index(B_P0_FREE), count=1)
+        _load(1, 0, 2 * u + 2, n, k_desc, c_desc, k_bufs, c_bufs, ready_b, b, s_lo, seqlen_k, block_table, stride_bt,
+              max_pages, cache_rows, PAGE)
+        acc = _rescale(acc, scale1)
+        if has1:
+            _zero_past_end(c_bufs.index(3), t0 + BLOCK, seqlen_k)
+            p_a = gl.convert_layout(p_b, P_A, assert_trivial=True)
+            acc, p_a = warpgroup_mma_wait(0, deps=(warpgroup_mma(p_a, c_bufs.index(3 + z), warpgroup_mma_init(acc),
+                                                                 is_async=True), p_a))
+            _load(1, 1, 2 * u + 3, n, k_desc, c_desc, k_bufs, c_bufs, ready_b, b, s_lo, seqlen_k, block_table,
+                  stride_bt, max_pages, cache_rows, PAGE)
+        if 2 * u + 3 < n:  # the next pair's S1, part B first (loaded first)
+            mbarrier.wait(ready_b.index(1), ph ^ 1)
+            s = _s_part_b(q_lat, c_bufs, 1, z, s, True)  # the spent S's registers (use_acc=False)
+            mbarrier.wait(ready_a.index(1), ph ^ 1)
+            s = _s_part_a(q_r, q_lat, k_bufs, c_bufs, 1, z, s, False)
+            s = warpgroup_mma_wait(0, deps=(s,))
+
+    vecs.index(VL).store(l_i)
+    barrier()
+    mbarrier.arrive(bars.index(B_L), count=1)
+    mbarrier.wait(bars.index(B_F), 0)
+    _store_half(acc, vecs.index(VL).load(O_ROWS), out_ptr, o_part_ptr, b, row0, seqlen_q * num_heads, num_heads,
+                split, rows_per_split, stride_ob, stride_os, stride_oh, HALF, SPLIT)
+
+
+@gluon.jit
 def mla_decode_kernel(q_ptr, qv_ptr, k_desc, c_desc, out_ptr, lse_ptr, o_part_ptr, lse_part_ptr, cache_seqlens,
                       block_table, stride_bt, max_pages, cache_rows, seqlen_k_add, seqlen_q, m_tiles, num_heads,
                       rows_per_split, stride_qb, stride_qs, stride_qh, stride_qvb, stride_qvs, stride_qvh,
                       stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls, qk_scale,
                       BN: gl.constexpr, STAGES: gl.constexpr, PAGE: gl.constexpr, CAUSAL: gl.constexpr,
                       SPLIT: gl.constexpr):
-    """4 warps (consumer 0; the partitions add 5 more). k_desc: the rotary keys as rows [rows, 64], blocks
-    [min(BN, PAGE), 64]; c_desc: the latent [rows, 512], blocks [min(BN, PAGE), 256]; rows are b * cache_rows + t
+    """4 warps (warpgroup 0; the partition adds warpgroup 1). k_desc: the rotary keys as rows [rows, 64], blocks
+    [min(64, PAGE), 64]; c_desc: the latent [rows, 512], blocks [min(64, PAGE), 256]; rows are b * cache_rows + t
     (contiguous, PAGE 0) or page * PAGE + t % PAGE (block_table [B, max_pages]). qk_scale: softmax_scale *
-    log2(e) > 0."""
-    gl.static_assert(STAGES >= 3, "S_{j+1} is issued while step j-1's stage is still held")
+    log2(e) > 0. BN (tokens per block) must be 64 and STAGES (block buffers) 2: plan/decode.MlaGluonConfig."""
+    gl.static_assert(BN == BLOCK, "64-token blocks")
+    gl.static_assert(STAGES == 2, "two block buffers")
     dtype: gl.constexpr = k_desc.dtype
-    q_rope = gl.allocate_shared_memory(dtype, [M_ROWS, ROPE],
-                                       gl.NVMMASharedLayout.get_default_for([M_ROWS, ROPE], dtype))
+    q_rope = gl.allocate_shared_memory(dtype, [M_ROWS, ROPE], gl.NVMMASharedLayout.get_default_for([M_ROWS, ROPE],
+                                                                                                    dtype))
     q_lat = gl.allocate_shared_memory(dtype, [2, M_ROWS, HALF],
                                       gl.NVMMASharedLayout.get_default_for([M_ROWS, HALF], dtype))
-    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BN, ROPE], k_desc.layout)
-    c_bufs = gl.allocate_shared_memory(dtype, [2 * STAGES, BN, HALF], c_desc.layout)
-    p_smem = gl.allocate_shared_memory(dtype, [2, M_ROWS, BN],
-                                       gl.NVMMASharedLayout.get_default_for([M_ROWS, BN], dtype))
+    k_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK, ROPE], k_desc.layout)
+    c_bufs = gl.allocate_shared_memory(dtype, [4, BLOCK, HALF], c_desc.layout)
+    p0_smem = gl.allocate_shared_memory(dtype, [M_ROWS, BLOCK],
+                                        gl.NVMMASharedLayout.get_default_for([M_ROWS, BLOCK], dtype))
     vec_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-    a_smem = gl.allocate_shared_memory(gl.float32, [2, M_ROWS], vec_layout)  # one alpha per P slot
-    f_smem = gl.allocate_shared_memory(gl.float32, [M_ROWS], vec_layout)
-    kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    tail_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    p_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    f_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(kv_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=2)  # both consumers' PV halves
-    mbarrier.init(tail_bar.index(0), count=1)
+    vecs = gl.allocate_shared_memory(gl.float32, [4, M_ROWS], vec_layout)
+    ready_a = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ready_b = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    bars = gl.allocate_shared_memory(gl.int64, [N_BARS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
-        mbarrier.init(p_ready.index(i), count=1)
-        mbarrier.init(p_empty.index(i), count=1)
-    mbarrier.init(f_ready.index(0), count=1)
+        mbarrier.init(ready_a.index(i), count=1)
+        mbarrier.init(ready_b.index(i), count=1)
+    for i in gl.static_range(N_BARS):
+        mbarrier.init(bars.index(i), count=1)
 
     # Integer arguments equal to 1 arrive as constexprs, which worker partitions cannot take: make them tensors.
     seqlen_k_add = gl.to_tensor(seqlen_k_add)
@@ -346,14 +476,12 @@ def mla_decode_kernel(q_ptr, qv_ptr, k_desc, c_desc, out_ptr, lse_ptr, o_part_pt
     stride_lh = gl.to_tensor(stride_lh)
     stride_ls = gl.to_tensor(stride_ls)
     gl.warp_specialize([
-        (_consumer0, (q_ptr, qv_ptr, stride_qb, stride_qs, stride_qh, stride_qvb, stride_qvs, stride_qvh, q_rope,
-                      q_lat, k_bufs, c_bufs, p_smem, a_smem, f_smem, kv_ready, kv_empty, p_ready, p_empty, f_ready,
-                      out_ptr, lse_ptr, o_part_ptr, lse_part_ptr, cache_seqlens, seqlen_k_add, seqlen_q,
-                      m_tiles, num_heads, rows_per_split, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
-                      stride_ls, qk_scale, BN, STAGES, CAUSAL, SPLIT)),
-        (_consumer1, (c_bufs, p_smem, a_smem, f_smem, kv_ready, kv_empty, p_ready, p_empty, f_ready, out_ptr,
-                      o_part_ptr, cache_seqlens, seqlen_k_add, seqlen_q, m_tiles, num_heads, rows_per_split,
-                      stride_ob, stride_os, stride_oh, BN, STAGES, CAUSAL, SPLIT)),
-        (_producer, (k_desc, c_desc, k_bufs, c_bufs, kv_ready, kv_empty, tail_bar, cache_seqlens, block_table,
-                     stride_bt, max_pages, cache_rows, seqlen_k_add, seqlen_q, m_tiles, BN, STAGES, PAGE, CAUSAL)),
-    ], [4, 1], [192, 56])  # consumer 0 (the default partition) gets the rest, 256: S_{j+1} in flight, O's half
+        (_wg0, (q_ptr, qv_ptr, stride_qb, stride_qs, stride_qh, stride_qvb, stride_qvs, stride_qvh, q_rope, q_lat,
+                k_bufs, c_bufs, p0_smem, vecs, ready_a, ready_b, bars, k_desc, c_desc, block_table, stride_bt,
+                max_pages, cache_rows, out_ptr, lse_ptr, o_part_ptr, lse_part_ptr, cache_seqlens, seqlen_k_add,
+                seqlen_q, m_tiles, num_heads, rows_per_split, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+                stride_ls, qk_scale, PAGE, CAUSAL, SPLIT)),
+        (_wg1, (q_rope, q_lat, k_bufs, c_bufs, p0_smem, vecs, ready_a, ready_b, bars, k_desc, c_desc, block_table,
+                stride_bt, max_pages, cache_rows, out_ptr, o_part_ptr, cache_seqlens, seqlen_k_add, seqlen_q,
+                m_tiles, num_heads, rows_per_split, stride_ob, stride_os, stride_oh, qk_scale, PAGE, CAUSAL, SPLIT)),
+    ], [4], [256])
