@@ -20,13 +20,14 @@ ROPE, LATENT = 64, 512
 CASES = [
     (2, 1, 128, 1000, None, 0, (1000, 37), 0, False, torch.bfloat16),  # H=128, heuristic splits, 1-row tails
     (3, 1, 16, 4096, 64, 1, (4000, 31, 0), 0, False, torch.bfloat16),  # page 64 (engines'), append, empty cache
-    (2, 2, 64, 704, 16, 2, (650, 100), 3, True, torch.float16),  # page 16: two copies a step; 2 tiles of rows
+    (2, 2, 64, 704, 16, 2, (650, 100), 3, True, torch.float16),  # page 16: four copies a 64-token block; 2 row tiles
     (1, 4, 16, 320, 32, 0, (299,), 1, True, torch.bfloat16),  # page 32, causal among 4 tokens, no split
     (1, 16, 8, 640, 128, 16, (497,), 2, True, torch.bfloat16),  # 16 tokens x 8 heads, a 16-row append
-    (1, 1, 128, 64, None, 0, (33,), 1, False, torch.bfloat16),  # one partial step after a full one
-    (1, 3, 32, 64, 8, 0, (64,), 1, True, torch.float16),  # page 8, exactly two steps, a partial row tile
+    (1, 1, 128, 64, None, 0, (33,), 1, False, torch.bfloat16),  # one partial block (warpgroup 1's odd block absent)
+    (1, 3, 32, 64, 8, 0, (64,), 1, True, torch.float16),  # page 8: one whole block of 8 copies, a partial row tile
     (4, 1, 128, 8192, 64, 1, (8191, 5000, 1, 3000), 0, False, torch.bfloat16),  # long, ragged, page 64
-    # one split over 3..7 steps of 64 keys: odd and even counts, the last step partial or whole
+    # one split over 3..7 blocks of 64 keys: odd and even counts (the warpgroups alternate), the last partial
+    # or whole
     (3, 1, 128, 512, None, 0, (300, 200, 448), 1, False, torch.bfloat16),
     (2, 2, 64, 512, 32, 1, (383, 130), 1, True, torch.bfloat16),
 ]
