@@ -825,6 +825,10 @@ def _dropout_one(shape, tf, note):
         "sdpa_flash_dropout": (lambda: step(sdpa) if sdpa else None, linear_in_v),
     }
     results = {name: _measure(name, build, check, note) for name, (build, check) in builders.items()}
+    from tileflash import config
+
+    with config.override(fwd_ws=None, bwd_ws=None):  # the kernels a dropout call takes, without the dropout
+        results["tileflash_triton"] = _measure("tileflash_triton", *builders["tileflash"], note)
     base, drop, peer = (_field({"backends": results}, n, "ms") for n in DROPOUT_BACKENDS)
     return {**shape, "backends": results, "dropout_cost_pct": 100 * (drop / base - 1) if base and drop else None,
             "speedup": peer / drop if peer and drop and results["tileflash_dropout"]["ok"] else None}
@@ -832,12 +836,13 @@ def _dropout_one(shape, tf, note):
 
 def dropout_table(rows):
     headers = ["shape", "B", "S", "H", "d", "causal", "tf ms", "tf dropout ms", "SDPA-flash dropout ms", "cost %",
-               "SDPA/tf", "failed"]
+               "SDPA/tf", "tf Triton ms", "failed"]
     body = [[r["label"], r["batch"], r["seqlen"], r["nheads"], r["d"], r["causal"],
-             *(_field(r, n, "ms") for n in DROPOUT_BACKENDS), r["dropout_cost_pct"], r["speedup"], _failed(r)]
-            for r in rows]
+             *(_field(r, n, "ms") for n in DROPOUT_BACKENDS), r["dropout_cost_pct"], r["speedup"],
+             _field(r, "tileflash_triton", "ms"), _failed(r)] for r in rows]
     return format_table(headers, body, title=f"Attention dropout: forward + backward, bf16, dropout_p={DROPOUT_P} "
-                                             "(tileflash without it for the cost); SDPA/tf > 1: tileflash faster")
+                                             "(tileflash without it for the cost); SDPA/tf > 1: tileflash faster; "
+                                             "tf Triton: without dropout on the Triton kernels a dropout call takes")
 
 
 def run_dropout(shapes=None, out=print):
