@@ -4,11 +4,11 @@ import json
 from tileflash.bench import report
 
 
-def _write(directory, name, date, run, us):
+def _write(directory, name, date, run, us, device="H200"):
     rows = [{"batch": 1, "ctx": 8192, "label": "gqa", "backends": {"tileflash": {"us": us, "ok": True},
                                                                    "sdpa": {"us": 22.0, "ok": True},
                                                                    "fa4": None}}]
-    meta = {"date": date, "run": run, "device": "H200", "command": "bench decode", "notes": f"run {run}"}
+    meta = {"date": date, "run": run, "device": device, "command": "bench decode", "notes": f"run {run}"}
     (directory / name).write_text(json.dumps({"env": {"torch": "x"}, "meta": meta, "decode": rows}))
 
 
@@ -18,6 +18,15 @@ def test_the_newest_file_of_a_suite_is_shown(tmp_path):
     page = report.render(str(tmp_path))
     assert "20.5" in page and "31.5" not in page and "run 9" in page
     assert "tileflash us" in page and "sdpa us" in page and "fa4" not in page  # no column for a missing peer
+
+
+def test_a_run_on_another_gpu_sits_beside_the_table(tmp_path):
+    _write(tmp_path, "a.json", "2026-12-01", 7, 31.5, "NVIDIA H200")
+    _write(tmp_path, "b.json", "2026-12-02", 8, 30.5, "NVIDIA H200")
+    _write(tmp_path, "c.json", "2026-12-03", 9, 41.5, "NVIDIA H100 80GB HBM3")
+    page = report.render(str(tmp_path))
+    assert "30.5" in page and "41.5" in page and "31.5" not in page
+    assert report._gpu({"device": "NVIDIA H100 80GB HBM3"}) == report._gpu({"device": "H100"}) == "H100"
 
 
 def test_failed_backends_show_as_failures(tmp_path):

@@ -40,8 +40,15 @@ def load(directory: str) -> list[dict]:
     return sorted(out, key=lambda r: (str(r["meta"].get("date", "")), r["meta"].get("run") or 0))
 
 
+def _gpu(meta: dict) -> str:
+    """The GPU's model ("NVIDIA H100 80GB HBM3", "NVIDIA H100" and "H100" are one GPU)."""
+    words = str(meta.get("device", meta.get("gpu", "?"))).split()
+    return " ".join(w for w in words if w != "NVIDIA" and not w.endswith("GB") and not w.startswith("HBM"))
+
+
 def newest(results: list[dict]) -> dict:
-    """{(suite, labels): (file, rows)}: the newest file's rows for each suite and set of row labels."""
+    """{(suite, labels, gpu): (file, rows)}: the newest file's rows for each suite, set of row labels and GPU (an
+    H100 run sits beside the H200's table instead of replacing it)."""
     picked = {}
     for res in results:
         for suite, rows in res["suites"].items():
@@ -49,7 +56,7 @@ def newest(results: list[dict]) -> dict:
                 labels = tuple(res["meta"].get("labels") or (rows.get("title", ""),))
             else:
                 labels = tuple(sorted({str(r.get("label", r.get("op", r.get("shape", "")))) for r in rows}))
-            picked[(suite, labels)] = (res, rows)
+            picked[(suite, labels, _gpu(res["meta"]))] = (res, rows)
     return picked
 
 
@@ -99,7 +106,7 @@ def render(directory: str = RESULTS_DIR) -> str:
              ""]
     by_date = sorted(newest(results).items(), key=lambda kv: (str(kv[1][0]["meta"].get("date", "")),
                                                               kv[1][0]["meta"].get("run") or 0), reverse=True)
-    for (suite, _), (res, rows) in sorted(by_date, key=lambda kv: kv[0][0]):  # by suite, newest first
+    for (suite, *_), (res, rows) in sorted(by_date, key=lambda kv: kv[0][0]):  # by suite, newest first
         meta = res["meta"]
         headers, body = (rows["columns"], rows["rows"]) if isinstance(rows, dict) else table(rows)
         software = (f"torch {meta['torch']}, triton {meta.get('triton', '?')}" if "torch" in meta
