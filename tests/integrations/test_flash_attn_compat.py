@@ -9,6 +9,7 @@ import torch
 
 import tileflash
 from helpers import DEVICE, attention_inputs, packed_inputs
+from tileflash import reference
 from tileflash.integrations import fa2, fa3
 from tileflash.integrations import flash_attn as compat
 
@@ -295,3 +296,86 @@ def test_flash_attn_private_forward_and_backward(installed, dropout_p):
                                             deterministic=True)
     grads = torch.autograd.grad(want, leaves, doutp)
     assert torch.equal(out, want) and all(torch.equal(a, b) for a, b in zip((dq, dk, dv), grads))
+
+
+def _read_s_dmask(s_dmask, q, k, causal, window, block_n, alibi_slopes=None):
+    """What flash-attn's tests read from S_dmask [B, H, >= Sq, >= Sk] of a padded call: (kept [B, H, Sq, Sk], the
+    probabilities): |S| times exp(m_j - lse), m_j the row max over key block j and the blocks after it."""
+    sq, sk, d = q.shape[1], k.shape[1], q.shape[-1]
+    s_dmask = s_dmask[:, :, :sq, :sk].float()
+    seen = reference.visible_mask(sq, sk, causal, window, device=q.device)
+    kk = k.float().repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), kk) * d ** -0.5
+    if alibi_slopes is not None:
+        s = s + reference.alibi_bias(alibi_slopes, sq, sk)
+    s = s.masked_fill(~seen, float("-inf"))
+    lse = torch.logsumexp(s, -1, keepdim=True)
+    block_max = torch.stack([blk.amax(-1) for blk in s.split(block_n, dim=-1)], dim=-1)
+    m = block_max.flip(-1).cummax(-1).values.flip(-1).repeat_interleave(block_n, dim=-1)[..., :sk]
+    probs = (s_dmask.abs() * torch.exp(m - lse)).masked_fill(~seen, 0.0)
+    return (s_dmask >= 0) | ~seen, probs
+
+
+@pytest.mark.parametrize("causal, window, alibi", [(False, (-1, -1), False), (True, (-1, -1), True),
+                                                   (False, (20, 7), False)], ids=["full", "causal-alibi", "window"])
+def test_2x_s_dmask_is_what_flash_attns_dropout_tests_read(causal, window, alibi):
+    """flash-attn 2.x's dropout tests take the mask (S_dmask >= 0) and the probabilities (|S_dmask| renormalised per
+    key block of _get_block_size_n) from S_dmask, build their reference output from that mask, and compare out,
+    the probabilities and the dropped fraction. Here: the mask is the kernel's own pattern (the out built from it
+    matches), the probabilities are softmax's, and about p of the visible entries are dropped."""
+    p = 0.17
+    q, k, v = attention_inputs(2, 70, 90, 4, 2, 64, torch.float16, seed=6)
+    slopes = torch.rand(2, 4, device=DEVICE) * 0.3 if alibi else None
+    out, lse, s_dmask = fa2.flash_attn_func(q, k, v, p, None, causal, window, alibi_slopes=slopes,
+                                            return_attn_probs=True)
+    assert s_dmask.shape == (2, 4, 128, 128) and s_dmask.dtype == q.dtype
+    kept, probs = _read_s_dmask(s_dmask, q, k, causal, window, fa2._get_block_size_n(q.device, 64, True, causal),
+                                slopes)
+    want, _ = reference.attention_ref(q, k, v, causal=causal, window_size=window, alibi_slopes=slopes)
+    _, ref_lse = reference.attention_ref(q, k, v, causal=causal, window_size=window, alibi_slopes=slopes)
+    seen = reference.visible_mask(70, 90, causal, window, device=DEVICE)
+    kk = k.float().repeat_interleave(2, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), kk) * 64 ** -0.5
+    if alibi:
+        s = s + reference.alibi_bias(slopes, 70, 90)
+    softmax = torch.exp(s.masked_fill(~seen, float("-inf")) - ref_lse[..., None])
+    assert (probs - softmax).abs().max() < 2e-3  # fp16 probabilities
+    dropped_out = torch.einsum("bhqk,bkhd->bqhd", torch.where(kept, softmax, 0.0) / (1 - p),
+                               v.float().repeat_interleave(2, dim=2))
+    assert (out.float() - dropped_out).abs().max() < 1e-2
+    fraction = float((~kept & seen).sum() / (seen.sum() * 2 * 4))
+    assert abs(fraction - p) < 0.02
+    assert not torch.equal(out, want)  # dropout ran
+
+
+def test_2x_s_dmask_of_packed_and_varlen_calls():
+    """The packed and varlen forms give each sequence's S_dmask from row and column 0 (lengths rounded up to 128),
+    with that sequence's own pattern: the same values as a padded call of the one sequence's dropout pattern."""
+    p = 0.3
+    qp, kp, vp, cu_q, cu_k = packed_inputs([7, 33], [40, 33], 2, 2, 32, torch.float16, seed=7)
+    torch.manual_seed(3)
+    out, _, s_dmask = fa2.flash_attn_varlen_func(qp, kp, vp, cu_q, cu_k, 33, 40, p, causal=True,
+                                                 return_attn_probs=True)
+    assert s_dmask.shape == (2, 2, 128, 128)
+    torch.manual_seed(3)
+    seed = int(tileflash._utils.dropout_seed(qp.device))
+    for b, (q0, q1, k0, k1) in enumerate([(0, 7, 0, 40), (7, 40, 40, 73)]):
+        keep = reference.dropout_keep(seed, p, 2, q1 - q0, k1 - k0, [b], device=DEVICE)[0]
+        seen = reference.visible_mask(q1 - q0, k1 - k0, True, device=DEVICE)
+        got = s_dmask[b, :, :q1 - q0, :k1 - k0]
+        assert torch.equal((got >= 0) | ~seen, keep | ~seen)
+        assert (s_dmask[b, :, q1 - q0:] == 0).all() and (s_dmask[b, :, :, k1 - k0:] == 0).all()
+    qkv = torch.stack(attention_inputs(1, 50, 50, 2, 2, 32, torch.float16, seed=8), dim=2)
+    torch.manual_seed(4)
+    _, _, packed_probs = fa2.flash_attn_qkvpacked_func(qkv, p, return_attn_probs=True)
+    torch.manual_seed(4)
+    _, _, probs = fa2.flash_attn_func(*qkv.unbind(2), p, return_attn_probs=True)
+    assert torch.equal(packed_probs, probs)
+    assert fa2.flash_attn_qkvpacked_func(qkv, 0.0, return_attn_probs=True)[2].numel() == 0
+
+
+def test_2x_block_size_table():
+    """_get_block_size_n (flash-attn's tests import it from flash_attn.flash_attn_interface): its table on sm_90."""
+    got = [fa2._get_block_size_n("cpu", d, drop, causal) for d in (32, 64, 96, 128, 160, 256)
+           for drop in (False, True) for causal in (False, True)]
+    assert got == [128] * 4 + [128, 128, 64, 64] + [64] * 4 + [64, 64, 32, 32] + [32] * 4 + [64] * 4
