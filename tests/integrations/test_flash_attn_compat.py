@@ -277,7 +277,13 @@ def test_flash_attn_private_forward_and_backward(installed, dropout_p):
     assert all(torch.equal(a, b) for a, b in zip((dq, dk, dv), grads))
     assert d.shape == lse.shape
     torch.testing.assert_close(d, (dout.float() * out.float()).sum(-1).transpose(1, 2))
-    if dropout_p:
+    if dropout_p:  # return_softmax: S_dmask with the pattern the seed handed over as rng_state gives
+        torch.manual_seed(3)
+        _, _, s_dmask, rng = _flash_attn_forward(q, k, v, window_size_left=-1, window_size_right=-1, softcap=0.0,
+                                                 alibi_slopes=None, return_softmax=True, **kw)
+        keep = reference.dropout_keep(int(rng), dropout_p, 4, 19, 23, range(2), device=DEVICE)
+        seen = reference.visible_mask(19, 23, True, device=DEVICE)
+        assert torch.equal((s_dmask[:, :, :19, :23] >= 0) | ~seen, keep | ~seen)
         with pytest.raises(ValueError, match="rng_state"):
             _flash_attn_backward(dout, q, k, v, out, lse, dq, dk, dv, window_size_left=-1, window_size_right=-1,
                                  softcap=0.0, alibi_slopes=None, deterministic=True, **kw)
