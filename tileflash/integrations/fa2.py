@@ -22,6 +22,7 @@ from ..launch.backward import attn_backward
 from ..ops import kvcache, packed, prefill
 
 __version__ = "2.8.3"  # the 2.x API emulated (bottom-right causal, softcap, window_size, block_table)
+USE_TRITON_ROCM = False  # 2.8's flash_attn_interface name (its tests import it)
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
            "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache"]
