@@ -6,14 +6,21 @@
 (on the device machine: name the copied file in `carry`). The shim is installed before the test module imports
 flash_attn; flash_attn.layers.rotary, which the kvcache tests use for their reference, is provided here in torch
 (tileflash.reference.rotary_ref). Tests of what tileflash does not take (flash-attn's raw C++ entry points, its
-package internals) fail at the call by name, as they would against any other implementation."""
+package internals) fail at the call by name, as they would against any other implementation.
+Without a GPU (a few cases, through Triton's interpreter, einops installed): copy the file with its device
+replaced, `sed 's/device = "cuda"/device = "cpu"/'`; the GPU queries it makes at import answer sm_90 here."""
+import os
 import sys
 import types
 
 import torch
 
-from tileflash.integrations import flash_attn as compat
-from tileflash.reference import rotary_ref
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before tileflash imports triton
+    torch.cuda.get_device_capability = lambda *args, **kwargs: (9, 0)
+
+from tileflash.integrations import flash_attn as compat  # noqa: E402
+from tileflash.reference import rotary_ref  # noqa: E402
 
 compat.install()
 
