@@ -80,6 +80,23 @@ def dropout_keep(seed: int, dropout_p: float, num_heads: int, seqlen_q: int, seq
     return (words >> 1) >= int(dropout_p * 2 ** 31)
 
 
+def scores_ref(q, k, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+               attention_chunk=0):
+    """q [B, Sq, Hq, D], k [B, Sk, Hkv, D] -> the logits [B, Hq, Sq, Sk] float32 (the product in q's dtype, then
+    fp32): scaled, softcapped, ALiBi-biased, -inf where visible_mask hides the key."""
+    sq, hq, d = q.shape[1:]
+    sk = k.shape[1]
+    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    k = k.repeat_interleave(hq // k.shape[2], dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k).float() * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    if alibi_slopes is not None:
+        s = s + alibi_bias(alibi_slopes, sq, sk)
+    ok = visible_mask(sq, sk, causal, window_size, device=q.device, attention_chunk=attention_chunk)
+    return s.masked_fill(~ok, float("-inf"))
+
+
 def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, upcast=True,
                   alibi_slopes=None, learnable_sink=None, intermediate_dtype=None, attention_chunk=0, dropout_p=0.0,
                   dropout_seed=None, dropout_sequence=0):
@@ -95,19 +112,11 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1
     sequence index of batch row 0 (attention_varlen_ref's)."""
     dtype = q.dtype
     b, sq, hq, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
-    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    sk = k.shape[1]
     if upcast:
         q, k, v = q.float(), k.float(), v.float()
-    k = k.repeat_interleave(hq // hkv, dim=2)
-    v = v.repeat_interleave(hq // hkv, dim=2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q, k).float() * scale
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
-    if alibi_slopes is not None:
-        s = s + alibi_bias(alibi_slopes, sq, sk)
-    ok = visible_mask(sq, sk, causal, window_size, device=q.device, attention_chunk=attention_chunk)
-    s = s.masked_fill(~ok, float("-inf"))
+    v = v.repeat_interleave(hq // v.shape[2], dim=2)
+    s = scores_ref(q, k, softmax_scale, causal, window_size, softcap, alibi_slopes, attention_chunk)
     if learnable_sink is None:
         lse = torch.logsumexp(s, dim=-1)  # -inf for rows that see no key
     else:

@@ -307,14 +307,10 @@ def test_flash_attn_private_forward_and_backward(installed, dropout_p):
 def _read_s_dmask(s_dmask, q, k, causal, window, block_n, alibi_slopes=None):
     """What flash-attn's tests read from S_dmask [B, H, >= Sq, >= Sk] of a padded call: (kept [B, H, Sq, Sk], the
     probabilities): |S| times exp(m_j - lse), m_j the row max over key block j and the blocks after it."""
-    sq, sk, d = q.shape[1], k.shape[1], q.shape[-1]
+    sq, sk = q.shape[1], k.shape[1]
     s_dmask = s_dmask[:, :, :sq, :sk].float()
     seen = reference.visible_mask(sq, sk, causal, window, device=q.device)
-    kk = k.float().repeat_interleave(q.shape[2] // k.shape[2], dim=2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), kk) * d ** -0.5
-    if alibi_slopes is not None:
-        s = s + reference.alibi_bias(alibi_slopes, sq, sk)
-    s = s.masked_fill(~seen, float("-inf"))
+    s = reference.scores_ref(q.float(), k.float(), None, causal, window, alibi_slopes=alibi_slopes)
     lse = torch.logsumexp(s, -1, keepdim=True)
     block_max = torch.stack([blk.amax(-1) for blk in s.split(block_n, dim=-1)], dim=-1)
     m = block_max.flip(-1).cummax(-1).values.flip(-1).repeat_interleave(block_n, dim=-1)[..., :sk]
@@ -337,14 +333,10 @@ def test_2x_s_dmask_is_what_flash_attns_dropout_tests_read(causal, window, alibi
     assert s_dmask.shape == (2, 4, 128, 128) and s_dmask.dtype == q.dtype
     kept, probs = _read_s_dmask(s_dmask, q, k, causal, window, fa2._get_block_size_n(q.device, 64, True, causal),
                                 slopes)
-    want, _ = reference.attention_ref(q, k, v, causal=causal, window_size=window, alibi_slopes=slopes)
-    _, ref_lse = reference.attention_ref(q, k, v, causal=causal, window_size=window, alibi_slopes=slopes)
+    want, ref_lse = reference.attention_ref(q, k, v, causal=causal, window_size=window, alibi_slopes=slopes)
     seen = reference.visible_mask(70, 90, causal, window, device=DEVICE)
-    kk = k.float().repeat_interleave(2, dim=2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), kk) * 64 ** -0.5
-    if alibi:
-        s = s + reference.alibi_bias(slopes, 70, 90)
-    softmax = torch.exp(s.masked_fill(~seen, float("-inf")) - ref_lse[..., None])
+    s = reference.scores_ref(q.float(), k.float(), None, causal, window, alibi_slopes=slopes)
+    softmax = torch.exp(s - ref_lse[..., None])
     assert (probs - softmax).abs().max() < 2e-3  # fp16 probabilities
     dropped_out = torch.einsum("bhqk,bkhd->bqhd", torch.where(kept, softmax, 0.0) / (1 - p),
                                v.float().repeat_interleave(2, dim=2))

@@ -72,12 +72,10 @@ def _attn_probs_2x(seed: int, a: dict, q, k, cu_seqlens_q=None, cu_seqlens_k=Non
     column 0) in q's dtype: exp(s - m_j), m_j the row max over key block j and every block after it (2.x's forward
     walks key blocks from the last, _get_block_size_n keys each), negative where dropout dropped it (a dropped 0 as
     the smallest negative value); 0 where not visible. a: the call's arguments."""
-    dropout_p, causal, softcap = float(a["dropout_p"]), bool(a["causal"]), float(a["softcap"])
+    dropout_p, causal = float(a["dropout_p"]), bool(a["causal"])
     window = tuple(int(w) for w in a["window_size"])
     alibi = a["alibi_slopes"]
-    d = q.shape[-1]
-    scale = d ** -0.5 if a["softmax_scale"] is None else float(a["softmax_scale"])
-    block_n = _get_block_size_n(q.device, d, True, causal)
+    block_n = _get_block_size_n(q.device, q.shape[-1], True, causal)
     if cu_seqlens_q is None:
         seqs = [(q[b], k[b]) for b in range(q.shape[0])]
         max_q, max_k = q.shape[1], k.shape[1]
@@ -96,14 +94,10 @@ def _attn_probs_2x(seed: int, a: dict, q, k, cu_seqlens_q=None, cu_seqlens_k=Non
         sq, sk = qb.shape[0], kb.shape[0]
         if sq == 0 or sk == 0:
             continue
-        kb = kb.detach().float().repeat_interleave(hq // kb.shape[1], dim=1)
-        s = torch.einsum("qhd,khd->hqk", qb.detach().float(), kb) * scale
-        if softcap > 0:
-            s = softcap * torch.tanh(s / softcap)
-        if alibi is not None:
-            s = s + reference.alibi_bias(alibi if alibi.dim() == 1 else alibi[b], sq, sk)[0]
+        slopes = None if alibi is None else alibi if alibi.dim() == 1 else alibi[b]
+        s = reference.scores_ref(qb[None].detach().float(), kb[None].detach().float(), a["softmax_scale"], causal,
+                                 window, float(a["softcap"]), slopes)[0]
         seen = reference.visible_mask(sq, sk, causal, window, device=q.device)
-        s = s.masked_fill(~seen, float("-inf"))
         block_max = torch.stack([blk.amax(-1) for blk in s.split(block_n, dim=-1)], dim=-1)
         m = block_max.flip(-1).cummax(-1).values.flip(-1).repeat_interleave(block_n, dim=-1)[..., :sk]
         p = torch.exp(s - torch.where(torch.isinf(m), 0.0, m)).to(q.dtype)

@@ -401,8 +401,9 @@ def _validate_values(k_cache, cache_seqlens, block_table, capacity: int, s_new: 
             raise ValueError("cu_seqlens_k_new: expected non-decreasing offsets")
     used = seqlens + new
     if used.numel() and int(used.max()) > capacity:
+        where = "" if block_table is None else f" (block_table's {block_table.shape[1]} pages of {k_cache.shape[1]})"
         raise _utils.CacheCapacityError(f"cache_seqlens + Snew: {int(used.max())} tokens exceed the cache capacity "
-                                        f"of {capacity} tokens")
+                                        f"of {capacity} tokens{where}")
     if block_table is not None:
         _utils.check_block_table_values(block_table, used.tolist(), k_cache.shape[1], k_cache.shape[0])
 
