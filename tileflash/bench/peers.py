@@ -169,7 +169,9 @@ def flashinfer_mla(inputs, seqlens, block_table, note=print):
     pages_per_seq = block_table.shape[1] if paged else kc.shape[1] // page
     indices = (block_table.reshape(-1) if paged else torch.arange(batch * pages_per_seq, device=dev)).to(torch.int32)
 
-    def make():
+    calls = []
+
+    def make():  # one plan, a call per copy; _guarded runs the first
         wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(torch.zeros(128 << 20, dtype=torch.uint8, device=dev))
         wrapper.plan(torch.arange(batch + 1, dtype=torch.int32, device=dev),
                      torch.arange(batch + 1, dtype=torch.int32, device=dev) * pages_per_seq, indices,
@@ -180,15 +182,10 @@ def flashinfer_mla(inputs, seqlens, block_table, note=print):
             kpe, ckv = (c.reshape(-1, page, c.shape[-1]) for c in (x[2], x[3]))
             return lambda: wrapper.run(q_nope, q_pe, ckv, kpe).unsqueeze(1)
 
-        calls = [call(x) for x in inputs]
-        calls[0]()
-        return calls
+        calls.extend(call(x) for x in inputs)
+        return calls[0]
 
-    try:
-        return make()
-    except Exception as e:
-        note(f"  note: peer flashinfer_mla failed: {short_error(e)}")
-        return None
+    return calls if _guarded("flashinfer_mla", make, note) is not None else None
 
 
 def _e4m3_per_tensor(x):
