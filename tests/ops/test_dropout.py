@@ -46,10 +46,12 @@ def _keep_kernel(rng_ptr, out_ptr, bh, threshold, SK: tl.constexpr, M: tl.conste
     tl.store(out_ptr + rows[:, None] * SK + start_n + tl.arange(0, N)[None, :], keep.to(tl.int8))
 
 
-def test_kernel_pattern_is_the_reference_pattern():
+@pytest.mark.parametrize("p", [0.37, 2.0 ** -31], ids=["p0.37", "threshold1"])
+def test_kernel_pattern_is_the_reference_pattern(p):
     """kernels/triton/dropout.dropout_keep bit for bit against reference.dropout_keep: two key blocks, a head row
-    past the first, and a probability whose threshold is not a power of two."""
-    seed, p, heads = 0x0123456789ABCDEF, 0.37, 3
+    past the first, and a probability whose threshold is not a power of two; threshold 1, which a GPU launch passes
+    as a constexpr."""
+    seed, heads = 0x0123456789ABCDEF, 3
     rng = torch.tensor([seed], dtype=torch.int64, device=DEVICE)
     got = torch.full((16, 64), -1, dtype=torch.int8, device=DEVICE)
     _keep_kernel[(2,)](rng, got, 5 * heads + 2, int(p * 2 ** 31), 64, 16, 32)  # sequence 5, head 2

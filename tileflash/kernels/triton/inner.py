@@ -255,7 +255,7 @@ def _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS: tl.constexpr, RAW_SCORES: 
     acc = acc * _per_row(alpha, TRANS)
     if DROPOUT:
         tl.static_assert(not TRANS and not P_FP8, "dropout: untransposed 16-bit products only")
-        p = tl.where(dropout_keep(rng_ptr, drop_rows, drop_bh, start_n, drop_thr, p.shape[1]), p, 0.0)
+        p = p * tl.where(dropout_keep(rng_ptr, drop_rows, drop_bh, start_n, drop_thr, p.shape[1]), 1.0, 0.0)
     if P_FP8:
         tl.static_assert(not TRANS, "FP8 values take the untransposed products")
         if P_FP8 >= FP8_V_T:  # v holds V^T [DP, N]
