@@ -78,8 +78,7 @@ def dropout_keep(seed: int, dropout_p: float, num_heads: int, seqlen_q: int, seq
     words = philox4x32(seed, (j & ~8).expand(shape), (i & ~8).expand(shape), (seq * num_heads + h).expand(shape),
                        torch.zeros(shape, dtype=torch.int64, device=device), DROPOUT_ROUNDS)
     word = (2 * ((i >> 3) & 1) + ((j >> 3) & 1)).expand(shape)
-    chosen = torch.where(word == 0, words[0], torch.where(word == 1, words[1], torch.where(word == 2, words[2],
-                                                                                           words[3])))
+    chosen = torch.stack(words, dim=-1).gather(-1, word[..., None])[..., 0]
     return (chosen >> 1) >= int(dropout_p * 2 ** 31)
 
 
