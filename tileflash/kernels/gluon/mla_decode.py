@@ -156,22 +156,6 @@ def _copy(desc, buf, bar, t0, b, seqlen_k, block_table, stride_bt, max_pages, ca
 
 
 @gluon.jit
-def _part_a(k_desc, c_desc, k_bufs, c_bufs, bar, x, t0, b, seqlen_k, block_table, stride_bt, max_pages, cache_rows,
-            PAGE: gl.constexpr, CHUNK: gl.constexpr):
-    _copy(k_desc, k_bufs.index(x), bar, t0, b, seqlen_k, block_table, stride_bt, max_pages, cache_rows, 0, PAGE,
-          CHUNK)
-    _copy(c_desc, c_bufs.index(2 * x), bar, t0, b, seqlen_k, block_table, stride_bt, max_pages, cache_rows, 0, PAGE,
-          CHUNK)
-
-
-@gluon.jit
-def _part_b(c_desc, c_bufs, bar, x, t0, b, seqlen_k, block_table, stride_bt, max_pages, cache_rows,
-            PAGE: gl.constexpr, CHUNK: gl.constexpr):
-    _copy(c_desc, c_bufs.index(2 * x + 1), bar, t0, b, seqlen_k, block_table, stride_bt, max_pages, cache_rows, HALF,
-          PAGE, CHUNK)
-
-
-@gluon.jit
 def _load(PART: gl.constexpr, x, j, n, k_desc, c_desc, k_bufs, c_bufs, ready, b, s_lo, seqlen_k, block_table,
           stride_bt, max_pages, cache_rows, PAGE: gl.constexpr):
     """Part PART (0: rotary keys and the latent's left half; 1: its right half) of the split's block j into buffer x,
@@ -182,12 +166,12 @@ def _load(PART: gl.constexpr, x, j, n, k_desc, c_desc, k_bufs, c_bufs, ready, b,
         bar = ready.index(x)
         if PART == 0:
             mbarrier.expect(bar, BLOCK // CHUNK * (k_desc.block_type.nbytes + c_desc.block_type.nbytes))
-            _part_a(k_desc, c_desc, k_bufs, c_bufs, bar, x, t0, b, seqlen_k, block_table, stride_bt, max_pages,
-                    cache_rows, PAGE, CHUNK)
+            _copy(k_desc, k_bufs.index(x), bar, t0, b, seqlen_k, block_table, stride_bt, max_pages, cache_rows, 0,
+                  PAGE, CHUNK)
         else:
             mbarrier.expect(bar, BLOCK // CHUNK * c_desc.block_type.nbytes)
-            _part_b(c_desc, c_bufs, bar, x, t0, b, seqlen_k, block_table, stride_bt, max_pages, cache_rows, PAGE,
-                    CHUNK)
+        _copy(c_desc, c_bufs.index(2 * x + PART), bar, t0, b, seqlen_k, block_table, stride_bt, max_pages, cache_rows,
+              PART * HALF, PAGE, CHUNK)
 
 
 @gluon.jit
@@ -330,9 +314,7 @@ def _wg0(q_ptr, qv_ptr, stride_qb, stride_qs, stride_qh, stride_qvb, stride_qvs,
     barrier()  # every thread has read l1 before 1 / l overwrites it (a row's 4 threads need not run in step)
     seen = l_i > 0.0
     inv_l = gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0)
-    vecs.index(VL).store(inv_l)
-    barrier()
-    mbarrier.arrive(bars.index(B_F), count=1)
+    _publish(vecs, VL, inv_l, bars.index(B_F))
     lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
     r = row0 + gl.arange(0, M_ROWS, layout=S_ROWS)
     if SPLIT:
@@ -419,9 +401,7 @@ def _wg1(q_rope, q_lat, k_bufs, c_bufs, p0_smem, vecs, ready_a, ready_b, bars, k
             s = _s_part_a(q_r, q_lat, k_bufs, c_bufs, 1, z, s, False)
             s = warpgroup_mma_wait(0, deps=(s,))
 
-    vecs.index(VL).store(l_i)
-    barrier()
-    mbarrier.arrive(bars.index(B_L), count=1)
+    _publish(vecs, VL, l_i, bars.index(B_L))
     mbarrier.wait(bars.index(B_F), 0)
     _store_half(acc, vecs.index(VL).load(O_ROWS), out_ptr, o_part_ptr, b, row0, seqlen_q * num_heads, num_heads,
                 split, rows_per_split, stride_ob, stride_os, stride_oh, HALF, SPLIT)
