@@ -50,6 +50,8 @@ def _avoids(kernels, call) -> None:
 def _cases(arch: int = 90):
     """name -> case (a callable; None: the case exercises an sm_90-only kernel with a forced config and is skipped
     on other targets). Off sm_90 the cases that take the Gluon kernels there must compile without them."""
+    import dataclasses
+
     import tileflash
     from tileflash import config
     from tileflash.plan import GemmWgmmaConfig, WsBwdConfig
@@ -103,12 +105,18 @@ def _cases(arch: int = 90):
         tileflash.flash_attn_with_kvcache(q, kc, vc, *new, cache_seqlens=torch.full((b,), ctx - sq, dtype=torch.int32),
                                           block_table=table, qv=qv, **call_kw)
 
-    def gluon_mla(hq, **kw):
-        """An MLA decode the Gluon MLA kernel serves on sm_90 (kernels/gluon/mla_decode.py), and other targets
-        compile without it."""
-        from tileflash.kernels.gluon.mla_decode import mla_decode_kernel as kern
+    def gluon_mla(hq, rows=64, **kw):
+        """An MLA decode the Gluon MLA kernel serves on sm_90 (kernels/gluon/mla_decode.py, or mla_decode_narrow.py
+        at rows 16 / 32 query rows per CTA), and other targets compile without it."""
+        from tileflash.kernels.gluon.mla_decode import mla_decode_kernel
+        from tileflash.kernels.gluon.mla_decode_narrow import mla_decode_narrow_kernel
 
-        return lambda: (_compiles if sm90 else _avoids)((kern,), lambda: mla(hq, **kw))
+        kern = mla_decode_kernel if rows == 64 else mla_decode_narrow_kernel
+
+        def call():
+            with config.override(mla_gluon=lambda cfg: cfg and dataclasses.replace(cfg, rows=rows)):
+                mla(hq, **kw)
+        return lambda: (_compiles if sm90 else _avoids)((kern,), call)
 
     def register_decode(fmt, **kw):
         """A decode that must take the register-operand Gluon kernel (kernels/gluon/decode_mma.py)."""
@@ -229,8 +237,6 @@ def _cases(arch: int = 90):
 
     def combine_launch(call):
         """call with the split combine as its own launch (the heuristic merges few splits in the attention)."""
-        import dataclasses
-
         with config.override(decode=lambda cfg: dataclasses.replace(cfg, fused_combine=False)):
             call()
 
@@ -345,6 +351,11 @@ def _cases(arch: int = 90):
         "decode MLA H=128, no split": gluon_mla(128, b=1, ctx=256),
         "decode MLA H=16 paged page 64, append, causal Sq=2": gluon_mla(16, sq=2, page=64, append=True, causal=True),
         "decode MLA H=16 paged page 16, causal Sq=4, split": gluon_mla(16, sq=4, page=16, causal=True, num_splits=3),
+        "decode MLA narrow H=16, split": gluon_mla(16, rows=16, num_splits=4),
+        "decode MLA narrow H=16 paged page 64, causal Sq=2, no split": gluon_mla(16, rows=32, sq=2, page=64,
+                                                                                causal=True, ctx=256),
+        "decode MLA narrow H=32 paged page 16, append, split": gluon_mla(32, rows=32, page=16, append=True,
+                                                                         num_splits=3),
         "decode MLA H=128 softcap (Triton kernel)": lambda: mla(128, softcap=5.0, num_splits=2),
         "decode fp8 MLA H=128 latent, append, split": lambda: mla(128, append=True, fp8=True, num_splits=3),
         "decode nvfp4 append": lambda: decode("nvfp4", append=True),
@@ -408,12 +419,13 @@ def _sass_has_fp4_mma(kernel) -> bool:
 
 def _kernels() -> list:
     """(name, JIT function) of every kernel module's kernels."""
-    from tileflash.kernels.gluon import attn_bwd as attn_bwd_ws, attn_fwd as attn_fwd_ws, decode_mma, mla_decode
+    from tileflash.kernels.gluon import (attn_bwd as attn_bwd_ws, attn_fwd as attn_fwd_ws, decode_mma, mla_decode,
+                                         mla_decode_narrow)
     from tileflash.kernels.triton import attn_bwd, attn_fwd, cast, combine, kv_append
     from tileflash.lowp.kernels import gemm_dequant, gemm_mma, gemm_wgmma, quant
 
     mods = (attn_fwd, attn_fwd_ws, attn_bwd, attn_bwd_ws, cast, combine, kv_append, quant, gemm_dequant, gemm_mma,
-            gemm_wgmma, decode_mma, mla_decode)
+            gemm_wgmma, decode_mma, mla_decode, mla_decode_narrow)
     return [(name, getattr(mod, name)) for mod in mods for name in sorted(dir(mod))
             if hasattr(getattr(mod, name), "device_caches")]
 

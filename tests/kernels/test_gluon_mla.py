@@ -1,4 +1,4 @@
-"""The Gluon MLA decode (kernels/gluon/mla_decode.py): GPU (sm_90) only, since Gluon has no CPU interpreter (the
+"""The Gluon MLA decodes (kernels/gluon/mla_decode.py, mla_decode_narrow.py): GPU (sm_90) only, since Gluon has no CPU interpreter (the
 CPU suite compiles it: tests/sm90_compile_check.py). Each case asserts that the call took that kernel, then checks
 out and lse against kvcache_ref with the 2x rule (outputs poisoned). The kernel's caches hold NaN everywhere a
 sequence has no key (past its length, unused pages), while the reference reads clean copies: a row the kernel
@@ -68,11 +68,12 @@ def _counting(monkeypatch):
     return calls
 
 
+@pytest.mark.parametrize("rows", [64, 16, 32])  # the seesaw, the narrow kernel's two tiles (mla_decode_narrow.py)
 @pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
-def test_gluon_mla_decode(case, monkeypatch, override):
+def test_gluon_mla_decode(case, rows, monkeypatch, override):
     b, sq, hq, capacity, page, s_new, lens, splits, causal, dtype = case
     calls = _counting(monkeypatch)
-    override(mla_gluon=MlaGluonConfig())  # 8-row calls too (the planner keeps them on the Triton kernel)
+    override(mla_gluon=MlaGluonConfig(rows=rows))  # 8-row calls too (the planner keeps them on the Triton kernel)
     q, qv, kc, vc, table, (kn, vn) = _inputs(b, sq, hq, capacity, page, s_new, dtype, seed=hq + capacity)
     seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     after = [n + s_new for n in lens]

@@ -10,7 +10,7 @@ import torch
 
 from .. import _utils
 from . import direct
-from ..kernels.gluon import attn_fwd as gluon_fwd, decode_mma, mla_decode
+from ..kernels.gluon import attn_fwd as gluon_fwd, decode_mma, mla_decode, mla_decode_narrow
 from ..kernels.triton.attn_fwd import attn_fwd_kernel
 from ..kernels.triton.inner import FP8_V_ROWS, FP8_V_T, FP8_V_T_DESC, FP8_V_T_ZEROS
 from ..kernels.triton.combine import attn_combine_kernel, merge_states_kernel
@@ -229,16 +229,19 @@ def launch_mla_decode(q, qv, k_cache, v_cache, out, lse, *, seqlens_k, seqlen_k_
     page = k_cache.shape[1] if block_table is not None else 0
     chunk = min(bn, page) if page else bn
     descs = [rows_desc(t, chunk, w, bn) for t, w in ((k_cache, mla_decode.ROPE_DIM), (v_cache, mla_decode.HALF_DIM))]
-    m_tiles = _utils.cdiv(sq * hq, mla_decode.ROWS)
+    narrow = config.rows != mla_decode.ROWS
+    m_tiles = _utils.cdiv(sq * hq, config.rows)
     split = o_part is not None
     dummy = unused_pointer(q.device)
     direct.launch(
-        mla_decode.mla_decode_kernel, (m_tiles * b, o_part.shape[0] if split else 1),
+        mla_decode_narrow.mla_decode_narrow_kernel if narrow else mla_decode.mla_decode_kernel,
+        (m_tiles * b, o_part.shape[0] if split else 1),
         q, qv, *descs, out, lse, o_part if split else dummy, lse_part if split else dummy, seqlens_k,
         block_table if page else dummy, block_table.stride(0) if page else 0,
         block_table.shape[1] if page else 1, k_cache.shape[1], seqlen_k_add, sq, m_tiles, hq, b * sq * hq,
         *q.stride()[:3], *qv.stride()[:3], *out.stride()[:3], *lse.stride(), softmax_scale * math.log2(math.e),
-        BN=bn, STAGES=config.stages, PAGE=page, CAUSAL=causal, SPLIT=split, num_warps=4)
+        BN=bn, STAGES=config.stages, PAGE=page, CAUSAL=causal, SPLIT=split, num_warps=4,
+        **({"ROWS": config.rows} if narrow else {}))
 
 
 def launch_combine(o_part, lse_part, out4, lse3, pdl: bool = False, learnable_sink=None) -> None:

@@ -144,6 +144,9 @@ def mla_decode_config(group_rows: int, interpret: bool = False, arch: int | None
                                      resident_per_sm=resident), arch, sm10x_warps=True)
 
 
+MLA_GLUON_ROWS = 64  # the seesaw's query rows per CTA (wgmma's M)
+
+
 # The sm_90 Gluon MLA decode (kernels/gluon/mla_decode.py, FlashMLA's seesaw): 64-token blocks in two buffers
 # (72 KB each; q and qv 72 KB), the only shape its schedule takes (the kernel asserts it). Run 211 (H100, `bench
 # decode --only mla-h`, graph replay, us, vs the 32-token 4-stage ring kernel before it): H=128 b=1 ctx 4k 17.1 vs
@@ -153,6 +156,11 @@ def mla_decode_config(group_rows: int, interpret: bool = False, arch: int | None
 class MlaGluonConfig:
     block_n: int = 64
     stages: int = 2
+    rows: int = MLA_GLUON_ROWS  # query rows per CTA: 64 the seesaw, 16 or 32 the narrow kernel (mla_decode_narrow.py)
+
+    @property
+    def split_block(self) -> int:  # tokens a split's share is counted in: the seesaw's warpgroups alternate blocks
+        return self.block_n * (2 if self.rows == MLA_GLUON_ROWS else 1)
 
 
 # Run 149 (session 25: S_{j+1} issued before the softmax of step j; `bench decode --only mla` and `sweep
@@ -165,7 +173,6 @@ class MlaGluonConfig:
 # (not measured) keep the Triton kernel's 16-row tile unless forced.
 MLA_GLUON_MIN_ROWS = 16
 MLA_ROPE_DIM, MLA_LATENT_DIM = 64, 512  # the Gluon MLA decode's head dims (DeepSeek-V2/V3, Kimi K2)
-MLA_GLUON_ROWS = 64  # its query rows per CTA (wgmma's M)
 
 
 def mla_gluon_config(q, k_cache, v_cache, block_table, extras: bool, plain_mask: bool) -> MlaGluonConfig | None:
@@ -499,10 +506,10 @@ def decode_schedule(q, k_cache, v_cache, k, block_table, num_splits: int, sp_ove
     cfg = None
     qcfg = None if mla else quant_mma_config(q, k_cache, v_cache, block_table, capacity, sp_overlap, extras)
     mcfg = mla_gluon_config(q, k_cache, v_cache, block_table, extras, plain_mask) if mla else None
-    if mcfg is not None:  # one 225 KB CTA per SM: one wave of splits at most, of whole block pairs (the
-        # kernel's warpgroups alternate blocks: b=1 ctx 4k would otherwise take 64 one-block splits)
-        num_splits = num_splits or num_splits_heuristic(b, 1, cdiv(q.shape[1] * hq, MLA_GLUON_ROWS), capacity,
-                                                        2 * mcfg.block_n, _utils.num_sms(q.device), resident_per_sm=1,
+    if mcfg is not None:  # one CTA of 160-225 KB per SM: one wave of splits at most, the seesaw's of whole block
+        # pairs (its warpgroups alternate blocks: b=1 ctx 4k would otherwise take 64 one-block splits)
+        num_splits = num_splits or num_splits_heuristic(b, 1, cdiv(q.shape[1] * hq, mcfg.rows), capacity,
+                                                        mcfg.split_block, _utils.num_sms(q.device), resident_per_sm=1,
                                                         per_sm=1)
     elif qcfg is not None:
         num_splits = num_splits or num_splits_heuristic(b, k_cache.shape[2], 1, capacity, qcfg.step,

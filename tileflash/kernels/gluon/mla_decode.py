@@ -88,13 +88,14 @@ def _sequence(cache_seqlens, seqlen_k_add, b, num_splits, split, seqlen_q, BN: g
 
 
 @gluon.jit
-def _unit(cache_seqlens, seqlen_k_add, seqlen_q, m_tiles, BN: gl.constexpr, CAUSAL: gl.constexpr):
+def _unit(cache_seqlens, seqlen_k_add, seqlen_q, m_tiles, BN: gl.constexpr, CAUSAL: gl.constexpr,
+          ROWS_PER_CTA: gl.constexpr):
     """(sequence, first query row, split, then _sequence's four) of this CTA."""
     b = gl.program_id(0) // m_tiles
     split = gl.program_id(1)
     seqlen_k, s_hi, s_lo, full_hi = _sequence(cache_seqlens, seqlen_k_add, b, gl.num_programs(1), split, seqlen_q,
                                               BN, CAUSAL)
-    return b, (gl.program_id(0) % m_tiles) * M_ROWS, split, seqlen_k, s_hi, s_lo, full_hi
+    return b, (gl.program_id(0) % m_tiles) * ROWS_PER_CTA, split, seqlen_k, s_hi, s_lo, full_hi
 
 
 @gluon.jit
@@ -106,7 +107,7 @@ def _masked(s, jb, seqlen_k, seqlen_q, row0, num_heads, full_hi, BN: gl.constexp
     cols = jb * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s.type.layout))
     ok = gl.expand_dims(cols < seqlen_k, 0)
     if CAUSAL:
-        tok = (row0 + gl.arange(0, M_ROWS, layout=gl.SliceLayout(1, s.type.layout))) // num_heads
+        tok = (row0 + gl.arange(0, s.shape[0], layout=gl.SliceLayout(1, s.type.layout))) // num_heads
         ok = ok & (gl.expand_dims(cols, 0) < gl.expand_dims(seqlen_k - seqlen_q + 1 + tok, 1))
     return gl.where(ok, s, float("-inf"))
 
@@ -116,8 +117,8 @@ def _store_half(acc, inv_l, out_ptr, o_part_ptr, b, row0, rows_q, num_heads, spl
                 stride_os, stride_oh, col0, SPLIT: gl.constexpr):
     """Rows of this CTA times inv_l into out [B, Sq, H, 512] (q's dtype) or the split's fp32 partial."""
     lay: gl.constexpr = acc.type.layout
-    r = row0 + gl.arange(0, M_ROWS, layout=gl.SliceLayout(1, lay))
-    cols = gl.expand_dims(col0 + gl.arange(0, HALF, layout=gl.SliceLayout(0, lay)), 0)
+    r = row0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, lay))
+    cols = gl.expand_dims(col0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, lay)), 0)
     ok = gl.expand_dims(r < rows_q, 1)
     o = acc * gl.expand_dims(inv_l, 1)
     if SPLIT:
@@ -130,11 +131,25 @@ def _store_half(acc, inv_l, out_ptr, o_part_ptr, b, row0, rows_q, num_heads, spl
 
 
 @gluon.jit
+def _store_lse(m_i, l_i, seen, row0, lse_ptr, lse_part_ptr, b, rows_q, num_heads, split, rows_per_split, stride_lb,
+               stride_lh, stride_ls, SPLIT: gl.constexpr):
+    """The rows' lse (natural log; -inf where no key was seen) into lse [B, H, Sq] or the split's partial."""
+    lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+    r = row0 + gl.arange(0, m_i.shape[0], layout=m_i.type.layout)
+    if SPLIT:
+        gl.store(lse_part_ptr + split.to(gl.int64) * rows_per_split + b.to(gl.int64) * rows_q + r, lse,
+                 mask=r < rows_q)
+    else:
+        off = b.to(gl.int64) * stride_lb + (r % num_heads).to(gl.int64) * stride_lh + (r // num_heads) * stride_ls
+        gl.store(lse_ptr + off, lse, mask=r < rows_q)
+
+
+@gluon.jit
 def _load_q(smem, ptr, row0, rows_q, num_heads, stride_b, stride_s, stride_h, b, col0, COLS: gl.constexpr):
-    """Rows [row0, row0 + 64) of q or qv (row r = token r // H, head r % H of sequence b), columns [col0, col0 +
-    COLS), into smem; rows past Sq * H as zeros."""
+    """Rows [row0, row0 + R) of q or qv (row r = token r // H, head r % H of sequence b), columns [col0, col0 +
+    COLS), into smem [R, COLS]; rows past Sq * H as zeros."""
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    r = row0 + gl.arange(0, M_ROWS, layout=gl.SliceLayout(1, lay))
+    r = row0 + gl.arange(0, smem.shape[0], layout=gl.SliceLayout(1, lay))
     off = b.to(gl.int64) * stride_b + (r // num_heads).to(gl.int64) * stride_s + (r % num_heads).to(gl.int64) * stride_h
     cols = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, lay))
     smem.store(gl.load(ptr + gl.expand_dims(off, 1) + gl.expand_dims(cols, 0), mask=gl.expand_dims(r < rows_q, 1),
@@ -232,7 +247,7 @@ def _wg0(q_ptr, qv_ptr, stride_qb, stride_qs, stride_qh, stride_qvb, stride_qvs,
     """Even blocks' S and softmax, O[:, :256]; loads q (both warpgroups read it) and block 0, writes lse."""
     dtype: gl.constexpr = q_lat.dtype
     b, row0, split, seqlen_k, s_hi, s_lo, full_hi = _unit(cache_seqlens, seqlen_k_add, seqlen_q, m_tiles, BLOCK,
-                                                          CAUSAL)
+                                                          CAUSAL, M_ROWS)
     n = s_hi - s_lo
     for part in gl.static_range(2):  # block 0, in flight while q loads
         _load(part, 0, 0, n, k_desc, c_desc, k_bufs, c_bufs, ready_b if part else ready_a, b, s_lo, seqlen_k,
@@ -315,14 +330,8 @@ def _wg0(q_ptr, qv_ptr, stride_qb, stride_qs, stride_qh, stride_qvb, stride_qvs,
     seen = l_i > 0.0
     inv_l = gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0)
     _publish(vecs, VL, inv_l, bars.index(B_F))
-    lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
-    r = row0 + gl.arange(0, M_ROWS, layout=S_ROWS)
-    if SPLIT:
-        gl.store(lse_part_ptr + split.to(gl.int64) * rows_per_split + b.to(gl.int64) * rows_q + r, lse,
-                 mask=r < rows_q)
-    else:
-        off = b.to(gl.int64) * stride_lb + (r % num_heads).to(gl.int64) * stride_lh + (r // num_heads) * stride_ls
-        gl.store(lse_ptr + off, lse, mask=r < rows_q)
+    _store_lse(m_i, l_i, seen, row0, lse_ptr, lse_part_ptr, b, rows_q, num_heads, split, rows_per_split, stride_lb,
+               stride_lh, stride_ls, SPLIT)
     _store_half(acc, gl.convert_layout(inv_l, O_ROWS), out_ptr, o_part_ptr, b, row0, rows_q, num_heads, split,
                 rows_per_split, stride_ob, stride_os, stride_oh, 0, SPLIT)
 
@@ -335,7 +344,7 @@ def _wg1(q_rope, q_lat, k_bufs, c_bufs, p0_smem, vecs, ready_a, ready_b, bars, k
     """Odd blocks' S and softmax, O[:, 256:]; loads block 1."""
     dtype: gl.constexpr = q_lat.dtype
     b, row0, split, seqlen_k, s_hi, s_lo, full_hi = _unit(cache_seqlens, seqlen_k_add, seqlen_q, m_tiles, BLOCK,
-                                                          CAUSAL)
+                                                          CAUSAL, M_ROWS)
     n = s_hi - s_lo
     for part in gl.static_range(2):
         _load(1 - part, 1, 1, n, k_desc, c_desc, k_bufs, c_bufs, ready_a if part else ready_b, b, s_lo, seqlen_k,

@@ -1,0 +1,125 @@
+"""MLA decode for sm_90 at few query rows per sequence (H x Sq <= 32: DeepSeek-V3 served at tensor parallel 8 or 4
+has 16 or 32 heads a GPU), in Gluon: the products transposed, one warpgroup.
+
+Why not the seesaw kernel (mla_decode.py) there: wgmma's M is 64, so its tile pads 16 rows to 64 and does the tensor
+work of 64; a 64-token block then costs it about as long at H=16 as at H=128 (~2.3 us per SM, run 212), which is
+also how long the block's 72 KB take to arrive at one SM's share of HBM, so H=16 read 3.64 TB/s (issue 28 asks 3.8).
+Here the block's keys are M and the query rows N (16 or 32):
+
+  S^T [64 keys, N] = K_rope q_rope^T + C q_lat^T   A: the block from shared memory (K-major), B: q [N, 576]
+  O^T [512, N]    += C^T P^T                        A: the latent block read transposed (MN-major), B: P [N, 64]
+
+so a block costs N / 64 of the seesaw's tensor work. One warpgroup does all of it, with the block's loads (two
+buffers, the next issued once a block's P V retires) in flight meanwhile. O^T is two [256, N] fp32 accumulators
+(32 or 64 registers a thread at N = 16 or 32). The softmax runs on S^T relabelled [N, 64] (gl.permute moves no
+data), so it is attn_fwd's _softmax and the seesaw's _masked; its row reductions cross the 4 warps (keys are M).
+Rows, splits, partials, pages and the zeroing of a partial block's tail are the seesaw's.
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from .attn_fwd import _softmax
+from .common import barrier
+from .mla_decode import (BLOCK, HALF, ROPE, _load, _load_q, _masked, _store_half, _store_lse, _unit,
+                         _zero_past_end)
+
+NARROW_ROWS = (16, 32)  # query rows per CTA: wgmma's N
+OUT_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0]))  # 16-byte stores along a row of O
+
+
+@gluon.jit
+def _store_out(acc_t, inv_l, out_ptr, o_part_ptr, b, row0, rows_q, num_heads, split, rows_per_split, stride_ob,
+               stride_os, stride_oh, col0, SPLIT: gl.constexpr):
+    """One half of O^T [256, N] as rows of O (coalesced), times inv_l: _store_half's destinations."""
+    o = gl.convert_layout(gl.permute(acc_t, (1, 0)), OUT_LAYOUT)
+    _store_half(o, gl.convert_layout(inv_l, gl.SliceLayout(1, OUT_LAYOUT)), out_ptr, o_part_ptr, b, row0, rows_q,
+                num_heads, split, rows_per_split, stride_ob, stride_os, stride_oh, col0, SPLIT)
+
+
+@gluon.jit
+def mla_decode_narrow_kernel(q_ptr, qv_ptr, k_desc, c_desc, out_ptr, lse_ptr, o_part_ptr, lse_part_ptr,
+                             cache_seqlens, block_table, stride_bt, max_pages, cache_rows, seqlen_k_add, seqlen_q,
+                             m_tiles, num_heads, rows_per_split, stride_qb, stride_qs, stride_qh, stride_qvb,
+                             stride_qvs, stride_qvh, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
+                             qk_scale, BN: gl.constexpr, STAGES: gl.constexpr, PAGE: gl.constexpr,
+                             CAUSAL: gl.constexpr, SPLIT: gl.constexpr, ROWS: gl.constexpr):
+    """4 warps; mla_decode_kernel's arguments (ROWS query rows per CTA instead of its 64)."""
+    gl.static_assert(BN == BLOCK, "64-token blocks")
+    gl.static_assert(STAGES == 2, "two block buffers")
+    gl.static_assert(ROWS == 16 or ROWS == 32, "16 or 32 query rows")
+    dtype: gl.constexpr = k_desc.dtype
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, ROWS, 16])
+    q_rope = gl.allocate_shared_memory(dtype, [ROWS, ROPE], gl.NVMMASharedLayout.get_default_for([ROWS, ROPE], dtype))
+    q_lat = gl.allocate_shared_memory(dtype, [2, ROWS, HALF],
+                                      gl.NVMMASharedLayout.get_default_for([ROWS, HALF], dtype))
+    k_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK, ROPE], k_desc.layout)
+    c_bufs = gl.allocate_shared_memory(dtype, [4, BLOCK, HALF], c_desc.layout)
+    p_smem = gl.allocate_shared_memory(dtype, [ROWS, BLOCK],
+                                       gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK], dtype))
+    ready_a = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ready_b = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(ready_a.index(i), count=1)
+        mbarrier.init(ready_b.index(i), count=1)
+
+    b, row0, split, seqlen_k, s_hi, s_lo, full_hi = _unit(cache_seqlens, seqlen_k_add, seqlen_q, m_tiles, BLOCK,
+                                                          CAUSAL, ROWS)
+    n = s_hi - s_lo
+    for first in gl.static_range(2):  # blocks 0 and 1, in flight while q loads
+        for part in gl.static_range(2):
+            _load(part, first, first, n, k_desc, c_desc, k_bufs, c_bufs, ready_b if part else ready_a, b, s_lo, seqlen_k,
+                  block_table, stride_bt, max_pages, cache_rows, PAGE)
+    rows_q = seqlen_q * num_heads
+    _load_q(q_rope, q_ptr, row0, rows_q, num_heads, stride_qb, stride_qs, stride_qh, b, 0, ROPE)
+    for h in gl.static_range(2):
+        _load_q(q_lat.index(h), qv_ptr, row0, rows_q, num_heads, stride_qvb, stride_qvs, stride_qvh, b, h * HALF,
+                HALF)
+    fence_async_shared()
+    barrier()
+
+    s_t = gl.zeros([BLOCK, ROWS], gl.float32, acc_layout)  # ignored by each block's first S^T (use_acc=False)
+    rows_layout: gl.constexpr = gl.SliceLayout(1, gl.permute(s_t, (1, 0)).type.layout)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, rows_layout)
+    l_i = gl.zeros([ROWS], gl.float32, rows_layout)
+    acc_l = gl.zeros([HALF, ROWS], gl.float32, acc_layout)
+    acc_r = gl.zeros([HALF, ROWS], gl.float32, acc_layout)
+    for j in range(n):
+        x = j % 2
+        ph = (j // 2) & 1
+        mbarrier.wait(ready_a.index(x), ph)
+        s_t = warpgroup_mma(k_bufs.index(x), q_rope.permute((1, 0)), s_t, use_acc=False, is_async=True)
+        s_t = warpgroup_mma(c_bufs.index(2 * x), q_lat.index(0).permute((1, 0)), s_t, is_async=True)
+        mbarrier.wait(ready_b.index(x), ph)
+        s_t = warpgroup_mma(c_bufs.index(2 * x + 1), q_lat.index(1).permute((1, 0)), s_t, is_async=True)
+        s_t = warpgroup_mma_wait(0, deps=(s_t,))
+        p, m_i, l_i, alpha = _softmax(_masked(gl.permute(s_t, (1, 0)), s_lo + j, seqlen_k, seqlen_q, row0, num_heads,
+                                              full_hi, BLOCK, CAUSAL), m_i, l_i, qk_scale)
+        p_smem.store(p.to(dtype))  # the last block's P V has retired (waited below, and the row reductions sync)
+        t0 = (s_lo + j) * BLOCK
+        _zero_past_end(c_bufs.index(2 * x), t0, seqlen_k)
+        _zero_past_end(c_bufs.index(2 * x + 1), t0, seqlen_k)
+        fence_async_shared()
+        barrier()
+        scale = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, acc_layout)), 0)
+        acc_l = warpgroup_mma(c_bufs.index(2 * x).permute((1, 0)), p_smem.permute((1, 0)), acc_l * scale,
+                              is_async=True)
+        acc_r = warpgroup_mma(c_bufs.index(2 * x + 1).permute((1, 0)), p_smem.permute((1, 0)), acc_r * scale,
+                              is_async=True)
+        acc_l, acc_r = warpgroup_mma_wait(0, deps=(acc_l, acc_r))
+        barrier()  # every warp's share of this block's products has retired before its buffer is reloaded
+        for part in gl.static_range(2):
+            _load(part, x, j + 2, n, k_desc, c_desc, k_bufs, c_bufs, ready_b if part else ready_a, b, s_lo,
+                  seqlen_k, block_table, stride_bt, max_pages, cache_rows, PAGE)
+
+    # Rows that saw no key give out = 0 and lse = -inf.
+    seen = l_i > 0.0
+    inv_l = gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0)
+    _store_lse(m_i, l_i, seen, row0, lse_ptr, lse_part_ptr, b, rows_q, num_heads, split, rows_per_split, stride_lb,
+               stride_lh, stride_ls, SPLIT)
+    _store_out(acc_l, inv_l, out_ptr, o_part_ptr, b, row0, rows_q, num_heads, split, rows_per_split, stride_ob,
+               stride_os, stride_oh, 0, SPLIT)
+    _store_out(acc_r, inv_l, out_ptr, o_part_ptr, b, row0, rows_q, num_heads, split, rows_per_split, stride_ob,
+               stride_os, stride_oh, HALF, SPLIT)
