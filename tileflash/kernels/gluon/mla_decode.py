@@ -157,6 +157,19 @@ def _load_q(smem, ptr, row0, rows_q, num_heads, stride_b, stride_s, stride_h, b,
 
 
 @gluon.jit
+def _load_queries(q_rope, q_lat, q_ptr, qv_ptr, row0, rows_q, num_heads, stride_qb, stride_qs, stride_qh, stride_qvb,
+                  stride_qvs, stride_qvh, b):
+    """The tile's rows of q (q_rope) and qv (q_lat's two halves) into shared memory, visible to wgmma and to every
+    thread of the partition."""
+    _load_q(q_rope, q_ptr, row0, rows_q, num_heads, stride_qb, stride_qs, stride_qh, b, 0, ROPE)
+    for h in gl.static_range(2):
+        _load_q(q_lat.index(h), qv_ptr, row0, rows_q, num_heads, stride_qvb, stride_qvs, stride_qvh, b, h * HALF,
+                HALF)
+    fence_async_shared()
+    barrier()
+
+
+@gluon.jit
 def _copy(desc, buf, bar, t0, b, seqlen_k, block_table, stride_bt, max_pages, cache_rows, col, PAGE: gl.constexpr,
           CHUNK: gl.constexpr):
     """Rows [t0, t0 + 64) of one cache (columns [col, col + box)) into buf, on bar."""
@@ -253,12 +266,8 @@ def _wg0(q_ptr, qv_ptr, stride_qb, stride_qs, stride_qh, stride_qvb, stride_qvs,
         _load(part, 0, 0, n, k_desc, c_desc, k_bufs, c_bufs, ready_b if part else ready_a, b, s_lo, seqlen_k,
               block_table, stride_bt, max_pages, cache_rows, PAGE)
     rows_q = seqlen_q * num_heads
-    _load_q(q_rope, q_ptr, row0, rows_q, num_heads, stride_qb, stride_qs, stride_qh, b, 0, ROPE)
-    for h in gl.static_range(2):
-        _load_q(q_lat.index(h), qv_ptr, row0, rows_q, num_heads, stride_qvb, stride_qvs, stride_qvh, b, h * HALF,
-                HALF)
-    fence_async_shared()
-    barrier()
+    _load_queries(q_rope, q_lat, q_ptr, qv_ptr, row0, rows_q, num_heads, stride_qb, stride_qs, stride_qh, stride_qvb,
+                  stride_qvs, stride_qvh, b)
     q_r = q_rope.load(Q_ROPE_A)  # before warpgroup 1 may write P1 over it (after B_S0 of pair 0)
     mbarrier.arrive(bars.index(B_Q), count=1)
     s = gl.zeros([M_ROWS, BLOCK], gl.float32, S_LAYOUT)  # ignored by the first S (use_acc=False): its registers

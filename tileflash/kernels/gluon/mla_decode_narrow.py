@@ -22,7 +22,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .attn_fwd import _softmax
 from .common import barrier
-from .mla_decode import (BLOCK, HALF, ROPE, _load, _load_q, _masked, _store_half, _store_lse, _unit,
+from .mla_decode import (BLOCK, HALF, ROPE, _load, _load_queries, _masked, _store_half, _store_lse, _unit,
                          _zero_past_end)
 
 NARROW_ROWS = (16, 32)  # query rows per CTA: wgmma's N
@@ -70,15 +70,11 @@ def mla_decode_narrow_kernel(q_ptr, qv_ptr, k_desc, c_desc, out_ptr, lse_ptr, o_
     n = s_hi - s_lo
     for first in gl.static_range(2):  # blocks 0 and 1, in flight while q loads
         for part in gl.static_range(2):
-            _load(part, first, first, n, k_desc, c_desc, k_bufs, c_bufs, ready_b if part else ready_a, b, s_lo, seqlen_k,
-                  block_table, stride_bt, max_pages, cache_rows, PAGE)
+            _load(part, first, first, n, k_desc, c_desc, k_bufs, c_bufs, ready_b if part else ready_a, b, s_lo,
+                  seqlen_k, block_table, stride_bt, max_pages, cache_rows, PAGE)
     rows_q = seqlen_q * num_heads
-    _load_q(q_rope, q_ptr, row0, rows_q, num_heads, stride_qb, stride_qs, stride_qh, b, 0, ROPE)
-    for h in gl.static_range(2):
-        _load_q(q_lat.index(h), qv_ptr, row0, rows_q, num_heads, stride_qvb, stride_qvs, stride_qvh, b, h * HALF,
-                HALF)
-    fence_async_shared()
-    barrier()
+    _load_queries(q_rope, q_lat, q_ptr, qv_ptr, row0, rows_q, num_heads, stride_qb, stride_qs, stride_qh, stride_qvb,
+                  stride_qvs, stride_qvh, b)
 
     s_t = gl.zeros([BLOCK, ROWS], gl.float32, acc_layout)  # ignored by each block's first S^T (use_acc=False)
     rows_layout: gl.constexpr = gl.SliceLayout(1, gl.permute(s_t, (1, 0)).type.layout)
