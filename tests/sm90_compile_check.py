@@ -204,7 +204,7 @@ def _cases(arch: int = 90):
         from tileflash.kernels.triton.attn_fwd import attn_fwd_kernel
 
         kernels = (attn_fwd_kernel, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel)
-        kernels = kernels[:(3 if dq_pass else 2) if backward else 1]  # (d128 dQ by atomics: no dQ pass)
+        kernels = kernels[:(3 if dq_pass else 2) if backward else 1]  # (dQ by atomics: no dQ pass)
         return lambda: _compiles(kernels, call)
 
     def sink_on_gluon(call):
@@ -263,11 +263,11 @@ def _cases(arch: int = 90):
             lambda: tileflash.flash_attn_func(
                 *(torch.randn(1, 1500, 4, 128, dtype=fp16, requires_grad=True) for _ in range(3)),
                 dropout_p=0.25).sum().backward(), backward=True, dq_pass=False),
-        "varlen fwd+bwd d64 windowed dropout (Triton kernels)": on_triton_kernels(
+        "varlen fwd+bwd d64 windowed dropout, dQ by atomics (Triton kernels)": on_triton_kernels(
             lambda: tileflash.flash_attn_varlen_func(
                 *(torch.randn(700, 4, 64, dtype=bf, requires_grad=True) for _ in range(3)),
                 torch.tensor([0, 300, 700], dtype=torch.int32), torch.tensor([0, 300, 700], dtype=torch.int32), 400,
-                400, window_size=(64, 0), dropout_p=0.1).sum().backward(), backward=True),
+                400, window_size=(64, 0), dropout_p=0.1).sum().backward(), backward=True, dq_pass=False),
         "decode nvfp4 paged split alibi [Hq] (Triton kernel, not register operands)": on_triton_kernels(
             lambda: decode("nvfp4", paged=True, b=8, ctx=4096, num_splits=2, alibi_slopes=torch.rand(32))),
         "prefill fwd+bwd d128 GQA fp16 learnable_sink (Gluon forward, d sink in the preprocess)": sink_on_gluon(

@@ -67,19 +67,19 @@ DROPOUT_ROUNDS = 7  # kernels/triton/dropout.PHILOX_ROUNDS
 def dropout_keep(seed: int, dropout_p: float, num_heads: int, seqlen_q: int, seqlen_k: int, sequences,
                  device=None) -> torch.Tensor:
     """[len(sequences), num_heads, Sq, Sk] bool: which probabilities attention dropout keeps for these sequence
-    indices (kernels/triton/dropout.py's definition): key j of row i of head h of sequence s is kept iff word
-    2 * bit3(i) + bit3(j) of Philox4x32-7(seed; j with bit 3 cleared, i with bit 3 cleared, s * num_heads + h, 0)
-    shifted right by one is >= floor(p * 2^31)."""
+    indices (kernels/triton/dropout.py's definition): key j of row i of head h of sequence s is kept iff 16-bit half
+    bit0(j) (the low one first) of word 2 * bit3(i) + bit3(j) of Philox4x32-7(seed; j with bits 0 and 3 cleared, i
+    with bit 3 cleared, s * num_heads + h, 0) is >= floor(p * 2^16)."""
     seq = torch.as_tensor(list(sequences), dtype=torch.int64, device=device)[:, None, None, None]
     h = torch.arange(num_heads, device=device)[None, :, None, None]
     i = torch.arange(seqlen_q, device=device)[None, None, :, None]
     j = torch.arange(seqlen_k, device=device)[None, None, None, :]
     shape = (seq.shape[0], num_heads, seqlen_q, seqlen_k)
-    words = philox4x32(seed, (j & ~8).expand(shape), (i & ~8).expand(shape), (seq * num_heads + h).expand(shape),
+    words = philox4x32(seed, (j & ~9).expand(shape), (i & ~8).expand(shape), (seq * num_heads + h).expand(shape),
                        torch.zeros(shape, dtype=torch.int64, device=device), DROPOUT_ROUNDS)
     word = (2 * ((i >> 3) & 1) + ((j >> 3) & 1)).expand(shape)
     chosen = torch.stack(words, dim=-1).gather(-1, word[..., None])[..., 0]
-    return (chosen >> 1) >= int(dropout_p * 2 ** 31)
+    return ((chosen >> (16 * (j & 1))) & 0xFFFF) >= int(dropout_p * 2 ** 16)
 
 
 def scores_ref(q, k, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,

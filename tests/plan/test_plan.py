@@ -189,6 +189,15 @@ def test_bwd_config_anchors(d, expected):
     assert dataclasses.astuple(bwd_config(d)) == expected
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bwd_config_dropout_adds_dq_atomically(arch):
+    """With dropout every head dim adds dQ up in the dK/dV kernel (d64's own dQ pass would regenerate the keep
+    pattern: run 215); the tiles are the same."""
+    for d in HEAD_DIMS:
+        plain, drop = bwd_config(d, arch=arch), bwd_config(d, arch=arch, dropout=True)
+        assert drop == dataclasses.replace(plain, atomic_dq=True)
+
+
 # ---------------------------------------------------------------------------------------------------- targets
 
 
@@ -670,7 +679,14 @@ def test_mla_gluon_dispatch(call, extras, plain, taken, monkeypatch):
     cfg = plan_decode.mla_gluon_config(q, kc, vc, table, extras, plain)
     assert (cfg is not None) == taken
     if taken:
-        assert cfg == plan_decode.MlaGluonConfig(block_n=64, stages=2)
+        rows = call.get("sq", 1) * call.get("hq", 128)
+        assert cfg == plan_decode.MlaGluonConfig(block_n=64, stages=2, rows=16 if rows <= 32 else 64)
+
+
+@pytest.mark.parametrize("rows, tile", [(16, 16), (24, 16), (32, 16), (33, 64), (64, 64), (128, 64), (2048, 64)])
+def test_mla_gluon_rows(rows, tile):
+    """The narrow kernel's 16-row tiles up to 32 rows a sequence (run 214: H=16 and H=32), the seesaw's 64 above."""
+    assert plan_decode.mla_gluon_rows(rows) == tile
 
 
 def test_mla_gluon_only_on_sm90(monkeypatch):

@@ -165,7 +165,8 @@ class BwdPlan(direct.Replayable):
         self.dout_contiguous = dout.stride(-1) != 1
         if self.dout_contiguous:
             do4 = do4.contiguous()
-        cfg = config.chosen("bwd", bwd_config(q.shape[-1], _utils.is_interpreter(), target_arch()))
+        cfg = config.chosen("bwd", bwd_config(q.shape[-1], _utils.is_interpreter(), target_arch(),
+                                              dropout=dropout_p > 0))
         ws = None if self.empty or dropout_p else ws_backward_config(
             q4, k4, v4, do4, varlen=self.varlen, window_left=window_left, window_right=window_right,
             softcap=softcap, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k is not None,

@@ -126,7 +126,7 @@ def dropout_args(rng, dropout_p: float, dummy) -> tuple:
     rng the call's int64 seed tensor; without dropout (rng None) stand-ins, never read."""
     if rng is None:
         return dummy, 0, 1.0
-    return rng, int(dropout_p * 2 ** 31), 1.0 / (1.0 - dropout_p)
+    return rng, int(dropout_p * 2 ** 16), 1.0 / (1.0 - dropout_p)
 
 
 def rotary_args(rotary_cos, rotary_sin, dummy) -> tuple:

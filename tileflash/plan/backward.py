@@ -62,7 +62,7 @@ def bwd_ws_config(head_dim: int, causal: bool, seqlen_k: int) -> WsBwdConfig | N
     return None
 
 
-def bwd_config(head_dim: int, interpret: bool = False, arch: int | None = 90) -> BwdConfig:
+def bwd_config(head_dim: int, interpret: bool = False, arch: int | None = 90, dropout: bool = False) -> BwdConfig:
     """Backward tiles per head dim, measured on the H200 (config_sweep.py bwd-d64 / bwd-d128 / bwd-det,
     bf16, 16k tokens at s = 4096, 2048/d heads, TFLOP/s = 2.5 x forward FLOPs / t, 2026-11-30):
       d64:  the separate dQ pass with (64, 64, 128, 32, warps 4/8, stages 3/3): 298 full / 288 causal (session 2);
@@ -87,10 +87,15 @@ def bwd_config(head_dim: int, interpret: bool = False, arch: int | None = 90) ->
     mma.sync targets (sm_8x, sm_12x: operands and accumulators in registers) both kernels take 8 warps and dK/dV
     steps of at most 32 query rows at d <= 64, 16 above (with 4 warps the dK/dV tiles spilled 480-536 bytes on
     sm_80 and sm_120; with 8, d64's 64-row step 32 bytes, d128's 32-row step 40 on sm_80; none at these), and
-    Q/dO by pointers (target.has_tma); compiled only."""
+    Q/dO by pointers (target.has_tma); compiled only.
+    dropout: d64's dQ is added up with atomics too, since its own pass would regenerate the keep pattern a third
+    time (run 215, H100, `sweep backward --vary dropout_p=0.1 atomic_dq=0,1`, d64 4k, the 64 x 64 tile on 4 warps:
+    5.49 / 3.10 ms non-causal / causal vs 6.64 / 3.96 with the pass)."""
     if interpret:
         return BwdConfig(16, 16, 16, 16, 4, 1, 4, 1, rotate=True, tma=True)
     cfg = _bwd_tiles(head_dim, arch)
+    if dropout:
+        cfg = replace(cfg, atomic_dq=True)
     if mma_sync_target(arch):
         d = padded_head_dim(head_dim)
         cfg = replace(cfg, dkdv_warps=8, dq_warps=8, dkdv_block_m=min(cfg.dkdv_block_m, 32 if d <= 64 else 16))

@@ -156,7 +156,7 @@ MLA_GLUON_ROWS = 64  # the seesaw's query rows per CTA (wgmma's M)
 class MlaGluonConfig:
     block_n: int = 64
     stages: int = 2
-    rows: int = MLA_GLUON_ROWS  # query rows per CTA: 64 the seesaw, 16 or 32 the narrow kernel (mla_decode_narrow.py)
+    rows: int = MLA_GLUON_ROWS  # query rows per CTA: 64 the seesaw, 16 or 32 the narrow kernel (mla_gluon_rows)
 
     @property
     def split_block(self) -> int:  # tokens a split's share is counted in: the seesaw's warpgroups alternate blocks
@@ -175,6 +175,21 @@ MLA_GLUON_MIN_ROWS = 16
 MLA_ROPE_DIM, MLA_LATENT_DIM = 64, 512  # the Gluon MLA decode's head dims (DeepSeek-V2/V3, Kimi K2)
 
 
+# The narrow kernel's 16-row tiles against the seesaw's 64 (run 214, H100, `sweep decode-mla-gluon --vary
+# rows=16,32,64`, graph replay over cache copies, us): H=16 b=1 ctx 32k 22.5 vs 25.9, b=32 ctx 4k 60.1 vs 63.6, b=8
+# ctx 32k 110.4 vs 113.2, b=128 ctx 4k 203.9 vs 206.1; H=32 (two 16-row tiles, the second reading the blocks the
+# first brought into L2) b=32 ctx 4k 61.5 vs 66.3 at 32 rows and 67.7 at 64, b=8 ctx 32k 111.2 vs 115.0 / 117.2.
+# More rows (H=64, or H=16 x 4 tokens) keep the seesaw (not measured narrow).
+MLA_NARROW_MAX_ROWS = 32
+MLA_NARROW_ROWS = 16
+
+
+def mla_gluon_rows(rows: int) -> int:
+    """Query rows per CTA of the Gluon MLA decode for calls of `rows` (Sq x H) rows per sequence: the narrow
+    kernel's 16-row tiles up to MLA_NARROW_MAX_ROWS, else the seesaw's 64."""
+    return MLA_NARROW_ROWS if rows <= MLA_NARROW_MAX_ROWS else MLA_GLUON_ROWS
+
+
 def mla_gluon_config(q, k_cache, v_cache, block_table, extras: bool, plain_mask: bool) -> MlaGluonConfig | None:
     """The Gluon MLA decode's tiles when it serves an MLA (qv) call, else None (the Triton decode kernel): at least
     MLA_GLUON_MIN_ROWS query rows per sequence (Sq x H; config can force it for fewer), an sm_90 target, 16-bit
@@ -188,7 +203,7 @@ def mla_gluon_config(q, k_cache, v_cache, block_table, extras: bool, plain_mask:
             or k_cache.shape[-1] != MLA_ROPE_DIM or v_cache.shape[-1] != MLA_LATENT_DIM or k_cache.shape[2] != 1):
         return None
     rows = q.shape[1] * q.shape[2]
-    cfg = config.chosen("mla_gluon", MlaGluonConfig() if rows >= MLA_GLUON_MIN_ROWS else None)
+    cfg = config.chosen("mla_gluon", MlaGluonConfig(rows=mla_gluon_rows(rows)) if rows >= MLA_GLUON_MIN_ROWS else None)
     if cfg is None:
         return None
     page = k_cache.shape[1]
