@@ -13,7 +13,9 @@ so a block costs N / 64 of the seesaw's tensor work. One warpgroup does all of i
 buffers, the next issued once a block's P V retires) in flight meanwhile. O^T is two [256, N] fp32 accumulators
 (32 or 64 registers a thread at N = 16 or 32). The softmax runs on S^T relabelled [N, 64] (gl.permute moves no
 data), so it is attn_fwd's _softmax and the seesaw's _masked; its row reductions cross the 4 warps (keys are M).
-Rows, splits, partials, pages and the zeroing of a partial block's tail are the seesaw's.
+Rows, splits, partials, pages and the zeroing of a partial block's tail are the seesaw's. Run 214 (H100, graph
+replay): 1.01-1.15x the seesaw at H=16, and two 16-row tiles 1.05-1.10x it at H=32 (32-row tiles, 255 registers,
+in between): plan/decode.mla_gluon_rows.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -25,7 +27,6 @@ from .common import barrier
 from .mla_decode import (BLOCK, HALF, ROPE, _load, _load_queries, _masked, _store_half, _store_lse, _unit,
                          _zero_past_end)
 
-NARROW_ROWS = (16, 32)  # query rows per CTA: wgmma's N
 OUT_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0]))  # 16-byte stores along a row of O
 
 

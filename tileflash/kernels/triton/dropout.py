@@ -8,12 +8,13 @@ j + 1, j + 8, j + 9 (i with bit 3 clear, j with bits 0 and 3 clear):
 and a probability is kept iff its 16-bit half >= threshold = floor(p * 2^16) (so P(drop) is p to within 2^-16;
 flash-attn 2.x compares 8-bit values). In a rows-major MMA accumulator (the forward's S, the dQ kernel's dS) one
 thread holds all eight, so the words need no shuffle; the keys-major dK/dV kernel moves key bit 0's pairs between
-threads (a layout conversion through shared memory). Against one 32-bit word per probability (four per call, no shuffle in either orientation) this halves the
-Philox work: run 216 (H100, `bench dropout`, d64 / d128 at 4k, p = 0.1) 4.73 -> 4.03 / 6.28 -> 5.98 ms, causal
-2.72 -> 2.23 / 3.65 -> 3.41, now 1.01-1.16x SDPA-flash with the same dropout. Rows and keys count from each
-sequence's first (varlen: its own positions). reference.dropout_keep is the same function written in torch,
-independently, for the tests. Kept probabilities are scaled by 1 / (1 - p) in the epilogue (forward) or the
-products (backward); the row sums and the lse stay those of the undropped softmax, as in flash-attn.
+threads (a layout conversion through shared memory). Against one 32-bit word per probability (four per call, no
+shuffle in either orientation) this halves the Philox work: run 216 (H100, `bench dropout`, d64 / d128 at 4k,
+p = 0.1) 4.73 -> 4.03 / 6.28 -> 5.98 ms, causal 2.72 -> 2.23 / 3.65 -> 3.41, now 1.01-1.16x SDPA-flash with the
+same dropout. Rows and keys count from each sequence's first (varlen: its own positions). reference.dropout_keep
+is the same function written in torch, independently, for the tests. Kept probabilities are scaled by 1 / (1 - p)
+in the epilogue (forward) or the products (backward); the row sums and the lse stay those of the undropped
+softmax, as in flash-attn.
 """
 import triton
 import triton.language as tl
