@@ -54,7 +54,7 @@ def _cases(arch: int = 90):
 
     import tileflash
     from tileflash import config
-    from tileflash.plan import GemmWgmmaConfig, WsBwdConfig
+    from tileflash.plan import GemmWgmmaConfig, MlaGluonConfig, WsBwdConfig
 
     sm90 = arch == 90
 
@@ -114,7 +114,7 @@ def _cases(arch: int = 90):
         kern = mla_decode_kernel if rows == 64 else mla_decode_narrow_kernel
 
         def call():
-            with config.override(mla_gluon=lambda cfg: cfg and dataclasses.replace(cfg, rows=rows)):
+            with config.override(mla_gluon=lambda cfg: dataclasses.replace(cfg or MlaGluonConfig(), rows=rows)):
                 mla(hq, **kw)
         return lambda: (_compiles if sm90 else _avoids)((kern,), call)
 
@@ -352,6 +352,7 @@ def _cases(arch: int = 90):
         "decode MLA H=16 paged page 64, append, causal Sq=2": gluon_mla(16, sq=2, page=64, append=True, causal=True),
         "decode MLA H=16 paged page 16, causal Sq=4, split": gluon_mla(16, sq=4, page=16, causal=True, num_splits=3),
         "decode MLA narrow H=16, split": gluon_mla(16, rows=16, num_splits=4),
+        "decode MLA narrow H=8 at 8 rows, split": gluon_mla(8, rows=8, num_splits=2),
         "decode MLA narrow H=16 paged page 64, causal Sq=2, no split": gluon_mla(16, rows=32, sq=2, page=64,
                                                                                 causal=True, ctx=256),
         "decode MLA narrow H=32 paged page 16, append, split": gluon_mla(32, rows=32, page=16, append=True,

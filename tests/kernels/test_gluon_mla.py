@@ -68,7 +68,7 @@ def _counting(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("rows", [64, 16, 32])  # the seesaw, the narrow kernel's two tiles (mla_decode_narrow.py)
+@pytest.mark.parametrize("rows", [64, 16, 32, 8])  # the seesaw, the narrow kernel's tiles (mla_decode_narrow.py)
 @pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
 def test_gluon_mla_decode(case, rows, monkeypatch, override):
     b, sq, hq, capacity, page, s_new, lens, splits, causal, dtype = case

@@ -49,7 +49,7 @@ def mla_decode_narrow_kernel(q_ptr, qv_ptr, k_desc, c_desc, out_ptr, lse_ptr, o_
     """4 warps; mla_decode_kernel's arguments (ROWS query rows per CTA instead of its 64)."""
     gl.static_assert(BN == BLOCK, "64-token blocks")
     gl.static_assert(STAGES == 2, "two block buffers")
-    gl.static_assert(ROWS == 16 or ROWS == 32, "16 or 32 query rows")
+    gl.static_assert(ROWS == 8 or ROWS == 16 or ROWS == 32, "8, 16 or 32 query rows")
     dtype: gl.constexpr = k_desc.dtype
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, ROWS, 16])
