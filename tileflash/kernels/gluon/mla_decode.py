@@ -426,6 +426,17 @@ def _wg1(q_rope, q_lat, k_bufs, c_bufs, p0_smem, vecs, ready_a, ready_b, bars, k
 
 
 @gluon.jit
+def _shared_buffers(dtype: gl.constexpr, ROWS: gl.constexpr, k_desc, c_desc):
+    """(q's rotary part [ROWS, 64], qv's two halves [2, ROWS, 256], two blocks' rotary keys [2, 64, 64] and latent
+    halves [4, 64, 256]) in shared memory: what both MLA kernels hold."""
+    q_rope = gl.allocate_shared_memory(dtype, [ROWS, ROPE], gl.NVMMASharedLayout.get_default_for([ROWS, ROPE], dtype))
+    q_lat = gl.allocate_shared_memory(dtype, [2, ROWS, HALF], gl.NVMMASharedLayout.get_default_for([ROWS, HALF], dtype))
+    k_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK, ROPE], k_desc.layout)
+    c_bufs = gl.allocate_shared_memory(dtype, [4, BLOCK, HALF], c_desc.layout)
+    return q_rope, q_lat, k_bufs, c_bufs
+
+
+@gluon.jit
 def mla_decode_kernel(q_ptr, qv_ptr, k_desc, c_desc, out_ptr, lse_ptr, o_part_ptr, lse_part_ptr, cache_seqlens,
                       block_table, stride_bt, max_pages, cache_rows, seqlen_k_add, seqlen_q, m_tiles, num_heads,
                       rows_per_split, stride_qb, stride_qs, stride_qh, stride_qvb, stride_qvs, stride_qvh,
@@ -439,12 +450,7 @@ def mla_decode_kernel(q_ptr, qv_ptr, k_desc, c_desc, out_ptr, lse_ptr, o_part_pt
     gl.static_assert(BN == BLOCK, "64-token blocks")
     gl.static_assert(STAGES == 2, "two block buffers")
     dtype: gl.constexpr = k_desc.dtype
-    q_rope = gl.allocate_shared_memory(dtype, [M_ROWS, ROPE], gl.NVMMASharedLayout.get_default_for([M_ROWS, ROPE],
-                                                                                                    dtype))
-    q_lat = gl.allocate_shared_memory(dtype, [2, M_ROWS, HALF],
-                                      gl.NVMMASharedLayout.get_default_for([M_ROWS, HALF], dtype))
-    k_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK, ROPE], k_desc.layout)
-    c_bufs = gl.allocate_shared_memory(dtype, [4, BLOCK, HALF], c_desc.layout)
+    q_rope, q_lat, k_bufs, c_bufs = _shared_buffers(dtype, M_ROWS, k_desc, c_desc)
     p0_smem = gl.allocate_shared_memory(dtype, [M_ROWS, BLOCK],
                                         gl.NVMMASharedLayout.get_default_for([M_ROWS, BLOCK], dtype))
     vec_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])

@@ -24,8 +24,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .attn_fwd import _softmax
 from .common import barrier
-from .mla_decode import (BLOCK, HALF, ROPE, _load, _load_queries, _masked, _store_half, _store_lse, _unit,
-                         _zero_past_end)
+from .mla_decode import (BLOCK, HALF, _load, _load_queries, _masked, _shared_buffers, _store_half, _store_lse,
+                         _unit, _zero_past_end)
 
 OUT_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0]))  # 16-byte stores along a row of O
 
@@ -53,11 +53,7 @@ def mla_decode_narrow_kernel(q_ptr, qv_ptr, k_desc, c_desc, out_ptr, lse_ptr, o_
     dtype: gl.constexpr = k_desc.dtype
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, ROWS, 16])
-    q_rope = gl.allocate_shared_memory(dtype, [ROWS, ROPE], gl.NVMMASharedLayout.get_default_for([ROWS, ROPE], dtype))
-    q_lat = gl.allocate_shared_memory(dtype, [2, ROWS, HALF],
-                                      gl.NVMMASharedLayout.get_default_for([ROWS, HALF], dtype))
-    k_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK, ROPE], k_desc.layout)
-    c_bufs = gl.allocate_shared_memory(dtype, [4, BLOCK, HALF], c_desc.layout)
+    q_rope, q_lat, k_bufs, c_bufs = _shared_buffers(dtype, ROWS, k_desc, c_desc)
     p_smem = gl.allocate_shared_memory(dtype, [ROWS, BLOCK],
                                        gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK], dtype))
     ready_a = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
