@@ -106,8 +106,9 @@ def _cases(arch: int = 90):
                                           block_table=table, qv=qv, **call_kw)
 
     def gluon_mla(hq, rows=64, **kw):
-        """An MLA decode the Gluon MLA kernel serves on sm_90 (kernels/gluon/mla_decode.py, or mla_decode_narrow.py
-        at rows 16 / 32 query rows per CTA), and other targets compile without it."""
+        """An MLA decode the Gluon MLA kernel serves on sm_90 (kernels/gluon/mla_decode.py at 64 query rows per CTA,
+        else mla_decode_narrow.py), forced even where the planner declines it, and other targets compile without
+        it."""
         from tileflash.kernels.gluon.mla_decode import mla_decode_kernel
         from tileflash.kernels.gluon.mla_decode_narrow import mla_decode_narrow_kernel
 

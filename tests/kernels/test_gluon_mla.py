@@ -1,8 +1,8 @@
-"""The Gluon MLA decodes (kernels/gluon/mla_decode.py, mla_decode_narrow.py): GPU (sm_90) only, since Gluon has no CPU interpreter (the
-CPU suite compiles it: tests/sm90_compile_check.py). Each case asserts that the call took that kernel, then checks
-out and lse against kvcache_ref with the 2x rule (outputs poisoned). The kernel's caches hold NaN everywhere a
-sequence has no key (past its length, unused pages), while the reference reads clean copies: a row the kernel
-reads there and neither masks nor zeroes fails."""
+"""The Gluon MLA decodes (kernels/gluon/mla_decode.py, mla_decode_narrow.py): GPU (sm_90) only, since Gluon has no CPU
+interpreter (the CPU suite compiles them: tests/sm90_compile_check.py). Each case asserts that the call took that
+kernel, then checks out and lse against kvcache_ref with the 2x rule (outputs poisoned). The kernel's caches hold NaN
+everywhere a sequence has no key (past its length, unused pages), while the reference reads clean copies: a row the
+kernel reads there and neither masks nor zeroes fails."""
 import pytest
 import torch
 

@@ -156,7 +156,7 @@ MLA_GLUON_ROWS = 64  # the seesaw's query rows per CTA (wgmma's M)
 class MlaGluonConfig:
     block_n: int = 64
     stages: int = 2
-    rows: int = MLA_GLUON_ROWS  # query rows per CTA: 64 the seesaw, 16 or 32 the narrow kernel (mla_gluon_rows)
+    rows: int = MLA_GLUON_ROWS  # query rows per CTA: 64 the seesaw, 8 / 16 / 32 the narrow kernel (mla_gluon_rows)
 
     @property
     def split_block(self) -> int:  # tokens a split's share is counted in: the seesaw's warpgroups alternate blocks

@@ -203,6 +203,15 @@ def _load(PART: gl.constexpr, x, j, n, k_desc, c_desc, k_bufs, c_bufs, ready, b,
 
 
 @gluon.jit
+def _load_block(x, j, n, k_desc, c_desc, k_bufs, c_bufs, ready_a, ready_b, b, s_lo, seqlen_k, block_table, stride_bt,
+                max_pages, cache_rows, PAGE: gl.constexpr):
+    """Both parts of the split's block j into buffer x (part A on ready_a[x], then part B on ready_b[x])."""
+    for part in gl.static_range(2):
+        _load(part, x, j, n, k_desc, c_desc, k_bufs, c_bufs, ready_b if part else ready_a, b, s_lo, seqlen_k,
+              block_table, stride_bt, max_pages, cache_rows, PAGE)
+
+
+@gluon.jit
 def _zero_past_end(buf, t0, seqlen_k):
     """A block half [64, 256] of keys t0.. with its rows past the sequence's end set to zero, 8 rows at a time by the
     calling warpgroup, before its P V reads it: P is 0 there, but 0 * (NaN or inf) from an unwritten cache row would
@@ -262,9 +271,8 @@ def _wg0(q_ptr, qv_ptr, stride_qb, stride_qs, stride_qh, stride_qvb, stride_qvs,
     b, row0, split, seqlen_k, s_hi, s_lo, full_hi = _unit(cache_seqlens, seqlen_k_add, seqlen_q, m_tiles, BLOCK,
                                                           CAUSAL, M_ROWS)
     n = s_hi - s_lo
-    for part in gl.static_range(2):  # block 0, in flight while q loads
-        _load(part, 0, 0, n, k_desc, c_desc, k_bufs, c_bufs, ready_b if part else ready_a, b, s_lo, seqlen_k,
-              block_table, stride_bt, max_pages, cache_rows, PAGE)
+    _load_block(0, 0, n, k_desc, c_desc, k_bufs, c_bufs, ready_a, ready_b, b, s_lo, seqlen_k, block_table, stride_bt,
+                max_pages, cache_rows, PAGE)  # block 0, in flight while q loads
     rows_q = seqlen_q * num_heads
     _load_queries(q_rope, q_lat, q_ptr, qv_ptr, row0, rows_q, num_heads, stride_qb, stride_qs, stride_qh, stride_qvb,
                   stride_qvs, stride_qvh, b)

@@ -4,14 +4,14 @@ has 16 or 32 heads a GPU), in Gluon: the products transposed, one warpgroup.
 Why not the seesaw kernel (mla_decode.py) there: wgmma's M is 64, so its tile pads 16 rows to 64 and does the tensor
 work of 64; a 64-token block then costs it about as long at H=16 as at H=128 (~2.3 us per SM, run 212), which is
 also how long the block's 72 KB take to arrive at one SM's share of HBM, so H=16 read 3.64 TB/s (issue 28 asks 3.8).
-Here the block's keys are M and the query rows N (16 or 32):
+Here the block's keys are M and the query rows N (ROWS: 16 where the planner takes it; 8 and 32 for sweeps):
 
   S^T [64 keys, N] = K_rope q_rope^T + C q_lat^T   A: the block from shared memory (K-major), B: q [N, 576]
   O^T [512, N]    += C^T P^T                        A: the latent block read transposed (MN-major), B: P [N, 64]
 
 so a block costs N / 64 of the seesaw's tensor work. One warpgroup does all of it, with the block's loads (two
 buffers, the next issued once a block's P V retires) in flight meanwhile. O^T is two [256, N] fp32 accumulators
-(32 or 64 registers a thread at N = 16 or 32). The softmax runs on S^T relabelled [N, 64] (gl.permute moves no
+(32 registers a thread at N = 16). The softmax runs on S^T relabelled [N, 64] (gl.permute moves no
 data), so it is attn_fwd's _softmax and the seesaw's _masked; its row reductions cross the 4 warps (keys are M).
 Rows, splits, partials, pages and the zeroing of a partial block's tail are the seesaw's. Run 214 (H100, graph
 replay): 1.01-1.15x the seesaw at H=16, and two 16-row tiles 1.05-1.10x it at H=32 (32-row tiles, 255 registers,
@@ -24,8 +24,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .attn_fwd import _softmax
 from .common import barrier
-from .mla_decode import (BLOCK, HALF, _load, _load_queries, _masked, _shared_buffers, _store_half, _store_lse,
-                         _unit, _zero_past_end)
+from .mla_decode import (BLOCK, HALF, _load_block, _load_queries, _masked, _shared_buffers, _store_half,
+                         _store_lse, _unit, _zero_past_end)
 
 OUT_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0]))  # 16-byte stores along a row of O
 
@@ -66,9 +66,8 @@ def mla_decode_narrow_kernel(q_ptr, qv_ptr, k_desc, c_desc, out_ptr, lse_ptr, o_
                                                           CAUSAL, ROWS)
     n = s_hi - s_lo
     for first in gl.static_range(2):  # blocks 0 and 1, in flight while q loads
-        for part in gl.static_range(2):
-            _load(part, first, first, n, k_desc, c_desc, k_bufs, c_bufs, ready_b if part else ready_a, b, s_lo,
-                  seqlen_k, block_table, stride_bt, max_pages, cache_rows, PAGE)
+        _load_block(first, first, n, k_desc, c_desc, k_bufs, c_bufs, ready_a, ready_b, b, s_lo, seqlen_k, block_table,
+                    stride_bt, max_pages, cache_rows, PAGE)
     rows_q = seqlen_q * num_heads
     _load_queries(q_rope, q_lat, q_ptr, qv_ptr, row0, rows_q, num_heads, stride_qb, stride_qs, stride_qh, stride_qvb,
                   stride_qvs, stride_qvh, b)
@@ -103,9 +102,8 @@ def mla_decode_narrow_kernel(q_ptr, qv_ptr, k_desc, c_desc, out_ptr, lse_ptr, o_
                               is_async=True)
         acc_l, acc_r = warpgroup_mma_wait(0, deps=(acc_l, acc_r))
         barrier()  # every warp's share of this block's products has retired before its buffer is reloaded
-        for part in gl.static_range(2):
-            _load(part, x, j + 2, n, k_desc, c_desc, k_bufs, c_bufs, ready_b if part else ready_a, b, s_lo,
-                  seqlen_k, block_table, stride_bt, max_pages, cache_rows, PAGE)
+        _load_block(x, j + 2, n, k_desc, c_desc, k_bufs, c_bufs, ready_a, ready_b, b, s_lo, seqlen_k, block_table,
+                    stride_bt, max_pages, cache_rows, PAGE)
 
     # Rows that saw no key give out = 0 and lse = -inf.
     seen = l_i > 0.0
