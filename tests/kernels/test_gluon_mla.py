@@ -113,13 +113,13 @@ def test_gluon_mla_plan_and_triton_agree(monkeypatch, override):
 
 def test_gluon_mla_declines(monkeypatch, override):
     """Calls outside its scope take the Triton kernel, even when forced: softcap, a window, a sink, a 63-token
-    page, a narrower latent; and unforced, 8 rows (H=8, one token: plan.decode.MLA_GLUON_MIN_ROWS)."""
+    page, a narrower latent; and unforced, 4 rows (H=4, one token: plan.decode.MLA_GLUON_MIN_ROWS)."""
     calls = _counting(monkeypatch)
-    q8, qv8, kc, vc, _, _ = _inputs(1, 1, 8, 128, None, 0, torch.bfloat16, seed=1)
+    q4, qv4, kc, vc, _, _ = _inputs(1, 1, 4, 128, None, 0, torch.bfloat16, seed=1)
     lens = torch.tensor([100], dtype=torch.int32, device=DEVICE)
-    tileflash.flash_attn_with_kvcache(q8, kc, vc, qv=qv8, cache_seqlens=lens)
+    tileflash.flash_attn_with_kvcache(q4, kc, vc, qv=qv4, cache_seqlens=lens)
     assert not calls
-    q, qv = (torch.cat([t, t], dim=2) for t in (q8, qv8))  # 16 heads
+    q, qv = (torch.cat([t] * 4, dim=2) for t in (q4, qv4))  # 16 heads
     override(mla_gluon=MlaGluonConfig())
     for extra in (dict(softcap=5.0), dict(window_size=(50, 0)), dict(learnable_sink=torch.zeros(16, device=DEVICE))):
         tileflash.flash_attn_with_kvcache(q, kc, vc, qv=qv, cache_seqlens=lens, **extra)

@@ -659,7 +659,8 @@ def _mla_call(b=2, sq=1, hq=128, page=None, dtype=torch.bfloat16, latent=512, ro
 MLA_GLUON_TABLE = [
     (dict(), False, True, True),  # H=128, contiguous
     (dict(hq=16), False, True, True),  # 16 rows (run 149: 1.00-1.12x the Triton kernel's 16-row tile)
-    (dict(hq=8), False, True, False),  # 8 rows: the Triton kernel (not measured)
+    (dict(hq=8), False, True, True),  # 8 rows: 8-row tiles (run 217: 1.08-1.27x the Triton kernel)
+    (dict(hq=4), False, True, False),  # 4 rows: the Triton kernel (not measured narrow)
     (dict(hq=8, sq=2), False, True, True),  # 16 rows of two tokens
     (dict(page=64), False, True, True), (dict(page=16), False, True, True), (dict(page=8), False, True, True),
     (dict(page=128), False, True, True),  # a multiple of the 64-token block
@@ -680,12 +681,14 @@ def test_mla_gluon_dispatch(call, extras, plain, taken, monkeypatch):
     assert (cfg is not None) == taken
     if taken:
         rows = call.get("sq", 1) * call.get("hq", 128)
-        assert cfg == plan_decode.MlaGluonConfig(block_n=64, stages=2, rows=16 if rows <= 32 else 64)
+        assert cfg == plan_decode.MlaGluonConfig(block_n=64, stages=2, rows=plan_decode.mla_gluon_rows(rows))
 
 
-@pytest.mark.parametrize("rows, tile", [(16, 16), (24, 16), (32, 16), (33, 64), (64, 64), (128, 64), (2048, 64)])
+@pytest.mark.parametrize("rows, tile", [(8, 8), (9, 16), (16, 16), (24, 16), (32, 16), (33, 64), (64, 64), (128, 64),
+                                       (2048, 64)])
 def test_mla_gluon_rows(rows, tile):
-    """The narrow kernel's 16-row tiles up to 32 rows a sequence (run 214: H=16 and H=32), the seesaw's 64 above."""
+    """The narrow kernel's 8-row tiles for 8 rows a sequence (run 217: H=8), 16-row tiles up to 32 (run 214: H=16
+    and H=32), the seesaw's 64 above."""
     assert plan_decode.mla_gluon_rows(rows) == tile
 
 

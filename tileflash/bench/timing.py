@@ -86,14 +86,25 @@ def rotation_copies(nbytes: int, l2_bytes: int = L2_BYTES) -> int:
     return max(2, -(-2 * l2_bytes // max(nbytes, 1)))
 
 
-def rotating_graph_ms(fns, warmup=10, rep=50) -> float:
+def rotating_graph_ms(fns, warmup=100, rep=50) -> float:
     """Milliseconds per call of the callables fns, each reading its own copy of the inputs (together larger than the
     L2, so every call reads HBM), captured back to back in one CUDA graph and replayed without a flush in between:
-    how an engine calls decode, layer after layer. Median over rep replays."""
+    how an engine calls decode, layer after layer. Median over rep replays after ~warmup ms of replays.
+
+    The warm-up is timed, not counted, and long: the clocks must come back first. After a peer's heavy GEMMs the
+    card sits at its power cap (H100: 1305 MHz, 690 W); ten replays (~2.5 ms at b=8 ctx 32k) had the next backend
+    measured 8-20% slow (runs 217 and 222, `bench decode` MLA rows: 127.6 vs 110.7 us, the same calls with the backends'
+    order swapped), 25 ms of replays 3% slow, 100 ms as after idling (run 224, probe/heat_probe.py: 110.8 / 107.7 /
+    107.4 us after 3 s of 8k GEMMs at 25 / 100 / 300 ms)."""
     import torch
 
     replay = graphed(lambda: [fn() for fn in fns])
-    for _ in range(warmup):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    replay()
+    end.record()
+    torch.cuda.synchronize()
+    for _ in range(max(1, int(warmup / max(start.elapsed_time(end), 1e-3)))):
         replay()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]

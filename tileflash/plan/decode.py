@@ -171,7 +171,7 @@ class MlaGluonConfig:
 # Run 151 (`bench decode --only mla-h16`, H=16 on it by default): 1.01-1.09x the Triton kernel but at b=8 ctx 32k
 # (0.94x; page 64 0.92x; the sweeps of runs 149-150 had it at 0.97-1.00x there). Calls of fewer rows per sequence
 # (not measured) keep the Triton kernel's 16-row tile unless forced.
-MLA_GLUON_MIN_ROWS = 16
+MLA_GLUON_MIN_ROWS = 8  # fewer rows take the Triton kernel (not measured narrow)
 MLA_ROPE_DIM, MLA_LATENT_DIM = 64, 512  # the Gluon MLA decode's head dims (DeepSeek-V2/V3, Kimi K2)
 
 
@@ -179,15 +179,21 @@ MLA_ROPE_DIM, MLA_LATENT_DIM = 64, 512  # the Gluon MLA decode's head dims (Deep
 # rows=16,32,64`, graph replay over cache copies, us): H=16 b=1 ctx 32k 22.5 vs 25.9, b=32 ctx 4k 60.1 vs 63.6, b=8
 # ctx 32k 110.4 vs 113.2, b=128 ctx 4k 203.9 vs 206.1; H=32 (two 16-row tiles, the second reading the blocks the
 # first brought into L2) b=32 ctx 4k 61.5 vs 66.3 at 32 rows and 67.7 at 64, b=8 ctx 32k 111.2 vs 115.0 / 117.2.
-# More rows (H=64, or H=16 x 4 tokens) keep the seesaw (not measured narrow).
+# More rows (H=64, or H=16 x 4 tokens) keep the seesaw (not measured narrow). H=8 (Kimi K2 at tensor parallel 8;
+# run 217, H100, `sweep decode-mla-gluon --vary rows=8,16`, us, against the Triton kernel's 16-row tile then the
+# default): b=1 ctx 32k 20.4 / 20.9 vs 26.0, b=8 ctx 32k 108.4 / 108.3 vs 116.9, b=128 ctx 4k 202.0 / 202.1 vs 230.6:
+# the narrow kernel on 8-row tiles (wgmma's N = 8, half the tensor work of 16).
 MLA_NARROW_MAX_ROWS = 32
-MLA_NARROW_ROWS = 16
+MLA_NARROW_ROWS = (8, 16)  # tile heights the planner picks: the smallest that holds a sequence's rows
 
 
 def mla_gluon_rows(rows: int) -> int:
     """Query rows per CTA of the Gluon MLA decode for calls of `rows` (Sq x H) rows per sequence: the narrow
-    kernel's 16-row tiles up to MLA_NARROW_MAX_ROWS, else the seesaw's 64."""
-    return MLA_NARROW_ROWS if rows <= MLA_NARROW_MAX_ROWS else MLA_GLUON_ROWS
+    kernel's 8- or 16-row tiles up to MLA_NARROW_MAX_ROWS (two or more 16-row tiles above 16), else the
+    seesaw's 64."""
+    if rows > MLA_NARROW_MAX_ROWS:
+        return MLA_GLUON_ROWS
+    return next((t for t in MLA_NARROW_ROWS if rows <= t), MLA_NARROW_ROWS[-1])
 
 
 def mla_gluon_config(q, k_cache, v_cache, block_table, extras: bool, plain_mask: bool) -> MlaGluonConfig | None:
