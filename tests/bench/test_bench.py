@@ -395,9 +395,12 @@ def test_run_backward_cpu(cpu_suites):
 
 
 def test_lowp_registry():
-    assert [(s["kv"], s["batch"], s["ctx"]) for s in suites.LOWP_DECODE_SHAPES] == [
-        (fmt, b, ctx) for fmt in ("fp8", "nvfp4") for b, ctx in suites.DECODE_GRID]
-    assert all(s["kind"] == "decode" and s["label"] == f"gqa-{s['kv']}" for s in suites.LOWP_DECODE_SHAPES)
+    pages = {"fp8": (None, 16, 64), "nvfp4": (None,)}  # FP8 also paged, as engines keep it
+    assert [(s["kv"], s["page_size"], s["batch"], s["ctx"]) for s in suites.LOWP_DECODE_SHAPES] == [
+        (fmt, ps, b, ctx) for fmt in ("fp8", "nvfp4") for ps in pages[fmt] for b, ctx in suites.DECODE_GRID]
+    assert all(s["kind"] == "decode" and s["label"] == f"gqa-{s['kv']}" + (f"-page{s['page_size']}" if s["page_size"]
+                                                                            else "")
+               for s in suites.LOWP_DECODE_SHAPES)
 
 
 def test_gemm_registry():
@@ -413,7 +416,7 @@ def test_gemm_registry():
     assert suites.LOWP_SHAPES == suites.LOWP_DECODE_SHAPES + shapes
     # --quick keeps the decode-sized and serving M of each weight; --only picks one half of the lowp suite.
     quick = suites.select_shapes(suites.LOWP_SHAPES, quick=True)
-    assert len(quick) == 3 + 3 + 9  # fp8 decode, nvfp4 decode, gemm
+    assert len(quick) == 3 * 3 + 3 + 9  # fp8 decode (contiguous, page 16, page 64), nvfp4 decode, gemm
     assert [(s["m"], s["n"]) for s in quick if s["kind"] == "gemm"] == [
         (m, n) for n in (4096, 8192, 28672) for m in (1, 16, 64)]
     assert suites.select_shapes(suites.LOWP_SHAPES, only="gemm") == shapes
@@ -552,7 +555,7 @@ def test_run_lowp_splits_by_kind(monkeypatch):
     monkeypatch.setattr(suites, "run_gemm", fake("gemm"))
     rows = suites.run_lowp()
     assert calls == [("decode", suites.LOWP_DECODE_SHAPES), ("gemm", suites.GEMM_SHAPES)]
-    assert [r["from"] for r in rows] == ["decode"] * 20 + ["gemm"] * 16
+    assert [r["from"] for r in rows] == ["decode"] * 40 + ["gemm"] * 16
     calls.clear()
     assert len(suites.run_lowp(suites.select_shapes(suites.LOWP_SHAPES, only="gemm"))) == 16
     assert [name for name, _ in calls] == ["gemm"]  # no empty decode run (and no empty table)

@@ -339,14 +339,18 @@ def test_decode_config_steps_grow_with_the_cache():
                 prev = n
 
 
-@pytest.mark.parametrize("fmt, paged, kv_tokens, tokens_per_program, expected", [
-    ("16bit", False, 2 ** 30, 0, (64, 2, False, 0)),  # 16-bit contiguous: 64 tokens, 2 stages, plain products
-    ("16bit", False, 2 ** 30, 4096, (128, 2, False, 1)),  # long programs: 128 tokens, one program per SM
-    ("16bit", True, 32768 * 8, 0, (128, 2, False, 1)),  # paged, large (b=1 ctx 32k x 8 KV heads on): gathers
-    ("fp8", False, 2 ** 30, 0, (128, 3, True, 2)),  # quantized, large: transposed products, two per SM
+@pytest.mark.parametrize("fmt, paged, kv_tokens, tokens_per_program, page_size, expected", [
+    ("16bit", False, 2 ** 30, 0, 0, (64, 2, False, 0)),  # 16-bit contiguous: 64 tokens, 2 stages, plain products
+    ("16bit", False, 2 ** 30, 4096, 0, (128, 2, False, 1)),  # long programs: 128 tokens, one program per SM
+    ("16bit", True, 32768 * 8, 0, 0, (128, 2, False, 1)),  # paged, large (b=1 ctx 32k x 8 KV heads on): gathers
+    ("fp8", False, 2 ** 30, 0, 0, (128, 3, True, 2)),  # quantized, large: transposed products, two per SM
+    ("fp8", True, 2 ** 30, 0, 16, (64, 3, True, 4)),  # fp8 pages of 16: 64-token gathers (128 spilled)
+    ("fp8", True, 2 ** 30, 0, 64, (64, 3, True, 4)),  # ... of 64: 64-token TMA boxes
+    ("fp8", True, 2 ** 30, 0, 128, (128, 3, True, 2)),  # ... of 128: the contiguous cache's boxes
 ])
-def test_decode_config_anchors(fmt, paged, kv_tokens, tokens_per_program, expected):
-    c = decode_config(128, 4, kv_format=fmt, paged=paged, kv_tokens=kv_tokens, tokens_per_program=tokens_per_program)
+def test_decode_config_anchors(fmt, paged, kv_tokens, tokens_per_program, page_size, expected):
+    c = decode_config(128, 4, kv_format=fmt, paged=paged, kv_tokens=kv_tokens, tokens_per_program=tokens_per_program,
+                      page_size=page_size)
     assert (c.block_n, c.num_stages, c.trans, c.resident_per_sm) == expected
 
 

@@ -83,9 +83,11 @@ BACKWARD_SHAPES = [
 ]
 
 # Low precision: the GQA decode grid with an FP8 (e4m3, per-KV-head scales) cache for tileflash; peers read the
-# same values from a bf16 cache ("next to the best bf16 peer").
-LOWP_DECODE_SHAPES = [{**s, "label": f"gqa-{fmt}", "kv": fmt, "kind": "decode"}
-                      for fmt in ("fp8", "nvfp4") for s in DECODE_SHAPES if s["label"] == "gqa"]
+# same values from a bf16 cache ("next to the best bf16 peer"). FP8 also over pages of 16 and 64 tokens (engines'
+# FP8 caches are paged): labels gqa-fp8, gqa-fp8-page16, gqa-fp8-page64, gqa-nvfp4.
+LOWP_DECODE_SHAPES = [{**s, "label": s["label"].replace("gqa", f"gqa-{fmt}"), "kv": fmt, "kind": "decode"}
+                      for fmt in ("fp8", "nvfp4") for s in DECODE_SHAPES
+                      if s["label"] == "gqa" or fmt == "fp8" and s["label"] in ("gqa-page16", "gqa-page64")]
 
 # Low precision, GEMM half: bf16 activations a [M, K] times a weight w [N, K] (out = a @ w.T): N = K, M from one
 # decode token through serving batches (64, 128) to a prefill-sized batch, and an MLP up-projection (N=28672

@@ -12,7 +12,7 @@ from .. import _utils
 from . import direct
 from ..kernels.gluon import attn_fwd as gluon_fwd, decode_mma, mla_decode, mla_decode_narrow
 from ..kernels.triton.attn_fwd import attn_fwd_kernel
-from ..kernels.triton.inner import FP8_V_ROWS, FP8_V_T, FP8_V_T_DESC, FP8_V_T_ZEROS
+from ..kernels.triton.inner import FP8_V_ROWS, FP8_V_T, FP8_V_T_DESC, FP8_V_T_ZEROS, TRANS_PERM_K
 from ..kernels.triton.combine import attn_combine_kernel, merge_states_kernel
 from ..kernels.triton.kv_append import kv_append_kernel
 from ..lowp.kernels.quant import NVFP4_PURE_ASM, NVFP4_SCALE_BYTES, NVFP4_SCALE_WORDS
@@ -126,7 +126,8 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         HAS_LEFT=mask.window_left >= 0, HAS_RIGHT=mask.window_right >= 0, SOFTCAP=mask.softcap > 0.0,
         USE_DESC=descs is not None, SP_OVERLAP=sp_overlap,
         TILE_DTYPE=_utils.tile_dtype(q4.dtype if fp8 or k_scale is None else torch.float16),
-        TRANS=config.trans,
+        # 8-bit caches' K tiles through TMA feed the transposed products' register operand (inner.TRANS_PERM_K)
+        TRANS=TRANS_PERM_K if config.trans and descs and k4.element_size() == 1 and not fp8 else config.trans,
         RAW_SCORES=softmax_scale > 0 and mask.softcap == 0.0 and (fp8 or k_scale is None) and alibi_slopes is None,
         ALIBI=alibi_slopes is not None, HAS_KV_BATCH=cache_batch_idx is not None,
         LEFTPAD_K=cache_leftpad is not None, ROTARY_DIM=2 * rotary_cos.shape[1] if rotary_cos is not None else 0,

@@ -53,9 +53,14 @@ def decode_block_m(group_rows: int) -> int:
 #   per SM (run 193, `sweep decode`, page 64, us): b=1 ctx 128k 129.3 vs 133.0 with the gather tile (contiguous
 #   127.3), b=1 ctx 32k 39.6 vs 42.4, b=8 ctx 32k 248.6 vs 250.7; with 2 per SM 301.8 at b=8 ctx 32k. Page 16 (gathers)
 #   keeps 128 tokens (132.4-133.4 either way at b=1 ctx 128k).
+# - fp8 paged, large: 64 tokens unless a page holds whole 128-token TMA boxes. The 128-token step gathered by
+#   pointers (pages of 16..64 tokens) keeps the widened tile in registers across 3 stages and spills: the sm_90
+#   SASS of its loop (b=8 ctx 8k, page 16) holds 600 local loads and 600 local stores per step, 3313 instructions
+#   per 128 tokens, against 802 per 64 tokens without spills at 64-token steps (page 64: TMA boxes, 441). Not yet
+#   timed on the GPU (`bench lowp --only fp8-page`).
 DECODE_TILES = {"16bit": (64, 2, False, 0), "16bit-long": (128, 2, False, 1),
                 "16bit-paged-large": (128, 2, False, 1), "16bit-paged-tma-large": (64, 3, False, 1),
-                "fp8": (64, 3, True, 4), "fp8-large": (128, 3, True, 2),
+                "fp8": (64, 3, True, 4), "fp8-large": (128, 3, True, 2), "fp8-paged-large": (64, 3, True, 4),
                 "nvfp4": (64, 3, True, 4), "nvfp4-large": (128, 3, True, 2)}
 
 
@@ -98,6 +103,8 @@ def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_fo
     tma_step = _step_tokens(DECODE_TILES["16bit-paged-tma-large"][0], d)
     if key == "16bit-paged-large" and page_size and page_size % tma_step == 0:  # pages hold whole TMA boxes
         key = "16bit-paged-tma-large"
+    if key == "fp8-paged-large" and page_size and page_size % _step_tokens(DECODE_TILES["fp8-large"][0], d) == 0:
+        key = "fp8-large"  # pages hold whole 128-token TMA boxes
     tokens, stages, trans, resident = DECODE_TILES[key]
     block_n = _step_tokens(tokens, d)
     if arch is not None and arch < 90 and block_n > 64:  # pointer gathers, no TMA: 128-token steps spilled on sm_80

@@ -51,7 +51,7 @@ once per group.
 import triton
 import triton.language as tl
 
-from .inner import FP8_V_T, attn_inner, fp8_row_max
+from .inner import FP8_V_T, TRANS_PERM_K, attn_inner, fp8_row_max, perm_head_dim
 from .cast import store_cast, values_t_column
 from .masks import LOG2E, kv_block_range, logit_scales, seq_extents
 from .rotary import rotate_rows
@@ -201,6 +201,8 @@ def attn_fwd_kernel(
     qv = qv.to(TILE_DTYPE)
     if TRANS:  # transposed products (see attn_inner): q^T and acc^T
         q = tl.trans(q)
+        if TRANS == TRANS_PERM_K:
+            q = perm_head_dim(q, 0)
         if HAS_QV:
             qv = tl.trans(qv)
         acc = tl.zeros([HEAD_DIM_V_PAD, BLOCK_M], dtype=tl.float32)

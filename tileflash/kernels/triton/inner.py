@@ -31,6 +31,12 @@ FP8_V_ROWS: tl.constexpr = tl.constexpr(1)
 FP8_V_T: tl.constexpr = tl.constexpr(2)
 FP8_V_T_DESC: tl.constexpr = tl.constexpr(3)
 FP8_V_T_ZEROS: tl.constexpr = tl.constexpr(4)
+# TRANS (attn_inner) is 0 (plain products), 1 (transposed) or TRANS_PERM_K: transposed, with K's and q^T's head
+# dims permuted alike (perm_head_dim; the dot is unchanged). For 8-bit caches read through TMA: K's tile feeds
+# wgmma's 16-bit register operand, whose fragment holds head-dim columns 2c, 2c+1, 2c+8, 2c+9 of each 16; read
+# from bytes 4c..4c+3 instead, a thread takes its 4 bytes with ldmatrix, not as two 2-byte loads (FP8 decode,
+# b=64 ctx 4k: the step's LDS 202 -> 138, 753 -> 690 SASS instructions).
+TRANS_PERM_K: tl.constexpr = tl.constexpr(2)
 
 
 @triton.jit
@@ -170,6 +176,16 @@ def _v_tile(v_base, v_sbase, start_n, seqlen_k, pages, stride_v_page, stride_v_t
 
 
 @triton.jit
+def perm_head_dim(t, AXIS: tl.constexpr):
+    """t [N, D] (AXIS 1: K's tile) or [D, M] (AXIS 0: q^T) with head-dim entry 16g + 8h + 2c + e taken from
+    16g + 4c + 2h + e (TRANS_PERM_K)."""
+    if AXIS == 1:
+        return t.reshape(t.shape[0], t.shape[1] // 16, 4, 2, 2).permute(0, 1, 3, 2, 4).reshape(t.shape[0], t.shape[1])
+    else:
+        return t.reshape(t.shape[0] // 16, 4, 2, 2, t.shape[1]).permute(0, 2, 1, 3, 4).reshape(t.shape[0], t.shape[1])
+
+
+@triton.jit
 def tanh(y):
     """tanh(y) = 1 - 2 / (exp(2y) + 1): exact at +-inf (no inf/inf), and the interpreter has no libdevice. Below
     |y| = 2^-6 that difference cancels (a softcap of 1e7 gave logits off by 0.4), so y - y^3/3 takes over there:
@@ -203,6 +219,8 @@ def _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left,
     ALIBI: alibi_slope holds each row's slope times log2(e) ([M]); the bias is a bias, not a mask, so unmasked
     blocks add it too. HAS_QV (MLA): the values are keys too, s = q k^T + qv v^T."""
     if TRANS:
+        if TRANS == TRANS_PERM_K:
+            k = perm_head_dim(k, 1)
         s = tl.dot(k, q)
         if HAS_QV:
             s = tl.dot(v, qv, s)
@@ -297,8 +315,9 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
     SP_OVERLAP=True issues QK^T of block j+1 before the softmax of block j (FA4's S/P ping-pong), so the MMA
     and the next loads overlap the exp2 work; False is the plain loop (Triton's warp specialisation of it measured
     no gain on sm_90 and was removed: the sm_90 prefill's producer/consumer split is the Gluon kernel's).
-    TRANS=True computes the transposed products s^T = K q^T and acc^T += V^T P^T (q holds q^T [DP, M], acc holds
-    acc^T): with decode's few query rows the KV tokens and the head dim fill the MMA's M side instead of padding.
+    TRANS computes the transposed products s^T = K q^T and acc^T += V^T P^T (q holds q^T [DP, M], acc holds
+    acc^T): with decode's few query rows the KV tokens and the head dim fill the MMA's M side instead of padding;
+    TRANS_PERM_K also permutes K's head dim (q^T's alike, by the caller).
     V tiles are HEAD_DIM_V wide (offs_dv); HAS_QV (MLA) adds qv v^T to the scores (the plain loop only).
     P_FP8: e4m3 V tiles (FP8_V_ROWS: as stored; FP8_V_T(_DESC): V^T, stride_v_tok D's stride), P's product as
     _softmax_pv says.
