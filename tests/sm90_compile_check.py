@@ -329,6 +329,9 @@ def _cases(arch: int = 90):
         "decode 16-bit paged, page 64, large pool (3-stage TMA tiles)": lambda: decode("16bit", paged=True, page=64,
                                                                                      ctx=16384),
         "decode fp8 paged, page 64 (TMA tiles)": lambda: decode("fp8", paged=True, page=64),
+        # large pools (plan/decode "fp8-paged-large"): 64-token steps; 128-token gathers spilled ~600 B a step
+        "decode fp8 paged, page 16, large pool (gathers)": lambda: decode("fp8", paged=True, page=16, b=8, ctx=8192),
+        "decode fp8 paged, page 64, large pool (TMA tiles)": lambda: decode("fp8", paged=True, page=64, b=8, ctx=8192),
         "decode fp8 append": lambda: decode("fp8", append=True),
         "decode fp8 paged append (in the attention launch)": lambda: decode("fp8", append=True, paged=True),
         "decode 16-bit append, rotary, cache_batch_idx, cache_leftpad": lambda: decode("16bit", append=True,
