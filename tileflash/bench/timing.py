@@ -93,9 +93,9 @@ def rotating_graph_ms(fns, warmup=100, rep=50) -> float:
 
     The warm-up is timed, not counted, and long: the clocks must come back first. After a peer's heavy GEMMs the
     card sits at its power cap (H100: 1305 MHz, 690 W); ten replays (~2.5 ms at b=8 ctx 32k) had the next backend
-    measured 8-20% slow (runs 217 and 222, `bench decode` MLA rows: 127.6 vs 110.7 us, the same calls with the backends'
-    order swapped), 25 ms of replays 3% slow, 100 ms as after idling (run 224, probe/heat_probe.py: 110.8 / 107.7 /
-    107.4 us after 3 s of 8k GEMMs at 25 / 100 / 300 ms)."""
+    measured 8-20% slow (runs 217 and 222, `bench decode` MLA rows: 127.6 vs 110.7 us, the same calls with the
+    backends' order swapped), 25 ms of replays 3% slow, 100 ms as after idling (run 224: an H=16 MLA decode after
+    3 s of 8k x 8k bf16 GEMMs, 110.8 / 107.7 / 107.4 us at 25 / 100 / 300 ms)."""
     import torch
 
     replay = graphed(lambda: [fn() for fn in fns])

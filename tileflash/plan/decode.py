@@ -176,9 +176,9 @@ class MlaGluonConfig:
 # b=32 ctx 4k 95.6 vs 165.4; H=16 (16 rows of the 64-row tile) b=1 ctx 32k 21.6 vs 23.4, b=8 ctx 32k 87.9 vs 87.7,
 # b=32 ctx 4k 49.7 vs 51.3, b=128 ctx 4k 160.4 vs 180.3 (run 146, before the change, H=16 had been 0.93-1.06x).
 # Run 151 (`bench decode --only mla-h16`, H=16 on it by default): 1.01-1.09x the Triton kernel but at b=8 ctx 32k
-# (0.94x; page 64 0.92x; the sweeps of runs 149-150 had it at 0.97-1.00x there). Calls of fewer rows per sequence
-# (not measured) keep the Triton kernel's 16-row tile unless forced.
-MLA_GLUON_MIN_ROWS = 8  # fewer rows take the Triton kernel (not measured narrow)
+# (0.94x; page 64 0.92x; the sweeps of runs 149-150 had it at 0.97-1.00x there). Since run 217 calls of 8 to 15
+# rows take the narrow kernel too (below); fewer rows (not measured) keep the Triton kernel's 16-row tile.
+MLA_GLUON_MIN_ROWS = 8
 MLA_ROPE_DIM, MLA_LATENT_DIM = 64, 512  # the Gluon MLA decode's head dims (DeepSeek-V2/V3, Kimi K2)
 
 
