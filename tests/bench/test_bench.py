@@ -598,7 +598,7 @@ def test_mla_set_and_roofline():
     from tileflash.bench import timing
 
     shapes = suites.MLA_SHAPES
-    assert {s["hq"] for s in shapes} == {16, 128} and {s["page_size"] for s in shapes} == {None, 64}
+    assert {s["hq"] for s in shapes} == {8, 16, 32, 128} and {s["page_size"] for s in shapes} == {None, 64}
     assert min(s["batch"] for s in shapes) == 1 and max(s["batch"] for s in shapes) == 128
     assert min(s["ctx"] for s in shapes) == 1024 and max(s["ctx"] for s in shapes) == 32768
     assert all(s["label"].startswith(f"mla-h{s['hq']}") for s in shapes)

@@ -136,14 +136,17 @@ DROPOUT_SHAPES = [
 DROPOUT_BACKENDS = ("tileflash", "tileflash_dropout", "sdpa_flash_dropout")
 
 # MLA decode (issue 28; DeepSeek-V2/V3: a 512-wide latent that is V and most of the key, a 64-wide rotary key, one
-# KV head): H = 128 is compute-bound, H = 16 memory-bound. Graph replay over input copies larger than the L2.
+# KV head): H = 128 is compute-bound, H = 16 memory-bound; H = 8 (Kimi K2 at tensor parallel 8) and 32 (DeepSeek-V3
+# at 4) are the narrow kernel's other tiles. Graph replay over input copies larger than the L2.
 MLA_SHAPES = [
     {"kind": "mla", "hq": hq, "batch": b, "ctx": ctx, "page_size": ps,
      "label": f"mla-h{hq}" + (f"-page{ps}" if ps else "")}
     for hq, b, ctx, ps in ((128, 1, 4096, None), (128, 1, 32768, None), (128, 32, 4096, None), (128, 32, 16384, None),
                            (128, 128, 1024, None), (128, 128, 4096, None), (128, 32, 4096, 64),
                            (16, 1, 32768, None), (16, 8, 32768, None), (16, 32, 4096, None), (16, 128, 1024, None),
-                           (16, 128, 4096, None), (16, 32, 4096, 64), (16, 8, 32768, 64))
+                           (16, 128, 4096, None), (16, 32, 4096, 64), (16, 8, 32768, 64),
+                           (8, 1, 32768, None), (8, 8, 32768, None), (8, 128, 4096, None),
+                           (32, 32, 4096, None), (32, 8, 32768, None))
 ] + [  # an e4m3 latent cache (per-tensor scales): half the bytes
     {"kind": "mla", "hq": hq, "batch": b, "ctx": ctx, "page_size": None, "kv": "fp8", "label": f"mla-h{hq}-fp8"}
     for hq, b, ctx in ((128, 32, 4096), (128, 1, 32768), (16, 8, 32768), (16, 128, 4096))
