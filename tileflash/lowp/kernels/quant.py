@@ -191,6 +191,27 @@ E4M3X4_FP16_PTX = """{
 _E4M3X4_FP16 = tl.constexpr(E4M3X4_FP16_PTX)
 
 
+_E4M3_FP16_PINNED = tl.constexpr("""{
+        .reg .b16 lo, hi;
+        mov.b32 {lo, hi}, $2;
+        cvt.rn.f16x2.e4m3x2 $0, lo;
+        cvt.rn.f16x2.e4m3x2 $1, hi;
+        }""")
+
+
+@triton.jit
+def e4m3_fp16_pinned(t):
+    """An e4m3 tile -> fp16 (exact). On the GPU by the hardware's e4m3x2 -> f16x2 conversion in the layout the tile
+    was loaded in: the PTX is marked impure, so Triton cannot sink the widening past the layout change that feeds an
+    MMA's register operand, where it would gather the bytes one or two at a time (kernels/triton/inner._kv_tile).
+    The interpreter (no inline PTX) casts."""
+    if GPU_ASM:
+        return tl.inline_asm_elementwise(asm=_E4M3_FP16_PINNED, constraints="=r,=r,r",
+                                         args=[t.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
+    else:
+        return t.to(tl.float16)
+
+
 @triton.jit
 def _e4m3x4_fp16(words, PURE: tl.constexpr):
     """GPU only. int32 words holding 4 e4m3 bytes -> the 4 values as fp16 (byte 0 first), two hardware
