@@ -230,7 +230,7 @@ def launch_mla_decode(q, qv, k_cache, v_cache, out, lse, *, seqlens_k, seqlen_k_
     page = k_cache.shape[1] if block_table is not None else 0
     chunk = min(bn, page) if page else bn
     descs = [rows_desc(t, chunk, w, bn) for t, w in ((k_cache, mla_decode.ROPE_DIM), (v_cache, mla_decode.HALF_DIM))]
-    narrow = config.rows != mla_decode.ROWS
+    narrow = config.narrow
     m_tiles = _utils.cdiv(sq * hq, config.rows)
     split = o_part is not None
     dummy = unused_pointer(q.device)

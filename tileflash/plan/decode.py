@@ -166,8 +166,12 @@ class MlaGluonConfig:
     rows: int = MLA_GLUON_ROWS  # query rows per CTA: 64 the seesaw, 8 / 16 / 32 the narrow kernel (mla_gluon_rows)
 
     @property
+    def narrow(self) -> bool:  # kernels/gluon/mla_decode_narrow.py, else the seesaw (mla_decode.py)
+        return self.rows != MLA_GLUON_ROWS
+
+    @property
     def split_block(self) -> int:  # tokens a split's share is counted in: the seesaw's warpgroups alternate blocks
-        return self.block_n * (2 if self.rows == MLA_GLUON_ROWS else 1)
+        return self.block_n * (1 if self.narrow else 2)
 
 
 # Run 149 (session 25: S_{j+1} issued before the softmax of step j; `bench decode --only mla` and `sweep
