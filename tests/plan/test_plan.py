@@ -8,7 +8,8 @@ import torch
 
 from tileflash import _utils
 from tileflash.plan import (COMBINE_TILE, LONG_SPLIT_PROGRAMS_PER_SM, MAX_MERGE_LOADS, MAX_SPLITS, MERGE_TILE,
-                            MIN_SPLIT_TOKENS, QUANT_MMA_HEAD_DIMS, SHARED_MEM_PER_BLOCK, bwd_config, bwd_ws_config,
+                            MIN_SPLIT_TOKENS, PAGED_FP8_MIN_SPLITS, QUANT_MMA_HEAD_DIMS, SHARED_MEM_PER_BLOCK,
+                            bwd_config, bwd_ws_config,
                             combine_tiles, decode_block_m, decode_config, fused_combine_rule, fwd_config,
                             fwd_ws_config, has_tma, merge_tiles, mla_decode_config, mma_sync_target,
                             num_splits_heuristic, padded_head_dim, quant_decode_config, small_shared_memory,
@@ -581,8 +582,11 @@ def test_split_plan_properties(gpu_planning):
                                                             page_size=page, num_splits=s), args
             assert cfg.fused_combine == fused_combine_rule(s, min(cfg.block_m, hq // hkv), d), args
             assert 1 <= s <= min(MAX_SPLITS, _utils.cdiv(ctx, cfg.block_n)), args
+            floor = (fmt == "fp8" and page and cfg.block_n == 64 * 128 // d
+                     and ctx >= PAGED_FP8_MIN_SPLITS * MIN_SPLIT_TOKENS)
+            assert s >= PAGED_FP8_MIN_SPLITS or not floor, args
             if ctx < MIN_SPLIT_TOKENS or b * hkv * _utils.cdiv(hq // hkv, cfg.block_m) >= 3 * H200_SMS:
-                assert s == 1, args
+                assert s == (PAGED_FP8_MIN_SPLITS if floor else 1), args
         assert _split_plan(2, ctx, hq, hkv, d, page, num_splits=7, fmt=fmt)[1] == 7
 
 
@@ -596,10 +600,14 @@ def test_split_plan_properties(gpu_planning):
     ((1, 8192, 32, 8, 128, 16, 0), (64, 50)),  # small, pages shorter than a step (gathers): three programs per SM
     ((1, 8192, 32, 8, 128, 64, 0), (64, 33)),  # pages of whole steps (TMA boxes): two, like the contiguous cache
     ((1, 131072, 32, 8, 128, 64, 0), (64, 33)),  # large pools of whole-step pages: 3-stage TMA steps (run 193)
+    ((32, 8192, 32, 8, 128, 16, 0, "fp8"), (64, 2)),  # paged FP8: two splits though the batch fills the SMs
+    ((128, 1024, 32, 8, 128, 16, 0, "fp8"), (64, 2)),  # ... down to two of MIN_SPLIT_TOKENS (run 231)
+    ((128, 1000, 32, 8, 128, 8, 0, "fp8"), (64, 1)),  # shorter: one
+    ((32, 8192, 32, 8, 128, 128, 0, "fp8"), (128, 1)),  # pages of whole 128-token boxes: the contiguous rule
 ])
 def test_decode_plan(shape, expected, gpu_planning):
-    b, ctx, hq, hkv, d, page, num_splits = shape
-    cfg, splits, capacity = _split_plan(b, ctx, hq, hkv, d, page, num_splits)
+    b, ctx, hq, hkv, d, page, num_splits, *fmt = shape
+    cfg, splits, capacity = _split_plan(b, ctx, hq, hkv, d, page, num_splits, *fmt)
     assert (cfg.block_n, splits, capacity) == (*expected, ctx)
 
 

@@ -12,7 +12,7 @@ from .backward import BwdConfig, WsBwdConfig, bwd_config, bwd_ws_config, ws_back
 from .decode import (COMBINE_TILE, DECODE_TILES, DecodeConfig, DecodeSchedule, GATHER_PROGRAMS_PER_SM, KV_FORMATS,
                     LARGE_TILES_MIN_KV, LONG_PROGRAM_TOKENS, LONG_SPLIT_PROGRAMS_PER_SM, MAX_DECODE_TOKENS,
                     MAX_MERGE_LOADS, MAX_SPLITS, MERGE_TILE, MIN_SPLIT_TOKENS, MLA_TILES, MlaGluonConfig,
-                    QUANT_MMA_HEAD_DIMS, QUANT_MMA_MAX_ROWS, QUANT_MMA_SMALL_STEP_MIN_TOKENS,
+                    PAGED_FP8_MIN_SPLITS, QUANT_MMA_HEAD_DIMS, QUANT_MMA_MAX_ROWS, QUANT_MMA_SMALL_STEP_MIN_TOKENS,
                     QUANT_MMA_SMALL_STEP_PROGRAMS, QUANT_MMA_SMALL_STEP_SHORT_PROGRAMS, QuantDecodeConfig,
                     SHORT_SPLIT_TOKENS, cache_capacity, combine_pdl, combine_tiles, decode_block_m, decode_config,
                     decode_schedule, fused_combine_rule, merge_tiles, mla_decode_config, mla_gluon_config,

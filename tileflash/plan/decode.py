@@ -56,8 +56,9 @@ def decode_block_m(group_rows: int) -> int:
 # - fp8 paged, large: 64 tokens unless a page holds whole 128-token TMA boxes. The 128-token step gathered by
 #   pointers (pages of 16..64 tokens) keeps the widened tile in registers across 3 stages and spills: the sm_90
 #   SASS of its loop (b=8 ctx 8k, page 16) holds 600 local loads and 600 local stores per step, 3313 instructions
-#   per 128 tokens, against 802 per 64 tokens without spills at 64-token steps (page 64: TMA boxes, 441). Not yet
-#   timed on the GPU (`bench lowp --only fp8-page`).
+#   per 128 tokens, against 802 per 64 tokens without spills at 64-token steps (page 64: TMA boxes, 441). Run 231
+#   (H100, `sweep decode`, us, 64 / 128 tokens at each one's best of 1, 2, 4 splits): page 16 b=32 ctx 8k 210.8 /
+#   216.4, b=128 ctx 1k 125.8 / 128.5; page 64 b=64 ctx 4k 214.8 / 224.5 (PAGED_FP8_MIN_SPLITS).
 DECODE_TILES = {"16bit": (64, 2, False, 0), "16bit-long": (128, 2, False, 1),
                 "16bit-paged-large": (128, 2, False, 1), "16bit-paged-tma-large": (64, 3, False, 1),
                 "fp8": (64, 3, True, 4), "fp8-large": (128, 3, True, 2), "fp8-paged-large": (64, 3, True, 4),
@@ -258,6 +259,14 @@ LONG_SPLIT_PROGRAMS_PER_SM = 3
 MIN_SPLIT_TOKENS = 512  # shorter caches are not split
 
 
+# Paged FP8 caches on the 64-token tiles ("fp8-paged-large": pages of 16..64 tokens) take at least two splits where
+# each is MIN_SPLIT_TOKENS or longer, even when the batch alone fills every SM. Run 231 (`sweep decode`, H100, graph
+# replay, 32/8 heads d128, us at 1 -> 2 splits): page 64 b=64 ctx 4k 241.0 -> 214.8, page 16 b=32 ctx 8k 239.0 ->
+# 210.8, page 16 b=128 ctx 1k 133.0 -> 125.8; 4 splits 218.6-140.5, the 128-token gather tile 220.8-128.5 at its
+# best. (The contiguous cache's 128-token tile was not timed at 2.)
+PAGED_FP8_MIN_SPLITS = 2
+
+
 SHORT_SPLIT_TOKENS = 1024  # splits this short or shorter are not worth rounding the program count up for
 
 
@@ -431,13 +440,20 @@ def split_plan(q, k_cache, block_table, num_splits: int, mla: bool = False):
                               kv_tokens=b * capacity * hkv, arch=target_arch(),
                               page_size=k_cache.shape[1] if block_table is not None else 0)
 
+    paged_fp8_step = _step_tokens(DECODE_TILES["fp8-paged-large"][0], padded_head_dim(d))
+
     def count(cfg):  # the asked count, else the heuristic's for this tile
+        if num_splits:
+            return num_splits
         gathers = (block_table is not None and not cfg.resident_per_sm
                    and not tma_tiles(cfg, k_cache.shape[1], k_cache.dtype == torch.uint8))
-        return num_splits or num_splits_heuristic(b, hkv, _utils.cdiv(rows, cfg.block_m), capacity, cfg.block_n,
-                                                  sms, cfg.resident_per_sm,
-                                                  per_sm=GATHER_PROGRAMS_PER_SM if gathers else 2,
-                                                  long_per_sm=LONG_SPLIT_PROGRAMS_PER_SM if block_table is None else 0)
+        splits = num_splits_heuristic(b, hkv, _utils.cdiv(rows, cfg.block_m), capacity, cfg.block_n, sms,
+                                      cfg.resident_per_sm, per_sm=GATHER_PROGRAMS_PER_SM if gathers else 2,
+                                      long_per_sm=LONG_SPLIT_PROGRAMS_PER_SM if block_table is None else 0)
+        if (block_table is not None and k_cache.dtype == torch.float8_e4m3fn and cfg.block_n == paged_fp8_step
+                and capacity >= PAGED_FP8_MIN_SPLITS * MIN_SPLIT_TOKENS):
+            splits = max(splits, PAGED_FP8_MIN_SPLITS)
+        return splits
 
     cfg = config.chosen("decode", tiles())
     splits = count(cfg)
