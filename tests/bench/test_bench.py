@@ -205,6 +205,10 @@ def test_sdpa_peers_layout_cpu():
     fn = peers.sdpa_decode(qd, kd, vd)
     assert fn is not None
     torch.testing.assert_close(fn(), _attn(qd, kd, vd, False), atol=1e-4, rtol=1e-4)
+    for heads in (1, 2):  # a copy of its own for every timed copy, one KV head (MQA) included
+        x = torch.randn(3, 40, heads, 16)
+        y = peers.heads_major_copy(x)
+        assert y.data_ptr() != x.data_ptr() and y.is_contiguous() and torch.equal(y, x.transpose(1, 2))
 
 
 # ---- suites, on CPU with a stand-in tileflash -------------------------------------------------
