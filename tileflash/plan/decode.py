@@ -263,7 +263,8 @@ MIN_SPLIT_TOKENS = 512  # shorter caches are not split
 # each is MIN_SPLIT_TOKENS or longer, even when the batch alone fills every SM. Run 231 (`sweep decode`, H100, graph
 # replay, 32/8 heads d128, us at 1 -> 2 splits): page 64 b=64 ctx 4k 241.0 -> 214.8, page 16 b=32 ctx 8k 239.0 ->
 # 210.8, page 16 b=128 ctx 1k 133.0 -> 125.8; 4 splits 218.6-140.5, the 128-token gather tile 220.8-128.5 at its
-# best. (The contiguous cache's 128-token tile was not timed at 2.)
+# best; run 232: page 16 b=256 ctx 2k 493.4 -> 424.1. Not the contiguous cache's 128-token tile (run 232: b=64 ctx 4k
+# 194.2 at 1 split, 203.3 at 2).
 PAGED_FP8_MIN_SPLITS = 2
 
 
