@@ -521,10 +521,12 @@ def test_merge_tiles_properties():
 
 @pytest.mark.parametrize("args, fused", [
     ((1, 4, 128), False),  # no split: nothing to merge
-    ((33, 4, 128), True),  # b=1 32/8 heads d128: 33 splits of 4 rows in 3 loads of 16
-    ((128, 8, 128), True),  # MQA b=1 ctx 8k: 128 splits of 8 rows in 16 loads (as fast as the combine, run 200)
-    ((129, 8, 128), False),  # one load more: the combine launch
-    ((4, 64, 128), True),  # many rows, few splits: two row blocks of 32
+    ((33, 4, 128), True),  # b=1 32/8 heads d128: 33 splits of 4 rows in 3 loads of 16 (run 217: 33.0 vs 38.7 us)
+    ((49, 4, 128), False),  # b=1 ctx 128k: 4 loads, the merge's tail costs more than the launch (run 228)
+    ((128, 8, 128), False),  # MQA b=1 ctx 8k: 16 loads (runs 228 / 232: 71 us eager fused vs 6.9 in graphs)
+    ((24, 8, 128), True),  # MQA, 24 splits: 3 loads of 8
+    ((2, 64, 128), True),  # many rows, few splits: two row blocks of 32, one load each
+    ((4, 64, 128), False),  # ... twice as many splits: 4 loads
 ])
 def test_fused_combine_anchors(args, fused):
     assert fused_combine_rule(*args) == fused

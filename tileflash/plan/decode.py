@@ -285,12 +285,16 @@ MERGE_TILE = 8192  # fp32 partials per load of the fused merge: 64 registers a t
 
 
 # The fused merge's loads (memory round trips) at most; more take the combine launch. Eager calls only (captured
-# ones take the combine launch: launch/direct.Counters). Run 200's `sweep decode --vary fused_combine=0,1` (b=1
-# ctx 8k 14.6 vs 14.9 us, MQA b=1 ctx 8k at 16 loads 6.54 vs 6.53) timed graph replays that both took the combine
-# launch; run 210 found the merge in the attention launch ~10 us slower at b=1 ctx 8k (24.2-25.2 us). Eager calls
-# are host-bound and save the combine's launch (`bench host`: decode eager 38.5 us vs SDPA 40.9, paged 16 + append
-# 52.1 vs 80.3 in run 181).
-MAX_MERGE_LOADS = 16
+# ones take the combine launch: launch/direct.Counters). The merge trades GPU time for host time: the last split of a
+# tile merges alone after every other has finished, ~3-5 us a load (run 217, torch.profiler, H100: b=1 ctx 8k 32/8
+# heads, 33 splits in 3 loads, attention kernel 27.0 us fused vs 14.5 + 4.9 for attention + combine; MQA b=8 ctx 8k,
+# 33 splits in 5 loads, 41.1 vs 14.8 + 2.3). Eager calls that are host-bound gain the combine's launch (3 loads:
+# 33.0 vs 38.7 us of eager wall time, run 217; `bench host` decode eager 38.5 us vs SDPA 40.9 in run 181); past 3
+# loads the tail costs more than that (`bench decode`, eager us vs graph replay with the combine launch, runs 228
+# and 232: MQA b=1 ctx 8k at 16 loads 71.4 / 71.1 vs 6.9, MQA b=8 ctx 8k at 5 loads 52.6 vs 17.6; GQA b=1 ctx 128k
+# at 4 loads 205.7 vs 181.9, SDPA 195.1 vs 182.2). Run 200's `sweep decode --vary fused_combine=0,1`, which had set
+# 16, timed graph replays that both took the combine launch.
+MAX_MERGE_LOADS = 3
 
 
 def merge_tiles(rows: int, head_dim_pad: int) -> tuple[int, int]:
