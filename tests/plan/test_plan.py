@@ -9,11 +9,10 @@ import torch
 from tileflash import _utils
 from tileflash.plan import (COMBINE_TILE, LONG_SPLIT_PROGRAMS_PER_SM, MAX_MERGE_LOADS, MAX_SPLITS, MERGE_TILE,
                             MIN_SPLIT_TOKENS, PAGED_FP8_MIN_SPLITS, QUANT_MMA_HEAD_DIMS, SHARED_MEM_PER_BLOCK,
-                            bwd_config, bwd_ws_config,
-                            combine_tiles, decode_block_m, decode_config, fused_combine_rule, fwd_config,
-                            fwd_ws_config, has_tma, merge_tiles, mla_decode_config, mma_sync_target,
-                            num_splits_heuristic, padded_head_dim, quant_decode_config, small_shared_memory,
-                            tensor_memory)
+                            bwd_config, bwd_ws_config, combine_tiles, decode_block_m, decode_config,
+                            fused_combine_rule, fwd_config, fwd_ws_config, has_tma, merge_tiles, mla_decode_config,
+                            mma_sync_target, num_splits_heuristic, padded_head_dim, quant_decode_config,
+                            small_shared_memory, tensor_memory)
 from tileflash.plan import decode as plan_decode
 
 H200_SMS = 132
