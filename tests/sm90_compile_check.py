@@ -280,7 +280,7 @@ def _cases(arch: int = 90):
             lambda: tileflash.flash_attn_func(*(torch.randn(2, 4096, 16, 128, dtype=bf) for _ in range(3)),
                                               causal=True, learnable_sink=torch.rand(16))),
         "decode nvfp4 split learnable_sink (Triton kernel, the sink in the fused merge)": sinks_on_triton(
-            lambda: decode("nvfp4", b=8, ctx=4096, num_splits=2, learnable_sink=torch.rand(32)), combine=False),
+            lambda: decode("nvfp4", b=4, ctx=4096, num_splits=2, learnable_sink=torch.rand(32)), combine=False),
         "decode nvfp4 split learnable_sink, combine launch (Triton kernel, the sink in the combine)": sinks_on_triton(
             lambda: combine_launch(lambda: decode("nvfp4", b=8, ctx=4096, num_splits=2,
                                                   learnable_sink=torch.rand(32)))),

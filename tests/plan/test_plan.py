@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from tileflash import _utils
-from tileflash.plan import (COMBINE_TILE, LONG_SPLIT_PROGRAMS_PER_SM, MAX_MERGE_LOADS, MAX_SPLITS, MERGE_TILE,
-                            MIN_SPLIT_TOKENS, PAGED_FP8_MIN_SPLITS, QUANT_MMA_HEAD_DIMS, SHARED_MEM_PER_BLOCK,
-                            bwd_config, bwd_ws_config, combine_tiles, decode_block_m, decode_config,
-                            fused_combine_rule, fwd_config, fwd_ws_config, has_tma, merge_tiles, mla_decode_config,
-                            mma_sync_target, num_splits_heuristic, padded_head_dim, quant_decode_config,
-                            small_shared_memory, tensor_memory)
+from tileflash.plan import (COMBINE_TILE, KV_ELEMENT_BYTES, LONG_SPLIT_PROGRAMS_PER_SM, MAX_MERGE_LOADS, MAX_SPLITS,
+                            MERGE_MAX_KV_BYTES, MERGE_TILE, MIN_SPLIT_TOKENS, PAGED_FP8_MIN_SPLITS, QUANT_MMA_HEAD_DIMS,
+                            SHARED_MEM_PER_BLOCK, bwd_config, bwd_ws_config, combine_tiles, decode_block_m,
+                            decode_config, fused_combine_rule, fwd_config, fwd_ws_config, has_tma, merge_tiles,
+                            mla_decode_config, mma_sync_target, num_splits_heuristic, padded_head_dim,
+                            quant_decode_config, small_shared_memory, tensor_memory)
 from tileflash.plan import decode as plan_decode
 
 H200_SMS = 132
@@ -508,24 +508,33 @@ def test_combine_tiles_anchors(args, expected):
 
 def test_merge_tiles_properties():
     """Power-of-two loads of MERGE_TILE values (fewer where a tile has fewer rows), at least two splits a load, no
-    more rows than the tile has; the rule fuses exactly where the loads stay within MAX_MERGE_LOADS."""
+    more rows than the tile has; the rule fuses exactly where the loads stay within MAX_MERGE_LOADS and the cache
+    within MERGE_MAX_KV_BYTES."""
     for rows, d in itertools.product((1, 3, 4, 8, 16, 64), (32, 64, 128, 256, 512)):
         merge_rows, merge_splits = merge_tiles(rows, d)
         assert _pow2(merge_rows) and _pow2(merge_splits) and merge_splits >= 2, (rows, d)
         assert merge_rows * merge_splits * d <= MERGE_TILE and merge_rows <= _utils.next_pow2(rows), (rows, d)
         for splits in range(1, MAX_SPLITS + 1):
             loads = _utils.cdiv(rows, merge_rows) * _utils.cdiv(splits, merge_splits)
-            assert fused_combine_rule(splits, rows, d) == (splits > 1 and loads <= MAX_MERGE_LOADS), (splits, rows)
+            for kv_bytes in (0, MERGE_MAX_KV_BYTES, MERGE_MAX_KV_BYTES + 1):
+                expected = splits > 1 and loads <= MAX_MERGE_LOADS and kv_bytes <= MERGE_MAX_KV_BYTES
+                assert fused_combine_rule(splits, rows, d, kv_bytes) == expected, (splits, rows, kv_bytes)
 
 
+MIB = 1 << 20
+
+
+# (splits, rows, padded head dim, cache bytes read) -> fused
 @pytest.mark.parametrize("args, fused", [
-    ((1, 4, 128), False),  # no split: nothing to merge
-    ((33, 4, 128), True),  # b=1 32/8 heads d128: 33 splits of 4 rows in 3 loads of 16 (run 217: 33.0 vs 38.7 us)
-    ((49, 4, 128), False),  # b=1 ctx 128k: 4 loads, the merge's tail costs more than the launch (run 228)
-    ((128, 8, 128), False),  # MQA b=1 ctx 8k: 16 loads (runs 228 / 232: 71 us eager fused vs 6.9 in graphs)
-    ((24, 8, 128), True),  # MQA, 24 splits: 3 loads of 8
-    ((2, 64, 128), True),  # many rows, few splits: two row blocks of 32, one load each
-    ((4, 64, 128), False),  # ... twice as many splits: 4 loads
+    ((1, 4, 128, 0), False),  # no split: nothing to merge
+    ((33, 4, 128, 32 * MIB), True),  # b=1 ctx 8k 32/8 heads: 3 loads of 16 splits (run 217: 33.0 vs 38.7 us eager)
+    ((50, 4, 128, 32 * MIB), True),  # the same cache in pages of 16: 50 splits, 4 loads (`bench host`'s append row)
+    ((33, 4, 128, 128 * MIB), False),  # b=1 ctx 32k: the attention outlasts the host (run 228: 70.8 vs 51.7 us)
+    ((128, 8, 128, 4 * MIB), False),  # MQA b=1 ctx 8k: 16 loads (runs 228 / 232: 71 us eager vs 6.9 in graphs)
+    ((33, 8, 128, 32 * MIB), False),  # MQA b=8 ctx 8k: 5 loads (52.6 vs 17.6)
+    ((24, 8, 128, 24 * MIB), True),  # MQA, 24 splits: 3 loads of 8
+    ((4, 64, 128, 0), True),  # many rows, few splits: two row blocks of 32, two loads each
+    ((6, 64, 128, 0), False),  # ... 6 loads
 ])
 def test_fused_combine_anchors(args, fused):
     assert fused_combine_rule(*args) == fused
@@ -581,7 +590,8 @@ def test_split_plan_properties(gpu_planning):
             assert capacity == ctx and cfg == decode_config(d, hq // hkv, kv_format=fmt, paged=bool(page),
                                                             kv_tokens=b * ctx * hkv, tokens_per_program=ctx // s,
                                                             page_size=page, num_splits=s), args
-            assert cfg.fused_combine == fused_combine_rule(s, min(cfg.block_m, hq // hkv), d), args
+            kv_bytes = b * ctx * hkv * d * 2 * KV_ELEMENT_BYTES[fmt]
+            assert cfg.fused_combine == fused_combine_rule(s, min(cfg.block_m, hq // hkv), d, kv_bytes), args
             assert 1 <= s <= min(MAX_SPLITS, _utils.cdiv(ctx, cfg.block_n)), args
             floor = (fmt == "fp8" and page and cfg.block_n == 64 * 128 // d
                      and ctx >= PAGED_FP8_MIN_SPLITS * MIN_SPLIT_TOKENS)

@@ -9,9 +9,10 @@ from .target import (SHARED_MEM_PER_BLOCK, has_tma, mma_sync_target, padded_head
 from .prefill import (FwdConfig, Mask, ONE_WARPGROUP_MAX_KEYS, WsFwdConfig, fwd_config, fwd_ws_config, tma_tiles,
                      ws_call_ok, ws_forward_config)  # noqa: F401
 from .backward import BwdConfig, WsBwdConfig, bwd_config, bwd_ws_config, ws_backward_config  # noqa: F401
-from .decode import (COMBINE_TILE, DECODE_TILES, DecodeConfig, DecodeSchedule, GATHER_PROGRAMS_PER_SM, KV_FORMATS,
-                    LARGE_TILES_MIN_KV, LONG_PROGRAM_TOKENS, LONG_SPLIT_PROGRAMS_PER_SM, MAX_DECODE_TOKENS,
-                    MAX_MERGE_LOADS, MAX_SPLITS, MERGE_TILE, MIN_SPLIT_TOKENS, MLA_TILES, MlaGluonConfig,
+from .decode import (COMBINE_TILE, DECODE_TILES, DecodeConfig, DecodeSchedule, GATHER_PROGRAMS_PER_SM,
+                    KV_ELEMENT_BYTES, KV_FORMATS, LARGE_TILES_MIN_KV, LONG_PROGRAM_TOKENS, LONG_SPLIT_PROGRAMS_PER_SM,
+                    MAX_DECODE_TOKENS, MAX_MERGE_LOADS, MAX_SPLITS, MERGE_MAX_KV_BYTES, MERGE_TILE, MIN_SPLIT_TOKENS,
+                    MLA_TILES, MlaGluonConfig,
                     PAGED_FP8_MIN_SPLITS, QUANT_MMA_HEAD_DIMS, QUANT_MMA_MAX_ROWS, QUANT_MMA_SMALL_STEP_MIN_TOKENS,
                     QUANT_MMA_SMALL_STEP_PROGRAMS, QUANT_MMA_SMALL_STEP_SHORT_PROGRAMS, QuantDecodeConfig,
                     SHORT_SPLIT_TOKENS, cache_capacity, combine_pdl, combine_tiles, decode_block_m, decode_config,

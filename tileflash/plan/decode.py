@@ -90,7 +90,8 @@ def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_fo
     whose pages hold whole "16bit-paged-tma-large" steps take those. num_splits: KV splits (0: not known yet), for
     fused_combine (fused_combine_rule)."""
     block_m = decode_block_m(group_rows)
-    fused = fused_combine_rule(num_splits, min(block_m, group_rows), padded_head_dim(head_dim))
+    fused = fused_combine_rule(num_splits, min(block_m, group_rows), padded_head_dim(head_dim),
+                               kv_tokens * head_dim * 2 * KV_ELEMENT_BYTES[kv_format])
     if interpret:  # small steps; K/V through TMA descriptors as on the GPU (NVFP4 caches, and pages smaller than
         # a step, take pointers)
         return DecodeConfig(block_m=block_m, block_n=16, num_warps=4, num_stages=1, tma=True, fused_combine=fused)
@@ -284,17 +285,22 @@ def combine_tiles(num_splits: int, head_dim_pad: int) -> tuple[int, int]:
 MERGE_TILE = 8192  # fp32 partials per load of the fused merge: 64 registers a thread at 4 warps, in the epilogue
 
 
-# The fused merge's loads (memory round trips) at most; more take the combine launch. Eager calls only (captured
-# ones take the combine launch: launch/direct.Counters). The merge trades GPU time for host time: the last split of a
-# tile merges alone after every other has finished, ~3-5 us a load (run 217, torch.profiler, H100: b=1 ctx 8k 32/8
-# heads, 33 splits in 3 loads, attention kernel 27.0 us fused vs 14.5 + 4.9 for attention + combine; MQA b=8 ctx 8k,
-# 33 splits in 5 loads, 41.1 vs 14.8 + 2.3). Eager calls that are host-bound gain the combine's launch (3 loads:
-# 33.0 vs 38.7 us of eager wall time, run 217; `bench host` decode eager 38.5 us vs SDPA 40.9 in run 181); past 3
-# loads the tail costs more than that (`bench decode`, eager us vs graph replay with the combine launch, runs 228
-# and 232: MQA b=1 ctx 8k at 16 loads 71.4 / 71.1 vs 6.9, MQA b=8 ctx 8k at 5 loads 52.6 vs 17.6; GQA b=1 ctx 128k
-# at 4 loads 205.7 vs 181.9, SDPA 195.1 vs 182.2). Run 200's `sweep decode --vary fused_combine=0,1`, which had set
-# 16, timed graph replays that both took the combine launch.
-MAX_MERGE_LOADS = 3
+# The fused merge's limits: eager calls only (captured ones take the combine launch: launch/direct.Counters). The
+# merge trades GPU time for host time: the last split of a tile merges alone after every other has finished, ~3-5 us
+# a load (run 217, torch.profiler, H100: b=1 ctx 8k 32/8 heads, 33 splits in 3 loads, attention kernel 27.0 us
+# fused vs 14.5 + 4.9 for attention + combine; MQA b=8 ctx 8k, 33 splits in 5 loads, 41.1 vs 14.8 + 2.3), so it
+# pays only where the host's time for the call (~30-50 us eager) covers the attention and the merge's tail: a small
+# cache (at most MERGE_MAX_KV_BYTES read) in a few loads. Measured: b=1 ctx 8k 32/8 heads (32 MiB, 3 loads) 33.0 vs
+# 38.7 us of eager wall time (run 217); past the limits (`bench decode`, eager us vs graph replay with the combine
+# launch, runs 228 and 232): MQA b=1 ctx 8k (4 MiB, 16 loads) 71.4 / 71.1 vs 6.9, MQA b=8 ctx 8k (32 MiB, 5 loads)
+# 52.6 vs 17.6, GQA b=1 ctx 32k (128 MiB, 3 loads) 70.8 vs 51.7 and ctx 128k (4 loads) 205.7 vs 181.9, where SDPA's
+# eager call costs 13-14 us over its graph replay. The paged 16 + append row of `bench host` (32 MiB, 50 splits in 4
+# loads) keeps the merge. Run 200's `sweep decode --vary fused_combine=0,1`, which had set 16 loads, timed graph
+# replays that both took the combine launch.
+MAX_MERGE_LOADS = 4
+MERGE_MAX_KV_BYTES = 32 << 20
+KV_ELEMENT_BYTES = {"16bit": 2, "fp8": 1, "nvfp4": 0.5625}  # cache bytes per K or V value (NVFP4: 4 bits, and an
+# e4m3 scale per 16)
 
 
 def merge_tiles(rows: int, head_dim_pad: int) -> tuple[int, int]:
@@ -305,10 +311,11 @@ def merge_tiles(rows: int, head_dim_pad: int) -> tuple[int, int]:
     return merge_rows, MERGE_TILE // (merge_rows * head_dim_pad)
 
 
-def fused_combine_rule(num_splits: int, rows: int, head_dim_pad: int) -> bool:
+def fused_combine_rule(num_splits: int, rows: int, head_dim_pad: int, kv_bytes: float) -> bool:
     """Whether a split call of the Triton decode kernel merges its splits itself (the last split of a tile to
-    finish), saving the combine's launch: where the merge takes at most MAX_MERGE_LOADS loads."""
-    if num_splits <= 1:
+    finish), saving the combine's launch: where the call reads at most MERGE_MAX_KV_BYTES of cache (kv_bytes, K and
+    V) and the merge takes at most MAX_MERGE_LOADS loads."""
+    if num_splits <= 1 or kv_bytes > MERGE_MAX_KV_BYTES:
         return False
     merge_rows, merge_splits = merge_tiles(rows, head_dim_pad)
     return cdiv(rows, merge_rows) * cdiv(num_splits, merge_splits) <= MAX_MERGE_LOADS
