@@ -236,10 +236,17 @@ def _cases(arch: int = 90):
                                                 block_table=table, q_descale=qd, k_descale=kd, v_descale=vd,
                                                 out_dtype=fp16)
 
-    def combine_launch(call):
-        """call with the split combine as its own launch (the heuristic merges few splits in the attention)."""
-        with config.override(decode=lambda cfg: dataclasses.replace(cfg, fused_combine=False)):
+    def merge(call, fused: bool):
+        """call with its splits merged in the attention launch (fused) or by the combine's own launch, whichever
+        the planner would pick for the shape."""
+        with config.override(decode=lambda cfg: dataclasses.replace(cfg, fused_combine=fused)):
             call()
+
+    def combine_launch(call):
+        merge(call, False)
+
+    def fused_merge(call):
+        merge(call, True)
 
     def sinks_on_triton(call, combine=True):
         """Run a decode with learnable_sink whose shape would take the register-operand kernel: it must compile
@@ -280,7 +287,8 @@ def _cases(arch: int = 90):
             lambda: tileflash.flash_attn_func(*(torch.randn(2, 4096, 16, 128, dtype=bf) for _ in range(3)),
                                               causal=True, learnable_sink=torch.rand(16))),
         "decode nvfp4 split learnable_sink (Triton kernel, the sink in the fused merge)": sinks_on_triton(
-            lambda: decode("nvfp4", b=4, ctx=4096, num_splits=2, learnable_sink=torch.rand(32)), combine=False),
+            lambda: fused_merge(lambda: decode("nvfp4", b=8, ctx=4096, num_splits=2, learnable_sink=torch.rand(32))),
+            combine=False),
         "decode nvfp4 split learnable_sink, combine launch (Triton kernel, the sink in the combine)": sinks_on_triton(
             lambda: combine_launch(lambda: decode("nvfp4", b=8, ctx=4096, num_splits=2,
                                                   learnable_sink=torch.rand(32)))),
@@ -318,11 +326,11 @@ def _cases(arch: int = 90):
                                                                          page=128),
         "prefill fp8 d256 paged (page 64)": lambda: fp8_prefill(256, packed=True, page=64),
         "decode 16-bit contiguous": lambda: decode("16bit"),
-        "decode 16-bit b=1 ctx 8k, split, fused merge": lambda: decode("16bit", b=1, ctx=8192),
+        "decode 16-bit b=1 ctx 8k, split, fused merge": lambda: fused_merge(lambda: decode("16bit", b=1, ctx=8192)),
         "decode 16-bit b=1 ctx 8k, split, combine launch": lambda: combine_launch(lambda: decode("16bit", b=1,
                                                                                                 ctx=8192)),
-        "decode fp8 b=1 ctx 8k, split, fused merge, sink": lambda: decode(
-            "fp8", b=1, ctx=8192, learnable_sink=torch.zeros(32)),
+        "decode fp8 b=1 ctx 8k, split, fused merge, sink": lambda: fused_merge(lambda: decode(
+            "fp8", b=1, ctx=8192, learnable_sink=torch.zeros(32))),
         "decode 16-bit paged append": lambda: decode("16bit", append=True, paged=True),
         "decode 16-bit paged, large cache (128-token steps)": lambda: decode("16bit", paged=True, ctx=16384),
         "decode 16-bit paged, page 64 (TMA tiles)": lambda: decode("16bit", paged=True, page=64),

@@ -78,9 +78,10 @@ def sdpa_prefill(q, k, v, causal, backend, note=print, dropout_p=0.0):
 
 
 def heads_major_copy(x):
-    """A new [B, H, S, D] contiguous copy of x [B, S, H, D], always a copy: `.contiguous()` returns x itself when
-    H == 1 (its transpose is already contiguous), and the rotating graph timer's copies of an MQA cache then shared
-    one 33.5 MiB cache that stayed in the L2 (run 228: SDPA's MQA b=8 ctx 8k at 12.5 us, 2.7 TB/s)."""
+    """A new [B, H, S, D] contiguous copy of x [B, S, H, D], always a copy: when H == 1 the transposed view is
+    already contiguous, so `.contiguous()` returns it, on x's own storage, and the rotating graph timer's copies of
+    an MQA cache shared one 33.5 MiB cache that stayed in the L2 (run 228: SDPA's MQA b=8 ctx 8k at 12.5 us,
+    2.7 TB/s)."""
     return x.transpose(1, 2).clone(memory_format=torch.contiguous_format)
 
 

@@ -57,8 +57,8 @@ def decode_block_m(group_rows: int) -> int:
 #   pointers (pages of 16..64 tokens) keeps the widened tile in registers across 3 stages and spills: the sm_90
 #   SASS of its loop (b=8 ctx 8k, page 16) holds 600 local loads and 600 local stores per step, 3313 instructions
 #   per 128 tokens, against 802 per 64 tokens without spills at 64-token steps (page 64: TMA boxes, 441). Run 231
-#   (H100, `sweep decode`, us, 64 / 128 tokens at each one's best of 1, 2, 4 splits): page 16 b=32 ctx 8k 210.8 /
-#   216.4, b=128 ctx 1k 125.8 / 128.5; page 64 b=64 ctx 4k 214.8 / 224.5 (PAGED_FP8_MIN_SPLITS).
+#   (H100, `sweep decode`, us, 64 / 128 tokens at each one's best split count, the planner's or 1, 2, 4): page 16
+#   b=32 ctx 8k 210.8 / 216.4, b=128 ctx 1k 125.8 / 128.5; page 64 b=64 ctx 4k 214.8 / 224.5 (PAGED_FP8_MIN_SPLITS).
 DECODE_TILES = {"16bit": (64, 2, False, 0), "16bit-long": (128, 2, False, 1),
                 "16bit-paged-large": (128, 2, False, 1), "16bit-paged-tma-large": (64, 3, False, 1),
                 "fp8": (64, 3, True, 4), "fp8-large": (128, 3, True, 2), "fp8-paged-large": (64, 3, True, 4),
@@ -88,7 +88,7 @@ def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_fo
     "16bit-long" tiles from LONG_PROGRAM_TOKENS on. arch: the compile target (prefill.target_tiles; below sm_90
     steps of at most 64 tokens). page_size: tokens per page of a paged cache (0: not known); large 16-bit pools
     whose pages hold whole "16bit-paged-tma-large" steps take those. num_splits: KV splits (0: not known yet), for
-    fused_combine (fused_combine_rule)."""
+    fused_combine (fused_combine_rule, with the cache's bytes from kv_tokens and kv_format)."""
     block_m = decode_block_m(group_rows)
     fused = fused_combine_rule(num_splits, min(block_m, group_rows), padded_head_dim(head_dim),
                                kv_tokens * head_dim * 2 * KV_ELEMENT_BYTES[kv_format])
@@ -260,12 +260,12 @@ LONG_SPLIT_PROGRAMS_PER_SM = 3
 MIN_SPLIT_TOKENS = 512  # shorter caches are not split
 
 
-# Paged FP8 caches on the 64-token tiles ("fp8-paged-large": pages of 16..64 tokens) take at least two splits where
-# each is MIN_SPLIT_TOKENS or longer, even when the batch alone fills every SM. Run 231 (`sweep decode`, H100, graph
-# replay, 32/8 heads d128, us at 1 -> 2 splits): page 64 b=64 ctx 4k 241.0 -> 214.8, page 16 b=32 ctx 8k 239.0 ->
-# 210.8, page 16 b=128 ctx 1k 133.0 -> 125.8; 4 splits 218.6-140.5, the 128-token gather tile 220.8-128.5 at its
-# best; run 232: page 16 b=256 ctx 2k 493.4 -> 424.1. Not the contiguous cache's 128-token tile (run 232: b=64 ctx 4k
-# 194.2 at 1 split, 203.3 at 2).
+# Paged FP8 caches on the 64-token tiles ("fp8-paged-large": pages that hold no whole 128-token box) take at least
+# two splits where each is MIN_SPLIT_TOKENS or longer, even when the batch alone fills every SM. Run 231 (`sweep
+# decode`, H100, graph replay, 32/8 heads d128, us at 1 -> 2 splits): page 64 b=64 ctx 4k 241.0 -> 214.8, page 16
+# b=32 ctx 8k 239.0 -> 210.8, page 16 b=128 ctx 1k 133.0 -> 125.8 (4 splits: 218.9 / 218.6 / 140.5; the 128-token
+# gather tile at its best count 224.5 / 216.4 / 128.5); run 232: page 16 b=256 ctx 2k 493.4 -> 424.1. Not the
+# contiguous cache's 128-token tile (run 232: b=64 ctx 4k 194.2 at 1 split, 203.3 at 2).
 PAGED_FP8_MIN_SPLITS = 2
 
 
@@ -285,18 +285,19 @@ def combine_tiles(num_splits: int, head_dim_pad: int) -> tuple[int, int]:
 MERGE_TILE = 8192  # fp32 partials per load of the fused merge: 64 registers a thread at 4 warps, in the epilogue
 
 
-# The fused merge's limits: eager calls only (captured ones take the combine launch: launch/direct.Counters). The
-# merge trades GPU time for host time: the last split of a tile merges alone after every other has finished, ~3-5 us
-# a load (run 217, torch.profiler, H100: b=1 ctx 8k 32/8 heads, 33 splits in 3 loads, attention kernel 27.0 us
-# fused vs 14.5 + 4.9 for attention + combine; MQA b=8 ctx 8k, 33 splits in 5 loads, 41.1 vs 14.8 + 2.3), so it
-# pays only where the host's time for the call (~30-50 us eager) covers the attention and the merge's tail: a small
-# cache (at most MERGE_MAX_KV_BYTES read) in a few loads. Measured: b=1 ctx 8k 32/8 heads (32 MiB, 3 loads) 33.0 vs
-# 38.7 us of eager wall time (run 217); past the limits (`bench decode`, eager us vs graph replay with the combine
-# launch, runs 228 and 232): MQA b=1 ctx 8k (4 MiB, 16 loads) 71.4 / 71.1 vs 6.9, MQA b=8 ctx 8k (32 MiB, 5 loads)
-# 52.6 vs 17.6, GQA b=1 ctx 32k (128 MiB, 3 loads) 70.8 vs 51.7 and ctx 128k (4 loads) 205.7 vs 181.9, where SDPA's
-# eager call costs 13-14 us over its graph replay. The paged 16 + append row of `bench host` (32 MiB, 50 splits in 4
-# loads) keeps the merge. Run 200's `sweep decode --vary fused_combine=0,1`, which had set 16 loads, timed graph
-# replays that both took the combine launch.
+# The fused merge's limits: eager calls only (captured ones take the combine launch: launch/direct.Counters). The merge
+# trades GPU time for host time: the last split of a tile merges alone after every other has finished, ~3-5 us a load
+# (run 217, torch.profiler, H100: b=1 ctx 8k 32/8 heads, 33 splits in 3 loads, attention kernel 27.0 us fused vs 14.5 +
+# 4.9 for attention + combine; MQA b=8 ctx 8k, 33 splits in 5 loads, 41.1 vs 14.8 + 2.3), so it pays only where the
+# host's time for the call (~30-50 us eager) covers the attention and the merge's tail: a small cache (at most
+# MERGE_MAX_KV_BYTES of capacity: a plan sees shapes, not cache_seqlens) in a few loads. Measured fused against the
+# combine launch (run 217, eager wall time): b=1 ctx 8k 32/8 heads (32 MiB, 3 loads) 33.0 vs 38.7 us. Past the limits,
+# eager calls against graph replays with the combine launch (`bench decode`, runs 228 and 232; the eager side also pays
+# the host's time, as SDPA's, which costs 13-14 us more eager than replayed there): MQA b=1 ctx 8k (4 MiB, 16 loads)
+# 71.4 / 71.1 vs 6.9, MQA b=8 ctx 8k (32 MiB, 5 loads) 52.6 vs 17.6, GQA b=1 ctx 32k (128 MiB, 3 loads) 70.8 vs 51.7 and
+# ctx 128k (4 loads) 205.7 vs 181.9. The paged 16 + append row of `bench host` (32 MiB, 50 splits in 4 loads) keeps the
+# merge. Run 200's `sweep decode --vary fused_combine=0,1`, which had set 16 loads, timed graph replays that both took
+# the combine launch.
 MAX_MERGE_LOADS = 4
 MERGE_MAX_KV_BYTES = 32 << 20
 KV_ELEMENT_BYTES = {"16bit": 2, "fp8": 1, "nvfp4": 0.5625}  # cache bytes per K or V value (NVFP4: 4 bits, and an
@@ -313,8 +314,8 @@ def merge_tiles(rows: int, head_dim_pad: int) -> tuple[int, int]:
 
 def fused_combine_rule(num_splits: int, rows: int, head_dim_pad: int, kv_bytes: float) -> bool:
     """Whether a split call of the Triton decode kernel merges its splits itself (the last split of a tile to
-    finish), saving the combine's launch: where the call reads at most MERGE_MAX_KV_BYTES of cache (kv_bytes, K and
-    V) and the merge takes at most MAX_MERGE_LOADS loads."""
+    finish), saving the combine's launch: where the cache holds at most MERGE_MAX_KV_BYTES (kv_bytes: K and V at
+    the cache's capacity) and the merge takes at most MAX_MERGE_LOADS loads."""
     if num_splits <= 1 or kv_bytes > MERGE_MAX_KV_BYTES:
         return False
     merge_rows, merge_splits = merge_tiles(rows, head_dim_pad)
@@ -452,7 +453,9 @@ def split_plan(q, k_cache, block_table, num_splits: int, mla: bool = False):
                               kv_tokens=b * capacity * hkv, arch=target_arch(),
                               page_size=k_cache.shape[1] if block_table is not None else 0)
 
-    paged_fp8_step = _step_tokens(DECODE_TILES["fp8-paged-large"][0], padded_head_dim(d))
+    # pages that do not hold whole 128-token boxes: the 64-token paged FP8 tiles (decode_config), on any target
+    fp8_small_pages = (block_table is not None and k_cache.dtype == torch.float8_e4m3fn
+                       and k_cache.shape[1] % _step_tokens(DECODE_TILES["fp8-large"][0], padded_head_dim(d)) != 0)
 
     def count(cfg):  # the asked count, else the heuristic's for this tile
         if num_splits:
@@ -462,8 +465,7 @@ def split_plan(q, k_cache, block_table, num_splits: int, mla: bool = False):
         splits = num_splits_heuristic(b, hkv, _utils.cdiv(rows, cfg.block_m), capacity, cfg.block_n, sms,
                                       cfg.resident_per_sm, per_sm=GATHER_PROGRAMS_PER_SM if gathers else 2,
                                       long_per_sm=LONG_SPLIT_PROGRAMS_PER_SM if block_table is None else 0)
-        if (block_table is not None and k_cache.dtype == torch.float8_e4m3fn and cfg.block_n == paged_fp8_step
-                and capacity >= PAGED_FP8_MIN_SPLITS * MIN_SPLIT_TOKENS):
+        if fp8_small_pages and capacity >= PAGED_FP8_MIN_SPLITS * MIN_SPLIT_TOKENS:
             splits = max(splits, PAGED_FP8_MIN_SPLITS)
         return splits
 
