@@ -237,8 +237,8 @@ def _cases(arch: int = 90):
                                                 out_dtype=fp16)
 
     def merge(call, fused: bool):
-        """call with its splits merged in the attention launch (fused) or by the combine's own launch, whichever
-        the planner would pick for the shape."""
+        """call with its splits merged in the attention launch (fused) or by the combine's own launch, forced
+        whatever the planner would pick for the shape."""
         with config.override(decode=lambda cfg: dataclasses.replace(cfg, fused_combine=fused)):
             call()
 

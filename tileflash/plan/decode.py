@@ -105,8 +105,8 @@ def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_fo
     tma_step = _step_tokens(DECODE_TILES["16bit-paged-tma-large"][0], d)
     if key == "16bit-paged-large" and page_size and page_size % tma_step == 0:  # pages hold whole TMA boxes
         key = "16bit-paged-tma-large"
-    if key == "fp8-paged-large" and page_size and page_size % _step_tokens(DECODE_TILES["fp8-large"][0], d) == 0:
-        key = "fp8-large"  # pages hold whole 128-token TMA boxes
+    if key == "fp8-paged-large" and page_size and fp8_pages_hold_boxes(page_size, d):
+        key = "fp8-large"
     tokens, stages, trans, resident = DECODE_TILES[key]
     block_n = _step_tokens(tokens, d)
     if arch is not None and arch < 90 and block_n > 64:  # pointer gathers, no TMA: 128-token steps spilled on sm_80
@@ -115,6 +115,12 @@ def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_fo
     return target_tiles(DecodeConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=stages, tma=True,
                                      trans=trans, resident_per_sm=resident, fused_combine=fused), arch,
                         sm10x_warps=True)
+
+
+def fp8_pages_hold_boxes(page_size: int, d: int) -> bool:
+    """Whether pages of page_size tokens hold whole 128-token TMA boxes of an FP8 cache at (padded) head dim d:
+    the "fp8-large" tile reads them; smaller pages take "fp8-paged-large"'s 64-token steps."""
+    return page_size % _step_tokens(DECODE_TILES["fp8-large"][0], d) == 0
 
 
 def _step_tokens(tokens: int, d: int) -> int:
@@ -453,9 +459,9 @@ def split_plan(q, k_cache, block_table, num_splits: int, mla: bool = False):
                               kv_tokens=b * capacity * hkv, arch=target_arch(),
                               page_size=k_cache.shape[1] if block_table is not None else 0)
 
-    # pages that do not hold whole 128-token boxes: the 64-token paged FP8 tiles (decode_config), on any target
+    # the 64-token paged FP8 tiles (decode_config), on any target
     fp8_small_pages = (block_table is not None and k_cache.dtype == torch.float8_e4m3fn
-                       and k_cache.shape[1] % _step_tokens(DECODE_TILES["fp8-large"][0], padded_head_dim(d)) != 0)
+                       and not fp8_pages_hold_boxes(k_cache.shape[1], padded_head_dim(d)))
 
     def count(cfg):  # the asked count, else the heuristic's for this tile
         if num_splits:
