@@ -54,7 +54,7 @@ def _cases(arch: int = 90):
 
     import tileflash
     from tileflash import config
-    from tileflash.plan import GemmWgmmaConfig, MlaGluonConfig, WsBwdConfig
+    from tileflash.plan import GemmDecodedConfig, GemmWgmmaConfig, MlaGluonConfig, WsBwdConfig
 
     sm90 = arch == 90
 
@@ -169,15 +169,18 @@ def _cases(arch: int = 90):
 
     def gemm(m, n, k, dtype=bf, kernel=None, forced=None):
         """An nvfp4_matmul call; kernel "mma" / "wgmma": it must take that Gluon kernel on sm_90
-        (lowp/kernels/gemm_mma.py, gemm_wgmma.py); forced: config.override's keywords (sm_90 cases only)."""
+        (lowp/kernels/gemm_mma.py, gemm_wgmma.py), "decoded": the weight decode of the cuBLAS route (every
+        target); forced: config.override's keywords."""
         from tileflash.lowp.kernels.gemm_mma import nvfp4_matmul_mma_kernel
         from tileflash.lowp.kernels.gemm_wgmma import nvfp4_matmul_wgmma_kernel
+        from tileflash.lowp.kernels.quant import nvfp4_dequantize_kernel
 
-        kern = {"mma": (nvfp4_matmul_mma_kernel,), "wgmma": (nvfp4_matmul_wgmma_kernel,)}.get(kernel, ())
+        kern = {"mma": (nvfp4_matmul_mma_kernel,), "wgmma": (nvfp4_matmul_wgmma_kernel,),
+                "decoded": (nvfp4_dequantize_kernel,)}.get(kernel, ())
         call = lambda: tileflash.nvfp4_matmul(torch.randn(m, k, dtype=dtype),  # noqa: E731
                                               *tileflash.nvfp4_quantize(torch.randn(n, k)))
         with config.override(**(forced or {})):
-            (_compiles if sm90 else _avoids)(kern, call)
+            (_compiles if sm90 or kernel == "decoded" else _avoids)(kern, call)  # decoded: every target
 
     def gemm_w4a4(m, n, k):
         """nvfp4_matmul with an NVFP4 a: on Blackwell its kernel's SASS must hold the block-scaled FP4 MMA
@@ -399,7 +402,10 @@ def _cases(arch: int = 90):
             forced={"gemm_wgmma": GemmWgmmaConfig(block_m=16, consumers=2, stages=6, split_k=2, steps=1, prefetch=3)}),
         "gemm M=5, wgmma 16 rows": lambda: gemm(5, 4096, 4096, kernel="wgmma"),
         "gemm M=128, K tail (Triton kernel)": lambda: gemm(128, 512, 1040),
-        "gemm M=1024": lambda: gemm(1024, 512, 1024),
+        "gemm M=1024, Triton kernel (W4A4's large-M tiles)": lambda: gemm(1024, 512, 1024,
+                                                                           forced={"gemm_decoded": None}),
+        "gemm M=300, decoded weight in chunks + cuBLAS": lambda: gemm(300, 520, 1024, kernel="decoded", forced={
+            "gemm_decoded": GemmDecodedConfig(chunk_rows=256)}),
         "gemm W4A4 M=1 (split-K, swapped)": gemm_w4a4(1, 512, 2048),
         "gemm W4A4 M=200, K tail": gemm_w4a4(200, 384, 1040),
     }

@@ -8,10 +8,11 @@ import torch
 import tileflash._utils as tf_utils
 from helpers import DEVICE, ON_GPU, ON_SM90, check_2x
 from tileflash.lowp.formats import E4M3, nvfp4_dequantize_ref
-from tileflash.plan import (GemmConfig, GemmMmaConfig, GemmWgmmaConfig, gemm_config, gemm_mma_config,
-                            gemm_wgmma_config)
+from tileflash.plan import (GemmConfig, GemmDecodedConfig, GemmMmaConfig, GemmWgmmaConfig, gemm_config,
+                            gemm_decoded_config, gemm_mma_config, gemm_wgmma_config)
 from tileflash.plan.gemm import native_fp4_config
 from tileflash.lowp.gemm import nvfp4_matmul
+from tileflash.launch.lowp import launch_nvfp4_dequantize
 from tileflash.lowp.quant import nvfp4_dequantize, nvfp4_quantize
 
 
@@ -117,6 +118,50 @@ def test_matches_dequantize_then_matmul():
     a, b_q = _inputs(9, 32, 64, torch.float16, seed=5)
     w = nvfp4_dequantize(*b_q)
     check_2x(nvfp4_matmul(a, *b_q), a.float() @ w.T, a @ w.half().T)
+
+
+@pytest.mark.parametrize("m, n, k, expected", [
+    (256, 8192, 8192, None),  # the fused kernels' rows
+    (257, 8192, 8192, GemmDecodedConfig(4096)),  # 64 MiB of bf16: 4096 rows of 8192
+    (4096, 28672, 4096, GemmDecodedConfig(8192)),
+    (1024, 100, 4096, GemmDecodedConfig(100)),  # the whole weight in one chunk
+    (1024, 8192, 1 << 20, GemmDecodedConfig(128)),  # 128 rows at least
+])
+def test_gemm_decoded_config_table(m, n, k, expected):
+    assert gemm_decoded_config(m, n, k) == expected
+    assert gemm_decoded_config(m, n, k, a_nvfp4=True) is None  # W4A4 keeps its kernels
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_weight_decoded_to_16_bits_rounds_once(dtype):
+    """The decoded weight of the large-M route (every e4m3 scale byte, every code) is the fp32 dequantization rounded
+    once to a's dtype: bitwise what nvfp4_dequantize(...).to(dtype) gives, NaN scales included."""
+    _, (data, scales, gs) = _inputs(1, 256, 32, torch.float16, seed=22)
+    s_bytes = scales.view(torch.uint8).clone()
+    s_bytes[:, 0] = torch.arange(256, dtype=torch.uint8, device=DEVICE)
+    data = data.clone()
+    data[:, :8] = torch.arange(256, dtype=torch.uint8, device=DEVICE)[:, None]  # every pair of codes
+    gs = torch.tensor(0.37, device=DEVICE)  # not a power of two: the product with it rounds
+    got = torch.full((256, 32), float("nan"), dtype=dtype, device=DEVICE)
+    launch_nvfp4_dequantize(data, s_bytes, gs, got)
+    want = nvfp4_dequantize(data, s_bytes.view(E4M3.dtype), gs).to(dtype)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("chunk_rows", [128, 48], ids=["one-chunk", "chunks-with-tail"])
+def test_decoded_weight_route(override, dtype, chunk_rows):
+    """W4A16 above 256 rows (forced here at a small shape): the weight decoded into a's dtype chunk by chunk (here
+    also 48-row chunks and a 4-row tail), then cuBLAS (torch.mm) into each chunk's output columns. One chunk is
+    bitwise a @ nvfp4_dequantize(b).to(a.dtype).T; chunks keep the 2x rule (each column has the same operands)."""
+    override(gemm_decoded=GemmDecodedConfig(chunk_rows))
+    a, b_q = _inputs(7, 100, 96, dtype, seed=21)
+    a = a.t().contiguous().t()  # column-major a: cuBLAS takes any strides
+    out = nvfp4_matmul(a, *b_q)
+    assert out.dtype == dtype and out.shape == (7, 100)
+    if chunk_rows >= 100:
+        torch.testing.assert_close(out, a @ nvfp4_dequantize(*b_q).to(dtype).T, rtol=0, atol=0)
+    _check(a, b_q, out)
 
 
 def _w4a4_inputs(m, n, k, seed):
@@ -455,7 +500,7 @@ def test_prep_order_pairs_with_the_weight_order():
     (256, 8192, 8192, GemmWgmmaConfig(128, 2, 4, 1, steps=1)),  # 128 tiles: one wave already
     (128, 28672, 4096, GemmWgmmaConfig(128, 2, 4, 1, steps=1)),
     (64, 1024, 4096, GemmWgmmaConfig(64, 2, 4, 4)),  # 8 tiles: slices of at least 4 stages, 16 stages -> 4
-    (257, 8192, 8192, None),  # past GEMM_WGMMA_MAX_M: the Triton kernel
+    (257, 8192, 8192, None),  # past GEMM_WGMMA_MAX_M: the decoded weight and cuBLAS
     (64, 8192, 8320, None),  # K not a multiple of 256
 ])
 def test_gemm_wgmma_config_table(m, n, k, expected):

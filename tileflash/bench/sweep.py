@@ -45,6 +45,7 @@ FAMILY_HELP = {
     "gemm": "gemm / GemmConfig: the Triton NVFP4 GEMM; shapes m,n,k (bf16 activations)",
     "gemm-mma": "gemm_mma / GemmMmaConfig: the sm_90 register-operand GEMM (m <= 16); same shapes",
     "gemm-wgmma": "gemm_wgmma / GemmWgmmaConfig: the sm_90 wgmma GEMM (m <= 256); same shapes",
+    "gemm-decoded": "gemm_decoded / GemmDecodedConfig: W4A16 above 256 rows, decoded weight + cuBLAS; same shapes",
 }
 
 
@@ -196,13 +197,17 @@ FAMILIES = {
                            rotate=True),
     "gemm": Family("gemm", plan.GemmConfig, ((1, 8192, 8192), (16, 8192, 8192), (64, 8192, 8192),
                                              (128, 8192, 8192), (128, 28672, 4096)), _gemm, rotate=True,
-                   also=("gemm_mma", "gemm_wgmma")),
+                   also=("gemm_mma", "gemm_wgmma", "gemm_decoded")),
     "gemm-mma": Family("gemm_mma", plan.GemmMmaConfig, ((1, 8192, 8192), (16, 8192, 8192), (16, 28672, 4096)),
                        _gemm, rotate=True, also=("gemm_wgmma",)),
     "gemm-wgmma": Family("gemm_wgmma", plan.GemmWgmmaConfig, ((1, 8192, 8192), (16, 8192, 8192), (1, 28672, 4096),
                                                                (16, 28672, 4096), (64, 8192, 8192), (128, 8192, 8192),
                                                                (256, 8192, 8192), (64, 28672, 4096),
-                                                               (128, 28672, 4096)), _gemm, rotate=True),
+                                                               (128, 28672, 4096)), _gemm, rotate=True,
+                         also=("gemm_decoded",)),
+    "gemm-decoded": Family("gemm_decoded", plan.GemmDecodedConfig, ((512, 8192, 8192), (1024, 8192, 8192),
+                                                                   (4096, 8192, 8192), (1024, 28672, 4096)),
+                           _gemm, rotate=True),
 }
 
 

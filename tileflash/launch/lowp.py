@@ -12,7 +12,7 @@ from ..lowp.kernels.gemm_dequant import nvfp4_matmul_kernel
 from ..lowp.kernels.gemm_mma import nvfp4_matmul_mma_kernel
 from ..lowp.kernels.gemm_wgmma import HALF_STEP, STEP_K, activation_prep_kernel, nvfp4_matmul_wgmma_kernel
 from ..lowp.kernels.quant import nvfp4_dequantize_kernel, nvfp4_quantize_kernel
-from ..plan.gemm import GEMM_WGMMA_K_MULTIPLE, gemm_config, gemm_mma_config, gemm_wgmma_config
+from ..plan.gemm import GEMM_WGMMA_K_MULTIPLE, gemm_config, gemm_decoded_config, gemm_mma_config, gemm_wgmma_config
 from ..plan.target import native_fp4_mma, sm90_target, target_arch, tma_aligned
 from .tensors import gluon_desc, launch_sum_cast
 
@@ -39,18 +39,20 @@ def launch_nvfp4_quantize(x2, data, scale_bits, global_scale) -> None:
 
 
 def launch_nvfp4_dequantize(d2, s2, global_scale, out) -> None:
-    """d2 [R, K/2] uint8, s2 [R, K/16] uint8 -> out [R, K] fp32 (contiguous)."""
+    """d2 [R, K/2] uint8, s2 [R, K/16] uint8 -> out [R, K] (contiguous) in out's dtype: fp32, fp16 or bf16."""
     k = d2.shape[1] * 2
     grid, block_r, block_k = _grid(d2.shape[0], k)
     nvfp4_dequantize_kernel[grid](d2, s2, global_scale, out, d2.shape[0], k, d2.stride(0), d2.stride(1),
-                                  s2.stride(0), s2.stride(1), BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
+                                  s2.stride(0), s2.stride(1), BLOCK_R=block_r, BLOCK_K=block_k,
+                                  UPCAST=_utils.upcast_tiles(), num_warps=4)
 
 
 class GemmPlan(direct.Replayable):
     """One nvfp4_matmul call's kernel (on sm_90, W4A16 takes the wgmma kernel up to M = 256 with K a multiple of 256
     and TMA-addressable weights (run 164: 1.2-1.5x the register-operand kernel at M = 1 and 16), the
-    register-operand kernel for the other calls with M <= 16; else the Triton one; W4A4 on the native
-    block-scaled MMA where the target has it), K slices and launch arguments. With one K slice the kernel writes
+    register-operand kernel for the other calls with M <= 16; W4A16 above 256 rows the decoded weight and cuBLAS;
+    else the Triton one; W4A4 on the native block-scaled MMA where the target has it), K slices and launch
+    arguments. With one K slice the kernel writes
     out [M, N] in out_dtype; with more, fp32 partials [slices, M, N] in the workspace, which a second launch sums
     in slice order into out. The wgmma kernel's prepared activation ([2 * m_pad, K/2] fp16 and [m_pad] row
     factors) comes from the workspace too."""
@@ -64,6 +66,12 @@ class GemmPlan(direct.Replayable):
         arch = target_arch()
         self.native = self.a_nvfp4 and native_fp4_mma(arch)
         self.mma = self.wgmma = None
+        self.decoded = None if self.empty else config.chosen("gemm_decoded",
+                                                             gemm_decoded_config(m, n, k, self.a_nvfp4))
+        if self.decoded is not None:
+            if self.a_nvfp4 or self.decoded.chunk_rows <= 0:
+                raise ValueError(f"{self.decoded}: only for a 16-bit a, with chunks of at least one row")
+            return
         if not self.empty and not self.a_nvfp4 and sm90_target():
             num_sms = _utils.num_sms(a.device)
             if _wgmma_operands_ok(b_data, b_scales):
@@ -98,6 +106,9 @@ class GemmPlan(direct.Replayable):
             return a.new_empty(self.out_shape, dtype=self.dtype)
         out = _utils.new_output(self.out_shape, self.dtype, self.device)
         stream = direct.current_stream(self.device)
+        if self.decoded is not None:
+            self._run_decoded(a, b_data, b_scales, b_global_scale, out, stream)
+            return out
         ws = direct.WORKSPACE.get(self.device, stream, self.ws_numel) if self.ws_numel else None
         self.execute(self._launch, (a, b_data, b_scales, b_global_scale, a_scales, a_global_scale, out, ws), stream)
         return out
@@ -113,6 +124,20 @@ class GemmPlan(direct.Replayable):
             partials = direct.derived(ws[:split * out.numel()].view(split, *out.shape), ws)
             self._launch_gemm(*operands, partials)
             launch_sum_cast(partials, out, split)
+
+    def _run_decoded(self, a, b_data, b_scales, b_global_scale, out, stream) -> None:
+        """Each chunk of weight rows decoded into a's dtype in the workspace, then cuBLAS's GEMM into its output
+        columns. Plain launches, nothing recorded: the call's GPU time (>= ~100 us) dwarfs its host time."""
+        k, n = a.shape[1], b_data.shape[0]
+        rows = min(n, self.decoded.chunk_rows)
+        ws = direct.WORKSPACE.get(self.device, stream, _utils.cdiv(rows * k, 2))
+        weight = ws[:_utils.cdiv(rows * k, 2)].view(a.dtype)[:rows * k].view(rows, k)
+        scale_bits = b_scales.view(torch.uint8)
+        for n0 in range(0, n, rows):
+            n1 = min(n, n0 + rows)
+            w = weight[:n1 - n0]
+            launch_nvfp4_dequantize(b_data[n0:n1], scale_bits[n0:n1], b_global_scale, w)
+            torch.mm(a, w.t(), out=out if n1 - n0 == n else out[:, n0:n1])
 
     def _launch_wgmma(self, a, b_data, b_scales, b_global_scale, out, ws) -> None:
         """The activation's prep pass, the wgmma kernel into out (one K slice) or into fp32 partials, then their

@@ -20,5 +20,5 @@ from .decode import (COMBINE_TILE, DECODE_TILES, DecodeConfig, DecodeSchedule, G
                     mla_gluon_rows, num_splits_heuristic, quant_decode_config, quant_mma_config,
                     split_plan)  # noqa: F401
 from .gemm import (GEMM_MMA_MAX_M, GEMM_MMA_MAX_TILES, GEMM_MMA_PROGRAMS_PER_SM, GEMM_MMA_SLICE_STEPS,
-                   GEMM_WGMMA_MAX_M, GemmConfig, GemmMmaConfig, GemmWgmmaConfig, gemm_config, gemm_mma_config,
-                   gemm_wgmma_config)  # noqa: F401
+                   GEMM_WGMMA_MAX_M, GemmConfig, GemmDecodedConfig, GemmMmaConfig, GemmWgmmaConfig, gemm_config,
+                   gemm_decoded_config, gemm_mma_config, gemm_wgmma_config)  # noqa: F401

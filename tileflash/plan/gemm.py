@@ -127,6 +127,32 @@ def gemm_wgmma_config(m: int, n: int, k: int, num_sms: int = 132, block_m: int =
                            steps=per_stage)
 
 
+@dataclass(frozen=True)
+class GemmDecodedConfig:
+    """W4A16 at large M: the weight decoded into a's dtype, chunk_rows rows at a time (into the workspace), each chunk
+    then multiplied by cuBLAS's 16-bit GEMM."""
+    chunk_rows: int
+
+
+GEMM_DECODED_MIN_M = GEMM_WGMMA_MAX_M + 1
+GEMM_DECODED_CHUNK_ELEMENTS = 32 * 1024 * 1024  # 64 MiB of decoded 16-bit weight at most (128-row chunks at least)
+
+
+def gemm_decoded_config(m: int, n: int, k: int, a_nvfp4: bool = False) -> GemmDecodedConfig | None:
+    """Past the fused kernels' rows (M > GEMM_WGMMA_MAX_M) a 16-bit a times an NVFP4 weight is decoded once and
+    multiplied by cuBLAS (None: the fused kernels). There the GEMM is bound by the tensor cores, the decoded weight's
+    traffic (N K (2 + 2 + 0.56) bytes: decode, write, read) costs less than the Triton kernel's decode per tile (H100
+    run 227, N=K=8192: M=1024 / 4096 407 / 1670 us vs cuBLAS bf16 200 / 807, 0.49x / 0.48x). Expected there: cuBLAS
+    plus ~60-75 us of decode at N=K=8192, ~1.5x / ~1.9x the Triton kernel. The weight is decoded with the global
+    scale folded in and rounded once to a's dtype: the 2x rule's low-precision reference, a @ w.to(a.dtype).T.
+    Chunks bound the transient weight at GEMM_DECODED_CHUNK_ELEMENTS (whole 128-row multiples, so cuBLAS keeps
+    full tiles)."""
+    if a_nvfp4 or m < GEMM_DECODED_MIN_M:
+        return None
+    rows = max(128, GEMM_DECODED_CHUNK_ELEMENTS // k // 128 * 128)
+    return GemmDecodedConfig(chunk_rows=min(n, rows))
+
+
 def gemm_config(m: int, n: int, k: int, interpret: bool = False, num_sms: int = 132, a_nvfp4: bool = False,
                 native_fp4: bool = False, arch: int | None = None) -> GemmConfig:
     """Tile shape from the problem shape only (CUDA-graph safe). Measured on the H200 (config_sweep.py

@@ -18,6 +18,7 @@ import os
 import triton
 import triton.language as tl
 
+from ...kernels.triton.cast import store_cast
 from ..formats import E2M1_MAX as _E2M1_MAX, E4M3 as _E4M3
 
 E2M1_MAX = tl.constexpr(_E2M1_MAX)
@@ -270,8 +271,10 @@ def nvfp4_unpack_tile(packed, s_bits, ROWS: tl.constexpr, COLS: tl.constexpr, PU
 
 @triton.jit
 def nvfp4_dequantize_kernel(data_ptr, scales_ptr, g_ptr, out_ptr, R, K, stride_dr, stride_dk, stride_sr, stride_sk,
-                            BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """data [R, K/2], scales [R, K/16] (any strides) -> out [R, K] float32 contiguous: (e2m1 * s) * g."""
+                            BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    """data [R, K/2], scales [R, K/16] (any strides) -> out [R, K] contiguous: (e2m1 * s) * g in fp32, stored in
+    out's dtype (fp32, or fp16 / bf16 rounded once: the large-M GEMM's decoded weight). UPCAST: the interpreter runs
+    it (its bf16 cast truncates)."""
     r64, row_ok = _rows(R, BLOCK_R)
     k0 = tl.program_id(1) * BLOCK_K
     offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
@@ -282,4 +285,5 @@ def nvfp4_dequantize_kernel(data_ptr, scales_ptr, g_ptr, out_ptr, R, K, stride_d
                      mask=row_ok[:, None] & (offs_s[None, :] < K // 16), other=0)
     out = nvfp4_unpack_tile(packed, s_bits, BLOCK_R, BLOCK_K, False).to(tl.float32) * E2M1_UNIT * tl.load(g_ptr)
     offs_k = k0 + tl.arange(0, BLOCK_K)
-    tl.store(out_ptr + r64[:, None] * K + offs_k[None, :], out, mask=row_ok[:, None] & (offs_k[None, :] < K))
+    tl.store(out_ptr + r64[:, None] * K + offs_k[None, :], store_cast(out, out_ptr.dtype.element_ty, UPCAST),
+             mask=row_ok[:, None] & (offs_k[None, :] < K))
