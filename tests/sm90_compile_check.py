@@ -402,8 +402,8 @@ def _cases(arch: int = 90):
             forced={"gemm_wgmma": GemmWgmmaConfig(block_m=16, consumers=2, stages=6, split_k=2, steps=1, prefetch=3)}),
         "gemm M=5, wgmma 16 rows": lambda: gemm(5, 4096, 4096, kernel="wgmma"),
         "gemm M=128, K tail (Triton kernel)": lambda: gemm(128, 512, 1040),
-        "gemm M=1024, Triton kernel (W4A4's large-M tiles)": lambda: gemm(1024, 512, 1024,
-                                                                           forced={"gemm_decoded": None}),
+        "gemm M=1024, Triton kernel's large-M tile (what W4A4 keeps)": lambda: gemm(
+            1024, 512, 1024, forced={"gemm_decoded": None}),
         "gemm M=300, decoded weight in chunks + cuBLAS": lambda: gemm(300, 520, 1024, kernel="decoded", forced={
             "gemm_decoded": GemmDecodedConfig(chunk_rows=256)}),
         "gemm W4A4 M=1 (split-K, swapped)": gemm_w4a4(1, 512, 2048),

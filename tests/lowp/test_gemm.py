@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import tileflash._utils as tf_utils
+import tileflash.launch.lowp
 from helpers import DEVICE, ON_GPU, ON_SM90, check_2x
 from tileflash.lowp.formats import E4M3, nvfp4_dequantize_ref
 from tileflash.plan import (GemmConfig, GemmDecodedConfig, GemmMmaConfig, GemmWgmmaConfig, gemm_config,
@@ -148,19 +149,39 @@ def test_weight_decoded_to_16_bits_rounds_once(dtype):
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.fixture
+def weight_decodes(monkeypatch):
+    """The row counts of the decoded route's weight decodes (launch_nvfp4_dequantize calls) during the test."""
+    rows = []
+    launch = tileflash.launch.lowp.launch_nvfp4_dequantize
+    monkeypatch.setattr(tileflash.launch.lowp, "launch_nvfp4_dequantize",
+                        lambda d2, *rest: rows.append(d2.shape[0]) or launch(d2, *rest))
+    return rows
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("chunk_rows", [128, 48], ids=["one-chunk", "chunks-with-tail"])
-def test_decoded_weight_route(override, dtype, chunk_rows):
+@pytest.mark.parametrize("chunk_rows, chunks", [(128, [100]), (48, [48, 48, 4])], ids=["one-chunk", "chunks-tail"])
+def test_decoded_weight_route(override, weight_decodes, dtype, chunk_rows, chunks):
     """W4A16 above 256 rows (forced here at a small shape): the weight decoded into a's dtype chunk by chunk (here
     also 48-row chunks and a 4-row tail), then cuBLAS (torch.mm) into each chunk's output columns. One chunk is
-    bitwise a @ nvfp4_dequantize(b).to(a.dtype).T; chunks keep the 2x rule (each column has the same operands)."""
+    bitwise a @ nvfp4_dequantize(b).to(a.dtype).T; chunks keep the 2x rule (each column has the same operands).
+    An a that requires grad is taken as a value (nvfp4_matmul has no gradient; torch.mm's out= would refuse it)."""
     override(gemm_decoded=GemmDecodedConfig(chunk_rows))
     a, b_q = _inputs(7, 100, 96, dtype, seed=21)
-    a = a.t().contiguous().t()  # column-major a: cuBLAS takes any strides
+    a = a.t().contiguous().t().requires_grad_()  # column-major a: cuBLAS takes any strides
     out = nvfp4_matmul(a, *b_q)
-    assert out.dtype == dtype and out.shape == (7, 100)
-    if chunk_rows >= 100:
+    assert weight_decodes == chunks
+    assert out.dtype == dtype and out.shape == (7, 100) and not out.requires_grad
+    a = a.detach()
+    if len(chunks) == 1:
         torch.testing.assert_close(out, a @ nvfp4_dequantize(*b_q).to(dtype).T, rtol=0, atol=0)
+    _check(a, b_q, out)
+
+
+def test_decoded_weight_route_is_the_default_above_256_rows(weight_decodes):
+    a, b_q = _inputs(257, 40, 64, torch.bfloat16, seed=23)
+    out = nvfp4_matmul(a, *b_q)
+    assert weight_decodes == [40]  # gemm_decoded_config's one chunk: the whole weight
     _check(a, b_q, out)
 
 

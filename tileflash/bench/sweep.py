@@ -199,7 +199,7 @@ FAMILIES = {
                                              (128, 8192, 8192), (128, 28672, 4096)), _gemm, rotate=True,
                    also=("gemm_mma", "gemm_wgmma", "gemm_decoded")),
     "gemm-mma": Family("gemm_mma", plan.GemmMmaConfig, ((1, 8192, 8192), (16, 8192, 8192), (16, 28672, 4096)),
-                       _gemm, rotate=True, also=("gemm_wgmma",)),
+                       _gemm, rotate=True, also=("gemm_wgmma", "gemm_decoded")),
     "gemm-wgmma": Family("gemm_wgmma", plan.GemmWgmmaConfig, ((1, 8192, 8192), (16, 8192, 8192), (1, 28672, 4096),
                                                                (16, 28672, 4096), (64, 8192, 8192), (128, 8192, 8192),
                                                                (256, 8192, 8192), (64, 28672, 4096),

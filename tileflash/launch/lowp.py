@@ -1,6 +1,6 @@
 """Launchers of the low-precision kernels: the NVFP4 quantizers and the NVFP4 GEMMs (on sm_90 the wgmma kernel up to
-M = 256 where its TMA copies apply, the register-operand kernel for other decode-sized calls, else the Triton
-dequantizing kernel)."""
+M = 256 where its TMA copies apply, the register-operand kernel for other decode-sized calls; W4A16 above 256 rows
+the decoded weight and cuBLAS; else the Triton dequantizing kernel)."""
 from __future__ import annotations
 
 import torch
@@ -127,7 +127,9 @@ class GemmPlan(direct.Replayable):
 
     def _run_decoded(self, a, b_data, b_scales, b_global_scale, out, stream) -> None:
         """Each chunk of weight rows decoded into a's dtype in the workspace, then cuBLAS's GEMM into its output
-        columns. Plain launches, nothing recorded: the call's GPU time (>= ~100 us) dwarfs its host time."""
+        columns. Plain launches, nothing recorded: the call's GPU time (>= ~100 us) dwarfs its host time. a is
+        detached: nvfp4_matmul has no gradient, and torch.mm's out= refuses an a that requires one."""
+        a = a.detach()
         k, n = a.shape[1], b_data.shape[0]
         rows = min(n, self.decoded.chunk_rows)
         ws = direct.WORKSPACE.get(self.device, stream, _utils.cdiv(rows * k, 2))

@@ -2,8 +2,9 @@
 (W4A4, both operands from nvfp4_quantize). Kernels: W4A16 on sm_90 takes the wgmma Gluon kernel up to M = 256
 with K a multiple of 256 (tileflash/lowp/kernels/gemm_wgmma.py) and the register-operand Gluon kernel for the
 other decode-sized calls (M <= 16, K a multiple of 32, gemm_mma.py); W4A16 above 256 rows decodes the weight into
-a's dtype (global scale folded in, rounded once; in chunks of at most 64 MiB) and multiplies it with cuBLAS
-(plan.gemm.gemm_decoded_config); everything else the Triton kernel (tileflash/lowp/kernels/gemm_dequant.py), which
+a's dtype (global scale folded in, rounded once; in chunks of 64 MiB of kept workspace, 128 rows at least) and
+multiplies it with cuBLAS (plan.gemm.gemm_decoded_config; its accumulation follows torch's
+allow_bf16/fp16_reduced_precision_reduction settings); everything else the Triton kernel (tileflash/lowp/kernels/gemm_dequant.py), which
 also runs in the CPU interpreter; W4A4 on Blackwell (sm_100, sm_120) feeds the codes and scales to the native
 block-scaled MMA, elsewhere it decodes both operands.
 

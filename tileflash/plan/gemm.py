@@ -146,7 +146,7 @@ def gemm_decoded_config(m: int, n: int, k: int, a_nvfp4: bool = False) -> GemmDe
     plus ~60-75 us of decode at N=K=8192, ~1.5x / ~1.9x the Triton kernel. The weight is decoded with the global
     scale folded in and rounded once to a's dtype: the 2x rule's low-precision reference, a @ w.to(a.dtype).T.
     Chunks bound the transient weight at GEMM_DECODED_CHUNK_ELEMENTS (whole 128-row multiples, so cuBLAS keeps
-    full tiles)."""
+    full tiles; 128 rows at least, which exceeds the bound only for K > 256k)."""
     if a_nvfp4 or m < GEMM_DECODED_MIN_M:
         return None
     rows = max(128, GEMM_DECODED_CHUNK_ELEMENTS // k // 128 * 128)
