@@ -52,10 +52,9 @@ class GemmPlan(direct.Replayable):
     and TMA-addressable weights (run 164: 1.2-1.5x the register-operand kernel at M = 1 and 16), the
     register-operand kernel for the other calls with M <= 16; W4A16 above 256 rows the decoded weight and cuBLAS;
     else the Triton one; W4A4 on the native block-scaled MMA where the target has it), K slices and launch
-    arguments. With one K slice the kernel writes
-    out [M, N] in out_dtype; with more, fp32 partials [slices, M, N] in the workspace, which a second launch sums
-    in slice order into out. The wgmma kernel's prepared activation ([2 * m_pad, K/2] fp16 and [m_pad] row
-    factors) comes from the workspace too."""
+    arguments. With one K slice the kernel writes out [M, N] in out_dtype; with more, fp32 partials [slices, M, N]
+    in the workspace, which a second launch sums in slice order into out. The wgmma kernel's prepared activation
+    ([2 * m_pad, K/2] fp16 and [m_pad] row factors) comes from the workspace too."""
 
     def __init__(self, a, b_data, b_scales, a_scales, out_dtype):
         self.a_nvfp4 = a_scales is not None
@@ -132,8 +131,8 @@ class GemmPlan(direct.Replayable):
         a = a.detach()
         k, n = a.shape[1], b_data.shape[0]
         rows = min(n, self.decoded.chunk_rows)
-        ws = direct.WORKSPACE.get(self.device, stream, _utils.cdiv(rows * k, 2))
-        weight = ws[:_utils.cdiv(rows * k, 2)].view(a.dtype)[:rows * k].view(rows, k)
+        slots = rows * k // 2  # two 16-bit values per fp32 slot (K is a multiple of 16)
+        weight = direct.WORKSPACE.get(self.device, stream, slots)[:slots].view(a.dtype).view(rows, k)
         scale_bits = b_scales.view(torch.uint8)
         for n0 in range(0, n, rows):
             n1 = min(n, n0 + rows)
