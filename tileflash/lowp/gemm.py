@@ -4,9 +4,9 @@ with K a multiple of 256 (tileflash/lowp/kernels/gemm_wgmma.py) and the register
 other decode-sized calls (M <= 16, K a multiple of 32, gemm_mma.py); W4A16 above 256 rows decodes the weight into
 a's dtype (global scale folded in, rounded once; in chunks of 64 MiB of kept workspace, 128 rows at least) and
 multiplies it with cuBLAS (plan.gemm.gemm_decoded_config; its accumulation follows torch's
-allow_bf16/fp16_reduced_precision_reduction settings); everything else the Triton kernel (tileflash/lowp/kernels/gemm_dequant.py), which
-also runs in the CPU interpreter; W4A4 on Blackwell (sm_100, sm_120) feeds the codes and scales to the native
-block-scaled MMA, elsewhere it decodes both operands.
+allow_bf16/fp16_reduced_precision_reduction settings); everything else the Triton kernel
+(tileflash/lowp/kernels/gemm_dequant.py), which also runs in the CPU interpreter; W4A4 on Blackwell (sm_100,
+sm_120) feeds the codes and scales to the native block-scaled MMA, elsewhere it decodes both operands.
 
 Shapes: a [M, K] fp16/bf16 or a [M, K/2] uint8 with a_scales [M, K/16] float8_e4m3fn and a_global_scale float32
 []; b_data [N, K/2] uint8, b_scales [N, K/16] float8_e4m3fn, b_global_scale float32 []; out [M, N] in a's dtype
