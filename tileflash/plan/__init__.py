@@ -14,10 +14,9 @@ from .decode import (COMBINE_TILE, DECODE_TILES, DecodeConfig, DecodeSchedule, G
                     MAX_DECODE_TOKENS, MAX_MERGE_LOADS, MAX_SPLITS, MERGE_MAX_KV_BYTES, MERGE_TILE, MIN_SPLIT_TOKENS,
                     MLA_TILES, MlaGluonConfig, PAGED_FP8_MIN_SPLITS, QUANT_MMA_HEAD_DIMS, QUANT_MMA_MAX_ROWS,
                     QUANT_MMA_SMALL_STEP_MIN_TOKENS, QUANT_MMA_SMALL_STEP_PROGRAMS, QUANT_MMA_SMALL_STEP_SHORT_PROGRAMS,
-                    QuantDecodeConfig,
-                    SHORT_SPLIT_TOKENS, cache_capacity, combine_pdl, combine_tiles, decode_block_m, decode_config,
-                    decode_schedule, fused_combine_rule, merge_tiles, mla_decode_config, mla_gluon_config,
-                    mla_gluon_rows, num_splits_heuristic, quant_decode_config, quant_mma_config,
+                    QuantDecodeConfig, SHORT_SPLIT_TOKENS, cache_capacity, combine_pdl, combine_tiles, decode_block_m,
+                    decode_config, decode_schedule, fused_combine_rule, merge_tiles, mla_decode_config,
+                    mla_gluon_config, mla_gluon_rows, num_splits_heuristic, quant_decode_config, quant_mma_config,
                     split_plan)  # noqa: F401
 from .gemm import (GEMM_MMA_MAX_M, GEMM_MMA_MAX_TILES, GEMM_MMA_PROGRAMS_PER_SM, GEMM_MMA_SLICE_STEPS,
                    GEMM_WGMMA_MAX_M, GemmConfig, GemmDecodedConfig, GemmMmaConfig, GemmWgmmaConfig, gemm_config,

@@ -306,8 +306,8 @@ MERGE_TILE = 8192  # fp32 partials per load of the fused merge: 64 registers a t
 # the combine launch.
 MAX_MERGE_LOADS = 4
 MERGE_MAX_KV_BYTES = 32 << 20
-KV_ELEMENT_BYTES = {"16bit": 2, "fp8": 1, "nvfp4": 0.5625}  # cache bytes per K or V value (NVFP4: 4 bits, and an
-# e4m3 scale per 16)
+# Cache bytes per K or V value (NVFP4: 4 bits, and an e4m3 scale per 16)
+KV_ELEMENT_BYTES = {"16bit": 2, "fp8": 1, "nvfp4": 0.5625}
 
 
 def merge_tiles(rows: int, head_dim_pad: int) -> tuple[int, int]:
