@@ -133,7 +133,7 @@ def _cases(arch: int = 90):
         tileflash.flash_attn_varlen_func(q, k, v, cu, cu, 150, 150, causal=True).sum().backward()
 
     def varlen_ws(d, causal, backward=False):
-        """Packed sequences (one empty, one over 1024 keys: d64's backward takes the Gluon kernel from there)
+        """Packed sequences (one empty, one of 1300 keys: d64's backward takes the Gluon kernel past 256)
         through the Gluon kernels' varlen paths."""
         cu = torch.tensor([0, 100, 100, 1400, 2000], dtype=torch.int32)
         q, k, v = (torch.randn(2000, 4, d, dtype=bf, requires_grad=backward) for _ in range(3))
@@ -401,9 +401,10 @@ def _cases(arch: int = 90):
         "gemm M=1 (split-K), wgmma, one-step stages": None if not sm90 else lambda: gemm(1, 4096, 4096, kernel="wgmma",
             forced={"gemm_wgmma": GemmWgmmaConfig(block_m=16, consumers=2, stages=6, split_k=2, steps=1, prefetch=3)}),
         "gemm M=5, wgmma 16 rows": lambda: gemm(5, 4096, 4096, kernel="wgmma"),
+        "gemm M=777, wgmma over seven 128-row tiles": lambda: gemm(777, 1088, 512, kernel="wgmma"),
         "gemm M=128, K tail (Triton kernel)": lambda: gemm(128, 512, 1040),
         "gemm M=1024, Triton kernel's large-M tile (what W4A4 keeps)": lambda: gemm(
-            1024, 512, 1024, forced={"gemm_decoded": None}),
+            1024, 512, 1024, forced={"gemm_decoded": None, "gemm_wgmma": None}),
         "gemm M=300, decoded weight in chunks + cuBLAS": lambda: gemm(300, 520, 1024, kernel="decoded", forced={
             "gemm_decoded": GemmDecodedConfig(chunk_rows=256)}),
         "gemm W4A4 M=1 (split-K, swapped)": gemm_w4a4(1, 512, 2048),

@@ -29,9 +29,9 @@ KINDS = {
     "combine_pdl": "bool: the split combine launched as a programmatic dependent (sm_90)",
     "gemm": "plan.gemm.GemmConfig: the Triton NVFP4 GEMM's tiles",
     "gemm_mma": "plan.gemm.GemmMmaConfig or None: the sm_90 register-operand NVFP4 GEMM (M <= 16, K not for wgmma)",
-    "gemm_wgmma": "plan.gemm.GemmWgmmaConfig or None: the sm_90 wgmma NVFP4 GEMM (M <= 256, K % 256 == 0)",
-    "gemm_decoded": "plan.gemm.GemmDecodedConfig or None: W4A16 above 256 rows, decoded weight chunks + cuBLAS "
-                    "(taken before the other GEMM kinds: force None to time those there)",
+    "gemm_wgmma": "plan.gemm.GemmWgmmaConfig or None: the sm_90 wgmma NVFP4 GEMM (M <= 1024, K % 256 == 0)",
+    "gemm_decoded": "plan.gemm.GemmDecodedConfig or None: W4A16 above 1024 rows (256 without wgmma), decoded "
+                    "weight chunks + cuBLAS (taken before the other GEMM kinds: force None to time those there)",
 }
 _FORCED: dict = {}
 

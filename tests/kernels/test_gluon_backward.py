@@ -63,7 +63,7 @@ def test_ws_backward(case, dtype, deterministic):
 # Packed sequences (query lengths, key lengths, heads_q, heads_kv, head_dim, causal) — why each is here:
 VARLEN_CASES = [
     ([300, 0, 1025, 77], [400, 12, 1025, 2000], 8, 2, 128, True),  # an empty query sequence, Sq != Sk both ways
-    ([1100, 60, 1300], [1030, 200, 1300], 4, 4, 64, False),  # d64 (over 1024 keys), partial blocks everywhere
+    ([1100, 60, 1300], [1030, 200, 1300], 4, 4, 64, False),  # d64 (past 256 keys), partial blocks everywhere
     ([1500, 9], [1200, 0], 4, 1, 64, True),  # MQA, causal Sq > Sk, a sequence with no key
 ]
 
@@ -112,8 +112,10 @@ def test_ws_backward_declines_what_it_does_not_do():
     for d in (96, 256):
         qd, kd, vd = attention_inputs(1, 256, 256, 2, 2, d, torch.bfloat16)
         assert not _takes_ws(qd, kd, vd, causal=False)
-    q64, k64, v64 = attention_inputs(1, 1024, 1024, 2, 2, 64, torch.bfloat16)  # d64, short rows: Triton kernels
-    assert not _takes_ws(q64, k64, v64, causal=True)
+    q64, k64, v64 = attention_inputs(1, 512, 512, 2, 2, 64, torch.bfloat16)  # d64, short rows: Triton kernels
+    assert not _takes_ws(q64, k64, v64, causal=True)  # causal up to 512 keys
+    assert _takes_ws(q64, k64, v64, causal=False)  # full rows past 256
+    assert not _takes_ws(*attention_inputs(1, 256, 256, 2, 2, 64, torch.bfloat16), causal=False)
     flat = torch.randn(1 * 256 * 2 * 128 + 1, device=DEVICE, dtype=torch.bfloat16)
     misaligned = flat[1:].view(1, 256, 2, 128)  # base not 16-byte aligned: no TMA descriptor
     assert not _takes_ws(misaligned, k, v, causal=False)

@@ -121,16 +121,19 @@ def test_matches_dequantize_then_matmul():
     check_2x(nvfp4_matmul(a, *b_q), a.float() @ w.T, a @ w.half().T)
 
 
-@pytest.mark.parametrize("m, n, k, expected", [
-    (256, 8192, 8192, None),  # the fused kernels' rows
-    (257, 8192, 8192, GemmDecodedConfig(4096)),  # 64 MiB of bf16: 4096 rows of 8192
-    (4096, 28672, 4096, GemmDecodedConfig(8192)),
-    (1024, 100, 4096, GemmDecodedConfig(100)),  # the whole weight in one chunk
-    (1024, 8192, 1 << 20, GemmDecodedConfig(128)),  # 128 rows at least
+@pytest.mark.parametrize("m, n, k, wgmma, expected", [
+    (256, 8192, 8192, False, None),  # the fused kernels' rows
+    (257, 8192, 8192, False, GemmDecodedConfig(4096)),  # 64 MiB of bf16: 4096 rows of 8192
+    (257, 8192, 8192, True, None),  # the wgmma kernel's rows (sm_90)
+    (1024, 8192, 8192, True, None),
+    (1025, 8192, 8192, True, GemmDecodedConfig(4096)),
+    (4096, 28672, 4096, True, GemmDecodedConfig(8192)),
+    (1024, 100, 4096, False, GemmDecodedConfig(100)),  # the whole weight in one chunk
+    (1024, 8192, 1 << 20, False, GemmDecodedConfig(128)),  # 128 rows at least
 ])
-def test_gemm_decoded_config_table(m, n, k, expected):
-    assert gemm_decoded_config(m, n, k) == expected
-    assert gemm_decoded_config(m, n, k, a_nvfp4=True) is None  # W4A4 keeps its kernels
+def test_gemm_decoded_config_table(m, n, k, wgmma, expected):
+    assert gemm_decoded_config(m, n, k, wgmma=wgmma) == expected
+    assert gemm_decoded_config(m, n, k, a_nvfp4=True, wgmma=wgmma) is None  # W4A4 keeps its kernels
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -178,8 +181,10 @@ def test_decoded_weight_route(override, weight_decodes, dtype, chunk_rows, chunk
     _check(a, b_q, out)
 
 
-def test_decoded_weight_route_is_the_default_above_256_rows(weight_decodes):
-    a, b_q = _inputs(257, 40, 64, torch.bfloat16, seed=23)
+@pytest.mark.parametrize("m, k", [(257, 64), (1025, 256)], ids=["no-wgmma-K", "past-wgmma-rows"])
+def test_decoded_weight_route_is_the_default_at_large_m(weight_decodes, m, k):
+    """Above 256 rows where the wgmma kernel cannot take K (not a multiple of 256), above 1024 everywhere."""
+    a, b_q = _inputs(m, 40, k, torch.bfloat16, seed=23)
     out = nvfp4_matmul(a, *b_q)
     assert weight_decodes == [40]  # gemm_decoded_config's one chunk: the whole weight
     _check(a, b_q, out)
@@ -457,7 +462,7 @@ def test_errors_name_the_argument(make_args, exc, needle):
         nvfp4_matmul(*make_args())
 
 
-# The wgmma kernel (M <= 256 on sm_90, lowp/kernels/gemm_wgmma.py) and its activation prep pass.
+# The wgmma kernel (M <= 1024 on sm_90, lowp/kernels/gemm_wgmma.py) and its activation prep pass.
 
 def _prep_reference(a, m_pad):
     """activation_prep_kernel's definition: rows scaled by 2^k into [2^8, 2^9), even / odd K halves, each 64 values
@@ -521,7 +526,8 @@ def test_prep_order_pairs_with_the_weight_order():
     (256, 8192, 8192, GemmWgmmaConfig(128, 2, 4, 1, steps=1)),  # 128 tiles: one wave already
     (128, 28672, 4096, GemmWgmmaConfig(128, 2, 4, 1, steps=1)),
     (64, 1024, 4096, GemmWgmmaConfig(64, 2, 4, 4)),  # 8 tiles: slices of at least 4 stages, 16 stages -> 4
-    (257, 8192, 8192, None),  # past GEMM_WGMMA_MAX_M: the decoded weight and cuBLAS
+    (1024, 8192, 8192, GemmWgmmaConfig(128, 2, 4, 1, steps=1)),  # 8 x 64 units: one slice (run 235)
+    (1025, 8192, 8192, None),  # past GEMM_WGMMA_MAX_M: the decoded weight and cuBLAS
     (64, 8192, 8320, None),  # K not a multiple of 256
 ])
 def test_gemm_wgmma_config_table(m, n, k, expected):
@@ -536,6 +542,7 @@ WGMMA_SHAPES = [  # K a multiple of 256
     (33, 512, 28672),  # a long K (an MLP down-projection): 16 slices of 7 stages
     (256, 8192, 512),  # 128 CTAs of 2 stages
     (20, 28672, 512),  # 224 units on at most 132 persistent CTAs: the ring runs on across units
+    (777, 1088, 512),  # seven 128-row tiles (past the decode-sized rows); an N tail of 64 rows
 ]
 
 

@@ -19,7 +19,7 @@ H200_SMS = 132
 H200_SMEM = SHARED_MEM_PER_BLOCK[90]
 ARCHS = (*SHARED_MEM_PER_BLOCK, None)  # None: the interpreter / no driver, planned as the H200
 HEAD_DIMS = (8, 32, 40, 64, 72, 96, 128, 136, 192, 256)  # powers of two and dims that pad up to one
-KEY_LENGTHS = (1, 1024, 2048, 2049, 4096, 4097, 16384, 2 ** 30)  # both sides of each length threshold
+KEY_LENGTHS = (1, 256, 257, 512, 513, 1024, 2048, 2049, 4096, 4097, 16384, 2 ** 30)  # both sides of each length threshold
 
 
 def _pow2(n: int) -> bool:
@@ -138,11 +138,11 @@ def test_fwd_ws_config_anchors(d, causal, seqlen_k, expected):
 
 
 def test_bwd_ws_config_properties():
-    """d64 and d128 only (d256's accumulators do not fit; others need padding), d64 only past 1024 keys; K/V of 128
-    keys plus the Q/dO stages fit the H200's shared memory."""
+    """d64 and d128 only (d256's accumulators do not fit; others need padding), d64 only past 256 keys (512 causal);
+    K/V of 128 keys plus the Q/dO stages fit the H200's shared memory."""
     for d, causal, seqlen_k in itertools.product(HEAD_DIMS, (False, True), KEY_LENGTHS):
         c = bwd_ws_config(d, causal, seqlen_k)
-        if d not in (64, 128) or (d == 64 and seqlen_k <= 1024):
+        if d not in (64, 128) or (d == 64 and seqlen_k <= (512 if causal else 256)):
             assert c is None, (d, seqlen_k, c)
             continue
         _frozen(c)
@@ -154,6 +154,8 @@ def test_bwd_ws_config_properties():
     (128, False, 1024, (64, 2, True, False)),  # d128: 64 rows per step, one fence per step only when causal
     (128, True, 16384, (64, 2, True, True)),
     (64, False, 4096, (128, 2, True, True)),  # d64: 128 rows per step
+    (64, False, 512, (128, 2, True, True)),  # d64 full rows past 256 keys, causal past 512 (runs 235-236)
+    (64, True, 1024, (128, 2, True, True)),
 ])
 def test_bwd_ws_config_anchors(d, causal, seqlen_k, expected):
     c = bwd_ws_config(d, causal, seqlen_k)

@@ -44,8 +44,8 @@ FAMILY_HELP = {
     "decode-quant": "quant_decode / QuantDecodeConfig: shapes batch,ctx,hq,hkv,d,nvfp4 (the register-operand decode)",
     "gemm": "gemm / GemmConfig: the Triton NVFP4 GEMM; shapes m,n,k (bf16 activations)",
     "gemm-mma": "gemm_mma / GemmMmaConfig: the sm_90 register-operand GEMM (m <= 16); same shapes",
-    "gemm-wgmma": "gemm_wgmma / GemmWgmmaConfig: the sm_90 wgmma GEMM (m <= 256); same shapes",
-    "gemm-decoded": "gemm_decoded / GemmDecodedConfig: W4A16 above 256 rows, decoded weight + cuBLAS; same shapes",
+    "gemm-wgmma": "gemm_wgmma / GemmWgmmaConfig: the sm_90 wgmma GEMM (m <= 1024); same shapes",
+    "gemm-decoded": "gemm_decoded / GemmDecodedConfig: large-M W4A16, decoded weight + cuBLAS; same shapes",
 }
 
 
@@ -202,11 +202,12 @@ FAMILIES = {
                        _gemm, rotate=True, also=("gemm_wgmma", "gemm_decoded")),
     "gemm-wgmma": Family("gemm_wgmma", plan.GemmWgmmaConfig, ((1, 8192, 8192), (16, 8192, 8192), (1, 28672, 4096),
                                                                (16, 28672, 4096), (64, 8192, 8192), (128, 8192, 8192),
-                                                               (256, 8192, 8192), (64, 28672, 4096),
+                                                               (256, 8192, 8192), (1024, 8192, 8192),
+                                                               (64, 28672, 4096),
                                                                (128, 28672, 4096)), _gemm, rotate=True,
                          also=("gemm_decoded",)),
-    "gemm-decoded": Family("gemm_decoded", plan.GemmDecodedConfig, ((512, 8192, 8192), (1024, 8192, 8192),
-                                                                   (4096, 8192, 8192), (1024, 28672, 4096)),
+    "gemm-decoded": Family("gemm_decoded", plan.GemmDecodedConfig, ((2048, 8192, 8192), (4096, 8192, 8192),
+                                                                   (2048, 28672, 4096)),
                            _gemm, rotate=True),
 }
 

@@ -1,6 +1,6 @@
 """Launchers of the low-precision kernels: the NVFP4 quantizers and the NVFP4 GEMMs (on sm_90 the wgmma kernel up to
-M = 256 where its TMA copies apply, the register-operand kernel for other decode-sized calls; W4A16 above 256 rows
-the decoded weight and cuBLAS; else the Triton dequantizing kernel)."""
+M = 1024 where its TMA copies apply, the register-operand kernel for other decode-sized calls; larger W4A16 calls
+(above 256 rows where wgmma does not apply) the decoded weight and cuBLAS; else the Triton dequantizing kernel)."""
 from __future__ import annotations
 
 import torch
@@ -48,10 +48,10 @@ def launch_nvfp4_dequantize(d2, s2, global_scale, out) -> None:
 
 
 class GemmPlan(direct.Replayable):
-    """One nvfp4_matmul call's kernel (on sm_90, W4A16 takes the wgmma kernel up to M = 256 with K a multiple of 256
+    """One nvfp4_matmul call's kernel (on sm_90, W4A16 takes the wgmma kernel up to M = 1024 with K a multiple of 256
     and TMA-addressable weights (run 164: 1.2-1.5x the register-operand kernel at M = 1 and 16), the
-    register-operand kernel for the other calls with M <= 16; W4A16 above 256 rows the decoded weight and cuBLAS;
-    else the Triton one; W4A4 on the native block-scaled MMA where the target has it), K slices and launch
+    register-operand kernel for the other calls with M <= 16; larger W4A16 calls (above 256 rows where wgmma does
+    not apply) the decoded weight and cuBLAS; else the Triton one; W4A4 on the native block-scaled MMA where the target has it), K slices and launch
     arguments. With one K slice the kernel writes out [M, N] in out_dtype; with more, fp32 partials [slices, M, N]
     in the workspace, which a second launch sums in slice order into out. The wgmma kernel's prepared activation
     ([2 * m_pad, K/2] fp16 and [m_pad] row factors) comes from the workspace too."""
@@ -65,15 +65,17 @@ class GemmPlan(direct.Replayable):
         arch = target_arch()
         self.native = self.a_nvfp4 and native_fp4_mma(arch)
         self.mma = self.wgmma = None
+        sm90_w4a16 = not self.empty and not self.a_nvfp4 and sm90_target()
+        wgmma_ok = sm90_w4a16 and _wgmma_operands_ok(b_data, b_scales) and k % GEMM_WGMMA_K_MULTIPLE == 0
         self.decoded = None if self.empty else config.chosen("gemm_decoded",
-                                                             gemm_decoded_config(m, n, k, self.a_nvfp4))
+                                                             gemm_decoded_config(m, n, k, self.a_nvfp4, wgmma_ok))
         if self.decoded is not None:
             if self.a_nvfp4 or self.decoded.chunk_rows <= 0:
                 raise ValueError(f"{self.decoded}: only for a 16-bit a, with chunks of at least one row")
             return
-        if not self.empty and not self.a_nvfp4 and sm90_target():
+        if sm90_w4a16:
             num_sms = _utils.num_sms(a.device)
-            if _wgmma_operands_ok(b_data, b_scales):
+            if wgmma_ok:
                 self.wgmma = config.chosen("gemm_wgmma", gemm_wgmma_config(m, n, k, num_sms=num_sms))
             if self.wgmma is None and _mma_operands_ok(a, b_data, b_scales):
                 self.mma = config.chosen("gemm_mma", gemm_mma_config(m, n, k, num_sms=num_sms))

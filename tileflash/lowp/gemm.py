@@ -1,7 +1,8 @@
 """nvfp4_matmul: a @ dequant(b)^T with an NVFP4 weight b (the blockscaled GEMM), a either 16-bit (W4A16) or NVFP4
-(W4A4, both operands from nvfp4_quantize). Kernels: W4A16 on sm_90 takes the wgmma Gluon kernel up to M = 256
+(W4A4, both operands from nvfp4_quantize). Kernels: W4A16 on sm_90 takes the wgmma Gluon kernel up to M = 1024
 with K a multiple of 256 (tileflash/lowp/kernels/gemm_wgmma.py) and the register-operand Gluon kernel for the
-other decode-sized calls (M <= 16, K a multiple of 32, gemm_mma.py); W4A16 above 256 rows decodes the weight into
+other decode-sized calls (M <= 16, K a multiple of 32, gemm_mma.py); W4A16 above those rows (above 256 where the
+wgmma kernel does not apply) decodes the weight into
 a's dtype (global scale folded in, rounded once; in chunks of 64 MiB of kept workspace, 128 rows at least) and
 multiplies it with cuBLAS (plan.gemm.gemm_decoded_config; its accumulation follows torch's
 allow_bf16/fp16_reduced_precision_reduction settings); everything else the Triton kernel

@@ -46,7 +46,7 @@ def bwd_ws_config(head_dim: int, causal: bool, seqlen_k: int) -> WsBwdConfig | N
            441 / 545 (run 76), so one fence when causal only.
       d64, 128 rows, one fence: full 430 / 457, causal 387 / 463 (two fences 424 / 446, 366 / 433, run 76); 64 rows
            (two fences) 404 / 429 and 344 / 408 (run 72). At 1k keys the Triton kernels' small programs did as well
-           or better (session 10: full 304 vs 309, causal 172 vs 226): rows of at most 1024 keys keep them.
+           or better then (session 10: full 304 vs 309, causal 172 vs 226); see below for now.
     Two Q/dO stages: a third measured no gain at d64 with 64 rows (session 10) and does not fit in shared memory at
     d128 or with 128 rows. 128 rows at d128 do not fit either (the S and dP accumulators double). Head dims other
     than 64 and 128 would need padding inside the kernel, which it does not do; d256's dK/dV accumulators do not
@@ -54,10 +54,14 @@ def bwd_ws_config(head_dim: int, causal: bool, seqlen_k: int) -> WsBwdConfig | N
       d64, dQ split by rows (each consumer warpgroup's dQ product [64 rows, 64] over 128 keys, not [128 rows, 32];
            session 20, `python -m tileflash sweep backward-ws`, s = 4k full / causal, 16k full): 436.3 / 379.8 / 478.1
            vs 416.5 / 382.3 / 453.4 by columns, so by rows. At d128 that tile does not fit (RuntimeError).
+      d64 at short rows again, after sessions 11-41's work on the kernel (H100 runs 235-236, `sweep backward-ws`, 16k
+           tokens, us, Triton kernels vs this one): full 256 / 512 / 1024 keys 657 / 851 / 1259-1271 vs 673 / 814 /
+           1116-1125, causal 590 / 686 / 890-902 vs 647 / 718 / 867-871: it takes full rows past 256 keys and
+           causal rows past 512.
     """
     if head_dim == 128:
         return WsBwdConfig(block_m=64, num_stages=2, atomic_dq=True, one_fence=causal)
-    if head_dim == 64 and seqlen_k > 1024:
+    if head_dim == 64 and seqlen_k > (512 if causal else 256):
         return WsBwdConfig(block_m=128, num_stages=2, atomic_dq=True, one_fence=True, dq_by_rows=True)
     return None
 

@@ -75,7 +75,11 @@ class GemmWgmmaConfig:
     prefetch: int = 1  # stages whose weights are requested before the prep wait (run 163: 1 beats the ring by 2-8%)
 
 
-GEMM_WGMMA_MAX_M = 256
+# Rows up to which the wgmma kernel beats the decoded weight + cuBLAS (H100, graph replay, us, wgmma vs decoded;
+# runs 235-236, `sweep gemm-wgmma` with the cap lifted / `sweep gemm-decoded`): N=K=8192 M=512 117 vs 158,
+# M=768 172 vs 210, M=1024 240-259 vs 248-264, M=1536 351 vs 356, M=2048 470 vs 438, M=4096 999 vs 823;
+# N=28672 K=4096 M=1024 423 vs 461, M=2048 809 vs 794.
+GEMM_WGMMA_MAX_M = 1024
 GEMM_WGMMA_K_MULTIPLE = 256  # whole 16-byte scale boxes; slices of whole stages of one or two 128-value steps
 GEMM_WGMMA_STAGE_BYTES = 208 * 1024  # of the H200's 227 KB, what the ring may take
 GEMM_WGMMA_MAX_STAGES = 6
@@ -101,8 +105,8 @@ def gemm_wgmma_split(units: int, steps: int, m: int, n: int, k: int, num_sms: in
 
 def gemm_wgmma_config(m: int, n: int, k: int, num_sms: int = 132, block_m: int = 0, consumers: int = 0,
                       split_k: int = 0) -> GemmWgmmaConfig | None:
-    """Tiles of the wgmma NVFP4 GEMM (None above GEMM_WGMMA_MAX_M rows or when K is not a multiple of
-    GEMM_WGMMA_K_MULTIPLE: the Triton kernel). The activation rows are wgmma's N: 16 up to M = 16, 32 up to 32, 64
+    """Tiles of the wgmma NVFP4 GEMM (None above GEMM_WGMMA_MAX_M rows, where the decoded weight and cuBLAS
+    take the call, or when K is not a multiple of GEMM_WGMMA_K_MULTIPLE: the Triton kernel). The activation rows are wgmma's N: 16 up to M = 16, 32 up to 32, 64
     up to 64, else 128; K slices by gemm_wgmma_split; stages of two MMA steps up to block_m 64, of one above (a 128-row
     activation tile makes a two-step stage 82 KB: two of them hold too few steps in flight); the stages fill
     GEMM_WGMMA_STAGE_BYTES. block_m / consumers / split_k > 0 force those choices (the sweep).
@@ -111,7 +115,8 @@ def gemm_wgmma_config(m: int, n: int, k: int, num_sms: int = 132, block_m: int =
     chosen are the best of block_m 64/128 x split 1/2/4 at M = 64, 128 and N=28672 M=128 (run 154, again with
     persistent CTAs in run 163: block_m 64 is 1.2-1.4x slower at M = 96 .. 256); block_m 32 at M = 17 .. 32 is
     1.07-1.18x faster than 64 and 1.3-1.4x faster than two 16-row tiles (run 166: N=K=8192 M=32 21.9 vs 24.6 us,
-    N=28672 K=4096 M=32 30.8 vs 36.4)."""
+    N=28672 K=4096 M=32 30.8 vs 36.4). M = 512 .. 4096 take one slice (one wave of 128-row units already): two
+    slices lose 6-20% (run 235)."""
     if not 0 < m <= GEMM_WGMMA_MAX_M or k % GEMM_WGMMA_K_MULTIPLE:
         return None
     block_m = block_m or next((b for b in (16, 32, 64) if m <= b), 128)
@@ -134,20 +139,23 @@ class GemmDecodedConfig:
     chunk_rows: int
 
 
-GEMM_DECODED_MIN_M = GEMM_WGMMA_MAX_M + 1
+GEMM_DECODED_MIN_M = 257  # past the register-operand and Triton kernels' small-M tiles
 GEMM_DECODED_CHUNK_ELEMENTS = 32 * 1024 * 1024  # 64 MiB of decoded 16-bit weight at most (128-row chunks at least)
 
 
-def gemm_decoded_config(m: int, n: int, k: int, a_nvfp4: bool = False) -> GemmDecodedConfig | None:
-    """Past the fused kernels' rows (M > GEMM_WGMMA_MAX_M) a 16-bit a times an NVFP4 weight is decoded once and
-    multiplied by cuBLAS (None: the fused kernels). There the GEMM is bound by the tensor cores, the decoded weight's
-    traffic (N K (2 + 2 + 0.56) bytes: decode, write, read) costs less than the Triton kernel's decode per tile (H100
-    run 227, N=K=8192: M=1024 / 4096 407 / 1670 us vs cuBLAS bf16 200 / 807, 0.49x / 0.48x). Expected there: cuBLAS
-    plus ~60-75 us of decode at N=K=8192, ~1.5x / ~1.9x the Triton kernel. The weight is decoded with the global
-    scale folded in and rounded once to a's dtype: the 2x rule's low-precision reference, a @ w.to(a.dtype).T.
-    Chunks bound the transient weight at GEMM_DECODED_CHUNK_ELEMENTS (whole 128-row multiples, so cuBLAS keeps
-    full tiles; 128 rows at least, which exceeds the bound only for K > 256k)."""
-    if a_nvfp4 or m < GEMM_DECODED_MIN_M:
+def gemm_decoded_config(m: int, n: int, k: int, a_nvfp4: bool = False,
+                        wgmma: bool = False) -> GemmDecodedConfig | None:
+    """Large-M W4A16: a 16-bit a times an NVFP4 weight decoded once and multiplied by cuBLAS (None: the fused
+    kernels). Above GEMM_DECODED_MIN_M rows, or above GEMM_WGMMA_MAX_M where the wgmma kernel takes the call
+    (wgmma: sm_90, K a multiple of 256, TMA-addressable weights). There the GEMM is bound by the tensor cores and the
+    decoded weight's traffic (N K (2 + 2 + 0.56) bytes: decode, write, read) costs less than a fused decode per
+    tile. Measured on the H100 (graph replay, us, N=K=8192): the Triton kernel vs decoded at M = 512 / 1024 / 4096
+    202 / 414 / 1593 vs 158-163 / 248-264 / 823-837 (runs 234-235; cuBLAS bf16 alone 198 / 758 at 1024 / 4096);
+    for the wgmma kernel see GEMM_WGMMA_MAX_M. The weight is decoded with the global scale folded in and rounded
+    once to a's dtype: the 2x rule's low-precision reference, a @ w.to(a.dtype).T. Chunks bound the transient
+    weight at GEMM_DECODED_CHUNK_ELEMENTS (whole 128-row multiples, so cuBLAS keeps full tiles; 128 rows at least,
+    which exceeds the bound only for K > 256k): 2048-row chunks cost 4-20% at N=K=8192 (run 234)."""
+    if a_nvfp4 or m < GEMM_DECODED_MIN_M or (wgmma and m <= GEMM_WGMMA_MAX_M):
         return None
     rows = max(128, GEMM_DECODED_CHUNK_ELEMENTS // k // 128 * 128)
     return GemmDecodedConfig(chunk_rows=min(n, rows))

@@ -33,7 +33,7 @@ the fences that wait for them) do not shrink with d while its products halve: at
 therefore takes 128 query rows per step (BLOCK_M), twice the products per fixed cost (+6-8%), and ONE_FENCE
 (+2-7%): 0.80-0.86x d128 at s >= 4k (notebook, session 11), with a few spilled scalars (56-64 bytes) and shared
 memory nearly full (225 KB).
-Rows of at most 1024 keys keep the Triton kernels (plan.backward.bwd_ws_config).
+At d64, rows of at most 256 keys (512 causal) keep the Triton kernels (plan.backward.bwd_ws_config).
 
 Keys-major scores (FA3's SdP_swapAB: S^T = K_w Q^T, P^T and dS^T from registers into the dV/dK products) were
 built and measured (session 20, `python -m tileflash sweep backward-ws --vary keys_major=0,1 dq_by_rows=0,1`):

@@ -1,4 +1,4 @@
-"""NVFP4 weight GEMM for M <= 256 on sm_90, on wgmma: c = a @ dequant(b)^T.
+"""NVFP4 weight GEMM for M <= 1024 on sm_90, on wgmma: c = a @ dequant(b)^T.
 
 Why a third kernel: above 16 activation rows the GEMM stops being bound by the weight's bytes and becomes bound by
 the tensor cores, and the Triton kernel (gemm_dequant.py) feeds them poorly: its decoded weight tile goes through
