@@ -133,7 +133,7 @@ def test_matches_dequantize_then_matmul():
 ])
 def test_gemm_decoded_config_table(m, n, k, wgmma, expected):
     assert gemm_decoded_config(m, n, k, wgmma=wgmma) == expected
-    assert gemm_decoded_config(m, n, k, a_nvfp4=True, wgmma=wgmma) is None  # W4A4 keeps its kernels
+    assert gemm_decoded_config(m, n, k, native_fp4=True, wgmma=wgmma) is None  # Blackwell's W4A4: its FP4 MMA
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -200,6 +200,31 @@ def _w4a4_inputs(m, n, k, seed):
 def _check_w4a4(a_q, b_q, out):
     a_deq, w = nvfp4_dequantize_ref(*a_q), nvfp4_dequantize_ref(*b_q)
     return check_2x(out, a_deq @ w.T, a_deq.to(out.dtype) @ w.to(out.dtype).T)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("chunk_rows, chunks", [(128, [9, 100]), (48, [9, 48, 48, 4])], ids=["one-chunk", "chunks-tail"])
+def test_decoded_route_w4a4(override, weight_decodes, out_dtype, chunk_rows, chunks):
+    """W4A4 on the decoded route (forced at a small shape): a decoded whole into out_dtype, then the weight chunk by
+    chunk, then cuBLAS: with one chunk bitwise nvfp4_dequantize(a).to(dtype) @ nvfp4_dequantize(b).to(dtype).T."""
+    override(gemm_decoded=GemmDecodedConfig(chunk_rows))
+    a_q, b_q = _w4a4_inputs(9, 100, 96, seed=24)
+    out = nvfp4_matmul(a_q[0], *b_q, a_scales=a_q[1], a_global_scale=a_q[2], out_dtype=out_dtype)
+    assert weight_decodes == chunks  # a's 9 rows first
+    assert out.dtype == out_dtype and out.shape == (9, 100)
+    if len(chunks) == 2:
+        want = nvfp4_dequantize(*a_q).to(out_dtype) @ nvfp4_dequantize(*b_q).to(out_dtype).T
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+    _check_w4a4(a_q, b_q, out)
+
+
+@pytest.mark.skipif(ON_GPU and torch.cuda.get_device_capability()[0] in (10, 12),
+                    reason="Blackwell's W4A4 keeps the native FP4 MMA")
+def test_decoded_route_is_w4a4s_default_at_large_m(weight_decodes):
+    a_q, b_q = _w4a4_inputs(257, 40, 64, seed=25)
+    out = nvfp4_matmul(a_q[0], *b_q, a_scales=a_q[1], a_global_scale=a_q[2])
+    assert weight_decodes == [257, 40]
+    _check_w4a4(a_q, b_q, out)
 
 
 @pytest.mark.parametrize("m, n, k", SHAPES[1:], ids=[f"{m}x{n}x{k}" for m, n, k in SHAPES[1:]])

@@ -42,7 +42,7 @@ FAMILY_HELP = {
                   "KV head)",
     "decode-mla-gluon": "mla_gluon / MlaGluonConfig: the sm_90 Gluon MLA decode; same shapes",
     "decode-quant": "quant_decode / QuantDecodeConfig: shapes batch,ctx,hq,hkv,d,nvfp4 (the register-operand decode)",
-    "gemm": "gemm / GemmConfig: the Triton NVFP4 GEMM; shapes m,n,k (bf16 activations)",
+    "gemm": "gemm / GemmConfig: the Triton NVFP4 GEMM; shapes m,n,k (bf16 activations) or m,n,k,w4a4 (NVFP4 ones)",
     "gemm-mma": "gemm_mma / GemmMmaConfig: the sm_90 register-operand GEMM (m <= 16); same shapes",
     "gemm-wgmma": "gemm_wgmma / GemmWgmmaConfig: the sm_90 wgmma GEMM (m <= 1024); same shapes",
     "gemm-decoded": "gemm_decoded / GemmDecodedConfig: large-M W4A16, decoded weight + cuBLAS; same shapes",
@@ -170,10 +170,12 @@ def _decode_quant(shape, kw):
 def _gemm(shape, kw):
     import tileflash
 
-    m, n, k = shape
+    m, n, k, *w4a4 = shape  # m,n,k,w4a4: a quantized too
     nbytes = n * k // 2 + n * k // 16
     copies = [(torch.randn(m, k, device="cuda", dtype=BF16),
                *tileflash.nvfp4_quantize(torch.randn(n, k, device="cuda"))) for _ in range(rotation_copies(nbytes))]
+    if w4a4:
+        copies = [(a_q[0], *c[1:], *a_q[1:]) for c in copies for a_q in [tileflash.nvfp4_quantize(c[0])]]
     fns = [lambda c=c: tileflash.nvfp4_matmul(*c, **kw) for c in copies]
     return fns, lambda ms: (tflops(gemm_flops(m, n, k), ms), "TFLOP/s")
 

@@ -51,8 +51,8 @@ class GemmPlan(direct.Replayable):
     """One nvfp4_matmul call's kernel (on sm_90, W4A16 takes the wgmma kernel up to M = 1024 with K a multiple of 256
     and TMA-addressable weights (run 164: 1.2-1.5x the register-operand kernel at M = 1 and 16), the
     register-operand kernel for the other calls with M <= 16; larger W4A16 calls (above 256 rows where wgmma does
-    not apply) the decoded weight and cuBLAS; else the Triton one; W4A4 on the native block-scaled MMA where the target has it), K slices and launch
-    arguments. With one K slice the kernel writes out [M, N] in out_dtype; with more, fp32 partials [slices, M, N]
+    not apply) and W4A4 calls above 256 rows off Blackwell the decoded operands and cuBLAS; W4A4 on the native
+    block-scaled MMA where the target has it; else the Triton kernel), K slices and launch arguments. With one K slice the kernel writes out [M, N] in out_dtype; with more, fp32 partials [slices, M, N]
     in the workspace, which a second launch sums in slice order into out. The wgmma kernel's prepared activation
     ([2 * m_pad, K/2] fp16 and [m_pad] row factors) comes from the workspace too."""
 
@@ -68,10 +68,10 @@ class GemmPlan(direct.Replayable):
         sm90_w4a16 = not self.empty and not self.a_nvfp4 and sm90_target()
         wgmma_ok = sm90_w4a16 and _wgmma_operands_ok(b_data, b_scales) and k % GEMM_WGMMA_K_MULTIPLE == 0
         self.decoded = None if self.empty else config.chosen("gemm_decoded",
-                                                             gemm_decoded_config(m, n, k, self.a_nvfp4, wgmma_ok))
+                                                             gemm_decoded_config(m, n, k, self.native, wgmma_ok))
         if self.decoded is not None:
-            if self.a_nvfp4 or self.decoded.chunk_rows <= 0:
-                raise ValueError(f"{self.decoded}: only for a 16-bit a, with chunks of at least one row")
+            if self.decoded.chunk_rows <= 0:
+                raise ValueError(f"{self.decoded}: chunks of at least one row")
             return
         if sm90_w4a16:
             num_sms = _utils.num_sms(a.device)
@@ -108,7 +108,7 @@ class GemmPlan(direct.Replayable):
         out = _utils.new_output(self.out_shape, self.dtype, self.device)
         stream = direct.current_stream(self.device)
         if self.decoded is not None:
-            self._run_decoded(a, b_data, b_scales, b_global_scale, out, stream)
+            self._run_decoded(a, b_data, b_scales, b_global_scale, a_scales, a_global_scale, out, stream)
             return out
         ws = direct.WORKSPACE.get(self.device, stream, self.ws_numel) if self.ws_numel else None
         self.execute(self._launch, (a, b_data, b_scales, b_global_scale, a_scales, a_global_scale, out, ws), stream)
@@ -126,15 +126,22 @@ class GemmPlan(direct.Replayable):
             self._launch_gemm(*operands, partials)
             launch_sum_cast(partials, out, split)
 
-    def _run_decoded(self, a, b_data, b_scales, b_global_scale, out, stream) -> None:
-        """Each chunk of weight rows decoded into a's dtype in the workspace, then cuBLAS's GEMM into its output
-        columns. Plain launches, nothing recorded: the call's GPU time (>= ~100 us) dwarfs its host time. a is
-        detached: nvfp4_matmul has no gradient, and torch.mm's out= refuses an a that requires one."""
-        a = a.detach()
-        k, n = a.shape[1], b_data.shape[0]
+    def _run_decoded(self, a, b_data, b_scales, b_global_scale, a_scales, a_global_scale, out, stream) -> None:
+        """Each chunk of weight rows decoded into the output's dtype in the workspace, then cuBLAS's GEMM into its
+        output columns (W4A4: a decoded first, whole, after the chunk). Plain launches, nothing recorded: the call's
+        GPU time (>= ~100 us) dwarfs its host time. a is detached: nvfp4_matmul has no gradient, and torch.mm's out=
+        refuses an a that requires one."""
+        m, n, k = out.shape[0], b_data.shape[0], b_data.shape[1] * 2
         rows = min(n, self.decoded.chunk_rows)
         slots = rows * k // 2  # two 16-bit values per fp32 slot (K is a multiple of 16)
-        weight = direct.WORKSPACE.get(self.device, stream, slots)[:slots].view(a.dtype).view(rows, k)
+        a_slots = m * k // 2 if self.a_nvfp4 else 0
+        ws = direct.WORKSPACE.get(self.device, stream, slots + a_slots)
+        weight = ws[:slots].view(self.dtype).view(rows, k)
+        if self.a_nvfp4:
+            decoded_a = ws[slots:slots + a_slots].view(self.dtype).view(m, k)
+            launch_nvfp4_dequantize(a, a_scales.view(torch.uint8), a_global_scale, decoded_a)
+            a = decoded_a
+        a = a.detach()
         scale_bits = b_scales.view(torch.uint8)
         for n0 in range(0, n, rows):
             n1 = min(n, n0 + rows)

@@ -1,13 +1,14 @@
 """nvfp4_matmul: a @ dequant(b)^T with an NVFP4 weight b (the blockscaled GEMM), a either 16-bit (W4A16) or NVFP4
 (W4A4, both operands from nvfp4_quantize). Kernels: W4A16 on sm_90 takes the wgmma Gluon kernel up to M = 1024
 with K a multiple of 256 (tileflash/lowp/kernels/gemm_wgmma.py) and the register-operand Gluon kernel for the
-other decode-sized calls (M <= 16, K a multiple of 32, gemm_mma.py); W4A16 above those rows (above 256 where the
-wgmma kernel does not apply) decodes the weight into
-a's dtype (global scale folded in, rounded once; in chunks of 64 MiB of kept workspace, 128 rows at least) and
-multiplies it with cuBLAS (plan.gemm.gemm_decoded_config; its accumulation follows torch's
-allow_bf16/fp16_reduced_precision_reduction settings); everything else the Triton kernel
-(tileflash/lowp/kernels/gemm_dequant.py), which also runs in the CPU interpreter; W4A4 on Blackwell (sm_100,
-sm_120) feeds the codes and scales to the native block-scaled MMA, elsewhere it decodes both operands.
+other decode-sized calls (M <= 16, K a multiple of 32, gemm_mma.py). W4A16 above those rows (above 256 where the
+wgmma kernel does not apply) decodes the weight into a's dtype (global scale folded in, rounded once; in chunks of
+64 MiB of kept workspace, 128 rows at least) and multiplies it with cuBLAS (plan.gemm.gemm_decoded_config; its
+accumulation follows torch's allow_bf16/fp16_reduced_precision_reduction settings). W4A4 on Blackwell (sm_100,
+sm_120) feeds the codes and scales to the native block-scaled MMA; elsewhere above 256 rows it takes the same
+route (a decoded whole into out_dtype too: M x K more workspace). Everything else runs the Triton kernel
+(tileflash/lowp/kernels/gemm_dequant.py), which also runs in the CPU interpreter and decodes W4A4's operands per
+tile.
 
 Shapes: a [M, K] fp16/bf16 or a [M, K/2] uint8 with a_scales [M, K/16] float8_e4m3fn and a_global_scale float32
 []; b_data [N, K/2] uint8, b_scales [N, K/16] float8_e4m3fn, b_global_scale float32 []; out [M, N] in a's dtype
