@@ -203,7 +203,8 @@ def _check_w4a4(a_q, b_q, out):
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("chunk_rows, chunks", [(128, [9, 100]), (48, [9, 48, 48, 4])], ids=["one-chunk", "chunks-tail"])
+@pytest.mark.parametrize("chunk_rows, chunks", [(128, [9, 100]), (48, [9, 48, 48, 4])],
+                         ids=["one-chunk", "chunks-tail"])
 def test_decoded_route_w4a4(override, weight_decodes, out_dtype, chunk_rows, chunks):
     """W4A4 on the decoded route (forced at a small shape): a decoded whole into out_dtype, then the weight chunk by
     chunk, then cuBLAS: with one chunk bitwise nvfp4_dequantize(a).to(dtype) @ nvfp4_dequantize(b).to(dtype).T."""

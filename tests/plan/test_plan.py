@@ -19,7 +19,8 @@ H200_SMS = 132
 H200_SMEM = SHARED_MEM_PER_BLOCK[90]
 ARCHS = (*SHARED_MEM_PER_BLOCK, None)  # None: the interpreter / no driver, planned as the H200
 HEAD_DIMS = (8, 32, 40, 64, 72, 96, 128, 136, 192, 256)  # powers of two and dims that pad up to one
-KEY_LENGTHS = (1, 256, 257, 512, 513, 1024, 2048, 2049, 4096, 4097, 16384, 2 ** 30)  # both sides of each length threshold
+# both sides of each length threshold
+KEY_LENGTHS = (1, 256, 257, 512, 513, 1024, 2048, 2049, 4096, 4097, 16384, 2 ** 30)
 
 
 def _pow2(n: int) -> bool:

@@ -52,9 +52,10 @@ class GemmPlan(direct.Replayable):
     and TMA-addressable weights (run 164: 1.2-1.5x the register-operand kernel at M = 1 and 16), the
     register-operand kernel for the other calls with M <= 16; larger W4A16 calls (above 256 rows where wgmma does
     not apply) and W4A4 calls above 256 rows off Blackwell the decoded operands and cuBLAS; W4A4 on the native
-    block-scaled MMA where the target has it; else the Triton kernel), K slices and launch arguments. With one K slice the kernel writes out [M, N] in out_dtype; with more, fp32 partials [slices, M, N]
-    in the workspace, which a second launch sums in slice order into out. The wgmma kernel's prepared activation
-    ([2 * m_pad, K/2] fp16 and [m_pad] row factors) comes from the workspace too."""
+    block-scaled MMA where the target has it; else the Triton kernel), K slices and launch arguments. With one K
+    slice the kernel writes out [M, N] in out_dtype; with more, fp32 partials [slices, M, N] in the workspace, which
+    a second launch sums in slice order into out. The wgmma kernel's prepared activation ([2 * m_pad, K/2] fp16 and
+    [m_pad] row factors) comes from the workspace too."""
 
     def __init__(self, a, b_data, b_scales, a_scales, out_dtype):
         self.a_nvfp4 = a_scales is not None

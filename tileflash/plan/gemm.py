@@ -105,11 +105,12 @@ def gemm_wgmma_split(units: int, steps: int, m: int, n: int, k: int, num_sms: in
 
 def gemm_wgmma_config(m: int, n: int, k: int, num_sms: int = 132, block_m: int = 0, consumers: int = 0,
                       split_k: int = 0) -> GemmWgmmaConfig | None:
-    """Tiles of the wgmma NVFP4 GEMM (None above GEMM_WGMMA_MAX_M rows, where the decoded weight and cuBLAS
-    take the call, or when K is not a multiple of GEMM_WGMMA_K_MULTIPLE: the Triton kernel). The activation rows are wgmma's N: 16 up to M = 16, 32 up to 32, 64
-    up to 64, else 128; K slices by gemm_wgmma_split; stages of two MMA steps up to block_m 64, of one above (a 128-row
-    activation tile makes a two-step stage 82 KB: two of them hold too few steps in flight); the stages fill
-    GEMM_WGMMA_STAGE_BYTES. block_m / consumers / split_k > 0 force those choices (the sweep).
+    """Tiles of the wgmma NVFP4 GEMM (None above GEMM_WGMMA_MAX_M rows, where the decoded weight and cuBLAS take
+    the call, or when K is not a multiple of GEMM_WGMMA_K_MULTIPLE: the Triton kernel). The activation rows are
+    wgmma's N: 16 up to M = 16, 32 up to 32, 64 up to 64, else 128; K slices by gemm_wgmma_split; stages of two MMA
+    steps up to block_m 64, of one above (a 128-row activation tile makes a two-step stage 82 KB: two of them hold
+    too few steps in flight); the stages fill GEMM_WGMMA_STAGE_BYTES. block_m / consumers / split_k > 0 force those
+    choices (the sweep).
     Measured (`sweep gemm-wgmma`, graph replay over inputs rotated past the L2, us): two consumers beat one by
     1.17-1.24x everywhere (run 154), three are 1.1-1.3x slower than two at M <= 16 (run 162); block_m 64 / 128 as
     chosen are the best of block_m 64/128 x split 1/2/4 at M = 64, 128 and N=28672 M=128 (run 154, again with
