@@ -30,8 +30,9 @@ KINDS = {
     "gemm": "plan.gemm.GemmConfig: the Triton NVFP4 GEMM's tiles",
     "gemm_mma": "plan.gemm.GemmMmaConfig or None: the sm_90 register-operand NVFP4 GEMM (M <= 16, K not for wgmma)",
     "gemm_wgmma": "plan.gemm.GemmWgmmaConfig or None: the sm_90 wgmma NVFP4 GEMM (M <= 1024, K % 256 == 0)",
-    "gemm_decoded": "plan.gemm.GemmDecodedConfig or None: W4A16 above 1024 rows (256 without wgmma), decoded "
-                    "weight chunks + cuBLAS (taken before the other GEMM kinds: force None to time those there)",
+    "gemm_decoded": "plan.gemm.GemmDecodedConfig or None: W4A16 above 1024 rows (256 without wgmma) and W4A4 above "
+                    "256 off Blackwell, decoded operands + cuBLAS (taken before the other GEMM kinds: force None to "
+                    "time those there)",
 }
 _FORCED: dict = {}
 

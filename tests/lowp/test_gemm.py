@@ -128,6 +128,7 @@ def test_matches_dequantize_then_matmul():
     (1024, 8192, 8192, True, None),
     (1025, 8192, 8192, True, GemmDecodedConfig(4096)),
     (4096, 28672, 4096, True, GemmDecodedConfig(8192)),
+    (300, 8192, 8320, True, GemmDecodedConfig(3968)),  # K not the wgmma kernel's: decoded from 257 rows
     (1024, 100, 4096, False, GemmDecodedConfig(100)),  # the whole weight in one chunk
     (1024, 8192, 1 << 20, False, GemmDecodedConfig(128)),  # 128 rows at least
 ])
@@ -154,7 +155,8 @@ def test_weight_decoded_to_16_bits_rounds_once(dtype):
 
 @pytest.fixture
 def weight_decodes(monkeypatch):
-    """The row counts of the decoded route's weight decodes (launch_nvfp4_dequantize calls) during the test."""
+    """The row counts of the decoded route's decodes (launch_nvfp4_dequantize calls: a W4A4 call's a first, then
+    the weight's chunks) during the test."""
     rows = []
     launch = tileflash.launch.lowp.launch_nvfp4_dequantize
     monkeypatch.setattr(tileflash.launch.lowp, "launch_nvfp4_dequantize",

@@ -45,7 +45,7 @@ FAMILY_HELP = {
     "gemm": "gemm / GemmConfig: the Triton NVFP4 GEMM; shapes m,n,k (bf16 activations) or m,n,k,w4a4 (NVFP4 ones)",
     "gemm-mma": "gemm_mma / GemmMmaConfig: the sm_90 register-operand GEMM (m <= 16); same shapes",
     "gemm-wgmma": "gemm_wgmma / GemmWgmmaConfig: the sm_90 wgmma GEMM (m <= 1024); same shapes",
-    "gemm-decoded": "gemm_decoded / GemmDecodedConfig: large-M W4A16, decoded weight + cuBLAS; same shapes",
+    "gemm-decoded": "gemm_decoded / GemmDecodedConfig: large M, decoded operands + cuBLAS; same shapes",
 }
 
 

@@ -67,7 +67,7 @@ class GemmPlan(direct.Replayable):
         self.native = self.a_nvfp4 and native_fp4_mma(arch)
         self.mma = self.wgmma = None
         sm90_w4a16 = not self.empty and not self.a_nvfp4 and sm90_target()
-        wgmma_ok = sm90_w4a16 and _wgmma_operands_ok(b_data, b_scales) and k % GEMM_WGMMA_K_MULTIPLE == 0
+        wgmma_ok = sm90_w4a16 and _wgmma_operands_ok(b_data, b_scales)
         self.decoded = None if self.empty else config.chosen("gemm_decoded",
                                                              gemm_decoded_config(m, n, k, self.native, wgmma_ok))
         if self.decoded is not None:

@@ -103,6 +103,11 @@ def gemm_wgmma_split(units: int, steps: int, m: int, n: int, k: int, num_sms: in
     return best_split
 
 
+def wgmma_shape_ok(m: int, k: int) -> bool:
+    """Whether the wgmma kernel takes a W4A16 call of M rows and K values (its operands permitting)."""
+    return 0 < m <= GEMM_WGMMA_MAX_M and k % GEMM_WGMMA_K_MULTIPLE == 0
+
+
 def gemm_wgmma_config(m: int, n: int, k: int, num_sms: int = 132, block_m: int = 0, consumers: int = 0,
                       split_k: int = 0) -> GemmWgmmaConfig | None:
     """Tiles of the wgmma NVFP4 GEMM (None above GEMM_WGMMA_MAX_M rows, where the decoded weight and cuBLAS take
@@ -118,7 +123,7 @@ def gemm_wgmma_config(m: int, n: int, k: int, num_sms: int = 132, block_m: int =
     1.07-1.18x faster than 64 and 1.3-1.4x faster than two 16-row tiles (run 166: N=K=8192 M=32 21.9 vs 24.6 us,
     N=28672 K=4096 M=32 30.8 vs 36.4). M = 512 .. 4096 take one slice (one wave of 128-row units already): two
     slices lose 6-20% (run 235)."""
-    if not 0 < m <= GEMM_WGMMA_MAX_M or k % GEMM_WGMMA_K_MULTIPLE:
+    if not wgmma_shape_ok(m, k):
         return None
     block_m = block_m or next((b for b in (16, 32, 64) if m <= b), 128)
     consumers = consumers or 2
@@ -135,8 +140,8 @@ def gemm_wgmma_config(m: int, n: int, k: int, num_sms: int = 132, block_m: int =
 
 @dataclass(frozen=True)
 class GemmDecodedConfig:
-    """W4A16 at large M: the weight decoded into a's dtype, chunk_rows rows at a time (into the workspace), each chunk
-    then multiplied by cuBLAS's 16-bit GEMM."""
+    """Large M: the weight decoded into the output's 16-bit dtype, chunk_rows rows at a time (into the workspace; a
+    W4A4 call's a whole, before), each chunk then multiplied by cuBLAS's 16-bit GEMM."""
     chunk_rows: int
 
 
@@ -147,11 +152,11 @@ GEMM_DECODED_CHUNK_ELEMENTS = 32 * 1024 * 1024  # 64 MiB of decoded 16-bit weigh
 def gemm_decoded_config(m: int, n: int, k: int, native_fp4: bool = False,
                         wgmma: bool = False) -> GemmDecodedConfig | None:
     """Large M: the NVFP4 weight (and a W4A4 call's NVFP4 a) decoded once into the output's 16-bit dtype and
-    multiplied by cuBLAS (None: the fused kernels). Above GEMM_DECODED_MIN_M rows, or above GEMM_WGMMA_MAX_M where
-    the wgmma kernel takes the call (wgmma: W4A16 on sm_90, K a multiple of 256, TMA-addressable weights); never
-    for W4A4 on a target with the native block-scaled FP4 MMA (native_fp4). There the GEMM is bound by the tensor
-    cores and the decoded weight's traffic (N K (2 + 2 + 0.56) bytes: decode, write, read) costs less than a fused
-    decode per tile. Measured on the H100 (graph replay, us, N=K=8192, W4A16): the Triton kernel vs decoded at M =
+    multiplied by cuBLAS (None: the fused kernels). From GEMM_DECODED_MIN_M rows, except where the wgmma kernel
+    takes the call (wgmma: W4A16 on sm_90 with TMA-addressable weights; then wgmma_shape_ok: K a multiple of 256,
+    M up to GEMM_WGMMA_MAX_M); never for W4A4 on a target with the native block-scaled FP4 MMA (native_fp4). There
+    the GEMM is bound by the tensor cores and the decoded weight's traffic (N K (2 + 2 + 0.56) bytes: decode, write,
+    read) costs less than a fused decode per tile. Measured on the H100 (graph replay, us, N=K=8192, W4A16): the Triton kernel vs decoded at M =
     512 / 1024 / 4096 202 / 414 / 1593 vs 158-163 / 248-264 / 823-837 (runs 234-235; cuBLAS bf16 alone 198 / 758 at
     1024 / 4096); for the wgmma kernel see GEMM_WGMMA_MAX_M. W4A4 off Blackwell decodes both operands per tile in
     the Triton kernel, more work than W4A16's: the same route serves it (a decoded whole, M K 16-bit values).
@@ -159,7 +164,7 @@ def gemm_decoded_config(m: int, n: int, k: int, native_fp4: bool = False,
     low-precision reference (a @ w.to(a.dtype).T; W4A4 a.to(dtype) @ w.to(dtype).T). Chunks bound the transient
     weight at GEMM_DECODED_CHUNK_ELEMENTS (whole 128-row multiples, so cuBLAS keeps full tiles; 128 rows at least,
     which exceeds the bound only for K > 256k): 2048-row chunks cost 4-20% at N=K=8192 (run 234)."""
-    if native_fp4 or m < GEMM_DECODED_MIN_M or (wgmma and m <= GEMM_WGMMA_MAX_M):
+    if native_fp4 or m < GEMM_DECODED_MIN_M or (wgmma and wgmma_shape_ok(m, k)):
         return None
     rows = max(128, GEMM_DECODED_CHUNK_ELEMENTS // k // 128 * 128)
     return GemmDecodedConfig(chunk_rows=min(n, rows))
