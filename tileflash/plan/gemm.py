@@ -151,19 +151,19 @@ GEMM_DECODED_CHUNK_ELEMENTS = 32 * 1024 * 1024  # 64 MiB of decoded 16-bit weigh
 
 def gemm_decoded_config(m: int, n: int, k: int, native_fp4: bool = False,
                         wgmma: bool = False) -> GemmDecodedConfig | None:
-    """Large M: the NVFP4 weight (and a W4A4 call's NVFP4 a) decoded once into the output's 16-bit dtype and
-    multiplied by cuBLAS (None: the fused kernels). From GEMM_DECODED_MIN_M rows, except where the wgmma kernel
-    takes the call (wgmma: W4A16 on sm_90 with TMA-addressable weights; then wgmma_shape_ok: K a multiple of 256,
-    M up to GEMM_WGMMA_MAX_M); never for W4A4 on a target with the native block-scaled FP4 MMA (native_fp4). There
-    the GEMM is bound by the tensor cores and the decoded weight's traffic (N K (2 + 2 + 0.56) bytes: decode, write,
-    read) costs less than a fused decode per tile. Measured on the H100 (graph replay, us, N=K=8192, W4A16): the
-    Triton kernel vs decoded at M = 512 / 1024 / 4096 202 / 414 / 1593 vs 158-163 / 248-264 / 823-837 (runs
-    234-235; cuBLAS bf16 alone 198 / 758 at 1024 / 4096); for the wgmma kernel see GEMM_WGMMA_MAX_M. W4A4 off
-    Blackwell decodes both operands per tile in the Triton kernel, more work than W4A16's: the same route serves it
-    (a decoded whole, M K 16-bit values). Each operand is decoded with its global scale folded in and rounded once to the output dtype: the 2x rule's
-    low-precision reference (a @ w.to(a.dtype).T; W4A4 a.to(dtype) @ w.to(dtype).T). Chunks bound the transient
-    weight at GEMM_DECODED_CHUNK_ELEMENTS (whole 128-row multiples, so cuBLAS keeps full tiles; 128 rows at least,
-    which exceeds the bound only for K > 256k): 2048-row chunks cost 4-20% at N=K=8192 (run 234)."""
+    """Large M: the NVFP4 weight (and a W4A4 call's NVFP4 a) decoded once into the output's 16-bit dtype and multiplied
+    by cuBLAS (None: the fused kernels). From GEMM_DECODED_MIN_M rows, except where the wgmma kernel takes the call
+    (wgmma: W4A16 on sm_90 with TMA-addressable weights; then wgmma_shape_ok: K a multiple of 256, M up to
+    GEMM_WGMMA_MAX_M); never for W4A4 on a target with the native block-scaled FP4 MMA (native_fp4). There the GEMM is
+    bound by the tensor cores and the decoded weight's traffic (N K (2 + 2 + 0.56) bytes: decode, write, read) costs
+    less than a fused decode per tile. Measured on the H100 (graph replay, us, N=K=8192, W4A16): the Triton kernel vs
+    decoded at M = 512 / 1024 / 4096 202 / 414 / 1593 vs 158-163 / 248-264 / 823-837 (runs 234-235; cuBLAS bf16 alone
+    198 / 758 at 1024 / 4096); for the wgmma kernel see GEMM_WGMMA_MAX_M. W4A4 off Blackwell decodes both operands per
+    tile in the Triton kernel, more work than W4A16's: the same route serves it (a decoded whole, M K 16-bit values).
+    Each operand is decoded with its global scale folded in and rounded once to the output dtype: the 2x rule's
+    low-precision reference (a @ w.to(a.dtype).T; W4A4 a.to(dtype) @ w.to(dtype).T). Chunks bound the transient weight
+    at GEMM_DECODED_CHUNK_ELEMENTS (whole 128-row multiples, so cuBLAS keeps full tiles; 128 rows at least, which
+    exceeds the bound only for K > 256k): 2048-row chunks cost 4-20% at N=K=8192 (run 234)."""
     if native_fp4 or m < GEMM_DECODED_MIN_M or (wgmma and wgmma_shape_ok(m, k)):
         return None
     rows = max(128, GEMM_DECODED_CHUNK_ELEMENTS // k // 128 * 128)
