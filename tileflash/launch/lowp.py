@@ -129,17 +129,16 @@ class GemmPlan(direct.Replayable):
 
     def _run_decoded(self, a, b_data, b_scales, b_global_scale, a_scales, a_global_scale, out, stream) -> None:
         """Each chunk of weight rows decoded into the output's dtype in the workspace, then cuBLAS's GEMM into its
-        output columns (W4A4: a decoded first, whole, after the chunk). Plain launches, nothing recorded: the call's
+        output columns (W4A4: a decoded first, whole, into a buffer of the call's own). Plain launches, nothing recorded: the call's
         GPU time (>= ~100 us) dwarfs its host time. a is detached: nvfp4_matmul has no gradient, and torch.mm's out=
         refuses an a that requires one."""
         m, n, k = out.shape[0], b_data.shape[0], b_data.shape[1] * 2
         rows = min(n, self.decoded.chunk_rows)
         slots = rows * k // 2  # two 16-bit values per fp32 slot (K is a multiple of 16)
-        a_slots = m * k // 2 if self.a_nvfp4 else 0
-        ws = direct.WORKSPACE.get(self.device, stream, slots + a_slots)
+        ws = direct.WORKSPACE.get(self.device, stream, slots)
         weight = ws[:slots].view(self.dtype).view(rows, k)
-        if self.a_nvfp4:
-            decoded_a = ws[slots:slots + a_slots].view(self.dtype).view(m, k)
+        if self.a_nvfp4:  # from the caching allocator, not the workspace, which would keep M x K for good
+            decoded_a = torch.empty((m, k), dtype=self.dtype, device=self.device)
             launch_nvfp4_dequantize(a, a_scales.view(torch.uint8), a_global_scale, decoded_a)
             a = decoded_a
         a = a.detach()

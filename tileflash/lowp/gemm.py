@@ -6,7 +6,7 @@ wgmma kernel does not apply) decodes the weight into a's dtype (global scale fol
 64 MiB of kept workspace, 128 rows at least) and multiplies it with cuBLAS (plan.gemm.gemm_decoded_config; its
 accumulation follows torch's allow_bf16/fp16_reduced_precision_reduction settings). W4A4 on Blackwell (sm_100,
 sm_120) feeds the codes and scales to the native block-scaled MMA; elsewhere above 256 rows it takes the same
-route (a decoded whole into out_dtype too: M x K more workspace). Everything else runs the Triton kernel
+route (a decoded whole into out_dtype too, in a buffer of the call). Everything else runs the Triton kernel
 (tileflash/lowp/kernels/gemm_dequant.py), which also runs in the CPU interpreter and decodes W4A4's operands per
 tile.
 
