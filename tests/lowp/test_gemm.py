@@ -7,6 +7,7 @@ import torch
 
 import tileflash._utils as tf_utils
 import tileflash.launch.lowp
+from tileflash.launch import direct
 from helpers import DEVICE, ON_GPU, ON_SM90, check_2x
 from tileflash.lowp.formats import E4M3, nvfp4_dequantize_ref
 from tileflash.plan import (GemmConfig, GemmDecodedConfig, GemmMmaConfig, GemmWgmmaConfig, gemm_config,
@@ -156,12 +157,23 @@ def test_weight_decoded_to_16_bits_rounds_once(dtype):
 @pytest.fixture
 def weight_decodes(monkeypatch):
     """The row counts of the decoded route's decodes (launch_nvfp4_dequantize calls: a W4A4 call's a first, then
-    the weight's chunks) during the test."""
-    rows = []
+    the weight's chunks) during the test; rows.targets: the tensors they decoded into."""
+    rows = _Decodes()
     launch = tileflash.launch.lowp.launch_nvfp4_dequantize
-    monkeypatch.setattr(tileflash.launch.lowp, "launch_nvfp4_dequantize",
-                        lambda d2, *rest: rows.append(d2.shape[0]) or launch(d2, *rest))
+
+    def record(d2, *rest):
+        rows.append(d2.shape[0])
+        rows.targets.append(rest[-1])
+        return launch(d2, *rest)
+
+    monkeypatch.setattr(tileflash.launch.lowp, "launch_nvfp4_dequantize", record)
     return rows
+
+
+class _Decodes(list):
+    def __init__(self):
+        super().__init__()
+        self.targets = []
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -215,6 +227,10 @@ def test_decoded_route_w4a4(override, weight_decodes, out_dtype, chunk_rows, chu
     out = nvfp4_matmul(a_q[0], *b_q, a_scales=a_q[1], a_global_scale=a_q[2], out_dtype=out_dtype)
     assert weight_decodes == chunks  # a's 9 rows first
     assert out.dtype == out_dtype and out.shape == (9, 100)
+    # a's decode is the call's own buffer: the kept workspace holds the weight's chunk only (not M x K for good)
+    kept = {buf.untyped_storage().data_ptr() for buf in direct.WORKSPACE.buffers.values()}
+    targets = [t.untyped_storage().data_ptr() for t in weight_decodes.targets]
+    assert targets[0] not in kept and all(t in kept for t in targets[1:])
     if len(chunks) == 2:
         want = nvfp4_dequantize(*a_q).to(out_dtype) @ nvfp4_dequantize(*b_q).to(out_dtype).T
         torch.testing.assert_close(out, want, rtol=0, atol=0)
