@@ -129,9 +129,9 @@ class GemmPlan(direct.Replayable):
 
     def _run_decoded(self, a, b_data, b_scales, b_global_scale, a_scales, a_global_scale, out, stream) -> None:
         """Each chunk of weight rows decoded into the output's dtype in the workspace, then cuBLAS's GEMM into its
-        output columns (W4A4: a decoded first, whole, into a buffer of the call's own). Plain launches, nothing recorded: the call's
-        GPU time (>= ~100 us) dwarfs its host time. a is detached: nvfp4_matmul has no gradient, and torch.mm's out=
-        refuses an a that requires one."""
+        output columns (W4A4: a decoded first, whole, into a buffer of the call's own). Plain launches, nothing
+        recorded: the call's GPU time (>= ~100 us) dwarfs its host time. a is detached: nvfp4_matmul has no
+        gradient, and torch.mm's out= refuses an a that requires one."""
         m, n, k = out.shape[0], b_data.shape[0], b_data.shape[1] * 2
         rows = min(n, self.decoded.chunk_rows)
         slots = rows * k // 2  # two 16-bit values per fp32 slot (K is a multiple of 16)
