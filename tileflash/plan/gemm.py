@@ -141,7 +141,7 @@ def gemm_wgmma_config(m: int, n: int, k: int, num_sms: int = 132, block_m: int =
 @dataclass(frozen=True)
 class GemmDecodedConfig:
     """Large M: the weight decoded into the output's 16-bit dtype, chunk_rows rows at a time (into the workspace; a
-    W4A4 call's a whole, before), each chunk then multiplied by cuBLAS's 16-bit GEMM."""
+    W4A4 call's a whole, before, into a buffer of the call), each chunk then multiplied by cuBLAS's 16-bit GEMM."""
     chunk_rows: int
 
 
