@@ -255,11 +255,30 @@ def test_fp8_errors_of_mixed_calls():
         tileflash.flash_attn_func(q, k, v, q_descale=qd)
     with pytest.raises(ValueError, match="out_dtype: torch.bfloat16 inputs give"):
         tileflash.flash_attn_func(q, k, v, out_dtype=torch.float16)
-    with pytest.raises(ValueError, match="FP8 attention is forward only"):
-        tileflash.flash_attn_func(q8, k8, v8.float().requires_grad_().to(E4M3))
     cu = torch.tensor([0, 8], dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match=r"k_descale: expected shape \(1, 1\)"):
         tileflash.flash_attn_varlen_func(q8[0], k8[0], v8[0], cu, cu, 8, 8, k_descale=kd.expand(2, 1))
+
+
+def test_fp8_inputs_that_require_grad_run_forward_only():
+    """FA3 takes FP8 q, k, v that require grad (its own tests pass such tensors) and has no FP8 backward: the output
+    is the same as without grad, descales applied, and a backward through it raises rather than leave q, k, v
+    without their gradient. Packed and paged calls likewise."""
+    q8, k8, v8, qd, kd, vd = _fp8_inputs()
+    kw = dict(q_descale=qd, k_descale=kd * 2, v_descale=vd * 3, return_lse=True)
+    ref = tileflash.flash_attn_func(q8, k8, v8, **kw)
+    q8g, k8g, v8g = (t.float().requires_grad_().to(E4M3) for t in (q8, k8, v8))  # e4m3 leaves cannot require grad
+    out, lse = tileflash.flash_attn_func(q8g, k8g, v8g, **kw)
+    assert torch.equal(out, ref[0]) and torch.equal(lse, ref[1]) and out.requires_grad
+    with pytest.raises(RuntimeError, match="FP8 attention .* is forward only"):
+        out.float().sum().backward()
+    cu = torch.tensor([0, q8.shape[1]], dtype=torch.int32, device=DEVICE)
+    args = (cu, cu, q8.shape[1], q8.shape[1])
+    ref = tileflash.flash_attn_varlen_func(q8[0], k8[0], v8[0], *args, q_descale=qd, v_descale=vd * 3)
+    out = tileflash.flash_attn_varlen_func(q8g[0], k8g[0], v8g[0], *args, q_descale=qd, v_descale=vd * 3)
+    assert torch.equal(out, ref)
+    with pytest.raises(RuntimeError, match="forward only"):
+        out.float().sum().backward()
 
 
 @pytest.mark.skipif(not ON_GPU, reason="65k keys: minutes in the interpreter")

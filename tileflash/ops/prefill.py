@@ -40,9 +40,9 @@ def _check_qkv(q, k, v, ndim: int, kv_ndim: int | None = None) -> None:
     _utils.check_head_dim(d)
 
 
-def _check_fp8(q, k, num_batches: int, q_descale, k_descale, v_descale, out_dtype, grad: bool) -> torch.dtype:
+def _check_fp8(q, k, num_batches: int, q_descale, k_descale, v_descale, out_dtype) -> torch.dtype:
     """The output dtype of a checked q/k/v call; FP8 attention's extras checked: descales fp32 [num_batches, Hkv]
-    (FA3's) or None, out_dtype bf16 (its default) or fp16, forward only. 16-bit calls take neither."""
+    (FA3's) or None, out_dtype bf16 (its default) or fp16. 16-bit calls take neither."""
     descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
     if q.dtype != FP8:
         for name, t in descales.items():
@@ -52,9 +52,6 @@ def _check_fp8(q, k, num_batches: int, q_descale, k_descale, v_descale, out_dtyp
             raise ValueError(f"out_dtype: {q.dtype} inputs give {q.dtype} outputs, got {out_dtype}")
         return q.dtype
     _utils.check_fp8_hardware("q", q)
-    if grad:
-        raise ValueError("q, k, v: FP8 attention is forward only (no backward); call it on tensors that do not "
-                         "require grad, or under torch.no_grad()")
     for name, t in descales.items():
         if t is not None:
             _utils.check_tensor(name, t, ndim=2, dtypes=(torch.float32,), device=q.device)
@@ -80,6 +77,8 @@ class FwdPlan(direct.Replayable):
     nobody reads it). launch(*tensors, out, lse, ws) launches into out/lse (lse None: the workspace's head)."""
 
     out_dtype = None  # FP8 attention's (bf16 / fp16); None: q's
+    backward_args = None  # the backward's arguments (_AttnFunction) of a differentiable call
+    no_backward = None  # why a forward-only call has no backward (_NoBackward)
 
     def __init__(self, launch, lse_shape, device, keep_lse: bool, empty: bool, vt_shape: tuple | None = None):
         """out is q's shape and dtype (made per run from q); lse_shape [B, Hq, Sq] or [Hq, total_q]. vt_shape: FP8
@@ -371,7 +370,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     None: 1), so q = q_descale * q8 for the queries of KV head h (likewise k, v): the scores are
     q_descale k_descale (q8 k8^T) and out = v_descale (P v8) with P rounded to e4m3 (paged caches: P v8 in fp16),
     in fp32 otherwise (each KV block's P v8 is added into an fp32 accumulator, so long rows keep their precision).
-    out_dtype: bfloat16 (default) or float16; lse as above. Forward only. tileflash.fp8_quantize_qkv makes the inputs.
+    out_dtype: bfloat16 (default) or float16; lse as above. Forward only, as in FA3: inputs that require grad are
+    taken, and a backward through the output raises. tileflash.fp8_quantize_qkv makes the inputs.
     FA3's keyword arguments: return_attn_probs=True returns (out, lse) as return_lse does (FA3's pair; flash-attn
     2.x's third value, the probabilities with the dropout pattern, is not materialised); num_splits, pack_gqa and
     sm_margin are accepted and leave the result as it is (tileflash plans its own schedule); qv must be None.
@@ -401,7 +401,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
             return _flash_attn_func_eager(q, k, v, softmax_scale, causal, window_size, softcap, return_lse,
                                           deterministic, dropout_p, alibi_slopes, learnable_sink, q_descale,
                                           k_descale, v_descale, out_dtype)
-        _check_fp8(q, k, q.shape[0], q_descale, k_descale, v_descale, out_dtype, False)
+        _check_fp8(q, k, q.shape[0], q_descale, k_descale, v_descale, out_dtype)
         mask, scale = _checked_dense(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                      learnable_sink)
         out, lse = _attn_fwd_op(q, k, v, scale, mask.window_left, mask.window_right, mask.softcap,
@@ -417,11 +417,13 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
                                 direct.tensor_key(v_descale), out_dtype, dropout_p),
         lambda: _public_dense_plan(q, k, v, softmax_scale, causal, window_size, softcap, return_lse or grad,
                                    deterministic, alibi_slopes, learnable_sink, q_descale, k_descale, v_descale,
-                                   out_dtype, grad, dropout_p))
+                                   out_dtype, dropout_p))
     rng = _utils.dropout_seed(q.device) if dropout_p else None
-    if grad:
+    if grad and plan.backward_args is not None:
         return _attn_autograd(bool(return_lse), q, k, v, plan, alibi_slopes, learnable_sink, rng)
     out, lse = plan.run(q, k, v, alibi_slopes, learnable_sink, q_descale, k_descale, v_descale, rng=rng)
+    if grad:
+        out, lse = _NoBackward.apply(plan.no_backward, out, lse, q, k, v, learnable_sink)
     return (out, lse) if return_lse else out
 
 
@@ -446,15 +448,25 @@ def _checked_dense(q, k, v, softmax_scale, causal, window_size, softcap, alibi_s
     return mask, _utils.softmax_scale_or_default(softmax_scale, q.shape[-1])
 
 
+FP8_NO_BACKWARD = ("FP8 attention (float8_e4m3fn q, k, v) is forward only, as in FA3: its output has no gradient; "
+                   "differentiate through 16-bit q, k, v")
+PAGED_NO_BACKWARD = ("flash_attn_varlen_func with block_table: paged keys have no backward (inputs that require grad "
+                     "are accepted, as flash-attn does, for forward-only use); gather the pages into packed k/v to "
+                     "differentiate")
+
+
 def _public_dense_plan(q, k, v, softmax_scale, causal, window_size, softcap, keep_lse, deterministic,
-                       alibi_slopes, learnable_sink, q_descale, k_descale, v_descale, out_dtype, grad,
+                       alibi_slopes, learnable_sink, q_descale, k_descale, v_descale, out_dtype,
                        dropout_p) -> FwdPlan:
     mask, scale = _checked_dense(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, learnable_sink)
-    out_dtype = _check_fp8(q, k, q.shape[0], q_descale, k_descale, v_descale, out_dtype, grad)
+    out_dtype = _check_fp8(q, k, q.shape[0], q_descale, k_descale, v_descale, out_dtype)
     plan = _dense_plan(q, k, v, scale, mask, keep_lse, alibi=alibi_slopes is not None, dropout_p=dropout_p)
     plan.out_dtype = out_dtype if out_dtype != q.dtype else None
-    plan.backward_args = (None, None, None, 0, 0, scale, mask.window_left, mask.window_right, mask.softcap,
-                          bool(deterministic), dropout_p)
+    if q.dtype == FP8:
+        plan.no_backward = FP8_NO_BACKWARD
+    else:
+        plan.backward_args = (None, None, None, 0, 0, scale, mask.window_left, mask.window_right, mask.softcap,
+                              bool(deterministic), dropout_p)
     return plan
 
 
@@ -479,10 +491,6 @@ class _AttnFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse=None):
-        if ctx.plan.backward_args is None:
-            raise RuntimeError("flash_attn_varlen_func with block_table: paged keys have no backward (inputs that "
-                               "require grad are accepted, as flash-attn does, for forward-only use); gather the pages "
-                               "into packed k/v to differentiate")
         q, k, v, out, lse, alibi_slopes, learnable_sink, rng, *index = ctx.saved_tensors
         if dout is None:  # only lse was used
             dout = torch.zeros_like(out)
@@ -496,6 +504,21 @@ class _AttnFunction(torch.autograd.Function):
         dq, dk, dv, dsink = bwd.run(q, k, v, out, lse, dout, dlse, cu_q, cu_k, seqused_k, alibi_slopes,
                                     learnable_sink, rng)
         return (None, dq, dk, dv, None, None, dsink, None) + (None,) * len(index)
+
+
+class _NoBackward(torch.autograd.Function):
+    """Outputs of a forward-only call (FP8 attention, paged keys) on inputs that require grad, which FA3 and
+    flash-attn take: the outputs join the graph, and a backward through them raises `reason` rather than leaving
+    the inputs without their gradient."""
+
+    @staticmethod
+    def forward(ctx, reason, out, lse, *inputs):
+        ctx.reason = reason
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(ctx.reason)
 
 
 _FAST_APPLY = super(torch.autograd.Function, _AttnFunction).apply  # autograd's C++ entry point
@@ -588,7 +611,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                 q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, softmax_scale, causal,
                 window_size, softcap, return_lse, deterministic, block_table, dropout_p, alibi_slopes, learnable_sink,
                 q_descale, k_descale, v_descale, out_dtype)
-        _check_fp8(q, k, cu_seqlens_q.shape[0] - 1, q_descale, k_descale, v_descale, out_dtype, False)
+        _check_fp8(q, k, cu_seqlens_q.shape[0] - 1, q_descale, k_descale, v_descale, out_dtype)
         mask, scale = _checked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q,
                                       max_seqlen_k, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                       learnable_sink)
@@ -612,12 +635,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         lambda: _public_varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q,
                                     max_seqlen_k, softmax_scale, causal, window_size, softcap, return_lse or grad,
                                     deterministic, alibi_slopes, learnable_sink, q_descale, k_descale, v_descale,
-                                    out_dtype, grad, dropout_p))
+                                    out_dtype, dropout_p))
     index = (cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
     rng = _utils.dropout_seed(q.device) if dropout_p else None
-    if grad:
+    if grad and plan.backward_args is not None:
         return _attn_autograd(bool(return_lse), q, k, v, plan, alibi_slopes, learnable_sink, rng, *index)
     out, lse = plan.run(q, k, v, alibi_slopes, learnable_sink, q_descale, k_descale, v_descale, *index, rng=rng)
+    if grad:
+        out, lse = _NoBackward.apply(plan.no_backward, out, lse, q, k, v, learnable_sink)
     return (out, lse) if return_lse else out
 
 
@@ -658,16 +683,18 @@ def _checked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
 def _public_varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
                         softmax_scale, causal, window_size, softcap, keep_lse, deterministic,
                         alibi_slopes, learnable_sink, q_descale, k_descale, v_descale, out_dtype,
-                        grad, dropout_p) -> FwdPlan:
+                        dropout_p) -> FwdPlan:
     mask, scale = _checked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q,
                                   max_seqlen_k, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                   learnable_sink)
-    out_dtype = _check_fp8(q, k, cu_seqlens_q.shape[0] - 1, q_descale, k_descale, v_descale, out_dtype, grad)
+    out_dtype = _check_fp8(q, k, cu_seqlens_q.shape[0] - 1, q_descale, k_descale, v_descale, out_dtype)
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), (int(max_seqlen_k) if block_table is None else 0)
     plan = _varlen_plan(q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, scale, mask,
                         keep_lse, alibi=alibi_slopes is not None, dropout_p=dropout_p)
     plan.out_dtype = out_dtype if out_dtype != q.dtype else None
-    plan.backward_args = None if block_table is not None else (
-        None, None, None, max_seqlen_q, max_seqlen_k, scale, mask.window_left, mask.window_right, mask.softcap,
-        bool(deterministic), dropout_p)
+    if q.dtype == FP8 or block_table is not None:
+        plan.no_backward = FP8_NO_BACKWARD if q.dtype == FP8 else PAGED_NO_BACKWARD
+    else:
+        plan.backward_args = (None, None, None, max_seqlen_q, max_seqlen_k, scale, mask.window_left,
+                              mask.window_right, mask.softcap, bool(deterministic), dropout_p)
     return plan
