@@ -279,6 +279,19 @@ def _cases(arch: int = 90):
                 *(torch.randn(700, 4, 64, dtype=bf, requires_grad=True) for _ in range(3)),
                 torch.tensor([0, 300, 700], dtype=torch.int32), torch.tensor([0, 300, 700], dtype=torch.int32), 400,
                 400, window_size=(64, 0), dropout_p=0.1).sum().backward(), backward=True, dq_pass=False),
+        "prefill fwd+bwd d192 v128 causal GQA, dQ by atomics (Triton kernels: V's head dim not q's)":
+            on_triton_kernels(lambda: tileflash.flash_attn_func(
+                torch.randn(2, 300, 8, 192, dtype=bf, requires_grad=True),
+                torch.randn(2, 333, 2, 192, dtype=bf, requires_grad=True),
+                torch.randn(2, 333, 2, 128, dtype=bf, requires_grad=True), causal=True).sum().backward(),
+                backward=True, dq_pass=False),
+        "varlen fwd+bwd d128 v64, deterministic (Triton kernels: V's head dim not q's, Q / dO by TMA)":
+            on_triton_kernels(lambda: tileflash.flash_attn_varlen_func(
+                torch.randn(700, 4, 128, dtype=bf, requires_grad=True),
+                torch.randn(700, 4, 128, dtype=bf, requires_grad=True),
+                torch.randn(700, 4, 64, dtype=bf, requires_grad=True), torch.tensor([0, 300, 700], dtype=torch.int32),
+                torch.tensor([0, 300, 700], dtype=torch.int32), 400, 400, deterministic=True).sum().backward(),
+                backward=True),
         "decode nvfp4 paged split alibi [Hq] (Triton kernel, not register operands)": on_triton_kernels(
             lambda: decode("nvfp4", paged=True, b=8, ctx=4096, num_splits=2, alibi_slopes=torch.rand(32))),
         "prefill fwd+bwd d128 GQA fp16 learnable_sink (Gluon forward, d sink in the preprocess)": sink_on_gluon(

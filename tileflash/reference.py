@@ -102,7 +102,8 @@ def scores_ref(q, k, softmax_scale=None, causal=False, window_size=(-1, -1), sof
 def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, upcast=True,
                   alibi_slopes=None, learnable_sink=None, intermediate_dtype=None, attention_chunk=0, dropout_p=0.0,
                   dropout_seed=None, dropout_sequence=0):
-    """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] -> (out [B, Sq, Hq, D] in q's dtype, lse [B, Hq, Sq] float32).
+    """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (v's head dim may differ: Dv) -> (out [B, Sq, Hq, Dv] in q's dtype,
+    lse [B, Hq, Sq] float32).
     intermediate_dtype (flash-attn's rule for FP8): the probabilities are rounded to it before the PV product (the
     low-precision reference of FP8 attention, on dequantized inputs).
     alibi_slopes [Hq] or [B, Hq]: alibi_bias is added after the scale and softcap, before the mask.
@@ -143,10 +144,11 @@ def _slopes_of(alibi_slopes, b: int):
 
 
 def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None, alibi_slopes=None, **kw):
-    """Packed sequences: q [total_q, Hq, D], k/v [total_k, Hkv, D] -> (out [total_q, Hq, D], lse [Hq, total_q]).
+    """Packed sequences: q [total_q, Hq, D], k/v [total_k, Hkv, D] (v's head dim may differ: Dv) -> (out
+    [total_q, Hq, Dv], lse [Hq, total_q]).
     alibi_slopes [Hq] or [batch, Hq]: positions and lengths are each sequence's. learnable_sink [Hq] (through kw):
     every sequence's. dropout_p / dropout_seed (through kw): sequence i's pattern is dropout_keep's for sequence i."""
-    out = torch.zeros_like(q)
+    out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for i in range(len(cq) - 1):

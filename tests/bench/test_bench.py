@@ -20,6 +20,8 @@ def test_fwd_flops_exact():
     assert formulas.attn_fwd_flops(1, 16, 1024, 1024, 128, False) == 4 * 16 * 1024 * 1024 * 128
     assert formulas.attn_fwd_flops(1, 16, 1024, 1024, 128, True) == 2 * 16 * 1024 * 1024 * 128
     assert formulas.attn_fwd_flops(2, 8, 512, 2048, 64) == 4 * 2 * 8 * 512 * 2048 * 64
+    # V's head dim other than q's: QK^T over 192, PV over 128
+    assert formulas.attn_fwd_flops(1, 16, 1024, 1024, 192, False, 128) == 2 * 16 * 1024 * 1024 * (192 + 128)
 
 
 def test_bwd_flops_is_two_and_a_half_fwd():
@@ -87,7 +89,7 @@ def test_format_table_no_title_and_bad_row():
 # ---- registries -------------------------------------------------------------------------------
 
 def test_prefill_registry():
-    shapes = suites.PREFILL_SHAPES
+    shapes = [s for s in suites.PREFILL_SHAPES if "dv" not in s]
     assert len(shapes) == 3 * 2 * 5
     for s in shapes:
         assert s["batch"] * s["seqlen"] == 16384
@@ -96,6 +98,9 @@ def test_prefill_registry():
     assert {s["causal"] for s in shapes} == {False, True}
     assert sorted({s["seqlen"] for s in shapes}) == [1024, 2048, 4096, 8192, 16384]
     assert len({(s["d"], s["causal"], s["seqlen"]) for s in shapes}) == 30
+    deepseek = suites.select_shapes(suites.PREFILL_SHAPES, only="d192v128")
+    assert len(deepseek) == 6 and all((s["d"], s["dv"], s["nheads"]) == (192, 128, 16) for s in deepseek)
+    assert len(suites.PREFILL_SHAPES) == 36
 
 
 def test_decode_registry():
@@ -130,7 +135,8 @@ def test_select_shapes():
     assert {s["label"] for s in paged} == {"gqa-page16", "gqa-page64"} and len(paged) == 20
     assert {s["label"] for s in suites.select_shapes(suites.DECODE_SHAPES, only="d64")} == {"gqa-d64"}
     causal = suites.select_shapes(suites.PREFILL_SHAPES, quick=True, only="causal")
-    assert len(causal) == 9 and all(s["causal"] and s["seqlen"] <= 4096 for s in causal)
+    assert len(causal) == 12 and all(s["causal"] for s in causal)  # 3 head dims and DeepSeek's 192 / 128
+    assert all(s["seqlen"] <= 4096 for s in causal if "dv" not in s)
     assert suites.select_shapes(suites.PREFILL_SHAPES, only="nothing") == []
     assert suites.select_shapes(suites.PREFILL_SHAPES) == suites.PREFILL_SHAPES
 
@@ -271,6 +277,19 @@ def test_run_prefill_cpu(cpu_suites):
         assert row["pct_bf16_gemm"] == pytest.approx(100 * tf["TFLOP/s"] / 695)
         assert row["backends"]["fa4"] is None or not CUDA
     assert "Prefill forward" in lines[-1] and "TFLOP/s" in lines[-1]
+
+
+def test_run_prefill_cpu_head_dim_v(cpu_suites):
+    """A row whose V head dim differs from q's: checked against the reference, FLOPs of both products, no FP8
+    column (FP8 attention takes equal head dims), d shown as d/dv."""
+    cpu_suites("right")
+    lines = []
+    row, = suites.run_prefill([{**PREFILL_TINY[1], "dv": 16}], out=lines.append)
+    tf = row["backends"]["tileflash"]
+    assert tf["ok"] and tf["TFLOP/s"] == pytest.approx(formulas.tflops(formulas.attn_fwd_flops(2, 4, 64, 64, 32, True,
+                                                                                                 16), 0.5))
+    assert row["backends"]["tileflash_fp8"] is None and row["fp8_vs_bf16"] is None
+    assert "32/16" in lines[-1]
 
 
 def test_run_prefill_records_wrong_and_raising(cpu_suites):

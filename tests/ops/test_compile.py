@@ -1,5 +1,6 @@
 """Each public op is a torch.library custom op with a fake implementation: torch.compile(fullgraph=True) traces
 through it (aot_eager: checks the fake shapes and the op call without code generation) and matches eager."""
+import pytest
 import torch
 
 import tileflash
@@ -37,9 +38,11 @@ def test_varlen_compiles():
     assert torch.equal(torch.compile(fn, fullgraph=True, backend="aot_eager")(q), fn(q))
 
 
-def test_compile_backward_matches_eager():
+@pytest.mark.parametrize("dv", [32, 48], ids=["dv=d", "dv!=d"])
+def test_compile_backward_matches_eager(dv):
+    """The custom ops' fake shapes hold when V's head dim differs from q's (out and dv take it)."""
     g = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(1, 11, 2, 32, generator=g).to(DEVICE, torch.float16).requires_grad_() for _ in range(3))
+    q, k, v = (torch.randn(1, 11, 2, d, generator=g).to(DEVICE, torch.float16).requires_grad_() for d in (32, 32, dv))
 
     def loss(q, k, v):
         return tileflash.flash_attn_func(q, k, v, causal=True).float().square().sum()

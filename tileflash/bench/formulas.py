@@ -6,9 +6,10 @@ BF16_GEMM_TFLOPS = 695.0
 FP8_GEMM_TFLOPS = 1289.0
 
 
-def attn_fwd_flops(batch, nheads, seqlen_q, seqlen_k, headdim, causal=False):
-    """Two matmuls (QK^T and PV) of 2*sq*sk*d each; causal halves them (the sq == sk convention)."""
-    flops = 4 * batch * nheads * seqlen_q * seqlen_k * headdim
+def attn_fwd_flops(batch, nheads, seqlen_q, seqlen_k, headdim, causal=False, headdim_v=None):
+    """Two matmuls, QK^T (2*sq*sk*d) and PV (2*sq*sk*dv, dv = headdim_v or d); causal halves them (the sq == sk
+    convention)."""
+    flops = 2 * batch * nheads * seqlen_q * seqlen_k * (headdim + (headdim_v or headdim))
     return flops // 2 if causal else flops
 
 

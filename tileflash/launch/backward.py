@@ -70,16 +70,16 @@ def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, delta, lse2, dq
                 varlen: bool, num_batches: int, seqlen_q: int, seqlen_k: int, max_seqlen_q: int, max_seqlen_k: int,
                 cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, learnable_sink, dsink, softmax_scale: float,
                 window_left: int, window_right: int, softcap: float, dropout_p: float = 0.0, rng=None) -> None:
-    """All tensors 4-D [Bv, S, H, D] (varlen: Bv = 1 with batch strides passed as 0) and lse/dlse [Bv, H, S];
-    delta, lse2 from _stats_views; dq_acc: the fp32 dQ buffer (contiguous, like dq4) when atomic_dq, zeroed by the
+    """All tensors 4-D [Bv, S, H, D] (v, o, do, dv: [Bv, S, H, Dv]; varlen: Bv = 1 with batch strides passed as 0)
+    and lse/dlse [Bv, H, S]; delta, lse2 from _stats_views; dq_acc: the fp32 dQ buffer (contiguous, like dq4) when atomic_dq, zeroed by the
     first launch (dq4 = its scaled copy, made by the caller after these launches). cfg: the Triton kernels' tiles;
     ws: the Gluon dK/dV kernel's or None (never with alibi_slopes: fp32 [Hq] or [num_batches, Hq], or None, nor
     with learnable_sink: fp32 [Hq] or None, nor with dropout: rng the forward's seed tensor, or None). dsink: fp32
     [Hq], zeroed, which the preprocess adds d sink into."""
     dev = q4.device
     hq, d = q4.shape[2], q4.shape[3]
-    hkv = k4.shape[2]
-    dp = padded_head_dim(d)
+    hkv, dv = k4.shape[2], v4.shape[3]  # dv: V's (and O's, dO's) head dim
+    dims = dict(HEAD_DIM=d, HEAD_DIM_PAD=padded_head_dim(d), HEAD_DIM_V=dv, HEAD_DIM_V_PAD=padded_head_dim(dv))
     rows = lse3.numel()
     direct.launch(
         attn_bwd_preprocess_kernel, (_utils.cdiv(rows, PREPROCESS_BLOCK_ROWS),),
@@ -87,14 +87,14 @@ def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, delta, lse2, dq
         *((learnable_sink, dsink) if learnable_sink is not None else (delta, delta)),
         cu_seqlens_q if varlen else delta, num_batches, o4.shape[1], hq, rows,
         *strides3(o4), *strides3(do4), *strides3(lse3), lse2.stride(0), lse2.stride(1),
-        HEAD_DIM=d, HEAD_DIM_PAD=dp, BLOCK_R=PREPROCESS_BLOCK_ROWS, HAS_DLSE=dlse3 is not None, ZERO_DQ=atomic_dq,
-        HAS_SINK=learnable_sink is not None, VARLEN=varlen, num_warps=4)
+        BLOCK_R=PREPROCESS_BLOCK_ROWS, HAS_DLSE=dlse3 is not None, ZERO_DQ=atomic_dq,
+        HAS_SINK=learnable_sink is not None, VARLEN=varlen, num_warps=4, **dims)
 
     def bstride(t):  # varlen tensors are one packed sequence: the batch index must not move the pointer
         return (0, t.stride(1), t.stride(2)) if varlen else strides3(t)
 
     dummy = unused_pointer(dev)
-    common = dict(HEAD_DIM=d, HEAD_DIM_PAD=dp, VARLEN_Q=varlen, VARLEN_K=varlen, HAS_SEQUSED_K=seqused_k is not None,
+    common = dict(**dims, VARLEN_Q=varlen, VARLEN_K=varlen, HAS_SEQUSED_K=seqused_k is not None,
                   HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, SOFTCAP=softcap > 0.0,
                   TILE_DTYPE=_utils.tile_dtype(q4.dtype), ALIBI=alibi_slopes is not None, DROPOUT=rng is not None)
     extras = (*alibi_args(alibi_slopes, dummy), *dropout_args(rng, dropout_p, dummy))  # ALiBi's, dropout's arguments
@@ -165,7 +165,8 @@ class BwdPlan(direct.Replayable):
         self.dout_contiguous = dout.stride(-1) != 1
         if self.dout_contiguous:
             do4 = do4.contiguous()
-        cfg = config.chosen("bwd", bwd_config(q.shape[-1], _utils.is_interpreter(), target_arch(),
+        # tiles for the wider of the two head dims (V's may differ from q's, e.g. 192 / 128)
+        cfg = config.chosen("bwd", bwd_config(max(q.shape[-1], v.shape[-1]), _utils.is_interpreter(), target_arch(),
                                               dropout=dropout_p > 0))
         ws = None if self.empty or dropout_p else ws_backward_config(
             q4, k4, v4, do4, varlen=self.varlen, window_left=window_left, window_right=window_right,

@@ -29,8 +29,9 @@ def _check_qkv(q, k, v, ndim: int, kv_ndim: int | None = None) -> None:
     _utils.check_tensor("v", v, ndim=kv_ndim, dtypes=(q.dtype,), device=q.device)
     for name, t in (("q", q), ("k", k), ("v", v)):
         _utils.check_last_dim_contiguous(name, t)
-    if k.shape != v.shape:
-        raise ValueError(f"k, v: expected equal shapes, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k, v: expected equal shapes but for the head dim, got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
     hq, d = q.shape[-2], q.shape[-1]
     hkv = k.shape[-2]
     if k.shape[-1] != d:
@@ -38,6 +39,10 @@ def _check_qkv(q, k, v, ndim: int, kv_ndim: int | None = None) -> None:
     if hkv == 0 or hq % hkv != 0:
         raise ValueError(f"k: number of KV heads must divide the query heads, got Hq={hq}, Hkv={hkv}")
     _utils.check_head_dim(d)
+    if v.shape[-1] != d:  # FA3's headdim_v (DeepSeek's 192 / 128): out takes V's head dim
+        _utils.check_head_dim(v.shape[-1])
+        if q.dtype == FP8:
+            raise ValueError(f"v: FP8 attention takes V's head dim equal to q's ({d}), got {v.shape[-1]}")
 
 
 def _check_fp8(q, k, num_batches: int, q_descale, k_descale, v_descale, out_dtype) -> torch.dtype:
@@ -80,11 +85,13 @@ class FwdPlan(direct.Replayable):
     backward_args = None  # the backward's arguments (_AttnFunction) of a differentiable call
     no_backward = None  # why a forward-only call has no backward (_NoBackward)
 
-    def __init__(self, launch, lse_shape, device, keep_lse: bool, empty: bool, vt_shape: tuple | None = None):
-        """out is q's shape and dtype (made per run from q); lse_shape [B, Hq, Sq] or [Hq, total_q]. vt_shape: FP8
-        attention's V^T buffer [Hkv, D, width], made per run, which the launch fills (launch/tensors.launch_values_t)
-        and reads."""
+    def __init__(self, launch, lse_shape, device, keep_lse: bool, empty: bool, vt_shape: tuple | None = None,
+                 out_dim: int | None = None):
+        """out is q's shape and dtype (made per run from q), with V's head dim out_dim where that differs (else
+        None); lse_shape [B, Hq, Sq] or [Hq, total_q]. vt_shape: FP8 attention's V^T buffer [Hkv, D, width], made
+        per run, which the launch fills (launch/tensors.launch_values_t) and reads."""
         self.launch, self.lse_shape, self.device, self.keep_lse, self.empty = launch, lse_shape, device, keep_lse, empty
+        self.out_dim = out_dim
         self.vt_shape = vt_shape
         self.lse_numel = 0 if keep_lse else _utils.cdiv(math.prod(lse_shape), 4) * 4
         self.backward_plans = direct.PlanCache(register=False)  # by dout's and dlse's signature (_AttnFunction)
@@ -93,8 +100,11 @@ class FwdPlan(direct.Replayable):
         """(out, lse) for the plan's call on these tensors (q, k, v, alibi_slopes, learnable_sink, the three FP8
         descales, and the index tensors of its kind); rng: the dropout seed of a plan made with dropout_p > 0."""
         q = tensors[0]
-        out = _utils.new_output_like(q) if self.out_dtype is None else _utils.new_output(q.shape, self.out_dtype,
-                                                                                          self.device)
+        if self.out_dtype is None and self.out_dim is None:
+            out = _utils.new_output_like(q)
+        else:
+            out = _utils.new_output((*q.shape[:-1], self.out_dim or q.shape[-1]), self.out_dtype or q.dtype,
+                                    self.device)
         lse = _utils.new_output(self.lse_shape, torch.float32, self.device) if self.keep_lse else None
         if self.empty:  # nothing to launch: every row sees no key
             return out, (lse.fill_(float("-inf")) if lse is not None else None)
@@ -103,6 +113,16 @@ class FwdPlan(direct.Replayable):
         ws = direct.WORKSPACE.get(self.device, stream, self.lse_numel) if self.lse_numel else None
         self.execute(self.launch, (*tensors, out, lse, ws, vt, rng), stream)
         return out, lse
+
+
+def _out_dim(q, v) -> int | None:
+    """out's head dim where it is not q's: V's (FA3's headdim_v), else None."""
+    return v.shape[-1] if v.shape[-1] != q.shape[-1] else None
+
+
+def _out_like(q, v):
+    """The custom ops' fake out: q's shape with V's head dim."""
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
 def _lse_or_workspace(lse, ws, shape):
@@ -142,13 +162,14 @@ def _dense_plan(q, k, v, softmax_scale: float, mask: Mask, keep_lse: bool, alibi
         # so q stands in for it (None for Sk = 0 too: no TMA over 0 rows).
         ws_cfg = None if dropout_p else ws_forward_config(q, k, v, q, softmax_scale, mask, alibi=alibi)
         if ws_cfg is None:
-            cfg = config.chosen("fwd", fwd_config(d, causal=mask.window_right >= 0, interpret=_utils.is_interpreter(),
-                                                  seqlen_k=sk, arch=target_arch(), fp8=q.dtype == FP8))
+            cfg = config.chosen("fwd", fwd_config(max(d, v.shape[-1]), causal=mask.window_right >= 0,
+                                                  interpret=_utils.is_interpreter(), seqlen_k=sk, arch=target_arch(),
+                                                  fp8=q.dtype == FP8))
     vt_gap = values_t_gap(b * sk, b)
     vt_shape = (k.shape[2], d, values_t_width(b * sk, b, vt_gap)) if q.dtype == FP8 and not (cfg and cfg.v_rows) \
         else None
     launch = functools.partial(_launch_dense, ws_cfg, cfg, vt_gap, mask, softmax_scale, dropout_p)
-    return FwdPlan(launch, (b, hq, sq), q.device, keep_lse, empty, vt_shape)
+    return FwdPlan(launch, (b, hq, sq), q.device, keep_lse, empty, vt_shape, _out_dim(q, v))
 
 
 _DENSE_PLANS = direct.PlanCache()
@@ -176,7 +197,7 @@ _attn_fwd_op = torch.library.custom_op("tileflash::attn_fwd", mutates_args=())(_
 def _(q, k, v, softmax_scale, window_left, window_right, softcap, deterministic, alibi_slopes, learnable_sink,
       dropout_p=0.0, rng=None):
     b, sq, hq, _ = q.shape
-    return torch.empty_like(q), q.new_empty((b, hq, sq), dtype=torch.float32)
+    return _out_like(q, v), q.new_empty((b, hq, sq), dtype=torch.float32)
 
 
 _attn_fwd_op.register_autograd(_bwd.fwd_backward, setup_context=_bwd.setup_fwd_context)
@@ -240,15 +261,15 @@ def _varlen_plan(q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_q: in
             ws_cfg = _varlen_ws_config(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale, mask,
                                        alibi, dropout_p)
         if ws_cfg is None:
-            cfg = config.chosen("fwd", fwd_config(d, causal=mask.window_right >= 0, interpret=_utils.is_interpreter(),
-                                                  seqlen_k=max_seqlen_k, arch=target_arch(), fp8=q.dtype == FP8,
-                                                  paged=paged))
+            cfg = config.chosen("fwd", fwd_config(max(d, v.shape[-1]), causal=mask.window_right >= 0,
+                                                  interpret=_utils.is_interpreter(), seqlen_k=max_seqlen_k,
+                                                  arch=target_arch(), fp8=q.dtype == FP8, paged=paged))
     vt_gap = values_t_gap(k.shape[0], cu_seqlens_q.shape[0] - 1)
     vt_shape = (k.shape[1], d, values_t_width(k.shape[0], cu_seqlens_q.shape[0] - 1, vt_gap)) \
         if q.dtype == FP8 and not paged and not (cfg and cfg.v_rows) else None  # paged pools read V as stored
     launch = functools.partial(_launch_varlen, ws_cfg, cfg, vt_gap, mask, softmax_scale, max_seqlen_q, max_seqlen_k,
                                paged, dropout_p)
-    return FwdPlan(launch, (hq, total_q), q.device, keep_lse, empty, vt_shape)
+    return FwdPlan(launch, (hq, total_q), q.device, keep_lse, empty, vt_shape, _out_dim(q, v))
 
 
 _VARLEN_PLANS = direct.PlanCache()
@@ -288,7 +309,7 @@ _attn_varlen_fwd_op = torch.library.custom_op("tileflash::attn_varlen_fwd",
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
       window_right, softcap, deterministic, alibi_slopes, learnable_sink, dropout_p=0.0, rng=None):
     total_q, hq, _ = q.shape
-    return torch.empty_like(q), q.new_empty((hq, total_q), dtype=torch.float32)
+    return _out_like(q, v), q.new_empty((hq, total_q), dtype=torch.float32)
 
 
 _attn_varlen_fwd_op.register_autograd(_bwd.varlen_backward, setup_context=_bwd.setup_varlen_context)
@@ -318,7 +339,7 @@ _attn_varlen_paged_fwd_op = torch.library.custom_op("tileflash::attn_varlen_page
 def _(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, softmax_scale, window_left,
       window_right, softcap, alibi_slopes, learnable_sink):
     total_q, hq, _ = q.shape
-    return torch.empty_like(q), q.new_empty((hq, total_q), dtype=torch.float32)
+    return _out_like(q, v_cache), q.new_empty((hq, total_q), dtype=torch.float32)
 
 
 def _check_paged_kv(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table) -> None:
@@ -348,7 +369,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
                     q_descale=None, k_descale=None, v_descale=None, out_dtype=None, *, return_attn_probs=False,
                     num_splits=1, pack_gqa=None, sm_margin=0, attention_chunk=0, qv=None):
     """Attention over a padded batch. q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (Hq % Hkv == 0), fp16/bf16, or
-    float8_e4m3fn for FP8 attention (below).
+    float8_e4m3fn for FP8 attention (below). v's head dim Dv may differ from D (FA3's headdim_v, e.g. DeepSeek-V3's
+    prefill with D = 192, Dv = 128; up to 256, 16-bit inputs; the Triton kernels): out is then [B, Sq, Hq, Dv].
 
     Causal and windows are bottom-right aligned (query i sees key j iff j <= i + Sk - Sq). Returns out
     [B, Sq, Hq, D], and with return_lse=True (out, lse) with lse [B, Hq, Sq] float32, natural log.
@@ -545,7 +567,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            learnable_sink=None, q_descale=None, k_descale=None, v_descale=None, out_dtype=None, *,
                            return_attn_probs=False, num_splits=1, pack_gqa=None, sm_margin=0, attention_chunk=0,
                            qv=None, seqused_q=None):
-    """Attention over packed variable-length sequences. q [total_q, Hq, D], k/v [total_k, Hkv, D];
+    """Attention over packed variable-length sequences. q [total_q, Hq, D], k/v [total_k, Hkv, D] (v's head dim may
+    differ, as in flash_attn_func);
     cu_seqlens_q/k [batch + 1] int32 offsets; optional seqused_k [batch] int32 (keys actually used per sequence).
     Empty sequences are allowed. Returns out [total_q, Hq, D] and with return_lse=True lse [Hq, total_q].
 

@@ -129,9 +129,9 @@ def _bwd_tiles(head_dim: int, arch: int | None) -> BwdConfig:
 def ws_backward_config(q, k, v, dout, *, varlen: bool, window_left: int, window_right: int, softcap: float,
                        max_seqlen_k: int = 0, seqused_k: bool = False, alibi: bool = False) -> WsBwdConfig | None:
     """The warp-specialised dK/dV kernel's tiles when it serves this call (sm_90, a head dim bwd_ws_config
-    takes, at most a causal mask, no ALiBi, TMA-addressable tensors; varlen without seqused_k, tiles by
-    max_seqlen_k), else None (the Triton kernels)."""
-    if varlen and seqused_k:
+    takes, at most a causal mask, no ALiBi, TMA-addressable tensors, V's head dim q's; varlen without seqused_k,
+    tiles by max_seqlen_k), else None (the Triton kernels)."""
+    if (varlen and seqused_k) or v.shape[3] != q.shape[3]:
         return None
     if not ws_call_ok(q.dtype, Mask(window_left, window_right, softcap), alibi):
         return None

@@ -184,9 +184,10 @@ def ws_call_ok(dtype: torch.dtype, mask: Mask, alibi: bool) -> bool:
 def ws_forward_config(q4, k4, v4, out4, softmax_scale: float, mask: Mask, max_seqlen_k: int | None = None,
                       alibi: bool = False) -> WsFwdConfig | None:
     """The warp-specialised forward's tiles when it serves this call (sm_90, a shape fwd_ws_config
-    takes, at most a causal mask, no ALiBi, a positive scale, TMA-addressable tensors), else None (the Triton
-    kernel). max_seqlen_k: given for varlen batches (packed [1, total, H, D] tensors), which take one CTA per tile."""
-    if not (softmax_scale > 0 and ws_call_ok(q4.dtype, mask, alibi)):
+    takes, at most a causal mask, no ALiBi, a positive scale, TMA-addressable tensors, V's head dim q's), else None
+    (the Triton kernel). max_seqlen_k: given for varlen batches (packed [1, total, H, D] tensors), which take one CTA
+    per tile."""
+    if not (softmax_scale > 0 and ws_call_ok(q4.dtype, mask, alibi)) or v4.shape[3] != q4.shape[3]:
         return None
     cfg = config.chosen("fwd_ws", fwd_ws_config(q4.shape[3], mask.window_right == 0,
                                                 k4.shape[1] if max_seqlen_k is None else max_seqlen_k))

@@ -1,7 +1,8 @@
 """Attention backward: dQ, dK, dV for every forward variant (causal/window, softcap, GQA/MQA, varlen, seqused_k).
 
-Notation as in the forward (attn_fwd.py): q, do, dq [B, Sq, Hq, D]; k, v, dk, dv [B, Sk, Hkv, D] (varlen: packed
-rows with a batch stride of 0 and cu_seqlens offsets); lse, delta [B, Hq, Sq] fp32 (varlen [Hq, total_q]).
+Notation as in the forward (attn_fwd.py): q, dq [B, Sq, Hq, D]; k, dk [B, Sk, Hkv, D]; v, dv [B, Sk, Hkv, Dv] and
+do [B, Sq, Hq, Dv] (Dv = HEAD_DIM_V: V's head dim, D's or another, e.g. DeepSeek's 192 / 128) (varlen: packed rows
+with a batch stride of 0 and cu_seqlens offsets); lse, delta [B, Hq, Sq] fp32 (varlen [Hq, total_q]).
 With logits z = softmax_scale * q.k (softcap: z = cap * tanh(softmax_scale * q.k / cap)), P = exp(z - lse):
   dV = P^T dO,   dP = dO V^T,   dZ = P * (dP - delta),   delta = rowsum(dO * O) - dlse,
   dS = dZ * dz/d(q.k) with dz/d(q.k) = softmax_scale (softcap: softmax_scale * (1 - tanh^2)),
@@ -58,29 +59,29 @@ def attn_bwd_preprocess_kernel(o_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2
                                cu_seqlens_q_ptr, num_seqs, seqlen, num_heads, num_rows,
                                stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh,
                                stride_lb, stride_lh, stride_ls, stride_sb, stride_sh,
-                               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
-                               HAS_DLSE: tl.constexpr, ZERO_DQ: tl.constexpr, HAS_SINK: tl.constexpr = False,
-                               VARLEN: tl.constexpr = False):
+                               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                               HEAD_DIM_V_PAD: tl.constexpr, BLOCK_R: tl.constexpr, HAS_DLSE: tl.constexpr,
+                               ZERO_DQ: tl.constexpr, HAS_SINK: tl.constexpr = False, VARLEN: tl.constexpr = False):
     """delta = rowsum(dO * O) - dlse and lse2 = lse in log2 units (+inf for rows that saw no key, so their P is 0)
-    for rows (b, s, h) of [B, S, H, D]; dlse laid out like lse, delta and lse2 with strides (stride_sb, stride_sh,
-    1) (launch/backward._stats_views pads their rows for TMA). ZERO_DQ: also zero the rows of dq_acc (contiguous fp32
-    [B, S, H, D]) that the dK/dV kernel then adds dQ into, which spares the caller a fill kernel (its launch cost
-    ~8-16 us of host time per backward on the GPU machine). HAS_SINK: add each row's share of d sink,
-    -exp(sink[h] - lse) * delta (the lse includes the sink), into dsink (fp32 [H], zeroed by the caller: every
-    program adds to it; VARLEN: packed rows past cu_seqlens_q[num_seqs] belong to no sequence, and their unwritten
-    lse stays out of the sum). Converting lse once here
-    spares the main loops a compare, a multiply and a select per query row and step, which the keys-major dK/dV
-    program repeats for every query column a thread holds (48 of its 710 SASS instructions per step at d128)."""
+    for rows (b, s, h) of O and dO [B, S, H, Dv]; dlse laid out like lse, delta and lse2 with strides (stride_sb,
+    stride_sh, 1) (launch/backward._stats_views pads their rows for TMA). ZERO_DQ: also zero the rows of dq_acc
+    (contiguous fp32 [B, S, H, D], q's head dim) that the dK/dV kernel then adds dQ into, which spares the caller a
+    fill kernel (its launch cost ~8-16 us of host time per backward on the GPU machine). HAS_SINK: add each row's
+    share of d sink, -exp(sink[h] - lse) * delta (the lse includes the sink), into dsink (fp32 [H], zeroed by the
+    caller: every program adds to it; VARLEN: packed rows past cu_seqlens_q[num_seqs] belong to no sequence, and
+    their unwritten lse stays out of the sum). Converting lse once here spares the main loops a compare, a multiply
+    and a select per query row and step, which the keys-major dK/dV program repeats for every query column a thread
+    holds (48 of its 710 SASS instructions per step at d128)."""
     r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     row_ok = r < num_rows
     b = r // (seqlen * num_heads)
     s = (r // num_heads) % seqlen
     h = r % num_heads
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    o = tl.load(o_ptr + (b * stride_ob + s * stride_os + h * stride_oh)[:, None] + offs_d[None, :], mask=mask,
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
+    mask = row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
+    o = tl.load(o_ptr + (b * stride_ob + s * stride_os + h * stride_oh)[:, None] + offs_dv[None, :], mask=mask,
                 other=0.0).to(tl.float32)
-    do = tl.load(do_ptr + (b * stride_dob + s * stride_dos + h * stride_doh)[:, None] + offs_d[None, :], mask=mask,
+    do = tl.load(do_ptr + (b * stride_dob + s * stride_dos + h * stride_doh)[:, None] + offs_dv[None, :], mask=mask,
                  other=0.0).to(tl.float32)
     delta = tl.sum(o * do, 1)
     lse_off = b * stride_lb + h * stride_lh + s * stride_ls
@@ -97,7 +98,9 @@ def attn_bwd_preprocess_kernel(o_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2
         sink = tl.load(sink_ptr + h, mask=sink_ok, other=0.0)
         tl.atomic_add(dsink_ptr + h, -tl.exp(sink - lse) * delta, mask=sink_ok)
     if ZERO_DQ:
-        tl.store(dq_acc_ptr + r[:, None] * HEAD_DIM + offs_d[None, :], tl.zeros_like(o), mask=mask)
+        offs_d = tl.arange(0, HEAD_DIM_PAD)
+        tl.store(dq_acc_ptr + r[:, None] * HEAD_DIM + offs_d[None, :], tl.zeros([BLOCK_R, HEAD_DIM_PAD], tl.float32),
+                 mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
 
 
 @triton.jit
@@ -189,12 +192,12 @@ def _row_stats(lse2_ptr, delta_ptr, b, h, tok, row_ok, stride_lb, stride_lh, str
 
 @triton.jit
 def _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, q_desc, do_desc, desc_row0, lse2_ptr, delta_ptr, b, head_q,
-                 stride_lb, stride_lh, stride_ls, stride_qs, stride_dos, stride_dqs, q_start, offs_d, start_n, diag,
-                 seqlen_q, seqlen_k, lo, hi, rot, qk_scale, softcap_scale, window_left, window_right, alibi_slope,
-                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr,
-                 HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, TILE_DTYPE: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                 QDO_DESC: tl.constexpr, ALIBI: tl.constexpr, rng_ptr, drop_bh, dropout_thr, dropout_scale,
-                 DROPOUT: tl.constexpr):
+                 stride_lb, stride_lh, stride_ls, stride_qs, stride_dos, stride_dqs, q_start, offs_d, offs_dv,
+                 start_n, diag, seqlen_q, seqlen_k, lo, hi, rot, qk_scale, softcap_scale, window_left, window_right,
+                 alibi_slope, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr,
+                 MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+                 TILE_DTYPE: tl.constexpr, ATOMIC_DQ: tl.constexpr, QDO_DESC: tl.constexpr, ALIBI: tl.constexpr,
+                 rng_ptr, drop_bh, dropout_thr, dropout_scale, DROPOUT: tl.constexpr):
     """dV += P^T dO and dK += dS^T Q (dS without softmax_scale) over query blocks [lo, hi) of one head (multiples
     of BLOCK_M), starting at block rot and wrapping around; with ATOMIC_DQ also dQ += dS K, added in fp32 into
     dq_base's rows (relaxed: only the sum matters). QDO_DESC: unmasked blocks read Q and dO through TMA
@@ -212,10 +215,10 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, q_desc, do_desc, desc_r
         # Unmasked (interior) blocks hold no row past seqlen_q (q_block_range): loads need no row predicates.
         if QDO_DESC and not MASK:
             q = q_desc.load([desc_row0 + start_m, head_q, 0]).reshape(BLOCK_M, offs_d.shape[0]).to(TILE_DTYPE)
-            do = do_desc.load([desc_row0 + start_m, head_q, 0]).reshape(BLOCK_M, offs_d.shape[0]).to(TILE_DTYPE)
+            do = do_desc.load([desc_row0 + start_m, head_q, 0]).reshape(BLOCK_M, offs_dv.shape[0]).to(TILE_DTYPE)
         else:
             q = _load_rows(q_base, q_start + tok, row_ok, offs_d, stride_qs, HEAD_DIM, TILE_DTYPE, not MASK)
-            do = _load_rows(do_base, q_start + tok, row_ok, offs_d, stride_dos, HEAD_DIM, TILE_DTYPE, not MASK)
+            do = _load_rows(do_base, q_start + tok, row_ok, offs_dv, stride_dos, HEAD_DIM_V, TILE_DTYPE, not MASK)
         lse2, delta = _row_stats(lse2_ptr, delta_ptr, b, head_q, q_start + tok, row_ok, stride_lb, stride_lh,
                                  stride_ls, not MASK)
         p_t, ds_t = _probs_and_dscores(q, k, v, do, lse2, delta, tok + diag, offs_n, seqlen_k, qk_scale,
@@ -247,11 +250,11 @@ def attn_bwd_dkdv_kernel(
     seqlen_q_static, seqlen_k_static, num_heads_kv, group_size, n_tiles,
     softmax_scale, softcap, window_left, window_right, alibi_ptr, stride_alibi_b, rng_ptr, dropout_thr,
     dropout_scale,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    VARLEN_Q: tl.constexpr, VARLEN_K: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, TILE_DTYPE: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, ROTATE: tl.constexpr, QDO_DESC: tl.constexpr, ALIBI: tl.constexpr,
-    DROPOUT: tl.constexpr = False,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN_Q: tl.constexpr, VARLEN_K: tl.constexpr,
+    HAS_SEQUSED_K: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    TILE_DTYPE: tl.constexpr, ATOMIC_DQ: tl.constexpr, ROTATE: tl.constexpr, QDO_DESC: tl.constexpr,
+    ALIBI: tl.constexpr, DROPOUT: tl.constexpr = False,
 ):
     """dK, dV of one KV block of one KV head; with ATOMIC_DQ also the block's share of dQ (dq_acc, fp32, without
     softmax_scale). ROTATE: the programs of one head start their unmasked query blocks at different blocks (their
@@ -273,14 +276,15 @@ def attn_bwd_dkdv_kernel(
 
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
     key_ok = offs_n < seqlen_k
     b64 = b.to(tl.int64)
     k = _load_rows(k_ptr + b64 * stride_kb + head_kv.to(tl.int64) * stride_kh, k_start + offs_n, key_ok, offs_d,
                    stride_ks, HEAD_DIM, TILE_DTYPE, False)
-    v = _load_rows(v_ptr + b64 * stride_vb + head_kv.to(tl.int64) * stride_vh, k_start + offs_n, key_ok, offs_d,
-                   stride_vs, HEAD_DIM, TILE_DTYPE, False)
+    v = _load_rows(v_ptr + b64 * stride_vb + head_kv.to(tl.int64) * stride_vh, k_start + offs_n, key_ok, offs_dv,
+                   stride_vs, HEAD_DIM_V, TILE_DTYPE, False)
     dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM_V_PAD], dtype=tl.float32)
     qk_scale, softcap_scale = logit_scales(softmax_scale, softcap, SOFTCAP)
 
     diag = seqlen_k - seqlen_q
@@ -304,46 +308,48 @@ def attn_bwd_dkdv_kernel(
         # (one call each: MASK is a compile-time constant and Triton unrolls no loop over a tuple).
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, q_desc, do_desc, desc_row0, lse2_ptr, delta_ptr,
                               b, head_q, stride_lb, stride_lh, stride_ls, stride_qs, stride_dos, stride_dqs, q_start,
-                              offs_d, start_n, diag, seqlen_q, seqlen_k, m_lo * BLOCK_M, full_lo * BLOCK_M, 0, qk_scale,
-                              softcap_scale, window_left, window_right, alibi_slope, HEAD_DIM, BLOCK_M, True,
-                              HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE, ATOMIC_DQ, QDO_DESC, ALIBI,
-                              rng_ptr, drop_bh, dropout_thr, dropout_scale, DROPOUT)
+                              offs_d, offs_dv, start_n, diag, seqlen_q, seqlen_k, m_lo * BLOCK_M, full_lo * BLOCK_M,
+                              0, qk_scale, softcap_scale, window_left, window_right, alibi_slope, HEAD_DIM,
+                              HEAD_DIM_V, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE, ATOMIC_DQ,
+                              QDO_DESC, ALIBI, rng_ptr, drop_bh, dropout_thr, dropout_scale, DROPOUT)
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, q_desc, do_desc, desc_row0, lse2_ptr, delta_ptr,
                               b, head_q, stride_lb, stride_lh, stride_ls, stride_qs, stride_dos, stride_dqs, q_start,
-                              offs_d, start_n, diag, seqlen_q, seqlen_k, full_lo * BLOCK_M, full_hi * BLOCK_M, rot,
-                              qk_scale, softcap_scale, window_left, window_right, alibi_slope, HEAD_DIM, BLOCK_M,
-                              False, HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE, ATOMIC_DQ, QDO_DESC, ALIBI,
-                              rng_ptr, drop_bh, dropout_thr, dropout_scale, DROPOUT)
+                              offs_d, offs_dv, start_n, diag, seqlen_q, seqlen_k, full_lo * BLOCK_M, full_hi * BLOCK_M,
+                              rot, qk_scale, softcap_scale, window_left, window_right, alibi_slope, HEAD_DIM,
+                              HEAD_DIM_V, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE, ATOMIC_DQ,
+                              QDO_DESC, ALIBI, rng_ptr, drop_bh, dropout_thr, dropout_scale, DROPOUT)
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, q_desc, do_desc, desc_row0, lse2_ptr, delta_ptr,
                               b, head_q, stride_lb, stride_lh, stride_ls, stride_qs, stride_dos, stride_dqs, q_start,
-                              offs_d, start_n, diag, seqlen_q, seqlen_k, full_hi * BLOCK_M, m_hi * BLOCK_M, 0, qk_scale,
-                              softcap_scale, window_left, window_right, alibi_slope, HEAD_DIM, BLOCK_M, True,
-                              HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE, ATOMIC_DQ, QDO_DESC, ALIBI,
-                              rng_ptr, drop_bh, dropout_thr, dropout_scale, DROPOUT)
+                              offs_d, offs_dv, start_n, diag, seqlen_q, seqlen_k, full_hi * BLOCK_M, m_hi * BLOCK_M,
+                              0, qk_scale, softcap_scale, window_left, window_right, alibi_slope, HEAD_DIM,
+                              HEAD_DIM_V, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE, ATOMIC_DQ,
+                              QDO_DESC, ALIBI, rng_ptr, drop_bh, dropout_thr, dropout_scale, DROPOUT)
     dk = dk * softmax_scale
     if DROPOUT:
         dv = dv * dropout_scale  # _probs_and_dscores' dropped P is unscaled
     interpreted: tl.constexpr = TILE_DTYPE == tl.float32  # tiles are fp32 only in the interpreter
-    store_ok = (offs_n[:, None] < stored_k) & (offs_d[None, :] < HEAD_DIM)
+    key_stored = offs_n[:, None] < stored_k
     rows = (k_start + offs_n).to(tl.int64)
     tl.store(dk_ptr + b64 * stride_dkb + head_kv.to(tl.int64) * stride_dkh + rows[:, None] * stride_dks
-             + offs_d[None, :], store_cast(dk, dk_ptr.dtype.element_ty, interpreted), mask=store_ok)
+             + offs_d[None, :], store_cast(dk, dk_ptr.dtype.element_ty, interpreted),
+             mask=key_stored & (offs_d[None, :] < HEAD_DIM))
     tl.store(dv_ptr + b64 * stride_dvb + head_kv.to(tl.int64) * stride_dvh + rows[:, None] * stride_dvs
-             + offs_d[None, :], store_cast(dv, dv_ptr.dtype.element_ty, interpreted), mask=store_ok)
+             + offs_dv[None, :], store_cast(dv, dv_ptr.dtype.element_ty, interpreted),
+             mask=key_stored & (offs_dv[None, :] < HEAD_DIM_V))
 
 
 @triton.jit
-def _dq_blocks(dq, q, do, lse2, delta, q_pos, k_base, v_base, stride_ks, stride_vs, k_start, offs_d, seqlen_k,
-               lo, hi, qk_scale, softcap_scale, window_left, window_right, alibi_slope, HEAD_DIM: tl.constexpr,
-               BLOCK_N: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-               SOFTCAP: tl.constexpr, TILE_DTYPE: tl.constexpr, ALIBI: tl.constexpr, rng_ptr, drop_rows, drop_bh,
-               dropout_thr, dropout_scale, DROPOUT: tl.constexpr):
+def _dq_blocks(dq, q, do, lse2, delta, q_pos, k_base, v_base, stride_ks, stride_vs, k_start, offs_d, offs_dv,
+               seqlen_k, lo, hi, qk_scale, softcap_scale, window_left, window_right, alibi_slope,
+               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, TILE_DTYPE: tl.constexpr,
+               ALIBI: tl.constexpr, rng_ptr, drop_rows, drop_bh, dropout_thr, dropout_scale, DROPOUT: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         key_ok = offs_n < seqlen_k
         # Unmasked (interior) blocks hold no key past seqlen_k (kv_block_range): loads need no row predicates.
         k = _load_rows(k_base, k_start + offs_n, key_ok, offs_d, stride_ks, HEAD_DIM, TILE_DTYPE, not MASK)
-        v = _load_rows(v_base, k_start + offs_n, key_ok, offs_d, stride_vs, HEAD_DIM, TILE_DTYPE, not MASK)
+        v = _load_rows(v_base, k_start + offs_n, key_ok, offs_dv, stride_vs, HEAD_DIM_V, TILE_DTYPE, not MASK)
         p, ds = _probs_and_dscores(q, k, v, do, lse2, delta, q_pos, offs_n, seqlen_k, qk_scale, softcap_scale,
                                    window_left, window_right, alibi_slope, MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP, False,
                                    ALIBI, rng_ptr, drop_rows, drop_bh, start_n, dropout_thr, dropout_scale, DROPOUT)
@@ -361,10 +367,10 @@ def attn_bwd_dq_kernel(
     seqlen_q_static, seqlen_k_static, num_heads_q, group_size, m_tiles,
     softmax_scale, softcap, window_left, window_right, alibi_ptr, stride_alibi_b, rng_ptr, dropout_thr,
     dropout_scale,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    VARLEN_Q: tl.constexpr, VARLEN_K: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, TILE_DTYPE: tl.constexpr,
-    ALIBI: tl.constexpr, DROPOUT: tl.constexpr = False,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN_Q: tl.constexpr, VARLEN_K: tl.constexpr,
+    HAS_SEQUSED_K: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    TILE_DTYPE: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     start_m = (m_tiles - 1 - pid % m_tiles) * BLOCK_M  # heaviest causal tiles first
@@ -380,11 +386,12 @@ def attn_bwd_dq_kernel(
     tok = start_m + tl.arange(0, BLOCK_M)
     row_ok = tok < seqlen_q
     offs_d = tl.arange(0, HEAD_DIM_PAD)
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
     b64 = b.to(tl.int64)
     q = _load_rows(q_ptr + b64 * stride_qb + head_q.to(tl.int64) * stride_qh, q_start + tok, row_ok, offs_d,
                    stride_qs, HEAD_DIM, TILE_DTYPE, False)
-    do = _load_rows(do_ptr + b64 * stride_dob + head_q.to(tl.int64) * stride_doh, q_start + tok, row_ok, offs_d,
-                    stride_dos, HEAD_DIM, TILE_DTYPE, False)
+    do = _load_rows(do_ptr + b64 * stride_dob + head_q.to(tl.int64) * stride_doh, q_start + tok, row_ok, offs_dv,
+                    stride_dos, HEAD_DIM_V, TILE_DTYPE, False)
     lse2, delta = _row_stats(lse2_ptr, delta_ptr, b, head_q, q_start + tok, row_ok, stride_lb, stride_lh,
                              stride_ls, False)
     qk_scale, softcap_scale = logit_scales(softmax_scale, softcap, SOFTCAP)
@@ -398,18 +405,18 @@ def attn_bwd_dq_kernel(
     alibi_slope = _alibi_slope(alibi_ptr, b, stride_alibi_b, head_q, ALIBI)
     drop_bh = b * num_heads_q + head_q  # dropout's (sequence, query head) row
     # Masked blocks at the left window edge, unmasked interior, masked blocks at the diagonal / end.
-    dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, k_base, v_base, stride_ks, stride_vs, k_start, offs_d, seqlen_k,
-                    n_lo * BLOCK_N, full_lo * BLOCK_N, qk_scale, softcap_scale, window_left, window_right,
-                    alibi_slope, HEAD_DIM, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE, ALIBI, rng_ptr,
-                    tok, drop_bh, dropout_thr, dropout_scale, DROPOUT)
-    dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, k_base, v_base, stride_ks, stride_vs, k_start, offs_d, seqlen_k,
-                    full_lo * BLOCK_N, full_hi * BLOCK_N, qk_scale, softcap_scale, window_left, window_right,
-                    alibi_slope, HEAD_DIM, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE, ALIBI, rng_ptr,
-                    tok, drop_bh, dropout_thr, dropout_scale, DROPOUT)
-    dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, k_base, v_base, stride_ks, stride_vs, k_start, offs_d, seqlen_k,
-                    full_hi * BLOCK_N, n_hi * BLOCK_N, qk_scale, softcap_scale, window_left, window_right,
-                    alibi_slope, HEAD_DIM, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE, ALIBI, rng_ptr,
-                    tok, drop_bh, dropout_thr, dropout_scale, DROPOUT)
+    dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, k_base, v_base, stride_ks, stride_vs, k_start, offs_d, offs_dv,
+                    seqlen_k, n_lo * BLOCK_N, full_lo * BLOCK_N, qk_scale, softcap_scale, window_left, window_right,
+                    alibi_slope, HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE, ALIBI,
+                    rng_ptr, tok, drop_bh, dropout_thr, dropout_scale, DROPOUT)
+    dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, k_base, v_base, stride_ks, stride_vs, k_start, offs_d, offs_dv,
+                    seqlen_k, full_lo * BLOCK_N, full_hi * BLOCK_N, qk_scale, softcap_scale, window_left, window_right,
+                    alibi_slope, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE, ALIBI,
+                    rng_ptr, tok, drop_bh, dropout_thr, dropout_scale, DROPOUT)
+    dq = _dq_blocks(dq, q, do, lse2, delta, q_pos, k_base, v_base, stride_ks, stride_vs, k_start, offs_d, offs_dv,
+                    seqlen_k, full_hi * BLOCK_N, n_hi * BLOCK_N, qk_scale, softcap_scale, window_left, window_right,
+                    alibi_slope, HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, TILE_DTYPE, ALIBI,
+                    rng_ptr, tok, drop_bh, dropout_thr, dropout_scale, DROPOUT)
     dq = dq * softmax_scale
     interpreted: tl.constexpr = TILE_DTYPE == tl.float32  # tiles are fp32 only in the interpreter
     rows = (q_start + tok).to(tl.int64)

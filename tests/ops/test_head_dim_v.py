@@ -1,0 +1,103 @@
+"""V's head dim other than q's (FA3's headdim_v; DeepSeek-V3's prefill: q, k 192 and v 128): flash_attn_func and
+flash_attn_varlen_func forward and backward against the reference with the 2x rule, out in V's head dim, and the
+errors of what does not take it."""
+import pytest
+import torch
+
+import tileflash
+from helpers import DEVICE, ON_GPU, check_grads, check_out_lse
+from tileflash.reference import attention_ref, attention_varlen_ref, gather_cache
+
+# (batch, Sq, Sk, Hq, Hkv, D, Dv, causal, window, softcap) — why each is here:
+CASES = [
+    (1, 37, 45, 4, 2, 48, 32, True, (-1, -1), 0.0),  # Dv < D (pads 64 / 32), GQA, causal over partial tiles
+    (2, 19, 29, 2, 1, 24, 40, False, (6, 3), 2.0),  # Dv > D, MQA, two-sided window and softcap
+    (1, 21, 21, 2, 2, 192, 128, True, (-1, -1), 0.0),  # DeepSeek-V3's prefill dims
+]
+if ON_GPU:  # full tiles: the unmasked interiors, TMA loads (powers of two) and the pointer path (192)
+    CASES += [(2, 1000, 1000, 16, 16, 192, 128, True, (-1, -1), 0.0),
+              (1, 700, 1100, 8, 2, 64, 256, False, (-1, -1), 0.0),
+              (1, 513, 513, 4, 4, 128, 64, True, (-1, -1), 0.0)]
+
+
+def _leaves(*shapes, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*s, generator=g).to(DEVICE, dtype).requires_grad_() for s in shapes]
+
+
+def _upstream(*shapes, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*s, generator=g).to(DEVICE) for s in shapes]
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic_dq", "deterministic"])
+@pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
+def test_flash_attn_func(case, deterministic):
+    b, sq, sk, hq, hkv, d, dv, causal, window, softcap = case
+    q, k, v = _leaves((b, sq, hq, d), (b, sk, hkv, d), (b, sk, hkv, dv), seed=sq + dv)
+    kw = dict(causal=causal, window_size=window, softcap=softcap)
+    out, lse = tileflash.flash_attn_func(q.detach(), k.detach(), v.detach(), return_lse=True, **kw)
+    assert out.shape == (b, sq, hq, dv)
+    check_out_lse((out, lse), lambda upcast: attention_ref(q.detach(), k.detach(), v.detach(), upcast=upcast, **kw))
+    dout, dlse = _upstream((b, sq, hq, dv), (b, hq, sq))
+    check_grads(lambda q, k, v: tileflash.flash_attn_func(q, k, v, return_lse=True, deterministic=deterministic,
+                                                          **kw),
+                lambda q, k, v, upcast: attention_ref(q, k, v, upcast=upcast, **kw), (q, k, v), dout, dlse)
+
+
+def test_sink_and_alibi():
+    """The forward's sink and ALiBi slopes with Dv != D, through the backward (the sink gets its gradient)."""
+    b, sq, sk, hq, hkv, d, dv = 1, 17, 23, 4, 2, 32, 64
+    q, k, v = _leaves((b, sq, hq, d), (b, sk, hkv, d), (b, sk, hkv, dv), seed=5)
+    sink = torch.randn(hq, generator=torch.Generator().manual_seed(6)).to(DEVICE).requires_grad_()
+    slopes = torch.rand(hq, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    out, lse = tileflash.flash_attn_func(q, k, v, causal=True, learnable_sink=sink, alibi_slopes=slopes,
+                                         return_lse=True)
+    ref = lambda upcast: attention_ref(q, k, v, causal=True, learnable_sink=sink, alibi_slopes=slopes,  # noqa: E731
+                                       upcast=upcast)
+    check_out_lse((out.detach(), lse.detach()), lambda upcast: [t.detach() for t in ref(upcast)])
+    dout, = _upstream((b, sq, hq, dv))
+    got = torch.autograd.grad((out.float() * dout).sum(), sink)[0]
+    want = torch.autograd.grad((ref(True)[0] * dout).sum(), sink)[0]
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic_dq", "deterministic"])
+def test_varlen(deterministic):
+    lens_q, lens_k, hq, hkv, d, dv = [7, 0, 21, 5], [9, 4, 21, 0], 4, 2, 48, 32
+    q, k, v = _leaves((sum(lens_q), hq, d), (sum(lens_k), hkv, d), (sum(lens_k), hkv, dv), seed=3)
+    cu = lambda lens: torch.tensor([0] + lens).cumsum(0).to(DEVICE, torch.int32)  # noqa: E731
+    cu_q, cu_k = cu(lens_q), cu(lens_k)
+    dout, dlse = _upstream((sum(lens_q), hq, dv), (hq, sum(lens_q)))
+    check_grads(lambda q, k, v: tileflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 21, 21, causal=True,
+                                                                  return_lse=True, deterministic=deterministic),
+                lambda q, k, v, upcast: attention_varlen_ref(q, k, v, cu_q, cu_k, causal=True, upcast=upcast),
+                (q, k, v), dout, dlse)
+
+
+def test_varlen_over_paged_keys():
+    """Page pools whose V pages hold Dv values per head (forward only, as every paged call)."""
+    lens_q, lens_k, hq, hkv, d, dv, page = [5, 12], [20, 12], 4, 1, 64, 32, 8
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(sum(lens_q), hq, d, generator=g).to(DEVICE, torch.bfloat16)
+    k_pool = torch.randn(9, page, hkv, d, generator=g).to(DEVICE, torch.bfloat16)
+    v_pool = torch.randn(9, page, hkv, dv, generator=g).to(DEVICE, torch.bfloat16)
+    table = torch.randperm(9, generator=g)[:8].view(2, 4).to(DEVICE, torch.int32)
+    cu_q = torch.tensor([0, 5, 17], dtype=torch.int32, device=DEVICE)
+    used = torch.tensor(lens_k, dtype=torch.int32, device=DEVICE)
+    got = tileflash.flash_attn_varlen_func(q, k_pool, v_pool, cu_q, None, 12, 0, seqused_k=used, causal=True,
+                                           block_table=table, return_lse=True)
+    kk, vv = (torch.cat([gather_cache(c, table, n, i) for i, n in enumerate(lens_k)]) for c in (k_pool, v_pool))
+    cu_k = torch.tensor([0, 20, 32], dtype=torch.int32, device=DEVICE)
+    check_out_lse(got, lambda upcast: attention_varlen_ref(q, kk, vv, cu_q, cu_k, causal=True, upcast=upcast))
+
+
+def test_errors():
+    q, k, v = (t.detach() for t in _leaves((1, 8, 2, 32), (1, 8, 1, 32), (1, 9, 1, 64)))
+    with pytest.raises(ValueError, match="k, v: expected equal shapes but for the head dim"):
+        tileflash.flash_attn_func(q, k, v)
+    with pytest.raises(ValueError, match="head dim: expected 1..256, got 512"):
+        tileflash.flash_attn_func(q, k, torch.zeros(1, 8, 1, 512, dtype=q.dtype, device=DEVICE))
+    q8, k8, v8 = (torch.zeros(1, 8, 1, dim, device=DEVICE).to(torch.float8_e4m3fn) for dim in (32, 32, 64))
+    with pytest.raises(ValueError, match="FP8 attention takes V's head dim equal to q's"):
+        tileflash.flash_attn_func(q8, k8, v8)
