@@ -400,8 +400,9 @@ def test_fa3_keywords_of_flash_attn_with_kvcache():
     got = tileflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True, scheduler_metadata=None,
                                             pack_gqa=False, sm_margin=8, attention_chunk=0, rotary_seqlens=None)
     assert torch.equal(want, got)
-    with pytest.raises(ValueError, match="rotary_seqlens"):  # positions of a rotation that is not asked for
-        tileflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, rotary_seqlens=lens)
+    # FA3 reads rotary_seqlens only with the rotary tables (its own tests always pass them): ignored without
+    assert torch.equal(want, tileflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True,
+                                                               rotary_seqlens=lens + 3))
     with pytest.raises(NotImplementedError, match="attention_chunk"):
         tileflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, attention_chunk=8)
 
@@ -539,6 +540,17 @@ def test_fa3_rotary_seqlens(causal, interleaved):
     ref_lowp, *_ = kvcache_ref(q_rot, kc, vc, k_rot, v, cache_seqlens=lens, causal=causal, upcast=False)
     check_2x(out, ref, ref_lowp)
     assert torch.equal(kc_got, kc_ref) and torch.equal(vc_got, vc_ref)
+    # cache_seqlens itself as rotary_seqlens: the default positions, also where rotary_seqlens is not taken (packed
+    # queries), as FA3's tests pass it
+    kw = dict(rotary_cos=cos, rotary_sin=sin, cache_seqlens=lens, causal=causal, rotary_interleaved=interleaved)
+    want = tileflash.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k, v, **kw)
+    assert torch.equal(want, tileflash.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k, v, rotary_seqlens=lens,
+                                                               **kw))
+    cu = torch.arange(0, b * sq + 1, sq, dtype=torch.int32, device=DEVICE)
+    packed = tileflash.flash_attn_with_kvcache(q.flatten(0, 1), kc.clone(), vc.clone(), k.flatten(0, 1),
+                                               v.flatten(0, 1), cu_seqlens_q=cu, cu_seqlens_k_new=cu, max_seqlen_q=sq,
+                                               rotary_seqlens=lens, **kw)
+    assert torch.equal(packed.view_as(want), want)
     with pytest.raises(ValueError, match="rotary_seqlens"):
         tileflash.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k, v, rotary_cos=cos, rotary_sin=sin,
                                           cache_seqlens=lens, rotary_seqlens=ro - 30, validate=True)

@@ -611,7 +611,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     into the keys' scale; appends (k, v) and qv take tileflash's k_scale / v_scale instead.
     FA3's rotary_seqlens [B] int32 (with the rotary tables and k, v; padded q and k): the rotary positions start at
     rotary_seqlens[b] instead of cache_seqlens[b] (q and the new k rotated by torch ops before the launch, in fp32 and
-    rounded once; the cache positions stay cache_seqlens + i).
+    rounded once; the cache positions stay cache_seqlens + i). Ignored, as FA3 ignores it, without rotary tables, and
+    when it is cache_seqlens itself (the default positions).
     FA3's scheduling arguments (scheduler_metadata, pack_gqa, sm_margin) are accepted and leave the result as it is
     (tileflash plans its own schedule, cached per call signature: decode_plan for engines); attention_chunk must
     be 0 here (flash_attn_func takes it).
@@ -624,6 +625,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if q_descale is not None or k_descale is not None or v_descale is not None or \
             getattr(q, "dtype", None) == torch.float8_e4m3fn:
         q, k_scale, v_scale = _fa3_fp8(q, k_cache, k_scale, v_scale, q_descale, k_descale, v_descale)
+    if rotary_seqlens is not None and (rotary_cos is None or rotary_seqlens is cache_seqlens):
+        rotary_seqlens = None  # FA3 reads them only with the rotary tables; cache_seqlens' are the default positions
     if rotary_seqlens is not None:
         q, k = _rotate_from(rotary_seqlens, q, k, rotary_cos, rotary_sin, rotary_interleaved,
                             causal or _utils.check_window(window_size) != (-1, -1), cu_seqlens_q, cu_seqlens_k_new,
