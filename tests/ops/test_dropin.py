@@ -512,6 +512,27 @@ def test_e4m3_queries_with_tileflash_cache_scales():
     assert torch.equal(tileflash.flash_attn_with_kvcache(q8, k8, v8, cache_seqlens=lens, **scales), want)
 
 
+def test_fa3_cache_batch_idx_over_pages():
+    """FA3 takes cache_batch_idx with a page table: sequence b reads the pages of table row cache_batch_idx[b] (its
+    own kvcache tests give a table of 2B rows), the same as the gathered table; appends land in those pages."""
+    q, _, _ = _cache(seed=4)
+    g = torch.Generator().manual_seed(5)
+    pool = [torch.randn(12, 8, 2, 64, generator=g).to(DEVICE, torch.float16) for _ in range(2)]
+    table = torch.randperm(12, generator=g)[:12].view(4, 3).to(DEVICE, torch.int32)  # 4 rows for 2 sequences
+    idx = torch.tensor([3, 1], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([19, 6], dtype=torch.int32, device=DEVICE)
+    k, v = (torch.randn(2, 4, 2, 64, generator=g).to(DEVICE, torch.float16) for _ in range(2))
+    caches = [[c.clone() for c in pool] for _ in range(2)]
+    got = tileflash.flash_attn_with_kvcache(q, *caches[0], k, v, cache_seqlens=lens, page_table=table,
+                                            cache_batch_idx=idx, causal=True)
+    want = tileflash.flash_attn_with_kvcache(q, *caches[1], k, v, cache_seqlens=lens, page_table=table[idx.long()],
+                                             causal=True)
+    assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(*caches))
+    with pytest.raises(ValueError, match=r"cache_batch_idx: expected values in \[0, 4\)"):
+        tileflash.flash_attn_with_kvcache(q, *pool, cache_seqlens=lens, page_table=table, cache_batch_idx=idx + 1,
+                                          validate=True)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("interleaved", [True, False], ids=["gptj", "neox"])
 def test_fa3_rotary_seqlens(causal, interleaved):

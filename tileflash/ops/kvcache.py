@@ -573,7 +573,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     every new query see every new key: pass causal=True for several new tokens of one sequence). cache_seqlens may
     be an int (every sequence's length), or None without k, v: the whole cache (flash-attn 2.x). num_splits
     (decode): 0 heuristic, 1 none, n exactly n.
-    cache_batch_idx [B] int32: the contiguous cache's row of each sequence (the cache may hold more rows than B).
+    cache_batch_idx [B] int32: the contiguous cache's row of each sequence (the cache may hold more rows than B);
+    with a paged cache (FA3's), the block_table row of each sequence (the table may hold more rows than B).
     cache_leftpad [B] int32: sequence b's keys start at cache position cache_leftpad[b] (contiguous caches; keys
     [cache_leftpad, cache_seqlens + Snew), positions and masks counted from the pad).
     rotary_cos / rotary_sin [seqlen_ro >= the capacity, rotary_dim / 2] (q's dtype or fp32; with k and v): the new k
@@ -633,6 +634,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             validate)
         rotary_cos = rotary_sin = None
     block_table = _block_table(block_table, page_table)
+    if block_table is not None and cache_batch_idx is not None:
+        block_table, cache_batch_idx = _table_rows(block_table, cache_batch_idx, validate), None
     if cu_seqlens_q is not None and isinstance(q, torch.Tensor) and q.dim() == 3 and isinstance(max_seqlen_q, int) \
             and cu_seqlens_q.dim() == 1 and 0 < max_seqlen_q and q.shape[0] == (len(cu_seqlens_q) - 1) * max_seqlen_q \
             and _equal_counts(cu_seqlens_q, max_seqlen_q, validate):
@@ -652,6 +655,22 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                     block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
                     num_splits, return_lse, cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new, sp_overlap, validate,
                     k_scale, v_scale, k_global_scale, v_global_scale, learnable_sink, qv)
+
+
+def _table_rows(block_table, cache_batch_idx, validate: bool):
+    """FA3's cache_batch_idx over a paged cache: sequence b reads the pages of block_table row cache_batch_idx[b],
+    gathered here before the launch. Rows outside the table raise where reading them costs no sync (CPU tensors) or
+    on request (validate=True); otherwise they are clamped into it, so no launch reads past the table."""
+    _utils.check_int32("block_table", block_table, 2, block_table.device)
+    _utils.check_int32("cache_batch_idx", cache_batch_idx, 1, block_table.device)
+    rows = block_table.shape[0]
+    if (validate or cache_batch_idx.device.type == "cpu") and cache_batch_idx.numel():
+        lo, hi = int(cache_batch_idx.min()), int(cache_batch_idx.max())
+        if lo < 0 or hi >= rows:
+            raise ValueError(f"cache_batch_idx: expected values in [0, {rows}) (block_table rows), got min {lo}, "
+                             f"max {hi}")
+        return block_table.index_select(0, cache_batch_idx)
+    return block_table.index_select(0, cache_batch_idx.clamp(0, max(rows - 1, 0)))
 
 
 def _equal_counts(cu_seqlens_q, max_seqlen_q: int, validate: bool) -> bool:
