@@ -292,6 +292,15 @@ def _cases(arch: int = 90):
                 torch.randn(700, 4, 64, dtype=bf, requires_grad=True), torch.tensor([0, 300, 700], dtype=torch.int32),
                 torch.tensor([0, 300, 700], dtype=torch.int32), 400, 400, deterministic=True).sum().backward(),
                 backward=True),
+        "prefill qv d64 v512 causal MQA (FA3's MLA queries, Triton kernel)": on_triton_kernels(
+            lambda: tileflash.flash_attn_func(
+                torch.randn(2, 300, 16, 64, dtype=bf), torch.randn(2, 333, 1, 64, dtype=bf),
+                torch.randn(2, 333, 1, 512, dtype=bf), causal=True, qv=torch.randn(2, 300, 16, 512, dtype=bf))),
+        "varlen qv d64 v256 (FA3's MLA queries, Triton kernel)": on_triton_kernels(
+            lambda: tileflash.flash_attn_varlen_func(
+                torch.randn(700, 8, 64, dtype=bf), torch.randn(700, 1, 64, dtype=bf),
+                torch.randn(700, 1, 256, dtype=bf), torch.tensor([0, 300, 700], dtype=torch.int32),
+                torch.tensor([0, 300, 700], dtype=torch.int32), 400, 400, qv=torch.randn(700, 8, 256, dtype=bf))),
         "decode nvfp4 paged split alibi [Hq] (Triton kernel, not register operands)": on_triton_kernels(
             lambda: decode("nvfp4", paged=True, b=8, ctx=4096, num_splits=2, alibi_slopes=torch.rand(32))),
         "prefill fwd+bwd d128 GQA fp16 learnable_sink (Gluon forward, d sink in the preprocess)": sink_on_gluon(

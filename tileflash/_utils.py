@@ -13,6 +13,7 @@ import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
+MAX_LATENT_DIM = 512  # MLA (qv): DeepSeek-V2/V3's latent width; wider accumulators would not fit the registers
 
 # The Triton interpreter holds bf16 as raw uint16 and does arithmetic on the bits, so kernels widen tiles to fp32
 # when interpreting (a constexpr; GPU numerics are untouched). Tests switch this off to show a bf16 test can fail.
@@ -217,21 +218,17 @@ def dropout_seed(device: torch.device) -> torch.Tensor:
     return torch.randint(1 << 62, (1,), dtype=torch.int64, device=device)
 
 
-def check_fa3_tail(num_splits=0, pack_gqa=None, sm_margin=0, qv=None, **unsupported) -> None:
+def check_fa3_tail(num_splits=0, pack_gqa=None, sm_margin=0, **unsupported) -> None:
     """FA3's arguments that tileflash takes for drop-in calls. num_splits, pack_gqa and sm_margin tune FA3's
     schedule ("can be tuned for speed"; sm_margin leaves SMs free for communication) and never change its results:
     they are checked and accepted, and tileflash's planner chooses its own schedule (its grids do not reserve SMs).
-    qv (MLA) is refused here when given, as is any argument in `unsupported` that is not None or 0, before any
-    launch."""
+    Any argument in `unsupported` that is not None or 0 is refused, before any launch."""
     if as_int("num_splits", num_splits) < 0:
         raise ValueError(f"num_splits: expected >= 0, got {num_splits}")
     if pack_gqa is not None and not isinstance(pack_gqa, bool):
         raise ValueError(f"pack_gqa: expected None, True or False, got {pack_gqa!r}")
     if as_int("sm_margin", sm_margin) < 0:
         raise ValueError(f"sm_margin: expected >= 0, got {sm_margin}")
-    if qv is not None:
-        raise NotImplementedError("qv: MLA's latent queries are taken by flash_attn_with_kvcache (decode); the "
-                                  "prefill entry points do not take them")
     for name, value in unsupported.items():
         if value is not None and not (isinstance(value, int) and value == 0):
             raise NotImplementedError(f"{name}: not supported here (expected None or 0, got {value!r})")

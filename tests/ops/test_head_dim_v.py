@@ -1,6 +1,7 @@
 """V's head dim other than q's (FA3's headdim_v; DeepSeek-V3's prefill: q, k 192 and v 128): flash_attn_func and
 flash_attn_varlen_func forward and backward against the reference with the 2x rule, out in V's head dim, and the
-errors of what does not take it."""
+errors of what does not take it. Also FA3's qv on those functions (MLA's latent queries: scores q k^T + qv v^T,
+forward only), against the reference of the concatenated [q, qv] and [k, v]."""
 import pytest
 import torch
 
@@ -101,3 +102,79 @@ def test_errors():
     q8, k8, v8 = (torch.zeros(1, 8, 1, dim, device=DEVICE).to(torch.float8_e4m3fn) for dim in (32, 32, 64))
     with pytest.raises(ValueError, match="FP8 attention takes V's head dim equal to q's"):
         tileflash.flash_attn_func(q8, k8, v8)
+
+
+def _mla_inputs(b, sq, sk, hq, d, dv, seed):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=g).to(DEVICE, torch.bfloat16)  # noqa: E731
+    return mk(b, sq, hq, d), mk(b, sk, 1, d), mk(b, sk, 1, dv), mk(b, sq, hq, dv)
+
+
+def _mla_ref(q, k, v, qv, **kw):
+    """Scores q k^T + qv v^T = [q, qv] [k, v]^T; the default scale 1 / sqrt(D + Dv) is the concatenation's."""
+    return lambda upcast: attention_ref(torch.cat([q, qv], -1), torch.cat([k, v], -1), v, upcast=upcast, **kw)
+
+
+@pytest.mark.parametrize("dv, causal", [(256, True), (512, False)])
+def test_qv(dv, causal):
+    q, k, v, qv = _mla_inputs(2, 19, 33, 4, 64, dv, seed=dv)
+    got = tileflash.flash_attn_func(q, k, v, causal=causal, qv=qv, return_lse=True)
+    assert got[0].shape == (2, 19, 4, dv)
+    check_out_lse(got, _mla_ref(q, k, v, qv, causal=causal))
+    # FA3's interface module, softcap and a window as for any call
+    kw = dict(causal=causal, window_size=(9, 0) if causal else (-1, -1), softcap=4.0)
+    from tileflash.integrations import fa3
+    out, lse = fa3.flash_attn_func(q, k, v, qv=qv, return_attn_probs=True, **kw)
+    check_out_lse((out, lse), _mla_ref(q, k, v, qv, **kw))
+
+
+def test_qv_varlen_and_paged():
+    lens_q, lens_k, hq, d, dv = [7, 0, 12], [20, 4, 12], 4, 64, 256
+    q, k, v, qv = (t[0] for t in _mla_inputs(1, sum(lens_q), sum(lens_k), hq, d, dv, seed=8))
+    k, v = k[:sum(lens_k)], v[:sum(lens_k)]
+    cu = lambda lens: torch.tensor([0] + lens).cumsum(0).to(DEVICE, torch.int32)  # noqa: E731
+    cu_q, cu_k = cu(lens_q), cu(lens_k)
+    ref = lambda kk, vv: lambda upcast: attention_varlen_ref(  # noqa: E731
+        torch.cat([q, qv], -1), torch.cat([kk, vv], -1), vv, cu_q, cu_k, causal=True, upcast=upcast)
+    got = tileflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 12, 20, causal=True, qv=qv, return_lse=True)
+    check_out_lse(got, ref(k, v))
+    # the same keys in pages of 4 tokens, in random order
+    page, g = 4, torch.Generator().manual_seed(9)
+    table = torch.randperm(15, generator=g).view(3, 5).to(DEVICE, torch.int32)
+    pools = [torch.zeros(15, page, 1, dim, dtype=torch.bfloat16, device=DEVICE) for dim in (d, dv)]
+    for b, (start, n) in enumerate(zip(cu_k.tolist(), lens_k)):
+        for t in range(n):
+            for pool, src in zip(pools, (k, v)):
+                pool[table[b, t // page], t % page] = src[start + t]
+    used = torch.tensor(lens_k, dtype=torch.int32, device=DEVICE)
+    got = tileflash.flash_attn_varlen_func(q, *pools, cu_q, None, 12, 0, seqused_k=used, block_table=table,
+                                           causal=True, qv=qv, return_lse=True)
+    check_out_lse(got, ref(k, v))
+
+
+def test_qv_is_forward_only():
+    """FA3's backward gives qv no gradient (nor the scores' qv v^T part to q, k, v): here the forward takes inputs
+    that require grad and a backward through it raises."""
+    q, k, v, qv = _mla_inputs(1, 9, 9, 2, 64, 256, seed=10)
+    want = tileflash.flash_attn_func(q, k, v, qv=qv)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, qv)]
+    out = tileflash.flash_attn_func(*leaves[:3], qv=leaves[3])
+    assert torch.equal(out, want) and out.requires_grad
+    with pytest.raises(RuntimeError, match="qv .* forward only"):
+        out.float().sum().backward()
+
+
+def test_qv_errors():
+    q, k, v, qv = _mla_inputs(1, 8, 8, 2, 64, 256, seed=11)
+    with pytest.raises(ValueError, match=r"qv: expected shape \(1, 8, 2, 256\)"):
+        tileflash.flash_attn_func(q, k, v, qv=qv[..., :128])
+    with pytest.raises(ValueError, match="must be 1..512, got 640"):
+        tileflash.flash_attn_func(q, k, torch.zeros(1, 8, 1, 640, dtype=q.dtype, device=DEVICE),
+                                  qv=torch.zeros(1, 8, 2, 640, dtype=q.dtype, device=DEVICE))
+    with pytest.raises(ValueError, match="dropout_p: attention dropout does not combine with qv"):
+        tileflash.flash_attn_func(q, k, v, qv=qv, dropout_p=0.1)
+    with pytest.raises(NotImplementedError, match="attention_chunk with qv"):
+        tileflash.flash_attn_func(q, k, v, qv=qv, attention_chunk=4)
+    q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
+    with pytest.raises(ValueError, match="FP8 attention takes no qv"):
+        tileflash.flash_attn_func(q8, k8, v8, qv=qv)

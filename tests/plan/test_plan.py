@@ -85,6 +85,7 @@ def test_fwd_config_fits_shared_memory(arch):
     (128, False, 4096, (64, 64, 4, 3)),  # short key rows / causal: one warpgroup per program, two per SM
     (64, True, 4097, (128, 64, 8, 3)),  # d64 causal past ONE_WARPGROUP_MAX_KEYS: 128x64
     (256, True, 1024, (128, 64, 8, 2)),  # d256: a third stage would exceed shared memory
+    (512, True, 1024, (64, 32, 8, 2)),  # V's 512-wide latent (qv): 96 bytes of stack vs 2 KB for the d256 tile
 ])
 def test_fwd_config_anchors(d, causal, seqlen_k, tile):
     c = fwd_config(d, causal, seqlen_k=seqlen_k)

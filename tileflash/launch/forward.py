@@ -141,7 +141,7 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         # (appended in this launch they could be another program's; appended before, the call's result stays the
         # in-launch append's bit for bit)
         BOX_IN_SEQ=descs is not None and not paged and not seqlen_k_add and cu_seqlens_k_new is None and not vt_gap
-        and rng is None, DROPOUT=rng is not None,
+        and rng is None and qv is None, DROPOUT=rng is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 

@@ -21,7 +21,7 @@ from ..plan.decode import KV_FORMATS, MAX_DECODE_TOKENS, MAX_SPLITS, DecodeSched
 from ..plan.prefill import Mask
 from .prefill import check_softcap
 
-MAX_LATENT_DIM = 512  # MLA (qv): DeepSeek-V2/V3's latent width; wider accumulators would not fit the registers
+MAX_LATENT_DIM = _utils.MAX_LATENT_DIM
 
 
 def _plain_append(rotary_cos, cache_leftpad, mask: Mask) -> bool:

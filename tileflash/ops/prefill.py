@@ -21,8 +21,9 @@ FP8 = torch.float8_e4m3fn
 FP8_OUT_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _check_qkv(q, k, v, ndim: int, kv_ndim: int | None = None) -> None:
-    """kv_ndim: the rank of k/v when it differs from q's (paged pools [pages, page_size, Hkv, D])."""
+def _check_qkv(q, k, v, ndim: int, kv_ndim: int | None = None, qv=None) -> None:
+    """kv_ndim: the rank of k/v when it differs from q's (paged pools [pages, page_size, Hkv, D]); qv: FA3's MLA
+    queries (q's shape with V's head dim, the latent) or None."""
     kv_ndim = ndim if kv_ndim is None else kv_ndim
     _utils.check_tensor("q", q, ndim=ndim, dtypes=(*_utils.SUPPORTED_DTYPES, FP8))
     _utils.check_tensor("k", k, ndim=kv_ndim, dtypes=(q.dtype,), device=q.device)
@@ -39,10 +40,31 @@ def _check_qkv(q, k, v, ndim: int, kv_ndim: int | None = None) -> None:
     if hkv == 0 or hq % hkv != 0:
         raise ValueError(f"k: number of KV heads must divide the query heads, got Hq={hq}, Hkv={hkv}")
     _utils.check_head_dim(d)
-    if v.shape[-1] != d:  # FA3's headdim_v (DeepSeek's 192 / 128): out takes V's head dim
-        _utils.check_head_dim(v.shape[-1])
-        if q.dtype == FP8:
-            raise ValueError(f"v: FP8 attention takes V's head dim equal to q's ({d}), got {v.shape[-1]}")
+    dv = v.shape[-1]
+    if qv is not None:
+        _check_qv(q, qv, dv)
+    elif dv != d:  # FA3's headdim_v (DeepSeek's 192 / 128): out takes V's head dim
+        _utils.check_head_dim(dv)
+    if dv != d and q.dtype == FP8:
+        raise ValueError(f"v: FP8 attention takes V's head dim equal to q's ({d}), got {dv}")
+
+
+def _check_qv(q, qv, dv: int) -> None:
+    """FA3's qv on the prefill functions (MLA's latent queries; scores q k^T + qv v^T): q's shape with V's head dim
+    (the latent, at most MAX_LATENT_DIM), q's 16-bit dtype."""
+    if q.dtype == FP8:
+        raise ValueError("qv: FP8 attention takes no qv (MLA's latent queries are 16-bit here)")
+    _utils.check_tensor("qv", qv, ndim=q.dim(), dtypes=(q.dtype,), device=q.device)
+    _utils.check_last_dim_contiguous("qv", qv)
+    if not 1 <= dv <= _utils.MAX_LATENT_DIM:
+        raise ValueError(f"v: with qv, V's head dim (MLA's latent) must be 1..{_utils.MAX_LATENT_DIM}, got {dv}")
+    if tuple(qv.shape) != (*q.shape[:-1], dv):
+        raise ValueError(f"qv: expected shape {(*q.shape[:-1], dv)} (q's, with V's head dim), got {tuple(qv.shape)}")
+
+
+def _default_scale(softmax_scale, q, v, qv) -> float:
+    """softmax_scale, or FA3's default: 1 / sqrt(D), or 1 / sqrt(D + Dv) with qv (both parts of the score)."""
+    return _utils.softmax_scale_or_default(softmax_scale, q.shape[-1] + (v.shape[-1] if qv is not None else 0))
 
 
 def _check_fp8(q, k, num_batches: int, q_descale, k_descale, v_descale, out_dtype) -> torch.dtype:
@@ -96,9 +118,10 @@ class FwdPlan(direct.Replayable):
         self.lse_numel = 0 if keep_lse else _utils.cdiv(math.prod(lse_shape), 4) * 4
         self.backward_plans = direct.PlanCache(register=False)  # by dout's and dlse's signature (_AttnFunction)
 
-    def run(self, *tensors, rng=None):
+    def run(self, *tensors, rng=None, qv=None):
         """(out, lse) for the plan's call on these tensors (q, k, v, alibi_slopes, learnable_sink, the three FP8
-        descales, and the index tensors of its kind); rng: the dropout seed of a plan made with dropout_p > 0."""
+        descales, and the index tensors of its kind); rng: the dropout seed of a plan made with dropout_p > 0; qv:
+        FA3's MLA queries of a plan made with them."""
         q = tensors[0]
         if self.out_dtype is None and self.out_dim is None:
             out = _utils.new_output_like(q)
@@ -111,7 +134,7 @@ class FwdPlan(direct.Replayable):
         vt = torch.empty(self.vt_shape, dtype=FP8, device=self.device) if self.vt_shape else None
         stream = direct.current_stream(self.device)
         ws = direct.WORKSPACE.get(self.device, stream, self.lse_numel) if self.lse_numel else None
-        self.execute(self.launch, (*tensors, out, lse, ws, vt, rng), stream)
+        self.execute(self.launch, (*tensors, out, lse, ws, vt, rng, qv), stream)
         return out, lse
 
 
@@ -130,9 +153,9 @@ def _lse_or_workspace(lse, ws, shape):
 
 
 def _launch_dense(ws_cfg, cfg, vt_gap: int, mask: Mask, softmax_scale: float, dropout_p: float, q, k, v, alibi_slopes,
-                  learnable_sink, q_descale, k_descale, v_descale, out, lse, ws, vt, rng) -> None:
+                  learnable_sink, q_descale, k_descale, v_descale, out, lse, ws, vt, rng, qv) -> None:
     """vt: FP8 attention's V^T buffer (filled from v here, vt_gap columns per sequence), else None; rng: the
-    dropout seed (dropout_p > 0), else None."""
+    dropout seed (dropout_p > 0), else None; qv: MLA's latent queries [B, Sq, Hq, Dv] or None."""
     b, sq, hq, _ = q.shape
     lse = _lse_or_workspace(lse, ws, (b, hq, sq))
     if vt is not None:
@@ -145,14 +168,14 @@ def _launch_dense(ws_cfg, cfg, vt_gap: int, mask: Mask, softmax_scale: float, dr
                         num_batches=b, seqlen_q=sq, seqlen_k=k.shape[1], m_rows=sq, softmax_scale=softmax_scale,
                         mask=mask, config=cfg, sp_overlap=cfg.sp_overlap, alibi_slopes=alibi_slopes,
                         learnable_sink=learnable_sink, q_scale=q_descale, k_scale=k_descale, v_scale=v_descale,
-                        vt_gap=vt_gap if vt is not None else 0, rng=rng, dropout_p=dropout_p)
+                        vt_gap=vt_gap if vt is not None else 0, rng=rng, dropout_p=dropout_p, qv=qv)
 
 
 def _dense_plan(q, k, v, softmax_scale: float, mask: Mask, keep_lse: bool, alibi: bool,
-                dropout_p: float = 0.0) -> FwdPlan:
+                dropout_p: float = 0.0, qv: bool = False) -> FwdPlan:
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D], checked; plan.run(q, k, v, alibi_slopes, learnable_sink, q_descale,
-    k_descale, v_descale, rng=seed) (None where absent). Dropout runs on the Triton kernel (the Gluon forward has
-    none)."""
+    k_descale, v_descale, rng=seed, qv=qv) (None where absent). Dropout and qv run on the Triton kernel (the Gluon
+    forward has neither)."""
     b, sq, hq, d = q.shape
     sk = k.shape[1]
     empty = q.numel() == 0
@@ -160,7 +183,7 @@ def _dense_plan(q, k, v, softmax_scale: float, mask: Mask, keep_lse: bool, alibi
     if not empty:
         # out will be a fresh contiguous tensor of q's shape, which a TMA descriptor addresses whenever q's does,
         # so q stands in for it (None for Sk = 0 too: no TMA over 0 rows).
-        ws_cfg = None if dropout_p else ws_forward_config(q, k, v, q, softmax_scale, mask, alibi=alibi)
+        ws_cfg = None if dropout_p or qv else ws_forward_config(q, k, v, q, softmax_scale, mask, alibi=alibi)
         if ws_cfg is None:
             cfg = config.chosen("fwd", fwd_config(max(d, v.shape[-1]), causal=mask.window_right >= 0,
                                                   interpret=_utils.is_interpreter(), seqlen_k=sk, arch=target_arch(),
@@ -216,7 +239,7 @@ def _varlen_ws_config(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax
 
 def _launch_varlen(ws_cfg, cfg, vt_gap: int, mask: Mask, softmax_scale: float, max_seqlen_q: int, max_seqlen_k: int,
                    paged: bool, dropout_p: float, q, k, v, alibi_slopes, learnable_sink, q_descale, k_descale,
-                   v_descale, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, lse, ws, vt, rng) -> None:
+                   v_descale, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, lse, ws, vt, rng, qv) -> None:
     """Packed queries q [total_q, H, D] viewed as [1, total_q, H, D] with a batch stride of 0 (cu_seqlens_q gives
     each sequence's start); keys packed the same way, or (paged) page pools read through block_table. vt: FP8
     attention's V^T buffer (filled from v here, vt_gap columns per sequence), else None."""
@@ -243,13 +266,14 @@ def _launch_varlen(ws_cfg, cfg, vt_gap: int, mask: Mask, softmax_scale: float, m
                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=None if paged else cu_seqlens_k, seqlens_k=seqused_k,
                     block_table=block_table, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink,
                     q_scale=q_descale, k_scale=k_descale, v_scale=v_descale, vt_gap=vt_gap if vt is not None else 0,
-                    rng=rng, dropout_p=dropout_p)
+                    rng=rng, dropout_p=dropout_p, qv=direct.derived(qv.unsqueeze(0), qv) if qv is not None else None)
 
 
 def _varlen_plan(q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_q: int, max_seqlen_k: int,
-                 softmax_scale: float, mask: Mask, keep_lse: bool, alibi: bool, dropout_p: float = 0.0) -> FwdPlan:
+                 softmax_scale: float, mask: Mask, keep_lse: bool, alibi: bool, dropout_p: float = 0.0,
+                 qv: bool = False) -> FwdPlan:
     """Checked packed (or paged) arguments; plan.run(q, k, v, alibi_slopes, learnable_sink, q_descale, k_descale,
-    v_descale, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, rng=seed)."""
+    v_descale, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, rng=seed, qv=qv)."""
     total_q, hq, d = q.shape
     paged = block_table is not None
     if paged:
@@ -257,7 +281,7 @@ def _varlen_plan(q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_q: in
     empty = total_q == 0 or cu_seqlens_q.shape[0] < 2 or max_seqlen_q == 0
     ws_cfg = cfg = None
     if not empty:
-        if not paged and seqused_k is None:
+        if not paged and seqused_k is None and not qv:
             ws_cfg = _varlen_ws_config(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale, mask,
                                        alibi, dropout_p)
         if ws_cfg is None:
@@ -342,8 +366,8 @@ def _(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, s
     return _out_like(q, v_cache), q.new_empty((hq, total_q), dtype=torch.float32)
 
 
-def _check_paged_kv(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table) -> None:
-    _check_qkv(q, k_cache, v_cache, 3, kv_ndim=4)
+def _check_paged_kv(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, qv=None) -> None:
+    _check_qkv(q, k_cache, v_cache, 3, kv_ndim=4, qv=qv)
     if k_cache.shape[1] < 1:  # any size: the kernels read one table entry per token (or per TMA box)
         raise ValueError(f"k: page size (dim 1) must be >= 1, got {k_cache.shape[1]}")
     _utils.check_int32("block_table", block_table, 2, q.device)
@@ -396,19 +420,22 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     taken, and a backward through the output raises. tileflash.fp8_quantize_qkv makes the inputs.
     FA3's keyword arguments: return_attn_probs=True returns (out, lse) as return_lse does (FA3's pair; flash-attn
     2.x's third value, the probabilities with the dropout pattern, is not materialised); num_splits, pack_gqa and
-    sm_margin are accepted and leave the result as it is (tileflash plans its own schedule); qv must be None.
+    sm_margin are accepted and leave the result as it is (tileflash plans its own schedule). qv [B, Sq, Hq, Dv]
+    (FA3's MLA queries, Dv = v's head dim, up to 512; 16-bit): scores q k^T + qv v^T, default scale 1 / sqrt(D +
+    Dv); forward only (inputs that require grad are taken and a backward raises; FA3's backward leaves qv out).
     attention_chunk=c > 0 (Llama 4's chunked attention): a query at key position p sees only keys in
     [floor(p / c) * c, + c), intersected with causal / the window (FA3's mask); it runs as packed sequences of one
     chunk each (ops/repack.py), forward and backward.
     """
     if dropout_p:
         dropout_p = _utils.check_dropout(dropout_p, **{"FP8 inputs": getattr(q, "dtype", None) == FP8,
-                                                       "attention_chunk": attention_chunk})
+                                                       "attention_chunk": attention_chunk, "qv": qv is not None})
     else:
         dropout_p = 0.0  # None, 0, False: one plan key, and the custom op's float
     if return_attn_probs or num_splits != 1 or pack_gqa is not None or sm_margin or attention_chunk or \
             qv is not None:
-        _utils.check_fa3_tail(num_splits, pack_gqa, sm_margin, qv)
+        _utils.check_fa3_tail(num_splits, pack_gqa, sm_margin,
+                              **({"attention_chunk with qv": attention_chunk} if qv is not None else {}))
         return_lse = bool(return_lse or return_attn_probs)
         if _utils.check_attention_chunk(attention_chunk) and isinstance(q, torch.Tensor) and q.dim() == 4 \
                 and q.shape[1] > 0:
@@ -419,10 +446,10 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
                                      causal=causal, window_size=window_size, softcap=softcap,
                                      deterministic=deterministic, learnable_sink=learnable_sink, out_dtype=out_dtype)
     if torch.compiler.is_compiling():
-        if q.dtype == FP8:  # forward only: run eagerly (a graph break) rather than through the custom op
+        if q.dtype == FP8 or qv is not None:  # forward only: run eagerly (a graph break), not through the custom op
             return _flash_attn_func_eager(q, k, v, softmax_scale, causal, window_size, softcap, return_lse,
                                           deterministic, dropout_p, alibi_slopes, learnable_sink, q_descale,
-                                          k_descale, v_descale, out_dtype)
+                                          k_descale, v_descale, out_dtype, qv=qv)
         _check_fp8(q, k, q.shape[0], q_descale, k_descale, v_descale, out_dtype)
         mask, scale = _checked_dense(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                      learnable_sink)
@@ -430,22 +457,22 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
                                 bool(deterministic), alibi_slopes, learnable_sink, dropout_p,
                                 _utils.dropout_seed(q.device) if dropout_p else None)
         return (out, lse) if return_lse else out
-    grad = _utils.needs_grad(q, k, v, learnable_sink)
+    grad = _utils.needs_grad(q, k, v, learnable_sink, qv)
     plan = direct.plan_for(
         _PUBLIC_DENSE, lambda: (direct.tensor_key(q), direct.tensor_key(k), direct.tensor_key(v), softmax_scale,
                                 causal, direct.window_key(window_size), softcap, return_lse, deterministic, grad,
                                 direct.tensor_key(alibi_slopes), direct.tensor_key(learnable_sink),
                                 direct.tensor_key(q_descale), direct.tensor_key(k_descale),
-                                direct.tensor_key(v_descale), out_dtype, dropout_p),
+                                direct.tensor_key(v_descale), out_dtype, dropout_p, direct.tensor_key(qv)),
         lambda: _public_dense_plan(q, k, v, softmax_scale, causal, window_size, softcap, return_lse or grad,
                                    deterministic, alibi_slopes, learnable_sink, q_descale, k_descale, v_descale,
-                                   out_dtype, dropout_p))
+                                   out_dtype, dropout_p, qv))
     rng = _utils.dropout_seed(q.device) if dropout_p else None
     if grad and plan.backward_args is not None:
         return _attn_autograd(bool(return_lse), q, k, v, plan, alibi_slopes, learnable_sink, rng)
-    out, lse = plan.run(q, k, v, alibi_slopes, learnable_sink, q_descale, k_descale, v_descale, rng=rng)
+    out, lse = plan.run(q, k, v, alibi_slopes, learnable_sink, q_descale, k_descale, v_descale, rng=rng, qv=qv)
     if grad:
-        out, lse = _NoBackward.apply(plan.no_backward, out, lse, q, k, v, learnable_sink)
+        out, lse = _NoBackward.apply(plan.no_backward, out, lse, q, k, v, learnable_sink, qv)
     return (out, lse) if return_lse else out
 
 
@@ -453,8 +480,8 @@ _flash_attn_func_eager = torch.compiler.disable(flash_attn_func)
 
 
 def _checked_dense(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                   learnable_sink) -> tuple[Mask, float]:
-    _check_qkv(q, k, v, 4)
+                   learnable_sink, qv=None) -> tuple[Mask, float]:
+    _check_qkv(q, k, v, 4, qv=qv)
     if softmax_scale is not None and _utils.finite_float("softmax_scale", softmax_scale) == 0.0:
         # flash-attn 2.x's fourth positional argument is dropout_p: flash_attn_func(q, k, v, 0.0) written for it
         # would otherwise average the values uniformly
@@ -467,7 +494,7 @@ def _checked_dense(q, k, v, softmax_scale, causal, window_size, softcap, alibi_s
     _utils.check_learnable_sink(learnable_sink, q.shape[2], q.device)
     left, right = _utils.check_window(window_size)
     mask = Mask.make(causal, (left, right), check_softcap(softcap))
-    return mask, _utils.softmax_scale_or_default(softmax_scale, q.shape[-1])
+    return mask, _default_scale(softmax_scale, q, v, qv)
 
 
 FP8_NO_BACKWARD = ("FP8 attention (float8_e4m3fn q, k, v) is forward only, as in FA3: its output has no gradient; "
@@ -475,17 +502,21 @@ FP8_NO_BACKWARD = ("FP8 attention (float8_e4m3fn q, k, v) is forward only, as in
 PAGED_NO_BACKWARD = ("flash_attn_varlen_func with block_table: paged keys have no backward (inputs that require grad "
                      "are accepted, as flash-attn does, for forward-only use); gather the pages into packed k/v to "
                      "differentiate")
+QV_NO_BACKWARD = ("qv (FA3's MLA queries): the prefill call with qv is forward only (FA3's backward gives none of its "
+                  "gradients)")
 
 
 def _public_dense_plan(q, k, v, softmax_scale, causal, window_size, softcap, keep_lse, deterministic,
                        alibi_slopes, learnable_sink, q_descale, k_descale, v_descale, out_dtype,
-                       dropout_p) -> FwdPlan:
-    mask, scale = _checked_dense(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, learnable_sink)
+                       dropout_p, qv) -> FwdPlan:
+    mask, scale = _checked_dense(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, learnable_sink,
+                                 qv)
     out_dtype = _check_fp8(q, k, q.shape[0], q_descale, k_descale, v_descale, out_dtype)
-    plan = _dense_plan(q, k, v, scale, mask, keep_lse, alibi=alibi_slopes is not None, dropout_p=dropout_p)
+    plan = _dense_plan(q, k, v, scale, mask, keep_lse, alibi=alibi_slopes is not None, dropout_p=dropout_p,
+                       qv=qv is not None)
     plan.out_dtype = out_dtype if out_dtype != q.dtype else None
-    if q.dtype == FP8:
-        plan.no_backward = FP8_NO_BACKWARD
+    if q.dtype == FP8 or qv is not None:
+        plan.no_backward = FP8_NO_BACKWARD if q.dtype == FP8 else QV_NO_BACKWARD
     else:
         plan.backward_args = (None, None, None, 0, 0, scale, mask.window_left, mask.window_right, mask.softcap,
                               bool(deterministic), dropout_p)
@@ -594,16 +625,17 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if dropout_p:
         dropout_p = _utils.check_dropout(dropout_p, block_table=block_table is not None,
                                          seqused_q=seqused_q is not None, attention_chunk=attention_chunk,
-                                         **{"FP8 inputs": getattr(q, "dtype", None) == FP8})
+                                         qv=qv is not None, **{"FP8 inputs": getattr(q, "dtype", None) == FP8})
     else:
         dropout_p = 0.0
     if return_attn_probs or num_splits != 1 or pack_gqa is not None or sm_margin or attention_chunk or \
             qv is not None or seqused_q is not None:
         chunk = _utils.check_attention_chunk(attention_chunk)
-        _utils.check_fa3_tail(num_splits, pack_gqa, sm_margin, qv, **(
-            {"attention_chunk with seqused_k, seqused_q or block_table": chunk}
-            if seqused_k is not None or seqused_q is not None or block_table is not None else {}),
-            **({"seqused_q with block_table": seqused_q} if block_table is not None else {}))
+        _utils.check_fa3_tail(num_splits, pack_gqa, sm_margin, **(
+            {"attention_chunk with seqused_k, seqused_q, block_table or qv": chunk}
+            if seqused_k is not None or seqused_q is not None or block_table is not None or qv is not None else {}),
+            **({"seqused_q with block_table": seqused_q} if block_table is not None else {}),
+            **({"seqused_q with qv": seqused_q} if qv is not None else {}))
         return_lse = bool(return_lse or return_attn_probs)
         if (chunk or seqused_q is not None) and isinstance(cu_seqlens_q, torch.Tensor) \
                 and isinstance(cu_seqlens_k, torch.Tensor):
@@ -626,14 +658,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                              for t in (cu_seqlens_q, cu_seqlens_k, seqused_k))
     if block_table is not None and isinstance(q, torch.Tensor) and q.device.type == "cpu" \
             and not torch.compiler.is_compiling():  # page indices: free to check on the CPU, so checked every call
-        _check_paged_kv(q, k, v, cu_seqlens_q, seqused_k, block_table)
+        _check_paged_kv(q, k, v, cu_seqlens_q, seqused_k, block_table, qv)
         _utils.check_block_table_values(block_table, seqused_k.tolist(), k.shape[1], k.shape[0])
     if torch.compiler.is_compiling():
-        if q.dtype == FP8:  # forward only: run eagerly (a graph break) rather than through the custom ops
+        if q.dtype == FP8 or qv is not None:  # forward only: run eagerly (a graph break), not through the custom ops
             return _flash_attn_varlen_func_eager(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, softmax_scale, causal,
                 window_size, softcap, return_lse, deterministic, block_table, dropout_p, alibi_slopes, learnable_sink,
-                q_descale, k_descale, v_descale, out_dtype)
+                q_descale, k_descale, v_descale, out_dtype, qv=qv)
         _check_fp8(q, k, cu_seqlens_q.shape[0] - 1, q_descale, k_descale, v_descale, out_dtype)
         mask, scale = _checked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q,
                                       max_seqlen_k, softmax_scale, causal, window_size, softcap, alibi_slopes,
@@ -648,24 +680,26 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                            mask.softcap, bool(deterministic), alibi_slopes, learnable_sink, dropout_p,
                                            _utils.dropout_seed(q.device) if dropout_p else None)
         return (out, lse) if return_lse else out
-    grad = _utils.needs_grad(q, k, v, learnable_sink)
+    grad = _utils.needs_grad(q, k, v, learnable_sink, qv)
     plan = direct.plan_for(
         _PUBLIC_VARLEN, lambda: _varlen_key(q, k, v, alibi_slopes, learnable_sink, cu_seqlens_q, cu_seqlens_k,
                                             seqused_k, block_table, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                                             direct.window_key(window_size), softcap, return_lse, deterministic, grad,
                                             direct.tensor_key(q_descale), direct.tensor_key(k_descale),
-                                            direct.tensor_key(v_descale), out_dtype, dropout_p),
+                                            direct.tensor_key(v_descale), out_dtype, dropout_p,
+                                            direct.tensor_key(qv)),
         lambda: _public_varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q,
                                     max_seqlen_k, softmax_scale, causal, window_size, softcap, return_lse or grad,
                                     deterministic, alibi_slopes, learnable_sink, q_descale, k_descale, v_descale,
-                                    out_dtype, dropout_p))
+                                    out_dtype, dropout_p, qv))
     index = (cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
     rng = _utils.dropout_seed(q.device) if dropout_p else None
     if grad and plan.backward_args is not None:
         return _attn_autograd(bool(return_lse), q, k, v, plan, alibi_slopes, learnable_sink, rng, *index)
-    out, lse = plan.run(q, k, v, alibi_slopes, learnable_sink, q_descale, k_descale, v_descale, *index, rng=rng)
+    out, lse = plan.run(q, k, v, alibi_slopes, learnable_sink, q_descale, k_descale, v_descale, *index, rng=rng,
+                        qv=qv)
     if grad:
-        out, lse = _NoBackward.apply(plan.no_backward, out, lse, q, k, v, learnable_sink)
+        out, lse = _NoBackward.apply(plan.no_backward, out, lse, q, k, v, learnable_sink, qv)
     return (out, lse) if return_lse else out
 
 
@@ -683,13 +717,14 @@ def _check_packed_offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
 
 
 def _checked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
-                    softmax_scale, causal, window_size, softcap, alibi_slopes, learnable_sink) -> tuple[Mask, float]:
+                    softmax_scale, causal, window_size, softcap, alibi_slopes, learnable_sink,
+                    qv=None) -> tuple[Mask, float]:
     if block_table is not None:
         _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
-        _check_paged_kv(q, k, v, cu_seqlens_q, seqused_k, block_table)
+        _check_paged_kv(q, k, v, cu_seqlens_q, seqused_k, block_table, qv)
         _check_max_seqlens(max_seqlen_q=max_seqlen_q)
     else:
-        _check_qkv(q, k, v, 3)
+        _check_qkv(q, k, v, 3, qv=qv)
         _check_packed_offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.device)
         if seqused_k is not None:
             _utils.check_int32("seqused_k", seqused_k, 1, q.device)
@@ -700,23 +735,23 @@ def _checked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
     _utils.check_learnable_sink(learnable_sink, q.shape[1], q.device)
     left, right = _utils.check_window(window_size)
     mask = Mask.make(causal, (left, right), check_softcap(softcap))
-    return mask, _utils.softmax_scale_or_default(softmax_scale, q.shape[-1])
+    return mask, _default_scale(softmax_scale, q, v, qv)
 
 
 def _public_varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
                         softmax_scale, causal, window_size, softcap, keep_lse, deterministic,
                         alibi_slopes, learnable_sink, q_descale, k_descale, v_descale, out_dtype,
-                        dropout_p) -> FwdPlan:
+                        dropout_p, qv) -> FwdPlan:
     mask, scale = _checked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q,
                                   max_seqlen_k, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                  learnable_sink)
+                                  learnable_sink, qv)
     out_dtype = _check_fp8(q, k, cu_seqlens_q.shape[0] - 1, q_descale, k_descale, v_descale, out_dtype)
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), (int(max_seqlen_k) if block_table is None else 0)
     plan = _varlen_plan(q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, scale, mask,
-                        keep_lse, alibi=alibi_slopes is not None, dropout_p=dropout_p)
+                        keep_lse, alibi=alibi_slopes is not None, dropout_p=dropout_p, qv=qv is not None)
     plan.out_dtype = out_dtype if out_dtype != q.dtype else None
-    if q.dtype == FP8 or block_table is not None:
-        plan.no_backward = FP8_NO_BACKWARD if q.dtype == FP8 else PAGED_NO_BACKWARD
+    if q.dtype == FP8 or block_table is not None or qv is not None:
+        plan.no_backward = FP8_NO_BACKWARD if q.dtype == FP8 else PAGED_NO_BACKWARD if qv is None else QV_NO_BACKWARD
     else:
         plan.backward_args = (None, None, None, max_seqlen_q, max_seqlen_k, scale, mask.window_left,
                               mask.window_right, mask.softcap, bool(deterministic), dropout_p)

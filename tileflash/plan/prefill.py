@@ -99,6 +99,11 @@ def fwd_config(head_dim: int, causal: bool = False, interpret: bool = False, seq
     elif d <= 128:
         # TMA K/V: 490 vs 458 with pointers; 64x64 one-warpgroup tiles 479 (run 18).
         cfg = FwdConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, tma=True)
+    elif d > 256:
+        # V's head dim 512 (MLA's latent with FA3's qv, forward only): a 64 x 512 accumulator and qv tile. Compiled
+        # only (sm_90, triton 3.6, --res-usage): 96 bytes of stack against 1.9-2.1 KB for the d256 tile, 304 with 64
+        # keys a step, 1256 with 4 warps; never timed.
+        cfg = FwdConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, tma=True)
     else:
         # d = 256: a 128x128 S tile plus a 128x256 accumulator exceeds the register file; 3 stages exceed shared
         # memory. TMA: 524 vs 489.
