@@ -46,6 +46,17 @@ def test_flash_attn_func(case, deterministic):
                 lambda q, k, v, upcast: attention_ref(q, k, v, upcast=upcast, **kw), (q, k, v), dout, dlse)
 
 
+def test_v_past_256_is_forward_only():
+    """FA3 runs d64 with a 512-wide v forward (its tests skip the backward past 256): so does tileflash, and a
+    backward through the output raises."""
+    q, k, v = _leaves((2, 19, 4, 64), (2, 33, 2, 64), (2, 33, 2, 512), seed=12)
+    out, lse = tileflash.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    check_out_lse((out.detach(), lse.detach()),
+                  lambda upcast: attention_ref(q.detach(), k.detach(), v.detach(), causal=True, upcast=upcast))
+    with pytest.raises(RuntimeError, match="head dim past 256 is forward only"):
+        out.float().sum().backward()
+
+
 def test_sink_and_alibi():
     """The forward's sink and ALiBi slopes with Dv != D, through the backward (the sink gets its gradient)."""
     b, sq, sk, hq, hkv, d, dv = 1, 17, 23, 4, 2, 32, 64
@@ -97,8 +108,8 @@ def test_errors():
     q, k, v = (t.detach() for t in _leaves((1, 8, 2, 32), (1, 8, 1, 32), (1, 9, 1, 64)))
     with pytest.raises(ValueError, match="k, v: expected equal shapes but for the head dim"):
         tileflash.flash_attn_func(q, k, v)
-    with pytest.raises(ValueError, match="head dim: expected 1..256, got 512"):
-        tileflash.flash_attn_func(q, k, torch.zeros(1, 8, 1, 512, dtype=q.dtype, device=DEVICE))
+    with pytest.raises(ValueError, match=r"v: head dim expected 1..512 \(past 256: forward only\), got 640"):
+        tileflash.flash_attn_func(q, k, torch.zeros(1, 8, 1, 640, dtype=q.dtype, device=DEVICE))
     q8, k8, v8 = (torch.zeros(1, 8, 1, dim, device=DEVICE).to(torch.float8_e4m3fn) for dim in (32, 32, 64))
     with pytest.raises(ValueError, match="FP8 attention takes V's head dim equal to q's"):
         tileflash.flash_attn_func(q8, k8, v8)

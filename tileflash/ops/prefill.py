@@ -43,8 +43,9 @@ def _check_qkv(q, k, v, ndim: int, kv_ndim: int | None = None, qv=None) -> None:
     dv = v.shape[-1]
     if qv is not None:
         _check_qv(q, qv, dv)
-    elif dv != d:  # FA3's headdim_v (DeepSeek's 192 / 128): out takes V's head dim
-        _utils.check_head_dim(dv)
+    elif dv != d and not 1 <= dv <= _utils.MAX_LATENT_DIM:  # FA3's headdim_v (DeepSeek's 192 / 128): out takes it
+        raise ValueError(f"v: head dim expected 1..{_utils.MAX_LATENT_DIM} (past {_utils.MAX_HEAD_DIM}: forward only), "
+                         f"got {dv}")
     if dv != d and q.dtype == FP8:
         raise ValueError(f"v: FP8 attention takes V's head dim equal to q's ({d}), got {dv}")
 
@@ -394,7 +395,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
                     num_splits=1, pack_gqa=None, sm_margin=0, attention_chunk=0, qv=None):
     """Attention over a padded batch. q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (Hq % Hkv == 0), fp16/bf16, or
     float8_e4m3fn for FP8 attention (below). v's head dim Dv may differ from D (FA3's headdim_v, e.g. DeepSeek-V3's
-    prefill with D = 192, Dv = 128; up to 256, 16-bit inputs; the Triton kernels): out is then [B, Sq, Hq, Dv].
+    prefill with D = 192, Dv = 128; 16-bit inputs, the Triton kernels; up to 256, or up to 512 forward only): out is
+    then [B, Sq, Hq, Dv].
 
     Causal and windows are bottom-right aligned (query i sees key j iff j <= i + Sk - Sq). Returns out
     [B, Sq, Hq, D], and with return_lse=True (out, lse) with lse [B, Hq, Sq] float32, natural log.
@@ -446,7 +448,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
                                      causal=causal, window_size=window_size, softcap=softcap,
                                      deterministic=deterministic, learnable_sink=learnable_sink, out_dtype=out_dtype)
     if torch.compiler.is_compiling():
-        if q.dtype == FP8 or qv is not None:  # forward only: run eagerly (a graph break), not through the custom op
+        if _no_graph_op(q, v, qv):
             return _flash_attn_func_eager(q, k, v, softmax_scale, causal, window_size, softcap, return_lse,
                                           deterministic, dropout_p, alibi_slopes, learnable_sink, q_descale,
                                           k_descale, v_descale, out_dtype, qv=qv)
@@ -504,6 +506,25 @@ PAGED_NO_BACKWARD = ("flash_attn_varlen_func with block_table: paged keys have n
                      "differentiate")
 QV_NO_BACKWARD = ("qv (FA3's MLA queries): the prefill call with qv is forward only (FA3's backward gives none of its "
                   "gradients)")
+WIDE_V_NO_BACKWARD = (f"v: a head dim past {_utils.MAX_HEAD_DIM} is forward only (as FA3's; the backward's tiles would "
+                      "spill)")
+
+
+def _forward_only(q, v, qv, paged: bool = False) -> str | None:
+    """Why a call has no backward (FA3 has none either), or None."""
+    if q.dtype == FP8:
+        return FP8_NO_BACKWARD
+    if qv is not None:
+        return QV_NO_BACKWARD
+    if paged:
+        return PAGED_NO_BACKWARD
+    return WIDE_V_NO_BACKWARD if v.shape[-1] > _utils.MAX_HEAD_DIM else None
+
+
+def _no_graph_op(q, v, qv) -> bool:
+    """Forward-only calls that torch.compile runs eagerly (a graph break) instead of through the custom ops, whose
+    registered backward they have not."""
+    return q.dtype == FP8 or qv is not None or (isinstance(v, torch.Tensor) and v.shape[-1] > _utils.MAX_HEAD_DIM)
 
 
 def _public_dense_plan(q, k, v, softmax_scale, causal, window_size, softcap, keep_lse, deterministic,
@@ -515,9 +536,8 @@ def _public_dense_plan(q, k, v, softmax_scale, causal, window_size, softcap, kee
     plan = _dense_plan(q, k, v, scale, mask, keep_lse, alibi=alibi_slopes is not None, dropout_p=dropout_p,
                        qv=qv is not None)
     plan.out_dtype = out_dtype if out_dtype != q.dtype else None
-    if q.dtype == FP8 or qv is not None:
-        plan.no_backward = FP8_NO_BACKWARD if q.dtype == FP8 else QV_NO_BACKWARD
-    else:
+    plan.no_backward = _forward_only(q, v, qv)
+    if plan.no_backward is None:
         plan.backward_args = (None, None, None, 0, 0, scale, mask.window_left, mask.window_right, mask.softcap,
                               bool(deterministic), dropout_p)
     return plan
@@ -661,7 +681,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         _check_paged_kv(q, k, v, cu_seqlens_q, seqused_k, block_table, qv)
         _utils.check_block_table_values(block_table, seqused_k.tolist(), k.shape[1], k.shape[0])
     if torch.compiler.is_compiling():
-        if q.dtype == FP8 or qv is not None:  # forward only: run eagerly (a graph break), not through the custom ops
+        if _no_graph_op(q, v, qv):
             return _flash_attn_varlen_func_eager(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, softmax_scale, causal,
                 window_size, softcap, return_lse, deterministic, block_table, dropout_p, alibi_slopes, learnable_sink,
@@ -750,9 +770,8 @@ def _public_varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_ta
     plan = _varlen_plan(q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, scale, mask,
                         keep_lse, alibi=alibi_slopes is not None, dropout_p=dropout_p, qv=qv is not None)
     plan.out_dtype = out_dtype if out_dtype != q.dtype else None
-    if q.dtype == FP8 or block_table is not None or qv is not None:
-        plan.no_backward = FP8_NO_BACKWARD if q.dtype == FP8 else PAGED_NO_BACKWARD if qv is None else QV_NO_BACKWARD
-    else:
+    plan.no_backward = _forward_only(q, v, qv, block_table is not None)
+    if plan.no_backward is None:
         plan.backward_args = (None, None, None, max_seqlen_q, max_seqlen_k, scale, mask.window_left,
                               mask.window_right, mask.softcap, bool(deterministic), dropout_p)
     return plan
