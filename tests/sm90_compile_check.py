@@ -311,6 +311,12 @@ def _cases(arch: int = 90):
         "prefill d128 causal learnable_sink, warp-specialised forward, persistent": warp_specialised(
             lambda: tileflash.flash_attn_func(*(torch.randn(2, 4096, 16, 128, dtype=bf) for _ in range(3)),
                                               causal=True, learnable_sink=torch.rand(16))),
+        "decode nvfp4 paged split attention_chunk (Triton kernel, CHUNK masks)": on_triton_kernels(
+            lambda: decode("nvfp4", paged=True, b=8, ctx=4096, num_splits=2, causal=True, attention_chunk=1024)),
+        "decode 16-bit paged attention_chunk causal, 4 tokens (Triton kernel, CHUNK masks)": on_triton_kernels(
+            lambda: decode("16bit", paged=True, sq=4, causal=True, attention_chunk=128)),
+        "extend 16-bit attention_chunk window (Triton prefill tiles, CHUNK masks)": on_triton_kernels(
+            lambda: decode("16bit", sq=40, ctx=1024, window_size=(300, 0), attention_chunk=256)),
         "decode nvfp4 split learnable_sink (Triton kernel, the sink in the fused merge)": sinks_on_triton(
             lambda: fused_merge(lambda: decode("nvfp4", b=8, ctx=4096, num_splits=2, learnable_sink=torch.rand(32))),
             combine=False),

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import tileflash
-from helpers import DEVICE, attention_inputs, check_2x, check_kvcache_call
+from helpers import DEVICE, attention_inputs, check_2x, check_kvcache_call, check_lse
 from tileflash.reference import attention_ref, kvcache_ref
 
 
@@ -381,8 +381,6 @@ def test_fa3_keywords_of_the_prefill_entry_points():
     for call, match, exc in [
         (lambda: tileflash.flash_attn_varlen_func(*packed, cu, cu, 37, 37, seqused_k=cu[1:] - cu[:-1],
                                                   attention_chunk=16), "attention_chunk", NotImplementedError),
-        (lambda: tileflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=37, attention_chunk=16), "attention_chunk",
-         NotImplementedError),
         (lambda: tileflash.flash_attn_func(q, k, v, qv=q, attention_chunk=8), "attention_chunk with qv",
          NotImplementedError),
         (lambda: tileflash.flash_attn_func(q, k, v, sm_margin=-1), "sm_margin", ValueError),
@@ -404,8 +402,8 @@ def test_fa3_keywords_of_flash_attn_with_kvcache():
     # FA3 reads rotary_seqlens only with the rotary tables (its own tests always pass them): ignored without
     assert torch.equal(want, tileflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True,
                                                                rotary_seqlens=lens + 3))
-    with pytest.raises(NotImplementedError, match="attention_chunk"):
-        tileflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, attention_chunk=8)
+    with pytest.raises(ValueError, match="attention_chunk"):
+        tileflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, attention_chunk=-8)
 
 
 @pytest.mark.parametrize("q_fp8", [False, True], ids=["q16", "q8"])
@@ -511,6 +509,45 @@ def test_e4m3_queries_with_tileflash_cache_scales():
     q8 = q.to(torch.float8_e4m3fn)
     want = tileflash.flash_attn_with_kvcache(q8.to(torch.bfloat16), k8, v8, cache_seqlens=lens, **scales)
     assert torch.equal(tileflash.flash_attn_with_kvcache(q8, k8, v8, cache_seqlens=lens, **scales), want)
+
+
+# (batch, Sq, Hq, Hkv, D, capacity, chunk, causal, window, page size, splits, new tokens) — why each is here:
+CHUNK_CASES = [
+    (3, 1, 8, 2, 64, 96, 16, True, (-1, -1), 0, 0, 0),  # decode: the last chunk only, pack-GQA tiles
+    (2, 5, 4, 1, 64, 80, 7, True, (-1, -1), 8, 3, 0),  # rows across chunk edges, pages, three splits
+    (2, 4, 4, 2, 32, 64, 12, False, (10, 3), 0, 1, 2),  # a window with it, not causal (chunks bound the right too)
+    (2, 20, 4, 2, 64, 96, 16, True, (-1, -1), 16, 0, 3),  # extend (prefill tiles) over pages with an append
+]
+
+
+@pytest.mark.parametrize("case", CHUNK_CASES, ids=[f"case{i}" for i in range(len(CHUNK_CASES))])
+def test_fa3_attention_chunk_over_a_cache(case):
+    """FA3's attention_chunk on flash_attn_with_kvcache (Llama 4's chunked attention; FA3's kvcache tests draw one
+    for every causal or local case): each query sees only its chunk's keys, against the reference's mask."""
+    b, sq, hq, hkv, d, cap, chunk, causal, window, page, splits, s_new = case
+    g = torch.Generator().manual_seed(sq + chunk)
+    mk = lambda *s: torch.randn(*s, generator=g).to(DEVICE, torch.bfloat16)  # noqa: E731
+    q = mk(b, sq, hq, d)
+    table = None
+    if page:
+        pages = b * cap // page
+        kc, vc = mk(pages + 2, page, hkv, d), mk(pages + 2, page, hkv, d)
+        table = torch.randperm(pages + 2, generator=g)[:pages].view(b, -1).to(DEVICE, torch.int32)
+    else:
+        kc, vc = mk(b, cap, hkv, d), mk(b, cap, hkv, d)
+    lens = torch.randint(sq, cap - s_new, (b,), generator=g).to(DEVICE, torch.int32)
+    k, v = (mk(b, s_new, hkv, d) if s_new else None for _ in range(2))
+    kw = dict(cache_seqlens=lens, block_table=table, causal=causal, window_size=window, attention_chunk=chunk)
+    kc_got, vc_got = kc.clone(), vc.clone()
+    out, lse = tileflash.flash_attn_with_kvcache(q, kc_got, vc_got, k, v, num_splits=splits, return_lse=True, **kw)
+    ref, ref_lse, kc_ref, vc_ref = kvcache_ref(q, kc, vc, k, v, **kw)
+    check_2x(out, ref, kvcache_ref(q, kc, vc, k, v, upcast=False, **kw)[0])
+    check_lse(lse, ref_lse, atol=2e-2)
+    assert torch.equal(kc_got, kc_ref) and torch.equal(vc_got, vc_ref)
+    plan = tileflash.decode_plan(q, kc.clone(), vc.clone(), lens, block_table=table, causal=causal,
+                                 window_size=window, attention_chunk=chunk, num_splits=splits)
+    if not s_new:
+        assert torch.equal(plan.run(q, kc, vc), out)
 
 
 def test_fa3_cache_batch_idx_over_pages():

@@ -118,7 +118,7 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         *((qv, *strides3(qv, q_batch_stride0)) if qv is not None else (dummy, 0, 0, 0)),
         *((k_new, v_new, *_raw_caches(k4, v4), *k_new.stride()[:3]) if k_new is not None
           else (dummy,) * 4 + (0, 0, 0)),
-        *dropout_args(rng, dropout_p, dummy),
+        *dropout_args(rng, dropout_p, dummy), mask.chunk,
         HEAD_DIM=d, HEAD_DIM_PAD=padded_head_dim(d, fp8), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         VARLEN_Q=cu_seqlens_q is not None, VARLEN_K=cu_seqlens_k is not None, HAS_SEQLENS_K=seqlens_k is not None,
         PAGE_SIZE=k4.shape[1] if paged else 0, KV_SCALED=fp8 or k_scale is not None, KV_NVFP4=kv_nvfp4,
@@ -141,7 +141,7 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         # (appended in this launch they could be another program's; appended before, the call's result stays the
         # in-launch append's bit for bit)
         BOX_IN_SEQ=descs is not None and not paged and not seqlen_k_add and cu_seqlens_k_new is None and not vt_gap
-        and rng is None and qv is None, DROPOUT=rng is not None,
+        and rng is None and qv is None, DROPOUT=rng is not None, CHUNK=mask.chunk > 0,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 

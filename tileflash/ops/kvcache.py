@@ -27,14 +27,16 @@ MAX_LATENT_DIM = _utils.MAX_LATENT_DIM
 def _plain_append(rotary_cos, cache_leftpad, mask: Mask) -> bool:
     """Whether the call's append is a plain copy into positions its attention programs read (plan/decode.
     append_in_kernel): no rotated keys, no left pads, no left window (one narrower than the append would leave new
-    tokens outside every program's key range)."""
-    return rotary_cos is None and cache_leftpad is None and mask.window_left < 0
+    tokens outside every program's key range; attention chunks likewise)."""
+    return rotary_cos is None and cache_leftpad is None and mask.window_left < 0 and mask.chunk == 0
 
 
-def _triton_only(cache_batch_idx, cache_leftpad, rotary_cos, alibi_slopes, cu_seqlens_k_new, learnable_sink) -> bool:
-    """Whether a call passes an argument only the Triton decode kernel has (the register-operand one does not)."""
-    return any(t is not None for t in (cache_batch_idx, cache_leftpad, rotary_cos, alibi_slopes, cu_seqlens_k_new,
-                                       learnable_sink))
+def _triton_only(cache_batch_idx, cache_leftpad, rotary_cos, alibi_slopes, cu_seqlens_k_new, learnable_sink,
+                 mask: Mask) -> bool:
+    """Whether a call passes an argument only the Triton decode kernel has (the register-operand one does not):
+    also FA3's attention_chunk (the Triton kernel's CHUNK masks)."""
+    return mask.chunk > 0 or any(t is not None for t in (cache_batch_idx, cache_leftpad, rotary_cos, alibi_slopes,
+                                                         cu_seqlens_k_new, learnable_sink))
 
 
 def _kv_scales(k_scale, v_scale, k_global_scale, v_global_scale) -> dict:
@@ -118,15 +120,16 @@ def _attn_kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                        softmax_scale: float, window_left: int, window_right: int, softcap: float, num_splits: int,
                        sp_overlap: bool, k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
                        k_global_scale: Optional[torch.Tensor], v_global_scale: Optional[torch.Tensor],
-                       qv: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                       qv: Optional[torch.Tensor], attention_chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The custom op's implementation (torch.compile); eager calls take a DecodePlan. max_seqlen_q > 0 with packed
     queries (cu_seqlens_q), else 0."""
     out = _utils.new_output((qv if qv is not None else q).shape, q.dtype, q.device)
     lse = _utils.new_output(_lse_shape(q, max_seqlen_q), torch.float32, q.device)
     if cache_seqlens.shape[0] == 0:
         return out, lse
-    extras = _triton_only(cache_batch_idx, cache_leftpad, rotary_cos, alibi_slopes, cu_seqlens_k_new, learnable_sink)
-    mask = Mask(window_left, window_right, softcap)
+    mask = Mask(window_left, window_right, softcap, attention_chunk)
+    extras = _triton_only(cache_batch_idx, cache_leftpad, rotary_cos, alibi_slopes, cu_seqlens_k_new, learnable_sink,
+                          mask)
     s = decode_schedule(q, k_cache, v_cache, k, block_table, num_splits, sp_overlap, lse_in_workspace=False,
                   extras=extras, causal_tiles=window_right >= 0,
                   max_seqlen_q=max_seqlen_q, varlen_new=cu_seqlens_k_new is not None, mla=qv is not None,
@@ -156,7 +159,7 @@ _attn_kvcache_op = torch.library.custom_op(
 def _(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin,
       cu_seqlens_q, alibi_slopes, cu_seqlens_k_new, learnable_sink, max_seqlen_q, rotary_interleaved, softmax_scale,
       window_left, window_right, softcap, num_splits, sp_overlap, k_scale, v_scale, k_global_scale, v_global_scale,
-      qv):
+      qv, attention_chunk=0):
     return torch.empty_like(qv if qv is not None else q), q.new_empty(_lse_shape(q, max_seqlen_q), dtype=torch.float32)
 
 
@@ -486,7 +489,8 @@ _PLANS = direct.PlanCache()
 
 
 def _make_plan(q, k_cache, v_cache, k, v, index, softmax_scale, causal, window_size, softcap, rotary_interleaved,
-               num_splits, return_lse, sp_overlap, validate, scales, max_seqlen_q=None, qv=None) -> DecodePlan:
+               num_splits, return_lse, sp_overlap, validate, scales, max_seqlen_q=None, qv=None,
+               attention_chunk=0) -> DecodePlan:
     """Check every argument (raising before any launch) and plan the call."""
     cache_seqlens, block_table, batch_idx, leftpad, rotary_cos, rotary_sin, cu_seqlens_q, alibi_slopes, cu_k_new, \
         learnable_sink = index
@@ -496,11 +500,11 @@ def _make_plan(q, k_cache, v_cache, k, v, index, softmax_scale, causal, window_s
     if qv is not None and sp_overlap:
         raise ValueError("sp_overlap: not with qv (MLA takes the plain loop)")
     left, right = _utils.check_window(window_size)
-    mask = Mask.make(causal, (left, right), check_softcap(softcap))
+    mask = Mask.make(causal, (left, right), check_softcap(softcap), _utils.check_attention_chunk(attention_chunk))
     packed = cu_seqlens_q is not None  # its tiles need at least one row
     sched = decode_schedule(q, k_cache, v_cache, k, block_table, int(num_splits), bool(sp_overlap),
                       lse_in_workspace=not return_lse,
-                      extras=_triton_only(batch_idx, leftpad, rotary_cos, alibi_slopes, cu_k_new, learnable_sink),
+                      extras=_triton_only(batch_idx, leftpad, rotary_cos, alibi_slopes, cu_k_new, learnable_sink, mask),
                       causal_tiles=mask.window_right >= 0, max_seqlen_q=max(int(max_seqlen_q), 1) if packed else 0,
                       varlen_new=cu_k_new is not None, mla=qv is not None, plain_mask=mask.at_most_causal, v=v,
                       plain_append=_plain_append(rotary_cos, leftpad, mask))
@@ -530,7 +534,8 @@ def decode_plan(q, k_cache, v_cache, cache_seqlens, block_table=None, k=None, v=
                 causal=False, window_size=(-1, -1), softcap=0.0, num_splits=0, return_lse=False, sp_overlap=False,
                 validate=False, k_scale=None, v_scale=None, k_global_scale=None, v_global_scale=None,
                 dtype=torch.bfloat16, *, rotary_cos=None, rotary_sin=None, cache_batch_idx=None, cache_leftpad=None,
-                rotary_interleaved=True, alibi_slopes=None, learnable_sink=None, qv=None) -> DecodePlan:
+                rotary_interleaved=True, alibi_slopes=None, learnable_sink=None, qv=None,
+                attention_chunk=0) -> DecodePlan:
     """Plan flash_attn_with_kvcache calls that share everything but q, the caches and the new k/v (the layers of
     one decode step; FlashInfer's plan/run pattern): `plan = decode_plan(q, k_cache, v_cache, cache_seqlens, ...)`
     once per step, then `plan.run(q, k_cache, v_cache, k, v)` per layer, graph-capturable. Arguments as
@@ -548,7 +553,8 @@ def decode_plan(q, k_cache, v_cache, cache_seqlens, block_table=None, k=None, v=
     index = (cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin, None, alibi_slopes,
              None, learnable_sink)
     plan = _make_plan(q, k_cache, v_cache, k, v, index, softmax_scale, causal, window_size, softcap,
-                      rotary_interleaved, num_splits, return_lse, sp_overlap, validate, scales, qv=qv)
+                      rotary_interleaved, num_splits, return_lse, sp_overlap, validate, scales, qv=qv,
+                      attention_chunk=attention_chunk)
     plan.index, plan.scales = index, scales
     return plan
 
@@ -615,14 +621,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     rounded once; the cache positions stay cache_seqlens + i). Ignored, as FA3 ignores it, without rotary tables, and
     when it is cache_seqlens itself (the default positions).
     FA3's scheduling arguments (scheduler_metadata, pack_gqa, sm_margin) are accepted and leave the result as it is
-    (tileflash plans its own schedule, cached per call signature: decode_plan for engines); attention_chunk must
-    be 0 here (flash_attn_func takes it).
+    (tileflash plans its own schedule, cached per call signature: decode_plan for engines). FA3's attention_chunk
+    c > 0 (Llama 4's chunked attention): a query at key position p sees only keys in [floor(p / c) * c, + c),
+    intersected with causal / the window, on the Triton decode kernel (masks.visible's chunks).
     Returns out [B, Sq, Hq, D], and with return_softmax_lse=True (or return_lse=True) (out, lse [B, Hq, Sq] fp32).
     """
     return_lse = bool(return_lse or return_softmax_lse)
-    if pack_gqa is not None or sm_margin or attention_chunk:
-        _utils.check_fa3_tail(num_splits, pack_gqa, sm_margin,
-                              attention_chunk=_utils.check_attention_chunk(attention_chunk))
+    if pack_gqa is not None or sm_margin:
+        _utils.check_fa3_tail(num_splits, pack_gqa, sm_margin)
     if q_descale is not None or k_descale is not None or v_descale is not None or \
             getattr(q, "dtype", None) == torch.float8_e4m3fn:
         q, k_scale, v_scale = _fa3_fp8(q, k_cache, k_scale, v_scale, q_descale, k_descale, v_descale)
@@ -646,7 +652,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                        cache_seqlens, cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
                        window_size, softcap, rotary_interleaved, alibi_slopes, num_splits, return_lse, None, None,
                        cu_seqlens_k_new, sp_overlap, validate, k_scale, v_scale, k_global_scale, v_global_scale,
-                       learnable_sink, padded(qv) if isinstance(qv, torch.Tensor) and qv.dim() == 3 else qv)
+                       learnable_sink, padded(qv) if isinstance(qv, torch.Tensor) and qv.dim() == 3 else qv,
+                       attention_chunk)
         if not return_lse:
             return res.view(total_q, hq, res.shape[-1])
         out, lse = res
@@ -654,7 +661,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     return _kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                     block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
                     num_splits, return_lse, cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new, sp_overlap, validate,
-                    k_scale, v_scale, k_global_scale, v_global_scale, learnable_sink, qv)
+                    k_scale, v_scale, k_global_scale, v_global_scale, learnable_sink, qv, attention_chunk)
 
 
 def _table_rows(block_table, cache_batch_idx, validate: bool):
@@ -753,7 +760,7 @@ def _rotate_from(rotary_seqlens, q, k, rotary_cos, rotary_sin, interleaved: bool
 def _kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
              block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
              return_lse, cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new, sp_overlap, validate, k_scale, v_scale,
-             k_global_scale, v_global_scale, learnable_sink, qv=None):
+             k_global_scale, v_global_scale, learnable_sink, qv=None, attention_chunk=0):
     """flash_attn_with_kvcache without its argument aliases: plan (cached per signature) and run."""
     scales = (k_scale, v_scale, k_global_scale, v_global_scale)
     if cache_seqlens is None and k is None and isinstance(k_cache, torch.Tensor) and k_cache.dim() == 4 and \
@@ -774,12 +781,12 @@ def _kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
             _validate_values(k_cache, cache_seqlens, block_table, capacity, s_new, cache_batch_idx, cache_leftpad,
                              cu_seqlens_k_new)
         left, right = _utils.check_window(window_size)
-        mask = Mask.make(causal, (left, right), check_softcap(softcap))
+        mask = Mask.make(causal, (left, right), check_softcap(softcap), _utils.check_attention_chunk(attention_chunk))
         packed_max = max(int(max_seqlen_q), 1) if cu_seqlens_q is not None else 0
         out, lse = _attn_kvcache_op(q, k_cache, v_cache, k, v, cache_seqlens.contiguous(), *index[1:], packed_max,
                                     bool(rotary_interleaved), _default_scale(softmax_scale, q, qv),
                                     mask.window_left, mask.window_right, mask.softcap, int(num_splits),
-                                    bool(sp_overlap), *scales, qv)
+                                    bool(sp_overlap), *scales, qv, mask.chunk)
         return (out, lse) if return_lse else out
     if isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.dim() == 1 and cache_seqlens.stride(0) != 1:
         cache_seqlens = cache_seqlens.contiguous()  # read with unit stride by the kernels
@@ -787,8 +794,8 @@ def _kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
     plan = direct.plan_for(
         _PLANS, lambda: (*map(direct.tensor_key, (q, k_cache, v_cache, k, v, *index, *scales, qv)),
                          softmax_scale, causal, direct.window_key(window_size), softcap, rotary_interleaved,
-                         num_splits, return_lse, sp_overlap, validate, max_seqlen_q),
+                         num_splits, return_lse, sp_overlap, validate, max_seqlen_q, attention_chunk),
         lambda: _make_plan(q, k_cache, v_cache, k, v, index, softmax_scale, causal, window_size, softcap,
                            rotary_interleaved, num_splits, return_lse, sp_overlap, validate, scales, max_seqlen_q,
-                           qv))
+                           qv, attention_chunk))
     return plan._run(q, k_cache, v_cache, k, v, index, scales, qv=qv)

@@ -25,22 +25,24 @@ class FwdConfig:
 
 @dataclass(frozen=True)
 class Mask:
-    """Normalised masking: causal is a right window of 0; -1 is unbounded."""
+    """Normalised masking: causal is a right window of 0; -1 is unbounded. chunk > 0: FA3's attention_chunk (each
+    query sees only its chunk of that many key positions; the Triton forward's CHUNK)."""
     window_left: int
     window_right: int
     softcap: float
+    chunk: int = 0
 
     @staticmethod
-    def make(causal: bool, window_size, softcap: float) -> "Mask":
+    def make(causal: bool, window_size, softcap: float, chunk: int = 0) -> "Mask":
         left, right = window_size
         if causal:
             right = 0
-        return Mask(left, right, float(softcap))
+        return Mask(left, right, float(softcap), int(chunk))
 
     @property
     def at_most_causal(self) -> bool:
-        """No window but a causal one, no softcap."""
-        return self.window_left < 0 and self.window_right <= 0 and self.softcap == 0.0
+        """No window but a causal one, no softcap, no chunks."""
+        return self.window_left < 0 and self.window_right <= 0 and self.softcap == 0.0 and self.chunk == 0
 
 
 # Non-causal d128 takes the one-warpgroup tile up to this many keys (sweep.py, run 36, TFLOP/s, 64x64 vs
@@ -182,7 +184,7 @@ def ws_call_ok(dtype: torch.dtype, mask: Mask, alibi: bool) -> bool:
     16-bit dtype, at most a causal mask (no left window, no softcap), no ALiBi (they have no bias) and an sm_90
     target. A learnable sink is fine: the forward folds it in, the dK/dV kernel sees it only through the lse (the
     preprocess adds d sink)."""
-    plain_mask = mask.window_left < 0 and mask.window_right in (-1, 0) and mask.softcap == 0.0
+    plain_mask = mask.window_left < 0 and mask.window_right in (-1, 0) and mask.softcap == 0.0 and mask.chunk == 0
     return plain_mask and not alibi and dtype in (torch.float16, torch.bfloat16) and sm90_target()
 
 

@@ -37,6 +37,8 @@ Shapes (element strides are passed explicitly; the head dim must be contiguous):
   BOX_IN_SEQ (K/V through a contiguous cache's descriptors, a call without new keys, not FP8 attention's V^T): when a
   sequence has at least BLOCK_N keys, its masked blocks read boxes that end at or before its last key, so no V tile
   is masked (inner._kv_tile); shorter sequences take the masked V tiles.
+  CHUNK (flash_attn_with_kvcache's attention_chunk, FA3's): each row sees only its chunk of attention_chunk key
+  positions (masks.visible, kv_block_range), intersected with causal / the window.
   DROPOUT (prefill: no pack-GQA, split or FP8): flash-attn's attention dropout (kernels/triton/dropout.py; the
   seed at rng_ptr, threshold dropout_thr, kept probabilities scaled by dropout_scale = 1 / (1 - p)); l and the lse
   are the undropped softmax's.
@@ -105,7 +107,7 @@ def attn_fwd_kernel(
     softmax_scale, softcap, window_left, window_right, alibi_ptr, stride_alibi_b, sink_ptr,
     qv_ptr, stride_qvb, stride_qvs, stride_qvh,
     k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, stride_nb, stride_ns, stride_nh,
-    rng_ptr, dropout_thr, dropout_scale,
+    rng_ptr, dropout_thr, dropout_scale, attention_chunk,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     VARLEN_Q: tl.constexpr, VARLEN_K: tl.constexpr, HAS_SEQLENS_K: tl.constexpr,
     PAGE_SIZE: tl.constexpr, KV_SCALED: tl.constexpr, KV_NVFP4: tl.constexpr,
@@ -119,6 +121,7 @@ def attn_fwd_kernel(
     HAS_QV: tl.constexpr = False, QKV_FP8: tl.constexpr = 0, FUSED_COMBINE: tl.constexpr = False,
     MERGE_ROWS: tl.constexpr = 1, MERGE_SPLITS: tl.constexpr = 1, APPEND_NEW: tl.constexpr = 0,
     VT_GAP: tl.constexpr = 0, BOX_IN_SEQ: tl.constexpr = False, DROPOUT: tl.constexpr = False,
+    CHUNK: tl.constexpr = False,
 ):
     allow_dependent_launch(PDL)  # the split combine that follows (launch/forward.launch_combine)
     pid = tl.program_id(0)
@@ -211,7 +214,7 @@ def attn_fwd_kernel(
 
     # ---- KV block range: [n_lo, n_hi) needed at all, [full_lo, full_hi) visible to every row --------------
     n_lo, full_lo, full_hi, n_hi = kv_block_range(tok_min, tok_max, diag, seqlen_k, window_left, window_right,
-                                                  HAS_LEFT, HAS_RIGHT, BLOCK_N)
+                                                  HAS_LEFT, HAS_RIGHT, BLOCK_N, attention_chunk, CHUNK)
     if SPLIT:
         # Splits divide this sequence's own block range, so short sequences in a long cache stay balanced.
         split_blocks = tl.cdiv(n_hi - n_lo, tl.num_programs(1))
@@ -281,21 +284,23 @@ def attn_fwd_kernel(
     drop_bh = b * num_heads_q + head  # dropout's head row: (sequence, query head)
     # Three phases: masked blocks at the window's left edge, unmasked blocks, masked blocks at the diagonal/end.
     # (Only the bounds and MASK differ; a static loop over them would hide which phase is which.)
-    if HAS_LEFT:
+    if HAS_LEFT or CHUNK:
         acc, m_i, l_i = attn_inner(
             acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr, stride_kb, stride_ks, stride_vb,
             stride_vs, stride_bs_page, stride_bs_tok, desc_row0, v_row0, head_kv, offs_d, seqlen_k,
             tl.maximum(s_lo, n_lo) * BLOCK_N, tl.minimum(s_hi, full_lo) * BLOCK_N, qk_scale, softcap_scale,
             window_left, window_right, alibi_slope, HEAD_DIM, BLOCK_N, True, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT,
             HAS_RIGHT, SOFTCAP, SP_OVERLAP, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv, HEAD_DIM_V, HAS_QV,
-            QKV_FP8, rng_ptr=rng_ptr, drop_rows=tok, drop_bh=drop_bh, drop_thr=dropout_thr, DROPOUT=DROPOUT)
+            QKV_FP8, rng_ptr=rng_ptr, drop_rows=tok, drop_bh=drop_bh, drop_thr=dropout_thr, DROPOUT=DROPOUT,
+            chunk=attention_chunk, CHUNK=CHUNK)
     acc, m_i, l_i = attn_inner(
         acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr, stride_kb, stride_ks, stride_vb,
         stride_vs, stride_bs_page, stride_bs_tok, desc_row0, v_row0, head_kv, offs_d, seqlen_k,
         tl.maximum(s_lo, full_lo) * BLOCK_N, tl.minimum(s_hi, full_hi) * BLOCK_N, qk_scale, softcap_scale,
         window_left, window_right, alibi_slope, HEAD_DIM, BLOCK_N, False, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT,
         HAS_RIGHT, SOFTCAP, SP_OVERLAP, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv, HEAD_DIM_V, HAS_QV,
-        QKV_FP8, rng_ptr=rng_ptr, drop_rows=tok, drop_bh=drop_bh, drop_thr=dropout_thr, DROPOUT=DROPOUT)
+        QKV_FP8, rng_ptr=rng_ptr, drop_rows=tok, drop_bh=drop_bh, drop_thr=dropout_thr, DROPOUT=DROPOUT,
+        chunk=attention_chunk, CHUNK=CHUNK)
     # BOX_IN_SEQ: a compiled copy of this phase's loop per case, boxes inside the sequence (no V mask,
     # inner._kv_tile) when it holds a block, V tiles zeroed past it otherwise; the runtime test picks one.
     for boxed in tl.static_range(2 if BOX_IN_SEQ else 1):
@@ -307,7 +312,7 @@ def attn_fwd_kernel(
                 window_left, window_right, alibi_slope, HEAD_DIM, BLOCK_N, True, PAGE_SIZE, USE_DESC, KV_NVFP4,
                 HAS_LEFT, HAS_RIGHT, SOFTCAP, SP_OVERLAP, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv,
                 HEAD_DIM_V, HAS_QV, QKV_FP8, boxed == 1, rng_ptr=rng_ptr, drop_rows=tok, drop_bh=drop_bh,
-                drop_thr=dropout_thr, DROPOUT=DROPOUT)
+                drop_thr=dropout_thr, DROPOUT=DROPOUT, chunk=attention_chunk, CHUNK=CHUNK)
 
     # ---- epilogue: normalise; rows that saw no key give out = 0 and lse = -inf (with a sink: lse = sink) --
     m_i = fp8_row_max(m_i, QKV_FP8)

@@ -225,7 +225,7 @@ def _per_key(x, TRANS: tl.constexpr):
 def _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right, alibi_slope,
             SOFTCAP: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
             TRANS: tl.constexpr, RAW_SCORES: tl.constexpr, ALIBI: tl.constexpr, qv=None, v=None,
-            HAS_QV: tl.constexpr = False):
+            HAS_QV: tl.constexpr = False, chunk=0, CHUNK: tl.constexpr = False):
     """s = mask(softcap(q k^T * scale) + alibi) in log2 units; TRANS: q holds q^T and s comes out as s^T [N, M].
     RAW_SCORES (a positive scale known on the host, no softcap, no ALiBi; not with quantized caches, whose scales
     live on the device): s stays q k^T and _softmax_pv applies the scale inside exp2's argument.
@@ -250,7 +250,7 @@ def _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left,
         s = s - _per_row(alibi_slope, TRANS) * alibi_distance(_per_row(q_pos, TRANS), _per_key(offs_n, TRANS))
     if MASK:
         ok = visible(_per_row(q_pos, TRANS), _per_key(offs_n, TRANS), seqlen_k, window_left, window_right, HAS_LEFT,
-                     HAS_RIGHT)
+                     HAS_RIGHT, chunk, CHUNK)
         s = tl.where(ok, s, float("-inf"))
     return s
 
@@ -321,7 +321,8 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
                SP_OVERLAP: tl.constexpr, TILE_DTYPE: tl.constexpr, TRANS: tl.constexpr,
                RAW_SCORES: tl.constexpr, ALIBI: tl.constexpr, qv, offs_dv, HEAD_DIM_V: tl.constexpr,
                HAS_QV: tl.constexpr, P_FP8: tl.constexpr = False, BOX_IN_SEQ: tl.constexpr = False, rng_ptr=None,
-               drop_rows=None, drop_bh=0, drop_thr=0, DROPOUT: tl.constexpr = False):
+               drop_rows=None, drop_bh=0, drop_thr=0, DROPOUT: tl.constexpr = False, chunk=0,
+               CHUNK: tl.constexpr = False):
     """Accumulate KV tokens [lo, hi) (lo, hi multiples of BLOCK_N) into (acc, m_i, l_i).
 
     MASK=False is the fast path for blocks that are fully visible to every row (no per-element masks).
@@ -336,6 +337,7 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
     _softmax_pv says.
     BOX_IN_SEQ: masked blocks read K and V boxes that end at or before seqlen_k (_kv_tile; seqlen_k >= BLOCK_N).
     DROPOUT: attention dropout of rows drop_rows of head row drop_bh (_softmax_pv; seed at rng_ptr).
+    CHUNK: masked blocks also hide keys outside each row's attention chunk of `chunk` keys (masks.visible).
     """
     if SP_OVERLAP:
         tl.static_assert(not HAS_QV, "MLA (qv) takes the plain loop")
@@ -345,7 +347,8 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
                                  sstride_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC,
                                  KV_NVFP4, MASK, TILE_DTYPE, False, BOX_IN_SEQ)
             s = _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right,
-                        alibi_slope, SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES, ALIBI)
+                        alibi_slope, SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES, ALIBI, chunk=chunk,
+                        CHUNK=CHUNK)
             for start_n in range(lo, hi, BLOCK_N):
                 v = _v_tile(v_base, v_sbase, start_n, seqlen_k, pages, stride_v_page, stride_v_tok, sstride_page,
                             sstride_tok, v_row0, head_kv, offs_dv, HEAD_DIM_V, BLOCK_N, PAGE_SIZE, USE_DESC,
@@ -359,7 +362,7 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
                                           BOX_IN_SEQ)
                 s_next = _scores(q, k_next, qk_scale, softcap_scale, q_pos, next_n, seqlen_k, window_left,
                                  window_right, alibi_slope, SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES,
-                                 ALIBI)
+                                 ALIBI, chunk=chunk, CHUNK=CHUNK)
                 acc, m_i, l_i = _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS, RAW_SCORES, P_FP8, start_n, rng_ptr,
                                             drop_rows, drop_bh, drop_thr, DROPOUT)
                 s = s_next
@@ -376,7 +379,8 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
                                         qk_scale, softcap_scale, window_left, window_right, alibi_slope, HEAD_DIM,
                                         BLOCK_N, MASK, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT, HAS_RIGHT,
                                         SOFTCAP, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv, HEAD_DIM_V,
-                                        HAS_QV, P_FP8, BOX_IN_SEQ, rng_ptr, drop_rows, drop_bh, drop_thr, DROPOUT)
+                                        HAS_QV, P_FP8, BOX_IN_SEQ, rng_ptr, drop_rows, drop_bh, drop_thr, DROPOUT,
+                                        chunk, CHUNK)
             pages = next_pages
     return acc, m_i, l_i
 
@@ -389,7 +393,8 @@ def _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, pages
                 KV_NVFP4: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                 TILE_DTYPE: tl.constexpr, TRANS: tl.constexpr, RAW_SCORES: tl.constexpr, ALIBI: tl.constexpr, qv,
                 offs_dv, HEAD_DIM_V: tl.constexpr, HAS_QV: tl.constexpr, P_FP8: tl.constexpr,
-                BOX_IN_SEQ: tl.constexpr, rng_ptr, drop_rows, drop_bh, drop_thr, DROPOUT: tl.constexpr):
+                BOX_IN_SEQ: tl.constexpr, rng_ptr, drop_rows, drop_bh, drop_thr, DROPOUT: tl.constexpr, chunk,
+                CHUNK: tl.constexpr):
     """One block of the plain loop: load K, scores, load V, online softmax and PV (MLA: V before the scores)."""
     k, offs_n = _kv_tile(k_base, k_sbase, start_n, seqlen_k, pages, stride_k_page, stride_k_tok, sstride_page,
                          sstride_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4,
@@ -400,10 +405,10 @@ def _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, pages
                         sstride_tok, v_row0, head_kv, offs_dv, HEAD_DIM_V, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4,
                         MASK, TILE_DTYPE)
         s = _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right, alibi_slope,
-                    SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES, ALIBI, qv, v, True)
+                    SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES, ALIBI, qv, v, True, chunk, CHUNK)
     else:
         s = _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right, alibi_slope,
-                    SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES, ALIBI)
+                    SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES, ALIBI, chunk=chunk, CHUNK=CHUNK)
         v = _v_tile(v_base, v_sbase, start_n, seqlen_k, pages, stride_v_page, stride_v_tok, sstride_page, sstride_tok,
                     v_row0, head_kv, offs_dv, HEAD_DIM_V, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4, MASK, TILE_DTYPE,
                     P_FP8, BOX_IN_SEQ)

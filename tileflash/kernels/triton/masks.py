@@ -2,8 +2,9 @@
 
 Positions are bottom-right aligned: query token i of a sequence with Sq queries and Sk keys sits at key position
 q_pos = i + Sk - Sq (diag = Sk - Sq). Query i sees key j iff j < Sk, j <= q_pos + window_right (causal is a right
-window of 0) and j >= q_pos - window_left; an absent bound (HAS_* False) is unbounded. ALiBi biases the score of
-(q_pos, j) by -slope * |q_pos - j| (alibi_distance).
+window of 0) and j >= q_pos - window_left; an absent bound (HAS_* False) is unbounded. CHUNK (FA3's
+attention_chunk c > 0): also only keys of the query's chunk, [chunk_start(q_pos), chunk_start(q_pos) + c). ALiBi
+biases the score of (q_pos, j) by -slope * |q_pos - j| (alibi_distance).
 """
 import triton
 import triton.language as tl
@@ -12,16 +13,27 @@ LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr object: triton 3.6 rejec
 
 
 @triton.jit
-def visible(q_pos, k_pos, seqlen_k, window_left, window_right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+def chunk_start(pos, chunk):
+    """floor(pos / chunk) * chunk for any int pos (Triton's // truncates toward zero: rows that sit before the first
+    key, q_pos < 0, must fall in a chunk of their own)."""
+    return tl.where(pos >= 0, pos // chunk, -((chunk - 1 - pos) // chunk)) * chunk
+
+
+@triton.jit
+def visible(q_pos, k_pos, seqlen_k, window_left, window_right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+            chunk=0, CHUNK: tl.constexpr = False):
     """Mask of the keys at k_pos each query at q_pos may see, over the broadcast of the two (the forward passes
     q_pos[:, None] and k_pos[None, :] for [M, N] scores; the dK/dV pass the transpose for [N, M]): in range, not
-    beyond q_pos + window_right (causal is a right window of 0), not before q_pos - window_left. An absent bound is
-    unbounded."""
+    beyond q_pos + window_right (causal is a right window of 0), not before q_pos - window_left, inside q_pos's
+    chunk with CHUNK. An absent bound is unbounded."""
     ok = k_pos < seqlen_k
     if HAS_RIGHT:
         ok = ok & (k_pos <= q_pos + window_right)
     if HAS_LEFT:
         ok = ok & (k_pos >= q_pos - window_left)
+    if CHUNK:
+        lo = chunk_start(q_pos, chunk)
+        ok = ok & (k_pos >= lo) & (k_pos < lo + chunk)
     return ok
 
 
@@ -59,7 +71,7 @@ def seq_extents(b, cu_seqlens_q_ptr, cu_seqlens_k_ptr, seqlens_k_ptr, seqlen_q_s
 
 @triton.jit
 def kv_block_range(tok_min, tok_max, diag, seqlen_k, window_left, window_right, HAS_LEFT: tl.constexpr,
-                   HAS_RIGHT: tl.constexpr, BLOCK_N: tl.constexpr):
+                   HAS_RIGHT: tl.constexpr, BLOCK_N: tl.constexpr, chunk=0, CHUNK: tl.constexpr = False):
     """KV blocks for query tokens [tok_min, tok_max]: [n_lo, n_hi) seen by some row, and inside it
     [full_lo, full_hi) seen whole by every row (no per-element mask needed)."""
     hi_key = seqlen_k
@@ -72,6 +84,13 @@ def kv_block_range(tok_min, tok_max, diag, seqlen_k, window_left, window_right, 
     if HAS_LEFT:
         n_lo = tl.maximum(tok_min + diag - window_left, 0) // BLOCK_N
         full_lo = tl.cdiv(tl.maximum(tok_max + diag - window_left, 0), BLOCK_N)
+    if CHUNK:  # each row's chunk bounds both sides: the first row's chunk starts lowest, the last row's highest
+        lo_first = chunk_start(tok_min + diag, chunk)
+        lo_last = chunk_start(tok_max + diag, chunk)
+        hi_key = tl.minimum(hi_key, lo_last + chunk)
+        full_hi_key = tl.minimum(full_hi_key, lo_first + chunk)
+        n_lo = tl.maximum(n_lo, tl.maximum(lo_first, 0) // BLOCK_N)
+        full_lo = tl.maximum(full_lo, tl.cdiv(tl.maximum(lo_last, 0), BLOCK_N))
     n_hi = tl.cdiv(tl.maximum(hi_key, 0), BLOCK_N)
     full_hi = tl.maximum(full_hi_key, 0) // BLOCK_N
     full_lo = tl.minimum(tl.maximum(full_lo, n_lo), n_hi)
