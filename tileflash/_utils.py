@@ -198,6 +198,11 @@ def softmax_scale_or_default(softmax_scale, head_dim: int) -> float:
     return head_dim ** -0.5 if softmax_scale is None else finite_float("softmax_scale", softmax_scale)
 
 
+def default_scale(softmax_scale, q, qv) -> float:
+    """softmax_scale, else 1 / sqrt of the score's dot length: q's head dim, with FA3's qv (MLA) q's and qv's."""
+    return softmax_scale_or_default(softmax_scale, q.shape[-1] + (qv.shape[-1] if qv is not None else 0))
+
+
 def check_dropout(dropout_p, **unsupported) -> float:
     """flash-attn 2.x's dropout_p as a float in [0, 1); unsupported: name -> value of arguments that do not combine
     with dropout (a truthy value raises)."""

@@ -452,6 +452,35 @@ def test_fa3_fp8_cache_with_per_sequence_descales(q_fp8, page_size):
                                                                       v_scale=per_head, **kw))
 
 
+@pytest.mark.parametrize("k_scale", [None, 0.5], ids=["fa3_no_descale", "per_head_scale"])
+def test_fp8_new_keys_appended_as_stored(k_scale):
+    """FA3's FP8 kvcache call appends e4m3 new keys and values to an e4m3 cache (its tests pass them with no
+    descale): their bytes land in the cache as they are, and the attention is over those values. With tileflash's
+    per-head scales the e4m3 new tokens are read at that scale too (K = k_scale * k8), as the cache is."""
+    g = torch.Generator().manual_seed(12)
+    b, sq, hq, hkv, d, cap = 2, 3, 4, 2, 64, 32
+    kc, vc = (torch.randn(b, cap, hkv, d, generator=g).to(torch.float8_e4m3fn).to(DEVICE) for _ in range(2))
+    k8, v8 = (torch.randn(b, sq, hkv, d, generator=g).to(torch.float8_e4m3fn).to(DEVICE) for _ in range(2))
+    q8 = torch.randn(b, sq, hq, d, generator=g).to(torch.float8_e4m3fn).to(DEVICE)
+    lens = torch.tensor([20, 7], dtype=torch.int32, device=DEVICE)
+    kw = dict(cache_seqlens=lens, causal=True)
+    kc_got, vc_got = kc.clone(), vc.clone()
+    if k_scale is None:
+        out = tileflash.flash_attn_with_kvcache(q8, kc_got, vc_got, k8, v8, **kw)
+        scales = dict(k_scale=torch.ones(1, device=DEVICE), v_scale=torch.ones(1, device=DEVICE))
+    else:
+        scales = dict(k_scale=torch.full((hkv,), k_scale, device=DEVICE), v_scale=torch.full((hkv,), 2.0,
+                                                                                            device=DEVICE))
+        out = tileflash.flash_attn_with_kvcache(q8.to(torch.bfloat16), kc_got, vc_got, k8, v8, **kw, **scales)
+    for i, n in enumerate(lens.tolist()):
+        assert torch.equal(kc_got[i, n:n + sq].view(torch.uint8), k8[i].view(torch.uint8))
+        assert torch.equal(vc_got[i, n:n + sq].view(torch.uint8), v8[i].view(torch.uint8))
+    # the same call over the cache that holds them (the new keys counted in the lengths)
+    want = tileflash.flash_attn_with_kvcache(q8.to(torch.bfloat16), kc_got.clone(), vc_got.clone(),
+                                             cache_seqlens=lens + sq, causal=True, **scales)
+    assert torch.equal(out, want)
+
+
 def test_fa3_fp8_errors():
     q, kc, vc = _cache(seed=4)
     lens = torch.tensor([30, 17], dtype=torch.int32, device=DEVICE)

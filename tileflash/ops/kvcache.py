@@ -21,8 +21,6 @@ from ..plan.decode import KV_FORMATS, MAX_DECODE_TOKENS, MAX_SPLITS, DecodeSched
 from ..plan.prefill import Mask
 from .prefill import check_softcap
 
-MAX_LATENT_DIM = _utils.MAX_LATENT_DIM
-
 
 def _plain_append(rotary_cos, cache_leftpad, mask: Mask) -> bool:
     """Whether the call's append is a plain copy into positions its attention programs read (plan/decode.
@@ -259,8 +257,8 @@ def _check_qv(q, qv, k_cache, v_cache) -> None:
     if k_cache.shape[:3] != v_cache.shape[:3]:
         raise ValueError(f"k_cache, v_cache: expected equal shapes but the head dim, got {tuple(k_cache.shape)} and "
                          f"{tuple(v_cache.shape)}")
-    if not 1 <= dv <= MAX_LATENT_DIM:
-        raise ValueError(f"v_cache: MLA's latent head dim must be 1..{MAX_LATENT_DIM}, got {dv}")
+    if not 1 <= dv <= _utils.MAX_LATENT_DIM:
+        raise ValueError(f"v_cache: MLA's latent head dim must be 1..{_utils.MAX_LATENT_DIM}, got {dv}")
     if tuple(qv.shape) != (*q.shape[:-1], dv):
         raise ValueError(f"qv: expected shape {(*q.shape[:-1], dv)} (q's, with v_cache's head dim), got "
                          f"{tuple(qv.shape)}")
@@ -510,14 +508,9 @@ def _make_plan(q, k_cache, v_cache, k, v, index, softmax_scale, causal, window_s
                       plain_append=_plain_append(rotary_cos, leftpad, mask))
     # On the CPU reading values costs no sync, so they are always checked there.
     validate = bool(validate) or q.device.type == "cpu"
-    return DecodePlan(sched, mask, _default_scale(softmax_scale, q, qv), bool(sp_overlap),
+    return DecodePlan(sched, mask, _utils.default_scale(softmax_scale, q, qv), bool(sp_overlap),
                       bool(rotary_interleaved), direct.tensor_key(q), k_cache, v_cache, k, v, scales,
                       bool(return_lse), validate, cache_seqlens.shape[0], qv)
-
-
-def _default_scale(softmax_scale, q, qv) -> float:
-    """softmax_scale, else 1 / sqrt of the score's dot length (with qv, FA3's: q's and qv's head dims)."""
-    return _utils.softmax_scale_or_default(softmax_scale, q.shape[-1] + (qv.shape[-1] if qv is not None else 0))
 
 
 def _block_table(block_table, page_table):
@@ -615,7 +608,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     FA3's FP8 call: q (float8_e4m3fn, or 16-bit) over float8_e4m3fn caches with q_descale / k_descale / v_descale
     (fp32 [B, Hkv], FA3's names; absent: 1), so K = k_descale[b, h] * k_cache for sequence b and KV head h; out is
     bfloat16 (q's dtype when 16-bit). Runs as the FP8-cache call above with q exact in bfloat16 and q_descale folded
-    into the keys' scale; appends (k, v) and qv take tileflash's k_scale / v_scale instead.
+    into the keys' scale; appends (k, v) and qv take tileflash's k_scale / v_scale instead. e4m3 new k, v over an e4m3
+    cache (FA3's) are appended as stored (their values at the cache's scale).
     FA3's rotary_seqlens [B] int32 (with the rotary tables and k, v; padded q and k): the rotary positions start at
     rotary_seqlens[b] instead of cache_seqlens[b] (q and the new k rotated by torch ops before the launch, in fp32 and
     rounded once; the cache positions stay cache_seqlens + i). Ignored, as FA3 ignores it, without rotary tables, and
@@ -632,6 +626,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if q_descale is not None or k_descale is not None or v_descale is not None or \
             getattr(q, "dtype", None) == torch.float8_e4m3fn:
         q, k_scale, v_scale = _fa3_fp8(q, k_cache, k_scale, v_scale, q_descale, k_descale, v_descale)
+    if getattr(k, "dtype", None) == torch.float8_e4m3fn and k_cache.dtype == torch.float8_e4m3fn \
+            and isinstance(q, torch.Tensor):
+        k, v = (_widened(x, s, q.dtype) for x, s in ((k, k_scale), (v, v_scale)))
     if rotary_seqlens is not None and (rotary_cos is None or rotary_seqlens is cache_seqlens):
         rotary_seqlens = None  # FA3 reads them only with the rotary tables; cache_seqlens' are the default positions
     if rotary_seqlens is not None:
@@ -688,6 +685,15 @@ def _equal_counts(cu_seqlens_q, max_seqlen_q: int, validate: bool) -> bool:
         return True
     steps = torch.arange(cu_seqlens_q.shape[0], dtype=torch.int32, device=cu_seqlens_q.device) * max_seqlen_q
     return bool(torch.equal(cu_seqlens_q, steps))
+
+
+def _widened(x8, scale, dtype):
+    """FA3's e4m3 new keys / values for an e4m3 cache, in q's 16-bit dtype: x8 * scale, which the append's
+    quantization (x / scale, rounded to e4m3) stores as x8's own bytes. Per-tensor or per-head scales ([1] / [Hkv];
+    appends refuse FA3's per-sequence ones), 1 where absent."""
+    if not isinstance(x8, torch.Tensor) or not isinstance(scale, torch.Tensor) or scale.dim() != 1:
+        return x8  # the call's checks say what is wrong
+    return (x8.float() * (scale[:, None] if scale.numel() > 1 else scale)).to(dtype)
 
 
 def _fa3_fp8(q, k_cache, k_scale, v_scale, q_descale, k_descale, v_descale):
@@ -784,7 +790,7 @@ def _kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
         mask = Mask.make(causal, (left, right), check_softcap(softcap), _utils.check_attention_chunk(attention_chunk))
         packed_max = max(int(max_seqlen_q), 1) if cu_seqlens_q is not None else 0
         out, lse = _attn_kvcache_op(q, k_cache, v_cache, k, v, cache_seqlens.contiguous(), *index[1:], packed_max,
-                                    bool(rotary_interleaved), _default_scale(softmax_scale, q, qv),
+                                    bool(rotary_interleaved), _utils.default_scale(softmax_scale, q, qv),
                                     mask.window_left, mask.window_right, mask.softcap, int(num_splits),
                                     bool(sp_overlap), *scales, qv, mask.chunk)
         return (out, lse) if return_lse else out

@@ -63,11 +63,6 @@ def _check_qv(q, qv, dv: int) -> None:
         raise ValueError(f"qv: expected shape {(*q.shape[:-1], dv)} (q's, with V's head dim), got {tuple(qv.shape)}")
 
 
-def _default_scale(softmax_scale, q, v, qv) -> float:
-    """softmax_scale, or FA3's default: 1 / sqrt(D), or 1 / sqrt(D + Dv) with qv (both parts of the score)."""
-    return _utils.softmax_scale_or_default(softmax_scale, q.shape[-1] + (v.shape[-1] if qv is not None else 0))
-
-
 def _check_fp8(q, k, num_batches: int, q_descale, k_descale, v_descale, out_dtype) -> torch.dtype:
     """The output dtype of a checked q/k/v call; FP8 attention's extras checked: descales fp32 [num_batches, Hkv]
     (FA3's) or None, out_dtype bf16 (its default) or fp16. 16-bit calls take neither."""
@@ -496,7 +491,7 @@ def _checked_dense(q, k, v, softmax_scale, causal, window_size, softcap, alibi_s
     _utils.check_learnable_sink(learnable_sink, q.shape[2], q.device)
     left, right = _utils.check_window(window_size)
     mask = Mask.make(causal, (left, right), check_softcap(softcap))
-    return mask, _default_scale(softmax_scale, q, v, qv)
+    return mask, _utils.default_scale(softmax_scale, q, qv)
 
 
 FP8_NO_BACKWARD = ("FP8 attention (float8_e4m3fn q, k, v) is forward only, as in FA3: its output has no gradient; "
@@ -755,7 +750,7 @@ def _checked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
     _utils.check_learnable_sink(learnable_sink, q.shape[1], q.device)
     left, right = _utils.check_window(window_size)
     mask = Mask.make(causal, (left, right), check_softcap(softcap))
-    return mask, _default_scale(softmax_scale, q, v, qv)
+    return mask, _utils.default_scale(softmax_scale, q, qv)
 
 
 def _public_varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
