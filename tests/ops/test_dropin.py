@@ -481,6 +481,24 @@ def test_fp8_new_keys_appended_as_stored(k_scale):
     assert torch.equal(out, want)
 
 
+def test_fa3_fp8_call_with_e4m3_rotary_tables():
+    """FA3's FP8 kvcache tests cast the rotary tables to the e4m3 q's dtype too: taken (widened exactly), the same
+    result as the float32 tables of those values."""
+    g = torch.Generator().manual_seed(13)
+    b, sq, hq, hkv, d, cap = 2, 2, 4, 2, 64, 32
+    kc, vc = (torch.randn(b, cap, hkv, d, generator=g).to(torch.float8_e4m3fn).to(DEVICE) for _ in range(2))
+    k8, v8 = (torch.randn(b, sq, hkv, d, generator=g).to(torch.float8_e4m3fn).to(DEVICE) for _ in range(2))
+    q8 = torch.randn(b, sq, hq, d, generator=g).to(torch.float8_e4m3fn).to(DEVICE)
+    cos, sin = (t.to(torch.float8_e4m3fn) for t in _rotary_tables(cap, 32, torch.float32))
+    lens = torch.tensor([20, 7], dtype=torch.int32, device=DEVICE)
+    caches = [[kc.clone(), vc.clone()] for _ in range(2)]
+    got = tileflash.flash_attn_with_kvcache(q8, *caches[0], k8, v8, rotary_cos=cos, rotary_sin=sin, cache_seqlens=lens,
+                                            causal=True, rotary_seqlens=lens)
+    want = tileflash.flash_attn_with_kvcache(q8, *caches[1], k8, v8, rotary_cos=cos.float(), rotary_sin=sin.float(),
+                                             cache_seqlens=lens, causal=True)
+    assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(*caches))
+
+
 def test_fa3_fp8_errors():
     q, kc, vc = _cache(seed=4)
     lens = torch.tensor([30, 17], dtype=torch.int32, device=DEVICE)

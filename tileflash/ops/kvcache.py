@@ -629,6 +629,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if getattr(k, "dtype", None) == torch.float8_e4m3fn and k_cache.dtype == torch.float8_e4m3fn \
             and isinstance(q, torch.Tensor):
         k, v = (_widened(x, s, q.dtype) for x, s in ((k, k_scale), (v, v_scale)))
+    if getattr(rotary_cos, "dtype", None) == torch.float8_e4m3fn and isinstance(rotary_sin, torch.Tensor):
+        rotary_cos, rotary_sin = rotary_cos.float(), rotary_sin.float()  # FA3's tables in an e4m3 q's dtype: exact
     if rotary_seqlens is not None and (rotary_cos is None or rotary_seqlens is cache_seqlens):
         rotary_seqlens = None  # FA3 reads them only with the rotary tables; cache_seqlens' are the default positions
     if rotary_seqlens is not None:
