@@ -311,6 +311,9 @@ def _cases(arch: int = 90):
         "prefill d128 causal learnable_sink, warp-specialised forward, persistent": warp_specialised(
             lambda: tileflash.flash_attn_func(*(torch.randn(2, 4096, 16, 128, dtype=bf) for _ in range(3)),
                                               causal=True, learnable_sink=torch.rand(16))),
+        "decode 16-bit paged cache_leftpad split (Triton kernel, pages by pointers from the pad)": on_triton_kernels(
+            lambda: decode("16bit", paged=True, b=8, ctx=4096, num_splits=2,
+                           cache_leftpad=torch.full((8,), 37, dtype=torch.int32))),
         "decode nvfp4 paged split attention_chunk (Triton kernel, CHUNK masks)": on_triton_kernels(
             lambda: decode("nvfp4", paged=True, b=8, ctx=4096, num_splits=2, causal=True, attention_chunk=1024)),
         "decode 16-bit paged attention_chunk causal, 4 tokens (Triton kernel, CHUNK masks)": on_triton_kernels(

@@ -198,9 +198,45 @@ def test_extras_input_errors():
         call(cache_batch_idx=idx, k=k, v=v, rotary_cos=torch.cat([cos, cos], 1), rotary_sin=torch.cat([sin, sin], 1))
     pages = kc.view(-1, 16, 2, 64)
     table = torch.arange(9, dtype=torch.int32, device=DEVICE).view(3, 3)
-    with pytest.raises(ValueError, match="cache_leftpad: not supported with a paged cache"):
+    with pytest.raises(ValueError, match="cache_leftpad: expected 0 <="):
         tileflash.flash_attn_with_kvcache(q, pages, pages, cache_seqlens=lens, block_table=table,
-                                          cache_leftpad=lens)
+                                          cache_leftpad=lens + 1, validate=True)
+
+
+# (batch, Sq, Hq, Hkv, capacity, page size, causal, splits, new tokens, rotary) — why each is here:
+LEFTPAD_PAGED_CASES = [
+    (3, 1, 8, 2, 96, 16, True, 0, 0, False),  # decode: pack-GQA tiles, pads that cross pages
+    (2, 3, 4, 1, 80, 5, True, 3, 2, False),  # pages of 5 (no power of two), three splits, an append
+    (2, 4, 4, 2, 64, 8, False, 1, 2, True),  # rotary over the append, not causal
+    (2, 20, 4, 2, 96, 16, True, 0, 3, False),  # extend: the prefill tiles
+]
+
+
+@pytest.mark.parametrize("case", LEFTPAD_PAGED_CASES, ids=[f"case{i}" for i in range(len(LEFTPAD_PAGED_CASES))])
+def test_leftpad_over_pages(case):
+    """cache_leftpad with a page table (FA3 takes the pair; its kvcache tests draw both): sequence b's keys are cache
+    positions [pad, cache_seqlens + Snew), read through its pages with positions counted from the pad; the append
+    lands at cache_seqlens as without a pad."""
+    b, sq, hq, hkv, cap, page, causal, splits, s_new, rotary = case
+    g = torch.Generator().manual_seed(cap + sq)
+    mk = lambda *s: torch.randn(*s, generator=g).to(DEVICE, torch.bfloat16)  # noqa: E731
+    q, pages = mk(b, sq, hq, 64), b * cap // page
+    kc, vc = mk(pages + 2, page, hkv, 64), mk(pages + 2, page, hkv, 64)
+    table = torch.randperm(pages + 2, generator=g)[:pages].view(b, -1).to(DEVICE, torch.int32)
+    lens = torch.randint(sq + 1, cap - s_new, (b,), generator=g)
+    pad = (lens * torch.rand(b, generator=g)).to(DEVICE, torch.int32)
+    lens = lens.to(DEVICE, torch.int32)
+    k, v = (mk(b, s_new, hkv, 64) if s_new else None for _ in range(2))
+    kw = dict(cache_seqlens=lens, block_table=table, causal=causal, cache_leftpad=pad)
+    if rotary:
+        cos, sin = _rotary_tables(cap, 32, torch.bfloat16)
+        kw.update(rotary_cos=cos, rotary_sin=sin)
+    kc_got, vc_got = kc.clone(), vc.clone()
+    out, lse = tileflash.flash_attn_with_kvcache(q, kc_got, vc_got, k, v, num_splits=splits, return_lse=True, **kw)
+    ref, ref_lse, kc_ref, vc_ref = kvcache_ref(q, kc, vc, k, v, **kw)
+    check_2x(out, ref, kvcache_ref(q, kc, vc, k, v, upcast=False, **kw)[0])
+    check_lse(lse, ref_lse, atol=2e-2)
+    assert torch.equal(kc_got, kc_ref) and torch.equal(vc_got, vc_ref)
 
 
 # ---- any number of new query tokens: an extend / chunked prefill through flash_attn_with_kvcache ----------------

@@ -78,7 +78,8 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
     descs = None
     rows = k4.shape[0] * k4.shape[1]
     fp8_mode = FP8_V_T if vt_gap else FP8_V_ROWS
-    if tma_tiles(config, k4.shape[1] if paged else 0, nvfp4):
+    # (a left pad moves a paged cache's keys off the page boundaries that descriptor boxes keep to)
+    if tma_tiles(config, k4.shape[1] if paged else 0, nvfp4) and not (paged and cache_leftpad is not None):
         if vt_gap:  # every sequence's V^T columns start 16-byte aligned (tensors.values_t_column)
             k_desc = row_descriptors((k4,), rows, config.block_n)
             v_desc = values_t_descriptor(v4, v4.shape[2], config.block_n)

@@ -211,14 +211,14 @@ def _check_kv_scales(k_cache, v_cache, k_scale, v_scale, k_global_scale, v_globa
 
 
 def _check_extras(q, b: int, k, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin, capacity: int):
-    """flash-attn's cache_batch_idx / cache_leftpad ([B] int32, contiguous caches only) and rotary tables
+    """flash-attn's cache_batch_idx / cache_leftpad ([B] int32; cache_batch_idx for contiguous caches) and rotary tables
     (rotary_cos / rotary_sin [seqlen_ro >= the cache capacity, rotary_dim / 2], q's dtype or fp32; they rotate the
     new k, so k and v must be given)."""
     dev = q.device
     for name, t in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
         if t is None:
             continue
-        if block_table is not None:
+        if block_table is not None and name == "cache_batch_idx":  # (flash_attn_with_kvcache gathers table rows)
             raise ValueError(f"{name}: not supported with a paged cache (block_table); index pages instead")
         _utils.check_int32(name, t, 1, dev)
         if t.shape[0] != b or (b > 1 and t.stride(0) != 1):
@@ -574,8 +574,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     (decode): 0 heuristic, 1 none, n exactly n.
     cache_batch_idx [B] int32: the contiguous cache's row of each sequence (the cache may hold more rows than B);
     with a paged cache (FA3's), the block_table row of each sequence (the table may hold more rows than B).
-    cache_leftpad [B] int32: sequence b's keys start at cache position cache_leftpad[b] (contiguous caches; keys
-    [cache_leftpad, cache_seqlens + Snew), positions and masks counted from the pad).
+    cache_leftpad [B] int32: sequence b's keys start at cache position cache_leftpad[b] (keys [cache_leftpad,
+    cache_seqlens + Snew), positions and masks counted from the pad; a paged cache reads them by pointers).
     rotary_cos / rotary_sin [seqlen_ro >= the capacity, rotary_dim / 2] (q's dtype or fp32; with k and v): the new k
     is rotated at positions cache_seqlens + i before the append, q at cache_seqlens + i when causal or windowed and
     at cache_seqlens otherwise; rotary_interleaved=True pairs dims (2i, 2i + 1) (GPT-J), False pairs i and

@@ -23,9 +23,9 @@ Shapes (element strides are passed explicitly; the head dim must be contiguous):
   k/v_bscale_ptr, and the per-tensor global scales at k/v_scale_ptr (KV_SCALED too).
   Decode extras (flash-attn's flash_attn_with_kvcache arguments): HAS_KV_BATCH reads sequence b's keys from cache
   row kv_batch[b] (cache_batch_idx); LEFTPAD_K starts them at cache position leftpad_k[b] (cache_leftpad; the keys
-  are [leftpad, cache_seqlens + Snew), and positions count from the pad); ROTARY_DIM > 0 rotates q as it is
-  loaded (kernels/_rotary.py) at position cache_seqlens[b] + token (ROTARY_PER_TOKEN: causal or windowed calls)
-  or cache_seqlens[b] for every token (flash-attn's convention otherwise); VARLEN_K_NEW adds sequence b's
+  are [leftpad, cache_seqlens + Snew), and positions count from the pad; paged caches by pointers); ROTARY_DIM > 0
+  rotates q as it is loaded (kernels/_rotary.py) at position cache_seqlens[b] + token (ROTARY_PER_TOKEN: causal or
+  windowed calls) or cache_seqlens[b] for every token (flash-attn's convention otherwise); VARLEN_K_NEW adds sequence b's
   cu_k_new[b + 1] - cu_k_new[b] appended tokens to its keys (FA3's cu_seqlens_k_new).
   Split-KV (decode): o_part [num_splits, B, Sq, Hq, D] and lse_part [num_splits, B, Sq, Hq], fp32, merged by
   attn_combine; each split holds its own normalised output and LSE (an empty split: o = 0, lse = -inf). PDL (sm_90,
@@ -139,9 +139,12 @@ def attn_fwd_kernel(
     if VARLEN_K_NEW:  # this sequence's appended tokens (FA3's cu_seqlens_k_new), never past the cache
         new = tl.load(cu_k_new_ptr + b + 1) - tl.load(cu_k_new_ptr + b)
         seqlen_k = tl.minimum(seqlen_k + new, seqlen_k_static)
+    page_shift = 0
     if LEFTPAD_K:
         k_start = tl.minimum(tl.load(leftpad_k_ptr + b), seqlen_k)
         seqlen_k -= k_start
+        if PAGE_SIZE > 0:  # key j of a paged cache sits at cache position k_start + j (inner.block_pages)
+            page_shift = k_start
     kv_b = b  # the cache row of a contiguous cache
     if HAS_KV_BATCH:
         kv_b = tl.load(kv_batch_ptr + b)
@@ -292,7 +295,7 @@ def attn_fwd_kernel(
             window_left, window_right, alibi_slope, HEAD_DIM, BLOCK_N, True, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT,
             HAS_RIGHT, SOFTCAP, SP_OVERLAP, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv, HEAD_DIM_V, HAS_QV,
             QKV_FP8, rng_ptr=rng_ptr, drop_rows=tok, drop_bh=drop_bh, drop_thr=dropout_thr, DROPOUT=DROPOUT,
-            chunk=attention_chunk, CHUNK=CHUNK)
+            chunk=attention_chunk, CHUNK=CHUNK, shift=page_shift)
     acc, m_i, l_i = attn_inner(
         acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr, stride_kb, stride_ks, stride_vb,
         stride_vs, stride_bs_page, stride_bs_tok, desc_row0, v_row0, head_kv, offs_d, seqlen_k,
@@ -300,7 +303,7 @@ def attn_fwd_kernel(
         window_left, window_right, alibi_slope, HEAD_DIM, BLOCK_N, False, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT,
         HAS_RIGHT, SOFTCAP, SP_OVERLAP, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv, HEAD_DIM_V, HAS_QV,
         QKV_FP8, rng_ptr=rng_ptr, drop_rows=tok, drop_bh=drop_bh, drop_thr=dropout_thr, DROPOUT=DROPOUT,
-        chunk=attention_chunk, CHUNK=CHUNK)
+        chunk=attention_chunk, CHUNK=CHUNK, shift=page_shift)
     # BOX_IN_SEQ: a compiled copy of this phase's loop per case, boxes inside the sequence (no V mask,
     # inner._kv_tile) when it holds a block, V tiles zeroed past it otherwise; the runtime test picks one.
     for boxed in tl.static_range(2 if BOX_IN_SEQ else 1):
@@ -312,7 +315,7 @@ def attn_fwd_kernel(
                 window_left, window_right, alibi_slope, HEAD_DIM, BLOCK_N, True, PAGE_SIZE, USE_DESC, KV_NVFP4,
                 HAS_LEFT, HAS_RIGHT, SOFTCAP, SP_OVERLAP, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv,
                 HEAD_DIM_V, HAS_QV, QKV_FP8, boxed == 1, rng_ptr=rng_ptr, drop_rows=tok, drop_bh=drop_bh,
-                drop_thr=dropout_thr, DROPOUT=DROPOUT, chunk=attention_chunk, CHUNK=CHUNK)
+                drop_thr=dropout_thr, DROPOUT=DROPOUT, chunk=attention_chunk, CHUNK=CHUNK, shift=page_shift)
 
     # ---- epilogue: normalise; rows that saw no key give out = 0 and lse = -inf (with a sink: lse = sink) --
     m_i = fp8_row_max(m_i, QKV_FP8)

@@ -41,11 +41,12 @@ TRANS_PERM_K: tl.constexpr = tl.constexpr(2)
 
 @triton.jit
 def block_pages(bt_ptr, start_n, seqlen_k, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, USE_DESC: tl.constexpr,
-                MASK_N: tl.constexpr):
+                MASK_N: tl.constexpr, shift=0):
     """The block table entries of KV tokens start_n .. start_n + BLOCK_N (a paged cache; 0 for a contiguous one):
     one page (a scalar) when a TMA descriptor reads the block, whose page holds whole blocks, else each token's
     page ([BLOCK_N], tokens at or past seqlen_k on page 0 when MASK_N). The loop loads a block's pages one step
-    ahead of its K and V loads, which wait on them."""
+    ahead of its K and V loads, which wait on them. shift: the cache position of token 0 (a left pad over pages;
+    pointer loads only)."""
     pages = 0
     if PAGE_SIZE > 0:  # (one return: the compiler types every return statement, taken or not)
         if USE_DESC:
@@ -53,9 +54,9 @@ def block_pages(bt_ptr, start_n, seqlen_k, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.
         else:
             offs_n = start_n + tl.arange(0, BLOCK_N)
             if MASK_N:
-                pages = tl.load(bt_ptr + offs_n // PAGE_SIZE, mask=offs_n < seqlen_k, other=0)
+                pages = tl.load(bt_ptr + (offs_n + shift) // PAGE_SIZE, mask=offs_n < seqlen_k, other=0)
             else:
-                pages = tl.load(bt_ptr + offs_n // PAGE_SIZE)
+                pages = tl.load(bt_ptr + (offs_n + shift) // PAGE_SIZE)
     return pages
 
 
@@ -85,7 +86,7 @@ def _pin_widening(t, VALUES: tl.constexpr, TILE_DTYPE: tl.constexpr):
 def _kv_tile(base, sbase, start_n, seqlen_k, pages, stride_page, stride_tok, sstride_page, sstride_tok, desc_row0,
              head_kv, offs_d, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
              USE_DESC: tl.constexpr, KV_NVFP4: tl.constexpr, MASK_N: tl.constexpr, TILE_DTYPE: tl.constexpr,
-             VALUES: tl.constexpr = True, BOX_IN_SEQ: tl.constexpr = False):
+             VALUES: tl.constexpr = True, BOX_IN_SEQ: tl.constexpr = False, shift=0):
     """The [BLOCK_N, DP] K or V tile of tokens start_n.. : through a TMA tensor descriptor (base is a descriptor over
     [rows, Hkv, D], contiguous or a page pool whose pages hold whole tiles; columns past D arrive as zeros), or by
     pointers (contiguous or paged, any page size); pages: the block's block_pages. Rows at or past seqlen_k
@@ -99,13 +100,14 @@ def _kv_tile(base, sbase, start_n, seqlen_k, pages, stride_page, stride_tok, sst
     425 -> 267 SASS instructions, 248 unmasked).
     KV_NVFP4 (NVFP4_SCALE_BYTES or _WORDS, plus NVFP4_PURE_ASM off sm_90): base holds packed e2m1 pairs [.., D/2]
     and sbase the e4m3 scale of each 16 elements [.., D/16] (strides sstride_*); the tile is decoded in registers
-    (e2m1 x e4m3 is exact in fp16/bf16) and the per-tensor global scale is folded in by the caller."""
+    (e2m1 x e4m3 is exact in fp16/bf16) and the per-tensor global scale is folded in by the caller.
+    shift: as block_pages' (rows of a paged cache by pointers)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     if KV_NVFP4:
         row_ok = offs_n[:, None] < seqlen_k
-        row_off = _kv_row_offsets(offs_n, pages, stride_page, stride_tok, PAGE_SIZE)
+        row_off = _kv_row_offsets(offs_n + shift, pages, stride_page, stride_tok, PAGE_SIZE)
         offs_b = tl.arange(0, HEAD_DIM // 2)
-        s_off = _kv_row_offsets(offs_n, pages, sstride_page, sstride_tok, PAGE_SIZE)
+        s_off = _kv_row_offsets(offs_n + shift, pages, sstride_page, sstride_tok, PAGE_SIZE)
         scale_words: tl.constexpr = KV_NVFP4 % NVFP4_PURE_ASM == NVFP4_SCALE_WORDS
         if scale_words:  # rows of scales 4-byte aligned: four scales per int32
             s_ptrs = (sbase + s_off[:, None]).to(tl.pointer_type(tl.int32)) + tl.arange(0, HEAD_DIM // 64)[None, :]
@@ -134,7 +136,7 @@ def _kv_tile(base, sbase, start_n, seqlen_k, pages, stride_page, stride_tok, sst
         if MASK_N and VALUES and not BOX_IN_SEQ:
             t = tl.where(offs_n[:, None] < seqlen_k, t, 0.0)
     else:
-        row_off = _kv_row_offsets(offs_n, pages, stride_page, stride_tok, PAGE_SIZE)
+        row_off = _kv_row_offsets(offs_n + shift, pages, stride_page, stride_tok, PAGE_SIZE)
         ptrs = base + row_off[:, None] + offs_d[None, :]
         if MASK_N:
             t = tl.load(ptrs, mask=(offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM), other=0.0)
@@ -174,7 +176,7 @@ def _vt_tile(base, start_n, seqlen_k, stride_d, vt_col0, head_kv, offs_dv, HEAD_
 def _v_tile(v_base, v_sbase, start_n, seqlen_k, pages, stride_v_page, stride_v_tok, sstride_page, sstride_tok,
             v_row0, head_kv, offs_dv, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
             USE_DESC: tl.constexpr, KV_NVFP4: tl.constexpr, MASK: tl.constexpr, TILE_DTYPE: tl.constexpr,
-            P_FP8: tl.constexpr, BOX_IN_SEQ: tl.constexpr = False):
+            P_FP8: tl.constexpr, BOX_IN_SEQ: tl.constexpr = False, shift=0):
     """The V tile the PV product takes: [BLOCK_N, DP] (_kv_tile), or [DP, BLOCK_N] of V^T with FP8_V_T(_DESC)
     (then stride_v_tok is D's stride). v_row0: the sequence's first row (V^T: column) in V's descriptor."""
     if P_FP8 >= FP8_V_T:
@@ -184,7 +186,7 @@ def _v_tile(v_base, v_sbase, start_n, seqlen_k, pages, stride_v_page, stride_v_t
     else:
         v, _ = _kv_tile(v_base, v_sbase, start_n, seqlen_k, pages, stride_v_page, stride_v_tok, sstride_page,
                         sstride_tok, v_row0, head_kv, offs_dv, HEAD_DIM_V, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4,
-                        MASK, TILE_DTYPE, BOX_IN_SEQ=BOX_IN_SEQ)
+                        MASK, TILE_DTYPE, BOX_IN_SEQ=BOX_IN_SEQ, shift=shift)
     return v
 
 
@@ -322,7 +324,7 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
                RAW_SCORES: tl.constexpr, ALIBI: tl.constexpr, qv, offs_dv, HEAD_DIM_V: tl.constexpr,
                HAS_QV: tl.constexpr, P_FP8: tl.constexpr = False, BOX_IN_SEQ: tl.constexpr = False, rng_ptr=None,
                drop_rows=None, drop_bh=0, drop_thr=0, DROPOUT: tl.constexpr = False, chunk=0,
-               CHUNK: tl.constexpr = False):
+               CHUNK: tl.constexpr = False, shift=0):
     """Accumulate KV tokens [lo, hi) (lo, hi multiples of BLOCK_N) into (acc, m_i, l_i).
 
     MASK=False is the fast path for blocks that are fully visible to every row (no per-element masks).
@@ -338,28 +340,29 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
     BOX_IN_SEQ: masked blocks read K and V boxes that end at or before seqlen_k (_kv_tile; seqlen_k >= BLOCK_N).
     DROPOUT: attention dropout of rows drop_rows of head row drop_bh (_softmax_pv; seed at rng_ptr).
     CHUNK: masked blocks also hide keys outside each row's attention chunk of `chunk` keys (masks.visible).
+    shift: the cache position of key 0 in a paged cache read by pointers (cache_leftpad; block_pages).
     """
     if SP_OVERLAP:
         tl.static_assert(not HAS_QV, "MLA (qv) takes the plain loop")
         if lo < hi:
-            pages = block_pages(bt_ptr, lo, seqlen_k, BLOCK_N, PAGE_SIZE, USE_DESC, MASK)
+            pages = block_pages(bt_ptr, lo, seqlen_k, BLOCK_N, PAGE_SIZE, USE_DESC, MASK, shift)
             k, offs_n = _kv_tile(k_base, k_sbase, lo, seqlen_k, pages, stride_k_page, stride_k_tok, sstride_page,
                                  sstride_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC,
-                                 KV_NVFP4, MASK, TILE_DTYPE, False, BOX_IN_SEQ)
+                                 KV_NVFP4, MASK, TILE_DTYPE, False, BOX_IN_SEQ, shift)
             s = _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right,
                         alibi_slope, SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES, ALIBI, chunk=chunk,
                         CHUNK=CHUNK)
             for start_n in range(lo, hi, BLOCK_N):
                 v = _v_tile(v_base, v_sbase, start_n, seqlen_k, pages, stride_v_page, stride_v_tok, sstride_page,
                             sstride_tok, v_row0, head_kv, offs_dv, HEAD_DIM_V, BLOCK_N, PAGE_SIZE, USE_DESC,
-                            KV_NVFP4, MASK, TILE_DTYPE, P_FP8, BOX_IN_SEQ)
+                            KV_NVFP4, MASK, TILE_DTYPE, P_FP8, BOX_IN_SEQ, shift)
                 # Next block's scores first (clamped to the last block on the final step; the result is unused).
                 next_start = tl.minimum(start_n + BLOCK_N, hi - BLOCK_N)
-                pages = block_pages(bt_ptr, next_start, seqlen_k, BLOCK_N, PAGE_SIZE, USE_DESC, MASK)
+                pages = block_pages(bt_ptr, next_start, seqlen_k, BLOCK_N, PAGE_SIZE, USE_DESC, MASK, shift)
                 k_next, next_n = _kv_tile(k_base, k_sbase, next_start, seqlen_k, pages, stride_k_page,
                                           stride_k_tok, sstride_page, sstride_tok, desc_row0, head_kv, offs_d,
                                           HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4, MASK, TILE_DTYPE, False,
-                                          BOX_IN_SEQ)
+                                          BOX_IN_SEQ, shift)
                 s_next = _scores(q, k_next, qk_scale, softcap_scale, q_pos, next_n, seqlen_k, window_left,
                                  window_right, alibi_slope, SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES,
                                  ALIBI, chunk=chunk, CHUNK=CHUNK)
@@ -367,12 +370,12 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
                                             drop_rows, drop_bh, drop_thr, DROPOUT)
                 s = s_next
     elif lo < hi:  # (no table entry is read for an empty range: lo may be past the table's end)
-        pages = block_pages(bt_ptr, lo, seqlen_k, BLOCK_N, PAGE_SIZE, USE_DESC, MASK)
+        pages = block_pages(bt_ptr, lo, seqlen_k, BLOCK_N, PAGE_SIZE, USE_DESC, MASK, shift)
         for start_n in range(lo, hi, BLOCK_N):
             # The next block's pages a step ahead (the last step reloads its own): a paged cache's K and V loads
             # wait on them.
             next_pages = block_pages(bt_ptr, tl.minimum(start_n + BLOCK_N, hi - BLOCK_N), seqlen_k, BLOCK_N,
-                                     PAGE_SIZE, USE_DESC, MASK)
+                                     PAGE_SIZE, USE_DESC, MASK, shift)
             acc, m_i, l_i = _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, pages,
                                         stride_k_page, stride_k_tok, stride_v_page, stride_v_tok, sstride_page,
                                         sstride_tok, desc_row0, v_row0, head_kv, offs_d, seqlen_k, start_n,
@@ -380,7 +383,7 @@ def attn_inner(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, bt_ptr
                                         BLOCK_N, MASK, PAGE_SIZE, USE_DESC, KV_NVFP4, HAS_LEFT, HAS_RIGHT,
                                         SOFTCAP, TILE_DTYPE, TRANS, RAW_SCORES, ALIBI, qv, offs_dv, HEAD_DIM_V,
                                         HAS_QV, P_FP8, BOX_IN_SEQ, rng_ptr, drop_rows, drop_bh, drop_thr, DROPOUT,
-                                        chunk, CHUNK)
+                                        chunk, CHUNK, shift)
             pages = next_pages
     return acc, m_i, l_i
 
@@ -394,16 +397,16 @@ def _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, pages
                 TILE_DTYPE: tl.constexpr, TRANS: tl.constexpr, RAW_SCORES: tl.constexpr, ALIBI: tl.constexpr, qv,
                 offs_dv, HEAD_DIM_V: tl.constexpr, HAS_QV: tl.constexpr, P_FP8: tl.constexpr,
                 BOX_IN_SEQ: tl.constexpr, rng_ptr, drop_rows, drop_bh, drop_thr, DROPOUT: tl.constexpr, chunk,
-                CHUNK: tl.constexpr):
+                CHUNK: tl.constexpr, shift):
     """One block of the plain loop: load K, scores, load V, online softmax and PV (MLA: V before the scores)."""
     k, offs_n = _kv_tile(k_base, k_sbase, start_n, seqlen_k, pages, stride_k_page, stride_k_tok, sstride_page,
                          sstride_tok, desc_row0, head_kv, offs_d, HEAD_DIM, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4,
-                         MASK, TILE_DTYPE, False, BOX_IN_SEQ)
+                         MASK, TILE_DTYPE, False, BOX_IN_SEQ, shift)
     if HAS_QV:
         tl.static_assert(not BOX_IN_SEQ, "MLA reads its latents by pointers")
         v, _ = _kv_tile(v_base, v_sbase, start_n, seqlen_k, pages, stride_v_page, stride_v_tok, sstride_page,
                         sstride_tok, v_row0, head_kv, offs_dv, HEAD_DIM_V, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4,
-                        MASK, TILE_DTYPE)
+                        MASK, TILE_DTYPE, shift=shift)
         s = _scores(q, k, qk_scale, softcap_scale, q_pos, offs_n, seqlen_k, window_left, window_right, alibi_slope,
                     SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES, ALIBI, qv, v, True, chunk, CHUNK)
     else:
@@ -411,6 +414,6 @@ def _plain_step(acc, m_i, l_i, q, q_pos, k_base, v_base, k_sbase, v_sbase, pages
                     SOFTCAP, MASK, HAS_LEFT, HAS_RIGHT, TRANS, RAW_SCORES, ALIBI, chunk=chunk, CHUNK=CHUNK)
         v = _v_tile(v_base, v_sbase, start_n, seqlen_k, pages, stride_v_page, stride_v_tok, sstride_page, sstride_tok,
                     v_row0, head_kv, offs_dv, HEAD_DIM_V, BLOCK_N, PAGE_SIZE, USE_DESC, KV_NVFP4, MASK, TILE_DTYPE,
-                    P_FP8, BOX_IN_SEQ)
+                    P_FP8, BOX_IN_SEQ, shift)
     return _softmax_pv(acc, m_i, l_i, s, v, qk_scale, TRANS, RAW_SCORES, P_FP8, start_n, rng_ptr, drop_rows, drop_bh,
                        drop_thr, DROPOUT)
