@@ -61,12 +61,13 @@ def block_pages(bt_ptr, start_n, seqlen_k, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.
 
 
 @triton.jit
-def _kv_row_offsets(offs_n, pages, stride_page, stride_tok, PAGE_SIZE: tl.constexpr):
+def _kv_row_offsets(offs_n, pages, stride_page, stride_tok, PAGE_SIZE: tl.constexpr, shift=0):
     """Element offsets (int64) of KV tokens offs_n: contiguous rows (PAGE_SIZE 0), or rows in the tokens' pages
-    (block_pages; any page size). PAGE_SIZE is a compile-time constant: the per-token // and % by a run-time page
-    size cost more ALU time than the loads they feed (paged decode ran up to 1.4x slower than contiguous with it)."""
+    (block_pages, with its shift; any page size). PAGE_SIZE is a compile-time constant: the per-token // and % by a
+    run-time page size cost more ALU time than the loads they feed (paged decode ran up to 1.4x slower than
+    contiguous with it)."""
     if PAGE_SIZE > 0:
-        return pages.to(tl.int64) * stride_page + (offs_n % PAGE_SIZE).to(tl.int64) * stride_tok
+        return pages.to(tl.int64) * stride_page + ((offs_n + shift) % PAGE_SIZE).to(tl.int64) * stride_tok
     else:
         return offs_n.to(tl.int64) * stride_tok
 
@@ -105,9 +106,9 @@ def _kv_tile(base, sbase, start_n, seqlen_k, pages, stride_page, stride_tok, sst
     offs_n = start_n + tl.arange(0, BLOCK_N)
     if KV_NVFP4:
         row_ok = offs_n[:, None] < seqlen_k
-        row_off = _kv_row_offsets(offs_n + shift, pages, stride_page, stride_tok, PAGE_SIZE)
+        row_off = _kv_row_offsets(offs_n, pages, stride_page, stride_tok, PAGE_SIZE, shift)
         offs_b = tl.arange(0, HEAD_DIM // 2)
-        s_off = _kv_row_offsets(offs_n + shift, pages, sstride_page, sstride_tok, PAGE_SIZE)
+        s_off = _kv_row_offsets(offs_n, pages, sstride_page, sstride_tok, PAGE_SIZE, shift)
         scale_words: tl.constexpr = KV_NVFP4 % NVFP4_PURE_ASM == NVFP4_SCALE_WORDS
         if scale_words:  # rows of scales 4-byte aligned: four scales per int32
             s_ptrs = (sbase + s_off[:, None]).to(tl.pointer_type(tl.int32)) + tl.arange(0, HEAD_DIM // 64)[None, :]
@@ -136,7 +137,7 @@ def _kv_tile(base, sbase, start_n, seqlen_k, pages, stride_page, stride_tok, sst
         if MASK_N and VALUES and not BOX_IN_SEQ:
             t = tl.where(offs_n[:, None] < seqlen_k, t, 0.0)
     else:
-        row_off = _kv_row_offsets(offs_n + shift, pages, stride_page, stride_tok, PAGE_SIZE)
+        row_off = _kv_row_offsets(offs_n, pages, stride_page, stride_tok, PAGE_SIZE, shift)
         ptrs = base + row_off[:, None] + offs_d[None, :]
         if MASK_N:
             t = tl.load(ptrs, mask=(offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM), other=0.0)
