@@ -112,7 +112,7 @@ KERNEL_ONLY = ("num_splits", "sp_overlap")  # flash_attn_with_kvcache arguments 
 def check_kvcache_call(q, k, v, kc, vc, lse_atol=2e-2, **kw):
     """flash_attn_with_kvcache (on copies of the caches) against kvcache_ref: the 2x rule on out, lse within
     lse_atol, the appended V exactly and K too, unless rotated (rotated keys are computed in fp32 and rounded once
-    like the reference's, but an FMA may move the last bit)."""
+    like the reference's, but an FMA may move the last bit). Returns out."""
     import tileflash
     from tileflash.reference import kvcache_ref
 
@@ -128,6 +128,7 @@ def check_kvcache_call(q, k, v, kc, vc, lse_atol=2e-2, **kw):
     else:
         assert torch.allclose(kc_got.float(), kc_ref.float(), atol=1e-2, rtol=1e-2)
     assert torch.equal(vc_got, vc_ref)
+    return out
 
 
 def make_cache(batch, capacity, hkv, d, dtype, page_size, gen, spare_pages=3):

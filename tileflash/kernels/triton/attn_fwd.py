@@ -25,8 +25,8 @@ Shapes (element strides are passed explicitly; the head dim must be contiguous):
   row kv_batch[b] (cache_batch_idx); LEFTPAD_K starts them at cache position leftpad_k[b] (cache_leftpad; the keys
   are [leftpad, cache_seqlens + Snew), and positions count from the pad; paged caches by pointers); ROTARY_DIM > 0
   rotates q as it is loaded (kernels/_rotary.py) at position cache_seqlens[b] + token (ROTARY_PER_TOKEN: causal or
-  windowed calls) or cache_seqlens[b] for every token (flash-attn's convention otherwise); VARLEN_K_NEW adds sequence b's
-  cu_k_new[b + 1] - cu_k_new[b] appended tokens to its keys (FA3's cu_seqlens_k_new).
+  windowed calls) or cache_seqlens[b] for every token (flash-attn's convention otherwise); VARLEN_K_NEW adds
+  sequence b's cu_k_new[b + 1] - cu_k_new[b] appended tokens to its keys (FA3's cu_seqlens_k_new).
   Split-KV (decode): o_part [num_splits, B, Sq, Hq, D] and lse_part [num_splits, B, Sq, Hq], fp32, merged by
   attn_combine; each split holds its own normalised output and LSE (an empty split: o = 0, lse = -inf). PDL (sm_90,
   contiguous caches): the combine may launch once every program here has started (programmatic dependent launch).
