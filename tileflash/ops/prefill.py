@@ -506,20 +506,20 @@ WIDE_V_NO_BACKWARD = (f"v: a head dim past {_utils.MAX_HEAD_DIM} is forward only
 
 
 def _forward_only(q, v, qv, paged: bool = False) -> str | None:
-    """Why a call has no backward (FA3 has none either), or None."""
+    """Why a call has no backward (FA3 has none either), or None. (v may be unchecked yet: torch.compile's path.)"""
     if q.dtype == FP8:
         return FP8_NO_BACKWARD
     if qv is not None:
         return QV_NO_BACKWARD
     if paged:
         return PAGED_NO_BACKWARD
-    return WIDE_V_NO_BACKWARD if v.shape[-1] > _utils.MAX_HEAD_DIM else None
+    return WIDE_V_NO_BACKWARD if isinstance(v, torch.Tensor) and v.shape[-1] > _utils.MAX_HEAD_DIM else None
 
 
 def _no_graph_op(q, v, qv) -> bool:
-    """Forward-only calls that torch.compile runs eagerly (a graph break) instead of through the custom ops, whose
-    registered backward they have not."""
-    return q.dtype == FP8 or qv is not None or (isinstance(v, torch.Tensor) and v.shape[-1] > _utils.MAX_HEAD_DIM)
+    """Forward-only calls (paged ones have their own op) that torch.compile runs eagerly (a graph break) instead of
+    through the custom ops, whose registered backward they have not."""
+    return _forward_only(q, v, qv) is not None
 
 
 def _public_dense_plan(q, k, v, softmax_scale, causal, window_size, softcap, keep_lse, deterministic,
@@ -575,7 +575,7 @@ class _AttnFunction(torch.autograd.Function):
 
 
 class _NoBackward(torch.autograd.Function):
-    """Outputs of a forward-only call (FP8 attention, paged keys) on inputs that require grad, which FA3 and
+    """Outputs of a forward-only call (_forward_only's reasons) on inputs that require grad, which FA3 and
     flash-attn take: the outputs join the graph, and a backward through them raises `reason` rather than leaving
     the inputs without their gradient."""
 
