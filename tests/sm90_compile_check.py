@@ -211,6 +211,17 @@ def _cases(arch: int = 90):
         kernels = kernels[:(3 if dq_pass else 2) if backward else 1]  # (dQ by atomics: no dQ pass)
         return lambda: _compiles(kernels, call)
 
+    def deepseek(call, backward=False):
+        """q, k 192 wide, v 128 (DeepSeek-V3's prefill): the Gluon forward on sm_90 (q and k as 128 + 64 columns),
+        the Triton forward elsewhere; a backward runs on the Triton kernels (the Gluon dK/dV takes V's head dim
+        only equal to q's)."""
+        from tileflash.kernels.gluon.attn_fwd import attn_fwd_ws_kernel
+        from tileflash.kernels.triton.attn_bwd import attn_bwd_dkdv_kernel
+
+        if not sm90:
+            return on_triton_kernels(call, backward=backward, dq_pass=False)
+        return lambda: _compiles((attn_fwd_ws_kernel,) + ((attn_bwd_dkdv_kernel,) if backward else ()), call)
+
     def sink_on_gluon(call):
         """Run a forward and backward with learnable_sink on a shape the warp-specialised kernels take: it must
         compile the Gluon forward's HAS_SINK variant and the preprocess's (d sink); the dK/dV kernel has no sink
@@ -279,12 +290,20 @@ def _cases(arch: int = 90):
                 *(torch.randn(700, 4, 64, dtype=bf, requires_grad=True) for _ in range(3)),
                 torch.tensor([0, 300, 700], dtype=torch.int32), torch.tensor([0, 300, 700], dtype=torch.int32), 400,
                 400, window_size=(64, 0), dropout_p=0.1).sum().backward(), backward=True, dq_pass=False),
-        "prefill fwd+bwd d192 v128 causal GQA, dQ by atomics (Triton kernels: V's head dim not q's)":
-            on_triton_kernels(lambda: tileflash.flash_attn_func(
-                torch.randn(2, 300, 8, 192, dtype=bf, requires_grad=True),
-                torch.randn(2, 333, 2, 192, dtype=bf, requires_grad=True),
-                torch.randn(2, 333, 2, 128, dtype=bf, requires_grad=True), causal=True).sum().backward(),
-                backward=True, dq_pass=False),
+        "prefill fwd+bwd d192 v128 causal GQA (DeepSeek-V3's dims: the Gluon forward's q, k as 128 + 64 columns, "
+        "persistent; the Triton backward, dQ by atomics)": deepseek(lambda: tileflash.flash_attn_func(
+            torch.randn(2, 300, 8, 192, dtype=bf, requires_grad=True),
+            torch.randn(2, 333, 2, 192, dtype=bf, requires_grad=True),
+            torch.randn(2, 333, 2, 128, dtype=bf, requires_grad=True), causal=True).sum().backward(), backward=True),
+        "prefill d192 v128, 3000 keys (the Gluon forward, one CTA per tile)": deepseek(
+            lambda: tileflash.flash_attn_func(torch.randn(1, 700, 4, 192, dtype=bf), torch.randn(1, 3000, 4, 192,
+                                                                                              dtype=bf),
+                                              torch.randn(1, 3000, 4, 128, dtype=bf))),
+        "varlen d192 v128 causal (the Gluon forward's packed sequences)": deepseek(
+            lambda: tileflash.flash_attn_varlen_func(
+                torch.randn(700, 16, 192, dtype=bf), torch.randn(700, 16, 192, dtype=bf),
+                torch.randn(700, 16, 128, dtype=bf), torch.tensor([0, 300, 700], dtype=torch.int32),
+                torch.tensor([0, 300, 700], dtype=torch.int32), 400, 400, causal=True)),
         "varlen fwd+bwd d128 v64, deterministic (Triton kernels: V's head dim not q's, Q / dO by TMA)":
             on_triton_kernels(lambda: tileflash.flash_attn_varlen_func(
                 torch.randn(700, 4, 128, dtype=bf, requires_grad=True),

@@ -76,6 +76,68 @@ def test_ws_forward_tile_configs(d, block_n, k_stages, v_stages, persistent, q_b
     check_lse(lse, ref_lse)
 
 
+# DeepSeek-V3's prefill dims, q and k 192 wide (read as 128 + 64 columns), v 128: (batch, seqlen_q, seqlen_k,
+# heads_q, heads_kv, causal) — why each is here:
+DEEPSEEK_CASES = [
+    (2, 1000, 1100, 16, 16, True),  # <= 2048 keys: persistent CTAs, the diagonal shifted by Sk - Sq
+    (1, 700, 3000, 4, 4, False),  # one CTA per tile, Sk not a multiple of 128: the last block is masked
+    (2, 17, 17, 4, 1, True),  # MQA, a partial tile: rows past Sq are never stored
+    (1, 300, 97, 8, 2, True),  # causal Sq > Sk: the first rows see no key (out 0, lse -inf)
+]
+
+
+@needs_sm90
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", DEEPSEEK_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_ws_forward_q_192_v_128(case, dtype):
+    b, sq, sk, hq, hkv, causal = case
+    q, k, _ = attention_inputs(b, sq, sk, hq, hkv, 192, dtype)
+    v = attention_inputs(b, 1, sk, 1, hkv, 128, dtype, seed=1)[2]
+    assert _takes_ws(q, k, v, causal)
+    out, lse = tileflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    assert out.shape == (b, sq, hq, 128)
+    ref, ref_lse = attention_ref(q, k, v, causal=causal)
+    ref_lowp, _ = attention_ref(q, k, v, causal=causal, upcast=False)
+    check_2x(out, ref, ref_lowp)
+    check_lse(lse, ref_lse)
+
+
+@needs_sm90
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("block_n, k_stages, v_stages, persistent", [
+    (128, 2, 2, False), (128, 2, 2, True), (64, 3, 3, False), (64, 4, 4, True)])
+def test_ws_forward_q_192_v_128_tile_configs(block_n, k_stages, v_stages, persistent, causal):
+    """The DeepSeek tiles the sweep measures, launched directly into NaN-poisoned outputs (11-21 key blocks: the
+    rings wrap; 160 units over 132 persistent CTAs)."""
+    q, k, _ = attention_inputs(2, 1100, 1300, 16, 4, 192, torch.bfloat16)
+    v = attention_inputs(2, 1, 1300, 1, 4, 128, torch.bfloat16, seed=1)[2]
+    out = torch.full((2, 1100, 16, 128), float("nan"), device=DEVICE, dtype=torch.bfloat16)
+    lse = torch.full((2, 16, 1100), float("nan"), device=DEVICE)
+    scale = 192 ** -0.5
+    launch_attn_fwd_ws(q, k, v, out, lse, causal=causal, softmax_scale=scale,
+                       config=WsFwdConfig(block_n, k_stages, v_stages, persistent))
+    ref, ref_lse = attention_ref(q, k, v, causal=causal, softmax_scale=scale)
+    ref_lowp, _ = attention_ref(q, k, v, causal=causal, softmax_scale=scale, upcast=False)
+    check_2x(out, ref, ref_lowp)
+    check_lse(lse, ref_lse)
+
+
+@needs_sm90
+def test_ws_forward_q_192_v_128_varlen(monkeypatch):
+    """Packed sequences (vLLM's MLA prefill calls flash_attn_varlen_func with these dims): an empty one, Sq != Sk."""
+    launches = []
+    monkeypatch.setattr(prefill, "launch_attn_fwd_ws", lambda *a, **kw: launches.append(1) or launch_attn_fwd_ws(
+        *a, **kw))
+    q, k, _, cu_q, cu_k = packed_inputs([300, 0, 1025, 77], [400, 12, 1025, 2000], 8, 8, 192, torch.bfloat16)
+    v = packed_inputs([1], [400, 12, 1025, 2000], 1, 8, 128, torch.bfloat16, seed=1)[2]
+    out, lse = tileflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 1025, 2000, causal=True, return_lse=True)
+    assert launches, "this case no longer takes the warp-specialised forward"
+    ref, ref_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, None, causal=True)
+    ref_lowp, _ = attention_varlen_ref(q, k, v, cu_q, cu_k, None, causal=True, upcast=False)
+    check_2x(out, ref, ref_lowp)
+    check_lse(lse, ref_lse)
+
+
 @needs_sm90
 def test_ws_forward_strided_views_and_gradients():
     """q, k, v as views of one packed [B, S, 3, H, D] tensor (strided, TMA-aligned), through autograd."""
@@ -125,6 +187,8 @@ def test_ws_forward_declines_what_it_does_not_do():
     assert not _takes_ws(q, k, v, causal=False, scale=-1.0)
     q96, k96, v96 = attention_inputs(1, 256, 256, 2, 2, 96, torch.bfloat16)
     assert not _takes_ws(q96, k96, v96, causal=False)
+    q192, k192, v192 = attention_inputs(1, 256, 256, 2, 2, 192, torch.bfloat16)
+    assert not _takes_ws(q192, k192, v192, causal=False)  # v 192 wide: not a shape it was measured on
     flat = torch.randn(1 * 256 * 2 * 128 + 1, device=DEVICE, dtype=torch.bfloat16)
     misaligned = flat[1:].view(1, 256, 2, 128)  # base not 16-byte aligned: no TMA descriptor
     assert not _takes_ws(misaligned, k, v, causal=False)

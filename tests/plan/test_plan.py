@@ -9,10 +9,11 @@ import torch
 from tileflash import _utils
 from tileflash.plan import (COMBINE_TILE, KV_ELEMENT_BYTES, LONG_SPLIT_PROGRAMS_PER_SM, MAX_MERGE_LOADS, MAX_SPLITS,
                             MERGE_MAX_KV_BYTES, MERGE_TILE, MIN_SPLIT_TOKENS, PAGED_FP8_MIN_SPLITS, QUANT_MMA_HEAD_DIMS,
+                            WsFwdConfig,
                             SHARED_MEM_PER_BLOCK, bwd_config, bwd_ws_config, combine_tiles, decode_block_m,
                             decode_config, fused_combine_rule, fwd_config, fwd_ws_config, has_tma, merge_tiles,
                             mla_decode_config, mma_sync_target, num_splits_heuristic, padded_head_dim,
-                            quant_decode_config, small_shared_memory, tensor_memory)
+                            quant_decode_config, small_shared_memory, split_head_dim, tensor_memory)
 from tileflash.plan import decode as plan_decode
 
 H200_SMS = 132
@@ -107,18 +108,21 @@ def test_fwd_config_fp8_anchors(d, causal, seqlen_k, tile):
 
 
 def test_fwd_ws_config_properties():
-    """Only head dims the Gluon kernel needs no padding for; 128 query rows + K and V rings fit the H200's shared
-    memory; persistent CTAs only for short rows (once not persistent, longer rows are not either)."""
-    for d, causal in itertools.product(HEAD_DIMS, (False, True)):
+    """Only head dims the Gluon kernel needs no padding for (V's equal to q's, or DeepSeek-V3's 192 / 128); 128 query
+    rows + K and V rings fit the H200's shared memory; persistent CTAs only for short rows (once not persistent,
+    longer rows are not either)."""
+    for (d, dv), causal in itertools.product([(d, None) for d in HEAD_DIMS] + [(d, d) for d in HEAD_DIMS]
+                                             + [(192, 128), (128, 64), (192, 192)], (False, True)):
         persistent = True
         for seqlen_k in KEY_LENGTHS:
-            c = fwd_ws_config(d, causal, seqlen_k)
-            if d not in (64, 128, 256):
+            c = fwd_ws_config(d, causal, seqlen_k, head_dim_v=dv)
+            if (d, dv or d) not in ((64, 64), (128, 128), (256, 256), (192, 128)):
                 assert c is None
                 continue
             _frozen(c)
             assert _pow2(c.block_n) and c.k_stages >= 2 and c.v_stages >= 2, c
-            assert (128 * c.q_bufs + (c.k_stages + c.v_stages) * c.block_n) * d * 2 <= H200_SMEM, (d, seqlen_k, c)
+            smem = (128 * c.q_bufs * d + c.k_stages * c.block_n * d + c.v_stages * c.block_n * (dv or d)) * 2
+            assert smem <= H200_SMEM, (d, dv, seqlen_k, c)
             assert persistent or not c.persistent, (d, causal, seqlen_k)
             assert c.q_bufs == 1 or c.persistent, c  # one tile per CTA loads one Q
             persistent = c.persistent
@@ -134,6 +138,14 @@ def test_fwd_ws_config_properties():
 def test_fwd_ws_config_anchors(d, causal, seqlen_k, expected):
     c = fwd_ws_config(d, causal, seqlen_k)
     assert (c.block_n, c.k_stages, c.v_stages, c.persistent, c.q_bufs) == expected
+
+
+def test_fwd_ws_config_deepseek_and_split_head_dims():
+    """q, k 192 / v 128: 128 keys, 2 + 2 stages (208 KB), d128's persistent rule; q's and k's columns as a power of
+    two and a tail."""
+    assert fwd_ws_config(192, True, 2048, head_dim_v=128) == WsFwdConfig(128, 2, 2, persistent=True)
+    assert fwd_ws_config(192, False, 4096, head_dim_v=128) == WsFwdConfig(128, 2, 2, persistent=False)
+    assert [split_head_dim(d) for d in (64, 128, 192, 256, 96)] == [(64, 0), (128, 0), (128, 64), (256, 0), (64, 32)]
 
 
 # ---------------------------------------------------------------------------------------------------- backward

@@ -17,7 +17,7 @@ from ..kernels.triton.combine import attn_combine_kernel, merge_states_kernel
 from ..kernels.triton.kv_append import kv_append_kernel
 from ..lowp.kernels.quant import NVFP4_PURE_ASM, NVFP4_SCALE_BYTES, NVFP4_SCALE_WORDS
 from ..plan.decode import cache_capacity, combine_tiles, merge_tiles
-from ..plan.prefill import Mask, WsFwdConfig, tma_tiles
+from ..plan.prefill import Mask, WsFwdConfig, split_head_dim, tma_tiles
 from ..plan.target import padded_head_dim, sm90_target
 from .tensors import (alibi_args, as_bytes, desc_4d, dropout_args, unused_pointer, row_descriptors, rotary_args,
                       rows_desc, scale_strides, strides3, unit_scale, values_t_descriptor)
@@ -197,7 +197,8 @@ def launch_decode_quant(q4, k4, v4, out4, lse3, *, seqlen_k: int, seqlens_k, seq
 def launch_attn_fwd_ws(q4, k4, v4, out4, lse3, *, causal: bool, softmax_scale: float, config: WsFwdConfig,
                        cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
                        max_seqlen_q: int = 0, learnable_sink: torch.Tensor | None = None) -> None:
-    """q4/out4 [B, Sq, Hq, D], k4/v4 [B, Sk, Hkv, D], lse3 [B, Hq, Sq] contiguous float32 (see ws_forward_config);
+    """q4 [B, Sq, Hq, D], k4 [B, Sk, Hkv, D], v4 [B, Sk, Hkv, Dv], out4 [B, Sq, Hq, Dv], lse3 [B, Hq, Sq]
+    contiguous float32 (see ws_forward_config);
     learnable_sink fp32 [Hq] or None. Varlen (cu_seqlens_q/k int32 [num_seqs + 1]): q4, k4, v4, out4 [1, total, H,
     D] and lse3 [1, Hq, total_q]."""
     varlen = cu_seqlens_q is not None
@@ -207,16 +208,18 @@ def launch_attn_fwd_ws(q4, k4, v4, out4, lse3, *, causal: bool, softmax_scale: f
         b = cu_seqlens_q.shape[0] - 1
     num_units = gluon_fwd.units(m_tiles, b * hq)
     grid = min(num_units, _utils.num_sms(q4.device)) if config.persistent else m_tiles * b * hq
-    rows = gluon_fwd.ROWS_PER_WARPGROUP
+    rows, bn = gluon_fwd.ROWS_PER_WARPGROUP, config.block_n
+    main, tail = split_head_dim(d)
     direct.launch(
         gluon_fwd.attn_fwd_ws_kernel, (grid,),
-        desc_4d(q4, rows), desc_4d(k4, config.block_n), desc_4d(v4, config.block_n), desc_4d(out4, rows), out4,
+        desc_4d(q4, rows, main), desc_4d(q4, rows, tail) if tail else None, desc_4d(k4, bn, main),
+        desc_4d(k4, bn, tail) if tail else None, desc_4d(v4, bn), desc_4d(out4, rows), out4,
         lse3, cu_seqlens_q if varlen else lse3, cu_seqlens_k if varlen else lse3, sq, k4.shape[1], m_tiles, hq,
         hq // k4.shape[2], num_units, 0 if varlen else out4.stride(0), out4.stride(1), out4.stride(2),
         0 if varlen else lse3.stride(0), lse3.stride(1), softmax_scale * math.log2(math.e),
         learnable_sink if learnable_sink is not None else lse3, CAUSAL=causal,
-        HEAD_DIM=d, BLOCK_N=config.block_n, K_STAGES=config.k_stages, V_STAGES=config.v_stages,
-        Q_BUFS=config.q_bufs if config.persistent else 1, PERSISTENT=config.persistent, VARLEN=varlen,
+        HEAD_DIM=main, TAIL=tail, HEAD_DIM_V=v4.shape[3], BLOCK_N=bn, K_STAGES=config.k_stages,
+        V_STAGES=config.v_stages, Q_BUFS=config.q_bufs if config.persistent else 1, PERSISTENT=config.persistent, VARLEN=varlen,
         HAS_SINK=learnable_sink is not None, num_warps=4)
 
 

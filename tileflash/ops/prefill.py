@@ -177,8 +177,8 @@ def _dense_plan(q, k, v, softmax_scale: float, mask: Mask, keep_lse: bool, alibi
     empty = q.numel() == 0
     ws_cfg = cfg = None
     if not empty:
-        # out will be a fresh contiguous tensor of q's shape, which a TMA descriptor addresses whenever q's does,
-        # so q stands in for it (None for Sk = 0 too: no TMA over 0 rows).
+        # out will be a fresh contiguous tensor of q's shape (with V's head dim), which a TMA descriptor addresses
+        # whenever q's does, so q stands in for it (None for Sk = 0 too: no TMA over 0 rows).
         ws_cfg = None if dropout_p or qv else ws_forward_config(q, k, v, q, softmax_scale, mask, alibi=alibi)
         if ws_cfg is None:
             cfg = config.chosen("fwd", fwd_config(max(d, v.shape[-1]), causal=mask.window_right >= 0,
@@ -229,7 +229,8 @@ def _varlen_ws_config(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax
     if dropout_p or q.shape[0] == 0 or k.shape[0] == 0 or max_seqlen_q == 0 or cu_seqlens_q.shape[0] < 2:
         return None
     q4, k4, v4 = (t.unsqueeze(0) for t in (q, k, v))
-    # out will be a fresh contiguous tensor of q's shape, which a TMA descriptor addresses whenever q's does.
+    # out will be a fresh contiguous tensor of q's shape (V's head dim), which a TMA descriptor addresses whenever
+    # q's does.
     return ws_forward_config(q4, k4, v4, q4, softmax_scale, mask, max_seqlen_k=max_seqlen_k, alibi=alibi)
 
 

@@ -6,8 +6,8 @@ config_sweep.py, ws_sweep.py, ws_bwd_sweep.py, splits_sweep.py, decode_quant_swe
 folded into `python -m tileflash sweep`. Overrides for sweeps and tests: tileflash.config.override."""
 from .target import (SHARED_MEM_PER_BLOCK, has_tma, mma_sync_target, padded_head_dim, sm90_target,  # noqa: F401
                      small_shared_memory, target_arch, tensor_memory, tma_4d_ok, tma_aligned)
-from .prefill import (FwdConfig, Mask, ONE_WARPGROUP_MAX_KEYS, WsFwdConfig, fwd_config, fwd_ws_config, tma_tiles,
-                     ws_call_ok, ws_forward_config)  # noqa: F401
+from .prefill import (FwdConfig, Mask, ONE_WARPGROUP_MAX_KEYS, WsFwdConfig, fwd_config, fwd_ws_config,
+                     split_head_dim, tma_tiles, ws_call_ok, ws_forward_config)  # noqa: F401
 from .backward import BwdConfig, WsBwdConfig, bwd_config, bwd_ws_config, ws_backward_config  # noqa: F401
 from .decode import (COMBINE_TILE, DECODE_TILES, DecodeConfig, DecodeSchedule, GATHER_PROGRAMS_PER_SM,
                     KV_ELEMENT_BYTES, KV_FORMATS, LARGE_TILES_MIN_KV, LONG_PROGRAM_TOKENS, LONG_SPLIT_PROGRAMS_PER_SM,

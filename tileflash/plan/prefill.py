@@ -146,7 +146,7 @@ class WsFwdConfig:
     q_bufs: int = 1  # persistent: Q buffers per warpgroup (2: the next tile's Q loads a whole tile ahead)
 
 
-def fwd_ws_config(head_dim: int, causal: bool, seqlen_k: int) -> WsFwdConfig | None:
+def fwd_ws_config(head_dim: int, causal: bool, seqlen_k: int, head_dim_v: int | None = None) -> WsFwdConfig | None:
     """Whether prefill takes the warp-specialised forward, by shape (ws_forward_config adds what the
     tensors and masks allow), measured on the H200 (bf16, 16k tokens, 2048/d heads, TFLOP/s at s = 1k / 2k / 4k /
     8k / 16k, cuDNN in the same run; `ws_sweep.py`):
@@ -166,9 +166,16 @@ def fwd_ws_config(head_dim: int, causal: bool, seqlen_k: int) -> WsFwdConfig | N
            <= 1024 keys where the third K stage measured slower causal (385 vs 429); persistent CTAs mixed (run
            108: causal 1k 355 vs 436). The Triton kernel: 440-540 / 263-529. (Run 58, with one ring for K and V:
            465-520 / 347-515 at 2 stages, so not taken then.)
+      d192 with V's head dim 128 (DeepSeek-V3's prefill; head_dim_v, else V's is q's): Q and K as 128 + 64
+           columns (split_head_dim), 128 keys, 2 + 2 stages (208 KB); d128's persistent rule. Not yet timed: the
+           Triton kernel (QK^T padded to 256) ran 294-363 TFLOP/s full, 228-347 causal, 0.55-0.61x cuDNN (run 237).
     Run-to-run spread of one kernel is up to 10% on these machines (run 108 timed one kernel twice: d64 full 8k
     452 / 407), so only gains seen at several lengths were taken. Other head dims would need padding inside the
     kernel, which it does not do."""
+    if head_dim_v not in (None, head_dim):
+        if (head_dim, head_dim_v) == (192, 128):
+            return WsFwdConfig(block_n=128, k_stages=2, v_stages=2, persistent=seqlen_k <= 2048)
+        return None
     if head_dim == 128:
         return WsFwdConfig(block_n=128, k_stages=3, v_stages=3, persistent=seqlen_k <= 2048)
     if head_dim == 64:
@@ -177,6 +184,13 @@ def fwd_ws_config(head_dim: int, causal: bool, seqlen_k: int) -> WsFwdConfig | N
     if head_dim == 256:
         return WsFwdConfig(block_n=64, k_stages=3 if seqlen_k > 1024 else 2, v_stages=2)
     return None
+
+
+def split_head_dim(head_dim: int) -> tuple[int, int]:
+    """(main, tail): the Gluon forward reads q's and k's columns as a power-of-two block and, past it, a narrower
+    power-of-two tail (0: none), so a head dim of 192 multiplies 128 + 64 columns, not 256 with padding."""
+    main = 1 << (head_dim.bit_length() - 1)
+    return main, head_dim - main
 
 
 def ws_call_ok(dtype: torch.dtype, mask: Mask, alibi: bool) -> bool:
@@ -191,13 +205,14 @@ def ws_call_ok(dtype: torch.dtype, mask: Mask, alibi: bool) -> bool:
 def ws_forward_config(q4, k4, v4, out4, softmax_scale: float, mask: Mask, max_seqlen_k: int | None = None,
                       alibi: bool = False) -> WsFwdConfig | None:
     """The warp-specialised forward's tiles when it serves this call (sm_90, a shape fwd_ws_config
-    takes, at most a causal mask, no ALiBi, a positive scale, TMA-addressable tensors, V's head dim q's), else None
+    takes, at most a causal mask, no ALiBi, a positive scale, TMA-addressable tensors), else None
     (the Triton kernel). max_seqlen_k: given for varlen batches (packed [1, total, H, D] tensors), which take one CTA
     per tile."""
-    if not (softmax_scale > 0 and ws_call_ok(q4.dtype, mask, alibi)) or v4.shape[3] != q4.shape[3]:
+    if not (softmax_scale > 0 and ws_call_ok(q4.dtype, mask, alibi)):
         return None
     cfg = config.chosen("fwd_ws", fwd_ws_config(q4.shape[3], mask.window_right == 0,
-                                                k4.shape[1] if max_seqlen_k is None else max_seqlen_k))
+                                                k4.shape[1] if max_seqlen_k is None else max_seqlen_k,
+                                                head_dim_v=v4.shape[3]))
     if cfg is None or not all(tma_4d_ok(t) for t in (q4, k4, v4, out4)):
         return None
     return cfg if max_seqlen_k is None else replace(cfg, persistent=False)

@@ -27,7 +27,9 @@ masks its stores); lse [B, Hq, Sq] float32 contiguous. Varlen batches (VARLEN): 
 as [1, total, H, D], each tile's rows and keys offset by its sequence's start; rows past a sequence's end then
 load the next sequence's rows, so keys there are masked (the last partial block of a sequence always takes the
 mask) and O is stored from registers with row masks. Scope (plan/prefill.ws_forward_config decides, else the
-Triton kernel runs): 16-bit dtypes, head dims 64, 128 and 256, no window or softcap beyond causal, a positive
+Triton kernel runs): 16-bit dtypes, head dims 64, 128 and 256, or q, k 192 wide with v 128 (DeepSeek-V3's prefill:
+q's and k's columns arrive as a 128-wide block and a 64-wide tail, two S products into one accumulator, and O, not
+Q's width, is stored from registers), no window or softcap beyond causal, a positive
 softmax scale, a learnable sink or none (HAS_SINK: fp32 [Hq], folded into each row's sum once, in the
 epilogue); varlen without seqused_k or a paged cache. Gluon has no CPU
 interpreter: the CPU suite checks this kernel's compilation for sm_90 (tests/sm90_compile_check.py) and the GPU
@@ -105,10 +107,11 @@ def _block_range(start_m, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_N: gl.
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
-              cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, m_tiles, num_heads_q, group_size, num_units,
-              CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
-              Q_BUFS: gl.constexpr, PERSISTENT: gl.constexpr, VARLEN: gl.constexpr):
+def _producer(q_desc, qt_desc, k_desc, kt_desc, v_desc, q_smem, qt_smem, k_bufs, kt_bufs, v_bufs, q_bar, q_empty,
+              k_ready, v_ready, k_empty, v_empty, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, m_tiles,
+              num_heads_q, group_size, num_units, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr,
+              BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
+              PERSISTENT: gl.constexpr, VARLEN: gl.constexpr):
     it = 0  # K/V blocks loaded so far: the position in both rings
     tiles_done = 0
     for step in range(_tile_count(num_units, PERSISTENT)):
@@ -120,14 +123,24 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, q_empty, k_
                 # Q's buffer is free once the consumer's last S product of the tile before (Q_BUFS tiles before)
                 # retired.
                 mbarrier.wait(q_empty.index(qb + w), ((tiles_done // Q_BUFS) & 1) ^ 1)  # fresh: parity 1 passes
-                mbarrier.expect(q_bar.index(qb + w), q_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(q_desc, [bd, q0 + start_m + w * WG_ROWS, h, 0], q_bar.index(qb + w),
-                                                q_smem.index(qb + w))
+                row = q0 + start_m + w * WG_ROWS
+                if TAIL:  # q's columns [HEAD_DIM, HEAD_DIM + TAIL) in a buffer of their own, on the same barrier
+                    mbarrier.expect(q_bar.index(qb + w), q_desc.block_type.nbytes + qt_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(qt_desc, [bd, row, h, HEAD_DIM], q_bar.index(qb + w),
+                                                    qt_smem.index(qb + w))
+                else:
+                    mbarrier.expect(q_bar.index(qb + w), q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [bd, row, h, 0], q_bar.index(qb + w), q_smem.index(qb + w))
             full_hi, n_hi = _block_range(start_m, sq, sk, CAUSAL, BLOCK_N)
             for j in range(n_hi):
                 ks = it % K_STAGES
                 mbarrier.wait(k_empty.index(ks), ((it // K_STAGES) & 1) ^ 1)
-                mbarrier.expect(k_ready.index(ks), k_desc.block_type.nbytes)
+                if TAIL:
+                    mbarrier.expect(k_ready.index(ks), k_desc.block_type.nbytes + kt_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(kt_desc, [bd, k0 + j * BLOCK_N, hk, HEAD_DIM],
+                                                    k_ready.index(ks), kt_bufs.index(ks))
+                else:
+                    mbarrier.expect(k_ready.index(ks), k_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(k_desc, [bd, k0 + j * BLOCK_N, hk, 0], k_ready.index(ks),
                                                 k_bufs.index(ks))
                 vs = it % V_STAGES
@@ -137,6 +150,17 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, q_empty, k_
                                                 v_bufs.index(vs))
                 it += 1
             tiles_done += 1
+
+
+@gluon.jit
+def _scores(q, qt, k_bufs, kt_bufs, ks, s_init, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr, BLOCK_N: gl.constexpr):
+    """S = Q K^T of K stage ks, issued (async): over q's first HEAD_DIM columns, then, with a TAIL, over the rest
+    into the same accumulator (a head dim of 192 as 128 + 64: no product over padding)."""
+    s = warpgroup_mma(q, k_bufs.index(ks).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_init, use_acc=False,
+                      is_async=True)
+    if TAIL:
+        s = warpgroup_mma(qt, kt_bufs.index(ks).reshape([BLOCK_N, TAIL]).permute((1, 0)), s, is_async=True)
+    return s
 
 
 @gluon.jit
@@ -179,17 +203,17 @@ def _normaliser(m_i, l_i, sink2, HAS_SINK: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(q_desc, o_desc, out_ptr, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready, k_empty,
-              v_empty, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, m_tiles, num_heads_q, group_size, num_units,
-              stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale, sink_ptr, WG: gl.constexpr,
-              CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
-              V_STAGES: gl.constexpr, Q_BUFS: gl.constexpr, PERSISTENT: gl.constexpr, VARLEN: gl.constexpr,
-              HAS_SINK: gl.constexpr):
+def _consumer(q_desc, o_desc, out_ptr, lse_ptr, q_smem, qt_smem, k_bufs, kt_bufs, v_bufs, q_bar, q_empty, k_ready,
+              v_ready, k_empty, v_empty, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, m_tiles, num_heads_q,
+              group_size, num_units, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale, sink_ptr,
+              WG: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr,
+              HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+              Q_BUFS: gl.constexpr, PERSISTENT: gl.constexpr, VARLEN: gl.constexpr, HAS_SINK: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+                                                       instr_shape=[16, HEAD_DIM_V, 16])
     # P feeds the PV product from registers: S's accumulator layout maps onto wgmma's A fragments.
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -207,15 +231,17 @@ def _consumer(q_desc, o_desc, out_ptr, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, q
             row0 = start_m + WG * WG_ROWS
             m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
             l_i = gl.zeros([WG_ROWS], gl.float32, gl.SliceLayout(1, s_layout))
-            acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, o_layout)
+            acc = gl.zeros([WG_ROWS, HEAD_DIM_V], gl.float32, o_layout)
             qi = (tiles_done % Q_BUFS) * 2 + WG
             q = q_smem.index(qi).reshape([WG_ROWS, HEAD_DIM])
+            qt = q  # q's TAIL columns, if any
+            if TAIL:
+                qt = qt_smem.index(qi).reshape([WG_ROWS, TAIL])
             mbarrier.wait(q_bar.index(qi), (tiles_done // Q_BUFS) & 1)
             if n_hi > 0:
                 ks = it % K_STAGES
                 mbarrier.wait(k_ready.index(ks), (it // K_STAGES) & 1)
-                s = warpgroup_mma(q, k_bufs.index(ks).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_init,
-                                  use_acc=False, is_async=True)
+                s = _scores(q, qt, k_bufs, kt_bufs, ks, s_init, HEAD_DIM, TAIL, BLOCK_N)
                 s = warpgroup_mma_wait(0, deps=(s,))
                 mbarrier.arrive(k_empty.index(ks), count=1)
                 if full_hi == 0:
@@ -227,9 +253,8 @@ def _consumer(q_desc, o_desc, out_ptr, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, q
                     prev = (it + j - 1) % V_STAGES
                     mbarrier.wait(k_ready.index(ks), ((it + j) // K_STAGES) & 1)
                     mbarrier.wait(v_ready.index(prev), ((it + j - 1) // V_STAGES) & 1)
-                    s = warpgroup_mma(q, k_bufs.index(ks).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_init,
-                                      use_acc=False, is_async=True)
-                    acc = warpgroup_mma(p, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+                    s = _scores(q, qt, k_bufs, kt_bufs, ks, s_init, HEAD_DIM, TAIL, BLOCK_N)
+                    acc = warpgroup_mma(p, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM_V]), acc, is_async=True)
                     s = warpgroup_mma_wait(1, deps=(s,))  # products retire in order: S_j is done, PV_{j-1} may not be
                     mbarrier.arrive(k_empty.index(ks), count=1)
                     if j >= full_hi:
@@ -243,7 +268,7 @@ def _consumer(q_desc, o_desc, out_ptr, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, q
                     mbarrier.arrive(q_empty.index(qi), count=1)  # every S product of this tile has retired
                 last = (it + n_hi - 1) % V_STAGES
                 mbarrier.wait(v_ready.index(last), ((it + n_hi - 1) // V_STAGES) & 1)
-                acc = warpgroup_mma(p, v_bufs.index(last).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+                acc = warpgroup_mma(p, v_bufs.index(last).reshape([BLOCK_N, HEAD_DIM_V]), acc, is_async=True)
                 acc, p = warpgroup_mma_wait(0, deps=(acc, p))
                 mbarrier.arrive(v_empty.index(last), count=1)
                 it += n_hi
@@ -259,11 +284,12 @@ def _consumer(q_desc, o_desc, out_ptr, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, q
             rows = row0 + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, s_layout))
             gl.store(lse_ptr + bd.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + q0 + rows, lse,
                      mask=rows < sq)
-            if PERSISTENT or VARLEN:
+            if PERSISTENT or VARLEN or TAIL or HEAD_DIM_V != HEAD_DIM:
                 # Stored from registers: Q's buffer already holds (or receives) the next tile's Q; packed rows
-                # past a sequence's end belong to the next one, which a TMA store would overwrite.
+                # past a sequence's end belong to the next one, which a TMA store would overwrite; O's width is
+                # not Q's buffer's.
                 o_rows_i = gl.expand_dims(row0 + gl.arange(0, WG_ROWS, layout=o_rows), 1)
-                cols = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout)), 0)
+                cols = gl.expand_dims(gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, o_layout)), 0)
                 ptrs = (out_ptr + bd.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
                         + (q0 + o_rows_i).to(gl.int64) * stride_os + cols)
                 gl.store(ptrs, o, mask=o_rows_i < sq)
@@ -278,20 +304,29 @@ def _consumer(q_desc, o_desc, out_ptr, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, q
 
 
 @gluon.jit
-def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, out_ptr, lse_ptr, cu_seqlens_q, cu_seqlens_k, seqlen_q,
-                       seqlen_k, m_tiles, num_heads_q, group_size, num_units, stride_ob, stride_os, stride_oh,
-                       stride_lb, stride_lh, qk_scale, sink_ptr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
-                       BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
+def attn_fwd_ws_kernel(q_desc, qt_desc, k_desc, kt_desc, v_desc, o_desc, out_ptr, lse_ptr, cu_seqlens_q, cu_seqlens_k,
+                       seqlen_q, seqlen_k, m_tiles, num_heads_q, group_size, num_units, stride_ob, stride_os,
+                       stride_oh, stride_lb, stride_lh, qk_scale, sink_ptr, CAUSAL: gl.constexpr,
+                       HEAD_DIM: gl.constexpr, TAIL: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr,
+                       K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
                        PERSISTENT: gl.constexpr, VARLEN: gl.constexpr, HAS_SINK: gl.constexpr):
     """Grid: (m_tiles * B * Hq,) or, PERSISTENT, (min(num_units, SMs),); 4 warps (the first consumer warpgroup;
     the partitions add 5 more). VARLEN (not with PERSISTENT): B sequences packed in [1, total, H, D] tensors, their
-    rows and keys from cu_seqlens_q/k (int32 [B + 1]), m_tiles from the longest; lse [1, Hq, total_q]."""
+    rows and keys from cu_seqlens_q/k (int32 [B + 1]), m_tiles from the longest; lse [1, Hq, total_q]. q and k
+    are HEAD_DIM + TAIL wide (q_desc / k_desc: blocks of the first HEAD_DIM columns; qt_desc / kt_desc: of the next
+    TAIL, or None with TAIL = 0), v and out HEAD_DIM_V."""
     gl.static_assert(not (PERSISTENT and VARLEN), "persistent CTAs walk tiles of equal-length sequences")
     gl.static_assert(PERSISTENT or Q_BUFS == 1, "one tile per CTA needs one Q buffer")
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFS, 1, WG_ROWS, 1, HEAD_DIM], q_desc.layout)
     k_bufs = gl.allocate_shared_memory(dtype, [K_STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(dtype, [V_STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
+    if TAIL:
+        qt_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFS, 1, WG_ROWS, 1, TAIL], qt_desc.layout)
+        kt_bufs = gl.allocate_shared_memory(dtype, [K_STAGES, 1, BLOCK_N, 1, TAIL], kt_desc.layout)
+    else:  # never read
+        qt_smem = q_smem
+        kt_bufs = k_bufs
+    v_bufs = gl.allocate_shared_memory(dtype, [V_STAGES, 1, BLOCK_N, 1, HEAD_DIM_V], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFS, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
@@ -324,17 +359,20 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, out_ptr, lse_ptr, cu_seql
     WG1: gl.constexpr = 1
     # (Argument tuples are written out: a tuple built with + loses the constexprs' type.)
     gl.warp_specialize([
-        (_consumer, (q_desc, o_desc, out_ptr, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready,
-                     k_empty, v_empty, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, m_tiles, num_heads_q,
-                     group_size, num_units, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale, sink_ptr,
-                     WG0, CAUSAL, HEAD_DIM, BLOCK_N, K_STAGES, V_STAGES, Q_BUFS, PERSISTENT, VARLEN, HAS_SINK)),
-        (_consumer, (q_desc, o_desc, out_ptr, lse_ptr, q_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready,
-                     k_empty, v_empty, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, m_tiles, num_heads_q,
-                     group_size, num_units, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale, sink_ptr,
-                     WG1, CAUSAL, HEAD_DIM, BLOCK_N, K_STAGES, V_STAGES, Q_BUFS, PERSISTENT, VARLEN, HAS_SINK)),
-        (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready, k_empty,
-                     v_empty, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, m_tiles, num_heads_q, group_size,
-                     num_units, CAUSAL, BLOCK_N, K_STAGES, V_STAGES, Q_BUFS, PERSISTENT, VARLEN)),
+        (_consumer, (q_desc, o_desc, out_ptr, lse_ptr, q_smem, qt_smem, k_bufs, kt_bufs, v_bufs, q_bar, q_empty,
+                     k_ready, v_ready, k_empty, v_empty, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, m_tiles,
+                     num_heads_q, group_size, num_units, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+                     qk_scale, sink_ptr, WG0, CAUSAL, HEAD_DIM, TAIL, HEAD_DIM_V, BLOCK_N, K_STAGES, V_STAGES, Q_BUFS,
+                     PERSISTENT, VARLEN, HAS_SINK)),
+        (_consumer, (q_desc, o_desc, out_ptr, lse_ptr, q_smem, qt_smem, k_bufs, kt_bufs, v_bufs, q_bar, q_empty,
+                     k_ready, v_ready, k_empty, v_empty, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, m_tiles,
+                     num_heads_q, group_size, num_units, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+                     qk_scale, sink_ptr, WG1, CAUSAL, HEAD_DIM, TAIL, HEAD_DIM_V, BLOCK_N, K_STAGES, V_STAGES, Q_BUFS,
+                     PERSISTENT, VARLEN, HAS_SINK)),
+        (_producer, (q_desc, qt_desc, k_desc, kt_desc, v_desc, q_smem, qt_smem, k_bufs, kt_bufs, v_bufs, q_bar,
+                     q_empty, k_ready, v_ready, k_empty, v_empty, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k,
+                     m_tiles, num_heads_q, group_size, num_units, CAUSAL, HEAD_DIM, TAIL, BLOCK_N, K_STAGES,
+                     V_STAGES, Q_BUFS, PERSISTENT, VARLEN)),
     ], [4, 1], [240, 24])
 
 
