@@ -167,8 +167,11 @@ def fwd_ws_config(head_dim: int, causal: bool, seqlen_k: int, head_dim_v: int | 
            108: causal 1k 355 vs 436). The Triton kernel: 440-540 / 263-529. (Run 58, with one ring for K and V:
            465-520 / 347-515 at 2 stages, so not taken then.)
       d192 with V's head dim 128 (DeepSeek-V3's prefill; head_dim_v, else V's is q's): Q and K as 128 + 64
-           columns (split_head_dim), 128 keys, 2 + 2 stages (208 KB); d128's persistent rule. Not yet timed: the
-           Triton kernel (QK^T padded to 256) ran 294-363 TFLOP/s full, 228-347 causal, 0.55-0.61x cuDNN (run 237).
+           columns (split_head_dim), 128 keys, 2 + 2 stages (208 KB), d128's persistent rule (H100, session 47,
+           probe/ds_sweep.py, 16 heads, at 1k / 4k / 16k): full 551 / 639 / 677 vs cuDNN 516 / 588 / 616, causal
+           420 / 566 / 650 vs 405 / 529 / 558; the Triton kernel (QK^T padded to 256) 296 / 366 / 346 and 227 / 314
+           / 358. 64-key steps (3 + 3, 4 + 4, 3 + 2 stages) ran 5-15% slower; persistent CTAs won causal 4k (598
+           vs 558) and lost at 16k (621 vs 687), as for d128.
     Run-to-run spread of one kernel is up to 10% on these machines (run 108 timed one kernel twice: d64 full 8k
     452 / 407), so only gains seen at several lengths were taken. Other head dims would need padding inside the
     kernel, which it does not do."""
