@@ -31,7 +31,8 @@ from tileflash.bench.timing import bench_ms, rotating_graph_ms, rotation_copies
 
 BF16 = torch.bfloat16
 FAMILY_HELP = {
-    "prefill": "fwd / FwdConfig: the Triton forward; shapes d,causal,seqlen (16k tokens, 2048/d heads, bf16)",
+    "prefill": "fwd / FwdConfig: the Triton forward; shapes d,causal,seqlen[,dv] (16k tokens, 2048/d heads, bf16; dv: "
+               "V's head dim, e.g. 192,1,4096,128)",
     "prefill-ws": "fwd_ws / WsFwdConfig: the sm_90 Gluon forward; same shapes",
     "prefill-fp8": "fwd / FwdConfig: the Triton forward on e4m3 q, k, v with descales; same shapes",
     "backward": "bwd / BwdConfig: the Triton backward; same shapes (deterministic via --vary deterministic=1)",
@@ -59,18 +60,20 @@ class Family:
     also: tuple = ()  # kinds forced to None (declined) in every variant, e.g. the Gluon path a Triton sweep bypasses
 
 
-def _prefill_inputs(d, seqlen, requires_grad=False):
+def _prefill_inputs(d, seqlen, requires_grad=False, dv=None):
+    """q, k [b, seqlen, h, d] and v [.., dv or d]: 16k tokens, 2048 / d heads."""
     b, h = 16384 // seqlen, 2048 // d
-    return [torch.randn(b, seqlen, h, d, device="cuda", dtype=BF16, requires_grad=requires_grad)
-            for _ in range(3)], b, h
+    return [torch.randn(b, seqlen, h, width, device="cuda", dtype=BF16, requires_grad=requires_grad)
+            for width in (d, d, dv or d)], b, h
 
 
 def _prefill(shape, kw):
     import tileflash
 
-    d, causal, s = shape
-    (q, k, v), b, h = _prefill_inputs(d, s)
-    flops = attn_fwd_flops(b, h, s, s, d, bool(causal))
+    d, causal, s, *dv = shape  # an optional fourth: V's head dim (DeepSeek-V3's 192,c,s,128)
+    dv = dv[0] if dv else None
+    (q, k, v), b, h = _prefill_inputs(d, s, dv=dv)
+    flops = attn_fwd_flops(b, h, s, s, d, bool(causal), headdim_v=dv)
     return (lambda: tileflash.flash_attn_func(q, k, v, causal=bool(causal), **kw)), \
         lambda ms: (tflops(flops, ms), "TFLOP/s")
 
