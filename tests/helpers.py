@@ -10,6 +10,7 @@ from tileflash.reference import error_and_bound, kvcache_ref
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"
 ON_SM90 = ON_GPU and torch.cuda.get_device_capability() == (9, 0)  # where the Gluon kernels run
+E4M3 = torch.float8_e4m3fn
 
 
 def attention_inputs(b, sq, sk, hq, hkv, d, dtype, seed=0):
@@ -175,3 +176,27 @@ def check_quantized_decode(g, seqlens, sq, s_new, hq, hkv, d, dtype, table, k_ca
 def force_trans(override, trans: bool):
     """Run decode with the transposed products (attn_inner's TRANS) on or off, whatever the heuristic picks."""
     override(decode=lambda cfg: dataclasses.replace(cfg, trans=trans))
+
+
+def dequantize(x8, descale, cu_seqlens=None):
+    """float(x8) * the descale of each element's (sequence, KV head); x8 [B, S, H, D] or packed [total, H, D]."""
+    hkv = descale.shape[1]
+    x = x8.float()
+    if cu_seqlens is None:
+        scale = descale.repeat_interleave(x.shape[2] // hkv, dim=1)[:, None, :, None]
+        return x * scale
+    out = x.clone()
+    cu = cu_seqlens.tolist()
+    for b in range(len(cu) - 1):
+        out[cu[b]:cu[b + 1]] *= descale[b].repeat_interleave(x.shape[1] // hkv)[None, :, None]
+    return out
+
+
+def check_fp8(out, lse, ref_fn, out_dtype=torch.bfloat16):
+    """ref_fn(upcast, intermediate_dtype) -> (out, lse) on the dequantized inputs. lse to 1e-2: sm_90's FP8 MMAs
+    add q8 k8^T up in reduced precision (FA3 keeps that too; 6.8e-3 seen with ALiBi's large logits, run 139)."""
+    ref32, ref_lse = ref_fn(True, None)
+    ref_lowp = ref_fn(True, E4M3)[0].to(out_dtype)
+    assert out.dtype == out_dtype and lse.dtype == torch.float32
+    check_2x(out, ref32, ref_lowp)
+    check_lse(lse, ref_lse, atol=1e-2)

@@ -54,7 +54,7 @@ def _cases(arch: int = 90):
 
     import tileflash
     from tileflash import config
-    from tileflash.plan import GemmDecodedConfig, GemmWgmmaConfig, MlaGluonConfig, WsBwdConfig
+    from tileflash.plan import GemmDecodedConfig, GemmWgmmaConfig, MlaGluonConfig, WsBwdConfig, WsFwdConfig
 
     sm90 = arch == 90
 
@@ -210,6 +210,10 @@ def _cases(arch: int = 90):
         kernels = (attn_fwd_kernel, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel)
         kernels = kernels[:(3 if dq_pass else 2) if backward else 1]  # (dQ by atomics: no dQ pass)
         return lambda: _compiles(kernels, call)
+
+    def forced_fwd_ws(tile, call):
+        with config.override(fwd_ws=lambda cfg: tile):
+            call()
 
     def deepseek(call, backward=False):
         """q, k 192 wide, v 128 (DeepSeek-V3's prefill): the Gluon forward on sm_90 (q and k as 128 + 64 columns),
@@ -373,6 +377,16 @@ def _cases(arch: int = 90):
                                               causal=True)),
         "varlen fwd+bwd": varlen,
         "prefill fp8 d128 causal": lambda: fp8_prefill(128, causal=True),
+        "prefill fp8 d128, 8192 keys (the Gluon forward: the planner's pick)": warp_specialised(
+            lambda: fp8_prefill(128, b=1, s=8192)),
+        "prefill fp8 d128 causal, persistent (a Gluon sweep tile)": warp_specialised(
+            lambda: forced_fwd_ws(WsFwdConfig(128, 3, 3, True), lambda: fp8_prefill(128, causal=True))),
+        "prefill fp8 d64 (a Gluon sweep tile)": warp_specialised(
+            lambda: forced_fwd_ws(WsFwdConfig(128, 4, 4), lambda: fp8_prefill(64, b=1, s=4096))),
+        "prefill fp8 d128 packed (the Gluon forward's varlen, forced)": warp_specialised(
+            lambda: forced_fwd_ws(WsFwdConfig(128, 4, 4), lambda: fp8_prefill(128, packed=True))),
+        "prefill fp8 d128, 64-key steps (a Gluon sweep tile)": warp_specialised(
+            lambda: forced_fwd_ws(WsFwdConfig(64, 4, 4), lambda: fp8_prefill(128, s=2048))),
         "prefill fp8 d256": lambda: fp8_prefill(256),
         "prefill fp8 d80 packed, fp16 out (V^T by pointers)": lambda: fp8_prefill(80, s=1000, packed=True),
         "prefill fp8 d128 causal paged (page 128)": lambda: fp8_prefill(128, causal=True, packed=True,

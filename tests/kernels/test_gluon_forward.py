@@ -6,7 +6,9 @@ import pytest
 import torch
 
 import tileflash
-from helpers import DEVICE, ON_SM90, attention_inputs, check_2x, check_lse, packed_inputs
+from helpers import (DEVICE, ON_SM90, attention_inputs, check_2x, check_fp8, check_lse, dequantize,
+                     packed_inputs)
+from tileflash import config
 from tileflash.plan import WsFwdConfig
 from tileflash.plan import Mask, sm90_target, ws_forward_config
 from tileflash.launch.forward import launch_attn_fwd_ws
@@ -136,6 +138,82 @@ def test_ws_forward_q_192_v_128_varlen(monkeypatch):
     ref_lowp, _ = attention_varlen_ref(q, k, v, cu_q, cu_k, None, causal=True, upcast=False)
     check_2x(out, ref, ref_lowp)
     check_lse(lse, ref_lse)
+
+
+# FP8 attention (e4m3 q, k, V^T with FA3's descales; sequences of >= 576 keys on average, V^T's wide gap), its tile
+# forced where the planner keeps the Triton kernel (d128 below 8k keys, d64): (batch, seqlen_q, seqlen_k, heads_q,
+# heads_kv, head_dim, causal) — why each is here:
+FP8_CASES = [
+    (2, 1000, 1100, 16, 4, 128, True),  # GQA 4, the diagonal shifted by Sk - Sq
+    (1, 700, 8300, 4, 4, 128, False),  # the planner's own pick (>= 8k keys); the last block reads the gap
+    (3, 500, 1000, 8, 2, 64, False),  # d64; batches' V^T columns start 16-aligned (1000 -> 1008) plus the gap
+    (1, 300, 600, 8, 1, 128, True),  # MQA; causal Sq < Sk
+]
+FORCED = WsFwdConfig(128, 4, 4)
+
+
+def _fp8_call(q, k, v, causal, **kw):
+    q8, k8, v8, qd, kd, vd = tileflash.fp8_quantize_qkv(q, k, v)
+    out, lse = tileflash.flash_attn_func(q8, k8, v8, causal=causal, return_lse=True, q_descale=qd, k_descale=kd,
+                                         v_descale=vd, **kw)
+    return out, lse, (dequantize(q8, qd), dequantize(k8, kd), dequantize(v8, vd)), q8, k8
+
+
+@needs_sm90
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_ws_forward_fp8(case, out_dtype, monkeypatch):
+    b, sq, sk, hq, hkv, d, causal = case
+    launches = []
+    monkeypatch.setattr(prefill, "launch_attn_fwd_ws", lambda *a, **kw: launches.append(1) or launch_attn_fwd_ws(
+        *a, **kw))
+    q, k, v = attention_inputs(b, sq, sk, hq, hkv, d, torch.bfloat16)
+    with config.override(fwd_ws=lambda cfg: cfg or FORCED):
+        out, lse, deq, _, _ = _fp8_call(q, k, v, causal, out_dtype=out_dtype)
+    assert launches, "this case no longer takes the warp-specialised forward"
+    check_fp8(out, lse, lambda up, inter: attention_ref(*deq, causal=causal, upcast=up, intermediate_dtype=inter),
+              out_dtype)
+
+
+@needs_sm90
+@pytest.mark.parametrize("tile", [WsFwdConfig(128, 3, 3), WsFwdConfig(128, 2, 2, True), WsFwdConfig(64, 4, 4),
+                                  WsFwdConfig(128, 4, 4, True)], ids=str)
+def test_ws_forward_fp8_tile_configs(tile):
+    """The FP8 tiles a sweep would time, with a sink (folded in with P's 2^8 shift) and 11-21 key blocks."""
+    q, k, v = attention_inputs(2, 1100, 1300, 16, 4, 128, torch.bfloat16, seed=5)
+    sink = torch.randn(16, device=DEVICE)
+    with config.override(fwd_ws=lambda cfg: tile):
+        out, lse, deq, _, _ = _fp8_call(q, k, v, True, learnable_sink=sink)
+    check_fp8(out, lse, lambda up, inter: attention_ref(*deq, causal=True, learnable_sink=sink, upcast=up,
+                                                        intermediate_dtype=inter))
+
+
+@needs_sm90
+def test_ws_forward_fp8_varlen_and_what_it_declines(monkeypatch):
+    """Packed sequences of >= 576 keys on average through the Gluon forward (an empty one, Sq != Sk; forced);
+    shorter ones (V^T's narrow gap) decline even forced; d128 below 8k keys, windows, d256 and d64 stay on the
+    Triton kernel."""
+    launches = []
+    monkeypatch.setattr(prefill, "launch_attn_fwd_ws", lambda *a, **kw: launches.append(1) or launch_attn_fwd_ws(
+        *a, **kw))
+    q, k, v, cu_q, cu_k = packed_inputs([300, 0, 1025, 77], [700, 600, 1025, 2000], 8, 2, 128, torch.bfloat16)
+    q8, k8, v8, qd, kd, vd = tileflash.fp8_quantize_qkv(q, k, v, cu_q, cu_k)
+    with config.override(fwd_ws=lambda cfg: cfg or FORCED):
+        out, lse = tileflash.flash_attn_varlen_func(q8, k8, v8, cu_q, cu_k, 1025, 2000, causal=True,
+                                                    return_lse=True, q_descale=qd, k_descale=kd, v_descale=vd)
+        q, k, v = attention_inputs(8, 300, 300, 4, 4, 128, torch.bfloat16)  # 300 keys a sequence: the narrow gap
+        _fp8_call(q, k, v, True)
+    assert launches
+    deq = dequantize(q8, qd, cu_q), dequantize(k8, kd, cu_k), dequantize(v8, vd, cu_k)
+    check_fp8(out, lse, lambda up, inter: attention_varlen_ref(*deq, cu_q, cu_k, causal=True, upcast=up,
+                                                               intermediate_dtype=inter))
+    assert len(launches) == 1  # the varlen call's, not the narrow gap's
+    launches.clear()
+    _fp8_call(*attention_inputs(1, 700, 700, 4, 4, 128, torch.bfloat16), False)  # below 8k keys
+    _fp8_call(*attention_inputs(1, 700, 9000, 4, 4, 128, torch.bfloat16), False, window_size=(64, 0))
+    _fp8_call(*attention_inputs(1, 700, 9000, 2, 2, 256, torch.bfloat16), False)
+    _fp8_call(*attention_inputs(1, 700, 9000, 2, 2, 64, torch.bfloat16), False)
+    assert not launches
 
 
 @needs_sm90

@@ -9,35 +9,8 @@ import triton.language as tl
 
 import tileflash
 from tileflash.kernels.triton.cast import round_e4m3
-from helpers import DEVICE, ON_GPU, attention_inputs, check_2x, check_lse, packed_inputs
+from helpers import DEVICE, E4M3, ON_GPU, attention_inputs, check_fp8, dequantize, packed_inputs
 from tileflash.reference import attention_ref, attention_varlen_ref, gather_cache
-
-E4M3 = torch.float8_e4m3fn
-
-
-def dequantize(x8, descale, cu_seqlens=None):
-    """float(x8) * the descale of each element's (sequence, KV head); x8 [B, S, H, D] or packed [total, H, D]."""
-    hkv = descale.shape[1]
-    x = x8.float()
-    if cu_seqlens is None:
-        scale = descale.repeat_interleave(x.shape[2] // hkv, dim=1)[:, None, :, None]
-        return x * scale
-    out = x.clone()
-    cu = cu_seqlens.tolist()
-    for b in range(len(cu) - 1):
-        out[cu[b]:cu[b + 1]] *= descale[b].repeat_interleave(x.shape[1] // hkv)[None, :, None]
-    return out
-
-
-def check_fp8(out, lse, ref_fn, out_dtype=torch.bfloat16):
-    """ref_fn(upcast, intermediate_dtype) -> (out, lse) on the dequantized inputs. lse to 1e-2: sm_90's FP8 MMAs
-    add q8 k8^T up in reduced precision (FA3 keeps that too; 6.8e-3 seen with ALiBi's large logits, run 139)."""
-    ref32, ref_lse = ref_fn(True, None)
-    ref_lowp = ref_fn(True, E4M3)[0].to(out_dtype)
-    assert out.dtype == out_dtype and lse.dtype == torch.float32
-    check_2x(out, ref32, ref_lowp)
-    check_lse(lse, ref_lse, atol=1e-2)
-
 
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, window, softcap) — why each is here:
 CASES = [

@@ -20,7 +20,7 @@ from ..plan.decode import cache_capacity, combine_tiles, merge_tiles
 from ..plan.prefill import Mask, WsFwdConfig, split_head_dim, tma_tiles
 from ..plan.target import padded_head_dim, sm90_target
 from .tensors import (alibi_args, as_bytes, desc_4d, dropout_args, unused_pointer, row_descriptors, rotary_args,
-                      rows_desc, scale_strides, strides3, unit_scale, values_t_descriptor)
+                      rows_desc, scale_strides, strides3, unit_scale, values_t_descriptor, values_t_gluon_desc)
 
 
 COMBINE_BLOCK_ROWS = 16
@@ -196,11 +196,13 @@ def launch_decode_quant(q4, k4, v4, out4, lse3, *, seqlen_k: int, seqlens_k, seq
 
 def launch_attn_fwd_ws(q4, k4, v4, out4, lse3, *, causal: bool, softmax_scale: float, config: WsFwdConfig,
                        cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
-                       max_seqlen_q: int = 0, learnable_sink: torch.Tensor | None = None) -> None:
+                       max_seqlen_q: int = 0, learnable_sink: torch.Tensor | None = None, vt=None, vt_gap: int = 0,
+                       q_scale=None, k_scale=None, v_scale=None) -> None:
     """q4 [B, Sq, Hq, D], k4 [B, Sk, Hkv, D], v4 [B, Sk, Hkv, Dv], out4 [B, Sq, Hq, Dv], lse3 [B, Hq, Sq]
-    contiguous float32 (see ws_forward_config);
-    learnable_sink fp32 [Hq] or None. Varlen (cu_seqlens_q/k int32 [num_seqs + 1]): q4, k4, v4, out4 [1, total, H,
-    D] and lse3 [1, Hq, total_q]."""
+    contiguous float32 (see ws_forward_config); learnable_sink fp32 [Hq] or None. Varlen (cu_seqlens_q/k int32
+    [num_seqs + 1]): q4, k4, v4, out4 [1, total, H, D] and lse3 [1, Hq, total_q]. FP8 attention (e4m3 q4, k4):
+    vt the V^T buffer launch_values_t filled (vt_gap columns per sequence), FA3's descales q/k/v_scale fp32
+    [B, Hkv] or None (1); out4 16-bit."""
     varlen = cu_seqlens_q is not None
     b, sq, hq, d = q4.shape
     m_tiles = gluon_fwd.m_tiles(max_seqlen_q if varlen else sq)
@@ -210,17 +212,19 @@ def launch_attn_fwd_ws(q4, k4, v4, out4, lse3, *, causal: bool, softmax_scale: f
     grid = min(num_units, _utils.num_sms(q4.device)) if config.persistent else m_tiles * b * hq
     rows, bn = gluon_fwd.ROWS_PER_WARPGROUP, config.block_n
     main, tail = split_head_dim(d)
+    fp8, scale_args = _scale_args(q4, k_scale, v_scale, q_scale, lse3)
     direct.launch(
         gluon_fwd.attn_fwd_ws_kernel, (grid,),
         desc_4d(q4, rows, main), desc_4d(q4, rows, tail) if tail else None, desc_4d(k4, bn, main),
-        desc_4d(k4, bn, tail) if tail else None, desc_4d(v4, bn), desc_4d(out4, rows), out4,
+        desc_4d(k4, bn, tail) if tail else None, values_t_gluon_desc(vt, bn) if fp8 else desc_4d(v4, bn),
+        desc_4d(out4, rows), out4,
         lse3, cu_seqlens_q if varlen else lse3, cu_seqlens_k if varlen else lse3, sq, k4.shape[1], m_tiles, hq,
         hq // k4.shape[2], num_units, 0 if varlen else out4.stride(0), out4.stride(1), out4.stride(2),
         0 if varlen else lse3.stride(0), lse3.stride(1), softmax_scale * math.log2(math.e),
-        learnable_sink if learnable_sink is not None else lse3, CAUSAL=causal,
-        HEAD_DIM=main, TAIL=tail, HEAD_DIM_V=v4.shape[3], BLOCK_N=bn, K_STAGES=config.k_stages,
-        V_STAGES=config.v_stages, Q_BUFS=config.q_bufs if config.persistent else 1, PERSISTENT=config.persistent, VARLEN=varlen,
-        HAS_SINK=learnable_sink is not None, num_warps=4)
+        learnable_sink if learnable_sink is not None else lse3, *scale_args, vt_gap, CAUSAL=causal,
+        HEAD_DIM=main, TAIL=tail, HEAD_DIM_V=out4.shape[3], BLOCK_N=bn, K_STAGES=config.k_stages,
+        V_STAGES=config.v_stages, Q_BUFS=config.q_bufs if config.persistent else 1, PERSISTENT=config.persistent,
+        VARLEN=varlen, HAS_SINK=learnable_sink is not None, FP8=fp8, num_warps=4)
 
 
 def launch_mla_decode(q, qv, k_cache, v_cache, out, lse, *, seqlens_k, seqlen_k_add: int, block_table,

@@ -136,7 +136,8 @@ def rotary_args(rotary_cos, rotary_sin, dummy) -> tuple:
     return rotary_cos, rotary_sin, rotary_cos.stride(0), rotary_cos.shape[0]
 
 
-_GLUON_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+_GLUON_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
+                 torch.float8_e4m3fn: "float8e4nv"}
 
 
 def desc_4d(t: torch.Tensor, block_rows: int, block_cols: int | None = None):
@@ -147,6 +148,17 @@ def desc_4d(t: torch.Tensor, block_rows: int, block_cols: int | None = None):
     block = [1, block_rows, 1, block_cols or t.shape[3]]
     layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, _GLUON_DTYPES[t.dtype]))
     return direct.derived(GluonDescriptor(t, list(t.shape), list(t.stride()), block, layout), t)
+
+
+def values_t_gluon_desc(vt: torch.Tensor, block_n: int):
+    """A Gluon TMA descriptor over FP8 attention's V^T [Hkv, D, width] (launch_values_t), blocks [1, D, block_n]:
+    the Gluon forward's K-major V operand."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    block = [1, vt.shape[1], block_n]
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
+    return direct.derived(GluonDescriptor(vt, list(vt.shape), list(vt.stride()), block, layout), vt)
 
 
 def gluon_desc(t: torch.Tensor, block: list, swizzled: bool = False):

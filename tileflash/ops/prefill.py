@@ -158,7 +158,8 @@ def _launch_dense(ws_cfg, cfg, vt_gap: int, mask: Mask, softmax_scale: float, dr
         launch_values_t(v, vt, None, vt_gap)
     if ws_cfg is not None:
         launch_attn_fwd_ws(q, k, v, out, lse, causal=mask.window_right == 0, softmax_scale=softmax_scale,
-                           config=ws_cfg, learnable_sink=learnable_sink)
+                           config=ws_cfg, learnable_sink=learnable_sink, vt=vt, vt_gap=vt_gap, q_scale=q_descale,
+                           k_scale=k_descale, v_scale=v_descale)
     else:
         launch_attn_fwd(q, k, v if vt is None else vt, out, lse, q_batch_stride0=False, k_batch_stride0=False,
                         num_batches=b, seqlen_q=sq, seqlen_k=k.shape[1], m_rows=sq, softmax_scale=softmax_scale,
@@ -176,15 +177,16 @@ def _dense_plan(q, k, v, softmax_scale: float, mask: Mask, keep_lse: bool, alibi
     sk = k.shape[1]
     empty = q.numel() == 0
     ws_cfg = cfg = None
+    vt_gap = values_t_gap(b * sk, b)
     if not empty:
         # out will be a fresh contiguous tensor of q's shape (with V's head dim), which a TMA descriptor addresses
         # whenever q's does, so q stands in for it (None for Sk = 0 too: no TMA over 0 rows).
-        ws_cfg = None if dropout_p or qv else ws_forward_config(q, k, v, q, softmax_scale, mask, alibi=alibi)
+        ws_cfg = None if dropout_p or qv else ws_forward_config(q, k, v, q, softmax_scale, mask, alibi=alibi,
+                                                                vt_gap=vt_gap)
         if ws_cfg is None:
             cfg = config.chosen("fwd", fwd_config(max(d, v.shape[-1]), causal=mask.window_right >= 0,
                                                   interpret=_utils.is_interpreter(), seqlen_k=sk, arch=target_arch(),
                                                   fp8=q.dtype == FP8))
-    vt_gap = values_t_gap(b * sk, b)
     vt_shape = (k.shape[2], d, values_t_width(b * sk, b, vt_gap)) if q.dtype == FP8 and not (cfg and cfg.v_rows) \
         else None
     launch = functools.partial(_launch_dense, ws_cfg, cfg, vt_gap, mask, softmax_scale, dropout_p)
@@ -223,7 +225,7 @@ _attn_fwd_op.register_autograd(_bwd.fwd_backward, setup_context=_bwd.setup_fwd_c
 
 
 def _varlen_ws_config(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale, mask, alibi: bool,
-                      dropout_p: float):
+                      dropout_p: float, vt_gap: int):
     """The warp-specialised forward's tiles for packed sequences, or None where it does not serve the call
     (plan.prefill.ws_forward_config; no TMA descriptor over zero rows; no dropout)."""
     if dropout_p or q.shape[0] == 0 or k.shape[0] == 0 or max_seqlen_q == 0 or cu_seqlens_q.shape[0] < 2:
@@ -231,7 +233,8 @@ def _varlen_ws_config(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax
     q4, k4, v4 = (t.unsqueeze(0) for t in (q, k, v))
     # out will be a fresh contiguous tensor of q's shape (V's head dim), which a TMA descriptor addresses whenever
     # q's does.
-    return ws_forward_config(q4, k4, v4, q4, softmax_scale, mask, max_seqlen_k=max_seqlen_k, alibi=alibi)
+    return ws_forward_config(q4, k4, v4, q4, softmax_scale, mask, max_seqlen_k=max_seqlen_k, alibi=alibi,
+                             vt_gap=vt_gap)
 
 
 def _launch_varlen(ws_cfg, cfg, vt_gap: int, mask: Mask, softmax_scale: float, max_seqlen_q: int, max_seqlen_k: int,
@@ -254,7 +257,8 @@ def _launch_varlen(ws_cfg, cfg, vt_gap: int, mask: Mask, softmax_scale: float, m
     if ws_cfg is not None:
         launch_attn_fwd_ws(q4, k4, v4, out4, lse3, causal=mask.window_right == 0, softmax_scale=softmax_scale,
                            config=ws_cfg, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                           max_seqlen_q=max_seqlen_q, learnable_sink=learnable_sink)
+                           max_seqlen_q=max_seqlen_q, learnable_sink=learnable_sink, vt=vt, vt_gap=vt_gap,
+                           q_scale=q_descale, k_scale=k_descale, v_scale=v_descale)
         return
     capacity = block_table.shape[1] * k.shape[1] if paged else k.shape[0]
     launch_attn_fwd(q4, k4, v4, out4, lse3, q_batch_stride0=True, k_batch_stride0=not paged,
@@ -277,15 +281,15 @@ def _varlen_plan(q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_q: in
         max_seqlen_k = block_table.shape[1] * k.shape[1]
     empty = total_q == 0 or cu_seqlens_q.shape[0] < 2 or max_seqlen_q == 0
     ws_cfg = cfg = None
+    vt_gap = values_t_gap(k.shape[0], cu_seqlens_q.shape[0] - 1)
     if not empty:
         if not paged and seqused_k is None and not qv:
             ws_cfg = _varlen_ws_config(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale, mask,
-                                       alibi, dropout_p)
+                                       alibi, dropout_p, vt_gap)
         if ws_cfg is None:
             cfg = config.chosen("fwd", fwd_config(max(d, v.shape[-1]), causal=mask.window_right >= 0,
                                                   interpret=_utils.is_interpreter(), seqlen_k=max_seqlen_k,
                                                   arch=target_arch(), fp8=q.dtype == FP8, paged=paged))
-    vt_gap = values_t_gap(k.shape[0], cu_seqlens_q.shape[0] - 1)
     vt_shape = (k.shape[1], d, values_t_width(k.shape[0], cu_seqlens_q.shape[0] - 1, vt_gap)) \
         if q.dtype == FP8 and not paged and not (cfg and cfg.v_rows) else None  # paged pools read V as stored
     launch = functools.partial(_launch_varlen, ws_cfg, cfg, vt_gap, mask, softmax_scale, max_seqlen_q, max_seqlen_k,

@@ -146,7 +146,8 @@ class WsFwdConfig:
     q_bufs: int = 1  # persistent: Q buffers per warpgroup (2: the next tile's Q loads a whole tile ahead)
 
 
-def fwd_ws_config(head_dim: int, causal: bool, seqlen_k: int, head_dim_v: int | None = None) -> WsFwdConfig | None:
+def fwd_ws_config(head_dim: int, causal: bool, seqlen_k: int, head_dim_v: int | None = None,
+                  fp8: bool = False) -> WsFwdConfig | None:
     """Whether prefill takes the warp-specialised forward, by shape (ws_forward_config adds what the
     tensors and masks allow), measured on the H200 (bf16, 16k tokens, 2048/d heads, TFLOP/s at s = 1k / 2k / 4k /
     8k / 16k, cuDNN in the same run; `ws_sweep.py`):
@@ -175,6 +176,10 @@ def fwd_ws_config(head_dim: int, causal: bool, seqlen_k: int, head_dim_v: int | 
     Run-to-run spread of one kernel is up to 10% on these machines (run 108 timed one kernel twice: d64 full 8k
     452 / 407), so only gains seen at several lengths were taken. Other head dims would need padding inside the
     kernel, which it does not do."""
+    if fp8:
+        if head_dim_v not in (None, head_dim) or head_dim != 128 or seqlen_k < FP8_WS_MIN_KEYS:
+            return None
+        return WsFwdConfig(block_n=128, k_stages=4, v_stages=4)
     if head_dim_v not in (None, head_dim):
         if (head_dim, head_dim_v) == (192, 128):
             return WsFwdConfig(block_n=128, k_stages=2, v_stages=2, persistent=seqlen_k <= 2048)
@@ -189,6 +194,15 @@ def fwd_ws_config(head_dim: int, causal: bool, seqlen_k: int, head_dim_v: int | 
     return None
 
 
+# FP8 attention (e4m3 q, k, V^T; P through shared memory, each block's P V added into the fp32 acc) on the Gluon
+# forward: d128 from 8k keys, 128 keys, 4 + 4 stages (H100, session 47, probe/fp8_sweep.py and fp8_sweep2.py, 16k
+# tokens, TFLOP/s, Gluon vs the Triton FP8 kernel): 8k 764 vs 659 (causal 688 vs 669), 16k 765-770 vs 673-678
+# (769-776 vs 722-735), 32k 762 vs 687 (796 vs 783); at 4k 714 vs 726 (581 vs 629) and 1k 472 vs 529. d64 lost
+# everywhere (16k 487-496 vs 584, 1k 324 vs 458) and 64-key steps ran 10-20% slower. The P buffer's store, fence
+# and barrier each step are what a register P would save (triton's wgmma wait takes no 8-bit operand to keep live).
+FP8_WS_MIN_KEYS = 8192
+
+
 def split_head_dim(head_dim: int) -> tuple[int, int]:
     """(main, tail): the Gluon forward reads q's and k's columns as a power-of-two block and, past it, a narrower
     power-of-two tail (0: none), so a head dim of 192 multiplies 128 + 64 columns, not 256 with padding."""
@@ -196,26 +210,31 @@ def split_head_dim(head_dim: int) -> tuple[int, int]:
     return main, head_dim - main
 
 
-def ws_call_ok(dtype: torch.dtype, mask: Mask, alibi: bool) -> bool:
+def ws_call_ok(dtype: torch.dtype, mask: Mask, alibi: bool, fp8: bool = False) -> bool:
     """What both warp-specialised Gluon kernels (forward and dK/dV) need of a call beyond shapes and layouts: a
-    16-bit dtype, at most a causal mask (no left window, no softcap), no ALiBi (they have no bias) and an sm_90
-    target. A learnable sink is fine: the forward folds it in, the dK/dV kernel sees it only through the lse (the
-    preprocess adds d sink)."""
+    16-bit dtype (or, fp8: the forward's e4m3), at most a causal mask (no left window, no softcap), no ALiBi (they
+    have no bias) and an sm_90 target. A learnable sink is fine: the forward folds it in, the dK/dV kernel sees it
+    only through the lse (the preprocess adds d sink)."""
     plain_mask = mask.window_left < 0 and mask.window_right in (-1, 0) and mask.softcap == 0.0 and mask.chunk == 0
-    return plain_mask and not alibi and dtype in (torch.float16, torch.bfloat16) and sm90_target()
+    dtypes = (torch.float16, torch.bfloat16) + ((torch.float8_e4m3fn,) if fp8 else ())
+    return plain_mask and not alibi and dtype in dtypes and sm90_target()
 
 
 def ws_forward_config(q4, k4, v4, out4, softmax_scale: float, mask: Mask, max_seqlen_k: int | None = None,
-                      alibi: bool = False) -> WsFwdConfig | None:
-    """The warp-specialised forward's tiles when it serves this call (sm_90, a shape fwd_ws_config
-    takes, at most a causal mask, no ALiBi, a positive scale, TMA-addressable tensors), else None
-    (the Triton kernel). max_seqlen_k: given for varlen batches (packed [1, total, H, D] tensors), which take one CTA
-    per tile."""
-    if not (softmax_scale > 0 and ws_call_ok(q4.dtype, mask, alibi)):
+                      alibi: bool = False, vt_gap: int = 0) -> WsFwdConfig | None:
+    """The warp-specialised forward's tiles when it serves this call (sm_90, a shape fwd_ws_config takes, at most a
+    causal mask, no ALiBi, a positive scale, TMA-addressable tensors), else None (the Triton kernel). max_seqlen_k:
+    given for varlen batches (packed [1, total, H, D] tensors), which take one CTA per tile. FP8 (e4m3 q, k): only
+    with V^T's wide gap (vt_gap, values_t_gap): a sequence's last key block then reads zeros past its end, never the
+    next sequence's values, which a TMA box cannot mask (a NaN there would survive P = 0)."""
+    fp8 = q4.dtype == torch.float8_e4m3fn
+    if not (softmax_scale > 0 and ws_call_ok(q4.dtype, mask, alibi, fp8=True)):
+        return None
+    if fp8 and vt_gap < VALUES_T_WIDE_GAP:
         return None
     cfg = config.chosen("fwd_ws", fwd_ws_config(q4.shape[3], mask.window_right == 0,
                                                 k4.shape[1] if max_seqlen_k is None else max_seqlen_k,
-                                                head_dim_v=v4.shape[3]))
+                                                head_dim_v=v4.shape[3], fp8=fp8))
     if cfg is None or not all(tma_4d_ok(t) for t in (q4, k4, v4, out4)):
         return None
     return cfg if max_seqlen_k is None else replace(cfg, persistent=False)

@@ -41,7 +41,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .common import opaque_zero, packed_sequence
+from .common import barrier, opaque_zero, packed_sequence
 from ..triton.masks import LOG2E
 
 ROWS_PER_WARPGROUP = 64  # wgmma's M: each consumer warpgroup owns 64 query rows
@@ -53,9 +53,9 @@ LN2 = gl.constexpr(0.6931471805599453)
 def _tile(step, m_tiles, num_heads_q, group_size, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k,
           PERSISTENT: gl.constexpr, VARLEN: gl.constexpr):
     """(batch coordinate of the descriptors, query head, KV head, first row, valid) of this CTA's step-th tile, then
-    its sequence's (first query row, query rows, first key, keys) as _gluon.packed_sequence gives them; producer
-    and consumers walk the same tiles. With VARLEN the tiles cover the longest sequence: rows past this one's are
-    not valid.
+    its sequence's (first query row, query rows, first key, keys) as _gluon.packed_sequence gives them, and the
+    sequence's index; producer and consumers walk the same tiles. With VARLEN the tiles cover the longest sequence:
+    rows past this one's are not valid.
 
     One tile per CTA (step 0 only): the heaviest causal tiles of a head start first and the hardware hands the next
     CTA to whichever SM frees up. Persistent CTAs walk units of two tiles of one head, the i-th heaviest and the
@@ -76,10 +76,11 @@ def _tile(step, m_tiles, num_heads_q, group_size, cu_seqlens_q, cu_seqlens_k, se
         valid = tile >= 0
     h = bh % num_heads_q
     start_m = (m_tiles - 1 - rank) * (2 * WG_ROWS)
-    bd, q0, sq, k0, sk = packed_sequence(bh // num_heads_q, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN)
+    seq = bh // num_heads_q
+    bd, q0, sq, k0, sk = packed_sequence(seq, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN)
     if VARLEN:
         valid = valid & (start_m < sq)
-    return bd, h, h // group_size, start_m, valid, q0, sq, k0, sk
+    return bd, h, h // group_size, start_m, valid, q0, sq, k0, sk, seq
 
 
 @gluon.jit
@@ -109,14 +110,14 @@ def _block_range(start_m, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_N: gl.
 @gluon.jit
 def _producer(q_desc, qt_desc, k_desc, kt_desc, v_desc, q_smem, qt_smem, k_bufs, kt_bufs, v_bufs, q_bar, q_empty,
               k_ready, v_ready, k_empty, v_empty, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, m_tiles,
-              num_heads_q, group_size, num_units, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr,
-              BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
-              PERSISTENT: gl.constexpr, VARLEN: gl.constexpr):
+              num_heads_q, group_size, num_units, vt_gap, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+              TAIL: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+              Q_BUFS: gl.constexpr, PERSISTENT: gl.constexpr, VARLEN: gl.constexpr, FP8: gl.constexpr):
     it = 0  # K/V blocks loaded so far: the position in both rings
     tiles_done = 0
     for step in range(_tile_count(num_units, PERSISTENT)):
-        bd, h, hk, start_m, valid, q0, sq, k0, sk = _tile(step, m_tiles, num_heads_q, group_size, cu_seqlens_q,
-                                                          cu_seqlens_k, seqlen_q, seqlen_k, PERSISTENT, VARLEN)
+        bd, h, hk, start_m, valid, q0, sq, k0, sk, seq = _tile(step, m_tiles, num_heads_q, group_size, cu_seqlens_q,
+                                                               cu_seqlens_k, seqlen_q, seqlen_k, PERSISTENT, VARLEN)
         if valid:
             qb = (tiles_done % Q_BUFS) * 2
             for w in gl.static_range(2):
@@ -132,6 +133,9 @@ def _producer(q_desc, qt_desc, k_desc, kt_desc, v_desc, q_smem, qt_smem, k_bufs,
                     mbarrier.expect(q_bar.index(qb + w), q_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(q_desc, [bd, row, h, 0], q_bar.index(qb + w), q_smem.index(qb + w))
             full_hi, n_hi = _block_range(start_m, sq, sk, CAUSAL, BLOCK_N)
+            v0 = k0  # the sequence's first key row in V, or its first column in FP8's V^T
+            if FP8:  # launch/tensors.values_t_column of the sequence's first merged key row
+                v0 = (((k0 if VARLEN else seq * seqlen_k) + 15) // 16) * 16 + vt_gap * seq
             for j in range(n_hi):
                 ks = it % K_STAGES
                 mbarrier.wait(k_empty.index(ks), ((it // K_STAGES) & 1) ^ 1)
@@ -146,8 +150,12 @@ def _producer(q_desc, qt_desc, k_desc, kt_desc, v_desc, q_smem, qt_smem, k_bufs,
                 vs = it % V_STAGES
                 mbarrier.wait(v_empty.index(vs), ((it // V_STAGES) & 1) ^ 1)
                 mbarrier.expect(v_ready.index(vs), v_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(v_desc, [bd, k0 + j * BLOCK_N, hk, 0], v_ready.index(vs),
-                                                v_bufs.index(vs))
+                if FP8:  # V^T [Hkv, D, width]: tokens contiguous, the K-major operand FP8 products read
+                    tma.async_copy_global_to_shared(v_desc, [hk, 0, v0 + j * BLOCK_N], v_ready.index(vs),
+                                                    v_bufs.index(vs))
+                else:
+                    tma.async_copy_global_to_shared(v_desc, [bd, v0 + j * BLOCK_N, hk, 0], v_ready.index(vs),
+                                                    v_bufs.index(vs))
                 it += 1
             tiles_done += 1
 
@@ -179,15 +187,45 @@ def _masked(s, j, row0, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_N: gl.co
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i, qk_scale):
+def _softmax(s, m_i, l_i, qk_scale, P_SHIFT: gl.constexpr = 0.0):
     """Online softmax of raw scores s (qk_scale = softmax_scale * log2(e) > 0, so the scale applies after the row
     max and joins the subtraction in one FMA). A row with only masked keys so far keeps m = -inf and subtracts 0,
-    so its p and alpha are 0, not NaN."""
+    so its p and alpha are 0, not NaN. P_SHIFT (FP8: the Triton kernel's P_FP8_LOG2): p and l carry 2^P_SHIFT, so
+    P spans [0, 2^8] and stays clear of e4m3's subnormals."""
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_safe, 1))
+    m_sub = m_safe
+    if P_SHIFT != 0.0:
+        m_sub = m_safe - P_SHIFT
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_sub, 1))
     alpha = gl.exp2(m_i - m_safe)
     return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
+
+
+@gluon.jit
+def _p_operand(p, p_buf, p_layout: gl.constexpr, FP8: gl.constexpr):
+    """P (in q's dtype) as the PV product's first operand: registers in wgmma's A layout, or for FP8 this
+    warpgroup's shared-memory buffer (an 8-bit register operand cannot be kept live across the asynchronous
+    product: triton's wgmma wait takes 16- and 32-bit values only), stored, fenced and complete in every warp."""
+    if FP8:
+        p_buf.store(p)
+        fence_async_shared()
+        barrier()
+        a = p_buf
+    else:
+        a = gl.convert_layout(p, p_layout)
+    return a
+
+
+@gluon.jit
+def _values(v_bufs, i, BLOCK_N: gl.constexpr, HEAD_DIM_V: gl.constexpr, FP8: gl.constexpr):
+    """V stage i as the PV product's [BLOCK_N, HEAD_DIM_V] operand: rows as loaded, or FP8's V^T tile read
+    transposed (K-major, as FP8 products need)."""
+    if FP8:
+        v = v_bufs.index(i).reshape([HEAD_DIM_V, BLOCK_N]).permute((1, 0))
+    else:
+        v = v_bufs.index(i).reshape([BLOCK_N, HEAD_DIM_V])
+    return v
 
 
 @gluon.jit
@@ -203,27 +241,40 @@ def _normaliser(m_i, l_i, sink2, HAS_SINK: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(q_desc, o_desc, out_ptr, lse_ptr, q_smem, qt_smem, k_bufs, kt_bufs, v_bufs, q_bar, q_empty, k_ready,
-              v_ready, k_empty, v_empty, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, m_tiles, num_heads_q,
+def _consumer(q_desc, o_desc, out_ptr, lse_ptr, q_smem, qt_smem, k_bufs, kt_bufs, v_bufs, p_bufs, q_bar, q_empty,
+              k_ready, v_ready, k_empty, v_empty, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, m_tiles, num_heads_q,
               group_size, num_units, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale, sink_ptr,
-              WG: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr,
-              HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
-              Q_BUFS: gl.constexpr, PERSISTENT: gl.constexpr, VARLEN: gl.constexpr, HAS_SINK: gl.constexpr):
+              q_scale_ptr, k_scale_ptr, v_scale_ptr, stride_qsc_b, stride_qsc_h, stride_ksc_b, stride_ksc_h,
+              stride_vsc_b, stride_vsc_h, WG: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+              TAIL: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
+              V_STAGES: gl.constexpr, Q_BUFS: gl.constexpr, PERSISTENT: gl.constexpr, VARLEN: gl.constexpr,
+              HAS_SINK: gl.constexpr, FP8: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
+    out_dtype: gl.constexpr = out_ptr.dtype.element_ty
+    K_INSTR: gl.constexpr = 32 if FP8 else 16  # wgmma's K: 256 bits of each operand
+    P_SHIFT: gl.constexpr = 8.0 if FP8 else 0.0
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+                                                       instr_shape=[16, BLOCK_N, K_INSTR])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM_V, 16])
+                                                       instr_shape=[16, HEAD_DIM_V, K_INSTR])
     # P feeds the PV product from registers: S's accumulator layout maps onto wgmma's A fragments.
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4 if FP8 else 2)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     s_init = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, s_layout)  # ignored (use_acc=False): only its layout counts
+    pv_init = gl.zeros([WG_ROWS, HEAD_DIM_V], gl.float32, o_layout)  # FP8's per-block P V, likewise
+    p_buf = p_bufs.index(WG)  # FP8's P (unused otherwise)
     it = 0  # K/V blocks consumed so far: the position in both rings
     tiles_done = 0
     for step in range(_tile_count(num_units, PERSISTENT)):
-        bd, h, hk, start_m, valid, q0, sq, k0, sk = _tile(step, m_tiles, num_heads_q, group_size, cu_seqlens_q,
-                                                          cu_seqlens_k, seqlen_q, seqlen_k, PERSISTENT, VARLEN)
+        bd, h, hk, start_m, valid, q0, sq, k0, sk, seq = _tile(step, m_tiles, num_heads_q, group_size, cu_seqlens_q,
+                                                               cu_seqlens_k, seqlen_q, seqlen_k, PERSISTENT, VARLEN)
         if valid:
+            tile_scale = qk_scale
+            v_unscale = 1.0  # (FP8 only)
+            if FP8:  # FA3's descales of (sequence, KV head): scores q_descale k_descale (q8 k8^T), out v_descale
+                tile_scale = qk_scale * gl.load(q_scale_ptr + seq * stride_qsc_b + hk * stride_qsc_h) \
+                    * gl.load(k_scale_ptr + seq * stride_ksc_b + hk * stride_ksc_h)
+                v_unscale = gl.load(v_scale_ptr + seq * stride_vsc_b + hk * stride_vsc_h)
             sink2 = 0.0
             if HAS_SINK:  # loaded at the tile's start: its latency hides behind the loop, not the epilogue's
                 sink2 = gl.load(sink_ptr + h) * LOG2E
@@ -246,48 +297,67 @@ def _consumer(q_desc, o_desc, out_ptr, lse_ptr, q_smem, qt_smem, k_bufs, kt_bufs
                 mbarrier.arrive(k_empty.index(ks), count=1)
                 if full_hi == 0:
                     s = _masked(s, 0, row0, sq, sk, CAUSAL, BLOCK_N)
-                p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale)
-                p = gl.convert_layout(p.to(dtype), p_layout)
+                p, m_i, l_i, alpha = _softmax(s, m_i, l_i, tile_scale, P_SHIFT)
+                p = _p_operand(p.to(dtype), p_buf, p_layout, FP8)
                 for j in range(1, n_hi):
                     ks = (it + j) % K_STAGES
                     prev = (it + j - 1) % V_STAGES
                     mbarrier.wait(k_ready.index(ks), ((it + j) // K_STAGES) & 1)
                     mbarrier.wait(v_ready.index(prev), ((it + j - 1) // V_STAGES) & 1)
                     s = _scores(q, qt, k_bufs, kt_bufs, ks, s_init, HEAD_DIM, TAIL, BLOCK_N)
-                    acc = warpgroup_mma(p, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM_V]), acc, is_async=True)
+                    if FP8:  # two-level: each block's product from zero, added into the fp32 acc below
+                        pv = warpgroup_mma(p, _values(v_bufs, prev, BLOCK_N, HEAD_DIM_V, FP8), pv_init,
+                                           use_acc=False, is_async=True)
+                    else:
+                        acc = warpgroup_mma(p, _values(v_bufs, prev, BLOCK_N, HEAD_DIM_V, FP8), acc, is_async=True)
                     s = warpgroup_mma_wait(1, deps=(s,))  # products retire in order: S_j is done, PV_{j-1} may not be
                     mbarrier.arrive(k_empty.index(ks), count=1)
                     if j >= full_hi:
                         s = _masked(s, j, row0, sq, sk, CAUSAL, BLOCK_N)
-                    p_next, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale)
-                    acc, p = warpgroup_mma_wait(0, deps=(acc, p))  # p stays live until its product has read it
+                    p_next, m_i, l_i, alpha = _softmax(s, m_i, l_i, tile_scale, P_SHIFT)
+                    p_next = p_next.to(dtype)
+                    if FP8:  # (P in shared memory: waiting for the product frees its buffer)
+                        pv = warpgroup_mma_wait(0, deps=(pv,))
+                        acc = acc + pv
+                    else:
+                        acc, p = warpgroup_mma_wait(0, deps=(acc, p))  # p stays live until its product read it
                     mbarrier.arrive(v_empty.index(prev), count=1)
                     acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
-                    p = gl.convert_layout(p_next.to(dtype), p_layout)
+                    p = _p_operand(p_next, p_buf, p_layout, FP8)
                 if PERSISTENT:
                     mbarrier.arrive(q_empty.index(qi), count=1)  # every S product of this tile has retired
                 last = (it + n_hi - 1) % V_STAGES
                 mbarrier.wait(v_ready.index(last), ((it + n_hi - 1) // V_STAGES) & 1)
-                acc = warpgroup_mma(p, v_bufs.index(last).reshape([BLOCK_N, HEAD_DIM_V]), acc, is_async=True)
-                acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+                if FP8:
+                    pv = warpgroup_mma(p, _values(v_bufs, last, BLOCK_N, HEAD_DIM_V, FP8), pv_init, use_acc=False,
+                                       is_async=True)
+                    pv = warpgroup_mma_wait(0, deps=(pv,))
+                    acc = acc + pv
+                else:
+                    acc = warpgroup_mma(p, _values(v_bufs, last, BLOCK_N, HEAD_DIM_V, FP8), acc, is_async=True)
+                    acc, p = warpgroup_mma_wait(0, deps=(acc, p))
                 mbarrier.arrive(v_empty.index(last), count=1)
                 it += n_hi
             elif PERSISTENT:
                 mbarrier.arrive(q_empty.index(qi), count=1)
 
             # Epilogue: rows that saw no key give out = 0 and lse = -inf (with a sink: lse = sink).
+            if FP8:  # l_i carries 2^P_SHIFT; out takes v's descale
+                m_i = m_i - P_SHIFT
             m_i, l_i, acc_scale = _normaliser(m_i, l_i, sink2, HAS_SINK)
+            if FP8:
+                acc_scale = acc_scale * v_unscale
             seen = l_i > 0.0
             inv_l = gl.where(seen, acc_scale / gl.where(seen, l_i, 1.0), 0.0)
-            o = (acc * gl.expand_dims(gl.convert_layout(inv_l, o_rows), 1)).to(dtype)
+            o = (acc * gl.expand_dims(gl.convert_layout(inv_l, o_rows), 1)).to(out_dtype)
             lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
             rows = row0 + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, s_layout))
             gl.store(lse_ptr + bd.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + q0 + rows, lse,
                      mask=rows < sq)
-            if PERSISTENT or VARLEN or TAIL or HEAD_DIM_V != HEAD_DIM:
+            if PERSISTENT or VARLEN or TAIL or HEAD_DIM_V != HEAD_DIM or FP8:
                 # Stored from registers: Q's buffer already holds (or receives) the next tile's Q; packed rows
-                # past a sequence's end belong to the next one, which a TMA store would overwrite; O's width is
-                # not Q's buffer's.
+                # past a sequence's end belong to the next one, which a TMA store would overwrite; O's width or
+                # dtype is not Q's buffer's.
                 o_rows_i = gl.expand_dims(row0 + gl.arange(0, WG_ROWS, layout=o_rows), 1)
                 cols = gl.expand_dims(gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, o_layout)), 0)
                 ptrs = (out_ptr + bd.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
@@ -306,15 +376,18 @@ def _consumer(q_desc, o_desc, out_ptr, lse_ptr, q_smem, qt_smem, k_bufs, kt_bufs
 @gluon.jit
 def attn_fwd_ws_kernel(q_desc, qt_desc, k_desc, kt_desc, v_desc, o_desc, out_ptr, lse_ptr, cu_seqlens_q, cu_seqlens_k,
                        seqlen_q, seqlen_k, m_tiles, num_heads_q, group_size, num_units, stride_ob, stride_os,
-                       stride_oh, stride_lb, stride_lh, qk_scale, sink_ptr, CAUSAL: gl.constexpr,
-                       HEAD_DIM: gl.constexpr, TAIL: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr,
-                       K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
-                       PERSISTENT: gl.constexpr, VARLEN: gl.constexpr, HAS_SINK: gl.constexpr):
+                       stride_oh, stride_lb, stride_lh, qk_scale, sink_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
+                       stride_qsc_b, stride_qsc_h, stride_ksc_b, stride_ksc_h, stride_vsc_b, stride_vsc_h, vt_gap,
+                       CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, TAIL: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+                       BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
+                       PERSISTENT: gl.constexpr, VARLEN: gl.constexpr, HAS_SINK: gl.constexpr, FP8: gl.constexpr):
     """Grid: (m_tiles * B * Hq,) or, PERSISTENT, (min(num_units, SMs),); 4 warps (the first consumer warpgroup;
     the partitions add 5 more). VARLEN (not with PERSISTENT): B sequences packed in [1, total, H, D] tensors, their
     rows and keys from cu_seqlens_q/k (int32 [B + 1]), m_tiles from the longest; lse [1, Hq, total_q]. q and k
     are HEAD_DIM + TAIL wide (q_desc / k_desc: blocks of the first HEAD_DIM columns; qt_desc / kt_desc: of the next
-    TAIL, or None with TAIL = 0), v and out HEAD_DIM_V."""
+    TAIL, or None with TAIL = 0), v and out HEAD_DIM_V. FP8 (e4m3 q, k): v_desc reads FP8 attention's V^T [Hkv, D,
+    width] (launch/tensors.launch_values_t, sequences vt_gap columns apart) in [1, D, BLOCK_N] boxes; FA3's descales
+    [B, Hkv] at q/k/v_scale_ptr with their strides; out is 16-bit."""
     gl.static_assert(not (PERSISTENT and VARLEN), "persistent CTAs walk tiles of equal-length sequences")
     gl.static_assert(PERSISTENT or Q_BUFS == 1, "one tile per CTA needs one Q buffer")
     dtype: gl.constexpr = q_desc.dtype
@@ -326,7 +399,14 @@ def attn_fwd_ws_kernel(q_desc, qt_desc, k_desc, kt_desc, v_desc, o_desc, out_ptr
     else:  # never read
         qt_smem = q_smem
         kt_bufs = k_bufs
-    v_bufs = gl.allocate_shared_memory(dtype, [V_STAGES, 1, BLOCK_N, 1, HEAD_DIM_V], v_desc.layout)
+    if FP8:
+        v_bufs = gl.allocate_shared_memory(dtype, [V_STAGES, 1, HEAD_DIM_V, BLOCK_N], v_desc.layout)
+        P_SWIZZLE: gl.constexpr = 128 if BLOCK_N >= 128 else BLOCK_N  # a row's bytes, at most 128
+        p_bufs = gl.allocate_shared_memory(dtype, [2, WG_ROWS, BLOCK_N], gl.NVMMASharedLayout(
+            swizzle_byte_width=P_SWIZZLE, element_bitwidth=8, rank=2))
+    else:
+        v_bufs = gl.allocate_shared_memory(dtype, [V_STAGES, 1, BLOCK_N, 1, HEAD_DIM_V], v_desc.layout)
+        p_bufs = q_smem  # never read
     q_bar = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFS, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
@@ -355,24 +435,33 @@ def attn_fwd_ws_kernel(q_desc, qt_desc, k_desc, kt_desc, v_desc, o_desc, out_ptr
     stride_oh = gl.to_tensor(stride_oh)
     stride_lb = gl.to_tensor(stride_lb)
     stride_lh = gl.to_tensor(stride_lh)
+    stride_qsc_b = gl.to_tensor(stride_qsc_b)
+    stride_qsc_h = gl.to_tensor(stride_qsc_h)
+    stride_ksc_b = gl.to_tensor(stride_ksc_b)
+    stride_ksc_h = gl.to_tensor(stride_ksc_h)
+    stride_vsc_b = gl.to_tensor(stride_vsc_b)
+    stride_vsc_h = gl.to_tensor(stride_vsc_h)
+    vt_gap = gl.to_tensor(vt_gap)
     WG0: gl.constexpr = 0
     WG1: gl.constexpr = 1
     # (Argument tuples are written out: a tuple built with + loses the constexprs' type.)
     gl.warp_specialize([
-        (_consumer, (q_desc, o_desc, out_ptr, lse_ptr, q_smem, qt_smem, k_bufs, kt_bufs, v_bufs, q_bar, q_empty,
-                     k_ready, v_ready, k_empty, v_empty, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, m_tiles,
-                     num_heads_q, group_size, num_units, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
-                     qk_scale, sink_ptr, WG0, CAUSAL, HEAD_DIM, TAIL, HEAD_DIM_V, BLOCK_N, K_STAGES, V_STAGES, Q_BUFS,
-                     PERSISTENT, VARLEN, HAS_SINK)),
-        (_consumer, (q_desc, o_desc, out_ptr, lse_ptr, q_smem, qt_smem, k_bufs, kt_bufs, v_bufs, q_bar, q_empty,
-                     k_ready, v_ready, k_empty, v_empty, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, m_tiles,
-                     num_heads_q, group_size, num_units, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
-                     qk_scale, sink_ptr, WG1, CAUSAL, HEAD_DIM, TAIL, HEAD_DIM_V, BLOCK_N, K_STAGES, V_STAGES, Q_BUFS,
-                     PERSISTENT, VARLEN, HAS_SINK)),
+        (_consumer, (q_desc, o_desc, out_ptr, lse_ptr, q_smem, qt_smem, k_bufs, kt_bufs, v_bufs, p_bufs, q_bar,
+                     q_empty, k_ready, v_ready, k_empty, v_empty, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k,
+                     m_tiles, num_heads_q, group_size, num_units, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+                     qk_scale, sink_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, stride_qsc_b, stride_qsc_h,
+                     stride_ksc_b, stride_ksc_h, stride_vsc_b, stride_vsc_h, WG0, CAUSAL, HEAD_DIM, TAIL, HEAD_DIM_V,
+                     BLOCK_N, K_STAGES, V_STAGES, Q_BUFS, PERSISTENT, VARLEN, HAS_SINK, FP8)),
+        (_consumer, (q_desc, o_desc, out_ptr, lse_ptr, q_smem, qt_smem, k_bufs, kt_bufs, v_bufs, p_bufs, q_bar,
+                     q_empty, k_ready, v_ready, k_empty, v_empty, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k,
+                     m_tiles, num_heads_q, group_size, num_units, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+                     qk_scale, sink_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, stride_qsc_b, stride_qsc_h,
+                     stride_ksc_b, stride_ksc_h, stride_vsc_b, stride_vsc_h, WG1, CAUSAL, HEAD_DIM, TAIL, HEAD_DIM_V,
+                     BLOCK_N, K_STAGES, V_STAGES, Q_BUFS, PERSISTENT, VARLEN, HAS_SINK, FP8)),
         (_producer, (q_desc, qt_desc, k_desc, kt_desc, v_desc, q_smem, qt_smem, k_bufs, kt_bufs, v_bufs, q_bar,
                      q_empty, k_ready, v_ready, k_empty, v_empty, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k,
-                     m_tiles, num_heads_q, group_size, num_units, CAUSAL, HEAD_DIM, TAIL, BLOCK_N, K_STAGES,
-                     V_STAGES, Q_BUFS, PERSISTENT, VARLEN)),
+                     m_tiles, num_heads_q, group_size, num_units, vt_gap, CAUSAL, HEAD_DIM, TAIL, BLOCK_N, K_STAGES,
+                     V_STAGES, Q_BUFS, PERSISTENT, VARLEN, FP8)),
     ], [4, 1], [240, 24])
 
 
