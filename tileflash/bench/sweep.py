@@ -35,6 +35,8 @@ FAMILY_HELP = {
                "V's head dim, e.g. 192,1,4096,128)",
     "prefill-ws": "fwd_ws / WsFwdConfig: the sm_90 Gluon forward; same shapes",
     "prefill-fp8": "fwd / FwdConfig: the Triton forward on e4m3 q, k, v with descales; same shapes",
+    "prefill-fp8-ws": "fwd_ws / WsFwdConfig: the sm_90 Gluon forward on e4m3 inputs (the planner's from 8k keys at "
+                      "d128; elsewhere give block_n, k_stages and v_stages); same shapes",
     "backward": "bwd / BwdConfig: the Triton backward; same shapes (deterministic via --vary deterministic=1)",
     "backward-ws": "bwd_ws / WsBwdConfig: the sm_90 Gluon dK/dV; same shapes",
     "decode": "decode / DecodeConfig: shapes batch,ctx,hq,hkv,d,page[,fp8] (page 0: contiguous), a bf16 cache (an "
@@ -188,7 +190,9 @@ _PREFILL_SHAPES = tuple((d, c, s) for d in (64, 128, 256) for c in (0, 1) for s 
 FAMILIES = {
     "prefill": Family("fwd", plan.FwdConfig, _PREFILL_SHAPES, _prefill, also=("fwd_ws",)),
     "prefill-ws": Family("fwd_ws", plan.WsFwdConfig, _PREFILL_SHAPES, _prefill),
-    "prefill-fp8": Family("fwd", plan.FwdConfig, _PREFILL_SHAPES, _prefill_fp8),
+    "prefill-fp8": Family("fwd", plan.FwdConfig, _PREFILL_SHAPES, _prefill_fp8, also=("fwd_ws",)),
+    "prefill-fp8-ws": Family("fwd_ws", plan.WsFwdConfig, tuple((128, c, s) for c in (0, 1) for s in (8192, 16384)),
+                             _prefill_fp8),
     "backward": Family("bwd", plan.BwdConfig, _PREFILL_SHAPES, _backward, also=("bwd_ws",)),
     "backward-ws": Family("bwd_ws", plan.WsBwdConfig, tuple(s for s in _PREFILL_SHAPES if s[0] != 256), _backward),
     "decode": Family("decode", plan.DecodeConfig, ((1, 8192, 32, 8, 128, 0), (1, 32768, 32, 8, 128, 0),
