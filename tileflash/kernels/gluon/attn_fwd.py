@@ -257,7 +257,8 @@ def _consumer(q_desc, o_desc, out_ptr, lse_ptr, q_smem, qt_smem, k_bufs, kt_bufs
                                                        instr_shape=[16, BLOCK_N, K_INSTR])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM_V, K_INSTR])
-    # P feeds the PV product from registers: S's accumulator layout maps onto wgmma's A fragments.
+    # 16-bit P feeds the PV product from registers: S's accumulator layout maps onto wgmma's A fragments (FP8's P
+    # goes through shared memory: _p_operand).
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4 if FP8 else 2)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     s_init = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, s_layout)  # ignored (use_acc=False): only its layout counts
@@ -315,15 +316,15 @@ def _consumer(q_desc, o_desc, out_ptr, lse_ptr, q_smem, qt_smem, k_bufs, kt_bufs
                     if j >= full_hi:
                         s = _masked(s, j, row0, sq, sk, CAUSAL, BLOCK_N)
                     p_next, m_i, l_i, alpha = _softmax(s, m_i, l_i, tile_scale, P_SHIFT)
-                    p_next = p_next.to(dtype)
                     if FP8:  # (P in shared memory: waiting for the product frees its buffer)
+                        p_next = p_next.to(dtype)  # before the wait, as timed (run 243; after it: no stack, untimed)
                         pv = warpgroup_mma_wait(0, deps=(pv,))
                         acc = acc + pv
                     else:
                         acc, p = warpgroup_mma_wait(0, deps=(acc, p))  # p stays live until its product read it
                     mbarrier.arrive(v_empty.index(prev), count=1)
                     acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
-                    p = _p_operand(p_next, p_buf, p_layout, FP8)
+                    p = _p_operand(p_next.to(dtype), p_buf, p_layout, FP8)
                 if PERSISTENT:
                     mbarrier.arrive(q_empty.index(qi), count=1)  # every S product of this tile has retired
                 last = (it + n_hi - 1) % V_STAGES
