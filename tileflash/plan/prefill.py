@@ -198,8 +198,9 @@ def fwd_ws_config(head_dim: int, causal: bool, seqlen_k: int, head_dim_v: int | 
 # forward: d128 from 8k keys, 128 keys, 4 + 4 stages (H100, session 47, probe/fp8_sweep.py and fp8_sweep2.py, 16k
 # tokens, TFLOP/s, Gluon vs the Triton FP8 kernel): 8k 764 vs 659 (causal 688 vs 669), 16k 765-770 vs 673-678
 # (769-776 vs 722-735), 32k 762 vs 687 (796 vs 783); at 4k 714 vs 726 (581 vs 629) and 1k 472 vs 529. d64 lost
-# everywhere (16k 487-496 vs 584, 1k 324 vs 458) and 64-key steps ran 10-20% slower. The P buffer's store, fence
-# and barrier each step are what a register P would save (triton's wgmma wait takes no 8-bit operand to keep live).
+# everywhere (16k 487-496 vs 584, 1k 324 vs 458) and 64-key steps ran 10-20% slower. The needle test (65,536 keys,
+# tests/ops/test_fp8_prefill.py) runs on it. What holds it back: P's shared-memory round trip each step, which a
+# register P would keep as triton's conversion to the 8-bit A layout (benchmarks/NEXT.md).
 FP8_WS_MIN_KEYS = 8192
 
 
