@@ -270,6 +270,27 @@ def check_cache_behaviour():
         JITFunction.run = run
 
 
+def check_optional_tensors():
+    """A call with an optional tensor (ALiBi slopes, a sink) after the same shapes without it gets a plan of its
+    own, and the plain call's plan serves the plain call again (plan keys hold the optional tensors' keys only when
+    one is given: direct.optional_keys)."""
+    from tileflash.ops import kvcache, prefill
+
+    direct.clear_all()
+    fn, (q, kc, vc, lens) = _decode()
+    fn()
+    plain = set(map(id, kvcache._PLANS.values()))
+    tileflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, alibi_slopes=torch.rand(q.shape[2]))
+    assert len(kvcache._PLANS) == 2, "a call with alibi_slopes reused the plain call's plan"
+    fn()
+    assert len(kvcache._PLANS) == 2 and plain <= set(map(id, kvcache._PLANS.values()))
+    q, k, v = (torch.randn(1, 64, 2, 64, dtype=bf) for _ in range(3))
+    tileflash.flash_attn_func(q, k, v, causal=True)
+    tileflash.flash_attn_func(q, k, v, causal=True, learnable_sink=torch.zeros(2))
+    tileflash.flash_attn_func(q, k, v, causal=True)
+    assert len(prefill._PUBLIC_DENSE) == 2, f"{len(prefill._PUBLIC_DENSE)} plans for a plain and a sink call"
+
+
 def check_empty_calls():
     """Calls with nothing to launch (an empty GEMM dimension, an empty batch) return empty results through the
     plans on an sm_90 target (an empty GEMM once divided by zero choosing its tiles on the H200)."""
@@ -284,7 +305,8 @@ def check_empty_calls():
 def main() -> int:
     driver.set_active(Sm90CompileOnly())
     checks = {name: (lambda name=name, make=make: check_equivalence(name, *make())) for name, make in CASES.items()}
-    checks.update({"cache behaviour": check_cache_behaviour, "empty calls": check_empty_calls})
+    checks.update({"cache behaviour": check_cache_behaviour, "empty calls": check_empty_calls,
+                   "optional tensors": check_optional_tensors})
     failed = 0
     for name, check in checks.items():
         try:

@@ -156,3 +156,21 @@ def test_launch_drops_stages_that_overflow_shared_memory():
     for kernel in (Kernel(fits_at=0), Kernel(fits_at=1, resource="registers")):
         with pytest.raises(OutOfResources):
             direct.launch(kernel, (1,), num_stages=2)
+
+
+def test_plan_keys_tell_optional_tensors_apart():
+    """A plan key holds the optional tensors' keys only when one is given (direct.optional_keys); a call with an
+    extra after the same shapes without it (and back) gets the extra's plan, not the cached plain one."""
+    t = torch.zeros(2, dtype=torch.int32)
+    assert direct.optional_keys(None, None) == ()
+    assert direct.optional_keys(None, t) == (None, direct.tensor_key(t))
+    q, k, v = attention_inputs(1, 5, 40, 4, 2, 32, torch.float16)
+    lens = torch.tensor([40], dtype=torch.int32, device=q.device)
+    slopes = torch.full((4,), 0.5, device=q.device)
+    plain = tileflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens)
+    biased = tileflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, alibi_slopes=slopes)
+    assert not torch.allclose(plain, biased)
+    assert torch.equal(tileflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens), plain)
+    dense = tileflash.flash_attn_func(q, k, v)
+    assert not torch.allclose(dense, tileflash.flash_attn_func(q, k, v, alibi_slopes=slopes))
+    assert torch.equal(tileflash.flash_attn_func(q, k, v), dense)

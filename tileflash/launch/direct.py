@@ -45,6 +45,15 @@ def tensor_key(t):
     return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15
 
 
+def optional_keys(*tensors) -> tuple:
+    """tensor_key of each optional tensor argument, or () when none is given (a common call's key stays short to
+    build and hash)."""
+    for t in tensors:
+        if t is not None:
+            return tuple(map(tensor_key, tensors))
+    return ()
+
+
 class _Ptr:
     """A pointer stand-in for a TMA descriptor's base at an offset from its slot (the launcher reads data_ptr())."""
     __slots__ = ("ptr",)
