@@ -153,7 +153,7 @@ def _fp8_call(q, k, v, causal, **kw):
     q8, k8, v8, qd, kd, vd = tileflash.fp8_quantize_qkv(q, k, v)
     out, lse = tileflash.flash_attn_func(q8, k8, v8, causal=causal, return_lse=True, q_descale=qd, k_descale=kd,
                                          v_descale=vd, **kw)
-    return out, lse, (dequantize(q8, qd), dequantize(k8, kd), dequantize(v8, vd)), q8, k8
+    return out, lse, (dequantize(q8, qd), dequantize(k8, kd), dequantize(v8, vd))
 
 
 @needs_sm90
@@ -166,7 +166,7 @@ def test_ws_forward_fp8(case, out_dtype, monkeypatch):
         *a, **kw))
     q, k, v = attention_inputs(b, sq, sk, hq, hkv, d, torch.bfloat16)
     with config.override(fwd_ws=lambda cfg: cfg or FORCED):
-        out, lse, deq, _, _ = _fp8_call(q, k, v, causal, out_dtype=out_dtype)
+        out, lse, deq = _fp8_call(q, k, v, causal, out_dtype=out_dtype)
     assert launches, "this case no longer takes the warp-specialised forward"
     check_fp8(out, lse, lambda up, inter: attention_ref(*deq, causal=causal, upcast=up, intermediate_dtype=inter),
               out_dtype)
@@ -180,7 +180,7 @@ def test_ws_forward_fp8_tile_configs(tile):
     q, k, v = attention_inputs(2, 1100, 1300, 16, 4, 128, torch.bfloat16, seed=5)
     sink = torch.randn(16, device=DEVICE)
     with config.override(fwd_ws=lambda cfg: tile):
-        out, lse, deq, _, _ = _fp8_call(q, k, v, True, learnable_sink=sink)
+        out, lse, deq = _fp8_call(q, k, v, True, learnable_sink=sink)
     check_fp8(out, lse, lambda up, inter: attention_ref(*deq, causal=True, learnable_sink=sink, upcast=up,
                                                         intermediate_dtype=inter))
 
