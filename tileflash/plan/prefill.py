@@ -168,7 +168,7 @@ def fwd_ws_config(head_dim: int, causal: bool, seqlen_k: int, head_dim_v: int | 
            108: causal 1k 355 vs 436). The Triton kernel: 440-540 / 263-529. (Run 58, with one ring for K and V:
            465-520 / 347-515 at 2 stages, so not taken then.)
       d192 with V's head dim 128 (DeepSeek-V3's prefill; head_dim_v, else V's is q's): Q and K as 128 + 64
-           columns (split_head_dim), 128 keys, 2 + 2 stages (208 KB), d128's persistent rule (H100, session 47,
+           columns (split_head_dim), 128 keys, 2 + 2 stages (208 KB), d128's persistent rule (H100, run 240,
            probe/ds_sweep.py, 16 heads, at 1k / 4k / 16k): full 551 / 639 / 677 vs cuDNN 516 / 588 / 616, causal
            420 / 566 / 650 vs 405 / 529 / 558; the Triton kernel (QK^T padded to 256) 296 / 366 / 346 and 227 / 314
            / 358. 64-key steps (3 + 3, 4 + 4, 3 + 2 stages) ran 5-15% slower; persistent CTAs won causal 4k (598
@@ -195,7 +195,7 @@ def fwd_ws_config(head_dim: int, causal: bool, seqlen_k: int, head_dim_v: int | 
 
 
 # FP8 attention (e4m3 q, k, V^T; P through shared memory, each block's P V added into the fp32 acc) on the Gluon
-# forward: d128 from 8k keys, 128 keys, 4 + 4 stages (H100, session 47, probe/fp8_sweep.py and fp8_sweep2.py, 16k
+# forward: d128 from 8k keys, 128 keys, 4 + 4 stages (H100, run 240: probe/fp8_sweep.py and fp8_sweep2.py, 16k
 # tokens, TFLOP/s, Gluon vs the Triton FP8 kernel): 8k 764 vs 659 (causal 688 vs 669), 16k 765-770 vs 673-678
 # (769-776 vs 722-735), 32k 762 vs 687 (796 vs 783); at 4k 714 vs 726 (581 vs 629) and 1k 472 vs 529. d64 lost
 # everywhere (16k 487-496 vs 584, 1k 324 vs 458) and 64-key steps ran 10-20% slower. The needle test (65,536 keys,
