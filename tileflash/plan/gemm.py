@@ -83,19 +83,27 @@ GEMM_WGMMA_MAX_M = 1024
 GEMM_WGMMA_K_MULTIPLE = 256  # whole 16-byte scale boxes; slices of whole stages of one or two 128-value steps
 GEMM_WGMMA_STAGE_BYTES = 208 * 1024  # of the H200's 227 KB, what the ring may take
 GEMM_WGMMA_MAX_STAGES = 6
+# 16-row activation tiles (M <= 16) keep fewer stages in flight: runs 246-247 (H100, graph replay, us, 4 vs 6
+# stages): N=K=8192 M=1 21.7 / 21.1 vs 22.2-22.8 / 21.6-22.1, M=16 23.3 / 22.5 vs 23.6-24.5; N=28672 K=4096 M=1
+# 30.9 vs 31.4, M=16 32.8 / 31.8 vs 32.4-33.2 (3 stages: within 1% of 6 or worse, except N=K=4096 M=16 10.9 vs 11.5).
+GEMM_WGMMA_DECODE_STAGES = 4
 GEMM_WGMMA_MIN_SLICE_STEPS = 8
+# What a work unit costs beyond its MMA steps (its epilogue, the ring's turn to the next unit), in steps. Fitted to
+# run 246 (H100, graph replay, us, split 1 / 2 / 4 slices): N=28672 K=4096 M=1 31.2 / 34.3 / 33.3 (four slices, the
+# estimate without it, were 7% slower than one), N=K=8192 M=1 27.2 / 22.1 / 22.9, M=16 27.9 / 23.5 / 24.4.
+GEMM_WGMMA_UNIT_STEPS = 2.6
 
 
 def gemm_wgmma_split(units: int, steps: int, m: int, n: int, k: int, num_sms: int = 132) -> int:
-    """K slices of the persistent wgmma GEMM: the count with the lowest estimate of (steps of the busiest CTA:
-    ceil(units x split / CTAs) x steps / split) x (1 + the fp32 partials' traffic, 2 x split x M x N x 4 bytes,
-    over the weight's bytes); slices of an even number of 128-value steps, at least GEMM_WGMMA_MIN_SLICE_STEPS;
-    ties take fewer slices."""
+    """K slices of the persistent wgmma GEMM: the count with the lowest estimate of (the busiest CTA's work:
+    ceil(units x split / CTAs) x (steps / split + GEMM_WGMMA_UNIT_STEPS)) x (1 + the fp32 partials' traffic, 2 x
+    split x M x N x 4 bytes, over the weight's bytes); slices of an even number of 128-value steps, at least
+    GEMM_WGMMA_MIN_SLICE_STEPS; ties take fewer slices."""
     weight_bytes = n * k * 9 // 16
     best, best_split = None, 1
     split = 1
     while steps % (2 * split) == 0 and steps // split >= GEMM_WGMMA_MIN_SLICE_STEPS:
-        busiest = -(-units * split // num_sms) * (steps // split)
+        busiest = -(-units * split // num_sms) * (steps // split + GEMM_WGMMA_UNIT_STEPS)
         cost = busiest * (1 + (8 * split * m * n / weight_bytes if split > 1 else 0))
         if best is None or cost < best:
             best, best_split = cost, split
@@ -114,7 +122,8 @@ def gemm_wgmma_config(m: int, n: int, k: int, num_sms: int = 132, block_m: int =
     the call, or when K is not a multiple of GEMM_WGMMA_K_MULTIPLE: the Triton kernel). The activation rows are
     wgmma's N: 16 up to M = 16, 32 up to 32, 64 up to 64, else 128; K slices by gemm_wgmma_split; stages of two MMA
     steps up to block_m 64, of one above (a 128-row activation tile makes a two-step stage 82 KB: two of them hold
-    too few steps in flight); the stages fill GEMM_WGMMA_STAGE_BYTES. block_m / consumers / split_k > 0 force those
+    too few steps in flight); the stages fill GEMM_WGMMA_STAGE_BYTES, at most GEMM_WGMMA_MAX_STAGES (at 16 rows
+    GEMM_WGMMA_DECODE_STAGES). block_m / consumers / split_k > 0 force those
     choices (the sweep).
     Measured (`sweep gemm-wgmma`, graph replay over inputs rotated past the L2, us): two consumers beat one by
     1.17-1.24x everywhere (run 154), three are 1.1-1.3x slower than two at M <= 16 (run 162); block_m 64 / 128 as
@@ -133,9 +142,9 @@ def gemm_wgmma_config(m: int, n: int, k: int, num_sms: int = 132, block_m: int =
     split = split_k or gemm_wgmma_split(units, steps, m, n, k, num_sms)
     per_stage = 2 if block_m <= 64 else 1
     stage_bytes = per_stage * (2 * block_m * 64 * 2 + consumers * 64 * 64) + consumers * 64 * 16
-    return GemmWgmmaConfig(block_m=block_m, consumers=consumers,
-                           stages=min(GEMM_WGMMA_MAX_STAGES, GEMM_WGMMA_STAGE_BYTES // stage_bytes), split_k=split,
-                           steps=per_stage)
+    stages = min(GEMM_WGMMA_DECODE_STAGES if block_m == 16 else GEMM_WGMMA_MAX_STAGES,
+                 GEMM_WGMMA_STAGE_BYTES // stage_bytes)
+    return GemmWgmmaConfig(block_m=block_m, consumers=consumers, stages=stages, split_k=split, steps=per_stage)
 
 
 @dataclass(frozen=True)
