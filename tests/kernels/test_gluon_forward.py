@@ -25,8 +25,11 @@ CASES = [
     (2, 1000, 1100, 16, 4, 128, True),  # causal Sq < Sk: the diagonal shifted by Sk - Sq
     (1, 300, 97, 8, 1, 128, True),  # MQA, causal Sq > Sk: the first rows see no key (out 0, lse -inf)
     (3, 1024, 2000, 6, 3, 64, False),  # d64 non-causal
-    (1, 2500, 2500, 2, 2, 64, True),  # d64 causal, 20 tiles: 10 units of a heavy and a light tile
-    (2, 600, 700, 8, 2, 64, True),  # d64 causal with short rows (persistent CTAs; they took the Triton tile)
+    (1, 2500, 2500, 8, 2, 64, True),  # d64 causal, 20 tiles a head (160 > 132 SMs): persistent, 10 units a head of a
+    # heavy and a light tile
+    (1, 2500, 2500, 2, 2, 64, True),  # 40 tiles: one CTA each (plan.prefill.one_wave_rule)
+    (2, 600, 700, 16, 2, 64, True),  # d64 causal with short rows, 160 tiles: persistent CTAs (they took the Triton
+    # tile)
     (1, 4096, 4096, 2, 1, 128, True),  # many full blocks: the ring wraps over all three stages many times
     (2, 700, 900, 4, 2, 256, True),  # d256, <= 1024 keys: two K stages
     (1, 1500, 1300, 2, 1, 256, False),  # d256 with three K and two V stages, Sq > Sk

@@ -15,6 +15,7 @@ from tileflash.plan import (COMBINE_TILE, KV_ELEMENT_BYTES, LONG_SPLIT_PROGRAMS_
                             mla_decode_config, mma_sync_target, num_splits_heuristic, padded_head_dim,
                             quant_decode_config, small_shared_memory, split_head_dim, tensor_memory)
 from tileflash.plan import decode as plan_decode
+from tileflash.plan.prefill import one_wave_rule
 
 H200_SMS = 132
 H200_SMEM = SHARED_MEM_PER_BLOCK[90]
@@ -138,6 +139,20 @@ def test_fwd_ws_config_properties():
 def test_fwd_ws_config_anchors(d, causal, seqlen_k, expected):
     c = fwd_ws_config(d, causal, seqlen_k)
     assert (c.block_n, c.k_stages, c.v_stages, c.persistent, c.q_bufs) == expected
+
+
+@pytest.mark.parametrize("tiles, sms, persistent", [
+    (128, 132, False),  # b=1 s=512 32 heads: every tile on its own SM at once
+    (132, 132, False),
+    (133, 132, True),  # past one wave: persistent pairs keep the causal blocks balanced
+    (256, 132, True),  # b=1 s=1024 32 heads
+    (80, 78, True),  # a smaller GPU: the rule counts its SMs
+])
+def test_one_wave_rule(tiles, sms, persistent):
+    for c in (WsFwdConfig(128, 3, 3, persistent=True), WsFwdConfig(128, 3, 3, persistent=True, q_bufs=2)):
+        got = one_wave_rule(c, tiles, sms)
+        assert got.persistent == persistent and (got.q_bufs == 1 or got.persistent)
+        assert one_wave_rule(dataclasses.replace(c, persistent=False, q_bufs=1), tiles, sms).persistent is False
 
 
 def test_fwd_ws_config_deepseek_and_split_head_dims():

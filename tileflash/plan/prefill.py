@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .. import config
+from .._utils import num_sms
 from .target import (has_tma, mma_sync_target, tma_4d_ok, padded_head_dim, small_shared_memory, sm90_target,
                      tensor_memory)
 
@@ -173,6 +174,8 @@ def fwd_ws_config(head_dim: int, causal: bool, seqlen_k: int, head_dim_v: int | 
            420 / 566 / 650 vs 405 / 529 / 558; the Triton kernel (QK^T padded to 256) 296 / 366 / 346 and 227 / 314
            / 358. 64-key steps (3 + 3, 4 + 4, 3 + 2 stages) ran 5-15% slower; persistent CTAs won causal 4k (598
            vs 558) and lost at 16k (621 vs 687), as for d128.
+    (Those rules were measured at 16k tokens, many waves of tiles; ws_forward_config keeps one CTA per tile
+    wherever all tiles fit one wave: one_wave_rule.)
     Run-to-run spread of one kernel is up to 10% on these machines (run 108 timed one kernel twice: d64 full 8k
     452 / 407), so only gains seen at several lengths were taken. Other head dims would need padding inside the
     kernel, which it does not do."""
@@ -233,12 +236,31 @@ def ws_forward_config(q4, k4, v4, out4, softmax_scale: float, mask: Mask, max_se
         return None
     if fp8 and vt_gap < VALUES_T_WIDE_GAP:
         return None
-    cfg = config.chosen("fwd_ws", fwd_ws_config(q4.shape[3], mask.window_right == 0,
-                                                k4.shape[1] if max_seqlen_k is None else max_seqlen_k,
-                                                head_dim_v=v4.shape[3], fp8=fp8))
+    cfg = fwd_ws_config(q4.shape[3], mask.window_right == 0, k4.shape[1] if max_seqlen_k is None else max_seqlen_k,
+                        head_dim_v=v4.shape[3], fp8=fp8)
+    if cfg is not None and max_seqlen_k is None:
+        cfg = one_wave_rule(cfg, q4.shape[0] * q4.shape[2] * -(-q4.shape[1] // WS_TILE_ROWS), num_sms(q4.device))
+    cfg = config.chosen("fwd_ws", cfg)
     if cfg is None or not all(tma_4d_ok(t) for t in (q4, k4, v4, out4)):
         return None
     return cfg if max_seqlen_k is None else replace(cfg, persistent=False)
+
+
+WS_TILE_ROWS = 128  # query rows per tile of the warp-specialised forward (two warpgroups of 64)
+
+
+def one_wave_rule(cfg: WsFwdConfig, tiles: int, sms: int = 132) -> WsFwdConfig:
+    """One CTA per tile where every tile gets its own SM at once (tiles <= sms), persistent CTAs only past that:
+    a persistent CTA walks two tiles of a head (the heaviest with the lightest causal one), so one wave of them
+    runs on half the SMs for the sum of two tiles' blocks, where one CTA per tile finishes with the heaviest
+    (b=1 s=512 32 heads: 64 CTAs of 4 + 1 causal blocks, or 8 full ones, against 128 of at most 4). Run 249 (H100,
+    graph replay, us, persistent -> one CTA a tile, cuDNN): d128 b=1 s=512 32 heads causal 18.2 -> 11.9 (12.9),
+    full 21.7 -> 11.2 (12.5); s=256 causal 15.3 -> 9.0 (9.1); s=128 8.7 -> 6.8 (7.5); s=1024 16 heads causal
+    23.5 -> 17.4 (19.0); s=2048 8 heads causal 35.5 -> 29.3 (31.9); d64 s=512 causal 13.9 -> 9.5 (9.9), full
+    15.9 -> 9.2 (9.7). Past one wave the pairs win: s=1024 32 heads (256 tiles) 25.0 vs 31.3."""
+    if cfg.persistent and tiles <= sms:
+        return replace(cfg, persistent=False, q_bufs=1)
+    return cfg
 
 
 # FP8 attention's V^T keeps each sequence's columns this far apart when it can (launch/tensors.values_t_column):
