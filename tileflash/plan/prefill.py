@@ -147,6 +147,9 @@ class WsFwdConfig:
     q_bufs: int = 1  # persistent: Q buffers per warpgroup (2: the next tile's Q loads a whole tile ahead)
 
 
+WS_TILE_ROWS = 128  # query rows per tile of the warp-specialised forward (two warpgroups of 64)
+
+
 def fwd_ws_config(head_dim: int, causal: bool, seqlen_k: int, head_dim_v: int | None = None,
                   fp8: bool = False) -> WsFwdConfig | None:
     """Whether prefill takes the warp-specialised forward, by shape (ws_forward_config adds what the
@@ -244,9 +247,6 @@ def ws_forward_config(q4, k4, v4, out4, softmax_scale: float, mask: Mask, max_se
     if cfg is None or not all(tma_4d_ok(t) for t in (q4, k4, v4, out4)):
         return None
     return cfg if max_seqlen_k is None else replace(cfg, persistent=False)
-
-
-WS_TILE_ROWS = 128  # query rows per tile of the warp-specialised forward (two warpgroups of 64)
 
 
 def one_wave_rule(cfg: WsFwdConfig, tiles: int, sms: int = 132) -> WsFwdConfig:
