@@ -5,7 +5,10 @@ time of the same call replayed from a CUDA graph (no host work), and the same tw
 flash / cuDNN / default, FA4, FlashInfer, torch.matmul). tileflash also runs with direct launches off
 (`tileflash plain`: Triton's JIT launch and the Python launchers on every call, what every call cost before the
 launch layer), so one run shows the layer's effect. A call whose eager time is well above its graph time is
-host-bound. Each callable's output is checked against an fp32 reference before it is timed.
+host-bound. Each callable's output is checked against an fp32 reference before it is timed. Forward + backward
+rows also time an empty Python autograd.Function (`autograd.Function floor`: it allocates the output and the
+gradients, launches nothing): what any attention op written in Python pays in eager autograd before it does any
+work (its backward runs in autograd's device thread and takes the GIL there).
 
 Without a GPU (or with --no-launch), the host path alone: CPU tensors through Triton's real compiler with launches
 made no-ops (bench/standin.py), so a host-time regression shows on any machine.
@@ -24,6 +27,7 @@ from tileflash.bench.table import format_table
 CALLS = 100  # back-to-back calls per timed repeat
 REPEATS = 7
 TOL = 3e-2  # max abs error of bf16 outputs (fp32 reference of the same inputs)
+FLOOR = "autograd.Function floor"  # a row of no output to check (see the module docstring)
 
 
 def eager_us(fns: dict, device, calls=CALLS, repeats=REPEATS, context=None) -> dict:
@@ -119,6 +123,7 @@ def _cases(device, with_peers: bool):
         if with_peers:
             for name in ("flash", "cudnn"):
                 backends[f"sdpa_{name}"] = _fwd_bwd(_sdpa(qg, kg, vg), (qg, kg, vg), dout)
+        backends[FLOOR] = _fwd_bwd(lambda qg=qg, kg=kg, vg=vg: _Floor.apply(qg, kg, vg), (qg, kg, vg), dout)
         leaves32 = [t.detach().float().requires_grad_() for t in (q, k, v)]
         refs = torch.autograd.grad(_ref_attention(*leaves32, True), leaves32, dout.float())
         rows.append(("flash_attn_func fwd+bwd", f"s={s} 32 heads d128 causal", backends,
@@ -173,6 +178,21 @@ def _fwd_bwd(forward, leaves, dout):
     return fn
 
 
+class _Floor(torch.autograd.Function):
+    """An attention op's eager autograd with the attention left out (FLOOR)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = torch.empty_like(q)
+        ctx.save_for_backward(q, k, v, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
 def _plain(fn):
     """fn with direct launches off (every call through Triton's JIT launch and the Python launchers)."""
     from tileflash.launch import direct
@@ -199,7 +219,7 @@ def run_host(no_launch: bool = False) -> list[dict]:
     results, table = [], []
     for op, shape, backends, check in _cases(device, with_peers=not no_launch):
         rows, timed = [], {}
-        for name, fn in list(backends.items()) + ([("tileflash plain", _plain(backends["tileflash"]))]):
+        for name, fn in list(backends.items()) + [("tileflash plain", _plain(backends["tileflash"]))]:
             if fn is None:
                 continue
             rec = {"op": op, "shape": shape, "backend": name, "eager_us": None, "graph_us": None, "max_err": None,
@@ -207,7 +227,7 @@ def run_host(no_launch: bool = False) -> list[dict]:
             try:
                 with _backend_context(name):
                     result = fn()  # a backend that fails here is left out of the timing
-                    if not no_launch:
+                    if not no_launch and name != FLOOR:
                         rec["max_err"] = check(result)
                     # (a backward captured in a graph broke the capture on the H200: eager only)
                     if not no_launch and name != "tileflash plain" and "fwd+bwd" not in op:
