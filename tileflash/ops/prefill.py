@@ -462,12 +462,12 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     grad = _utils.needs_grad(q, k, v, learnable_sink, qv)
     key = direct.tensor_key
     plan = direct.plan_for(
-        # The optional tensors' keys only where one is given: the common call's key is shorter to build and hash
-        # (~1 us of a call's host time on the CPU stand-in).
+        # The optional tensors' keys only where one is given (direct.optional_keys): the common call's key is
+        # shorter to build and hash (~1 us of a call's host time on the CPU stand-in).
         _PUBLIC_DENSE, lambda: (key(q), key(k), key(v), softmax_scale, causal, direct.window_key(window_size),
-                                softcap, return_lse, deterministic, grad, out_dtype, dropout_p)
-        + (() if alibi_slopes is learnable_sink is q_descale is k_descale is v_descale is qv is None else
-           (key(alibi_slopes), key(learnable_sink), key(q_descale), key(k_descale), key(v_descale), key(qv))),
+                                softcap, return_lse, deterministic, grad, out_dtype, dropout_p,
+                                direct.optional_keys(alibi_slopes, learnable_sink, q_descale, k_descale, v_descale,
+                                                     qv)),
         lambda: _public_dense_plan(q, k, v, softmax_scale, causal, window_size, softcap, return_lse or grad,
                                    deterministic, alibi_slopes, learnable_sink, q_descale, k_descale, v_descale,
                                    out_dtype, dropout_p, qv))
