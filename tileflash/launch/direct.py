@@ -66,13 +66,17 @@ class _Ptr:
 
 
 def _raw_launcher(compiled):
-    """(Triton's C launcher under the TMA-descriptor wrapper, the descriptors' metadata by argument position, the
-    call convention) for a compiled kernel with descriptor arguments, or None where this triton's launcher is not
-    the shape this was written against (3.6, 3.7) or needs scratch memory: then the wrapper runs as usual."""
+    """(Triton's C launcher, the descriptors' metadata by argument position, the call convention) for a compiled
+    kernel, or None where this triton's launcher is not the shape this was written against (3.6, 3.7) or needs
+    scratch memory: then CudaLauncher.__call__ runs as usual. Without descriptor arguments the C launcher is
+    CudaLauncher.launch itself (a replay skips __call__'s Python: ~1 us a launch on the CPU stand-in); with them it
+    sits in the closure of the TMA-descriptor wrapper."""
     launcher = compiled.run
     inner = getattr(launcher, "launch", None)
-    if getattr(inner, "__closure__", None) is None or launcher.global_scratch_size or launcher.profile_scratch_size:
+    if inner is None or launcher.global_scratch_size or launcher.profile_scratch_size:
         return None
+    if getattr(inner, "__closure__", None) is None:  # no descriptor wrapper: the C launcher itself
+        return inner, {}, _launcher_convention()
     cells = dict(zip(inner.__code__.co_freevars, (c.cell_contents for c in inner.__closure__)))
     raw, meta, indices = cells.get("launcher"), cells.get("tensordesc_meta"), cells.get("tensordesc_indices")
     if raw is None or not meta or indices is None or any(m is None for m in meta):
@@ -121,7 +125,9 @@ class _Launch:
         env = {"run": run, "function": compiled.function, "metadata": compiled.packed_metadata,
                "compiled": compiled, "grid": grid, "_Ptr": _Ptr}
         by_pos = {pos: (kind, slot, extra) for pos, kind, slot, extra in subs}
-        raw = _raw_launcher(compiled) if any(kind == _DESC for _, kind, _, _ in subs) else None
+        raw = _raw_launcher(compiled)
+        if raw is not None and not raw[1] and any(hasattr(value, "block_shape") for value in args):
+            raw = None  # descriptors, but no wrapper to read their metadata from: the launcher as the JIT calls it
         # Pointers go to Triton's C launcher as ints, each slot's read once: for a tensor it calls data_ptr() and
         # cuPointerGetAttribute per argument (a decode launch has ~25 pointer arguments, most of them constants).
         pointers = sorted({slot for _, kind, slot, _ in subs if kind != _DESC or raw is not None})
