@@ -393,6 +393,10 @@ def _cases(arch: int = 90):
                                                                          page=128),
         "prefill fp8 d256 paged (page 64)": lambda: fp8_prefill(256, packed=True, page=64),
         "decode 16-bit contiguous": lambda: decode("16bit"),
+        "decode 16-bit b=16 ctx 4k, one split of three 128-token stages (whole_cache_programs)":
+            lambda: decode("16bit", b=16, ctx=4096),
+        "decode 16-bit d256 b=16 ctx 4k, one split, a stage more (whole_cache_programs)":
+            lambda: decode("16bit", d=256, b=16, ctx=4096),
         "decode 16-bit b=1 ctx 8k, split, fused merge": lambda: fused_merge(lambda: decode("16bit", b=1, ctx=8192)),
         "decode 16-bit b=1 ctx 8k, split, combine launch": lambda: combine_launch(lambda: decode("16bit", b=1,
                                                                                                 ctx=8192)),

@@ -663,6 +663,32 @@ def test_decode_plan(shape, expected, gpu_planning):
     assert (cfg.block_n, splits, capacity) == (*expected, ctx)
 
 
+@pytest.mark.parametrize("programs, whole", [(32, False), (64, False), (98, False), (99, True), (128, True),
+                                              (132, True), (133, False), (256, False)])
+def test_whole_cache_programs(programs, whole):
+    """One split with a stage more from three quarters of the SMs (99 of 132) up to one wave (run 255)."""
+    assert plan_decode.whole_cache_programs(programs, H200_SMS) == whole
+
+
+# (batch, ctx, Hq, Hkv, head dim, page size or 0, num_splits asked, format) -> (tokens per step, stages, splits)
+@pytest.mark.parametrize("shape, expected", [
+    ((128, 1024, 8, 1, 128, 0, 0, "16bit"), (64, 3, 1)),  # MQA, 128 programs: the whole cache, a third stage
+    ((128, 1024, 8, 1, 64, 0, 0, "16bit"), (128, 3, 1)),  # its d64 (128-token steps at d64)
+    ((16, 4096, 32, 8, 128, 0, 0, "16bit"), (128, 3, 1)),  # 128 programs of 4k tokens: the long tile, 3 stages
+    ((12, 4096, 32, 8, 128, 0, 0, "16bit"), (64, 2, 3)),  # 96 programs: split as before
+    ((4, 8192, 32, 8, 128, 0, 0, "16bit"), (64, 2, 8)),  # 32 programs: split as before
+    ((32, 2048, 32, 8, 128, 0, 0, "16bit"), (64, 2, 1)),  # 256 programs: one split already, two stages
+    ((128, 1024, 8, 1, 128, 0, 2, "16bit"), (64, 2, 2)),  # a forced count is kept
+    ((128, 1024, 8, 1, 128, 16, 0, "16bit"), (64, 2, 3)),  # paged (gathers): not measured, split as before
+    ((128, 1024, 8, 1, 128, 0, 0, "fp8"), (64, 3, 2)),  # FP8: its own tiles, split as before
+])
+def test_decode_plan_whole_cache(shape, expected, gpu_planning, monkeypatch):
+    monkeypatch.setattr(plan_decode, "sm90_target", lambda: True)
+    b, ctx, hq, hkv, d, page, num_splits, fmt = shape
+    cfg, splits, _ = _split_plan(b, ctx, hq, hkv, d, page, num_splits, fmt)
+    assert (cfg.block_n, cfg.num_stages, splits) == expected
+
+
 # ---------------------------------------------------------------------------------------------------- MLA
 
 

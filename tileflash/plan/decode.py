@@ -278,6 +278,22 @@ PAGED_FP8_MIN_SPLITS = 2
 SHORT_SPLIT_TOKENS = 1024  # splits this short or shorter are not worth rounding the program count up for
 
 
+# Contiguous 16-bit caches whose batch x KV heads x M tiles already fill WHOLE_CACHE_MIN_WAVE of the SMs (at most one
+# wave): one program per sequence-head streams the whole cache with a stage more, instead of splitting it (sm_90).
+# Run 255 (H100, `sweep decode`, graph replay over copies past the L2, us, the split rule's count at 2 stages vs one
+# split at 3): MQA b=128 ctx 1k (128 programs) 29.8 vs 27.4, its d64 17.9 vs 15.9, GQA b=16 ctx 4k (128) 96.0 vs
+# 91.5; b=12 ctx 4k (96) 74.4 vs 74.2; 64 programs gained too (b=8 ctx 8k 95.7 vs 90.6, ctx 32k 354.6 vs 344.3, MQA
+# b=64 ctx 4k 53.1 vs 49.4), but 32 lost (b=4 ctx 8k 50.9 vs 67.2: too few SMs to pull HBM's rate, ~50 GB/s each);
+# the H200's 4.8 TB/s needs ~96 SMs at that rate, hence three quarters of them. At 256 programs (one split
+# already) the third stage lost 1-2%.
+WHOLE_CACHE_MIN_WAVE = 0.75
+
+
+def whole_cache_programs(programs: int, sms: int) -> bool:
+    """Whether programs (batch x KV heads x M tiles) take one split each with a stage more (WHOLE_CACHE_MIN_WAVE)."""
+    return WHOLE_CACHE_MIN_WAVE * sms <= programs <= sms
+
+
 COMBINE_TILE = 4096  # fp32 partials per combine program: 32 registers per thread at 4 warps
 
 
@@ -477,6 +493,11 @@ def split_plan(q, k_cache, block_table, num_splits: int, mla: bool = False):
 
     cfg = config.chosen("decode", tiles())
     splits = count(cfg)
+    if (splits > 1 and not num_splits and block_table is None and k_cache.dtype not in KV_FORMATS
+            and sm90_target() and not _utils.is_interpreter()
+            and whole_cache_programs(b * hkv * _utils.cdiv(rows, cfg.block_m), sms)):
+        whole = tiles(tokens_per_program=capacity, num_splits=1)
+        return config.chosen("decode", dataclasses.replace(whole, num_stages=whole.num_stages + 1)), 1, capacity
     long_cfg = config.chosen("decode", tiles(tokens_per_program=capacity // splits, num_splits=splits))
     if dataclasses.replace(long_cfg, fused_combine=cfg.fused_combine) != cfg:  # fewer programs fit an SM: count
         recount = count(long_cfg)  # again (never more splits than before)
