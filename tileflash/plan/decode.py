@@ -494,8 +494,7 @@ def split_plan(q, k_cache, block_table, num_splits: int, mla: bool = False):
     cfg = config.chosen("decode", tiles())
     splits = count(cfg)
     if (splits > 1 and not num_splits and block_table is None and k_cache.dtype not in KV_FORMATS
-            and sm90_target() and not _utils.is_interpreter()
-            and whole_cache_programs(b * hkv * _utils.cdiv(rows, cfg.block_m), sms)):
+            and sm90_target() and whole_cache_programs(b * hkv * _utils.cdiv(rows, cfg.block_m), sms)):
         whole = tiles(tokens_per_program=capacity, num_splits=1)
         return config.chosen("decode", dataclasses.replace(whole, num_stages=whole.num_stages + 1)), 1, capacity
     long_cfg = config.chosen("decode", tiles(tokens_per_program=capacity // splits, num_splits=splits))
