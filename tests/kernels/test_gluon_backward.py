@@ -90,6 +90,99 @@ def test_ws_backward_varlen(case, one_fence, monkeypatch, override):
     assert launches, "this case no longer takes the warp-specialised backward"
 
 
+# One launch (the kernel's ONE_LAUNCH, forced here for every case): (batch, Sq, Sk, Hq, Hkv, d, causal) — why:
+ONE_LAUNCH_CASES = [
+    (1, 1, 1, 1, 1, 128, True),  # one query, one key
+    (2, 17, 17, 4, 4, 128, True),  # a partial query block: rows past Sq are neither summed nor cast
+    (1, 128, 128, 32, 32, 128, True),  # `bench host`'s shape: one CTA per group casts its own rows
+    (1, 512, 512, 8, 8, 128, True),  # four CTAs per group: the last to arrive casts all 512 rows
+    (2, 300, 97, 8, 2, 128, True),  # GQA 4, causal Sq > Sk: rows that see no key get dQ = 0
+    (2, 1000, 1100, 4, 4, 128, False),  # rows past one chunk of statistics per warpgroup, Sk not a multiple of 128
+    (1, 500, 700, 4, 2, 64, False),  # d64
+]
+
+
+def _lse_detached(fn):
+    """fn's (out, lse) with lse out of the graph: a backward without dlse (ONE_LAUNCH does not take dlse)."""
+    def run(*args):
+        out, lse = fn(*args)
+        return out, lse.detach()
+    return run
+
+
+def _counted_kernels(monkeypatch):
+    names = []
+    real = backward.direct.launch
+    monkeypatch.setattr(backward.direct, "launch", lambda kernel, *a, **kw: names.append(kernel.fn.__name__)
+                        or real(kernel, *a, **kw))
+    return names
+
+
+@needs_sm90
+@pytest.mark.parametrize("case", ONE_LAUNCH_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_ws_backward_one_launch(case, monkeypatch, override):
+    """The backward as one launch (delta, lse2 and the dQ cast in the dK/dV kernel) against the reference, twice
+    (a recording, then a replay), leaving the zeros it borrows (direct.COUNTERS) zeroed."""
+    b, sq, sk, hq, hkv, d, causal = case
+    override(bwd_ws=lambda cfg: dataclasses.replace(cfg, one_launch=True))
+    names = _counted_kernels(monkeypatch)
+    q, k, v = _leaves(b, sq, sk, hq, hkv, d, torch.bfloat16)
+    assert _takes_ws(q, k, v, causal)
+    dout = torch.randn(b, sq, hq, d, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    no_dlse = torch.zeros(b, hq, sq, device=DEVICE)
+    for _ in range(2):
+        check_grads(_lse_detached(lambda q, k, v: tileflash.flash_attn_func(q, k, v, causal=causal,
+                                                                            return_lse=True)),
+                    lambda q, k, v, upcast: attention_ref(q, k, v, causal=causal, upcast=upcast), (q, k, v), dout,
+                    no_dlse)
+        assert not any(n in ("attn_bwd_preprocess_kernel", "sum_cast_kernel") for n in names), names
+        assert names.count("attn_bwd_ws_kernel") == 1, names  # recorded once, replayed after
+    torch.cuda.synchronize()
+    for buf in backward.direct.COUNTERS.buffers.values():
+        assert not buf.any(), "the one-launch backward left its dQ sums or counters nonzero"
+
+
+@needs_sm90
+def test_ws_backward_one_launch_varlen(monkeypatch, override):
+    """Packed sequences: the last CTA of each (sequence, KV head) casts that sequence's rows only."""
+    override(bwd_ws=lambda cfg: dataclasses.replace(cfg, one_launch=True))
+    names = _counted_kernels(monkeypatch)
+    lens_q, lens_k = [300, 0, 129, 77], [400, 12, 129, 300]
+    q, k, v, cu_q, cu_k = packed_inputs(lens_q, lens_k, 8, 2, 128, torch.bfloat16, seed=4)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    dout = torch.randn(sum(lens_q), 8, 128, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    check_grads(_lse_detached(lambda q, k, v: tileflash.flash_attn_varlen_func(
+                    q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True, return_lse=True)),
+                lambda q, k, v, upcast: attention_varlen_ref(q, k, v, cu_q, cu_k, None, causal=True, upcast=upcast),
+                (q, k, v), dout, torch.zeros(8, sum(lens_q), device=DEVICE))
+    assert "attn_bwd_ws_kernel" in names and not {"attn_bwd_preprocess_kernel", "sum_cast_kernel"} & set(names)
+    torch.cuda.synchronize()
+    for buf in backward.direct.COUNTERS.buffers.values():
+        assert not buf.any()
+
+
+@needs_sm90
+def test_ws_backward_one_launch_not_captured():
+    """A CUDA-graph capture of a backward the plan runs as one launch takes the three launches (direct.COUNTERS
+    lends no zeros to a capture); the graph's gradients match the eager call's."""
+    q, k, v = _leaves(1, 200, 200, 4, 4, 128, torch.bfloat16)
+    dout = torch.randn(1, 200, 4, 128, device=DEVICE, dtype=torch.bfloat16)
+    assert ws_backward_config(q, k, v, dout, varlen=False, window_left=-1, window_right=0, softcap=0.0).one_launch
+    eager = torch.autograd.grad(tileflash.flash_attn_func(q, k, v, causal=True), (q, k, v), dout)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up on the capture stream
+        torch.autograd.grad(tileflash.flash_attn_func(q, k, v, causal=True), (q, k, v), dout)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = torch.autograd.grad(tileflash.flash_attn_func(q, k, v, causal=True), (q, k, v), dout)
+    graph.replay()
+    torch.cuda.synchronize()
+    for e, c in zip(eager, captured):
+        torch.testing.assert_close(c, e, atol=2e-2, rtol=2e-2)
+
+
 @needs_sm90
 def test_ws_backward_strided_views():
     """q, k, v as views of one packed [B, S, 3, H, D] tensor (strided, TMA-aligned)."""

@@ -15,6 +15,7 @@ from tileflash.plan import (COMBINE_TILE, KV_ELEMENT_BYTES, LONG_SPLIT_PROGRAMS_
                             mla_decode_config, mma_sync_target, num_splits_heuristic, padded_head_dim,
                             quant_decode_config, small_shared_memory, split_head_dim, tensor_memory)
 from tileflash.plan import decode as plan_decode
+from tileflash.plan.backward import one_launch_rows
 from tileflash.plan.prefill import one_wave_rule
 
 H200_SMS = 132
@@ -199,6 +200,15 @@ def test_bwd_ws_config_properties():
 def test_bwd_ws_config_anchors(d, causal, seqlen_k, expected):
     c = bwd_ws_config(d, causal, seqlen_k)
     assert (c.block_m, c.num_stages, c.atomic_dq, c.one_fence) == expected
+
+
+@pytest.mark.parametrize("seqlen_q, group_size, expected", [
+    (128, 1, True), (512, 1, True), (513, 1, False),  # fwd+bwd eager at s=128 / 512 is host-bound (run 251)
+    (128, 4, True), (129, 4, False), (1024, 1, False),  # rows per (batch, KV head): query rows x group
+    (1, 512, True), (1, 513, False),
+])
+def test_one_launch_rows(seqlen_q, group_size, expected):
+    assert one_launch_rows(seqlen_q, group_size) is expected
 
 
 @pytest.mark.parametrize("arch", ARCHS)

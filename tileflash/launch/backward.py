@@ -2,7 +2,9 @@
 into a zeroed fp32 buffer (5 matrix products per block): on sm_90 at d64/d128 the warp-specialised Gluon kernel
 with TMA reduce-adds (plan.backward.ws_backward_config, kernels/gluon/attn_bwd.py), elsewhere the Triton kernel with
 atomics where BwdConfig.atomic_dq says so (d > 64). deterministic=True (and the Triton path at d <= 64) computes
-dQ in its own pass instead (7 products, no atomics, bitwise reproducible). See kernels/triton/attn_bwd.py."""
+dQ in its own pass instead (7 products, no atomics, bitwise reproducible). See kernels/triton/attn_bwd.py.
+Around the dK/dV kernel run a preprocess (delta, lse2, the zeroed dQ buffer) and the dQ cast; where the Gluon
+kernel serves a short eager call (plan.backward.one_launch_rows) it does all three in one launch (BwdPlan)."""
 from __future__ import annotations
 
 import functools
@@ -25,10 +27,12 @@ DQ_WORKSPACE_BYTES = 16 << 20  # b=1 s=1k 32 heads d128; beyond that the per-cal
 
 def launch_attn_bwd_ws(q4, k4, v4, do4, lse2, delta, dk4, dv4, dq_acc, *, causal: bool, softmax_scale: float,
                        config: WsBwdConfig, atomic_dq: bool, cu_seqlens_q: torch.Tensor | None = None,
-                       cu_seqlens_k: torch.Tensor | None = None, max_seqlen_k: int = 0) -> None:
+                       cu_seqlens_k: torch.Tensor | None = None, max_seqlen_k: int = 0, one_launch=None) -> None:
     """q4/do4 [B, Sq, Hq, D], k4/v4/dk4/dv4 [B, Sk, Hkv, D], lse2/delta [B, Hq, Sq] float32 from _stats_views (see
     ws_backward_config); dq_acc: the zeroed fp32 dQ buffer when atomic_dq. Varlen (cu_seqlens_q/k int32
-    [num_seqs + 1]): every tensor [1, total, H, D] and lse2/delta [1, Hq, total_q]."""
+    [num_seqs + 1]): every tensor [1, total, H, D] and lse2/delta [1, Hq, total_q]. one_launch: (o4, lse3, dq4,
+    counters) for the kernel's ONE_LAUNCH (lse3 [B, Hq, Sq] as the forward returned it, dq4 contiguous, dq_acc
+    contiguous fp32 zeros, counters int32 zeros [B * Hkv]): delta, lse2 and dq4 are then written by this launch."""
     varlen = cu_seqlens_q is not None
     b, sk, hkv, d = k4.shape
     if varlen:
@@ -38,15 +42,21 @@ def launch_attn_bwd_ws(q4, k4, v4, do4, lse2, delta, dk4, dv4, dq_acc, *, causal
     dq_rows, dq_cols = (config.block_m // 2, d) if config.dq_by_rows else (config.block_m, d // 2)
     if not atomic_dq:  # the descriptor's stand-in, never read or written
         dq_acc = _dq_stand_in(q4.device, dq_rows, dq_cols)
+    if one_launch is not None:
+        o4, lse3, dq4, counters = one_launch
+        one = (o4, do4, lse3, dq4, dq_acc, counters, *strides3(o4), *strides3(do4), *strides3(lse3), *strides3(dq4))
+    else:
+        one = (lse2,) * 6 + (0,) * 12
     direct.launch(
         gluon_bwd.attn_bwd_ws_kernel, (n_tiles * b * hkv,),
         desc_4d(q4, config.block_m), desc_4d(k4, keys), desc_4d(v4, keys), desc_4d(do4, config.block_m),
         desc_4d(dq_acc, dq_rows, dq_cols), lse2, delta, dk4, dv4, cu_seqlens_q if varlen else lse2,
         cu_seqlens_k if varlen else lse2, q4.shape[1], sk,
         n_tiles, hkv, q4.shape[2] // hkv, lse2.stride(0), lse2.stride(1), *dk4.stride()[:3], *dv4.stride()[:3],
-        softmax_scale * math.log2(math.e), softmax_scale, CAUSAL=causal, ROTATE=not causal, ATOMIC_DQ=atomic_dq,
-        HEAD_DIM=d, BLOCK_M=config.block_m, STAGES=config.num_stages, ONE_FENCE=config.one_fence,
-        DQ_BY_ROWS=config.dq_by_rows, VARLEN=varlen, num_warps=4)
+        softmax_scale * math.log2(math.e), softmax_scale, *one, CAUSAL=causal, ROTATE=not causal,
+        ATOMIC_DQ=atomic_dq, HEAD_DIM=d, BLOCK_M=config.block_m, STAGES=config.num_stages,
+        ONE_FENCE=config.one_fence, DQ_BY_ROWS=config.dq_by_rows, VARLEN=varlen, ONE_LAUNCH=one_launch is not None,
+        num_warps=4)
 
 
 @functools.lru_cache(maxsize=None)
@@ -69,18 +79,27 @@ def _stats_views(ws: torch.Tensor, lse3: torch.Tensor, start: int = 0):
 def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, delta, lse2, dq_acc, *, cfg, ws, atomic_dq: bool,
                 varlen: bool, num_batches: int, seqlen_q: int, seqlen_k: int, max_seqlen_q: int, max_seqlen_k: int,
                 cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, learnable_sink, dsink, softmax_scale: float,
-                window_left: int, window_right: int, softcap: float, dropout_p: float = 0.0, rng=None) -> None:
+                window_left: int, window_right: int, softcap: float, dropout_p: float = 0.0, rng=None,
+                counters=None) -> None:
     """All tensors 4-D [Bv, S, H, D] (v, o, do, dv: [Bv, S, H, Dv]; varlen: Bv = 1 with batch strides passed as 0)
     and lse/dlse [Bv, H, S]; delta, lse2 from _stats_views; dq_acc: the fp32 dQ buffer (contiguous, like dq4) when atomic_dq, zeroed by the
     first launch (dq4 = its scaled copy, made by the caller after these launches). cfg: the Triton kernels' tiles;
     ws: the Gluon dK/dV kernel's or None (never with alibi_slopes: fp32 [Hq] or [num_batches, Hq], or None, nor
     with learnable_sink: fp32 [Hq] or None, nor with dropout: rng the forward's seed tensor, or None). dsink: fp32
-    [Hq], zeroed, which the preprocess adds d sink into."""
+    [Hq], zeroed, which the preprocess adds d sink into. counters: int32 zeros [B * Hkv] for the Gluon kernel's
+    ONE_LAUNCH (ws.one_launch; dq_acc then zeros too), which writes delta, lse2 and dq4 itself: no preprocess, no
+    cast."""
     dev = q4.device
     hq, d = q4.shape[2], q4.shape[3]
     hkv, dv = k4.shape[2], v4.shape[3]  # dv: V's (and O's, dO's) head dim
     dims = dict(HEAD_DIM=d, HEAD_DIM_PAD=padded_head_dim(d), HEAD_DIM_V=dv, HEAD_DIM_V_PAD=padded_head_dim(dv))
     rows = lse3.numel()
+    if counters is not None:
+        launch_attn_bwd_ws(q4, k4, v4, do4, lse2, delta, dk4, dv4, dq_acc, causal=window_right == 0,
+                           softmax_scale=softmax_scale, config=ws, atomic_dq=True,
+                           cu_seqlens_q=cu_seqlens_q if varlen else None, cu_seqlens_k=cu_seqlens_k,
+                           max_seqlen_k=max_seqlen_k, one_launch=(o4, lse3, dq4, counters))
+        return
     direct.launch(
         attn_bwd_preprocess_kernel, (_utils.cdiv(rows, PREPROCESS_BLOCK_ROWS),),
         o4, do4, lse3, dlse3 if dlse3 is not None else delta, delta, lse2, dq_acc if atomic_dq else delta,
@@ -150,7 +169,7 @@ class BwdPlan(direct.Replayable):
 
     def __init__(self, q, k, v, dout, cu_seqlens_q, seqused_k, alibi_slopes, learnable_sink, max_seqlen_q: int,
                  max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int, softcap: float,
-                 deterministic: bool, dropout_p: float = 0.0):
+                 deterministic: bool, dropout_p: float = 0.0, has_dlse: bool = False):
         self.varlen = cu_seqlens_q is not None
         if self.varlen:
             num_batches, seqlen_q, seqlen_k = cu_seqlens_q.shape[0] - 1, q.shape[0], k.shape[0]  # packed rows
@@ -171,7 +190,7 @@ class BwdPlan(direct.Replayable):
         ws = None if self.empty or dropout_p else ws_backward_config(
             q4, k4, v4, do4, varlen=self.varlen, window_left=window_left, window_right=window_right,
             softcap=softcap, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k is not None,
-            alibi=alibi_slopes is not None)
+            alibi=alibi_slopes is not None, max_seqlen_q=max_seqlen_q)
         self.atomic_dq = (ws.atomic_dq if ws is not None else cfg.atomic_dq) and not deterministic
         self.softmax_scale = softmax_scale
         self.stats_numel = _stats_numel(self.lse_shape)
@@ -180,14 +199,23 @@ class BwdPlan(direct.Replayable):
         # buffers. Rounded up to keep the statistics after it 16-byte aligned.
         small = q.numel() * 4 <= DQ_WORKSPACE_BYTES
         self.dq_ws_numel = _utils.cdiv(q.numel(), 4) * 4 if self.atomic_dq and small else 0
+        # One launch for an eager call where the plan says so (ws.one_launch) and the kernel's row statistics cover
+        # the call (no dlse, no sink): dQ's accumulator and the arrival counters then come from direct.COUNTERS.
+        self.one_launch = (ws is not None and ws.one_launch and self.dq_ws_numel > 0 and not has_dlse
+                           and learnable_sink is None)
+        self.zeros_numel = self.dq_ws_numel + num_batches * k.shape[-2]
         self.kw = dict(cfg=cfg, ws=ws, atomic_dq=self.atomic_dq, varlen=self.varlen, num_batches=num_batches,
                        seqlen_q=seqlen_q, seqlen_k=seqlen_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                        softmax_scale=softmax_scale, window_left=window_left, window_right=window_right,
                        softcap=softcap, dropout_p=dropout_p)
 
     def _launch(self, q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes,
-                learnable_sink, dq, dk, dv, dsink, dq_acc, ws, rng) -> None:
-        if self.dq_ws_numel:  # the fp32 dQ accumulator heads the workspace (a TMA descriptor's 16-byte aligned start)
+                learnable_sink, dq, dk, dv, dsink, dq_acc, ws, rng, zeros) -> None:
+        counters = None
+        if zeros is not None:  # ONE_LAUNCH: dQ's accumulator and the counters are zeros the launch leaves zeroed
+            dq_acc = direct.derived(zeros[:dq.numel()].view(torch.float32).view(dq.shape), zeros)
+            counters = direct.derived(zeros[self.dq_ws_numel:self.zeros_numel], zeros)
+        elif self.dq_ws_numel:  # the fp32 dQ accumulator heads the workspace (a TMA descriptor's 16-byte aligned start)
             dq_acc = direct.derived(ws[:dq.numel()].view(dq.shape), ws)
         if self.varlen:
             q, k, v, out, dout, dq, dk, dv, lse = (direct.derived(t.unsqueeze(0), t)
@@ -199,8 +227,8 @@ class BwdPlan(direct.Replayable):
         delta, lse2 = _stats_views(ws, lse, self.dq_ws_numel)
         _launch_bwd(q, k, v, out, lse, dout, dlse, dq, dk, dv, delta, lse2, dq_acc, cu_seqlens_q=cu_seqlens_q,
                     cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, alibi_slopes=alibi_slopes,
-                    learnable_sink=learnable_sink, dsink=dsink, rng=rng, **self.kw)
-        if self.atomic_dq:
+                    learnable_sink=learnable_sink, dsink=dsink, rng=rng, counters=counters, **self.kw)
+        if self.atomic_dq and counters is None:
             launch_sum_cast(dq_acc, dq, 1, self.softmax_scale)
 
     def run(self, q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes,
@@ -220,8 +248,13 @@ class BwdPlan(direct.Replayable):
         dq_acc = torch.empty_like(dq, dtype=torch.float32) if self.atomic_dq and not self.dq_ws_numel else None
         stream = direct.current_stream(q.device)
         ws = direct.WORKSPACE.get(q.device, stream, self.dq_ws_numel + 2 * self.stats_numel)
-        self.execute(self._launch, (q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                                    alibi_slopes, learnable_sink, dq, dk, dv, dsink, dq_acc, ws, rng), stream)
+        zeros = direct.COUNTERS.get(q.device, stream, self.zeros_numel) if self.one_launch else None
+        slots = (q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, learnable_sink,
+                 dq, dk, dv, dsink, dq_acc, ws, rng, zeros)
+        if self.one_launch and zeros is None:  # inside a CUDA-graph capture (direct.Counters): the three launches
+            self._launch(*slots)
+        else:
+            self.execute(self._launch, slots, stream)
         return dq, dk, dv, dsink
 
 
@@ -240,6 +273,7 @@ def attn_backward(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seq
                          max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap,
                          deterministic, dropout_p),
         lambda: BwdPlan(q, k, v, dout, cu_seqlens_q, seqused_k, alibi_slopes, learnable_sink, max_seqlen_q,
-                        max_seqlen_k, softmax_scale, window_left, window_right, softcap, deterministic, dropout_p))
+                        max_seqlen_k, softmax_scale, window_left, window_right, softcap, deterministic, dropout_p,
+                        dlse is not None))
     return plan.run(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes,
                     learnable_sink, rng)

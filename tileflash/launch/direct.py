@@ -390,7 +390,8 @@ class Workspace:
 
 class Counters(Workspace):
     """int32 zeros per (device, stream) that every call leaves as it found them (the fused split merge's arrival
-    counters), or None inside a CUDA-graph capture: captured calls take the combine launch. A replayed graph pays
+    counters; the one-launch backward's counters and fp32 dQ sums, +0.0 being zero bits), or None inside a
+    CUDA-graph capture: captured calls take the combine launch (the backward: its three launches). A replayed graph pays
     no host time for the extra launch, and the merge by the last split of each tile cost GPU time (graph replay,
     b=1 ctx 8k: 14.6 us with the combine launch at 2492bb9, 24.2-25.2 once captures merged in the attention launch,
     run 210; run 97 measured the same), which eager calls hide behind their host time."""

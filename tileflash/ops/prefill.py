@@ -575,7 +575,8 @@ class _AttnFunction(torch.autograd.Function):
         bwd = direct.plan_for(
             ctx.plan.backward_plans,
             lambda: (direct.tensor_key(dout), direct.tensor_key(dlse)),
-            lambda: BwdPlan(q, k, v, dout, cu_q, seqused_k, alibi_slopes, learnable_sink, max_q, max_k, *rest))
+            lambda: BwdPlan(q, k, v, dout, cu_q, seqused_k, alibi_slopes, learnable_sink, max_q, max_k, *rest,
+                            has_dlse=dlse is not None))
         dq, dk, dv, dsink = bwd.run(q, k, v, out, lse, dout, dlse, cu_q, cu_k, seqused_k, alibi_slopes,
                                     learnable_sink, rng)
         return (None, dq, dk, dv, None, None, dsink, None) + (None,) * len(index)

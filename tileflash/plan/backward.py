@@ -36,6 +36,9 @@ class WsBwdConfig:
     # Each consumer warpgroup computes dQ for half the step's rows over the whole head dim (instead of all rows over
     # half the head dim): its dQ product's N is the head dim, not half of it.
     dq_by_rows: bool = False
+    # An eager call's backward in one launch (the kernel's ONE_LAUNCH: row statistics and the dQ cast in the dK/dV
+    # kernel, see ws_backward_config) instead of three; CUDA-graph captures always take the three.
+    one_launch: bool = False
 
 
 def bwd_ws_config(head_dim: int, causal: bool, seqlen_k: int) -> WsBwdConfig | None:
@@ -127,7 +130,8 @@ def _bwd_tiles(head_dim: int, arch: int | None) -> BwdConfig:
 
 
 def ws_backward_config(q, k, v, dout, *, varlen: bool, window_left: int, window_right: int, softcap: float,
-                       max_seqlen_k: int = 0, seqused_k: bool = False, alibi: bool = False) -> WsBwdConfig | None:
+                       max_seqlen_k: int = 0, seqused_k: bool = False, alibi: bool = False,
+                       max_seqlen_q: int = 0) -> WsBwdConfig | None:
     """The warp-specialised dK/dV kernel's tiles when it serves this call (sm_90, a head dim bwd_ws_config
     takes, at most a causal mask, no ALiBi, TMA-addressable tensors, V's head dim q's; varlen without seqused_k,
     tiles by max_seqlen_k), else None (the Triton kernels)."""
@@ -135,7 +139,23 @@ def ws_backward_config(q, k, v, dout, *, varlen: bool, window_left: int, window_
         return None
     if not ws_call_ok(q.dtype, Mask(window_left, window_right, softcap), alibi):
         return None
-    cfg = config.chosen("bwd_ws", bwd_ws_config(q.shape[3], window_right == 0, max_seqlen_k if varlen else k.shape[1]))
+    cfg = bwd_ws_config(q.shape[3], window_right == 0, max_seqlen_k if varlen else k.shape[1])
+    if cfg is not None:
+        cfg = replace(cfg, one_launch=one_launch_rows(max_seqlen_q if varlen else q.shape[1], q.shape[2] // k.shape[2]))
+    cfg = config.chosen("bwd_ws", cfg)
     if cfg is None or not all(tma_4d_ok(t) for t in (q, k, v, dout)):
         return None
     return cfg
+
+
+ONE_LAUNCH_MAX_ROWS = 512
+
+
+def one_launch_rows(seqlen_q: int, group_size: int) -> bool:
+    """Whether an eager backward runs as one launch of the Gluon kernel (ONE_LAUNCH): where its rows per (batch, KV
+    head), query rows x query heads per KV head, are at most ONE_LAUNCH_MAX_ROWS. Such calls spend more time on the
+    host than on the GPU (fwd + bwd b=1 s=512 32 heads d128: 166 us eager, H100 run 251), and a launch less in
+    autograd's device thread is worth more than the GPU time the one launch adds: every CTA computes delta and lse2
+    of the rows it reads (the preprocess's work, repeated by the group's CTAs), and the last CTA of a group casts
+    the group's dQ rows alone (launch/backward.BwdPlan)."""
+    return seqlen_q * group_size <= ONE_LAUNCH_MAX_ROWS

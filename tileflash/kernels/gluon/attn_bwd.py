@@ -58,6 +58,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton._C.libtriton import ir
 
 from .common import barrier, opaque_zero, packed_sequence
+from ..triton.masks import LOG2E
 
 KEYS_PER_WARPGROUP = 64  # wgmma's M: each consumer warpgroup owns 64 keys of the CTA's 128
 BLOCK_KEYS = 2 * KEYS_PER_WARPGROUP
@@ -179,6 +180,71 @@ def _load_stats(b, hq, q0, start_m, valid, seqlen_q, lse2_ptr, delta_ptr, stride
     ok = (rows < seqlen_q) & valid
     stat = b.to(gl.int64) * stride_lb + hq.to(gl.int64) * stride_lh + q0 + rows
     return gl.load(lse2_ptr + stat, mask=ok, other=float("inf")), gl.load(delta_ptr + stat, mask=ok, other=0.0)
+
+
+STATS_ROWS = gl.constexpr(64)  # rows per chunk of _row_stats
+CAST_ROWS = gl.constexpr(128)  # rows per chunk of _convert_dq (64 fp32 registers a thread: one wait per chunk)
+
+
+@gluon.jit
+def _row_stats(b, hk, group_size, q0, row_lo, seqlen_q, o_ptr, do_ptr, lse_ptr, lse2_ptr, delta_ptr, stride_ob,
+               stride_os, stride_oh, stride_dob, stride_dos, stride_doh, stride_sb, stride_sh, stride_ss, stride_lb,
+               stride_lh, WG: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """ONE_LAUNCH: the preprocess's work for the rows this CTA reads (query rows [row_lo, Sq) of every head of its
+    group): delta = rowsum(dO * O) and lse2 = lse * log2(e) (+inf for rows that saw no key) into the workspace rows
+    _load_stats reads, every second chunk of STATS_ROWS rows per warpgroup. CTAs of one group write the same
+    values into the same rows (the same code on the same inputs)."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    rows_l: gl.constexpr = gl.SliceLayout(1, layout)
+    cols = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout)), 0)
+    per_head = (seqlen_q - row_lo + STATS_ROWS - 1) // STATS_ROWS
+    for c in range(WG, per_head * group_size, 2):
+        hq = (hk * group_size + c // per_head).to(gl.int64)
+        r = row_lo + (c % per_head) * STATS_ROWS + gl.arange(0, STATS_ROWS, layout=rows_l)
+        ok = r < seqlen_q
+        row = (q0 + r).to(gl.int64)
+        ok2 = gl.expand_dims(ok, 1) & (cols < HEAD_DIM)
+        o = gl.load(o_ptr + gl.expand_dims(b.to(gl.int64) * stride_ob + row * stride_os + hq * stride_oh, 1) + cols,
+                    mask=ok2, other=0.0)
+        do = gl.load(do_ptr + gl.expand_dims(b.to(gl.int64) * stride_dob + row * stride_dos + hq * stride_doh, 1)
+                     + cols, mask=ok2, other=0.0)
+        delta = gl.sum(o.to(gl.float32) * do.to(gl.float32), axis=1)
+        lse = gl.load(lse_ptr + b.to(gl.int64) * stride_sb + hq * stride_sh + row * stride_ss, mask=ok, other=0.0)
+        stat = b.to(gl.int64) * stride_lb + hq * stride_lh + row
+        gl.store(delta_ptr + stat, delta, mask=ok)
+        gl.store(lse2_ptr + stat, gl.where(lse == float("-inf"), float("inf"), lse * LOG2E), mask=ok)
+
+
+@gluon.jit
+def _bulk_writes_done(x):
+    """Wait until this thread's TMA reduce-adds are written to global memory (tma.store_wait lowers to the .read
+    form, which only waits until their shared-memory source is read)."""
+    gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; mov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
+def _convert_dq(group, b, hk, group_size, q0, seqlen_q, n_tiles, dq_acc_ptr, dq_ptr, counter_ptr, stride_qb,
+                stride_qs, stride_qh, softmax_scale, HEAD_DIM: gl.constexpr):
+    """ONE_LAUNCH, after this CTA's dQ reduce-adds are written: count the CTA in at counter[group]; the last of the
+    group's n_tiles CTAs writes dQ = softmax_scale * the fp32 sums of the group's rows (every head of the group,
+    rows [0, Sq)) and zeroes those sums and its counter, leaving the buffer as it found it (direct.COUNTERS)."""
+    arrived = gl.atomic_add(counter_ptr + group, 1, sem="acq_rel", scope="gpu")
+    if arrived == n_tiles - 1:
+        gl.store(counter_ptr + group, 0)
+        layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+        cols = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout)), 0)
+        per_head = (seqlen_q + CAST_ROWS - 1) // CAST_ROWS
+        for c in range(per_head * group_size):
+            hq = (hk * group_size + c // per_head).to(gl.int64)
+            r = (c % per_head) * CAST_ROWS + gl.arange(0, CAST_ROWS, layout=gl.SliceLayout(1, layout))
+            ok = gl.expand_dims(r < seqlen_q, 1) & (cols < HEAD_DIM)
+            off = gl.expand_dims(b.to(gl.int64) * stride_qb + (q0 + r).to(gl.int64) * stride_qs + hq * stride_qh, 1) \
+                + cols
+            # .cg: the other CTAs' sums are in L2, not in this SM's L1
+            acc = gl.load(dq_acc_ptr + off, mask=ok, other=0.0, cache_modifier=".cg")
+            gl.store(dq_ptr + off, (acc * softmax_scale).to(dq_ptr.dtype.element_ty), mask=ok)
+            gl.store(dq_acc_ptr + off, gl.zeros_like(acc), mask=ok)
 
 
 @gluon.constexpr_function
@@ -337,14 +403,25 @@ def _finish(t_end, prev_hq, prev_m, dk, dv, b, k_all, ds_bufs, dq_w, dq_desc, ds
 def _consumer(q_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, q_ready,
               do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, seqlen_q,
               seqlen_k, n_tiles, num_heads_kv, group_size, stride_lb, stride_lh, stride_dkb, stride_dks, stride_dkh,
-              stride_dvb, stride_dvs, stride_dvh, qk_scale, softmax_scale, cu_seqlens_q, cu_seqlens_k,
+              stride_dvb, stride_dvs, stride_dvh, qk_scale, softmax_scale, cu_seqlens_q, cu_seqlens_k, one,
               WG: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr, ATOMIC_DQ: gl.constexpr,
               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, ONE_FENCE: gl.constexpr,
-              DQ_BY_ROWS: gl.constexpr, VARLEN: gl.constexpr):
+              DQ_BY_ROWS: gl.constexpr, VARLEN: gl.constexpr, ONE_LAUNCH: gl.constexpr):
+    """one: ONE_LAUNCH's arguments (see attn_bwd_ws_kernel), a tuple."""
     b, hk, tile, start_n = _tile(n_tiles, num_heads_kv)
+    group = b * num_heads_kv + hk
     # From here on b is the descriptors' batch coordinate (0 for packed sequences) and rows are the sequence's.
     b, q0, seqlen_q, k0, seqlen_k = packed_sequence(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN)
     m_lo, m_full, m_hi = _query_blocks(start_n, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, VARLEN)
+    if ONE_LAUNCH:
+        (o_ptr, do_ptr, lse_ptr, dq_ptr, dq_acc_ptr, counter_ptr, stride_ob, stride_os, stride_oh, stride_dob,
+         stride_dos, stride_doh, stride_sb, stride_sh, stride_ss, stride_qb, stride_qs, stride_qh, stats_ready,
+         dq_done) = one
+        _row_stats(b, hk, group_size, q0, m_lo * BLOCK_M, seqlen_q, o_ptr, do_ptr, lse_ptr, lse2_ptr, delta_ptr,
+                   stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh, stride_sb, stride_sh,
+                   stride_ss, stride_lb, stride_lh, WG, HEAD_DIM)
+        mbarrier.arrive(stats_ready, count=1)  # both warpgroups' rows are written before either reads them
+        mbarrier.wait(stats_ready, 0)
     n_mask = m_full - m_lo
     n_full = m_hi - m_full
     dtype: gl.constexpr = q_desc.dtype
@@ -392,23 +469,39 @@ def _consumer(q_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs,
              + gl.expand_dims(cols, 0), (dk * softmax_scale).to(dtype), mask=out_mask)
     gl.store(dv_ptr + b.to(gl.int64) * stride_dvb + hk.to(gl.int64) * stride_dvh + key_off * stride_dvs
              + gl.expand_dims(cols, 0), dv.to(dtype), mask=out_mask)
+    if ONE_LAUNCH:
+        _bulk_writes_done(t_end)
+        if WG == 0:
+            mbarrier.wait(dq_done, 0)  # the other warpgroup's reduce-adds are written
+            barrier()  # and every thread's of this one
+            _convert_dq(group, b, hk, group_size, q0, seqlen_q, n_tiles, dq_acc_ptr, dq_ptr, counter_ptr, stride_qb,
+                        stride_qs, stride_qh, softmax_scale, HEAD_DIM)
+        else:
+            mbarrier.arrive(dq_done, count=1)
 
 
 @gluon.jit
 def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, dk_ptr,
                        dv_ptr, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, n_tiles, num_heads_kv, group_size,
                        stride_lb, stride_lh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-                       qk_scale, softmax_scale, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
+                       qk_scale, softmax_scale, o_ptr, do_ptr, lse_ptr, dq_ptr, dq_acc_ptr, counter_ptr, stride_ob,
+                       stride_os, stride_oh, stride_dob, stride_dos, stride_doh, stride_sb, stride_sh, stride_ss,
+                       stride_qb, stride_qs, stride_qh, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
                        ATOMIC_DQ: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                        STAGES: gl.constexpr, ONE_FENCE: gl.constexpr, DQ_BY_ROWS: gl.constexpr,
-                       VARLEN: gl.constexpr):
+                       VARLEN: gl.constexpr, ONE_LAUNCH: gl.constexpr):
     """Grid: (n_tiles * B * Hkv,), 4 warps (the first consumer warpgroup; the partitions add 5 more). dq_desc: a
     descriptor over the fp32 dQ buffer [B, Sq, Hq, D] (zeroed; dQ without softmax_scale is added into it) with
     blocks [1, BLOCK_M / 2, 1, D] (DQ_BY_ROWS) or [1, BLOCK_M, 1, D / 2], used when ATOMIC_DQ.
     VARLEN: B sequences packed in [1, total, H, D] tensors (lse2/delta [1, Hq, total_q]), their rows and keys from
     cu_seqlens_q/k (int32 [B + 1]), n_tiles from the longest key sequence. Packed rows past a sequence's end hold
     the next sequence's rows: their lse2 is taken as +inf (P = 0, so dS = 0, and the dQ reduce-add adds zeros into
-    the next sequence's rows); keys past its end are masked and not stored."""
+    the next sequence's rows); keys past its end are masked and not stored.
+    ONE_LAUNCH (with ATOMIC_DQ, for calls whose host time exceeds their GPU time): the backward in this one launch
+    instead of three. Each CTA first writes delta and lse2 of the rows it reads (_row_stats, from o, do [B, Sq, Hq,
+    D] and lse [B, Hq, Sq] by their strides); dq_acc (the fp32 buffer under dq_desc, contiguous like dq) and
+    counter_ptr (int32 [B * Hkv]) are zeros, and the last CTA of each (batch, KV head) writes dQ into dq (strides
+    stride_q*) and leaves both zeroed (_convert_dq). Other calls pass stand-ins for these arguments."""
     dtype: gl.constexpr = q_desc.dtype
     # A leading dim of 1 lets the consumers address K and V by index (see _consume_step).
     k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
@@ -427,6 +520,14 @@ def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta
     qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
+    if ONE_LAUNCH:
+        stats_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        dq_done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(stats_ready, count=2)
+        mbarrier.init(dq_done, count=1)
+    else:  # never used
+        stats_ready = kv_bar
+        dq_done = kv_bar
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(do_ready.index(i), count=1)
@@ -448,6 +549,10 @@ def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta
     stride_dvb = gl.to_tensor(stride_dvb)
     stride_dvs = gl.to_tensor(stride_dvs)
     stride_dvh = gl.to_tensor(stride_dvh)
+    one = (o_ptr, do_ptr, lse_ptr, dq_ptr, dq_acc_ptr, counter_ptr, gl.to_tensor(stride_ob), gl.to_tensor(stride_os),
+           gl.to_tensor(stride_oh), gl.to_tensor(stride_dob), gl.to_tensor(stride_dos), gl.to_tensor(stride_doh),
+           gl.to_tensor(stride_sb), gl.to_tensor(stride_sh), gl.to_tensor(stride_ss), gl.to_tensor(stride_qb),
+           gl.to_tensor(stride_qs), gl.to_tensor(stride_qh), stats_ready, dq_done)
     WG0: gl.constexpr = 0
     WG1: gl.constexpr = 1
     # (Argument tuples are written out: a tuple built with + loses the constexprs' type.)
@@ -455,13 +560,13 @@ def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta
         (_consumer, (q_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, q_ready,
                      do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k, n_tiles,
                      num_heads_kv, group_size, stride_lb, stride_lh, stride_dkb, stride_dks, stride_dkh, stride_dvb,
-                     stride_dvs, stride_dvh, qk_scale, softmax_scale, cu_seqlens_q, cu_seqlens_k, WG0, CAUSAL,
-                     ROTATE, ATOMIC_DQ, HEAD_DIM, BLOCK_M, STAGES, ONE_FENCE, DQ_BY_ROWS, VARLEN)),
+                     stride_dvs, stride_dvh, qk_scale, softmax_scale, cu_seqlens_q, cu_seqlens_k, one, WG0, CAUSAL,
+                     ROTATE, ATOMIC_DQ, HEAD_DIM, BLOCK_M, STAGES, ONE_FENCE, DQ_BY_ROWS, VARLEN, ONE_LAUNCH)),
         (_consumer, (q_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, q_ready,
                      do_ready, qdo_empty, ds_ready, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k, n_tiles,
                      num_heads_kv, group_size, stride_lb, stride_lh, stride_dkb, stride_dks, stride_dkh, stride_dvb,
-                     stride_dvs, stride_dvh, qk_scale, softmax_scale, cu_seqlens_q, cu_seqlens_k, WG1, CAUSAL,
-                     ROTATE, ATOMIC_DQ, HEAD_DIM, BLOCK_M, STAGES, ONE_FENCE, DQ_BY_ROWS, VARLEN)),
+                     stride_dvs, stride_dvh, qk_scale, softmax_scale, cu_seqlens_q, cu_seqlens_k, one, WG1, CAUSAL,
+                     ROTATE, ATOMIC_DQ, HEAD_DIM, BLOCK_M, STAGES, ONE_FENCE, DQ_BY_ROWS, VARLEN, ONE_LAUNCH)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, do_ready,
                      qdo_empty, seqlen_q, seqlen_k, n_tiles, num_heads_kv, group_size, cu_seqlens_q, cu_seqlens_k,
                      CAUSAL, ROTATE, BLOCK_M, STAGES, VARLEN)),
