@@ -366,10 +366,10 @@ def _cases(arch: int = 90):
                                               deterministic=True).sum().backward(), backward=True),
         "prefill fwd+bwd d64, dQ by columns": backward_variant(64, False, WsBwdConfig(128, 2, True, True)),
         "prefill fwd+bwd d128 causal, two fences": backward_variant(128, True, WsBwdConfig(64, 2, True, False)),
-        "prefill fwd+bwd d64, one launch": backward_variant(64, False, WsBwdConfig(128, 2, True, True,
-                                                                                  one_launch=True)),
-        "varlen fwd+bwd d128 causal, one launch": backward_variant(
-            128, True, WsBwdConfig(64, 2, True, True, one_launch=True), varlen=True),
+        "prefill fwd+bwd d64 causal, one launch, dQ by columns": backward_variant(
+            64, True, WsBwdConfig(128, 2, True, True, one_launch=True)),
+        "varlen fwd+bwd d128, one launch": backward_variant(  # non-causal: the causal forward is another case's
+            128, False, WsBwdConfig(64, 2, True, False, one_launch=True), varlen=True),
         "varlen fwd+bwd d128 causal, warp-specialised": warp_specialised(lambda: varlen_ws(128, True, True), True),
         "varlen fwd+bwd d64, warp-specialised": warp_specialised(lambda: varlen_ws(64, False, True), True),
         "varlen fwd+bwd d64 causal, two fences": backward_variant(
