@@ -110,6 +110,12 @@ def _lse_detached(fn):
     return run
 
 
+def _assert_zeros_left_zeroed():
+    torch.cuda.synchronize()
+    for buf in backward.direct.COUNTERS.buffers.values():
+        assert not buf.any(), "the one-launch backward left its dQ sums or counters nonzero"
+
+
 def _counted_kernels(monkeypatch):
     names = []
     real = backward.direct.launch
@@ -137,9 +143,7 @@ def test_ws_backward_one_launch(case, monkeypatch, override):
                     no_dlse)
         assert not any(n in ("attn_bwd_preprocess_kernel", "sum_cast_kernel") for n in names), names
         assert names.count("attn_bwd_ws_kernel") == 1, names  # recorded once, replayed after
-    torch.cuda.synchronize()
-    for buf in backward.direct.COUNTERS.buffers.values():
-        assert not buf.any(), "the one-launch backward left its dQ sums or counters nonzero"
+    _assert_zeros_left_zeroed()
 
 
 @needs_sm90
@@ -156,9 +160,7 @@ def test_ws_backward_one_launch_varlen(monkeypatch, override):
                 lambda q, k, v, upcast: attention_varlen_ref(q, k, v, cu_q, cu_k, None, causal=True, upcast=upcast),
                 (q, k, v), dout, torch.zeros(8, sum(lens_q), device=DEVICE))
     assert "attn_bwd_ws_kernel" in names and not {"attn_bwd_preprocess_kernel", "sum_cast_kernel"} & set(names)
-    torch.cuda.synchronize()
-    for buf in backward.direct.COUNTERS.buffers.values():
-        assert not buf.any()
+    _assert_zeros_left_zeroed()
 
 
 @needs_sm90

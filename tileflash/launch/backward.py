@@ -94,20 +94,15 @@ def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, delta, lse2, dq
     hkv, dv = k4.shape[2], v4.shape[3]  # dv: V's (and O's, dO's) head dim
     dims = dict(HEAD_DIM=d, HEAD_DIM_PAD=padded_head_dim(d), HEAD_DIM_V=dv, HEAD_DIM_V_PAD=padded_head_dim(dv))
     rows = lse3.numel()
-    if counters is not None:
-        launch_attn_bwd_ws(q4, k4, v4, do4, lse2, delta, dk4, dv4, dq_acc, causal=window_right == 0,
-                           softmax_scale=softmax_scale, config=ws, atomic_dq=True,
-                           cu_seqlens_q=cu_seqlens_q if varlen else None, cu_seqlens_k=cu_seqlens_k,
-                           max_seqlen_k=max_seqlen_k, one_launch=(o4, lse3, dq4, counters))
-        return
-    direct.launch(
-        attn_bwd_preprocess_kernel, (_utils.cdiv(rows, PREPROCESS_BLOCK_ROWS),),
-        o4, do4, lse3, dlse3 if dlse3 is not None else delta, delta, lse2, dq_acc if atomic_dq else delta,
-        *((learnable_sink, dsink) if learnable_sink is not None else (delta, delta)),
-        cu_seqlens_q if varlen else delta, num_batches, o4.shape[1], hq, rows,
-        *strides3(o4), *strides3(do4), *strides3(lse3), lse2.stride(0), lse2.stride(1),
-        BLOCK_R=PREPROCESS_BLOCK_ROWS, HAS_DLSE=dlse3 is not None, ZERO_DQ=atomic_dq,
-        HAS_SINK=learnable_sink is not None, VARLEN=varlen, num_warps=4, **dims)
+    if counters is None:
+        direct.launch(
+            attn_bwd_preprocess_kernel, (_utils.cdiv(rows, PREPROCESS_BLOCK_ROWS),),
+            o4, do4, lse3, dlse3 if dlse3 is not None else delta, delta, lse2, dq_acc if atomic_dq else delta,
+            *((learnable_sink, dsink) if learnable_sink is not None else (delta, delta)),
+            cu_seqlens_q if varlen else delta, num_batches, o4.shape[1], hq, rows,
+            *strides3(o4), *strides3(do4), *strides3(lse3), lse2.stride(0), lse2.stride(1),
+            BLOCK_R=PREPROCESS_BLOCK_ROWS, HAS_DLSE=dlse3 is not None, ZERO_DQ=atomic_dq,
+            HAS_SINK=learnable_sink is not None, VARLEN=varlen, num_warps=4, **dims)
 
     def bstride(t):  # varlen tensors are one packed sequence: the batch index must not move the pointer
         return (0, t.stride(1), t.stride(2)) if varlen else strides3(t)
@@ -126,7 +121,8 @@ def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, delta, lse2, dq
         launch_attn_bwd_ws(q4, k4, v4, do4, lse2, delta, dk4, dv4, dq_acc, causal=window_right == 0,
                            softmax_scale=softmax_scale, config=ws, atomic_dq=atomic_dq,
                            cu_seqlens_q=cu_seqlens_q if varlen else None, cu_seqlens_k=cu_seqlens_k,
-                           max_seqlen_k=max_seqlen_k)
+                           max_seqlen_k=max_seqlen_k,
+                           one_launch=None if counters is None else (o4, lse3, dq4, counters))
     else:
         _launch_dkdv(q4, k4, v4, do4, lse2, delta, dk4, dv4, dq_acc, cfg, common, seq_args, lse_strides, bstride,
                      extras, varlen=varlen, num_batches=num_batches, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
