@@ -366,6 +366,8 @@ def _cases(arch: int = 90):
                                               deterministic=True).sum().backward(), backward=True),
         "prefill fwd+bwd d64, dQ by columns": backward_variant(64, False, WsBwdConfig(128, 2, True, True)),
         "prefill fwd+bwd d128 causal, two fences": backward_variant(128, True, WsBwdConfig(64, 2, True, False)),
+        "prefill fwd+bwd d64 causal s=128, one launch (eager short rows)": warp_specialised(
+            lambda: tileflash.flash_attn_func(*grad_leaves(1, 128, 4, 64), causal=True).sum().backward(), True),
         "prefill fwd+bwd d64 causal, one launch, dQ by columns": backward_variant(
             64, True, WsBwdConfig(128, 2, True, True, one_launch=True)),
         "varlen fwd+bwd d128, one launch": backward_variant(  # non-causal: the causal forward is another case's

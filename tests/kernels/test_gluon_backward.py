@@ -37,11 +37,11 @@ def _leaves(b, sq, sk, hq, hkv, d, dtype):
     return [t.requires_grad_() for t in attention_inputs(b, sq, sk, hq, hkv, d, dtype)]
 
 
-def _takes_ws(q, k, v, causal, window=(-1, -1), softcap=0.0, varlen=False, seqused_k=False):
+def _takes_ws(q, k, v, causal, window=(-1, -1), softcap=0.0, varlen=False, seqused_k=False, eager=True):
     right = 0 if causal else window[1]
     return ws_backward_config(q, k, v, torch.empty_like(q), varlen=varlen, window_left=window[0],
                               window_right=right, softcap=softcap, max_seqlen_k=k.shape[1],
-                              seqused_k=seqused_k) is not None
+                              max_seqlen_q=q.shape[1], seqused_k=seqused_k, eager=eager) is not None
 
 
 @needs_sm90
@@ -74,7 +74,7 @@ VARLEN_CASES = [
 def test_ws_backward_varlen(case, one_fence, monkeypatch, override):
     """Rows and keys past a sequence's end belong to the next one: no gradient may leak across."""
     lens_q, lens_k, hq, hkv, d, causal = case
-    override(bwd_ws=lambda cfg: dataclasses.replace(cfg, one_fence=one_fence))
+    override(bwd_ws=lambda cfg: cfg and dataclasses.replace(cfg, one_fence=one_fence))
     launches = []
     monkeypatch.setattr(backward, "launch_attn_bwd_ws",
                         lambda *a, **kw: launches.append(1) or launch_attn_bwd_ws(*a, **kw))
@@ -99,6 +99,7 @@ ONE_LAUNCH_CASES = [
     (2, 300, 97, 8, 2, 128, True),  # GQA 4, causal Sq > Sk: rows that see no key get dQ = 0
     (2, 1000, 1100, 4, 4, 128, False),  # rows past one chunk of statistics per warpgroup, Sk not a multiple of 128
     (1, 500, 700, 4, 2, 64, False),  # d64
+    (1, 128, 128, 8, 8, 64, True),  # d64 short rows: one launch where three would be the Triton kernels'
 ]
 
 
@@ -130,7 +131,7 @@ def test_ws_backward_one_launch(case, monkeypatch, override):
     """The backward as one launch (delta, lse2 and the dQ cast in the dK/dV kernel) against the reference, twice
     (a recording, then a replay), leaving the zeros it borrows (direct.COUNTERS) zeroed."""
     b, sq, sk, hq, hkv, d, causal = case
-    override(bwd_ws=lambda cfg: dataclasses.replace(cfg, one_launch=True))
+    override(bwd_ws=lambda cfg: cfg and dataclasses.replace(cfg, one_launch=True))
     names = _counted_kernels(monkeypatch)
     q, k, v = _leaves(b, sq, sk, hq, hkv, d, torch.bfloat16)
     assert _takes_ws(q, k, v, causal)
@@ -149,7 +150,7 @@ def test_ws_backward_one_launch(case, monkeypatch, override):
 @needs_sm90
 def test_ws_backward_one_launch_varlen(monkeypatch, override):
     """Packed sequences: the last CTA of each (sequence, KV head) casts that sequence's rows only."""
-    override(bwd_ws=lambda cfg: dataclasses.replace(cfg, one_launch=True))
+    override(bwd_ws=lambda cfg: cfg and dataclasses.replace(cfg, one_launch=True))
     names = _counted_kernels(monkeypatch)
     lens_q, lens_k = [300, 0, 129, 77], [400, 12, 129, 300]
     q, k, v, cu_q, cu_k = packed_inputs(lens_q, lens_k, 8, 2, 128, torch.bfloat16, seed=4)
@@ -164,16 +165,20 @@ def test_ws_backward_one_launch_varlen(monkeypatch, override):
 
 
 @needs_sm90
-def test_ws_backward_one_launch_not_captured():
-    """A CUDA-graph capture of a backward the plan runs as one launch takes the three launches (direct.COUNTERS
-    lends no zeros to a capture); the graph's gradients match the eager call's."""
-    q, k, v = _leaves(1, 200, 200, 4, 4, 128, torch.bfloat16)
-    dout = torch.randn(1, 200, 4, 128, device=DEVICE, dtype=torch.bfloat16)
+@pytest.mark.parametrize("d", [128, 64])
+def test_ws_backward_one_launch_not_captured(d, monkeypatch):
+    """A CUDA-graph capture of a backward the plan runs as one launch takes the plan of a call that is not eager
+    (direct.COUNTERS lends no zeros to a capture): three launches, the Triton kernels' at d64's short rows; the
+    graph's gradients match the eager call's."""
+    q, k, v = _leaves(1, 200, 200, 4, 4, d, torch.bfloat16)
+    dout = torch.randn(1, 200, 4, d, device=DEVICE, dtype=torch.bfloat16)
     assert ws_backward_config(q, k, v, dout, varlen=False, window_left=-1, window_right=0, softcap=0.0).one_launch
     eager = torch.autograd.grad(tileflash.flash_attn_func(q, k, v, causal=True), (q, k, v), dout)
+    names = _counted_kernels(monkeypatch)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up on the capture stream
+    with torch.cuda.stream(stream), monkeypatch.context() as m:  # warm-up: the capture's plan, compiled and recorded
+        m.setattr(backward.direct.COUNTERS, "get", lambda *a: None)
         torch.autograd.grad(tileflash.flash_attn_func(q, k, v, causal=True), (q, k, v), dout)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
@@ -183,6 +188,8 @@ def test_ws_backward_one_launch_not_captured():
     torch.cuda.synchronize()
     for e, c in zip(eager, captured):
         torch.testing.assert_close(c, e, atol=2e-2, rtol=2e-2)
+    assert "sum_cast_kernel" in names or "attn_bwd_dq_kernel" in names, names  # the three launches were captured
+    assert ("attn_bwd_ws_kernel" in names) == (d == 128), names
 
 
 @needs_sm90
@@ -208,9 +215,11 @@ def test_ws_backward_declines_what_it_does_not_do():
         qd, kd, vd = attention_inputs(1, 256, 256, 2, 2, d, torch.bfloat16)
         assert not _takes_ws(qd, kd, vd, causal=False)
     q64, k64, v64 = attention_inputs(1, 512, 512, 2, 2, 64, torch.bfloat16)  # d64, short rows: Triton kernels
-    assert not _takes_ws(q64, k64, v64, causal=True)  # causal up to 512 keys
-    assert _takes_ws(q64, k64, v64, causal=False)  # full rows past 256
-    assert not _takes_ws(*attention_inputs(1, 256, 256, 2, 2, 64, torch.bfloat16), causal=False)
+    assert not _takes_ws(q64, k64, v64, causal=True, eager=False)  # causal up to 512 keys
+    assert _takes_ws(q64, k64, v64, causal=False, eager=False)  # full rows past 256
+    assert not _takes_ws(*attention_inputs(1, 256, 256, 2, 2, 64, torch.bfloat16), causal=False, eager=False)
+    assert _takes_ws(q64, k64, v64, causal=True)  # ... unless the call is eager: then one launch of this kernel
+    assert not _takes_ws(*attention_inputs(1, 300, 300, 4, 2, 64, torch.bfloat16), causal=True)  # 600 rows
     flat = torch.randn(1 * 256 * 2 * 128 + 1, device=DEVICE, dtype=torch.bfloat16)
     misaligned = flat[1:].view(1, 256, 2, 128)  # base not 16-byte aligned: no TMA descriptor
     assert not _takes_ws(misaligned, k, v, causal=False)

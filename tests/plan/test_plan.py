@@ -15,7 +15,7 @@ from tileflash.plan import (COMBINE_TILE, KV_ELEMENT_BYTES, LONG_SPLIT_PROGRAMS_
                             mla_decode_config, mma_sync_target, num_splits_heuristic, padded_head_dim,
                             quant_decode_config, small_shared_memory, split_head_dim, tensor_memory)
 from tileflash.plan import decode as plan_decode
-from tileflash.plan.backward import one_launch_rows
+from tileflash.plan.backward import WS_BWD_KEYS, one_launch_rule
 from tileflash.plan.prefill import one_wave_rule
 
 H200_SMS = 132
@@ -202,13 +202,28 @@ def test_bwd_ws_config_anchors(d, causal, seqlen_k, expected):
     assert (c.block_m, c.num_stages, c.atomic_dq, c.one_fence) == expected
 
 
-@pytest.mark.parametrize("seqlen_q, group_size, expected", [
-    (128, 1, True), (512, 1, True), (513, 1, False),  # fwd+bwd eager at s=128 / 512 is host-bound (run 251)
-    (128, 4, True), (129, 4, False), (1024, 1, False),  # rows per (batch, KV head): query rows x group
-    (1, 512, True), (1, 513, False),
+def test_bwd_ws_config_one_launch():
+    """An eager call's one launch (one_launch_rule) takes the kernel at every head dim it has, d64's short rows
+    included (run 257), with the tiles of its longer rows."""
+    for d, causal in itertools.product((64, 128), (False, True)):
+        c = bwd_ws_config(d, causal, 128, one_launch=True)
+        assert c.one_launch and c == dataclasses.replace(bwd_ws_config(d, causal, 1 << 20), one_launch=True)
+    assert bwd_ws_config(64, True, 128) is None and bwd_ws_config(96, True, 128, one_launch=True) is None
+
+
+@pytest.mark.parametrize("rows, ctas, expected", [
+    (128, 32, True), (512, 128, True), (513, 128, False),  # fwd+bwd eager at s=128 / 512 is host-bound (run 257)
+    (512, 132, True), (512, 133, False),  # one wave of an H100 / H200's 132 SMs
+    (128, 2048, False), (512, 256, False),  # 128 query rows over 256k keys, b=2 s=512: GPU-bound, a wave each more
 ])
-def test_one_launch_rows(seqlen_q, group_size, expected):
-    assert one_launch_rows(seqlen_q, group_size) is expected
+def test_one_launch_rule(rows, ctas, expected):
+    """rows per (batch, KV head) = query rows x group; ctas = batch x KV heads x 128-key blocks."""
+    assert one_launch_rule(rows, ctas, 132) is expected
+
+
+def test_ws_bwd_keys_is_the_kernel_block():
+    gluon_bwd = pytest.importorskip("tileflash.kernels.gluon.attn_bwd")
+    assert WS_BWD_KEYS == gluon_bwd.BLOCK_KEYS
 
 
 @pytest.mark.parametrize("arch", ARCHS)

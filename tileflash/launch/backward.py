@@ -4,7 +4,7 @@ with TMA reduce-adds (plan.backward.ws_backward_config, kernels/gluon/attn_bwd.p
 atomics where BwdConfig.atomic_dq says so (d > 64). deterministic=True (and the Triton path at d <= 64) computes
 dQ in its own pass instead (7 products, no atomics, bitwise reproducible). See kernels/triton/attn_bwd.py.
 Around the dK/dV kernel run a preprocess (delta, lse2, the zeroed dQ buffer) and the dQ cast; where the Gluon
-kernel serves a short eager call (plan.backward.one_launch_rows) it does all three in one launch (BwdPlan)."""
+kernel serves a short eager call (plan.backward.one_launch_rule) it does all three in one launch (BwdPlan)."""
 from __future__ import annotations
 
 import functools
@@ -165,7 +165,7 @@ class BwdPlan(direct.Replayable):
 
     def __init__(self, q, k, v, dout, cu_seqlens_q, seqused_k, alibi_slopes, learnable_sink, max_seqlen_q: int,
                  max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int, softcap: float,
-                 deterministic: bool, dropout_p: float = 0.0, has_dlse: bool = False):
+                 deterministic: bool, dropout_p: float = 0.0, has_dlse: bool = False, eager: bool = True):
         self.varlen = cu_seqlens_q is not None
         if self.varlen:
             num_batches, seqlen_q, seqlen_k = cu_seqlens_q.shape[0] - 1, q.shape[0], k.shape[0]  # packed rows
@@ -186,7 +186,7 @@ class BwdPlan(direct.Replayable):
         ws = None if self.empty or dropout_p else ws_backward_config(
             q4, k4, v4, do4, varlen=self.varlen, window_left=window_left, window_right=window_right,
             softcap=softcap, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k is not None,
-            alibi=alibi_slopes is not None, max_seqlen_q=max_seqlen_q)
+            alibi=alibi_slopes is not None, max_seqlen_q=max_seqlen_q, num_batches=num_batches, eager=eager)
         self.atomic_dq = (ws.atomic_dq if ws is not None else cfg.atomic_dq) and not deterministic
         self.softmax_scale = softmax_scale
         self.stats_numel = _stats_numel(self.lse_shape)
@@ -197,9 +197,14 @@ class BwdPlan(direct.Replayable):
         self.dq_ws_numel = _utils.cdiv(q.numel(), 4) * 4 if self.atomic_dq and small else 0
         # One launch for an eager call where the plan says so (ws.one_launch) and the kernel's row statistics cover
         # the call (no dlse, no sink): dQ's accumulator and the arrival counters then come from direct.COUNTERS.
-        self.one_launch = (ws is not None and ws.one_launch and self.dq_ws_numel > 0 and not has_dlse
+        self.one_launch = (eager and ws is not None and ws.one_launch and self.dq_ws_numel > 0 and not has_dlse
                            and learnable_sink is None)
         self.zeros_numel = self.dq_ws_numel + num_batches * k.shape[-2]
+        # A CUDA-graph capture gets no zeros (direct.Counters): it runs the plan of a call that is not eager (three
+        # launches; at d64's short rows the Triton kernels').
+        self.captured = BwdPlan(q, k, v, dout, cu_seqlens_q, seqused_k, alibi_slopes, learnable_sink, max_seqlen_q,
+                                max_seqlen_k, softmax_scale, window_left, window_right, softcap, deterministic,
+                                dropout_p, has_dlse, eager=False) if self.one_launch else None
         self.kw = dict(cfg=cfg, ws=ws, atomic_dq=self.atomic_dq, varlen=self.varlen, num_batches=num_batches,
                        seqlen_q=seqlen_q, seqlen_k=seqlen_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                        softmax_scale=softmax_scale, window_left=window_left, window_right=window_right,
@@ -230,6 +235,11 @@ class BwdPlan(direct.Replayable):
     def run(self, q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes,
             learnable_sink, rng=None):
         """rng: the forward's dropout seed (a plan made with dropout_p > 0), else None."""
+        stream = direct.current_stream(q.device)
+        zeros = direct.COUNTERS.get(q.device, stream, self.zeros_numel) if self.one_launch else None
+        if self.one_launch and zeros is None:  # inside a CUDA-graph capture
+            return self.captured.run(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                                     alibi_slopes, learnable_sink, rng)
         dq, dk, dv = _utils.new_output_like(q), _utils.new_output_like(k), _utils.new_output_like(v)
         # Zeroed here, not by a launch: every preprocess program adds its rows' shares into it.
         dsink = torch.zeros_like(learnable_sink) if learnable_sink is not None else None
@@ -242,15 +252,9 @@ class BwdPlan(direct.Replayable):
         # The fp32 dQ accumulator, zeroed by the preprocess launch; rows no program adds to (no visible key, outside
         # every varlen sequence) keep the zeros: dQ = 0 there.
         dq_acc = torch.empty_like(dq, dtype=torch.float32) if self.atomic_dq and not self.dq_ws_numel else None
-        stream = direct.current_stream(q.device)
         ws = direct.WORKSPACE.get(q.device, stream, self.dq_ws_numel + 2 * self.stats_numel)
-        zeros = direct.COUNTERS.get(q.device, stream, self.zeros_numel) if self.one_launch else None
-        slots = (q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, learnable_sink,
-                 dq, dk, dv, dsink, dq_acc, ws, rng, zeros)
-        if self.one_launch and zeros is None:  # inside a CUDA-graph capture (direct.Counters): the three launches
-            self._launch(*slots)
-        else:
-            self.execute(self._launch, slots, stream)
+        self.execute(self._launch, (q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                                    alibi_slopes, learnable_sink, dq, dk, dv, dsink, dq_acc, ws, rng, zeros), stream)
         return dq, dk, dv, dsink
 
 

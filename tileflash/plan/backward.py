@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .. import config
+from .. import _utils, config
 from .prefill import Mask, ws_call_ok
 from .target import has_tma, mma_sync_target, tma_4d_ok, padded_head_dim, small_shared_memory, tensor_memory
 
@@ -24,9 +24,12 @@ class BwdConfig:
     tma: bool = False  # dK/dV programs read unmasked Q/dO blocks through TMA descriptors (power-of-two head dims)
 
 
+WS_BWD_KEYS = 128  # keys per CTA of the Gluon dK/dV kernel (its BLOCK_KEYS)
+
+
 @dataclass(frozen=True)
 class WsBwdConfig:
-    """The warp-specialised sm_90 dK/dV kernel (kernels/gluon/attn_bwd.py): 128 keys per CTA, always."""
+    """The warp-specialised sm_90 dK/dV kernel (kernels/gluon/attn_bwd.py): WS_BWD_KEYS keys per CTA, always."""
     block_m: int  # query rows per step
     num_stages: int  # Q/dO stages in shared memory
     atomic_dq: bool  # dQ added up by the kernel (TMA reduce-adds into fp32) unless deterministic=True asks otherwise
@@ -41,7 +44,7 @@ class WsBwdConfig:
     one_launch: bool = False
 
 
-def bwd_ws_config(head_dim: int, causal: bool, seqlen_k: int) -> WsBwdConfig | None:
+def bwd_ws_config(head_dim: int, causal: bool, seqlen_k: int, one_launch: bool = False) -> WsBwdConfig | None:
     """Whether the backward takes the warp-specialised dK/dV kernel, by shape (ws_backward_config
     adds what the tensors and masks allow). Measured on the H200 (benchmarks/archive/notebook-2026-11.md, session 11:
     `ws_bwd_sweep.py`, bf16, 16k tokens, 2048/d heads, TFLOP/s at s = 4k / 16k, same run):
@@ -61,11 +64,15 @@ def bwd_ws_config(head_dim: int, causal: bool, seqlen_k: int) -> WsBwdConfig | N
            tokens, us, Triton kernels vs this one): full 256 / 512 / 1024 keys 657 / 851 / 1259-1271 vs 673 / 814 /
            1116-1125, causal 590 / 686 / 890-902 vs 647 / 718 / 867-871: it takes full rows past 256 keys and
            causal rows past 512.
+      one_launch (an eager call one_launch_rule takes): the whole backward as one launch of this kernel, which at d64
+           also beats the Triton kernels' three launches at short rows (H100 run 260, b=1 32 heads causal, eager
+           fwd+bwd us / GPU us: s=128 169.3 / 17.7 vs 179.3 / 19.4, s=512 171.1 / 37.6 vs 180.9 / 38.9).
     """
     if head_dim == 128:
-        return WsBwdConfig(block_m=64, num_stages=2, atomic_dq=True, one_fence=causal)
-    if head_dim == 64 and seqlen_k > (512 if causal else 256):
-        return WsBwdConfig(block_m=128, num_stages=2, atomic_dq=True, one_fence=True, dq_by_rows=True)
+        return WsBwdConfig(block_m=64, num_stages=2, atomic_dq=True, one_fence=causal, one_launch=one_launch)
+    if head_dim == 64 and (one_launch or seqlen_k > (512 if causal else 256)):
+        return WsBwdConfig(block_m=128, num_stages=2, atomic_dq=True, one_fence=True, dq_by_rows=True,
+                           one_launch=one_launch)
     return None
 
 
@@ -131,18 +138,20 @@ def _bwd_tiles(head_dim: int, arch: int | None) -> BwdConfig:
 
 def ws_backward_config(q, k, v, dout, *, varlen: bool, window_left: int, window_right: int, softcap: float,
                        max_seqlen_k: int = 0, seqused_k: bool = False, alibi: bool = False,
-                       max_seqlen_q: int = 0) -> WsBwdConfig | None:
+                       max_seqlen_q: int = 0, num_batches: int = 0, eager: bool = True) -> WsBwdConfig | None:
     """The warp-specialised dK/dV kernel's tiles when it serves this call (sm_90, a head dim bwd_ws_config
     takes, at most a causal mask, no ALiBi, TMA-addressable tensors, V's head dim q's; varlen without seqused_k,
-    tiles by max_seqlen_k), else None (the Triton kernels)."""
+    tiles by max_seqlen_k), else None (the Triton kernels). num_batches: the sequences of a varlen call (0: q's
+    batch); eager: whether the call may run as one launch (one_launch_rule)."""
     if (varlen and seqused_k) or v.shape[3] != q.shape[3]:
         return None
     if not ws_call_ok(q.dtype, Mask(window_left, window_right, softcap), alibi):
         return None
-    cfg = bwd_ws_config(q.shape[3], window_right == 0, max_seqlen_k if varlen else k.shape[1])
-    if cfg is not None:
-        cfg = replace(cfg, one_launch=one_launch_rows(max_seqlen_q if varlen else q.shape[1], q.shape[2] // k.shape[2]))
-    cfg = config.chosen("bwd_ws", cfg)
+    seqlen_k = max_seqlen_k if varlen else k.shape[1]
+    ctas = (num_batches or q.shape[0]) * k.shape[2] * _utils.cdiv(seqlen_k, WS_BWD_KEYS)
+    one = eager and one_launch_rule((max_seqlen_q if varlen else q.shape[1]) * (q.shape[2] // k.shape[2]), ctas,
+                                    _utils.num_sms(q.device))
+    cfg = config.chosen("bwd_ws", bwd_ws_config(q.shape[3], window_right == 0, seqlen_k, one))
     if cfg is None or not all(tma_4d_ok(t) for t in (q, k, v, dout)):
         return None
     return cfg
@@ -151,13 +160,16 @@ def ws_backward_config(q, k, v, dout, *, varlen: bool, window_left: int, window_
 ONE_LAUNCH_MAX_ROWS = 512
 
 
-def one_launch_rows(seqlen_q: int, group_size: int) -> bool:
+def one_launch_rule(rows: int, ctas: int, sms: int) -> bool:
     """Whether an eager backward runs as one launch of the Gluon kernel (ONE_LAUNCH): where its rows per (batch, KV
-    head), query rows x query heads per KV head, are at most ONE_LAUNCH_MAX_ROWS. Such calls spend more time on the
-    host than on the GPU, and a launch less in autograd's device thread is worth more than the GPU time the one
-    launch adds (every CTA computes delta and lse2 of the rows it reads, the preprocess's work repeated by the
-    group's CTAs, and the last CTA of a group casts the group's dQ rows alone). H100 run 257, b=1 32 heads d128
-    causal, eager fwd+bwd us (GPU us), three launches -> one: s=128 156.6 -> 147.5 (24.4 -> 23.8), s=512 178.3 ->
-    163.1 (50.5 -> 54.2), GQA 32/8 s=128 172.7 -> 163.3 (36.6 -> 45.7); s=1024 191.5 -> 180.9 but 132.1 -> 143.6 of
-    GPU time, which a GPU-bound caller would pay: left out."""
-    return seqlen_q * group_size <= ONE_LAUNCH_MAX_ROWS
+    head), query rows x query heads per KV head, are at most ONE_LAUNCH_MAX_ROWS and its CTAs (WS_BWD_KEYS keys
+    each) fit one wave of the sms SMs. Such calls spend more time on the host than on the GPU, and a launch less in
+    autograd's device thread is worth more than the GPU time the one launch adds (every CTA computes delta and lse2
+    of the rows it reads, the preprocess's work repeated by the group's CTAs, and the last CTA of a group casts the
+    group's dQ rows alone); past one wave that GPU time grows with every wave, which a GPU-bound caller (a batch, or
+    many keys per query row) would pay. H100 run 260 (probe one_launch_ab.py, one process), eager fwd+bwd us (GPU
+    us), three launches -> one, d128 causal unless noted: b=1 s=128 157.7 -> 148.0 (24.3 -> 23.8; 32 CTAs), s=512
+    174.4 -> 165.4 (50.0 -> 54.7; 128 CTAs), b=4 s=128 177.2 -> 168.3 (39.0 -> 36.4; 128 CTAs), GQA 32/8 s=128 172.7 -> 163.3 (36.6 -> 45.7; run 257); past one wave b=2
+    s=512 176.2 -> 166.5 but 101.1 -> 110.0 of GPU time (256 CTAs; d64 190.3 -> 178.3, 63.4 -> 77.4), and 128 query
+    rows over 16k keys, full (4096 CTAs, GPU-bound), 684.5 -> 753.2 (674.6 -> 736.0)."""
+    return rows <= ONE_LAUNCH_MAX_ROWS and ctas <= sms
