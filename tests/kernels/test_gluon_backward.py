@@ -193,6 +193,17 @@ def test_ws_backward_one_launch_not_captured(d, monkeypatch):
 
 
 @needs_sm90
+def test_one_launch_declined_plans_as_not_eager(monkeypatch):
+    """An eager call the one launch cannot serve (here deterministic: dQ in its own pass) plans as a call that is
+    not eager: at d64's short rows the Triton kernels, not the Gluon kernel's three launches."""
+    q, k, v = _leaves(1, 128, 128, 4, 4, 64, torch.bfloat16)
+    names = _counted_kernels(monkeypatch)
+    out = tileflash.flash_attn_func(q, k, v, causal=True, deterministic=True)
+    out.backward(torch.ones_like(out))
+    assert "attn_bwd_ws_kernel" not in names and "attn_bwd_dq_kernel" in names, names
+
+
+@needs_sm90
 def test_ws_backward_strided_views():
     """q, k, v as views of one packed [B, S, 3, H, D] tensor (strided, TMA-aligned)."""
     qkv = torch.randn(2, 333, 3, 4, 128, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)

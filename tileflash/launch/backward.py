@@ -183,6 +183,14 @@ class BwdPlan(direct.Replayable):
         # tiles for the wider of the two head dims (V's may differ from q's, e.g. 192 / 128)
         cfg = config.chosen("bwd", bwd_config(max(q.shape[-1], v.shape[-1]), _utils.is_interpreter(), target_arch(),
                                               dropout=dropout_p > 0))
+        # A small dQ accumulator lives in the workspace (an allocation less per call, where host time matters); a
+        # large one is allocated per call, so that the workspace, which only grows, never holds training-sized
+        # buffers. Rounded up to keep the statistics after it 16-byte aligned.
+        small = q.numel() * 4 <= DQ_WORKSPACE_BYTES
+        # One launch (ws.one_launch, an eager call the plan takes) needs the kernel's row statistics to cover the
+        # call (no dlse, no sink) and dQ summed in the workspace (atomic, small); dQ's sums and the arrival counters
+        # then come from direct.COUNTERS. Other calls plan as not eager (at d64's short rows: the Triton kernels).
+        eager = eager and small and not (deterministic or has_dlse or learnable_sink is not None)
         ws = None if self.empty or dropout_p else ws_backward_config(
             q4, k4, v4, do4, varlen=self.varlen, window_left=window_left, window_right=window_right,
             softcap=softcap, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k is not None,
@@ -190,15 +198,8 @@ class BwdPlan(direct.Replayable):
         self.atomic_dq = (ws.atomic_dq if ws is not None else cfg.atomic_dq) and not deterministic
         self.softmax_scale = softmax_scale
         self.stats_numel = _stats_numel(self.lse_shape)
-        # A small dQ accumulator lives in the workspace (an allocation less per call, where host time matters); a
-        # large one is allocated per call, so that the workspace, which only grows, never holds training-sized
-        # buffers. Rounded up to keep the statistics after it 16-byte aligned.
-        small = q.numel() * 4 <= DQ_WORKSPACE_BYTES
         self.dq_ws_numel = _utils.cdiv(q.numel(), 4) * 4 if self.atomic_dq and small else 0
-        # One launch for an eager call where the plan says so (ws.one_launch) and the kernel's row statistics cover
-        # the call (no dlse, no sink): dQ's accumulator and the arrival counters then come from direct.COUNTERS.
-        self.one_launch = (eager and ws is not None and ws.one_launch and self.dq_ws_numel > 0 and not has_dlse
-                           and learnable_sink is None)
+        self.one_launch = eager and ws is not None and ws.one_launch and self.dq_ws_numel > 0
         self.zeros_numel = self.dq_ws_numel + num_batches * k.shape[-2]
         # A CUDA-graph capture gets no zeros (direct.Counters): it runs the plan of a call that is not eager (three
         # launches; at d64's short rows the Triton kernels').
