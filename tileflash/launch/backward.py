@@ -85,10 +85,10 @@ def _launch_bwd(q4, k4, v4, o4, lse3, do4, dlse3, dq4, dk4, dv4, delta, lse2, dq
     and lse/dlse [Bv, H, S]; delta, lse2 from _stats_views; dq_acc: the fp32 dQ buffer (contiguous, like dq4) when atomic_dq, zeroed by the
     first launch (dq4 = its scaled copy, made by the caller after these launches). cfg: the Triton kernels' tiles;
     ws: the Gluon dK/dV kernel's or None (never with alibi_slopes: fp32 [Hq] or [num_batches, Hq], or None, nor
-    with learnable_sink: fp32 [Hq] or None, nor with dropout: rng the forward's seed tensor, or None). dsink: fp32
-    [Hq], zeroed, which the preprocess adds d sink into. counters: int32 zeros [B * Hkv] for the Gluon kernel's
-    ONE_LAUNCH (ws.one_launch; dq_acc then zeros too), which writes delta, lse2 and dq4 itself: no preprocess, no
-    cast."""
+    with dropout: rng the forward's seed tensor, or None; learnable_sink, fp32 [Hq] or None, reaches it only
+    through the lse). dsink: fp32 [Hq], zeroed, which the preprocess adds d sink into. counters: int32 zeros
+    [B * Hkv] for the Gluon kernel's ONE_LAUNCH (ws.one_launch; dq_acc then zeros too), which writes delta, lse2
+    and dq4 itself: no preprocess, no cast."""
     dev = q4.device
     hq, d = q4.shape[2], q4.shape[3]
     hkv, dv = k4.shape[2], v4.shape[3]  # dv: V's (and O's, dO's) head dim
