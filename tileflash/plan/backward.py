@@ -169,7 +169,8 @@ def one_launch_rule(rows: int, ctas: int, sms: int) -> bool:
     group's dQ rows alone); past one wave that GPU time grows with every wave, which a GPU-bound caller (a batch, or
     many keys per query row) would pay. H100 run 260 (probe one_launch_ab.py, one process), eager fwd+bwd us (GPU
     us), three launches -> one, d128 causal unless noted: b=1 s=128 157.7 -> 148.0 (24.3 -> 23.8; 32 CTAs), s=512
-    174.4 -> 165.4 (50.0 -> 54.7; 128 CTAs), b=4 s=128 177.2 -> 168.3 (39.0 -> 36.4; 128 CTAs), GQA 32/8 s=128 172.7 -> 163.3 (36.6 -> 45.7; run 257); past one wave b=2
-    s=512 176.2 -> 166.5 but 101.1 -> 110.0 of GPU time (256 CTAs; d64 190.3 -> 178.3, 63.4 -> 77.4), and 128 query
-    rows over 16k keys, full (4096 CTAs, GPU-bound), 684.5 -> 753.2 (674.6 -> 736.0)."""
+    174.4 -> 165.4 (50.0 -> 54.7; 128 CTAs), b=4 s=128 177.2 -> 168.3 (39.0 -> 36.4; 128 CTAs), GQA 32/8 s=128 172.7
+    -> 163.3 (36.6 -> 45.7; run 257); past one wave b=2 s=512 176.2 -> 166.5 but 101.1 -> 110.0 of GPU time (256
+    CTAs; d64 190.3 -> 178.3, 63.4 -> 77.4), and 128 query rows over 16k keys, full (4096 CTAs, GPU-bound), 684.5 ->
+    753.2 (674.6 -> 736.0)."""
     return rows <= ONE_LAUNCH_MAX_ROWS and ctas <= sms
