@@ -741,14 +741,45 @@ def test_mla_split_plan_properties(gpu_planning):
 
 
 def test_mla_decode_schedule(gpu_planning):
-    """decode_schedule for an MLA call (qv; b=1 ctx 32k, 128 heads): the 64-row tile, 66 splits, partials as wide
-    as the latent (512) plus the lse."""
+    """decode_schedule for an MLA call (qv; b=1 ctx 32k, 128 heads): the 64-row tile, 64 splits (the heuristic's
+    66 give the last two none of the 512 blocks: nonempty_splits), partials as wide as the latent (512) plus the
+    lse."""
     q = torch.empty(1, 1, 128, 576, device="meta", dtype=torch.bfloat16)
     k_cache = torch.empty(1, 32768, 1, 576, device="meta", dtype=torch.bfloat16)
     v_cache = torch.empty(1, 32768, 1, 512, device="meta", dtype=torch.bfloat16)
     s = plan_decode.decode_schedule(q, k_cache, v_cache, None, None, 0, False, lse_in_workspace=True, mla=True)
-    assert s.mla and s.qcfg is None and (s.cfg.block_m, s.cfg.block_n) == (64, 64) and s.num_splits == 66
-    assert s.workspace == 66 * 128 * (512 + 1) + 128
+    assert s.mla and s.qcfg is None and (s.cfg.block_m, s.cfg.block_n) == (64, 64) and s.num_splits == 64
+    assert s.workspace == 64 * 128 * (512 + 1) + 128
+
+
+@pytest.mark.parametrize("splits, blocks, expected", [
+    (66, 512, 64),  # MLA H=128 b=1 ctx 32k in 64-token blocks: 64 splits of 8, two of none
+    (66, 256, 64),  # the same in the seesaw's block pairs
+    (132, 512, 128),  # H=16 (one 16-row tile) b=1 ctx 32k: 128 splits of 4
+    (66, 2048, 64),  # ctx 128k: 64 of 32
+    (66, 1000, 63),  # 62 of 16 and one of 8
+    (66, 132, 66), (64, 512, 64),  # already none empty
+    (32, 32, 32),  # one block each
+    (3, 7, 3),  # 3 + 3 + 1
+    (1, 512, 1), (66, 0, 66),  # no split; nothing to split (an empty cache)
+])
+def test_nonempty_splits(splits, blocks, expected):
+    assert plan_decode.nonempty_splits(splits, blocks) == expected
+
+
+def test_gluon_mla_splits_are_never_empty(gpu_planning, monkeypatch):
+    """Every split of a Gluon MLA plan gets some of the kernel's 64-token blocks (its rule: cdiv(blocks, splits)
+    a split), over batches, head counts and lengths, at full lengths."""
+    monkeypatch.setattr(plan_decode, "sm90_target", lambda: True)
+    for b, hq, ctx in itertools.product((1, 2, 3, 8, 33), (16, 32, 128), (1000, 4096, 16384, 32768, 100_000)):
+        q = torch.empty(b, 1, hq, 64, device="meta", dtype=torch.bfloat16)
+        k_cache = torch.empty(b, ctx, 1, 64, device="meta", dtype=torch.bfloat16)
+        v_cache = torch.empty(b, ctx, 1, 512, device="meta", dtype=torch.bfloat16)
+        s = plan_decode.decode_schedule(q, k_cache, v_cache, None, None, 0, False, lse_in_workspace=True, mla=True,
+                                        plain_mask=True)
+        assert s.mcfg is not None
+        blocks = _utils.cdiv(ctx, s.mcfg.block_n)
+        assert (s.num_splits - 1) * _utils.cdiv(blocks, s.num_splits) < blocks or s.num_splits == 1, (b, hq, ctx)
 
 
 def test_mla_decode_tiles_off_the_h200():

@@ -393,6 +393,16 @@ def num_splits_heuristic(batch: int, nheads_kv: int, m_tiles: int, max_seqlen_k:
     return splits
 
 
+def nonempty_splits(splits: int, blocks: int) -> int:
+    """The split count without empty splits: the kernels give each split cdiv(blocks, splits) blocks, which can
+    cover the blocks before the last splits (66 splits of 512 blocks: 64 of 8, two of none), and an empty split
+    still writes a partial the combine reads. Run 261 (H100, profiler, MLA H=128 b=1): the combine took 5.1 us over
+    64 splits (ctx 8k) and 6.7 over 66 (ctx 32k, two empty; it does not depend on ctx), the MLA kernel the same
+    for both counts' work. Used for MLA's counts (one wave of 64-row tiles); the other decode tiles are chosen by
+    their tokens per program, which the count moves, so they keep the heuristic's until measured."""
+    return cdiv(blocks, cdiv(blocks, splits)) if splits > 1 and blocks > 0 else splits
+
+
 @dataclass(frozen=True)
 class QuantDecodeConfig:
     """Tiles of the register-operand quantized-cache decode (kernels/gluon/decode_mma.py): tokens per warp per
@@ -467,9 +477,9 @@ def split_plan(q, k_cache, block_table, num_splits: int, mla: bool = False):
     if mla:  # a 64-row tile fills an SM: one wave of splits at most (run 125: a second ran 84.0 us vs 60.4, its
         # extra partials being [rows, 512] fp32 each)
         cfg = config.chosen("mla_decode", mla_decode_config(rows, _utils.is_interpreter(), target_arch()))
-        return cfg, num_splits or num_splits_heuristic(b, hkv, _utils.cdiv(rows, cfg.block_m), capacity, cfg.block_n,
-                                                       sms, cfg.resident_per_sm,
-                                                       per_sm=cfg.resident_per_sm or 2), capacity
+        splits = num_splits_heuristic(b, hkv, _utils.cdiv(rows, cfg.block_m), capacity, cfg.block_n, sms,
+                                      cfg.resident_per_sm, per_sm=cfg.resident_per_sm or 2)
+        return cfg, num_splits or nonempty_splits(splits, cdiv(capacity, cfg.block_n)), capacity
     tiles = functools.partial(decode_config, d, rows, _utils.is_interpreter(),
                               kv_format=KV_FORMATS.get(k_cache.dtype, "16bit"), paged=block_table is not None,
                               kv_tokens=b * capacity * hkv, arch=target_arch(),
@@ -596,9 +606,10 @@ def decode_schedule(q, k_cache, v_cache, k, block_table, num_splits: int, sp_ove
     mcfg = mla_gluon_config(q, k_cache, v_cache, block_table, extras, plain_mask) if mla else None
     if mcfg is not None:  # one CTA of 160-225 KB per SM: one wave of splits at most, the seesaw's of whole block
         # pairs (its warpgroups alternate blocks: b=1 ctx 4k would otherwise take 64 one-block splits)
-        num_splits = num_splits or num_splits_heuristic(b, 1, cdiv(q.shape[1] * hq, mcfg.rows), capacity,
-                                                        mcfg.split_block, _utils.num_sms(q.device), resident_per_sm=1,
-                                                        per_sm=1)
+        num_splits = num_splits or nonempty_splits(
+            num_splits_heuristic(b, 1, cdiv(q.shape[1] * hq, mcfg.rows), capacity, mcfg.split_block,
+                                 _utils.num_sms(q.device), resident_per_sm=1, per_sm=1),
+            cdiv(capacity, mcfg.split_block))
     elif qcfg is not None:
         num_splits = num_splits or num_splits_heuristic(b, k_cache.shape[2], 1, capacity, qcfg.step,
                                                         _utils.num_sms(q.device), per_sm=qcfg.programs_per_sm)
