@@ -396,10 +396,11 @@ def num_splits_heuristic(batch: int, nheads_kv: int, m_tiles: int, max_seqlen_k:
 def nonempty_splits(splits: int, blocks: int) -> int:
     """The split count without empty splits: the kernels give each split cdiv(blocks, splits) blocks, which can
     cover the blocks before the last splits (66 splits of 512 blocks: 64 of 8, two of none), and an empty split
-    still writes a partial the combine reads. Run 261 (H100, profiler, MLA H=128 b=1): the combine took 5.1 us over
-    64 splits (ctx 8k) and 6.7 over 66 (ctx 32k, two empty; it does not depend on ctx), the MLA kernel the same
-    for both counts' work. Used for MLA's counts (one wave of 64-row tiles); the other decode tiles are chosen by
-    their tokens per program, which the count moves, so they keep the heuristic's until measured."""
+    still writes a partial the combine reads. Run 263 (H100, one process, MLA b=1, old -> new count): the combine
+    6.6-6.8 -> 5.2-5.5 us at H=128 (66 -> 64 splits), 3.3 -> 2.7 at H=16 (132 -> 128), the kernel unchanged; graph
+    replay ctx 16k 30.7 -> 29.2 us, 128k 92.1 -> 90.2, H=16 ctx 32k 24.1 -> 23.4. Used for MLA's counts (one wave
+    of 64-row tiles); the other decode tiles are chosen by their tokens per program, which the count moves, so they
+    keep the heuristic's until measured."""
     return cdiv(blocks, cdiv(blocks, splits)) if splits > 1 and blocks > 0 else splits
 
 
