@@ -398,9 +398,10 @@ def nonempty_splits(splits: int, blocks: int) -> int:
     cover the blocks before the last splits (66 splits of 512 blocks: 64 of 8, two of none), and an empty split
     still writes a partial the combine reads. Run 263 (H100, one process, MLA b=1, old -> new count): the combine
     6.6-6.8 -> 5.2-5.5 us at H=128 (66 -> 64 splits), 3.3 -> 2.7 at H=16 (132 -> 128), the kernel unchanged; graph
-    replay ctx 16k 30.7 -> 29.2 us, 128k 92.1 -> 90.2, H=16 ctx 32k 24.1 -> 23.4. Used for MLA's counts (one wave
-    of 64-row tiles); the other decode tiles are chosen by their tokens per program, which the count moves, so they
-    keep the heuristic's until measured."""
+    replay ctx 16k 30.7 -> 29.2 us, 128k 92.1 -> 90.2, H=16 ctx 32k 24.1 -> 23.4. MLA's counts only: the 16-bit
+    decode lost with it (run 264, graph replay: GQA 32/8 b=1 ctx 8k 17.5-18.0 us at 33 splits, one empty, vs
+    19.1-19.2 at 32; MQA b=8 ctx 8k 17.9-18.1 vs 19.5), where combine_tiles gives 33 splits two programs per row
+    and 32 one (a combine of 32 rows is latency: more programs win)."""
     return cdiv(blocks, cdiv(blocks, splits)) if splits > 1 and blocks > 0 else splits
 
 
