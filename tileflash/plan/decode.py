@@ -479,9 +479,10 @@ def split_plan(q, k_cache, block_table, num_splits: int, mla: bool = False):
     if mla:  # a 64-row tile fills an SM: one wave of splits at most (run 125: a second ran 84.0 us vs 60.4, its
         # extra partials being [rows, 512] fp32 each)
         cfg = config.chosen("mla_decode", mla_decode_config(rows, _utils.is_interpreter(), target_arch()))
-        splits = num_splits_heuristic(b, hkv, _utils.cdiv(rows, cfg.block_m), capacity, cfg.block_n, sms,
-                                      cfg.resident_per_sm, per_sm=cfg.resident_per_sm or 2)
-        return cfg, num_splits or nonempty_splits(splits, cdiv(capacity, cfg.block_n)), capacity
+        return cfg, num_splits or nonempty_splits(
+            num_splits_heuristic(b, hkv, _utils.cdiv(rows, cfg.block_m), capacity, cfg.block_n, sms,
+                                 cfg.resident_per_sm, per_sm=cfg.resident_per_sm or 2),
+            cdiv(capacity, cfg.block_n)), capacity
     tiles = functools.partial(decode_config, d, rows, _utils.is_interpreter(),
                               kv_format=KV_FORMATS.get(k_cache.dtype, "16bit"), paged=block_table is not None,
                               kv_tokens=b * capacity * hkv, arch=target_arch(),
