@@ -401,7 +401,9 @@ def nonempty_splits(splits: int, blocks: int) -> int:
     replay ctx 16k 30.7 -> 29.2 us, 128k 92.1 -> 90.2, H=16 ctx 32k 24.1 -> 23.4. MLA's counts only: the 16-bit
     decode lost with it (run 264, graph replay: GQA 32/8 b=1 ctx 8k 17.5-18.0 us at 33 splits, one empty, vs
     19.1-19.2 at 32; MQA b=8 ctx 8k 17.9-18.1 vs 19.5), where combine_tiles gives 33 splits two programs per row
-    and 32 one (a combine of 32 rows is latency: more programs win)."""
+    and 32 one (a combine of 32 rows is latency: more programs win). So the MLA gain may also be the combine's tile
+    more than the empty splits (66 splits: a 128-split load of 32 columns, half of it masked; 64: 64 of 64): a
+    combine_tiles rule measured over rows and splits (benchmarks/NEXT.md) may replace this one."""
     return cdiv(blocks, cdiv(blocks, splits)) if splits > 1 and blocks > 0 else splits
 
 
