@@ -400,10 +400,9 @@ def nonempty_splits(splits: int, blocks: int) -> int:
     6.6-6.8 -> 5.2-5.5 us at H=128 (66 -> 64 splits), 3.3 -> 2.7 at H=16 (132 -> 128), the kernel unchanged; graph
     replay ctx 16k 30.7 -> 29.2 us, 128k 92.1 -> 90.2, H=16 ctx 32k 24.1 -> 23.4. MLA's counts only: the 16-bit
     decode lost with it (run 264, graph replay: GQA 32/8 b=1 ctx 8k 17.5-18.0 us at 33 splits, one empty, vs
-    19.1-19.2 at 32; MQA b=8 ctx 8k 17.9-18.1 vs 19.5), where combine_tiles gives 33 splits two programs per row
-    and 32 one (a combine of 32 rows is latency: more programs win). So the MLA gain may also be the combine's tile
-    more than the empty splits (66 splits: a 128-split load of 32 columns, half of it masked; 64: 64 of 64): a
-    combine_tiles rule measured over rows and splits (benchmarks/NEXT.md) may replace this one."""
+    19.1-19.2 at 32; MQA b=8 ctx 8k 17.9-18.1 vs 19.5). Not the combine's columns per program (run 265, H100: at a
+    fixed count, 16..512 columns ran the MLA combine in 5.3-5.4 us at H=128, 2.7 at H=16, the graph replays within
+    1%): the MLA gain is the empty splits and 66 splits' load padded to 128; the 16-bit difference is unexplained."""
     return cdiv(blocks, cdiv(blocks, splits)) if splits > 1 and blocks > 0 else splits
 
 
