@@ -41,8 +41,8 @@ FAMILY_HELP = {
     "backward-ws": "bwd_ws / WsBwdConfig: the sm_90 Gluon dK/dV; same shapes",
     "decode": "decode / DecodeConfig: shapes batch,ctx,hq,hkv,d,page[,fp8] (page 0: contiguous), a bf16 cache (an "
               "e4m3 one with fp8), one token",
-    "decode-mla": "mla_decode / DecodeConfig: the Triton MLA decode; shapes batch,ctx,hq (latent 512 + rotary 64, one "
-                  "KV head)",
+    "decode-mla": "mla_decode / DecodeConfig: the Triton MLA decode; shapes batch,ctx,hq[,fp8] (latent 512 + rotary "
+                  "64, one KV head; e4m3 latents with scales 1 with fp8, which only the Triton kernel reads)",
     "decode-mla-gluon": "mla_gluon / MlaGluonConfig: the sm_90 Gluon MLA decode; same shapes",
     "decode-quant": "quant_decode / QuantDecodeConfig: shapes batch,ctx,hq,hkv,d,nvfp4 (the register-operand decode)",
     "gemm": "gemm / GemmConfig: the Triton NVFP4 GEMM; shapes m,n,k (bf16 activations) or m,n,k,w4a4 (NVFP4 ones)",
@@ -137,16 +137,23 @@ def _decode(shape, kw):
 
 
 def _decode_mla(shape, kw):
+    """batch,ctx,hq[,fp8]: bf16 latents, or e4m3 ones (scales 1) with "fp8"."""
     import tileflash
     from tileflash.bench.formulas import mla_decode_bytes
 
-    batch, ctx, hq = shape
-    nbytes = mla_decode_bytes(batch, ctx)
+    (batch, ctx, hq), fmt = shape[:3], shape[3:]
+    fp8 = fmt == ("fp8",)
+    if fmt and not fp8:
+        raise SystemExit(f"decode-mla shape {shape}: the 4th field may only be fp8")
+    nbytes = mla_decode_bytes(batch, ctx, dtype_bytes=1 if fp8 else 2)
     copies = []
     for _ in range(rotation_copies(nbytes)):
-        kc, vc = (torch.randn(batch, ctx, 1, w, device="cuda", dtype=BF16) for w in (64, 512))
+        kc, vc = (torch.randn(batch, ctx, 1, w, device="cuda").to(torch.float8_e4m3fn if fp8 else BF16)
+                  for w in (64, 512))
         copies.append((torch.randn(batch, 1, hq, 64, device="cuda", dtype=BF16),
                        torch.randn(batch, 1, hq, 512, device="cuda", dtype=BF16), kc, vc))
+    if fp8:
+        kw = {**kw, "k_scale": torch.ones(1, device="cuda"), "v_scale": torch.ones(1, device="cuda")}
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     fns = [lambda c=c: tileflash.flash_attn_with_kvcache(c[0], c[2], c[3], qv=c[1], cache_seqlens=lens, **kw)
            for c in copies]
