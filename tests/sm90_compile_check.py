@@ -448,6 +448,7 @@ def _cases(arch: int = 90):
                                                                          num_splits=3),
         "decode MLA H=128 softcap (Triton kernel)": lambda: mla(128, softcap=5.0, num_splits=2),
         "decode fp8 MLA H=128 latent, append, split": lambda: mla(128, append=True, fp8=True, num_splits=3),
+        "decode fp8 MLA H=16 latent (128-token steps), split": lambda: mla(16, fp8=True, num_splits=3),
         "decode nvfp4 append": lambda: decode("nvfp4", append=True),
         "decode nvfp4 d32 append": lambda: decode("nvfp4", d=32, append=True),
         "decode nvfp4 paged": lambda: decode("nvfp4", paged=True),

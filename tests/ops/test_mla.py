@@ -48,15 +48,17 @@ def test_mla_decode(case):
                        causal=causal)
 
 
-@pytest.mark.parametrize("page, splits", [(None, 1), (16, 3)])
-def test_mla_fp8_latent_cache(page, splits):
+@pytest.mark.parametrize("page, splits, ctx, lens", [(None, 1, 64, (40, 62)), (16, 3, 64, (40, 62)),
+                                                     (None, 3, 640, (333, 639))])
+def test_mla_fp8_latent_cache(page, splits, ctx, lens):
     """An e4m3 latent cache with its own scale (and the rotary keys with theirs): the score's two parts carry
-    different scales, so qv is rescaled by v_scale / k_scale in the kernel; appends quantize both."""
+    different scales, so qv is rescaled by v_scale / k_scale in the kernel; appends quantize both. The longer
+    cache spans several of the 16-row FP8 tile's 128-token steps (MLA_FP8_TILES) per split, a partial last one."""
     from tileflash.reference import fp8_quantize_ref
 
-    q, qv, kc, vc, table, (kn, vn) = _mla_inputs(2, 1, 16, 64, page, s_new=1, seed=21)
+    q, qv, kc, vc, table, (kn, vn) = _mla_inputs(2, 1, 16, ctx, page, s_new=1, seed=21)
     k_scale, v_scale = (torch.tensor([s], device=DEVICE) for s in (0.01, 0.013))
-    lens = torch.tensor([40, 62], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     check_kvcache_call(q, kn, vn, fp8_quantize_ref(kc, k_scale), fp8_quantize_ref(vc, v_scale), qv=qv,
                        cache_seqlens=lens, block_table=table, num_splits=splits, k_scale=k_scale, v_scale=v_scale)
 

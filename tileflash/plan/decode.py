@@ -140,10 +140,18 @@ def _step_tokens(tokens: int, d: int) -> int:
 # six configs within 4-11%: 8 warps 3 stages took b=32 57.7 at 4 splits, but 103.1 at b=8). 32 rows take the
 # 16-row steps (not measured).
 MLA_TILES = {16: (64, 4, 2, 0), 32: (64, 4, 2, 0), 64: (64, 8, 2, 1)}
+# FP8 latents (the Triton kernel: the Gluon one reads 16-bit caches only) at 16 rows take 128-token steps: half the
+# bytes of a 16-bit step. Run 266 (H100, `sweep decode-mla --shapes 8,32768,16,fp8 128,4096,16,fp8`, graph replay,
+# us): b=8 ctx 32k 104.6 vs 126.2 with MLA_TILES's, b=128 ctx 4k 183.1 vs 232.6 (3 stages 103.8 / 183.3, 64 tokens
+# at 3 stages 106.0 / 190.8, 8 warps 108.4 / 191.0). 64 rows keep MLA_TILES's (b=32 ctx 4k 252.5 us, b=1 ctx 32k
+# 81.2: the best of 16 or 64 rows x 32 or 64 tokens x 4 or 8 warps); 32 rows were not timed.
+MLA_FP8_TILES = {16: (128, 4, 2, 0)}
 
 
-def mla_decode_config(group_rows: int, interpret: bool = False, arch: int | None = 90) -> DecodeConfig:
-    """MLA's pack-GQA tiles: decode_block_m rows (16..64), MLA_TILES's steps. Off the H200 (compiled on the CPU,
+def mla_decode_config(group_rows: int, interpret: bool = False, arch: int | None = 90,
+                      fp8: bool = False) -> DecodeConfig:
+    """MLA's pack-GQA tiles: decode_block_m rows (16..64), MLA_TILES's steps (MLA_FP8_TILES's for FP8 latents,
+    fp8, where it has the rows). Off the H200 (compiled on the CPU,
     never timed): sm_10x takes 32-token steps at 64 rows (Blackwell's MMA keeps its operands in shared memory,
     where the 64-token tile needed 281 KB), and targets with under 200 KB of shared memory per block take 16-row
     tiles (a 64-row tile's qv alone is 64 KB) of 32 tokens."""
@@ -152,7 +160,7 @@ def mla_decode_config(group_rows: int, interpret: bool = False, arch: int | None
         return DecodeConfig(block_m=block_m, block_n=16, num_warps=4, num_stages=1)
     if small_shared_memory(arch):
         return target_tiles(DecodeConfig(block_m=16, block_n=32, num_warps=4, num_stages=2), arch, sm10x_warps=True)
-    block_n, warps, stages, resident = MLA_TILES[block_m]
+    block_n, warps, stages, resident = (MLA_FP8_TILES if fp8 and block_m in MLA_FP8_TILES else MLA_TILES)[block_m]
     if tensor_memory(arch) and block_m == 64:
         block_n = 32
     return target_tiles(DecodeConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
@@ -479,7 +487,8 @@ def split_plan(q, k_cache, block_table, num_splits: int, mla: bool = False):
     sms = _utils.num_sms(q.device)
     if mla:  # a 64-row tile fills an SM: one wave of splits at most (run 125: a second ran 84.0 us vs 60.4, its
         # extra partials being [rows, 512] fp32 each)
-        cfg = config.chosen("mla_decode", mla_decode_config(rows, _utils.is_interpreter(), target_arch()))
+        cfg = config.chosen("mla_decode", mla_decode_config(rows, _utils.is_interpreter(), target_arch(),
+                                                            fp8=k_cache.dtype == torch.float8_e4m3fn))
         return cfg, num_splits or nonempty_splits(
             num_splits_heuristic(b, hkv, _utils.cdiv(rows, cfg.block_m), capacity, cfg.block_n, sms,
                                  cfg.resident_per_sm, per_sm=cfg.resident_per_sm or 2),
