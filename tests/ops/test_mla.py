@@ -63,6 +63,17 @@ def test_mla_fp8_latent_cache(page, splits, ctx, lens):
                        cache_seqlens=lens, block_table=table, num_splits=splits, k_scale=k_scale, v_scale=v_scale)
 
 
+def test_mla_fp8_latent_cache_gpu_tile():
+    """The same long FP8 case at the tile the sm_90 planner takes for 16 rows of FP8 latents (MLA_FP8_TILES: 128-token
+    steps), forced under the interpreter too, whose own tiles step 16 tokens."""
+    from tileflash import config
+
+    gpu_tile = plan_decode.mla_decode_config(16, fp8=True)
+    assert gpu_tile.block_n == 128
+    with config.override(mla_decode=lambda chosen: gpu_tile):
+        test_mla_fp8_latent_cache(None, 3, 640, (333, 639))
+
+
 def test_mla_sink_and_gqa_latent():
     """The other decode features stay available with qv: a learnable sink (split: added once, in the combine) and
     several KV heads of a narrower latent."""
