@@ -75,6 +75,8 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         kv_nvfp4 = NVFP4_SCALE_WORDS if aligned else NVFP4_SCALE_BYTES
         if not sm90_target():
             kv_nvfp4 += NVFP4_PURE_ASM
+    elif k4.dtype == torch.float8_e4m3fn and not sm90_target():
+        kv_nvfp4 = NVFP4_PURE_ASM  # an e4m3 cache widened by Triton's cast (inner._pin_widening)
     descs = None
     rows = k4.shape[0] * k4.shape[1]
     fp8_mode = FP8_V_T if vt_gap else FP8_V_ROWS

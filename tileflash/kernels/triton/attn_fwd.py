@@ -59,7 +59,7 @@ from .masks import LOG2E, kv_block_range, logit_scales, seq_extents
 from .rotary import rotate_rows
 from .kv_append import append_in_range
 from .combine import allow_dependent_launch, merge_tile_splits
-from ...lowp.kernels.quant import E2M1_UNIT
+from ...lowp.kernels.quant import E2M1_UNIT, NVFP4_PURE_ASM
 
 
 @triton.jit
@@ -252,7 +252,8 @@ def attn_fwd_kernel(
         v_base = v_ptr + b64 * stride_vb + k0 * stride_vs + h64 * stride_vh
         bt_ptr = block_table_ptr
     if APPEND_NEW > 0:  # this call's new tokens (seqlen_k_add of them, at most APPEND_NEW) go into the cache first
-        fp8_cache: tl.constexpr = KV_SCALED and not KV_NVFP4  # quantized with this KV head's scales
+        # quantized with this KV head's scales
+        fp8_cache: tl.constexpr = KV_SCALED and (KV_NVFP4 == 0 or KV_NVFP4 == NVFP4_PURE_ASM)
         k_scale = 1.0
         v_scale = 1.0
         if fp8_cache:
@@ -274,7 +275,7 @@ def attn_fwd_kernel(
         # the dots, so tiles are only widened (exactly) and the scales fold into the logit scale and the final
         # normalisation.
         softmax_scale = softmax_scale * q_unscale * tl.load(k_scale_ptr + k_scale_off)
-        if KV_NVFP4:  # unpacked NVFP4 tiles are e2m1 * scale / E2M1_UNIT
+        if KV_NVFP4 != 0 and KV_NVFP4 != NVFP4_PURE_ASM:  # unpacked NVFP4 tiles are e2m1 * scale / E2M1_UNIT
             softmax_scale = softmax_scale * E2M1_UNIT
     qk_scale, softcap_scale = logit_scales(softmax_scale, softcap, SOFTCAP)
     alibi_slope = 0.0  # not read without ALIBI
@@ -328,7 +329,7 @@ def attn_fwd_kernel(
         inv_l = inv_l * dropout_scale
     if KV_SCALED:
         inv_l = inv_l * tl.load(v_scale_ptr + v_scale_off)
-        if KV_NVFP4:
+        if KV_NVFP4 != 0 and KV_NVFP4 != NVFP4_PURE_ASM:
             inv_l = inv_l * E2M1_UNIT
     if TRANS:
         acc = tl.trans(acc)

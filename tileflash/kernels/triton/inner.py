@@ -73,12 +73,13 @@ def _kv_row_offsets(offs_n, pages, stride_page, stride_tok, PAGE_SIZE: tl.conste
 
 
 @triton.jit
-def _pin_widening(t, VALUES: tl.constexpr, TILE_DTYPE: tl.constexpr):
+def _pin_widening(t, VALUES: tl.constexpr, TILE_DTYPE: tl.constexpr, PURE: tl.constexpr):
     """Value tiles of e4m3 caches widen to fp16 in the layout they were loaded in (quant.e4m3_fp16_pinned). Left to
     Triton, the widening moved past the layout change into wgmma's register operand (V^T in the transposed
     products), which then gathered the bytes one at a time with a multiply-add to pair them: FP8 decode's step,
-    sm_90 SASS, b=64 ctx 4k 690 -> 542 instructions per 128 tokens, pages of 16 (gathers) 802 -> 537 per 64."""
-    if VALUES and TILE_DTYPE == tl.float16 and t.dtype == tl.float8e4nv:
+    sm_90 SASS, b=64 ctx 4k 690 -> 542 instructions per 128 tokens, pages of 16 (gathers) 802 -> 537 per 64.
+    PURE (off sm_90, quant.NVFP4_PURE_ASM): Triton's cast, since sm_100's pipeliner rejects the impure PTX."""
+    if VALUES and TILE_DTYPE == tl.float16 and t.dtype == tl.float8e4nv and not PURE:
         t = e4m3_fp16_pinned(t)
     return t
 
@@ -99,12 +100,14 @@ def _kv_tile(base, sbase, start_n, seqlen_k, pages, stride_page, stride_tok, sst
     seqlen_k is read from BLOCK_N keys before seqlen_k instead, its keys before start_n (the previous block's) get
     position seqlen_k so their scores are masked, and V needs no mask either (the 16-bit decode step:
     425 -> 267 SASS instructions, 248 unmasked).
-    KV_NVFP4 (NVFP4_SCALE_BYTES or _WORDS, plus NVFP4_PURE_ASM off sm_90): base holds packed e2m1 pairs [.., D/2]
+    KV_NVFP4 (NVFP4_SCALE_BYTES or _WORDS, plus NVFP4_PURE_ASM off sm_90; NVFP4_PURE_ASM alone: an e4m3 cache off
+    sm_90, see _pin_widening): base holds packed e2m1 pairs [.., D/2]
     and sbase the e4m3 scale of each 16 elements [.., D/16] (strides sstride_*); the tile is decoded in registers
     (e2m1 x e4m3 is exact in fp16/bf16) and the per-tensor global scale is folded in by the caller.
     shift: as block_pages' (rows of a paged cache by pointers)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    if KV_NVFP4:
+    pure: tl.constexpr = KV_NVFP4 >= NVFP4_PURE_ASM  # side effects: see nvfp4_unpack_tile, _pin_widening
+    if KV_NVFP4 != 0 and KV_NVFP4 != NVFP4_PURE_ASM:
         row_ok = offs_n[:, None] < seqlen_k
         row_off = _kv_row_offsets(offs_n, pages, stride_page, stride_tok, PAGE_SIZE, shift)
         offs_b = tl.arange(0, HEAD_DIM // 2)
@@ -120,7 +123,6 @@ def _kv_tile(base, sbase, start_n, seqlen_k, pages, stride_page, stride_tok, sst
         else:
             packed = tl.load(base + row_off[:, None] + offs_b[None, :])
             s_bits = tl.load(s_ptrs)
-        pure: tl.constexpr = KV_NVFP4 >= NVFP4_PURE_ASM  # side effects: see nvfp4_unpack_tile
         t = nvfp4_unpack_tile(packed, s_bits, BLOCK_N, HEAD_DIM, pure)
     elif USE_DESC:
         if PAGE_SIZE > 0:  # the launcher takes descriptors only when a page holds whole tiles
@@ -133,7 +135,7 @@ def _kv_tile(base, sbase, start_n, seqlen_k, pages, stride_page, stride_tok, sst
             row -= back
             offs_n = tl.where(offs_n - back < start_n, seqlen_k, offs_n - back)
         t = base.load([row, head_kv, 0]).reshape(BLOCK_N, offs_d.shape[0])
-        t = _pin_widening(t, VALUES, TILE_DTYPE)  # before the mask: a select of fp16 pairs, not of bytes
+        t = _pin_widening(t, VALUES, TILE_DTYPE, pure)  # before the mask: a select of fp16 pairs, not of bytes
         if MASK_N and VALUES and not BOX_IN_SEQ:
             t = tl.where(offs_n[:, None] < seqlen_k, t, 0.0)
     else:
@@ -145,7 +147,7 @@ def _kv_tile(base, sbase, start_n, seqlen_k, pages, stride_page, stride_tok, sst
             t = tl.load(ptrs)
         else:
             t = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-        t = _pin_widening(t, VALUES, TILE_DTYPE)
+        t = _pin_widening(t, VALUES, TILE_DTYPE, pure)
     # TILE_DTYPE: q's dtype on the GPU (fp8 caches widen here, exactly), fp32 in the interpreter (its bf16 is wrong).
     return t.to(TILE_DTYPE), offs_n
 

@@ -29,7 +29,9 @@ E2M1_UNIT = tl.constexpr(16384.0)  # nvfp4_unpack_tile returns e2m1 * scale / E2
 NVFP4_SCALE_BYTES = tl.constexpr(1)
 NVFP4_SCALE_WORDS = tl.constexpr(2)
 # Added to either: the tile decode's inline PTX is marked pure. Blackwell's pipeliner (sm_100) cannot predicate
-# impure inline asm and stops compiling; on sm_90 the impure form measured faster (see nvfp4_unpack_tile).
+# impure inline asm and stops compiling; on sm_90 the impure form measured faster (see nvfp4_unpack_tile). Alone
+# (an e4m3 cache off sm_90), for the same reason: its values widen by Triton's own cast, not e4m3_fp16_pinned.
+# NVFP4 caches: KV_NVFP4 neither 0 nor NVFP4_PURE_ASM (comparisons: a launch may pass a plain int 0).
 NVFP4_PURE_ASM = tl.constexpr(4)
 # Inline PTX where a GPU compiles the kernels; the interpreter (fixed before any @triton.jit runs) cannot run it.
 GPU_ASM = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
