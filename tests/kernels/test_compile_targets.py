@@ -14,13 +14,14 @@ CUDA = torch.cuda.is_available()
 
 # Per target, the cases whose compilation a target-specific rule keeps working: sm_100's dK/dV tile in tensor memory,
 # its pure NVFP4 decode PTX, FP8 caches' widening by Triton's cast (inner._pin_widening) and MLA tile; the sub-200 KB
-# targets' shared-memory tiles (backward, d256 forward, MLA); the mma.sync targets' 8-warp, pointer-loaded tiles
-# (plan/target.py); everywhere off sm_90, the dispatch declining the Gluon kernels; on Blackwell the W4A4 GEMM's
-# block-scaled MMA in the SASS (the case checks it).
+# targets' shared-memory tiles (backward, d256 forward, MLA, qv's 512-wide values); the mma.sync targets' 8-warp,
+# pointer-loaded tiles (plan/target.py); everywhere off sm_90, the dispatch declining the Gluon kernels; on Blackwell
+# the W4A4 GEMM's block-scaled MMA in the SASS (the case checks it).
 OTHER_TARGETS = {
     100: "prefill fwd+bwd d128 window softcap|decode nvfp4 split learnable_sink|decode fp8 append|decode MLA H=128|"
          "gemm W4A4 M=1 ",
-    120: "prefill fwd+bwd d256|decode MLA H=128|prefill d64 causal fp16, warp-specialised forward|gemm W4A4 M=200",
+    120: "prefill fwd+bwd d256|decode MLA H=128|prefill d64 causal fp16, warp-specialised forward|gemm W4A4 M=200|"
+         "prefill qv d64 v512",
     80: "prefill fwd+bwd d128 window softcap|decode nvfp4 append|nvfp4_quantize|decode 16-bit contiguous",
 }
 

@@ -83,6 +83,13 @@ def test_fwd_config_fits_shared_memory(arch):
         assert (c.block_m + 2 * c.num_stages * c.block_n) * dp * 2 <= _smem(arch), (d, causal, seqlen_k, c)
 
 
+def test_fwd_config_wide_values_on_small_shared_memory():
+    """V's 512-wide latent (qv) takes 16 keys a step under 200 KB of shared memory: the 32-key tile asked sm_120 for
+    136 KB (tests/sm90_compile_check.py --arch 120, "prefill qv d64 v512"); sm_90 keeps 32."""
+    assert (fwd_config(512, True, seqlen_k=1024, arch=120).block_n, fwd_config(512, True, seqlen_k=1024).block_n) == \
+        (16, 32)
+
+
 @pytest.mark.parametrize("d, causal, seqlen_k, tile", [
     (128, False, 8192, (128, 128, 8, 3)),  # the H200 d128 prefill tile (TMA K/V: 490 TFLOP/s vs 458, run 18)
     (128, False, 4096, (64, 64, 4, 3)),  # short key rows / causal: one warpgroup per program, two per SM

@@ -107,6 +107,8 @@ def fwd_config(head_dim: int, causal: bool = False, interpret: bool = False, seq
         # only (sm_90, triton 3.6, --res-usage): 96 bytes of stack against 1.9-2.1 KB for the d256 tile, 304 with 64
         # keys a step, 1256 with 4 warps; never timed.
         cfg = FwdConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, tma=True)
+        if small_shared_memory(arch):  # 16 keys a step: the 32-key tile took 136 KB on sm_120 (99 KB; compiled only)
+            cfg = FwdConfig(block_m=64, block_n=16, num_warps=8, num_stages=2, tma=True)
     else:
         # d = 256: a 128x128 S tile plus a 128x256 accumulator exceeds the register file; 3 stages exceed shared
         # memory. TMA: 524 vs 489.
