@@ -132,6 +132,8 @@ def attn_fwd_kernel(
     b = pid_bh // num_heads_prog
     head = pid_bh % num_heads_prog  # the KV head when packing, else the query head
     head_kv = head if PACK_GQA else head // group_size
+    # NVFP4 caches: KV_NVFP4 alone at NVFP4_PURE_ASM marks an e4m3 cache off sm_90 (quant.NVFP4_PURE_ASM)
+    nvfp4_cache: tl.constexpr = KV_NVFP4 != 0 and KV_NVFP4 != NVFP4_PURE_ASM
 
     q_start, seqlen_q, k_start, seqlen_k = seq_extents(
         b, cu_seqlens_q_ptr, cu_seqlens_k_ptr, seqlens_k_ptr, seqlen_q_static, seqlen_k_static, seqlen_k_add,
@@ -252,8 +254,7 @@ def attn_fwd_kernel(
         v_base = v_ptr + b64 * stride_vb + k0 * stride_vs + h64 * stride_vh
         bt_ptr = block_table_ptr
     if APPEND_NEW > 0:  # this call's new tokens (seqlen_k_add of them, at most APPEND_NEW) go into the cache first
-        # quantized with this KV head's scales
-        fp8_cache: tl.constexpr = KV_SCALED and (KV_NVFP4 == 0 or KV_NVFP4 == NVFP4_PURE_ASM)
+        fp8_cache: tl.constexpr = KV_SCALED and not nvfp4_cache  # quantized with this KV head's scales
         k_scale = 1.0
         v_scale = 1.0
         if fp8_cache:
@@ -275,7 +276,7 @@ def attn_fwd_kernel(
         # the dots, so tiles are only widened (exactly) and the scales fold into the logit scale and the final
         # normalisation.
         softmax_scale = softmax_scale * q_unscale * tl.load(k_scale_ptr + k_scale_off)
-        if KV_NVFP4 != 0 and KV_NVFP4 != NVFP4_PURE_ASM:  # unpacked NVFP4 tiles are e2m1 * scale / E2M1_UNIT
+        if nvfp4_cache:  # unpacked NVFP4 tiles are e2m1 * scale / E2M1_UNIT
             softmax_scale = softmax_scale * E2M1_UNIT
     qk_scale, softcap_scale = logit_scales(softmax_scale, softcap, SOFTCAP)
     alibi_slope = 0.0  # not read without ALIBI
@@ -329,7 +330,7 @@ def attn_fwd_kernel(
         inv_l = inv_l * dropout_scale
     if KV_SCALED:
         inv_l = inv_l * tl.load(v_scale_ptr + v_scale_off)
-        if KV_NVFP4 != 0 and KV_NVFP4 != NVFP4_PURE_ASM:
+        if nvfp4_cache:
             inv_l = inv_l * E2M1_UNIT
     if TRANS:
         acc = tl.trans(acc)
