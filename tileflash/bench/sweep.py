@@ -115,21 +115,28 @@ def _decode_cache(batch, ctx, hkv, d, page, dtype=BF16):
     return kc, vc, table
 
 
+def _cache_format(family: str, shape, fields: int, kw):
+    """(the shape's first `fields` fields, the cache dtype, the call's keywords): a bf16 cache, or an e4m3 one with
+    unit scales where the shape ends in "fp8"."""
+    head, fmt = shape[:fields], shape[fields:]
+    if fmt not in ((), ("fp8",)):
+        raise SystemExit(f"{family} shape {shape}: field {fields + 1} may only be fp8")
+    if not fmt:
+        return head, BF16, kw
+    return head, torch.float8_e4m3fn, {**kw, "k_scale": torch.ones(1, device="cuda"),
+                                       "v_scale": torch.ones(1, device="cuda")}
+
+
 def _decode(shape, kw):
     """batch,ctx,hq,hkv,d,page[,fp8]: a bf16 cache, or an e4m3 one (scales 1) with "fp8"."""
     import tileflash
 
-    (batch, ctx, hq, hkv, d, page), fmt = shape[:6], shape[6:]
-    fp8 = fmt == ("fp8",)
-    if fmt and not fp8:
-        raise SystemExit(f"decode shape {shape}: the 7th field may only be fp8")
-    nbytes = decode_kv_bytes(batch, ctx, hkv, d, 1 if fp8 else 2)
+    (batch, ctx, hq, hkv, d, page), dtype, kw = _cache_format("decode", shape, 6, kw)
+    nbytes = decode_kv_bytes(batch, ctx, hkv, d, dtype.itemsize)
     copies = []
     for _ in range(rotation_copies(nbytes)):
-        kc, vc, table = _decode_cache(batch, ctx, hkv, d, page, torch.float8_e4m3fn if fp8 else BF16)
+        kc, vc, table = _decode_cache(batch, ctx, hkv, d, page, dtype)
         copies.append((torch.randn(batch, 1, hq, d, device="cuda", dtype=BF16), kc, vc, table))
-    if fp8:
-        kw = {**kw, "k_scale": torch.ones(1, device="cuda"), "v_scale": torch.ones(1, device="cuda")}
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     fns = [lambda c=c: tileflash.flash_attn_with_kvcache(c[0], c[1], c[2], cache_seqlens=lens, block_table=c[3],
                                                          **kw) for c in copies]
@@ -141,19 +148,13 @@ def _decode_mla(shape, kw):
     import tileflash
     from tileflash.bench.formulas import mla_decode_bytes
 
-    (batch, ctx, hq), fmt = shape[:3], shape[3:]
-    fp8 = fmt == ("fp8",)
-    if fmt and not fp8:
-        raise SystemExit(f"decode-mla shape {shape}: the 4th field may only be fp8")
-    nbytes = mla_decode_bytes(batch, ctx, dtype_bytes=1 if fp8 else 2)
+    (batch, ctx, hq), dtype, kw = _cache_format("decode-mla", shape, 3, kw)
+    nbytes = mla_decode_bytes(batch, ctx, dtype_bytes=dtype.itemsize)
     copies = []
     for _ in range(rotation_copies(nbytes)):
-        kc, vc = (torch.randn(batch, ctx, 1, w, device="cuda").to(torch.float8_e4m3fn if fp8 else BF16)
-                  for w in (64, 512))
+        kc, vc = (torch.randn(batch, ctx, 1, w, device="cuda").to(dtype) for w in (64, 512))
         copies.append((torch.randn(batch, 1, hq, 64, device="cuda", dtype=BF16),
                        torch.randn(batch, 1, hq, 512, device="cuda", dtype=BF16), kc, vc))
-    if fp8:
-        kw = {**kw, "k_scale": torch.ones(1, device="cuda"), "v_scale": torch.ones(1, device="cuda")}
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     fns = [lambda c=c: tileflash.flash_attn_with_kvcache(c[0], c[2], c[3], qv=c[1], cache_seqlens=lens, **kw)
            for c in copies]
