@@ -50,28 +50,32 @@ def test_mla_decode(case):
 
 @pytest.mark.parametrize("page, splits, ctx, lens", [(None, 1, 64, (40, 62)), (16, 3, 64, (40, 62)),
                                                      (None, 3, 640, (333, 639))])
-def test_mla_fp8_latent_cache(page, splits, ctx, lens):
+def test_mla_fp8_latent_cache(page, splits, ctx, lens, hq=16):
     """An e4m3 latent cache with its own scale (and the rotary keys with theirs): the score's two parts carry
     different scales, so qv is rescaled by v_scale / k_scale in the kernel; appends quantize both. The longer
     cache spans several of the 16-row FP8 tile's 128-token steps (MLA_FP8_TILES) per split, a partial last one."""
     from tileflash.reference import fp8_quantize_ref
 
-    q, qv, kc, vc, table, (kn, vn) = _mla_inputs(2, 1, 16, ctx, page, s_new=1, seed=21)
+    q, qv, kc, vc, table, (kn, vn) = _mla_inputs(2, 1, hq, ctx, page, s_new=1, seed=21)
     k_scale, v_scale = (torch.tensor([s], device=DEVICE) for s in (0.01, 0.013))
     lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     check_kvcache_call(q, kn, vn, fp8_quantize_ref(kc, k_scale), fp8_quantize_ref(vc, v_scale), qv=qv,
                        cache_seqlens=lens, block_table=table, num_splits=splits, k_scale=k_scale, v_scale=v_scale)
 
 
-def test_mla_fp8_latent_cache_gpu_tile():
-    """The same long FP8 case at the tile the sm_90 planner takes for 16 rows of FP8 latents (MLA_FP8_TILES: 128-token
-    steps), forced under the interpreter too, whose own tiles step 16 tokens."""
+@pytest.mark.parametrize("hq, ctx, lens, tile", [(16, 640, (333, 639), (16, 128, False)),
+                                                 (32, 640, (333, 639), (16, 128, False)),
+                                                 (128, 200, (133, 199), (64, 32, True))])
+def test_mla_fp8_latent_cache_gpu_tile(hq, ctx, lens, tile):
+    """The long FP8 case at the tile the sm_90 planner takes for FP8 latents (MLA_FP8_TILES: up to 32 rows as
+    16-row tiles of 128-token steps, 64 rows transposed in 32-token steps), forced under the interpreter too,
+    whose own tiles step 16 tokens untransposed."""
     from tileflash import config
 
-    gpu_tile = plan_decode.mla_decode_config(16, fp8=True)
-    assert gpu_tile.block_n == 128
+    gpu_tile = plan_decode.mla_decode_config(hq, fp8=True)
+    assert (gpu_tile.block_m, gpu_tile.block_n, gpu_tile.trans) == tile
     with config.override(mla_decode=lambda chosen: gpu_tile):
-        test_mla_fp8_latent_cache(None, 3, 640, (333, 639))
+        test_mla_fp8_latent_cache(None, 3, ctx, lens, hq=hq)
 
 
 def test_mla_sink_and_gqa_latent():

@@ -730,9 +730,10 @@ def test_mla_decode_tiles_and_splits():
     got = [(c.block_m, c.block_n, c.num_warps, c.num_stages, c.resident_per_sm)
            for c in map(mla_decode_config, (16, 32, 128))]
     assert got == [(16, 64, 4, 2, 0), (32, 64, 4, 2, 0), (64, 64, 8, 2, 1)]
-    fp8 = [(c.block_m, c.block_n, c.num_warps, c.num_stages)
-           for c in (mla_decode_config(r, fp8=True) for r in (16, 32, 128))]
-    assert fp8 == [(16, 128, 4, 2), (32, 64, 4, 2), (64, 64, 8, 2)]  # MLA_FP8_TILES (run 266): 16 rows only
+    fp8 = [(c.block_m, c.block_n, c.num_warps, c.num_stages, c.trans)
+           for c in (mla_decode_config(r, fp8=True) for r in (16, 32, 64, 128))]
+    # MLA_FP8_TILES (runs 266-270): 32 rows as two 16-row tiles, 64 rows transposed
+    assert fp8 == [(16, 128, 4, 2, False), (16, 128, 4, 2, False), (64, 32, 8, 3, True), (64, 32, 8, 3, True)]
     assert mla_decode_config(128, interpret=True).block_n == 16
     big = mla_decode_config(128)
     one_wave = dict(resident_per_sm=1, per_sm=1)  # plan.decode.split_plan's MLA count

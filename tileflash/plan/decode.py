@@ -140,18 +140,27 @@ def _step_tokens(tokens: int, d: int) -> int:
 # six configs within 4-11%: 8 warps 3 stages took b=32 57.7 at 4 splits, but 103.1 at b=8). 32 rows take the
 # 16-row steps (not measured).
 MLA_TILES = {16: (64, 4, 2, 0), 32: (64, 4, 2, 0), 64: (64, 8, 2, 1)}
-# FP8 latents (the Triton kernel: the Gluon one reads 16-bit caches only) at 16 rows take 128-token steps: half the
-# bytes of a 16-bit step. Run 266 (H100, `sweep decode-mla --shapes 8,32768,16,fp8 128,4096,16,fp8`, graph replay,
-# us): b=8 ctx 32k 104.6 vs 126.2 with MLA_TILES's, b=128 ctx 4k 183.1 vs 232.6 (3 stages 103.8 / 183.3, 64 tokens
-# at 3 stages 106.0 / 190.8, 8 warps 108.4 / 191.0). 64 rows keep MLA_TILES's (b=32 ctx 4k 252.5 us, b=1 ctx 32k
-# 81.2: the best of 16 or 64 rows x 32 or 64 tokens x 4 or 8 warps); 32 rows were not timed.
-MLA_FP8_TILES = {16: (128, 4, 2, 0)}
+# FP8 latents (the Triton kernel: the Gluon one reads 16-bit caches only): (tile rows, KV tokens per step, warps,
+# stages, programs an SM holds, transposed products) by the pack-GQA rows decode_block_m gives. At most 32 rows take
+# 16-row tiles in 128-token steps: half the bytes of a 16-bit step. Run 266 (H100, `sweep decode-mla --shapes
+# 8,32768,16,fp8 128,4096,16,fp8`, graph replay, us): H=16 b=8 ctx 32k 104.6 vs 126.2 with MLA_TILES's, b=128 ctx 4k
+# 183.1 vs 232.6 (3 stages 103.8 / 183.3, 64 tokens at 3 stages 106.0 / 190.8, 8 warps 108.4 / 191.0). Runs 269-270
+# (`--shapes 32,4096,32,fp8 8,32768,32,fp8 128,4096,32,fp8 --vary block_m=16,32 block_n=64,128 ...`): H=32 as two
+# 16-row tiles 99.8 / 177.4 / 343.8 us vs 156.7 / 269.5 / 512.3 at MLA_TILES's 32-row tile (32 rows at 128 tokens
+# 126.1 / 206.8; 8 warps or 3 stages within 1%). 64 rows (H=64 lost as 16-row tiles: b=32 ctx 4k 163.0 vs 135.9,
+# b=8 ctx 32k 319.0 vs 245.9) step 32 tokens transposed (s^T = K q^T, the dequantized tile as wgmma's register
+# operand) in 3 stages, whose sm_90 compile holds 104-128 bytes of stack a thread where every untransposed tile
+# spilled ~1.2 KB. Runs 268-269 (`--shapes 32,4096,128,fp8 1,32768,128,fp8 128,1024,128,fp8 --vary trans=1
+# block_n=32,64 num_stages=2,3,4 num_warps=4,8`): 244.5 / 74.8 / 245.2 us vs 252.2 / 80.8 / 270.5 untransposed
+# (2 stages 261.4 / 79.5 / 274.6; 64 tokens 434-464; 4 warps 244-1001). 16 rows at 128 tokens lost there too
+# (311.8 / 87.0).
+MLA_FP8_TILES = {16: (16, 128, 4, 2, 0, False), 32: (16, 128, 4, 2, 0, False), 64: (64, 32, 8, 3, 1, True)}
 
 
 def mla_decode_config(group_rows: int, interpret: bool = False, arch: int | None = 90,
                       fp8: bool = False) -> DecodeConfig:
-    """MLA's pack-GQA tiles: decode_block_m rows (16..64), MLA_TILES's steps (MLA_FP8_TILES's for FP8 latents,
-    fp8, where it has the rows). Off the H200 (compiled on the CPU,
+    """MLA's pack-GQA tiles: decode_block_m rows (16..64) with MLA_TILES's steps, or for FP8 latents (fp8)
+    MLA_FP8_TILES's tile. Off the H200 (compiled on the CPU,
     never timed): sm_10x takes 32-token steps at 64 rows (Blackwell's MMA keeps its operands in shared memory,
     where the 64-token tile needed 281 KB), and targets with under 200 KB of shared memory per block take 16-row
     tiles (a 64-row tile's qv alone is 64 KB) of 32 tokens."""
@@ -160,11 +169,15 @@ def mla_decode_config(group_rows: int, interpret: bool = False, arch: int | None
         return DecodeConfig(block_m=block_m, block_n=16, num_warps=4, num_stages=1)
     if small_shared_memory(arch):
         return target_tiles(DecodeConfig(block_m=16, block_n=32, num_warps=4, num_stages=2), arch, sm10x_warps=True)
-    block_n, warps, stages, resident = (MLA_FP8_TILES if fp8 and block_m in MLA_FP8_TILES else MLA_TILES)[block_m]
+    trans = False
+    if fp8:
+        block_m, block_n, warps, stages, resident, trans = MLA_FP8_TILES[block_m]
+    else:
+        block_n, warps, stages, resident = MLA_TILES[block_m]
     if tensor_memory(arch) and block_m == 64:
         block_n = 32
     return target_tiles(DecodeConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
-                                     resident_per_sm=resident), arch, sm10x_warps=True)
+                                     trans=trans, resident_per_sm=resident), arch, sm10x_warps=True)
 
 
 MLA_GLUON_ROWS = 64  # the seesaw's query rows per CTA (wgmma's M)
