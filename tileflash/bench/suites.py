@@ -157,7 +157,8 @@ MLA_SHAPES = [
                            (32, 32, 4096, None), (32, 8, 32768, None))
 ] + [  # an e4m3 latent cache (per-tensor scales): half the bytes
     {"kind": "mla", "hq": hq, "batch": b, "ctx": ctx, "page_size": None, "kv": "fp8", "label": f"mla-h{hq}-fp8"}
-    for hq, b, ctx in ((128, 32, 4096), (128, 1, 32768), (16, 8, 32768), (16, 128, 4096))
+    for hq, b, ctx in ((128, 32, 4096), (128, 1, 32768), (16, 8, 32768), (16, 128, 4096), (32, 32, 4096),
+                      (32, 8, 32768))
 ]
 # tileflash_triton_graph: the Triton MLA kernel (the sm_90 Gluon one declined), to show what the Gluon kernel gains
 # flashinfer_mla_graph: FlashInfer's MLA wrapper over the same cache copies (where flashinfer imports)
