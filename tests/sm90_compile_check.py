@@ -119,6 +119,11 @@ def _cases(arch: int = 90):
                 mla(hq, **kw)
         return lambda: (_compiles if sm90 else _avoids)((kern,), call)
 
+    def triton_mla(hq, **kw):
+        """An MLA decode on the Triton kernel (the Gluon ones declined by config)."""
+        with config.override(mla_gluon=lambda cfg: None):
+            mla(hq, **kw)
+
     def register_decode(fmt, **kw):
         """A decode that must take the register-operand Gluon kernel (kernels/gluon/decode_mma.py)."""
         from tileflash.kernels.gluon.decode_mma import decode_quant_kernel as kern
@@ -449,9 +454,14 @@ def _cases(arch: int = 90):
         "decode MLA H=128 softcap (Triton kernel)": lambda: mla(128, softcap=5.0, num_splits=2),
         "decode fp8 MLA H=128 latent (transposed 32-token steps), append, split": lambda: mla(128, append=True,
                                                                                               fp8=True, num_splits=3),
-        "decode fp8 MLA H=16 latent (128-token steps), split": lambda: mla(16, fp8=True, num_splits=3),
-        "decode fp8 MLA H=32 latent (two 16-row tiles), paged page 64, split": lambda: mla(32, page=64, fp8=True,
-                                                                                            num_splits=3),
+        "decode fp8 MLA H=16 latent (Triton kernel, 128-token steps), split": lambda: triton_mla(16, fp8=True,
+                                                                                                 num_splits=3),
+        "decode fp8 MLA H=32 latent (Triton kernel, two 16-row tiles), paged page 64, split":
+            lambda: triton_mla(32, page=64, fp8=True, num_splits=3),
+        "decode fp8 MLA narrow H=16 (widened blocks), split": gluon_mla(16, rows=16, fp8=True, num_splits=3),
+        "decode fp8 MLA narrow H=32 paged page 16, append, causal Sq=2": gluon_mla(16, rows=32, sq=2, page=16,
+                                                                                   append=True, causal=True,
+                                                                                   fp8=True),
         "decode nvfp4 append": lambda: decode("nvfp4", append=True),
         "decode nvfp4 d32 append": lambda: decode("nvfp4", d=32, append=True),
         "decode nvfp4 paged": lambda: decode("nvfp4", paged=True),

@@ -91,6 +91,51 @@ def test_gluon_mla_decode(case, rows, monkeypatch, override):
             assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(_poisoned(want, after, table)))
 
 
+# (batch, Sq, Hq, capacity, page, appended, cache lengths before the append, num_splits, causal, scales per sequence)
+FP8_CASES = [
+    (2, 1, 16, 1000, None, 0, (1000, 37), 0, False, True),  # heuristic splits, 1-row tails, [B, 1] scales
+    (3, 1, 16, 4096, 64, 1, (4000, 31, 0), 0, False, False),  # page 64, append (quantized), an empty cache
+    (2, 1, 32, 704, 16, 1, (650, 100), 3, False, False),  # two 16-row tiles, page 16 (four copies a block)
+    (1, 4, 8, 320, 32, 0, (299,), 1, True, False),  # causal among 4 tokens x 8 heads, no split, odd block count
+]
+
+
+@pytest.mark.parametrize("case", FP8_CASES, ids=[f"case{i}" for i in range(len(FP8_CASES))])
+def test_gluon_mla_fp8_cache(case, monkeypatch):
+    """e4m3 latent and rotary caches with their own scales ([1], or per sequence [B, 1]) on the narrow kernel's
+    widened blocks, the planner's choice; unwritten rows hold e4m3 NaN bytes (0x7f)."""
+    from tileflash.reference import fp8_quantize_ref
+
+    b, sq, hq, capacity, page, s_new, lens, splits, causal, per_seq = case
+    calls = _counting(monkeypatch)
+    q, qv, kc, vc, table, (kn, vn) = _inputs(b, sq, hq, capacity, page, s_new, torch.bfloat16, seed=7 + hq)
+    n = b if per_seq else 1
+    k_scale = torch.linspace(0.01, 0.02, n, device=DEVICE).view(n, 1) if per_seq else torch.tensor([0.015],
+                                                                                                    device=DEVICE)
+    v_scale = torch.linspace(0.013, 0.03, n, device=DEVICE).view(n, 1) if per_seq else torch.tensor([0.02],
+                                                                                                    device=DEVICE)
+    if per_seq:  # contiguous: sequence i's rows under its scales
+        kc8 = torch.stack([fp8_quantize_ref(kc[i], k_scale[i]) for i in range(b)])
+        vc8 = torch.stack([fp8_quantize_ref(vc[i], v_scale[i]) for i in range(b)])
+    else:
+        kc8, vc8 = fp8_quantize_ref(kc, k_scale), fp8_quantize_ref(vc, v_scale)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    after = [n + s_new for n in lens]
+
+    def nan_bytes(c):  # c with 0x7f (e4m3 NaN) at every row no sequence occupies
+        bits = _poisoned(c.view(torch.uint8).to(torch.float32), after, table)
+        return bits.nan_to_num(127.0).to(torch.uint8).view(torch.float8_e4m3fn)
+
+    kw = dict(cache_seqlens=seqlens, block_table=table, causal=causal, qv=qv, k_scale=k_scale, v_scale=v_scale)
+    out, lse = tileflash.flash_attn_with_kvcache(q, nan_bytes(kc8), nan_bytes(vc8), kn, vn, num_splits=splits,
+                                                 return_softmax_lse=True, **kw)
+    assert calls, "the call did not take the Gluon MLA decode"
+    ref, ref_lse, _, _ = kvcache_ref(q, kc8, vc8, kn, vn, **kw)
+    ref_lowp, *_ = kvcache_ref(q, kc8, vc8, kn, vn, upcast=False, **kw)
+    check_2x(out, ref, ref_lowp)
+    check_lse(lse, ref_lse, atol=2e-2)
+
+
 def test_gluon_mla_plan_and_triton_agree(monkeypatch, override):
     """decode_plan's run gives the plain call's result bitwise; the Triton MLA kernel (the Gluon one declined by
     config) agrees within the 2x rule's bound of each other's errors."""

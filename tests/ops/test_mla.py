@@ -67,14 +67,15 @@ def test_mla_fp8_latent_cache(page, splits, ctx, lens, hq=16):
                                                  (32, 640, (333, 639), (16, 128, False)),
                                                  (128, 200, (133, 199), (64, 32, True))])
 def test_mla_fp8_latent_cache_gpu_tile(hq, ctx, lens, tile):
-    """The long FP8 case at the tile the sm_90 planner takes for FP8 latents (MLA_FP8_TILES: up to 32 rows as
-    16-row tiles of 128-token steps, 64 rows transposed in 32-token steps), forced under the interpreter too,
-    whose own tiles step 16 tokens untransposed."""
+    """The long FP8 case on the Triton kernel at the tile the sm_90 planner takes for FP8 latents (MLA_FP8_TILES:
+    up to 32 rows as 16-row tiles of 128-token steps, 64 rows transposed in 32-token steps), forced under the
+    interpreter too, whose own tiles step 16 tokens untransposed (on the GPU the Gluon kernel, which takes FP8
+    calls of up to 32 rows, declined)."""
     from tileflash import config
 
     gpu_tile = plan_decode.mla_decode_config(hq, fp8=True)
     assert (gpu_tile.block_m, gpu_tile.block_n, gpu_tile.trans) == tile
-    with config.override(mla_decode=lambda chosen: gpu_tile):
+    with config.override(mla_decode=lambda chosen: gpu_tile, mla_gluon=lambda chosen: None):
         test_mla_fp8_latent_cache(None, 3, ctx, lens, hq=hq)
 
 

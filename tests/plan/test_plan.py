@@ -825,7 +825,11 @@ MLA_GLUON_TABLE = [
     (dict(), True, True, False),  # cache_batch_idx, rotary, ALiBi, sinks: the Triton kernel's extras
     (dict(), False, False, False),  # a window or softcap
     (dict(dtype=torch.float16), False, True, True),
-    (dict(cache_dtype=torch.float8_e4m3fn), False, True, False),  # FP8 latents
+    (dict(cache_dtype=torch.float8_e4m3fn), False, True, False),  # FP8 latents at 64 rows: the seesaw reads 16 bits
+    (dict(hq=16, cache_dtype=torch.float8_e4m3fn), False, True, True),  # the narrow kernel widens them
+    (dict(hq=32, page=64, cache_dtype=torch.float8_e4m3fn), False, True, True),
+    (dict(hq=16, cache_dtype=torch.float8_e4m3fn), False, False, False),  # softcap: the Triton kernel
+    (dict(hq=16, cache_dtype=torch.float8_e5m2), False, True, False),  # e5m2 caches are not served
     (dict(latent=256), False, True, False), (dict(rope=32), False, True, False),
 ]
 

@@ -42,8 +42,9 @@ FAMILY_HELP = {
     "decode": "decode / DecodeConfig: shapes batch,ctx,hq,hkv,d,page[,fp8] (page 0: contiguous), a bf16 cache (an "
               "e4m3 one with fp8), one token",
     "decode-mla": "mla_decode / DecodeConfig: the Triton MLA decode; shapes batch,ctx,hq[,fp8] (latent 512 + rotary "
-                  "64, one KV head; e4m3 latents with scales 1 with fp8, which only the Triton kernel reads)",
-    "decode-mla-gluon": "mla_gluon / MlaGluonConfig: the sm_90 Gluon MLA decode; same shapes",
+                  "64, one KV head; e4m3 latents with scales 1 with fp8)",
+    "decode-mla-gluon": "mla_gluon / MlaGluonConfig: the sm_90 Gluon MLA decode; same shapes (fp8: the narrow "
+                        "kernel's tiles only)",
     "decode-quant": "quant_decode / QuantDecodeConfig: shapes batch,ctx,hq,hkv,d,nvfp4 (the register-operand decode)",
     "gemm": "gemm / GemmConfig: the Triton NVFP4 GEMM; shapes m,n,k (bf16 activations) or m,n,k,w4a4 (NVFP4 ones)",
     "gemm-mma": "gemm_mma / GemmMmaConfig: the sm_90 register-operand GEMM (m <= 16); same shapes",

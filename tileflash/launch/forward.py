@@ -230,11 +230,13 @@ def launch_attn_fwd_ws(q4, k4, v4, out4, lse3, *, causal: bool, softmax_scale: f
 
 
 def launch_mla_decode(q, qv, k_cache, v_cache, out, lse, *, seqlens_k, seqlen_k_add: int, block_table,
-                      softmax_scale: float, causal: bool, config, o_part=None, lse_part=None) -> None:
+                      softmax_scale: float, causal: bool, config, o_part=None, lse_part=None, k_scale=None,
+                      v_scale=None) -> None:
     """The Gluon MLA decode (plan.decode.mla_gluon_config accepted the call): q [B, Sq, H, 64], qv [B, Sq, H, 512],
     k_cache [.., 1, 64] and v_cache [.., 1, 512] contiguous ([B, S, 1, D]) or paged ([pages, page, 1, D] with
     block_table [B, max_pages]); out [B, Sq, H, 512] and lse [B, H, Sq], or with o_part / lse_part the split
-    partials ([splits, B * Sq * H, 512] and [splits, B * Sq * H] fp32) for attn_combine."""
+    partials ([splits, B * Sq * H, 512] and [splits, B * Sq * H] fp32) for attn_combine. e4m3 caches (the narrow
+    kernel): their fp32 scales k_scale / v_scale, [1] or per sequence [B, 1] (absent: 1)."""
     b, sq, hq, _ = q.shape
     bn = config.block_n
     page = k_cache.shape[1] if block_table is not None else 0
@@ -244,6 +246,12 @@ def launch_mla_decode(q, qv, k_cache, v_cache, out, lse, *, seqlens_k, seqlen_k_
     m_tiles = _utils.cdiv(sq * hq, config.rows)
     split = o_part is not None
     dummy = unused_pointer(q.device)
+    extra, constexprs = (), {}
+    if narrow:
+        fp8 = k_cache.dtype == torch.float8_e4m3fn
+        scales = [t if t is not None else unit_scale(q.device) for t in (k_scale, v_scale)] if fp8 else [dummy] * 2
+        extra = (*scales, *(scale_strides(t, False)[0] for t in (k_scale, v_scale)))
+        constexprs = {"ROWS": config.rows, "FP8": fp8}
     direct.launch(
         mla_decode_narrow.mla_decode_narrow_kernel if narrow else mla_decode.mla_decode_kernel,
         (m_tiles * b, o_part.shape[0] if split else 1),
@@ -251,8 +259,7 @@ def launch_mla_decode(q, qv, k_cache, v_cache, out, lse, *, seqlens_k, seqlen_k_
         block_table if page else dummy, block_table.stride(0) if page else 0,
         block_table.shape[1] if page else 1, k_cache.shape[1], seqlen_k_add, sq, m_tiles, hq, b * sq * hq,
         *q.stride()[:3], *qv.stride()[:3], *out.stride()[:3], *lse.stride(), softmax_scale * math.log2(math.e),
-        BN=bn, STAGES=config.stages, PAGE=page, CAUSAL=causal, SPLIT=split, num_warps=4,
-        **({"ROWS": config.rows} if narrow else {}))
+        *extra, BN=bn, STAGES=config.stages, PAGE=page, CAUSAL=causal, SPLIT=split, num_warps=4, **constexprs)
 
 
 def launch_combine(o_part, lse_part, out4, lse3, pdl: bool = False, learnable_sink=None) -> None:

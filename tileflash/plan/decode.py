@@ -239,18 +239,19 @@ def mla_gluon_rows(rows: int) -> int:
 def mla_gluon_config(q, k_cache, v_cache, block_table, extras: bool, plain_mask: bool) -> MlaGluonConfig | None:
     """The Gluon MLA decode's tiles when it serves an MLA (qv) call, else None (the Triton decode kernel): at least
     MLA_GLUON_MIN_ROWS query rows per sequence (Sq x H; config can force it for fewer), an sm_90 target, 16-bit
-    caches in q's dtype, a 64-wide rotary key and a 512-wide latent, no mask beyond causal and no softcap
-    (plain_mask), none of the Triton kernel's extras (cache_batch_idx, cache_leftpad, rotary, ALiBi, learnable_sink),
-    a contiguous cache or pages of 8..32 tokens or a multiple of the step, and rows TMA can read: 16-byte aligned
-    bases and strides, unit stride along the head dim, a cache's batch (or page) stride its tokens' (rows of one
-    [rows, D] view)."""
-    if (extras or not plain_mask or not sm90_target() or k_cache.dtype != q.dtype
-            or k_cache.dtype not in (torch.bfloat16, torch.float16) or v_cache.dtype != k_cache.dtype
+    caches in q's dtype or (the narrow kernel's tiles only) e4m3 caches, a 64-wide rotary key and a 512-wide
+    latent, no mask beyond causal and no softcap (plain_mask), none of the Triton kernel's extras
+    (cache_batch_idx, cache_leftpad, rotary, ALiBi, learnable_sink), a contiguous cache or pages of 8..32 tokens
+    or a multiple of the step, and rows TMA can read: 16-byte aligned bases and strides, unit stride along the
+    head dim, a cache's batch (or page) stride its tokens' (rows of one [rows, D] view)."""
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if (extras or not plain_mask or not sm90_target() or q.dtype not in (torch.bfloat16, torch.float16)
+            or k_cache.dtype not in (q.dtype, torch.float8_e4m3fn) or v_cache.dtype != k_cache.dtype
             or k_cache.shape[-1] != MLA_ROPE_DIM or v_cache.shape[-1] != MLA_LATENT_DIM or k_cache.shape[2] != 1):
         return None
     rows = q.shape[1] * q.shape[2]
     cfg = config.chosen("mla_gluon", MlaGluonConfig(rows=mla_gluon_rows(rows)) if rows >= MLA_GLUON_MIN_ROWS else None)
-    if cfg is None:
+    if cfg is None or (fp8 and not cfg.narrow):  # the seesaw reads 16-bit caches only
         return None
     page = k_cache.shape[1]
     if block_table is not None and not (page in (8, 16, 32) and page <= cfg.block_n or page % cfg.block_n == 0):

@@ -144,16 +144,25 @@ def _store_lse(m_i, l_i, seen, row0, lse_ptr, lse_part_ptr, b, rows_q, num_heads
         gl.store(lse_ptr + off, lse, mask=r < rows_q)
 
 
+Q_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))  # 16-byte loads along a row of q
+
+
+@gluon.jit
+def _q_rows(ptr, row0, rows_q, num_heads, stride_b, stride_s, stride_h, b, col0, R: gl.constexpr,
+            COLS: gl.constexpr):
+    """Rows [row0, row0 + R) of q or qv (row r = token r // H, head r % H of sequence b), columns [col0, col0 +
+    COLS), in Q_LAYOUT; rows past Sq * H as zeros."""
+    r = row0 + gl.arange(0, R, layout=gl.SliceLayout(1, Q_LAYOUT))
+    off = b.to(gl.int64) * stride_b + (r // num_heads).to(gl.int64) * stride_s + (r % num_heads).to(gl.int64) * stride_h
+    cols = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, Q_LAYOUT))
+    return gl.load(ptr + gl.expand_dims(off, 1) + gl.expand_dims(cols, 0), mask=gl.expand_dims(r < rows_q, 1),
+                   other=0.0)
+
+
 @gluon.jit
 def _load_q(smem, ptr, row0, rows_q, num_heads, stride_b, stride_s, stride_h, b, col0, COLS: gl.constexpr):
-    """Rows [row0, row0 + R) of q or qv (row r = token r // H, head r % H of sequence b), columns [col0, col0 +
-    COLS), into smem [R, COLS]; rows past Sq * H as zeros."""
-    lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    r = row0 + gl.arange(0, smem.shape[0], layout=gl.SliceLayout(1, lay))
-    off = b.to(gl.int64) * stride_b + (r // num_heads).to(gl.int64) * stride_s + (r % num_heads).to(gl.int64) * stride_h
-    cols = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, lay))
-    smem.store(gl.load(ptr + gl.expand_dims(off, 1) + gl.expand_dims(cols, 0), mask=gl.expand_dims(r < rows_q, 1),
-                       other=0.0))
+    """_q_rows of smem's [R, COLS] into smem."""
+    smem.store(_q_rows(ptr, row0, rows_q, num_heads, stride_b, stride_s, stride_h, b, col0, smem.shape[0], COLS))
 
 
 @gluon.jit
@@ -435,12 +444,12 @@ def _wg1(q_rope, q_lat, k_bufs, c_bufs, p0_smem, vecs, ready_a, ready_b, bars, k
 
 @gluon.jit
 def _shared_buffers(dtype: gl.constexpr, ROWS: gl.constexpr, k_desc, c_desc):
-    """(q's rotary part [ROWS, 64], qv's two halves [2, ROWS, 256], two blocks' rotary keys [2, 64, 64] and latent
-    halves [4, 64, 256]) in shared memory: what both MLA kernels hold."""
+    """(q's rotary part [ROWS, 64], qv's two halves [2, ROWS, 256], in dtype; two blocks' rotary keys [2, 64, 64] and
+    latent halves [4, 64, 256], in the caches' dtype) in shared memory: what both MLA kernels hold."""
     q_rope = gl.allocate_shared_memory(dtype, [ROWS, ROPE], gl.NVMMASharedLayout.get_default_for([ROWS, ROPE], dtype))
     q_lat = gl.allocate_shared_memory(dtype, [2, ROWS, HALF], gl.NVMMASharedLayout.get_default_for([ROWS, HALF], dtype))
-    k_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK, ROPE], k_desc.layout)
-    c_bufs = gl.allocate_shared_memory(dtype, [4, BLOCK, HALF], c_desc.layout)
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [2, BLOCK, ROPE], k_desc.layout)
+    c_bufs = gl.allocate_shared_memory(c_desc.dtype, [4, BLOCK, HALF], c_desc.layout)
     return q_rope, q_lat, k_bufs, c_bufs
 
 

@@ -16,6 +16,14 @@ data), so it is attn_fwd's _softmax and the seesaw's _masked; its row reductions
 Rows, splits, partials, pages and the zeroing of a partial block's tail are the seesaw's. Run 214 (H100, graph
 replay): 1.01-1.15x the seesaw at H=16, and two 16-row tiles 1.05-1.10x it at H=32 (32-row tiles, 255 registers,
 in between): plan/decode.mla_gluon_rows.
+
+FP8 (e4m3 caches with per-tensor or per-sequence scales; the seesaw reads 16-bit caches only): the blocks arrive by
+TMA as bytes (half of a 16-bit block's) into the same two buffers, and each is widened once, exactly, into one fp16
+block (wgmma reads 16-bit operands from shared memory) that the block's products then read; its buffer is free for
+block j + 2 as soon as it is widened, so two blocks of loads stay in flight through the products. As in the Triton
+kernel the tiles are fp16 and the scales factor out: S = k_scale (q . k8 + qv (v_scale / k_scale) . c8), O =
+v_scale sum p c8; q and the rescaled qv are scaled by one power of two that puts their largest |value| in [2^8,
+2^9) (fp16's range), undone in the logit scale with k_scale.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -23,9 +31,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .attn_fwd import _softmax
-from .common import barrier
-from .mla_decode import (BLOCK, HALF, _load_block, _load_queries, _masked, _shared_buffers, _store_half,
-                         _store_lse, _unit, _zero_past_end)
+from .common import barrier, fp16_row_scale
+from .mla_decode import (BLOCK, HALF, ROPE, _load_block, _load_queries, _masked, _q_rows, _shared_buffers,
+                         _store_half, _store_lse, _unit, _zero_past_end)
 
 OUT_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0]))  # 16-byte stores along a row of O
 
@@ -40,22 +48,68 @@ def _store_out(acc_t, inv_l, out_ptr, o_part_ptr, b, row0, rows_q, num_heads, sp
 
 
 @gluon.jit
+def _load_queries_fp16(q_rope, q_lat, q_ptr, qv_ptr, row0, rows_q, num_heads, stride_qb, stride_qs, stride_qh,
+                       stride_qvb, stride_qvs, stride_qvh, b, qv_factor):
+    """FP8 caches: the tile's q and qv * qv_factor as fp16 in shared memory, both times the 2^k that puts their
+    largest finite |value| in [2^8, 2^9); returns 2^-k."""
+    R: gl.constexpr = q_rope.shape[0]
+    q = _q_rows(q_ptr, row0, rows_q, num_heads, stride_qb, stride_qs, stride_qh, b, 0, R, ROPE).to(gl.float32)
+    lat0 = _q_rows(qv_ptr, row0, rows_q, num_heads, stride_qvb, stride_qvs, stride_qvh, b, 0, R, HALF)
+    lat1 = _q_rows(qv_ptr, row0, rows_q, num_heads, stride_qvb, stride_qvs, stride_qvh, b, HALF, R, HALF)
+    lat0 = lat0.to(gl.float32) * qv_factor
+    lat1 = lat1.to(gl.float32) * qv_factor
+    up, down = fp16_row_scale(gl.maximum(_finite_amax(q), gl.maximum(_finite_amax(lat0), _finite_amax(lat1))))
+    q_rope.store((q * up).to(gl.float16))
+    q_lat.index(0).store((lat0 * up).to(gl.float16))
+    q_lat.index(1).store((lat1 * up).to(gl.float16))
+    fence_async_shared()
+    barrier()
+    return down
+
+
+@gluon.jit
+def _finite_amax(x):
+    """The largest finite |value| of x [R, C] (a scalar)."""
+    a = gl.abs(x)
+    return gl.max(gl.max(gl.where(a < float("inf"), a, 0.0), 1), 0)
+
+
+@gluon.constexpr_function
+def _widen_layout(cols):
+    """16 bytes of e4m3 per thread along a row of a [rows, cols] block (cols 64 or 256)."""
+    return gl.BlockedLayout([1, 16], [32 * 16 // cols, cols // 16], [4, 1], [1, 0])
+
+
+@gluon.jit
+def _widen(src, dst):
+    """An e4m3 block in shared memory -> fp16 (exact) in dst, by the whole warpgroup."""
+    dst.store(src.load(_widen_layout(src.shape[1])).to(gl.float16))
+
+
+@gluon.jit
 def mla_decode_narrow_kernel(q_ptr, qv_ptr, k_desc, c_desc, out_ptr, lse_ptr, o_part_ptr, lse_part_ptr,
                              cache_seqlens, block_table, stride_bt, max_pages, cache_rows, seqlen_k_add, seqlen_q,
                              m_tiles, num_heads, rows_per_split, stride_qb, stride_qs, stride_qh, stride_qvb,
                              stride_qvs, stride_qvh, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-                             qk_scale, BN: gl.constexpr, STAGES: gl.constexpr, PAGE: gl.constexpr,
-                             CAUSAL: gl.constexpr, SPLIT: gl.constexpr, ROWS: gl.constexpr):
-    """4 warps; mla_decode_kernel's arguments (ROWS query rows per CTA instead of its 64)."""
+                             qk_scale, k_scale_ptr, v_scale_ptr, stride_ksb, stride_vsb, BN: gl.constexpr,
+                             STAGES: gl.constexpr, PAGE: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr,
+                             ROWS: gl.constexpr, FP8: gl.constexpr):
+    """4 warps; mla_decode_kernel's arguments (ROWS query rows per CTA instead of its 64), and with FP8 (e4m3
+    caches) the fp32 scales k_scale_ptr[b * stride_ksb] and v_scale_ptr[b * stride_vsb] (unread otherwise)."""
     gl.static_assert(BN == BLOCK, "64-token blocks")
     gl.static_assert(STAGES == 2, "two block buffers")
     gl.static_assert(ROWS == 8 or ROWS == 16 or ROWS == 32, "8, 16 or 32 query rows")
-    dtype: gl.constexpr = k_desc.dtype
+    dtype: gl.constexpr = gl.float16 if FP8 else k_desc.dtype  # the tiles' (q, widened blocks, P)
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, ROWS, 16])
     q_rope, q_lat, k_bufs, c_bufs = _shared_buffers(dtype, ROWS, k_desc, c_desc)
     p_smem = gl.allocate_shared_memory(dtype, [ROWS, BLOCK],
                                        gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK], dtype))
+    if FP8:  # the block being read, widened
+        k_wide = gl.allocate_shared_memory(dtype, [BLOCK, ROPE], gl.NVMMASharedLayout.get_default_for([BLOCK, ROPE],
+                                                                                                      dtype))
+        c_wide = gl.allocate_shared_memory(dtype, [2, BLOCK, HALF],
+                                           gl.NVMMASharedLayout.get_default_for([BLOCK, HALF], dtype))
     ready_a = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ready_b = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
@@ -69,8 +123,15 @@ def mla_decode_narrow_kernel(q_ptr, qv_ptr, k_desc, c_desc, out_ptr, lse_ptr, o_
         _load_block(first, first, n, k_desc, c_desc, k_bufs, c_bufs, ready_a, ready_b, b, s_lo, seqlen_k, block_table,
                     stride_bt, max_pages, cache_rows, PAGE)
     rows_q = seqlen_q * num_heads
-    _load_queries(q_rope, q_lat, q_ptr, qv_ptr, row0, rows_q, num_heads, stride_qb, stride_qs, stride_qh, stride_qvb,
-                  stride_qvs, stride_qvh, b)
+    if FP8:
+        k_scale = gl.load(k_scale_ptr + b * stride_ksb)
+        v_scale = gl.load(v_scale_ptr + b * stride_vsb)
+        q_unscale = _load_queries_fp16(q_rope, q_lat, q_ptr, qv_ptr, row0, rows_q, num_heads, stride_qb, stride_qs,
+                                       stride_qh, stride_qvb, stride_qvs, stride_qvh, b, v_scale / k_scale)
+        qk_scale = qk_scale * k_scale * q_unscale
+    else:
+        _load_queries(q_rope, q_lat, q_ptr, qv_ptr, row0, rows_q, num_heads, stride_qb, stride_qs, stride_qh,
+                      stride_qvb, stride_qvs, stride_qvh, b)
 
     s_t = gl.zeros([BLOCK, ROWS], gl.float32, acc_layout)  # ignored by each block's first S^T (use_acc=False)
     rows_layout: gl.constexpr = gl.SliceLayout(1, gl.permute(s_t, (1, 0)).type.layout)
@@ -81,35 +142,53 @@ def mla_decode_narrow_kernel(q_ptr, qv_ptr, k_desc, c_desc, out_ptr, lse_ptr, o_
     for j in range(n):
         x = j % 2
         ph = (j // 2) & 1
+        t0 = (s_lo + j) * BLOCK
         mbarrier.wait(ready_a.index(x), ph)
-        s_t = warpgroup_mma(k_bufs.index(x), q_rope.permute((1, 0)), s_t, use_acc=False, is_async=True)
-        s_t = warpgroup_mma(c_bufs.index(2 * x), q_lat.index(0).permute((1, 0)), s_t, is_async=True)
-        mbarrier.wait(ready_b.index(x), ph)
-        s_t = warpgroup_mma(c_bufs.index(2 * x + 1), q_lat.index(1).permute((1, 0)), s_t, is_async=True)
+        if FP8:  # widen the whole block, then its bytes' buffer takes block j + 2
+            mbarrier.wait(ready_b.index(x), ph)
+            _widen(k_bufs.index(x), k_wide)
+            for h in gl.static_range(2):
+                _widen(c_bufs.index(2 * x + h), c_wide.index(h))
+            fence_async_shared()
+            barrier()
+            _load_block(x, j + 2, n, k_desc, c_desc, k_bufs, c_bufs, ready_a, ready_b, b, s_lo, seqlen_k,
+                        block_table, stride_bt, max_pages, cache_rows, PAGE)
+            k_blk = k_wide
+            c_lo = c_wide.index(0)
+            c_hi = c_wide.index(1)
+        else:
+            k_blk = k_bufs.index(x)
+            c_lo = c_bufs.index(2 * x)
+            c_hi = c_bufs.index(2 * x + 1)
+        s_t = warpgroup_mma(k_blk, q_rope.permute((1, 0)), s_t, use_acc=False, is_async=True)
+        s_t = warpgroup_mma(c_lo, q_lat.index(0).permute((1, 0)), s_t, is_async=True)
+        if not FP8:
+            mbarrier.wait(ready_b.index(x), ph)
+        s_t = warpgroup_mma(c_hi, q_lat.index(1).permute((1, 0)), s_t, is_async=True)
         s_t = warpgroup_mma_wait(0, deps=(s_t,))
         p, m_i, l_i, alpha = _softmax(_masked(gl.permute(s_t, (1, 0)), s_lo + j, seqlen_k, seqlen_q, row0, num_heads,
                                               full_hi, BLOCK, CAUSAL), m_i, l_i, qk_scale)
         p_smem.store(p.to(dtype))  # the last block's P V has retired (waited below, and the row reductions sync)
-        t0 = (s_lo + j) * BLOCK
-        _zero_past_end(c_bufs.index(2 * x), t0, seqlen_k)
-        _zero_past_end(c_bufs.index(2 * x + 1), t0, seqlen_k)
+        _zero_past_end(c_lo, t0, seqlen_k)
+        _zero_past_end(c_hi, t0, seqlen_k)
         fence_async_shared()
         barrier()
         scale = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, acc_layout)), 0)
-        acc_l = warpgroup_mma(c_bufs.index(2 * x).permute((1, 0)), p_smem.permute((1, 0)), acc_l * scale,
-                              is_async=True)
-        acc_r = warpgroup_mma(c_bufs.index(2 * x + 1).permute((1, 0)), p_smem.permute((1, 0)), acc_r * scale,
-                              is_async=True)
+        acc_l = warpgroup_mma(c_lo.permute((1, 0)), p_smem.permute((1, 0)), acc_l * scale, is_async=True)
+        acc_r = warpgroup_mma(c_hi.permute((1, 0)), p_smem.permute((1, 0)), acc_r * scale, is_async=True)
         acc_l, acc_r = warpgroup_mma_wait(0, deps=(acc_l, acc_r))
-        barrier()  # every warp's share of this block's products has retired before its buffer is reloaded
-        _load_block(x, j + 2, n, k_desc, c_desc, k_bufs, c_bufs, ready_a, ready_b, b, s_lo, seqlen_k, block_table,
-                    stride_bt, max_pages, cache_rows, PAGE)
+        barrier()  # every warp's share of this block's products has retired before its buffer is reused
+        if not FP8:
+            _load_block(x, j + 2, n, k_desc, c_desc, k_bufs, c_bufs, ready_a, ready_b, b, s_lo, seqlen_k,
+                        block_table, stride_bt, max_pages, cache_rows, PAGE)
 
     # Rows that saw no key give out = 0 and lse = -inf.
     seen = l_i > 0.0
     inv_l = gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0)
     _store_lse(m_i, l_i, seen, row0, lse_ptr, lse_part_ptr, b, rows_q, num_heads, split, rows_per_split, stride_lb,
                stride_lh, stride_ls, SPLIT)
+    if FP8:
+        inv_l = inv_l * v_scale
     _store_out(acc_l, inv_l, out_ptr, o_part_ptr, b, row0, rows_q, num_heads, split, rows_per_split, stride_ob,
                stride_os, stride_oh, 0, SPLIT)
     _store_out(acc_r, inv_l, out_ptr, o_part_ptr, b, row0, rows_q, num_heads, split, rows_per_split, stride_ob,
