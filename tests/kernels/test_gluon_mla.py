@@ -91,34 +91,26 @@ def test_gluon_mla_decode(case, rows, monkeypatch, override):
             assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(_poisoned(want, after, table)))
 
 
-# (batch, Sq, Hq, capacity, page, appended, cache lengths before the append, num_splits, causal, scales per sequence)
+# (batch, Sq, Hq, capacity, page, appended, cache lengths before the append, num_splits, causal)
 FP8_CASES = [
-    (2, 1, 16, 1000, None, 0, (1000, 37), 0, False, True),  # heuristic splits, 1-row tails, [B, 1] scales
-    (3, 1, 16, 4096, 64, 1, (4000, 31, 0), 0, False, False),  # page 64, append (quantized), an empty cache
-    (2, 1, 32, 704, 16, 1, (650, 100), 3, False, False),  # two 16-row tiles, page 16 (four copies a block)
-    (1, 4, 8, 320, 32, 0, (299,), 1, True, False),  # causal among 4 tokens x 8 heads, no split, odd block count
+    (2, 1, 16, 1000, None, 0, (1000, 37), 0, False),  # heuristic splits, 1-row tails
+    (3, 1, 16, 4096, 64, 1, (4000, 31, 0), 0, False),  # page 64, append (quantized), an empty cache
+    (2, 1, 32, 704, 16, 1, (650, 100), 3, False),  # a 32-row tile, page 16 (four copies a block)
+    (1, 4, 8, 320, 32, 0, (299,), 1, True),  # causal among 4 tokens x 8 heads, no split, odd block count
 ]
 
 
 @pytest.mark.parametrize("case", FP8_CASES, ids=[f"case{i}" for i in range(len(FP8_CASES))])
 def test_gluon_mla_fp8_cache(case, monkeypatch):
-    """e4m3 latent and rotary caches with their own scales ([1], or per sequence [B, 1]) on the narrow kernel's
-    widened blocks, the planner's choice; unwritten rows hold e4m3 NaN bytes (0x7f)."""
+    """e4m3 latent and rotary caches with their own scales on the narrow kernel's widened blocks, the planner's
+    choice; unwritten rows hold e4m3 NaN bytes (0x7f)."""
     from tileflash.reference import fp8_quantize_ref
 
-    b, sq, hq, capacity, page, s_new, lens, splits, causal, per_seq = case
+    b, sq, hq, capacity, page, s_new, lens, splits, causal = case
     calls = _counting(monkeypatch)
     q, qv, kc, vc, table, (kn, vn) = _inputs(b, sq, hq, capacity, page, s_new, torch.bfloat16, seed=7 + hq)
-    n = b if per_seq else 1
-    k_scale = torch.linspace(0.01, 0.02, n, device=DEVICE).view(n, 1) if per_seq else torch.tensor([0.015],
-                                                                                                    device=DEVICE)
-    v_scale = torch.linspace(0.013, 0.03, n, device=DEVICE).view(n, 1) if per_seq else torch.tensor([0.02],
-                                                                                                    device=DEVICE)
-    if per_seq:  # contiguous: sequence i's rows under its scales
-        kc8 = torch.stack([fp8_quantize_ref(kc[i], k_scale[i]) for i in range(b)])
-        vc8 = torch.stack([fp8_quantize_ref(vc[i], v_scale[i]) for i in range(b)])
-    else:
-        kc8, vc8 = fp8_quantize_ref(kc, k_scale), fp8_quantize_ref(vc, v_scale)
+    k_scale, v_scale = torch.tensor([0.015], device=DEVICE), torch.tensor([0.02], device=DEVICE)
+    kc8, vc8 = fp8_quantize_ref(kc, k_scale), fp8_quantize_ref(vc, v_scale)
     seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     after = [n + s_new for n in lens]
 

@@ -842,15 +842,17 @@ def test_mla_gluon_dispatch(call, extras, plain, taken, monkeypatch):
     assert (cfg is not None) == taken
     if taken:
         rows = call.get("sq", 1) * call.get("hq", 128)
-        assert cfg == plan_decode.MlaGluonConfig(block_n=64, stages=2, rows=plan_decode.mla_gluon_rows(rows))
+        fp8 = call.get("cache_dtype") == torch.float8_e4m3fn
+        assert cfg == plan_decode.MlaGluonConfig(block_n=64, stages=2, rows=plan_decode.mla_gluon_rows(rows, fp8))
 
 
 @pytest.mark.parametrize("rows, tile", [(8, 8), (9, 16), (16, 16), (24, 16), (32, 16), (33, 64), (64, 64), (128, 64),
                                        (2048, 64)])
 def test_mla_gluon_rows(rows, tile):
     """The narrow kernel's 8-row tiles for 8 rows a sequence (run 217: H=8), 16-row tiles up to 32 (run 214: H=16
-    and H=32), the seesaw's 64 above."""
+    and H=32), the seesaw's 64 above; FP8 caches one 32-row tile from 17 rows (run 273)."""
     assert plan_decode.mla_gluon_rows(rows) == tile
+    assert plan_decode.mla_gluon_rows(rows, fp8=True) == (32 if 16 < rows <= 32 else tile)
 
 
 def test_mla_gluon_only_on_sm90(monkeypatch):

@@ -236,7 +236,7 @@ def launch_mla_decode(q, qv, k_cache, v_cache, out, lse, *, seqlens_k, seqlen_k_
     k_cache [.., 1, 64] and v_cache [.., 1, 512] contiguous ([B, S, 1, D]) or paged ([pages, page, 1, D] with
     block_table [B, max_pages]); out [B, Sq, H, 512] and lse [B, H, Sq], or with o_part / lse_part the split
     partials ([splits, B * Sq * H, 512] and [splits, B * Sq * H] fp32) for attn_combine. e4m3 caches (the narrow
-    kernel): their fp32 scales k_scale / v_scale, [1] or per sequence [B, 1] (absent: 1)."""
+    kernel): their fp32 scales k_scale / v_scale [1] (absent: 1)."""
     b, sq, hq, _ = q.shape
     bn = config.block_n
     page = k_cache.shape[1] if block_table is not None else 0
@@ -249,8 +249,7 @@ def launch_mla_decode(q, qv, k_cache, v_cache, out, lse, *, seqlens_k, seqlen_k_
     extra, constexprs = (), {}
     if narrow:
         fp8 = k_cache.dtype == torch.float8_e4m3fn
-        scales = [t if t is not None else unit_scale(q.device) for t in (k_scale, v_scale)] if fp8 else [dummy] * 2
-        extra = (*scales, *(scale_strides(t, False)[0] for t in (k_scale, v_scale)))
+        extra = tuple(t if t is not None else unit_scale(q.device) for t in (k_scale, v_scale)) if fp8 else (dummy,) * 2
         constexprs = {"ROWS": config.rows, "FP8": fp8}
     direct.launch(
         mla_decode_narrow.mla_decode_narrow_kernel if narrow else mla_decode.mla_decode_kernel,

@@ -225,15 +225,23 @@ MLA_ROPE_DIM, MLA_LATENT_DIM = 64, 512  # the Gluon MLA decode's head dims (Deep
 # the narrow kernel on 8-row tiles (wgmma's N = 8, half the tensor work of 16).
 MLA_NARROW_MAX_ROWS = 32
 MLA_NARROW_ROWS = (8, 16)  # tile heights the planner picks: the smallest that holds a sequence's rows
+# FP8 caches (each CTA widens every block it reads to fp16, so a second 16-row tile widens them again): H=32 as one
+# 32-row tile, run 273 (H100, `sweep decode-mla-gluon --shapes 8,32768,16,fp8 128,4096,16,fp8 32,4096,32,fp8
+# 8,32768,32,fp8 --vary rows=16,32`, graph replay, us): b=32 ctx 4k 61.7 vs 90.7 as two 16-row tiles, b=8 ctx 32k
+# 109.8 vs 172.0; H=16 keeps 16 rows (b=8 ctx 32k 89.4 vs 106.8 at 32, b=128 ctx 4k 169.0 vs 191.9). Against the
+# Triton kernel's FP8 tiles (MLA_FP8_TILES; `bench decode --only mla-h16-fp8`, run 273): H=16 b=8 ctx 32k 89.6 vs
+# 103.0, b=128 ctx 4k 172.0 vs 183.4.
+MLA_FP8_NARROW_ROWS = (8, 16, 32)
 
 
-def mla_gluon_rows(rows: int) -> int:
+def mla_gluon_rows(rows: int, fp8: bool = False) -> int:
     """Query rows per CTA of the Gluon MLA decode for calls of `rows` (Sq x H) rows per sequence: the narrow
-    kernel's 8- or 16-row tiles up to MLA_NARROW_MAX_ROWS (two or more 16-row tiles above 16), else the
-    seesaw's 64."""
+    kernel's 8- or 16-row tiles up to MLA_NARROW_MAX_ROWS (two or more 16-row tiles above 16; FP8 caches one
+    32-row tile: MLA_FP8_NARROW_ROWS), else the seesaw's 64."""
     if rows > MLA_NARROW_MAX_ROWS:
         return MLA_GLUON_ROWS
-    return next((t for t in MLA_NARROW_ROWS if rows <= t), MLA_NARROW_ROWS[-1])
+    tiles = MLA_FP8_NARROW_ROWS if fp8 else MLA_NARROW_ROWS
+    return next((t for t in tiles if rows <= t), tiles[-1])
 
 
 def mla_gluon_config(q, k_cache, v_cache, block_table, extras: bool, plain_mask: bool) -> MlaGluonConfig | None:
@@ -250,7 +258,8 @@ def mla_gluon_config(q, k_cache, v_cache, block_table, extras: bool, plain_mask:
             or k_cache.shape[-1] != MLA_ROPE_DIM or v_cache.shape[-1] != MLA_LATENT_DIM or k_cache.shape[2] != 1):
         return None
     rows = q.shape[1] * q.shape[2]
-    cfg = config.chosen("mla_gluon", MlaGluonConfig(rows=mla_gluon_rows(rows)) if rows >= MLA_GLUON_MIN_ROWS else None)
+    cfg = config.chosen("mla_gluon", MlaGluonConfig(rows=mla_gluon_rows(rows, fp8)) if rows >= MLA_GLUON_MIN_ROWS
+                        else None)
     if cfg is None or (fp8 and not cfg.narrow):  # the seesaw reads 16-bit caches only
         return None
     page = k_cache.shape[1]

@@ -17,7 +17,7 @@ Rows, splits, partials, pages and the zeroing of a partial block's tail are the 
 replay): 1.01-1.15x the seesaw at H=16, and two 16-row tiles 1.05-1.10x it at H=32 (32-row tiles, 255 registers,
 in between): plan/decode.mla_gluon_rows.
 
-FP8 (e4m3 caches with per-tensor or per-sequence scales; the seesaw reads 16-bit caches only): the blocks arrive by
+FP8 (e4m3 caches with per-tensor scales; the seesaw reads 16-bit caches only): the blocks arrive by
 TMA as bytes (half of a 16-bit block's) into the same two buffers, and each is widened once, exactly, into one fp16
 block (wgmma reads 16-bit operands from shared memory) that the block's products then read; its buffer is free for
 block j + 2 as soon as it is widened, so two blocks of loads stay in flight through the products. As in the Triton
@@ -91,11 +91,11 @@ def mla_decode_narrow_kernel(q_ptr, qv_ptr, k_desc, c_desc, out_ptr, lse_ptr, o_
                              cache_seqlens, block_table, stride_bt, max_pages, cache_rows, seqlen_k_add, seqlen_q,
                              m_tiles, num_heads, rows_per_split, stride_qb, stride_qs, stride_qh, stride_qvb,
                              stride_qvs, stride_qvh, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-                             qk_scale, k_scale_ptr, v_scale_ptr, stride_ksb, stride_vsb, BN: gl.constexpr,
+                             qk_scale, k_scale_ptr, v_scale_ptr, BN: gl.constexpr,
                              STAGES: gl.constexpr, PAGE: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr,
                              ROWS: gl.constexpr, FP8: gl.constexpr):
     """4 warps; mla_decode_kernel's arguments (ROWS query rows per CTA instead of its 64), and with FP8 (e4m3
-    caches) the fp32 scales k_scale_ptr[b * stride_ksb] and v_scale_ptr[b * stride_vsb] (unread otherwise)."""
+    caches) their fp32 scales k_scale_ptr[0] and v_scale_ptr[0] (unread otherwise)."""
     gl.static_assert(BN == BLOCK, "64-token blocks")
     gl.static_assert(STAGES == 2, "two block buffers")
     gl.static_assert(ROWS == 8 or ROWS == 16 or ROWS == 32, "8, 16 or 32 query rows")
@@ -124,8 +124,8 @@ def mla_decode_narrow_kernel(q_ptr, qv_ptr, k_desc, c_desc, out_ptr, lse_ptr, o_
                     stride_bt, max_pages, cache_rows, PAGE)
     rows_q = seqlen_q * num_heads
     if FP8:
-        k_scale = gl.load(k_scale_ptr + b * stride_ksb)
-        v_scale = gl.load(v_scale_ptr + b * stride_vsb)
+        k_scale = gl.load(k_scale_ptr)
+        v_scale = gl.load(v_scale_ptr)
         q_unscale = _load_queries_fp16(q_rope, q_lat, q_ptr, qv_ptr, row0, rows_q, num_heads, stride_qb, stride_qs,
                                        stride_qh, stride_qvb, stride_qvs, stride_qvh, b, v_scale / k_scale)
         qk_scale = qk_scale * k_scale * q_unscale
