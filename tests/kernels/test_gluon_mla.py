@@ -68,6 +68,19 @@ def _counting(monkeypatch):
     return calls
 
 
+def _check_call(calls, q, kc_got, vc_got, kc, vc, kn, vn, splits, **kw):
+    """flash_attn_with_kvcache on the poisoned caches (kc_got, vc_got), which must take the Gluon MLA decode,
+    against kvcache_ref on clean ones (the 2x rule, lse); returns the reference's caches after the append."""
+    out, lse = tileflash.flash_attn_with_kvcache(q, kc_got, vc_got, kn, vn, num_splits=splits,
+                                                 return_softmax_lse=True, **kw)
+    assert calls, "the call did not take the Gluon MLA decode"
+    ref, ref_lse, kc_ref, vc_ref = kvcache_ref(q, kc, vc, kn, vn, **kw)
+    ref_lowp, *_ = kvcache_ref(q, kc, vc, kn, vn, upcast=False, **kw)
+    check_2x(out, ref, ref_lowp)
+    check_lse(lse, ref_lse, atol=2e-2)
+    return kc_ref, vc_ref
+
+
 @pytest.mark.parametrize("rows", [64, 16, 32, 8])  # the seesaw, the narrow kernel's tiles (mla_decode_narrow.py)
 @pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
 def test_gluon_mla_decode(case, rows, monkeypatch, override):
@@ -78,14 +91,8 @@ def test_gluon_mla_decode(case, rows, monkeypatch, override):
     seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     after = [n + s_new for n in lens]
     kc_got, vc_got = _poisoned(kc, after, table), _poisoned(vc, after, table)
-    kw = dict(cache_seqlens=seqlens, block_table=table, causal=causal, qv=qv)
-    out, lse = tileflash.flash_attn_with_kvcache(q, kc_got, vc_got, kn, vn, num_splits=splits,
-                                                 return_softmax_lse=True, **kw)
-    assert calls, "the call did not take the Gluon MLA decode"
-    ref, ref_lse, kc_ref, vc_ref = kvcache_ref(q, kc, vc, kn, vn, **kw)
-    ref_lowp, *_ = kvcache_ref(q, kc, vc, kn, vn, upcast=False, **kw)
-    check_2x(out, ref, ref_lowp)
-    check_lse(lse, ref_lse, atol=2e-2)
+    kc_ref, vc_ref = _check_call(calls, q, kc_got, vc_got, kc, vc, kn, vn, splits, cache_seqlens=seqlens,
+                                 block_table=table, causal=causal, qv=qv)
     if s_new:  # the appended rows, where both copies have them
         for got, want in ((kc_got, kc_ref), (vc_got, vc_ref)):
             assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(_poisoned(want, after, table)))
@@ -118,14 +125,8 @@ def test_gluon_mla_fp8_cache(case, monkeypatch):
         bits = _poisoned(c.view(torch.uint8).to(torch.float32), after, table)
         return bits.nan_to_num(127.0).to(torch.uint8).view(torch.float8_e4m3fn)
 
-    kw = dict(cache_seqlens=seqlens, block_table=table, causal=causal, qv=qv, k_scale=k_scale, v_scale=v_scale)
-    out, lse = tileflash.flash_attn_with_kvcache(q, nan_bytes(kc8), nan_bytes(vc8), kn, vn, num_splits=splits,
-                                                 return_softmax_lse=True, **kw)
-    assert calls, "the call did not take the Gluon MLA decode"
-    ref, ref_lse, _, _ = kvcache_ref(q, kc8, vc8, kn, vn, **kw)
-    ref_lowp, *_ = kvcache_ref(q, kc8, vc8, kn, vn, upcast=False, **kw)
-    check_2x(out, ref, ref_lowp)
-    check_lse(lse, ref_lse, atol=2e-2)
+    _check_call(calls, q, nan_bytes(kc8), nan_bytes(vc8), kc8, vc8, kn, vn, splits, cache_seqlens=seqlens,
+                block_table=table, causal=causal, qv=qv, k_scale=k_scale, v_scale=v_scale)
 
 
 def test_gluon_mla_plan_and_triton_agree(monkeypatch, override):
