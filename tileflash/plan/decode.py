@@ -140,8 +140,9 @@ def _step_tokens(tokens: int, d: int) -> int:
 # six configs within 4-11%: 8 warps 3 stages took b=32 57.7 at 4 splits, but 103.1 at b=8). 32 rows take the
 # 16-row steps (not measured).
 MLA_TILES = {16: (64, 4, 2, 0), 32: (64, 4, 2, 0), 64: (64, 8, 2, 1)}
-# FP8 latents (the Triton kernel: the Gluon one reads 16-bit caches only): (tile rows, KV tokens per step, warps,
-# stages, programs an SM holds, transposed products) by the pack-GQA rows decode_block_m gives. At most 32 rows take
+# FP8 latents on the Triton kernel (which serves the FP8 calls the Gluon ones decline: 64 rows, whose seesaw reads
+# 16-bit caches only, and calls with the Triton kernel's extras): (tile rows, KV tokens per step, warps, stages,
+# programs an SM holds, transposed products) by the pack-GQA rows decode_block_m gives. At most 32 rows take
 # 16-row tiles in 128-token steps: half the bytes of a 16-bit step. Run 266 (H100, `sweep decode-mla --shapes
 # 8,32768,16,fp8 128,4096,16,fp8`, graph replay, us): H=16 b=8 ctx 32k 104.6 vs 126.2 with MLA_TILES's, b=128 ctx 4k
 # 183.1 vs 232.6 (3 stages 103.8 / 183.3, 64 tokens at 3 stages 106.0 / 190.8, 8 warps 108.4 / 191.0). Runs 269-270
