@@ -35,9 +35,10 @@ the sequence's blocks (attn_fwd's rule), partials as attn_fwd's (o_part [splits,
 [splits, B * Sq * H]) for attn_combine. Causal (several query tokens): token t sees keys < seqlen_k - Sq + t + 1.
 
 Scope (plan/decode.mla_gluon_config decides, else the Triton kernel runs): sm_90, 16-bit q and caches (e4m3 caches
-only on the narrow kernel, mla_decode_narrow.py), a 64-wide rotary key and a 512-wide latent, contiguous caches or pages of 8..32 or a multiple of BN tokens, TMA-aligned
-rows; no window, softcap, sink, ALiBi, rotary or cache_batch_idx / cache_leftpad. No CPU interpreter: the CPU
-suite compiles it (tests/sm90_compile_check.py), tests/kernels/test_gluon_mla.py runs it on the GPU.
+only on the narrow kernel, mla_decode_narrow.py), a 64-wide rotary key and a 512-wide latent, contiguous caches or
+pages of 8..32 or a multiple of BN tokens, TMA-aligned rows; no window, softcap, sink, ALiBi, rotary or
+cache_batch_idx / cache_leftpad. No CPU interpreter: the CPU suite compiles it (tests/sm90_compile_check.py),
+tests/kernels/test_gluon_mla.py runs it on the GPU.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
