@@ -459,9 +459,9 @@ def _cases(arch: int = 90):
         "decode fp8 MLA H=32 latent (Triton kernel, two 16-row tiles), paged page 64, split":
             lambda: triton_mla(32, page=64, fp8=True, num_splits=3),
         "decode fp8 MLA narrow H=16 (widened blocks), split": gluon_mla(16, rows=16, fp8=True, num_splits=3),
-        "decode fp8 MLA narrow H=32 paged page 16, append, causal Sq=2": gluon_mla(16, rows=32, sq=2, page=16,
-                                                                                   append=True, causal=True,
-                                                                                   fp8=True),
+        "decode fp8 MLA narrow H=16 x Sq=2 (32 rows) paged page 16, append, causal": gluon_mla(16, rows=32, sq=2,
+                                                                                               page=16, append=True,
+                                                                                               causal=True, fp8=True),
         "decode nvfp4 append": lambda: decode("nvfp4", append=True),
         "decode nvfp4 d32 append": lambda: decode("nvfp4", d=32, append=True),
         "decode nvfp4 paged": lambda: decode("nvfp4", paged=True),

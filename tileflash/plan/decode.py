@@ -130,19 +130,18 @@ def _step_tokens(tokens: int, d: int) -> int:
     return tokens * 128 // d if d >= 64 else 2 * tokens
 
 
-# MLA decode (qv; a latent of up to 512 that is both V and most of the key, DeepSeek-V2/V3): (KV tokens per step,
-# warps, stages, programs an SM holds) by tile rows. The [rows, 512] fp32 accumulator takes two warpgroups at 64
-# rows; qv stays in shared memory. Pointer loads (a TMA box spans at most 256 elements). Run 125 (`config_sweep.py
-# decode-mla`, graph replay, us at the best split count / at the split rule's): 64 rows (H=128) b=32 ctx 4k 155.9
-# with 64-token 2-stage steps vs 181.8-292.4 for 16/32-token steps or 1 stage, b=1 ctx 32k 60.4 (at 66 splits: one
-# 221 KB program per SM, hence resident 1; the rule's 132 ran 84.0), b=128 ctx 1k 154.3; 16 rows (H=16) with 64
-# tokens, 4 warps, 2 stages: b=32 ctx 4k 59.8, b=1 ctx 32k 29.9, b=8 ctx 32k 95.2 at the rule's count (best of
-# six configs within 4-11%: 8 warps 3 stages took b=32 57.7 at 4 splits, but 103.1 at b=8). 32 rows take the
-# 16-row steps (not measured).
-MLA_TILES = {16: (64, 4, 2, 0), 32: (64, 4, 2, 0), 64: (64, 8, 2, 1)}
+# MLA decode (qv; a latent of up to 512 that is both V and most of the key, DeepSeek-V2/V3): (tile rows, KV tokens per
+# step, warps, stages, programs an SM holds, transposed products) by the pack-GQA rows decode_block_m gives. The [rows,
+# 512] fp32 accumulator takes two warpgroups at 64 rows; qv stays in shared memory. Pointer loads (a TMA box spans at
+# most 256 elements). Run 125 (`config_sweep.py decode-mla`, graph replay, us at the best split count / at the split
+# rule's): 64 rows (H=128) b=32 ctx 4k 155.9 with 64-token 2-stage steps vs 181.8-292.4 for 16/32-token steps or 1
+# stage, b=1 ctx 32k 60.4 (at 66 splits: one 221 KB program per SM, hence resident 1; the rule's 132 ran 84.0), b=128
+# ctx 1k 154.3; 16 rows (H=16) with 64 tokens, 4 warps, 2 stages: b=32 ctx 4k 59.8, b=1 ctx 32k 29.9, b=8 ctx 32k 95.2
+# at the rule's count (best of six configs within 4-11%: 8 warps 3 stages took b=32 57.7 at 4 splits, but 103.1 at b=8).
+# 32 rows take the 16-row steps (not measured).
+MLA_TILES = {16: (16, 64, 4, 2, 0, False), 32: (32, 64, 4, 2, 0, False), 64: (64, 64, 8, 2, 1, False)}
 # FP8 latents on the Triton kernel (which serves the FP8 calls the Gluon ones decline: 64 rows, whose seesaw reads
-# 16-bit caches only, and calls with the Triton kernel's extras): (tile rows, KV tokens per step, warps, stages,
-# programs an SM holds, transposed products) by the pack-GQA rows decode_block_m gives. At most 32 rows take
+# 16-bit caches only, and calls with the Triton kernel's extras), as MLA_TILES. At most 32 rows take
 # 16-row tiles in 128-token steps: half the bytes of a 16-bit step. Run 266 (H100, `sweep decode-mla --shapes
 # 8,32768,16,fp8 128,4096,16,fp8`, graph replay, us): H=16 b=8 ctx 32k 104.6 vs 126.2 with MLA_TILES's, b=128 ctx 4k
 # 183.1 vs 232.6 (3 stages 103.8 / 183.3, 64 tokens at 3 stages 106.0 / 190.8, 8 warps 108.4 / 191.0). Runs 269-270
@@ -170,11 +169,7 @@ def mla_decode_config(group_rows: int, interpret: bool = False, arch: int | None
         return DecodeConfig(block_m=block_m, block_n=16, num_warps=4, num_stages=1)
     if small_shared_memory(arch):
         return target_tiles(DecodeConfig(block_m=16, block_n=32, num_warps=4, num_stages=2), arch, sm10x_warps=True)
-    trans = False
-    if fp8:
-        block_m, block_n, warps, stages, resident, trans = MLA_FP8_TILES[block_m]
-    else:
-        block_n, warps, stages, resident = MLA_TILES[block_m]
+    block_m, block_n, warps, stages, resident, trans = (MLA_FP8_TILES if fp8 else MLA_TILES)[block_m]
     if tensor_memory(arch) and block_m == 64:
         block_n = 32
     return target_tiles(DecodeConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
