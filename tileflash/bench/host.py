@@ -1,11 +1,12 @@
 """`python -m tileflash bench host`: what an eager call costs on the host, per public op at small shapes.
 
-For each op: the eager wall time per call (back-to-back calls, one sync at the end, median over repeats), the GPU
-time of the same call replayed from a CUDA graph (no host work), and the same two for every installed peer (SDPA
-flash / cuDNN / default, FA4, FlashInfer, torch.matmul). tileflash also runs with direct launches off
+For each op: the eager wall time per call (back-to-back calls, one sync at the end, median over repeats), the host's
+own cost per call (the same calls timed until the last returns, before the sync), the GPU time of the same call
+replayed from a CUDA graph (no host work), and the same three for every installed peer (SDPA flash / cuDNN / default,
+FA4, FlashInfer, torch.matmul). tileflash also runs with direct launches off
 (`tileflash plain`: Triton's JIT launch and the Python launchers on every call, what every call cost before the
 launch layer), so one run shows the layer's effect. A call whose eager time is well above its graph time is
-host-bound. Each callable's output is checked against an fp32 reference before it is timed. Forward + backward
+host-bound; one whose host time is below its graph time is GPU-bound. Each callable's output is checked against an fp32 reference before it is timed. Forward + backward
 rows also time an empty Python autograd.Function (`autograd.Function floor`: it allocates the output and the
 gradients, launches nothing): what any attention op written in Python pays in eager autograd before it does any
 work (its backward runs in autograd's device thread and takes the GIL there).
@@ -35,6 +36,13 @@ def eager_us(fns: dict, device, calls=CALLS, repeats=REPEATS, context=None) -> d
     calls}. The callables take turns within each repeat, so a slow spell of the host (this machine's eager times
     drift by tens of microseconds between runs) falls on every backend of a row alike. context(name): entered
     around each timed batch (an SDPA backend choice), or None."""
+    return eager_and_issue_us(fns, device, calls, repeats, context)[0]
+
+
+def eager_and_issue_us(fns: dict, device, calls=CALLS, repeats=REPEATS, context=None) -> tuple[dict, dict]:
+    """eager_us's medians, and beside them the host's own cost per call: the time until the last of the `calls`
+    returns, before the sync (launches are asynchronous, and `calls` x a few launches stay far below the stream's
+    queue depth, so no call waits for the GPU). Where the GPU time exceeds it, the eager time is the GPU's."""
     from contextlib import nullcontext
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -45,15 +53,18 @@ def eager_us(fns: dict, device, calls=CALLS, repeats=REPEATS, context=None) -> d
                 fn()
     sync()
     times = {name: [] for name in fns}
+    issue = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
             with context(name):
                 t0 = time.perf_counter()
                 for _ in range(calls):
                     fn()
+                issue[name].append((time.perf_counter() - t0) / calls * 1e6)
                 sync()
                 times[name].append((time.perf_counter() - t0) / calls * 1e6)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    median = lambda ts: {name: statistics.median(v) for name, v in ts.items()}  # noqa: E731
+    return median(times), median(issue)
 
 
 def graph_us(fn) -> float:
@@ -222,8 +233,8 @@ def run_host(no_launch: bool = False) -> list[dict]:
         for name, fn in list(backends.items()) + [("tileflash plain", _plain(backends["tileflash"]))]:
             if fn is None:
                 continue
-            rec = {"op": op, "shape": shape, "backend": name, "eager_us": None, "graph_us": None, "max_err": None,
-                   "error": None}
+            rec = {"op": op, "shape": shape, "backend": name, "eager_us": None, "host_us": None, "graph_us": None,
+                   "max_err": None, "error": None}
             try:
                 with _backend_context(name):
                     result = fn()  # a backend that fails here is left out of the timing
@@ -237,8 +248,10 @@ def run_host(no_launch: bool = False) -> list[dict]:
                 rec["error"] = peers.short_error(e)
                 print(f"  note: {op} {shape} {name} failed: {rec['error']}", flush=True)
             rows.append(rec)
-        for name, us in eager_us(timed, device, context=_backend_context).items():
-            next(r for r in rows if r["backend"] == name)["eager_us"] = us
+        eager, issue = eager_and_issue_us(timed, device, context=_backend_context)
+        for name, us in eager.items():
+            rec = next(r for r in rows if r["backend"] == name)
+            rec["eager_us"], rec["host_us"] = us, issue[name]
         results += rows
         if not no_launch:
             torch.cuda.empty_cache()
@@ -246,14 +259,15 @@ def run_host(no_launch: bool = False) -> list[dict]:
         for r in rows:
             ok = r["max_err"] is None or r["max_err"] <= TOL
             ratio = r["eager_us"] / ours if ours and r["eager_us"] else None
-            table.append([op, shape, r["backend"], r["eager_us"], r["graph_us"],
+            table.append([op, shape, r["backend"], r["eager_us"], r["host_us"], r["graph_us"],
                           r["eager_us"] / r["graph_us"] if r["eager_us"] and r["graph_us"] else None,
                           ratio, "no" if not ok else None])
-    title = ("Host path: eager wall time per call (us, median of back-to-back calls, one sync) and CUDA-graph replay "
-             "(GPU time); peer/tf > 1: tileflash's eager call is faster" if not no_launch else
+    title = ("Host path: eager wall time per call (us, median of back-to-back calls, one sync), the host's part of it "
+             "(until the last call returns) and CUDA-graph replay (GPU time); peer/tf > 1: tileflash's eager call is "
+             "faster" if not no_launch else
              "Host path alone (CPU tensors, sm_90 stand-in driver, launches are no-ops): us per call")
-    print(format_table(["op", "shape", "backend", "eager us", "graph us", "eager/graph", "eager vs tf", "ok"],
-                       table, title=title), flush=True)
+    print(format_table(["op", "shape", "backend", "eager us", "host us", "graph us", "eager/graph", "eager vs tf",
+                        "ok"], table, title=title), flush=True)
     return results
 
 
