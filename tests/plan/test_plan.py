@@ -343,8 +343,8 @@ def test_mma_sync_targets_take_8_warps_and_pre_hopper_pointers(arch):
         c, h200 = decode_config(d, rows, arch=arch), decode_config(d, rows)
         assert c.num_warps == (8 if mma_sync and c.block_m >= 64 or tensor_memory(arch) else h200.num_warps)
         block_n = h200.block_n // 2 if arch < 90 and h200.block_n > 64 else h200.block_n  # pointer gathers
-        assert c.tma == (not mma_sync) and (c.block_m, c.block_n, c.num_stages) == (h200.block_m, block_n,
-                                                                                 h200.num_stages)
+        stages = min(h200.num_stages, 2) if mma_sync and c.block_m >= 64 else h200.num_stages  # (8 warps)
+        assert c.tma == (not mma_sync) and (c.block_m, c.block_n, c.num_stages) == (h200.block_m, block_n, stages)
 
 
 # ---------------------------------------------------------------------------------------------------- decode tiles
@@ -413,7 +413,8 @@ def test_decode_config_steps_grow_with_the_cache():
 
 
 @pytest.mark.parametrize("fmt, paged, kv_tokens, tokens_per_program, page_size, expected", [
-    ("16bit", False, 2 ** 30, 0, 0, (64, 2, False, 0)),  # 16-bit contiguous: 64 tokens, 2 stages, plain products
+    ("16bit", False, 2 ** 30, 0, 0, (64, 3, False, 0)),  # 16-bit contiguous: 64 tokens, 3 stages, plain products
+    ("16bit", True, 8192 * 8, 0, 0, (64, 2, False, 0)),  # small paged caches: 2 stages (run 280)
     ("16bit", False, 2 ** 30, 4096, 0, (128, 2, False, 1)),  # long programs: 128 tokens, one program per SM
     ("16bit", True, 32768 * 8, 0, 0, (128, 2, False, 1)),  # paged, large (b=1 ctx 32k x 8 KV heads on): gathers
     ("fp8", False, 2 ** 30, 0, 0, (128, 3, True, 2)),  # quantized, large: transposed products, two per SM
@@ -431,7 +432,7 @@ def test_decode_config_anchors(fmt, paged, kv_tokens, tokens_per_program, page_s
     (128, 64, 32768 * 8, (64, 3, 1)),  # large pools of 64-token pages: TMA boxes, 3 stages (run 193)
     (128, 256, 2 ** 30, (64, 3, 1)),  # ... any page holding whole boxes
     (128, 16, 2 ** 30, (128, 2, 1)),  # pages smaller than a box: pointer gathers over 128-token steps
-    (128, 64, 8192 * 8, (64, 2, 0)),  # small pools keep the contiguous tiles
+    (128, 64, 8192 * 8, (64, 2, 0)),  # small pools keep 64-token steps ("16bit-paged")
     (64, 64, 2 ** 30, (256, 2, 1)),  # d64: TMA steps of 128 tokens; a 64-token page cannot hold one (gathers)
     (64, 128, 2 ** 30, (128, 3, 1)),  # ... a 128-token page can
 ])
@@ -698,7 +699,7 @@ def test_decode_plan(shape, expected, gpu_planning):
 @pytest.mark.parametrize("programs, whole", [(32, False), (64, False), (98, False), (99, True), (128, True),
                                               (132, True), (133, False), (256, False)])
 def test_whole_cache_programs(programs, whole):
-    """One split with a stage more from three quarters of the SMs (99 of 132) up to one wave (run 255)."""
+    """One split (WHOLE_CACHE_STAGES) from three quarters of the SMs (99 of 132) up to one wave (run 255)."""
     assert plan_decode.whole_cache_programs(programs, H200_SMS) == whole
 
 
@@ -707,10 +708,10 @@ def test_whole_cache_programs(programs, whole):
     ((128, 1024, 8, 1, 128, 0, 0, "16bit"), (64, 3, 1)),  # MQA, 128 programs: the whole cache, a third stage
     ((128, 1024, 8, 1, 64, 0, 0, "16bit"), (128, 3, 1)),  # its d64 (128-token steps at d64)
     ((16, 4096, 32, 8, 128, 0, 0, "16bit"), (128, 3, 1)),  # 128 programs of 4k tokens: the long tile, 3 stages
-    ((12, 4096, 32, 8, 128, 0, 0, "16bit"), (64, 2, 3)),  # 96 programs: split as before
-    ((4, 8192, 32, 8, 128, 0, 0, "16bit"), (64, 2, 8)),  # 32 programs: split as before
-    ((32, 2048, 32, 8, 128, 0, 0, "16bit"), (64, 2, 1)),  # 256 programs: one split already, two stages
-    ((128, 1024, 8, 1, 128, 0, 2, "16bit"), (64, 2, 2)),  # a forced count is kept
+    ((12, 4096, 32, 8, 128, 0, 0, "16bit"), (64, 3, 3)),  # 96 programs: split as before (the short tile's 3 stages)
+    ((4, 8192, 32, 8, 128, 0, 0, "16bit"), (64, 3, 8)),  # 32 programs: split as before
+    ((32, 2048, 32, 8, 128, 0, 0, "16bit"), (64, 3, 1)),  # 256 programs: one split already
+    ((128, 1024, 8, 1, 128, 0, 2, "16bit"), (64, 3, 2)),  # a forced count is kept
     ((128, 1024, 8, 1, 128, 16, 0, "16bit"), (64, 2, 3)),  # paged (gathers): not measured, split as before
     ((128, 1024, 8, 1, 128, 0, 0, "fp8"), (64, 3, 2)),  # FP8: its own tiles, split as before
 ])

@@ -37,10 +37,15 @@ def decode_block_m(group_rows: int) -> int:
 # (KV tokens per step at head dim 128, pipeline stages, trans, programs an SM holds when that limits splitting)
 # by cache format; "-large" from LARGE_TILES_MIN_KV token-heads on. Measured on the H200 (config_sweep.py,
 # CUDA-graph replay, 32/8 heads, d=128, 2026-11-30; notebook runs 7-18):
-# - 16-bit contiguous: 64 tokens, 2 stages, plain products (b=8 ctx 32k 258 us; 3 stages 303, trans 261); b=1 ctx
-#   8k/32k/128k within 1-4% of the best of 64/128 tokens x 2/3/4 stages at their best split counts (run 17; MQA
-#   b=1 ctx 32k ran 11% faster with 3 stages, 15.9 vs 17.7 us; not taken: GQA b=8 ctx 8k ran 92.2 vs 79.9 us with
-#   3 stages at the split rule's count).
+# - 16-bit contiguous: 64 tokens, plain products (b=8 ctx 32k 258 us; trans 261), 3 stages since run 279 (H200,
+#   `sweep decode --vary num_stages=2,3,4`, graph replay, us, 2 -> 3 stages at the split rule's count, which stayed
+#   the best at 3, run 281): GQA 32/8 b=1 ctx 8k 14.7 -> 14.2, ctx 16k 23.4 -> 23.0, ctx 32k 38.9 -> 37.6, b=4 ctx
+#   8k 38.9 -> 37.6, b=64 ctx 1k 76.9 -> 65.2, b=128 ctx 1k 126.8 -> 123.9, b=256 ctx 2k 496.9 -> 468.0; MQA b=1 ctx
+#   32k 10.5 -> 10.2, b=8 ctx 32k 40.6 -> 38.7 (b=1 ctx 8k 6.55 -> 6.66); d64 b=1 ctx 32k 24.5 -> 22.9, b=32 ctx 2k
+#   37.7 -> 35.5, b=256 ctx 2k 251.6 -> 240.4; 4 stages lost everywhere. (Run 17 had 2 stages best with the kernel
+#   of then; the H100 lost 1-2% with the third stage at 256 programs, run 255.) The long tile keeps 2 (b=1 ctx 128k
+#   124.4 vs 130.4 with 3, b=8 ctx 32k 240.2 vs 241.7), and so do small paged caches ("16bit-paged", run 280: page
+#   16 b=1 ctx 8k 16.4 vs 16.8, b=4 ctx 4k 26.3 vs 27.1, MQA b=8 ctx 8k 16.8 vs 17.4).
 # - 16-bit paged (pointer gathers), large: 128 tokens, 2 stages, one program per SM (128 KiB of stages): page 16
 #   b=32 ctx 8k 262 us vs 322 with 64 tokens, b=64 ctx 4k 255 vs 315 (the contiguous cache: 255, 256). Small paged
 #   caches keep the contiguous tiles (b=1 ctx 8k: 24.7 us with 64-token steps, 26.1 with 128; runs 7, 9, 13).
@@ -59,7 +64,7 @@ def decode_block_m(group_rows: int) -> int:
 #   per 128 tokens, against 802 per 64 tokens without spills at 64-token steps (page 64: TMA boxes, 441). Run 231
 #   (H100, `sweep decode`, us, 64 / 128 tokens at each one's best split count, the planner's or 1, 2, 4): page 16
 #   b=32 ctx 8k 210.8 / 216.4, b=128 ctx 1k 125.8 / 128.5; page 64 b=64 ctx 4k 214.8 / 224.5 (PAGED_FP8_MIN_SPLITS).
-DECODE_TILES = {"16bit": (64, 2, False, 0), "16bit-long": (128, 2, False, 1),
+DECODE_TILES = {"16bit": (64, 3, False, 0), "16bit-paged": (64, 2, False, 0), "16bit-long": (128, 2, False, 1),
                 "16bit-paged-large": (128, 2, False, 1), "16bit-paged-tma-large": (64, 3, False, 1),
                 "fp8": (64, 3, True, 4), "fp8-large": (128, 3, True, 2), "fp8-paged-large": (64, 3, True, 4),
                 "nvfp4": (64, 3, True, 4), "nvfp4-large": (128, 3, True, 2)}
@@ -100,7 +105,9 @@ def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_fo
     if kv_tokens * d >= LARGE_TILES_MIN_KV * 128:  # the "-paged-large" tiles where a format has them, else "-large"
         large = [f"{kv_format}-paged-large"] * paged + [f"{kv_format}-large"]
         key = next((k for k in large if k in DECODE_TILES), kv_format)
-    if key == "16bit" and not paged and tokens_per_program >= LONG_PROGRAM_TOKENS:
+    if key == "16bit" and paged:
+        key = "16bit-paged"
+    elif key == "16bit" and tokens_per_program >= LONG_PROGRAM_TOKENS:
         key = "16bit-long"
     tma_step = _step_tokens(DECODE_TILES["16bit-paged-tma-large"][0], d)
     if key == "16bit-paged-large" and page_size and page_size % tma_step == 0:  # pages hold whole TMA boxes
@@ -281,8 +288,9 @@ MAX_SPLITS = 256
 GATHER_PROGRAMS_PER_SM = 3
 
 
-# Long splits of a contiguous 16-bit cache aim at three programs per SM (as many as its 64-token, two-stage tiles
-# let an SM hold), rounded down, instead of two rounded up. Run 105 (graph replay, read flush, 32/8 heads, us, the
+# Long splits of a contiguous 16-bit cache aim at three programs per SM (as many as its 64-token tiles let an SM hold
+# at two stages; at three, since run 279, two: the counts were kept, run 281 found none better), rounded down,
+# instead of two rounded up. Run 105 (graph replay, read flush, 32/8 heads, us, the
 # former count then this one, two timings each): b=1 ctx 128k 135.8 / 135.7 at 33 splits vs 128.8 / 129.6 at 49;
 # b=2 ctx 32k 73.8 / 73.7 at 17 vs 71.4 / 71.5 at 24; b=4 ctx 32k 137.4 / 137.2 at 9 vs 129.4 / 129.7 at 12; b=8
 # ctx 8k 71.8 / 71.9 at 5 vs 70.8 / 71.0 at 6; d=64 b=1 ctx 128k 75.3 vs 70.0. Splits of <= SHORT_SPLIT_TOKENS keep
@@ -314,6 +322,7 @@ SHORT_SPLIT_TOKENS = 1024  # splits this short or shorter are not worth rounding
 # the H200's 4.8 TB/s needs ~96 SMs at that rate, hence three quarters of them. At 256 programs (one split
 # already) the third stage lost 1-2%.
 WHOLE_CACHE_MIN_WAVE = 0.75
+WHOLE_CACHE_STAGES = 3  # the long tile's 2 and a stage more (the short tile has 3 of its own)
 
 
 def whole_cache_programs(programs: int, sms: int) -> bool:
@@ -538,7 +547,7 @@ def split_plan(q, k_cache, block_table, num_splits: int, mla: bool = False):
     if (splits > 1 and not num_splits and block_table is None and k_cache.dtype not in KV_FORMATS
             and sm90_target() and whole_cache_programs(b * hkv * _utils.cdiv(rows, cfg.block_m), sms)):
         whole = tiles(tokens_per_program=capacity, num_splits=1)
-        return config.chosen("decode", dataclasses.replace(whole, num_stages=whole.num_stages + 1)), 1, capacity
+        return config.chosen("decode", dataclasses.replace(whole, num_stages=WHOLE_CACHE_STAGES)), 1, capacity
     long_cfg = config.chosen("decode", tiles(tokens_per_program=capacity // splits, num_splits=splits))
     if dataclasses.replace(long_cfg, fused_combine=cfg.fused_combine) != cfg:  # fewer programs fit an SM: count
         recount = count(long_cfg)  # again (never more splits than before)
