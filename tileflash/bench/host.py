@@ -3,10 +3,10 @@
 For each op: the eager wall time per call (back-to-back calls, one sync at the end, median over repeats), the host's
 own cost per call (the same calls timed until the last returns, before the sync), the GPU time of the same call
 replayed from a CUDA graph (no host work), and the same three for every installed peer (SDPA flash / cuDNN / default,
-FA4, FlashInfer, torch.matmul). tileflash also runs with direct launches off
-(`tileflash plain`: Triton's JIT launch and the Python launchers on every call, what every call cost before the
-launch layer), so one run shows the layer's effect. A call whose eager time is well above its graph time is
-host-bound; one whose host time is below its graph time is GPU-bound. Each callable's output is checked against an fp32 reference before it is timed. Forward + backward
+FA4, FlashInfer, torch.matmul). tileflash also runs with direct launches off (`tileflash plain`: Triton's JIT launch
+and the Python launchers on every call, what every call cost before the launch layer), so one run shows the layer's
+effect. A call whose eager time is well above its graph time is host-bound; one whose host time is below its graph
+time is GPU-bound. Each callable's output is checked against an fp32 reference before it is timed. Forward + backward
 rows also time an empty Python autograd.Function (`autograd.Function floor`: it allocates the output and the
 gradients, launches nothing): what any attention op written in Python pays in eager autograd before it does any
 work (its backward runs in autograd's device thread and takes the GIL there).
@@ -36,10 +36,10 @@ def eager_us(fns: dict, device, calls=CALLS, repeats=REPEATS, context=None) -> d
     calls}. The callables take turns within each repeat, so a slow spell of the host (this machine's eager times
     drift by tens of microseconds between runs) falls on every backend of a row alike. context(name): entered
     around each timed batch (an SDPA backend choice), or None."""
-    return eager_and_issue_us(fns, device, calls, repeats, context)[0]
+    return eager_and_host_us(fns, device, calls, repeats, context)[0]
 
 
-def eager_and_issue_us(fns: dict, device, calls=CALLS, repeats=REPEATS, context=None) -> tuple[dict, dict]:
+def eager_and_host_us(fns: dict, device, calls=CALLS, repeats=REPEATS, context=None) -> tuple[dict, dict]:
     """eager_us's medians, and beside them the host's own cost per call: the time until the last of the `calls`
     returns, before the sync (launches are asynchronous, and `calls` x a few launches stay far below the stream's
     queue depth, so no call waits for the GPU). Where the GPU time exceeds it, the eager time is the GPU's."""
@@ -53,18 +53,18 @@ def eager_and_issue_us(fns: dict, device, calls=CALLS, repeats=REPEATS, context=
                 fn()
     sync()
     times = {name: [] for name in fns}
-    issue = {name: [] for name in fns}
+    host = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
             with context(name):
                 t0 = time.perf_counter()
                 for _ in range(calls):
                     fn()
-                issue[name].append((time.perf_counter() - t0) / calls * 1e6)
+                host[name].append((time.perf_counter() - t0) / calls * 1e6)
                 sync()
                 times[name].append((time.perf_counter() - t0) / calls * 1e6)
     median = lambda ts: {name: statistics.median(v) for name, v in ts.items()}  # noqa: E731
-    return median(times), median(issue)
+    return median(times), median(host)
 
 
 def graph_us(fn) -> float:
@@ -248,10 +248,10 @@ def run_host(no_launch: bool = False) -> list[dict]:
                 rec["error"] = peers.short_error(e)
                 print(f"  note: {op} {shape} {name} failed: {rec['error']}", flush=True)
             rows.append(rec)
-        eager, issue = eager_and_issue_us(timed, device, context=_backend_context)
+        eager, host = eager_and_host_us(timed, device, context=_backend_context)
         for name, us in eager.items():
             rec = next(r for r in rows if r["backend"] == name)
-            rec["eager_us"], rec["host_us"] = us, issue[name]
+            rec["eager_us"], rec["host_us"] = us, host[name]
         results += rows
         if not no_launch:
             torch.cuda.empty_cache()
