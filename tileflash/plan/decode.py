@@ -48,7 +48,8 @@ def decode_block_m(group_rows: int) -> int:
 #   16 b=1 ctx 8k 16.4 vs 16.8, b=4 ctx 4k 26.3 vs 27.1, MQA b=8 ctx 8k 16.8 vs 17.4).
 # - 16-bit paged (pointer gathers), large: 128 tokens, 2 stages, one program per SM (128 KiB of stages): page 16
 #   b=32 ctx 8k 262 us vs 322 with 64 tokens, b=64 ctx 4k 255 vs 315 (the contiguous cache: 255, 256). Small paged
-#   caches keep the contiguous tiles (b=1 ctx 8k: 24.7 us with 64-token steps, 26.1 with 128; runs 7, 9, 13).
+#   caches keep 64-token steps ("16bit-paged"; b=1 ctx 8k: 24.7 us with 64-token steps, 26.1 with 128; runs 7, 9,
+#   13).
 # - fp8 and nvfp4: transposed products (s^T = K q^T on wgmma, the dequantized tile as the register operand), 3 stages:
 #   fp8 b=32 ctx 8k 154 us vs 206 plain, b=256 ctx 2k 306 vs 366; nvfp4 b=256 ctx 2k 555 vs 749. Large caches step
 #   128 tokens (two programs per SM: ~200 registers per thread), run 18 at each tile's best split count: fp8 b=8 ctx
