@@ -335,6 +335,19 @@ def test_run_decode_flags_sp_overlap_mismatch(cpu_suites):
     assert row["speedup"] == pytest.approx(1.0)
 
 
+def test_host_timing_takes_turns_and_splits_host_from_wall():
+    """bench host's timer: each callable's medians, wall and host part (before the sync), the host part no larger;
+    the callables take turns (a slow spell falls on all of them), each called calls x repeats times plus warm-up."""
+    from tileflash.bench.host import eager_and_host_us, eager_us
+
+    order = []
+    fns = {"a": lambda: order.append("a"), "b": lambda: order.append("b")}
+    wall, host = eager_and_host_us(fns, "cpu", calls=2, repeats=3)
+    assert set(wall) == set(host) == {"a", "b"} and all(0 <= host[k] <= wall[k] for k in fns)
+    assert order == ["a"] * 3 + ["b"] * 3 + (["a"] * 2 + ["b"] * 2) * 3
+    assert set(eager_us(fns, "cpu", calls=1, repeats=1)) == {"a", "b"}
+
+
 def test_speedup_uses_best_passing_runs():
     def rec(ms, ok=True):
         return {"ms": ms, "ok": ok}
