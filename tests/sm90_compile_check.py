@@ -105,7 +105,7 @@ def _cases(arch: int = 90):
         tileflash.flash_attn_with_kvcache(q, kc, vc, *new, cache_seqlens=torch.full((b,), ctx - sq, dtype=torch.int32),
                                           block_table=table, qv=qv, **call_kw)
 
-    def gluon_mla(hq, rows=64, **kw):
+    def gluon_mla(hq, rows=64, ahead=False, **kw):
         """An MLA decode the Gluon MLA kernel serves on sm_90 (kernels/gluon/mla_decode.py at 64 query rows per CTA,
         else mla_decode_narrow.py), forced even where the planner declines it, and other targets compile without
         it."""
@@ -115,7 +115,8 @@ def _cases(arch: int = 90):
         kern = mla_decode_kernel if rows == 64 else mla_decode_narrow_kernel
 
         def call():
-            with config.override(mla_gluon=lambda cfg: dataclasses.replace(cfg or MlaGluonConfig(), rows=rows)):
+            with config.override(mla_gluon=lambda cfg: dataclasses.replace(cfg or MlaGluonConfig(), rows=rows,
+                                                                           ahead=ahead)):
                 mla(hq, **kw)
         return lambda: (_compiles if sm90 else _avoids)((kern,), call)
 
@@ -459,6 +460,9 @@ def _cases(arch: int = 90):
         "decode fp8 MLA H=32 latent (Triton kernel, two 16-row tiles), paged page 64, split":
             lambda: triton_mla(32, page=64, fp8=True, num_splits=3),
         "decode fp8 MLA narrow H=16 (widened blocks), split": gluon_mla(16, rows=16, fp8=True, num_splits=3),
+        "decode fp8 MLA narrow H=16, widened ahead, split": gluon_mla(16, rows=16, fp8=True, ahead=True, num_splits=3),
+        "decode fp8 MLA narrow H=8 x Sq=2, widened ahead, paged page 16, append, causal": gluon_mla(
+            8, rows=16, sq=2, page=16, append=True, causal=True, fp8=True, ahead=True),
         "decode fp8 MLA narrow H=16 x Sq=2 (32 rows) paged page 16, append, causal": gluon_mla(16, rows=32, sq=2,
                                                                                                page=16, append=True,
                                                                                                causal=True, fp8=True),

@@ -3,6 +3,8 @@ interpreter (the CPU suite compiles them: tests/sm90_compile_check.py). Each cas
 kernel, then checks out and lse against kvcache_ref with the 2x rule (outputs poisoned). The kernel's caches hold NaN
 everywhere a sequence has no key (past its length, unused pages), while the reference reads clean copies: a row the
 kernel reads there and neither masks nor zeroes fails."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -104,16 +106,22 @@ FP8_CASES = [
     (3, 1, 16, 4096, 64, 1, (4000, 31, 0), 0, False),  # page 64, append (quantized), an empty cache
     (2, 1, 32, 704, 16, 1, (650, 100), 3, False),  # a 32-row tile, page 16 (four copies a block)
     (1, 4, 8, 320, 32, 0, (299,), 1, True),  # causal among 4 tokens x 8 heads, no split, odd block count
+    (2, 2, 8, 512, 16, 1, (500, 64), 2, True),  # causal 2 tokens x 8 heads (16 rows, AHEAD's), page 16, append
 ]
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["plain", "ahead"])  # AHEAD: block j + 1 widened beside P_j V_j
 @pytest.mark.parametrize("case", FP8_CASES, ids=[f"case{i}" for i in range(len(FP8_CASES))])
-def test_gluon_mla_fp8_cache(case, monkeypatch):
+def test_gluon_mla_fp8_cache(case, ahead, monkeypatch, override):
     """e4m3 latent and rotary caches with their own scales on the narrow kernel's widened blocks, the planner's
     choice; unwritten rows hold e4m3 NaN bytes (0x7f)."""
     from tileflash.reference import fp8_quantize_ref
 
     b, sq, hq, capacity, page, s_new, lens, splits, causal = case
+    if ahead and sq * hq > 16:
+        pytest.skip("AHEAD's two widened blocks leave room for 16-row tiles only")
+    # the planner widens ahead at <= 16 rows (plan.decode.MLA_FP8_AHEAD_MAX_ROWS); "plain" keeps the other loop
+    override(mla_gluon=lambda cfg: dataclasses.replace(cfg, ahead=ahead))
     calls = _counting(monkeypatch)
     q, qv, kc, vc, table, (kn, vn) = _inputs(b, sq, hq, capacity, page, s_new, torch.bfloat16, seed=7 + hq)
     k_scale, v_scale = torch.tensor([0.015], device=DEVICE), torch.tensor([0.02], device=DEVICE)

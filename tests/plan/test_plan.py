@@ -827,8 +827,9 @@ MLA_GLUON_TABLE = [
     (dict(), False, False, False),  # a window or softcap
     (dict(dtype=torch.float16), False, True, True),
     (dict(cache_dtype=torch.float8_e4m3fn), False, True, False),  # FP8 latents at 64 rows: the seesaw reads 16 bits
-    (dict(hq=16, cache_dtype=torch.float8_e4m3fn), False, True, True),  # the narrow kernel widens them
-    (dict(hq=32, page=64, cache_dtype=torch.float8_e4m3fn), False, True, True),
+    (dict(hq=16, cache_dtype=torch.float8_e4m3fn), False, True, True),  # the narrow kernel widens them, one ahead
+    (dict(hq=8, cache_dtype=torch.float8_e4m3fn), False, True, True),  # 8-row tiles, one ahead (run 282)
+    (dict(hq=32, page=64, cache_dtype=torch.float8_e4m3fn), False, True, True),  # 32 rows: no room to widen ahead
     (dict(hq=16, cache_dtype=torch.float8_e4m3fn), False, False, False),  # softcap: the Triton kernel
     (dict(hq=16, cache_dtype=torch.float8_e5m2), False, True, False),  # e5m2 caches are not served
     (dict(latent=256), False, True, False), (dict(rope=32), False, True, False),
@@ -844,7 +845,8 @@ def test_mla_gluon_dispatch(call, extras, plain, taken, monkeypatch):
     if taken:
         rows = call.get("sq", 1) * call.get("hq", 128)
         fp8 = call.get("cache_dtype") == torch.float8_e4m3fn
-        assert cfg == plan_decode.MlaGluonConfig(block_n=64, stages=2, rows=plan_decode.mla_gluon_rows(rows, fp8))
+        tile = plan_decode.mla_gluon_rows(rows, fp8)
+        assert cfg == plan_decode.MlaGluonConfig(block_n=64, stages=2, rows=tile, ahead=fp8 and tile <= 16)
 
 
 @pytest.mark.parametrize("rows, tile", [(8, 8), (9, 16), (16, 16), (24, 16), (32, 16), (33, 64), (64, 64), (128, 64),

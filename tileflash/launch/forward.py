@@ -250,7 +250,7 @@ def launch_mla_decode(q, qv, k_cache, v_cache, out, lse, *, seqlens_k, seqlen_k_
     if narrow:
         fp8 = k_cache.dtype == torch.float8_e4m3fn
         extra = tuple(t if t is not None else unit_scale(q.device) for t in (k_scale, v_scale)) if fp8 else (dummy,) * 2
-        constexprs = {"ROWS": config.rows, "FP8": fp8}
+        constexprs = {"ROWS": config.rows, "FP8": fp8, "AHEAD": config.ahead and fp8}
     direct.launch(
         mla_decode_narrow.mla_decode_narrow_kernel if narrow else mla_decode.mla_decode_kernel,
         (m_tiles * b, o_part.shape[0] if split else 1),

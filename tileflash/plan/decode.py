@@ -197,6 +197,7 @@ class MlaGluonConfig:
     block_n: int = 64
     stages: int = 2
     rows: int = MLA_GLUON_ROWS  # query rows per CTA: 64 the seesaw, 8 / 16 / 32 the narrow kernel (mla_gluon_rows)
+    ahead: bool = False  # the narrow kernel on e4m3 caches: block j + 1 widened while block j's P V runs
 
     @property
     def narrow(self) -> bool:  # kernels/gluon/mla_decode_narrow.py, else the seesaw (mla_decode.py)
@@ -236,6 +237,11 @@ MLA_NARROW_ROWS = (8, 16)  # tile heights the planner picks: the smallest that h
 # Triton kernel's FP8 tiles (MLA_FP8_TILES; `bench decode --only mla-h16-fp8`, run 273): H=16 b=8 ctx 32k 89.6 vs
 # 103.0, b=128 ctx 4k 172.0 vs 183.4.
 MLA_FP8_NARROW_ROWS = (8, 16, 32)
+# e4m3 caches on 8- and 16-row tiles widen block j + 1 while block j's P V runs (MlaGluonConfig.ahead; 220 KB of
+# shared memory at 16 rows, so not the 32-row tile). Run 282 (H100, `sweep decode-mla-gluon --vary ahead=0,1`, graph
+# replay over cache copies, us, off -> on): H=16 b=128 ctx 4k 168.5 -> 158.1, b=8 ctx 32k 89.2 -> 87.4, b=32 ctx 4k
+# 50.1 -> 49.1, b=1 ctx 32k 20.7 -> 20.1; H=8 b=128 ctx 4k 155.9 -> 146.8.
+MLA_FP8_AHEAD_MAX_ROWS = 16
 
 
 def mla_gluon_rows(rows: int, fp8: bool = False) -> int:
@@ -262,8 +268,9 @@ def mla_gluon_config(q, k_cache, v_cache, block_table, extras: bool, plain_mask:
             or k_cache.shape[-1] != MLA_ROPE_DIM or v_cache.shape[-1] != MLA_LATENT_DIM or k_cache.shape[2] != 1):
         return None
     rows = q.shape[1] * q.shape[2]
-    cfg = config.chosen("mla_gluon", MlaGluonConfig(rows=mla_gluon_rows(rows, fp8)) if rows >= MLA_GLUON_MIN_ROWS
-                        else None)
+    tile = mla_gluon_rows(rows, fp8)
+    cfg = config.chosen("mla_gluon", MlaGluonConfig(rows=tile, ahead=fp8 and tile <= MLA_FP8_AHEAD_MAX_ROWS)
+                        if rows >= MLA_GLUON_MIN_ROWS else None)
     if cfg is None or (fp8 and not cfg.narrow):  # the seesaw reads 16-bit caches only
         return None
     page = k_cache.shape[1]
