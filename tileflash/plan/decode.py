@@ -94,7 +94,8 @@ def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_fo
     "16bit-long" tiles from LONG_PROGRAM_TOKENS on. arch: the compile target (prefill.target_tiles; below sm_90
     steps of at most 64 tokens). page_size: tokens per page of a paged cache (0: not known); large 16-bit pools
     whose pages hold whole "16bit-paged-tma-large" steps take those. num_splits: KV splits (0: not known yet), for
-    fused_combine (fused_combine_rule, with the cache's bytes from kv_tokens and kv_format)."""
+    fused_combine (fused_combine_rule, with the cache's bytes from kv_tokens and kv_format; never for pages read by
+    pointer gathers, see MAX_MERGE_LOADS)."""
     block_m = decode_block_m(group_rows)
     fused = fused_combine_rule(num_splits, min(block_m, group_rows), padded_head_dim(head_dim),
                                kv_tokens * head_dim * 2 * KV_ELEMENT_BYTES[kv_format])
@@ -120,9 +121,12 @@ def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_fo
     if arch is not None and arch < 90 and block_n > 64:  # pointer gathers, no TMA: 128-token steps spilled on sm_80
         block_n //= 2
     resident *= tokens * 128 // (block_n * d)
-    return target_tiles(DecodeConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=stages, tma=True,
-                                     trans=trans, resident_per_sm=resident, fused_combine=fused), arch,
-                        sm10x_warps=True)
+    cfg = target_tiles(DecodeConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=stages, tma=True,
+                                    trans=trans, resident_per_sm=resident, fused_combine=fused), arch,
+                       sm10x_warps=True)
+    if fused and paged and not tma_tiles(cfg, page_size, kv_format == "nvfp4"):  # gathers: the combine launch
+        cfg = dataclasses.replace(cfg, fused_combine=False)
+    return cfg
 
 
 def fp8_pages_hold_boxes(page_size: int, d: int) -> bool:
@@ -366,6 +370,10 @@ MERGE_TILE = 8192  # fp32 partials per load of the fused merge: 64 registers a t
 # the combine launch.
 MAX_MERGE_LOADS = 4
 MERGE_MAX_KV_BYTES = 32 << 20
+# Paged caches read by pointer gathers (pages shorter than a step; three programs per SM, so more splits to merge)
+# take the combine launch: run 282 (H100, probe/fused_merge_host_ab.py, eager wall per call, us, merge fused -> the
+# combine launch) page 16 b=1 ctx 8k 32/8 heads d128 over cache copies past the L2 32.1 -> 24.9 (warm 25.5 -> 25.0);
+# TMA-read pages (64) 27.7 -> 26.4 cold but 24.9 -> 26.0 warm, contiguous d64 23.4 -> 30.9: those keep the merge.
 # Cache bytes per K or V value (NVFP4: 4 bits, and an e4m3 scale per 16)
 KV_ELEMENT_BYTES = {"16bit": 2, "fp8": 1, "nvfp4": 0.5625}
 
