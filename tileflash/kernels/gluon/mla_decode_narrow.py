@@ -105,12 +105,11 @@ def _widen_block(k_bufs, c_bufs, c_wide, x, t0, seqlen_k, k_layout: gl.constexpr
 
 
 @gluon.jit
-def _values_t(c_wide, p_smem, x, alpha, acc_l, acc_r):
-    """O^T = alpha O^T + C^T P^T of widened block x (two products, issued)."""
+def _values_t(c_lo, c_hi, p_smem, alpha, acc_l, acc_r):
+    """O^T = alpha O^T + C^T P^T of the block whose latent halves are c_lo, c_hi (two products, issued)."""
     scale = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, acc_l.type.layout)), 0)
-    p_t = p_smem.permute((1, 0))
-    acc_l = warpgroup_mma(c_wide.index(2 * x).permute((1, 0)), p_t, acc_l * scale, is_async=True)
-    return acc_l, warpgroup_mma(c_wide.index(2 * x + 1).permute((1, 0)), p_t, acc_r * scale, is_async=True)
+    acc_l = warpgroup_mma(c_lo.permute((1, 0)), p_smem.permute((1, 0)), acc_l * scale, is_async=True)
+    return acc_l, warpgroup_mma(c_hi.permute((1, 0)), p_smem.permute((1, 0)), acc_r * scale, is_async=True)
 
 
 @gluon.jit
@@ -149,7 +148,8 @@ def _widened_ahead(q_rope, q_lat, k_bufs, c_bufs, c_wide, p_smem, ready_a, ready
                                     seqlen_q, row0, num_heads, full_hi, qk_scale, CAUSAL)
         for j in range(n - 1):
             x = j % 2
-            acc_l, acc_r = _values_t(c_wide, p_smem, x, alpha, acc_l, acc_r)  # P_j V_j, in flight
+            acc_l, acc_r = _values_t(c_wide.index(2 * x), c_wide.index(2 * x + 1), p_smem, alpha, acc_l,
+                                     acc_r)  # P_j V_j, in flight
             ph = ((j + 1) // 2) & 1
             mbarrier.wait(ready_a.index(1 - x), ph)
             mbarrier.wait(ready_b.index(1 - x), ph)
@@ -159,7 +159,8 @@ def _widened_ahead(q_rope, q_lat, k_bufs, c_bufs, c_wide, p_smem, ready_a, ready
             acc_l, acc_r = warpgroup_mma_wait(0, deps=(acc_l, acc_r))  # P_j V_j retired: p_smem is free
             m_i, l_i, alpha = _scores_p(k_reg, c_wide, 1 - x, q_rope, q_lat, p_smem, s_t, j + 1, m_i, l_i, s_lo,
                                         seqlen_k, seqlen_q, row0, num_heads, full_hi, qk_scale, CAUSAL)
-        acc_l, acc_r = _values_t(c_wide, p_smem, (n - 1) % 2, alpha, acc_l, acc_r)
+        x = (n - 1) % 2
+        acc_l, acc_r = _values_t(c_wide.index(2 * x), c_wide.index(2 * x + 1), p_smem, alpha, acc_l, acc_r)
         acc_l, acc_r = warpgroup_mma_wait(0, deps=(acc_l, acc_r))
     return m_i, l_i, acc_l, acc_r
 
@@ -189,7 +190,6 @@ def mla_decode_narrow_kernel(q_ptr, qv_ptr, k_desc, c_desc, out_ptr, lse_ptr, o_
     if FP8 and AHEAD:  # two blocks' latents widened (the rotary keys widen into registers): 220 KB in all
         c_wide = gl.allocate_shared_memory(dtype, [4, BLOCK, HALF],
                                            gl.NVMMASharedLayout.get_default_for([BLOCK, HALF], dtype))
-        k_wide = c_wide  # unused
     elif FP8:  # the block being read, widened
         k_wide = gl.allocate_shared_memory(dtype, [BLOCK, ROPE], gl.NVMMASharedLayout.get_default_for([BLOCK, ROPE],
                                                                                                       dtype))
@@ -264,9 +264,7 @@ def mla_decode_narrow_kernel(q_ptr, qv_ptr, k_desc, c_desc, out_ptr, lse_ptr, o_
             _zero_past_end(c_hi, t0, seqlen_k)
             fence_async_shared()
             barrier()
-            scale = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, acc_layout)), 0)
-            acc_l = warpgroup_mma(c_lo.permute((1, 0)), p_smem.permute((1, 0)), acc_l * scale, is_async=True)
-            acc_r = warpgroup_mma(c_hi.permute((1, 0)), p_smem.permute((1, 0)), acc_r * scale, is_async=True)
+            acc_l, acc_r = _values_t(c_lo, c_hi, p_smem, alpha, acc_l, acc_r)
             acc_l, acc_r = warpgroup_mma_wait(0, deps=(acc_l, acc_r))
             barrier()  # every warp's share of this block's products has retired before its buffer is reused
             if not FP8:
