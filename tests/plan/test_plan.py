@@ -6,7 +6,7 @@ import itertools
 import pytest
 import torch
 
-from tileflash import _utils
+from tileflash import _utils, config
 from tileflash.plan import (COMBINE_TILE, KV_ELEMENT_BYTES, LONG_SPLIT_PROGRAMS_PER_SM, MAX_MERGE_LOADS, MAX_SPLITS,
                             MERGE_MAX_KV_BYTES, MERGE_TILE, MIN_SPLIT_TOKENS, PAGED_FP8_MIN_SPLITS, QUANT_MMA_HEAD_DIMS,
                             WsFwdConfig,
@@ -661,9 +661,10 @@ def test_split_plan_properties(gpu_planning):
         for b in (1, 4, 8, 32, 128):
             cfg, s, capacity = _split_plan(b, ctx, hq, hkv, d, page, fmt=fmt)
             args = (b, ctx, hq, hkv, d, page, fmt, cfg, s)
-            assert capacity == ctx and cfg == decode_config(d, hq // hkv, kv_format=fmt, paged=bool(page),
-                                                            kv_tokens=b * ctx * hkv, tokens_per_program=ctx // s,
-                                                            page_size=page, num_splits=s), args
+            tiles = [decode_config(d, hq // hkv, kv_format=fmt, paged=bool(page), kv_tokens=b * ctx * hkv,
+                                   tokens_per_program=ctx // s, page_size=page, num_splits=s, three_per_sm=three)
+                     for three in (False, True)]  # (test_decode_stages: which)
+            assert capacity == ctx and cfg in tiles, args
             kv_bytes = b * ctx * hkv * d * 2 * KV_ELEMENT_BYTES[fmt]
             gathers = bool(page) and not tma_tiles(cfg, page, fmt == "nvfp4")  # the combine launch (run 282)
             assert cfg.fused_combine == (fused_combine_rule(s, min(cfg.block_m, hq // hkv), d, kv_bytes)
@@ -696,6 +697,26 @@ def test_decode_plan(shape, expected, gpu_planning):
     b, ctx, hq, hkv, d, page, num_splits, *fmt = shape
     cfg, splits, capacity = _split_plan(b, ctx, hq, hkv, d, page, num_splits, *fmt)
     assert (cfg.block_n, splits, capacity) == (*expected, ctx)
+
+
+# (batch, ctx, Hq, Hkv, head dim) of a contiguous 16-bit cache -> (splits, pipeline stages) as the H200 plans them
+@pytest.mark.parametrize("shape, expected", [
+    ((1, 8192, 32, 8, 128), (33, 3)),  # two programs per SM: the short tile's 3 stages (runs 279-281)
+    ((1, 32768, 32, 8, 128), (33, 3)),
+    ((4, 8192, 32, 8, 128), (8, 3)),
+    ((2, 16384, 32, 8, 64), (17, 3)),  # two per SM rounded up (272 programs): 3 (run 280)
+    ((1, 32768, 8, 1, 128), (256, 3)),  # MQA: one-block splits
+    ((1, 131072, 32, 8, 128), (49, 2)),  # counts planned for three per SM: "16bit-wide" (run 285)
+    ((8, 8192, 32, 8, 128), (6, 2)),
+    ((8, 8192, 32, 8, 64), (6, 2)),
+    ((64, 1024, 32, 8, 128), (1, 3)),  # unsplit, two waves: 3 (run 280)
+    ((16, 4096, 32, 8, 128), (1, 3)),  # the whole-cache rule's stage more (WHOLE_CACHE_STAGES)
+    ((8, 32768, 32, 8, 128), (4, 2)),  # long programs: the 128-token tile's 2
+])
+def test_decode_stages(shape, expected, gpu_planning, monkeypatch):
+    monkeypatch.setattr(plan_decode, "sm90_target", lambda: True)
+    cfg, splits, _ = _split_plan(*shape)
+    assert (splits, cfg.num_stages) == expected
 
 
 @pytest.mark.parametrize("programs, whole", [(32, False), (64, False), (98, False), (99, True), (128, True),
@@ -764,6 +785,23 @@ def test_mla_decode_schedule(gpu_planning):
     s = plan_decode.decode_schedule(q, k_cache, v_cache, None, None, 0, False, lse_in_workspace=True, mla=True)
     assert s.mla and s.qcfg is None and (s.cfg.block_m, s.cfg.block_n) == (64, 64) and s.num_splits == 64
     assert s.workspace == 64 * 128 * (512 + 1) + 128
+
+
+@pytest.mark.parametrize("sm90, mla, forced, expected", [
+    (True, False, None, True),  # the Triton decode kernel on sm_90: a programmatic dependent (run 285)
+    (False, False, None, False),  # griddepcontrol is sm_90's (and the interpreter has none)
+    (True, True, None, False),  # the Gluon MLA kernel is launched plainly
+    (True, False, False, False),  # config.override(decode_after_prior=False), as the A/B probe times it
+])
+def test_decode_after_prior(sm90, mla, forced, expected, gpu_planning, monkeypatch):
+    monkeypatch.setattr(plan_decode, "sm90_target", lambda: sm90)
+    q = torch.empty(1, 1, 32, 64 if mla else 128, device="meta", dtype=torch.bfloat16)
+    k_cache = torch.empty(1, 8192, 1 if mla else 8, 64 if mla else 128, device="meta", dtype=torch.bfloat16)
+    v_cache = torch.empty(1, 8192, 1, 512, device="meta", dtype=torch.bfloat16) if mla else k_cache
+    with config.override(**({} if forced is None else {"decode_after_prior": forced})):
+        s = plan_decode.decode_schedule(q, k_cache, v_cache, None, None, 0, False, lse_in_workspace=True, mla=mla,
+                                        plain_mask=True)
+    assert (s.mcfg is not None) == (mla and sm90) and s.after_prior == expected
 
 
 @pytest.mark.parametrize("splits, blocks, expected", [

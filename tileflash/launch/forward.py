@@ -34,7 +34,8 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
                     pdl: bool = False, alibi_slopes=None, cache_batch_idx=None, cache_leftpad=None, rotary_cos=None,
                     rotary_sin=None, rotary_interleaved: bool = False, rotary_per_token: bool = False,
                     cu_seqlens_k_new=None, learnable_sink=None, qv=None, q_scale=None, vt_gap: int = 0,
-                    counters=None, k_new=None, v_new=None, rng=None, dropout_p: float = 0.0):
+                    counters=None, k_new=None, v_new=None, rng=None, dropout_p: float = 0.0,
+                    after_prior: bool = False):
     """q4 [Bq, Sq, Hq, D]; k4/v4 [Bk, Sk, Hkv, D] (paged: [pages, page_size, Hkv, D]); out4 [Bq, Sq, Hq, Dv] (Dv:
     v4's head dim); lse3 [Bq, Hq, Sq]. qv [Bq, Sq, Hq, Dv] or None: MLA's latent queries (scores add qv v^T).
     alibi_slopes: fp32 [Hq] or [num_batches, Hq] (checked by the public functions), or None.
@@ -45,6 +46,8 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
     at seqlens_k positions), cu_seqlens_k_new [Bq + 1] int32 (tokens appended per sequence, added to seqlens_k):
     flash_attn_with_kvcache's arguments (kernels/triton/attn_fwd.py).
     pdl: a split launch lets launch_combine(..., pdl=True) start as its programmatic dependent (sm_90 only).
+    after_prior: launched as a programmatic dependent of the kernel before it on the stream (sm_90 only): its
+    programs start during that kernel's tail and wait for it to finish before reading anything.
     counters: int32 zeros [>= grid axis 0] (direct.COUNTERS): a split launch merges its own splits (no
     launch_combine; the learnable_sink goes into that merge).
     k_new, v_new [Bq, Snew, Hkv, D] (equal strides) or None: appended at cache_seqlens (seqlens_k) by the attention
@@ -145,7 +148,8 @@ def launch_attn_fwd(q4, k4, v4, out4, lse3, *, q_batch_stride0: bool, k_batch_st
         # in-launch append's bit for bit)
         BOX_IN_SEQ=descs is not None and not paged and not seqlen_k_add and cu_seqlens_k_new is None and not vt_gap
         and rng is None and qv is None, DROPOUT=rng is not None, CHUNK=mask.chunk > 0,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        AFTER_PRIOR=after_prior, num_warps=config.num_warps, num_stages=config.num_stages,
+        **({"launch_pdl": True} if after_prior else {}),
     )
 
 
@@ -261,11 +265,13 @@ def launch_mla_decode(q, qv, k_cache, v_cache, out, lse, *, seqlens_k, seqlen_k_
         *extra, BN=bn, STAGES=config.stages, PAGE=page, CAUSAL=causal, SPLIT=split, num_warps=4, **constexprs)
 
 
-def launch_combine(o_part, lse_part, out4, lse3, pdl: bool = False, learnable_sink=None) -> None:
+def launch_combine(o_part, lse_part, out4, lse3, pdl: bool = False, learnable_sink=None,
+                   let_next: bool = False) -> None:
     """Merge split partials o_part [splits, B*Sq*Hq, D], lse_part [splits, B*Sq*Hq] into out4 / lse3, with the
     sink (fp32 [Hq] or None) added once per row, not per split. pdl (taken on
     sm_90 only): launch it as a programmatic dependent of the kernel before it on the stream, so its launch
-    overlaps that kernel's tail (the split decode kernels allow it once all their programs have started)."""
+    overlaps that kernel's tail (the split decode kernels allow it once all their programs have started).
+    let_next: a programmatic dependent launched after it may start once all its programs have (sm_90 only)."""
     num_splits, num_rows, d = o_part.shape
     b, sq, hq, _ = out4.shape
     split_chunk, d_chunk = combine_tiles(num_splits, padded_head_dim(d))
@@ -276,7 +282,8 @@ def launch_combine(o_part, lse_part, out4, lse3, pdl: bool = False, learnable_si
         out4.stride(0), out4.stride(1), out4.stride(2), lse3.stride(0), lse3.stride(1), lse3.stride(2),
         learnable_sink if learnable_sink is not None else lse_part,
         HEAD_DIM=d, D_CHUNK=d_chunk, SPLIT_CHUNK=split_chunk, INTERPRETED=_utils.is_interpreter(), PDL=pdl,
-        HAS_SINK=learnable_sink is not None, num_warps=4, **({"launch_pdl": True} if pdl else {}),
+        HAS_SINK=learnable_sink is not None, LET_NEXT=let_next and sm90_target(), num_warps=4,
+        **({"launch_pdl": True} if pdl else {}),
     )
 
 

@@ -101,11 +101,11 @@ def _launch_kvcache(s: DecodeSchedule, mask: Mask, softmax_scale: float, sp_over
                         block_table=block_table, pack_gqa=not s.prefill, num_splits=s.num_splits,
                         sp_overlap=s.cfg.sp_overlap if s.prefill else sp_overlap, o_part=o_part, lse_part=lse_part,
                         pdl=s.pdl, counters=counters, k_new=k if s.fused_append else None,
-                        v_new=v if s.fused_append else None, **extras, **scales)
+                        v_new=v if s.fused_append else None, after_prior=s.after_prior, **extras, **scales)
         if counters is not None:  # the splits merged in the attention launch
             return
     if split:
-        launch_combine(o_part, lse_part, out, lse, pdl=s.pdl, learnable_sink=learnable_sink)
+        launch_combine(o_part, lse_part, out, lse, pdl=s.pdl, learnable_sink=learnable_sink, let_next=s.after_prior)
 
 
 def _attn_kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: Optional[torch.Tensor],

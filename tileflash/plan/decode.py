@@ -45,7 +45,14 @@ def decode_block_m(group_rows: int) -> int:
 #   37.7 -> 35.5, b=256 ctx 2k 251.6 -> 240.4; 4 stages lost everywhere. (Run 17 had 2 stages best with the kernel
 #   of then; the H100 lost 1-2% with the third stage at 256 programs, run 255.) The long tile keeps 2 (b=1 ctx 128k
 #   124.4 vs 130.4 with 3, b=8 ctx 32k 240.2 vs 241.7), and so do small paged caches ("16bit-paged", run 280: page
-#   16 b=1 ctx 8k 16.4 vs 16.8, b=4 ctx 4k 26.3 vs 27.1, MQA b=8 ctx 8k 16.8 vs 17.4).
+#   16 b=1 ctx 8k 16.4 vs 16.8, b=4 ctx 4k 26.3 vs 27.1, MQA b=8 ctx 8k 16.8 vs 17.4). Split launches of more than
+#   two programs per SM (counts planned for three an SM, LONG_SPLIT_PROGRAMS_PER_SM) keep 2 stages too ("16bit-wide":
+#   at 3 only two fit an SM, so a second, partial wave). Run 285 (H200, `bench decode` at f9d51c8,
+#   graph replay, against run 276 at d0cdd6e with 2 stages; SDPA on each machine beside): b=1 ctx 128k (49 splits,
+#   392 programs) 124.5 -> 132.9 us (SDPA 124.8 / 127.4), b=8 ctx 8k (6 splits, 384) 67.6 -> 72.9 (67.3 / 68.4), d64
+#   b=8 ctx 8k 37.6 -> 41.4 (36.8 / 37.4), d64 b=1 ctx 128k 66.5 -> 71.9 (66.0 / 66.9); run 279's sweep had b=1 ctx
+#   128k at 124.4 with 2 stages vs 130.4 with 3. Counts of two per SM rounded up keep 3 (run 280: d64 b=2 ctx 16k,
+#   17 splits, 272 programs, 24.4 -> 23.3), and so do unsplit launches of several waves (b=64 ctx 1k, above).
 # - 16-bit paged (pointer gathers), large: 128 tokens, 2 stages, one program per SM (128 KiB of stages): page 16
 #   b=32 ctx 8k 262 us vs 322 with 64 tokens, b=64 ctx 4k 255 vs 315 (the contiguous cache: 255, 256). Small paged
 #   caches keep 64-token steps ("16bit-paged"; b=1 ctx 8k: 24.7 us with 64-token steps, 26.1 with 128; runs 7, 9,
@@ -65,7 +72,8 @@ def decode_block_m(group_rows: int) -> int:
 #   per 128 tokens, against 802 per 64 tokens without spills at 64-token steps (page 64: TMA boxes, 441). Run 231
 #   (H100, `sweep decode`, us, 64 / 128 tokens at each one's best split count, the planner's or 1, 2, 4): page 16
 #   b=32 ctx 8k 210.8 / 216.4, b=128 ctx 1k 125.8 / 128.5; page 64 b=64 ctx 4k 214.8 / 224.5 (PAGED_FP8_MIN_SPLITS).
-DECODE_TILES = {"16bit": (64, 3, False, 0), "16bit-paged": (64, 2, False, 0), "16bit-long": (128, 2, False, 1),
+DECODE_TILES = {"16bit": (64, 3, False, 0), "16bit-paged": (64, 2, False, 0), "16bit-wide": (64, 2, False, 0),
+                "16bit-long": (128, 2, False, 1),
                 "16bit-paged-large": (128, 2, False, 1), "16bit-paged-tma-large": (64, 3, False, 1),
                 "fp8": (64, 3, True, 4), "fp8-large": (128, 3, True, 2), "fp8-paged-large": (64, 3, True, 4),
                 "nvfp4": (64, 3, True, 4), "nvfp4-large": (128, 3, True, 2)}
@@ -85,7 +93,8 @@ LONG_PROGRAM_TOKENS = 4096
 
 def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_format: str = "16bit",
                   paged: bool = False, kv_tokens: int = 2 ** 30, tokens_per_program: int = 0,
-                  arch: int | None = 90, page_size: int = 0, num_splits: int = 0) -> DecodeConfig:
+                  arch: int | None = 90, page_size: int = 0, num_splits: int = 0,
+                  three_per_sm: bool = False) -> DecodeConfig:
     """Tiles by cache format (DECODE_TILES; "16bit", "fp8", "nvfp4"), layout and size: contiguous caches are read
     through TMA descriptors, paged ones too when a page holds whole tiles (one box per tile, its row from the block
     table), otherwise by per-token pointer gathers (a TMA descriptor covers one strided box, not a page list).
@@ -95,7 +104,8 @@ def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_fo
     steps of at most 64 tokens). page_size: tokens per page of a paged cache (0: not known); large 16-bit pools
     whose pages hold whole "16bit-paged-tma-large" steps take those. num_splits: KV splits (0: not known yet), for
     fused_combine (fused_combine_rule, with the cache's bytes from kv_tokens and kv_format; never for pages read by
-    pointer gathers, see MAX_MERGE_LOADS)."""
+    pointer gathers, see MAX_MERGE_LOADS). three_per_sm: the split count plans three programs per SM (more splits
+    than two per SM would need, LONG_SPLIT_PROGRAMS_PER_SM): a contiguous 16-bit cache's short tile is "16bit-wide"."""
     block_m = decode_block_m(group_rows)
     fused = fused_combine_rule(num_splits, min(block_m, group_rows), padded_head_dim(head_dim),
                                kv_tokens * head_dim * 2 * KV_ELEMENT_BYTES[kv_format])
@@ -111,6 +121,8 @@ def decode_config(head_dim: int, group_rows: int, interpret: bool = False, kv_fo
         key = "16bit-paged"
     elif key == "16bit" and tokens_per_program >= LONG_PROGRAM_TOKENS:
         key = "16bit-long"
+    elif key == "16bit" and three_per_sm:
+        key = "16bit-wide"
     tma_step = _step_tokens(DECODE_TILES["16bit-paged-tma-large"][0], d)
     if key == "16bit-paged-large" and page_size and page_size % tma_step == 0:  # pages hold whole TMA boxes
         key = "16bit-paged-tma-large"
@@ -560,15 +572,22 @@ def split_plan(q, k_cache, block_table, num_splits: int, mla: bool = False):
 
     cfg = config.chosen("decode", tiles())
     splits = count(cfg)
+    m_tiles = _utils.cdiv(rows, cfg.block_m)
     if (splits > 1 and not num_splits and block_table is None and k_cache.dtype not in KV_FORMATS
-            and sm90_target() and whole_cache_programs(b * hkv * _utils.cdiv(rows, cfg.block_m), sms)):
+            and sm90_target() and whole_cache_programs(b * hkv * m_tiles, sms)):
         whole = tiles(tokens_per_program=capacity, num_splits=1)
         return config.chosen("decode", dataclasses.replace(whole, num_stages=WHOLE_CACHE_STAGES)), 1, capacity
-    long_cfg = config.chosen("decode", tiles(tokens_per_program=capacity // splits, num_splits=splits))
-    if dataclasses.replace(long_cfg, fused_combine=cfg.fused_combine) != cfg:  # fewer programs fit an SM: count
-        recount = count(long_cfg)  # again (never more splits than before)
+    two_per_sm = num_splits_heuristic(b, hkv, m_tiles, capacity, cfg.block_n, sms)  # without the long-split rule
+
+    def split_tiles(n):  # the tile for n splits, knowing what each streams and how many programs an SM is to hold
+        return tiles(tokens_per_program=capacity // n, num_splits=n,
+                     three_per_sm=block_table is None and n > two_per_sm)
+
+    long_cfg = config.chosen("decode", split_tiles(splits))
+    if dataclasses.replace(long_cfg, fused_combine=cfg.fused_combine) != cfg:  # another tile: count again (never
+        recount = count(long_cfg)  # more splits than before: its programs may fill an SM sooner)
         if recount != splits:
-            long_cfg = config.chosen("decode", tiles(tokens_per_program=capacity // splits, num_splits=recount))
+            long_cfg = config.chosen("decode", split_tiles(recount))
         splits = recount
     return long_cfg, splits, capacity
 
@@ -579,6 +598,16 @@ def combine_pdl(block_table) -> bool:
     -0.5 to -1.2 us at batch 1, neutral from b=8). Paged caches are slower with it (run 107, `benchmarks/
     splits_sweep.py --pdl --flush-read`: page 16 b=8 ctx 8k 79.1 vs 74.7 us, page 64 b=1 ctx 32k 46.5 vs 44.7)."""
     return block_table is None
+
+
+def decode_after_prior() -> bool:
+    """Whether the Triton decode kernel is launched as a programmatic dependent of the kernel before it on the stream
+    (sm_90): its programs start during that kernel's tail and wait (griddepcontrol.wait) before reading anything, and
+    the split combine lets the next call's kernel start once its own programs have (LET_NEXT). Run 285 (H200,
+    probe/after_prior_ab.py, graph replay of back-to-back calls over cache copies past the L2, us, off -> on, outputs
+    bitwise equal): GQA 32/8 d128 b=1 ctx 8k 14.45 -> 13.94, ctx 32k 38.37 -> 38.07, page 16 b=1 ctx 8k 16.35 ->
+    16.00, MQA b=1 ctx 8k 6.66 -> 6.07; b=8 ctx 8k 73.1 -> 73.0 and b=64 ctx 1k 66.5 -> 66.3 (neutral)."""
+    return sm90_target()
 
 
 def quant_mma_config(q, k_cache, v_cache, block_table, capacity: int, sp_overlap: bool, extras: bool):
@@ -621,6 +650,7 @@ class DecodeSchedule:
     mcfg: object = None  # MlaGluonConfig: the Gluon MLA decode serves the call (cfg is then None)
     counters: int = 0  # int32 arrival counters of the fused merge (cfg.fused_combine): one per attention tile
     fused_append: bool = False  # the attention programs append k, v themselves (append_in_kernel): one launch less
+    after_prior: bool = False  # the Triton kernel is a programmatic dependent of the kernel before it
 
 
 def append_in_kernel(k_cache, k, v, cfg, rows: int, plain_append: bool) -> bool:
@@ -681,5 +711,7 @@ def decode_schedule(q, k_cache, v_cache, k, block_table, num_splits: int, sp_ove
         if cfg.fused_combine and num_splits > 1:
             counters = b * hkv * cdiv(rows_per_kv, cfg.block_m)
         fused_append = bool(s_new) and not mla and append_in_kernel(k_cache, k, v, cfg, rows_per_kv, plain_append)
+    after_prior = cfg is not None and decode_after_prior() and config.chosen("decode_after_prior", True)
     return DecodeSchedule(cfg, qcfg, num_splits, capacity, s_new, pdl, workspace,
-                          varlen_new=varlen_new, mla=mla, mcfg=mcfg, counters=counters, fused_append=fused_append)
+                          varlen_new=varlen_new, mla=mla, mcfg=mcfg, counters=counters, fused_append=fused_append,
+                          after_prior=after_prior)

@@ -52,6 +52,7 @@ once per group.
 """
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from .inner import FP8_V_T, TRANS_PERM_K, attn_inner, fp8_row_max, perm_head_dim
 from .cast import store_cast, values_t_column
@@ -121,9 +122,11 @@ def attn_fwd_kernel(
     HAS_QV: tl.constexpr = False, QKV_FP8: tl.constexpr = 0, FUSED_COMBINE: tl.constexpr = False,
     MERGE_ROWS: tl.constexpr = 1, MERGE_SPLITS: tl.constexpr = 1, APPEND_NEW: tl.constexpr = 0,
     VT_GAP: tl.constexpr = 0, BOX_IN_SEQ: tl.constexpr = False, DROPOUT: tl.constexpr = False,
-    CHUNK: tl.constexpr = False,
+    CHUNK: tl.constexpr = False, AFTER_PRIOR: tl.constexpr = False,
 ):
     allow_dependent_launch(PDL)  # the split combine that follows (launch/forward.launch_combine)
+    if AFTER_PRIOR:  # a programmatic dependent of the kernel before it: nothing is read before that grid is done
+        gdc_wait()
     pid = tl.program_id(0)
     split = tl.program_id(1)
     pid_m = m_tiles - 1 - pid % m_tiles  # reverse order: causal tiles with the most work start first

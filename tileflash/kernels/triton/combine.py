@@ -68,7 +68,8 @@ def _rows(seqlen, num_heads, num_rows, BLOCK_R: tl.constexpr):
 def attn_combine_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, num_splits, seqlen, num_heads, num_rows,
                         stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls, sink_ptr,
                         HEAD_DIM: tl.constexpr, D_CHUNK: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
-                        INTERPRETED: tl.constexpr, PDL: tl.constexpr = False, HAS_SINK: tl.constexpr = False):
+                        INTERPRETED: tl.constexpr, PDL: tl.constexpr = False, HAS_SINK: tl.constexpr = False,
+                        LET_NEXT: tl.constexpr = False):
     """Grid (rows, HEAD_DIM / D_CHUNK): one program per row and D_CHUNK of its columns. o_part [num_splits,
     num_rows, HEAD_DIM], lse_part [num_splits, num_rows], contiguous fp32. SPLIT_CHUNK splits are read as one tile
     and their LSEs and outputs are loaded together, so with up to SPLIT_CHUNK splits a program makes one memory
@@ -77,6 +78,7 @@ def attn_combine_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, num_splits, 
     kernel, so its launch overlaps that kernel's tail; nothing is read before the attention grid has finished."""
     if PDL:
         gdc_wait()
+    allow_dependent_launch(LET_NEXT)  # the next call's decode kernel (launched after_prior) may start its programs
     row = tl.program_id(0).to(tl.int64)
     b = row // (seqlen * num_heads)
     s = (row // num_heads) % seqlen
