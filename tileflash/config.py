@@ -27,8 +27,8 @@ KINDS = {
     "mla_gluon": "plan.decode.MlaGluonConfig or None: the sm_90 Gluon MLA decode",
     "quant_decode": "plan.decode.QuantDecodeConfig or None: the sm_90 register-operand NVFP4 decode",
     "combine_pdl": "bool: the split combine launched as a programmatic dependent (sm_90)",
-    "decode_after_prior": "bool: the Triton decode kernel launched as a programmatic dependent of the kernel before "
-                          "it on the stream (sm_90)",
+    "decode_after_prior": "bool: the decode kernel (Triton, or Gluon MLA) launched as a programmatic dependent of "
+                          "the kernel before it on the stream (sm_90)",
     "gemm": "plan.gemm.GemmConfig: the Triton NVFP4 GEMM's tiles",
     "gemm_mma": "plan.gemm.GemmMmaConfig or None: the sm_90 register-operand NVFP4 GEMM (M <= 16, K not for wgmma)",
     "gemm_wgmma": "plan.gemm.GemmWgmmaConfig or None: the sm_90 wgmma NVFP4 GEMM (M <= 1024, K % 256 == 0)",

@@ -794,7 +794,7 @@ def test_mla_decode_schedule(gpu_planning):
 @pytest.mark.parametrize("sm90, mla, forced, expected", [
     (True, False, None, True),  # the Triton decode kernel on sm_90: a programmatic dependent (run 285)
     (False, False, None, False),  # griddepcontrol is sm_90's (and the interpreter has none)
-    (True, True, None, False),  # the Gluon MLA kernel is launched plainly
+    (True, True, None, True),  # the Gluon MLA kernels too
     (True, False, False, False),  # config.override(decode_after_prior=False), as the A/B probe times it
 ])
 def test_decode_after_prior(sm90, mla, forced, expected, gpu_planning, monkeypatch):

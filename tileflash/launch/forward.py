@@ -235,12 +235,12 @@ def launch_attn_fwd_ws(q4, k4, v4, out4, lse3, *, causal: bool, softmax_scale: f
 
 def launch_mla_decode(q, qv, k_cache, v_cache, out, lse, *, seqlens_k, seqlen_k_add: int, block_table,
                       softmax_scale: float, causal: bool, config, o_part=None, lse_part=None, k_scale=None,
-                      v_scale=None) -> None:
+                      v_scale=None, after_prior: bool = False) -> None:
     """The Gluon MLA decode (plan.decode.mla_gluon_config accepted the call): q [B, Sq, H, 64], qv [B, Sq, H, 512],
     k_cache [.., 1, 64] and v_cache [.., 1, 512] contiguous ([B, S, 1, D]) or paged ([pages, page, 1, D] with
     block_table [B, max_pages]); out [B, Sq, H, 512] and lse [B, H, Sq], or with o_part / lse_part the split
     partials ([splits, B * Sq * H, 512] and [splits, B * Sq * H] fp32) for attn_combine. e4m3 caches (the narrow
-    kernel): their fp32 scales k_scale / v_scale [1] (absent: 1)."""
+    kernel): their fp32 scales k_scale / v_scale [1] (absent: 1). after_prior: as launch_attn_fwd's."""
     b, sq, hq, _ = q.shape
     bn = config.block_n
     page = k_cache.shape[1] if block_table is not None else 0
@@ -262,7 +262,8 @@ def launch_mla_decode(q, qv, k_cache, v_cache, out, lse, *, seqlens_k, seqlen_k_
         block_table if page else dummy, block_table.stride(0) if page else 0,
         block_table.shape[1] if page else 1, k_cache.shape[1], seqlen_k_add, sq, m_tiles, hq, b * sq * hq,
         *q.stride()[:3], *qv.stride()[:3], *out.stride()[:3], *lse.stride(), softmax_scale * math.log2(math.e),
-        *extra, BN=bn, STAGES=config.stages, PAGE=page, CAUSAL=causal, SPLIT=split, num_warps=4, **constexprs)
+        *extra, BN=bn, STAGES=config.stages, PAGE=page, CAUSAL=causal, SPLIT=split, AFTER_PRIOR=after_prior,
+        num_warps=4, **constexprs, **({"launch_pdl": True} if after_prior else {}))
 
 
 def launch_combine(o_part, lse_part, out4, lse3, pdl: bool = False, learnable_sink=None,

@@ -87,7 +87,7 @@ def _launch_kvcache(s: DecodeSchedule, mask: Mask, softmax_scale: float, sp_over
     if s.mcfg is not None:
         launch_mla_decode(q, qv, k_cache, v_cache, out, lse, seqlens_k=cache_seqlens, seqlen_k_add=s.s_new,
                           block_table=block_table, softmax_scale=softmax_scale, causal=mask.window_right == 0,
-                          config=s.mcfg, o_part=o_part, lse_part=lse_part, **scales)
+                          config=s.mcfg, o_part=o_part, lse_part=lse_part, after_prior=s.after_prior, **scales)
     elif s.qcfg is not None:
         launch_decode_quant(q, k_cache, v_cache, out, lse, seqlen_k=s.capacity, seqlens_k=cache_seqlens,
                             seqlen_k_add=s.s_new, block_table=block_table, softmax_scale=softmax_scale, mask=mask,

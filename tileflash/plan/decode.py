@@ -601,12 +601,15 @@ def combine_pdl(block_table) -> bool:
 
 
 def decode_after_prior() -> bool:
-    """Whether the Triton decode kernel is launched as a programmatic dependent of the kernel before it on the stream
-    (sm_90): its programs start during that kernel's tail and wait (griddepcontrol.wait) before reading anything, and
-    the split combine lets the next call's kernel start once its own programs have (LET_NEXT). Run 285 (H200,
-    probe/after_prior_ab.py, graph replay of back-to-back calls over cache copies past the L2, us, off -> on, outputs
-    bitwise equal): GQA 32/8 d128 b=1 ctx 8k 14.45 -> 13.94, ctx 32k 38.37 -> 38.07, page 16 b=1 ctx 8k 16.35 ->
-    16.00, MQA b=1 ctx 8k 6.66 -> 6.07; b=8 ctx 8k 73.1 -> 73.0 and b=64 ctx 1k 66.5 -> 66.3 (neutral)."""
+    """Whether the decode kernel (the Triton kernel, or the Gluon MLA kernels) is launched as a programmatic dependent
+    of the kernel before it on the stream (sm_90): its programs start during that kernel's tail and wait
+    (griddepcontrol.wait) before reading anything, and the split combine lets the next call's kernel start once its
+    own programs have (LET_NEXT). Run 285 (H200, probe/after_prior_ab.py, graph replay of back-to-back calls over cache
+    copies past the L2, us, off -> on, outputs bitwise equal): GQA 32/8 d128 b=1 ctx 8k 14.45 -> 13.94, ctx 32k 38.37
+    -> 38.07, page 16 b=1 ctx 8k 16.35 -> 16.00, MQA b=1 ctx 8k 6.66 -> 6.07; b=8 ctx 8k 73.1 -> 73.0 and b=64 ctx 1k
+    66.5 -> 66.3 (neutral). MLA, run 287 (H100, probe/mla_after_prior_ab.py, the same timing): H=16 b=1 ctx 32k 21.8 ->
+    20.9, H=128 b=1 ctx 32k 37.5 -> 37.0 (mean of two), b=32 ctx 4k and H=16 b=32 / b=128 within 1%. The register-
+    operand NVFP4 decode (qcfg) is launched plainly."""
     return sm90_target()
 
 
@@ -650,7 +653,7 @@ class DecodeSchedule:
     mcfg: object = None  # MlaGluonConfig: the Gluon MLA decode serves the call (cfg is then None)
     counters: int = 0  # int32 arrival counters of the fused merge (cfg.fused_combine): one per attention tile
     fused_append: bool = False  # the attention programs append k, v themselves (append_in_kernel): one launch less
-    after_prior: bool = False  # the Triton kernel is a programmatic dependent of the kernel before it
+    after_prior: bool = False  # the decode kernel is a programmatic dependent of the kernel before it
 
 
 def append_in_kernel(k_cache, k, v, cfg, rows: int, plain_append: bool) -> bool:
@@ -711,7 +714,7 @@ def decode_schedule(q, k_cache, v_cache, k, block_table, num_splits: int, sp_ove
         if cfg.fused_combine and num_splits > 1:
             counters = b * hkv * cdiv(rows_per_kv, cfg.block_m)
         fused_append = bool(s_new) and not mla and append_in_kernel(k_cache, k, v, cfg, rows_per_kv, plain_append)
-    after_prior = cfg is not None and decode_after_prior() and config.chosen("decode_after_prior", True)
+    after_prior = qcfg is None and decode_after_prior() and config.chosen("decode_after_prior", True)
     return DecodeSchedule(cfg, qcfg, num_splits, capacity, s_new, pdl, workspace,
                           varlen_new=varlen_new, mla=mla, mcfg=mcfg, counters=counters, fused_append=fused_append,
                           after_prior=after_prior)

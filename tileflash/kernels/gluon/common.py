@@ -13,6 +13,14 @@ barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 
 
 @gluon.jit
+def grid_dependency_wait(x):
+    """griddepcontrol.wait: launched as a programmatic dependent (PDL), block until the grid before this one has
+    finished and its writes are visible; a no-op otherwise. x: any value (inline asm takes a tensor)."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False,
+                              pack=1)
+
+
+@gluon.jit
 def opaque_zero(x):
     """0, from an instruction with side effects, so the compiler neither folds it nor moves it out of x's loop."""
     return gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)

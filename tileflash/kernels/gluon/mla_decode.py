@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_init, warpgroup_mma_wait)
 
 from .attn_fwd import LN2, _softmax
-from .common import barrier, opaque_zero
+from .common import barrier, grid_dependency_wait, opaque_zero
 
 ROWS = 64  # query rows per CTA: wgmma's M
 ROPE_DIM = 64
@@ -90,10 +90,13 @@ def _sequence(cache_seqlens, seqlen_k_add, b, num_splits, split, seqlen_q, BN: g
 
 @gluon.jit
 def _unit(cache_seqlens, seqlen_k_add, seqlen_q, m_tiles, BN: gl.constexpr, CAUSAL: gl.constexpr,
-          ROWS_PER_CTA: gl.constexpr):
-    """(sequence, first query row, split, then _sequence's four) of this CTA."""
+          ROWS_PER_CTA: gl.constexpr, AFTER_PRIOR: gl.constexpr):
+    """(sequence, first query row, split, then _sequence's four) of this CTA. AFTER_PRIOR: launched as a
+    programmatic dependent of the kernel before it, so every thread waits for that grid here, before any read."""
     b = gl.program_id(0) // m_tiles
     split = gl.program_id(1)
+    if AFTER_PRIOR:
+        grid_dependency_wait(split)
     seqlen_k, s_hi, s_lo, full_hi = _sequence(cache_seqlens, seqlen_k_add, b, gl.num_programs(1), split, seqlen_q,
                                               BN, CAUSAL)
     return b, (gl.program_id(0) % m_tiles) * ROWS_PER_CTA, split, seqlen_k, s_hi, s_lo, full_hi
@@ -146,6 +149,24 @@ def _store_lse(m_i, l_i, seen, row0, lse_ptr, lse_part_ptr, b, rows_q, num_heads
 
 
 Q_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))  # 16-byte loads along a row of q
+OUT_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0]))  # 16-byte stores along a row of O
+# O's halves staged as fp32 rows in the block buffers: 32-byte chunks swizzled over four rows, so a warp's store of
+# wgmma's accumulator fragments (eight rows of 32 bytes) takes two wavefronts, not eight
+STAGE_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=4, order=[1, 0]))
+
+
+@gluon.jit
+def _store_staged(acc, inv_l, c_bufs, WG: gl.constexpr, out_ptr, o_part_ptr, b, row0, rows_q, num_heads, split,
+                  rows_per_split, stride_ob, stride_os, stride_oh, SPLIT: gl.constexpr):
+    """Warpgroup WG's half of O (acc [64, 256] in wgmma's layout) times inv_l (S_ROWS) into out or the split's
+    partial, through shared memory: the block buffers (both loops are over once a warpgroup is past the epilogue's
+    handshake) as fp32 [2, 64, 256], read back as rows for 16-byte stores. Stored from the accumulator's layout (8-byte
+    stores, 32 bytes a row a warp) a half took 2.5-4.7 us (run 285, probe/mla_timeline.py)."""
+    stage = c_bufs._reinterpret(gl.float32, [2, M_ROWS, HALF], STAGE_LAYOUT).index(WG)
+    stage.store(acc)
+    barrier()  # the warpgroup's half is in shared memory
+    _store_half(stage.load(OUT_LAYOUT), gl.convert_layout(inv_l, gl.SliceLayout(1, OUT_LAYOUT)), out_ptr, o_part_ptr,
+                b, row0, rows_q, num_heads, split, rows_per_split, stride_ob, stride_os, stride_oh, WG * HALF, SPLIT)
 
 
 @gluon.jit
@@ -275,11 +296,11 @@ def _wg0(q_ptr, qv_ptr, stride_qb, stride_qs, stride_qh, stride_qvb, stride_qvs,
          c_bufs, p0_smem, vecs, ready_a, ready_b, bars, k_desc, c_desc, block_table, stride_bt, max_pages, cache_rows,
          out_ptr, lse_ptr, o_part_ptr, lse_part_ptr, cache_seqlens, seqlen_k_add, seqlen_q, m_tiles, num_heads,
          rows_per_split, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls, qk_scale,
-         PAGE: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr):
+         PAGE: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr, AFTER_PRIOR: gl.constexpr):
     """Even blocks' S and softmax, O[:, :256]; loads q (both warpgroups read it) and block 0, writes lse."""
     dtype: gl.constexpr = q_lat.dtype
     b, row0, split, seqlen_k, s_hi, s_lo, full_hi = _unit(cache_seqlens, seqlen_k_add, seqlen_q, m_tiles, BLOCK,
-                                                          CAUSAL, M_ROWS)
+                                                          CAUSAL, M_ROWS, AFTER_PRIOR)
     n = s_hi - s_lo
     _load_block(0, 0, n, k_desc, c_desc, k_bufs, c_bufs, ready_a, ready_b, b, s_lo, seqlen_k, block_table, stride_bt,
                 max_pages, cache_rows, PAGE)  # block 0, in flight while q loads
@@ -359,19 +380,19 @@ def _wg0(q_ptr, qv_ptr, stride_qb, stride_qs, stride_qh, stride_qvb, stride_qvs,
     _publish(vecs, VL, inv_l, bars.index(B_F))
     _store_lse(m_i, l_i, seen, row0, lse_ptr, lse_part_ptr, b, rows_q, num_heads, split, rows_per_split, stride_lb,
                stride_lh, stride_ls, SPLIT)
-    _store_half(acc, gl.convert_layout(inv_l, O_ROWS), out_ptr, o_part_ptr, b, row0, rows_q, num_heads, split,
-                rows_per_split, stride_ob, stride_os, stride_oh, 0, SPLIT)
+    _store_staged(acc, inv_l, c_bufs, 0, out_ptr, o_part_ptr, b, row0, rows_q, num_heads, split, rows_per_split,
+                  stride_ob, stride_os, stride_oh, SPLIT)
 
 
 @gluon.jit
 def _wg1(q_rope, q_lat, k_bufs, c_bufs, p0_smem, vecs, ready_a, ready_b, bars, k_desc, c_desc, block_table,
          stride_bt, max_pages, cache_rows, out_ptr, o_part_ptr, cache_seqlens, seqlen_k_add, seqlen_q, m_tiles,
          num_heads, rows_per_split, stride_ob, stride_os, stride_oh, qk_scale, PAGE: gl.constexpr,
-         CAUSAL: gl.constexpr, SPLIT: gl.constexpr):
+         CAUSAL: gl.constexpr, SPLIT: gl.constexpr, AFTER_PRIOR: gl.constexpr):
     """Odd blocks' S and softmax, O[:, 256:]; loads block 1."""
     dtype: gl.constexpr = q_lat.dtype
     b, row0, split, seqlen_k, s_hi, s_lo, full_hi = _unit(cache_seqlens, seqlen_k_add, seqlen_q, m_tiles, BLOCK,
-                                                          CAUSAL, M_ROWS)
+                                                          CAUSAL, M_ROWS, AFTER_PRIOR)
     n = s_hi - s_lo
     for part in gl.static_range(2):
         _load(1 - part, 1, 1, n, k_desc, c_desc, k_bufs, c_bufs, ready_a if part else ready_b, b, s_lo, seqlen_k,
@@ -439,8 +460,8 @@ def _wg1(q_rope, q_lat, k_bufs, c_bufs, p0_smem, vecs, ready_a, ready_b, bars, k
 
     _publish(vecs, VL, l_i, bars.index(B_L))
     mbarrier.wait(bars.index(B_F), 0)
-    _store_half(acc, vecs.index(VL).load(O_ROWS), out_ptr, o_part_ptr, b, row0, seqlen_q * num_heads, num_heads,
-                split, rows_per_split, stride_ob, stride_os, stride_oh, HALF, SPLIT)
+    _store_staged(acc, vecs.index(VL).load(S_ROWS), c_bufs, 1, out_ptr, o_part_ptr, b, row0, seqlen_q * num_heads,
+                  num_heads, split, rows_per_split, stride_ob, stride_os, stride_oh, SPLIT)
 
 
 @gluon.jit
@@ -460,11 +481,12 @@ def mla_decode_kernel(q_ptr, qv_ptr, k_desc, c_desc, out_ptr, lse_ptr, o_part_pt
                       rows_per_split, stride_qb, stride_qs, stride_qh, stride_qvb, stride_qvs, stride_qvh,
                       stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls, qk_scale,
                       BN: gl.constexpr, STAGES: gl.constexpr, PAGE: gl.constexpr, CAUSAL: gl.constexpr,
-                      SPLIT: gl.constexpr):
+                      SPLIT: gl.constexpr, AFTER_PRIOR: gl.constexpr = False):
     """4 warps (warpgroup 0; the partition adds warpgroup 1). k_desc: the rotary keys as rows [rows, 64], blocks
     [min(64, PAGE), 64]; c_desc: the latent [rows, 512], blocks [min(64, PAGE), 256]; rows are b * cache_rows + t
     (contiguous, PAGE 0) or page * PAGE + t % PAGE (block_table [B, max_pages]). qk_scale: softmax_scale *
-    log2(e) > 0. BN (tokens per block) must be 64 and STAGES (block buffers) 2: plan/decode.MlaGluonConfig."""
+    log2(e) > 0. BN (tokens per block) must be 64 and STAGES (block buffers) 2: plan/decode.MlaGluonConfig.
+    AFTER_PRIOR: launched as a programmatic dependent of the kernel before it (_unit waits for that grid)."""
     gl.static_assert(BN == BLOCK, "64-token blocks")
     gl.static_assert(STAGES == 2, "two block buffers")
     dtype: gl.constexpr = k_desc.dtype
@@ -502,8 +524,9 @@ def mla_decode_kernel(q_ptr, qv_ptr, k_desc, c_desc, out_ptr, lse_ptr, o_part_pt
                 k_bufs, c_bufs, p0_smem, vecs, ready_a, ready_b, bars, k_desc, c_desc, block_table, stride_bt,
                 max_pages, cache_rows, out_ptr, lse_ptr, o_part_ptr, lse_part_ptr, cache_seqlens, seqlen_k_add,
                 seqlen_q, m_tiles, num_heads, rows_per_split, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
-                stride_ls, qk_scale, PAGE, CAUSAL, SPLIT)),
+                stride_ls, qk_scale, PAGE, CAUSAL, SPLIT, AFTER_PRIOR)),
         (_wg1, (q_rope, q_lat, k_bufs, c_bufs, p0_smem, vecs, ready_a, ready_b, bars, k_desc, c_desc, block_table,
                 stride_bt, max_pages, cache_rows, out_ptr, o_part_ptr, cache_seqlens, seqlen_k_add, seqlen_q,
-                m_tiles, num_heads, rows_per_split, stride_ob, stride_os, stride_oh, qk_scale, PAGE, CAUSAL, SPLIT)),
+                m_tiles, num_heads, rows_per_split, stride_ob, stride_os, stride_oh, qk_scale, PAGE, CAUSAL, SPLIT,
+                AFTER_PRIOR)),
     ], [4], [256])

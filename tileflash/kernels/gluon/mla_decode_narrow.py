@@ -172,10 +172,11 @@ def mla_decode_narrow_kernel(q_ptr, qv_ptr, k_desc, c_desc, out_ptr, lse_ptr, o_
                              stride_qvs, stride_qvh, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
                              qk_scale, k_scale_ptr, v_scale_ptr, BN: gl.constexpr,
                              STAGES: gl.constexpr, PAGE: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr,
-                             ROWS: gl.constexpr, FP8: gl.constexpr, AHEAD: gl.constexpr = False):
+                             ROWS: gl.constexpr, FP8: gl.constexpr, AHEAD: gl.constexpr = False,
+                             AFTER_PRIOR: gl.constexpr = False):
     """4 warps; mla_decode_kernel's arguments (ROWS query rows per CTA instead of its 64), and with FP8 (e4m3
     caches) their fp32 scales k_scale_ptr[0] and v_scale_ptr[0] (unread otherwise). AHEAD (FP8): block j + 1 is
-    widened while block j's P V runs (_widened_ahead)."""
+    widened while block j's P V runs (_widened_ahead). AFTER_PRIOR: as mla_decode_kernel's."""
     gl.static_assert(FP8 or not AHEAD, "AHEAD: e4m3 caches")
     gl.static_assert(ROWS <= 16 or not AHEAD, "AHEAD: two widened blocks leave shared memory for 16 rows at most")
     gl.static_assert(BN == BLOCK, "64-token blocks")
@@ -202,7 +203,7 @@ def mla_decode_narrow_kernel(q_ptr, qv_ptr, k_desc, c_desc, out_ptr, lse_ptr, o_
         mbarrier.init(ready_b.index(i), count=1)
 
     b, row0, split, seqlen_k, s_hi, s_lo, full_hi = _unit(cache_seqlens, seqlen_k_add, seqlen_q, m_tiles, BLOCK,
-                                                          CAUSAL, ROWS)
+                                                          CAUSAL, ROWS, AFTER_PRIOR)
     n = s_hi - s_lo
     for first in gl.static_range(2):  # blocks 0 and 1, in flight while q loads
         _load_block(first, first, n, k_desc, c_desc, k_bufs, c_bufs, ready_a, ready_b, b, s_lo, seqlen_k, block_table,

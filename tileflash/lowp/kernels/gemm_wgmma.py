@@ -40,7 +40,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from ...kernels.gluon.common import DECODE_UNIT
+from ...kernels.gluon.common import DECODE_UNIT, grid_dependency_wait
 from ...kernels.triton.combine import allow_dependent_launch
 from .gemm_mma import scaled_halves
 
@@ -218,7 +218,7 @@ def _consumer(a_bufs, w_bufs, s_bufs, ready, empty, factor_ptr, g_ptr, out_ptr, 
     g = gl.load(g_ptr) * DECODE_UNIT
     # The prep pass wrote the row factors: long finished once the first activation arrives; the wait orders this
     # warpgroup's reads of them under PDL.
-    _grid_dependency_wait(n_stages)
+    grid_dependency_wait(n_stages)
     for i in range(_units(N, m_pad, BLOCK_M, CONSUMERS, SPLIT_K)):
         n0, m0, split = _unit(gl.program_id(0) + i * gl.num_programs(0), m_pad, BLOCK_M, CONSUMERS, SPLIT_K)
         m_idx = m0 + cols
@@ -234,14 +234,6 @@ def _consumer(a_bufs, w_bufs, s_bufs, ready, empty, factor_ptr, g_ptr, out_ptr, 
         # SPLIT_K > 1: this slice's fp32 partial; a second launch sums them in slice order
         offs += split.to(gl.int64) * M * N
         gl.store(out_ptr + offs, c.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@gluon.jit
-def _grid_dependency_wait(x):
-    """griddepcontrol.wait: with PDL, block until the grid before this one (the activation prep) has finished and
-    its writes are visible; a no-op for a kernel launched without it. x: any value (inline asm takes a tensor)."""
-    gl.inline_asm_elementwise("griddepcontrol.wait; mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False,
-                              pack=1)
 
 
 @gluon.jit
@@ -288,7 +280,7 @@ def _producer(a_desc, w_desc, s_desc, a_bufs, w_bufs, s_bufs, ready, empty, N, m
         n0, m0, stage = _stage_source(i, N, m_pad, n_stages, BLOCK_M, CONSUMERS, SPLIT_K)
         mbarrier.expect(ready.index(i), nbytes)
         _load_weights(w_desc, s_desc, w_bufs, s_bufs, ready.index(i), i, n0, stage * STEPS, CONSUMERS)
-    _grid_dependency_wait(first)
+    grid_dependency_wait(first)
     for i in range(first):
         n0, m0, stage = _stage_source(i, N, m_pad, n_stages, BLOCK_M, CONSUMERS, SPLIT_K)
         _load_activation(a_desc, a_bufs, ready.index(i), i, m0, m_pad, stage * STEPS, STEPS)
