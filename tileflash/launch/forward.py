@@ -272,7 +272,8 @@ def launch_combine(o_part, lse_part, out4, lse3, pdl: bool = False, learnable_si
     sink (fp32 [Hq] or None) added once per row, not per split. pdl (taken on
     sm_90 only): launch it as a programmatic dependent of the kernel before it on the stream, so its launch
     overlaps that kernel's tail (the split decode kernels allow it once all their programs have started).
-    let_next: a programmatic dependent launched after it may start once all its programs have (sm_90 only)."""
+    let_next (the planner's, sm_90 only: plan.decode.decode_after_prior): a programmatic dependent launched after it
+    may start once all its programs have."""
     num_splits, num_rows, d = o_part.shape
     b, sq, hq, _ = out4.shape
     split_chunk, d_chunk = combine_tiles(num_splits, padded_head_dim(d))
@@ -283,8 +284,7 @@ def launch_combine(o_part, lse_part, out4, lse3, pdl: bool = False, learnable_si
         out4.stride(0), out4.stride(1), out4.stride(2), lse3.stride(0), lse3.stride(1), lse3.stride(2),
         learnable_sink if learnable_sink is not None else lse_part,
         HEAD_DIM=d, D_CHUNK=d_chunk, SPLIT_CHUNK=split_chunk, INTERPRETED=_utils.is_interpreter(), PDL=pdl,
-        HAS_SINK=learnable_sink is not None, LET_NEXT=let_next and sm90_target(), num_warps=4,
-        **({"launch_pdl": True} if pdl else {}),
+        HAS_SINK=learnable_sink is not None, LET_NEXT=let_next, num_warps=4, **({"launch_pdl": True} if pdl else {}),
     )
 
 

@@ -580,8 +580,7 @@ def split_plan(q, k_cache, block_table, num_splits: int, mla: bool = False):
     two_per_sm = num_splits_heuristic(b, hkv, m_tiles, capacity, cfg.block_n, sms)  # without the long-split rule
 
     def split_tiles(n):  # the tile for n splits, knowing what each streams and how many programs an SM is to hold
-        return tiles(tokens_per_program=capacity // n, num_splits=n,
-                     three_per_sm=block_table is None and n > two_per_sm)
+        return tiles(tokens_per_program=capacity // n, num_splits=n, three_per_sm=n > two_per_sm)
 
     long_cfg = config.chosen("decode", split_tiles(splits))
     if dataclasses.replace(long_cfg, fused_combine=cfg.fused_combine) != cfg:  # another tile: count again (never
