@@ -21,6 +21,14 @@ def grid_dependency_wait(x):
 
 
 @gluon.jit
+def allow_dependents(x):
+    """griddepcontrol.launch_dependents: a kernel launched after this one as a programmatic dependent may start its
+    programs once every program here has begun (they wait in griddepcontrol.wait). x: any value, as above."""
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
 def opaque_zero(x):
     """0, from an instruction with side effects, so the compiler neither folds it nor moves it out of x's loop."""
     return gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)

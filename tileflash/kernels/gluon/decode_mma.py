@@ -42,7 +42,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mma_v2
 
 from ..triton.masks import LOG2E
-from .common import DECODE_UNIT, barrier, fp16_row_scale
+from .common import DECODE_UNIT, allow_dependents, barrier, fp16_row_scale
 from ...lowp.kernels.quant import e2m1_f16x2_ptx
 
 M_ROWS = gl.constexpr(16)  # mma.sync's M: query rows (heads x tokens of one KV head) per program
@@ -308,8 +308,7 @@ def decode_quant_kernel(
     pid = gl.program_id(0)
     split = gl.program_id(1)
     if PDL:  # the split combine after it is a programmatic dependent launch (launch/forward.launch_combine)
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.b32 $0, $1;", "=r,r", [pid],
-                                  dtype=gl.int32, is_pure=False, pack=1)
+        allow_dependents(pid)
     b = pid // num_heads_kv
     h = pid % num_heads_kv
     seqlen_k = gl.minimum(gl.load(seqlens_ptr + b) + seqlen_k_add, capacity)
