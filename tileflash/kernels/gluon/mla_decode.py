@@ -23,8 +23,9 @@ tensor pipe 42%). Here (FlashMLA's 2025-04 kernel, its deep-dive write-up):
     layout spilled. Each block is loaded in two parts, A (rotary keys and the latent's left half, 40 KB) and B (the
     right half, 32 KB), each completing on its own barrier, by the warpgroup that last reads that part of the
     buffer, as soon as its product retires: 0A by warpgroup 0 after P0 V0_L, 0B by warpgroup 1 after P0 V0_R, 1B by
-    warpgroup 1 after P1 V1_R, 1A by warpgroup 0 after P1 V1_L. Warpgroup 0 issues S over part A first, warpgroup
-    1 over part B first. The sequence's partial last block loads like any other; each warpgroup zeroes the latent
+    warpgroup 1 after P1 V1_R, 1A by warpgroup 0 after P1 V1_L (the first two blocks: warpgroup 0, after q's loads).
+    Warpgroup 0 issues S over part A first, warpgroup 1 over part B first (in the loop, where B is loaded first).
+    The sequence's partial last block loads like any other; each warpgroup zeroes the latent
     rows past the end in its half before its P V (P is 0 there, but 0 * (NaN or inf) would not be).
   * Registers: 255 per thread over 8 warps, no spill, once the loop addresses its buffers through an opaque zero
     (attn_bwd.py's remedy: else ptxas hoists the ~80 wgmma descriptors out of the loop and spills them).
@@ -182,20 +183,27 @@ def _q_rows(ptr, row0, rows_q, num_heads, stride_b, stride_s, stride_h, b, col0,
 
 
 @gluon.jit
-def _load_q(smem, ptr, row0, rows_q, num_heads, stride_b, stride_s, stride_h, b, col0, COLS: gl.constexpr):
-    """_q_rows of smem's [R, COLS] into smem."""
-    smem.store(_q_rows(ptr, row0, rows_q, num_heads, stride_b, stride_s, stride_h, b, col0, smem.shape[0], COLS))
+def _q_tile(q_ptr, qv_ptr, row0, rows_q, num_heads, stride_qb, stride_qs, stride_qh, stride_qvb, stride_qvs,
+            stride_qvh, b, R: gl.constexpr):
+    """(q, qv's left half, its right half): the tile's R rows, loads issued. Both MLA kernels issue them before the
+    first blocks' copies: behind every CTA's 72 KB blocks in the memory queues, q took until 3.3 us (H200, b=1 ctx
+    32k) and 5-7 us (b=32 ctx 4k) to arrive, the start's critical path (run 285, probe/mla_timeline.py). Run 295
+    (H100, `bench decode --only mla-h128`, graph replay, us): b=1 ctx 4k 18.3 -> 16.9, ctx 32k 37.7 -> 36.6, b=32
+    ctx 4k 92.2 -> 90.5, b=128 ctx 1k 96.9 -> 91.4, page 64 91.2 -> 90.4; b=128 ctx 4k ~2% slower (run 298,
+    interleaved: 304.7 / 298.5 -> 306.9 / 308.8). The narrow kernel: equal or faster (run 296, H=16 e4m3 b=8 ctx
+    32k 86.0 -> 82.6)."""
+    return (_q_rows(q_ptr, row0, rows_q, num_heads, stride_qb, stride_qs, stride_qh, b, 0, R, ROPE),
+            _q_rows(qv_ptr, row0, rows_q, num_heads, stride_qvb, stride_qvs, stride_qvh, b, 0, R, HALF),
+            _q_rows(qv_ptr, row0, rows_q, num_heads, stride_qvb, stride_qvs, stride_qvh, b, HALF, R, HALF))
 
 
 @gluon.jit
-def _load_queries(q_rope, q_lat, q_ptr, qv_ptr, row0, rows_q, num_heads, stride_qb, stride_qs, stride_qh, stride_qvb,
-                  stride_qvs, stride_qvh, b):
-    """The tile's rows of q (q_rope) and qv (q_lat's two halves) into shared memory, visible to wgmma and to every
-    thread of the partition."""
-    _load_q(q_rope, q_ptr, row0, rows_q, num_heads, stride_qb, stride_qs, stride_qh, b, 0, ROPE)
-    for h in gl.static_range(2):
-        _load_q(q_lat.index(h), qv_ptr, row0, rows_q, num_heads, stride_qvb, stride_qvs, stride_qvh, b, h * HALF,
-                HALF)
+def _store_queries(q_rope, q_lat, q, lat0, lat1):
+    """_q_tile's tensors into shared memory (q_rope, q_lat's halves), visible to wgmma and every thread of the
+    partition."""
+    q_rope.store(q)
+    q_lat.index(0).store(lat0)
+    q_lat.index(1).store(lat1)
     fence_async_shared()
     barrier()
 
@@ -297,16 +305,19 @@ def _wg0(q_ptr, qv_ptr, stride_qb, stride_qs, stride_qh, stride_qvb, stride_qvs,
          out_ptr, lse_ptr, o_part_ptr, lse_part_ptr, cache_seqlens, seqlen_k_add, seqlen_q, m_tiles, num_heads,
          rows_per_split, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls, qk_scale,
          PAGE: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr, AFTER_PRIOR: gl.constexpr):
-    """Even blocks' S and softmax, O[:, :256]; loads q (both warpgroups read it) and block 0, writes lse."""
+    """Even blocks' S and softmax, O[:, :256]; loads q (both warpgroups read it) and the first two blocks, writes
+    lse."""
     dtype: gl.constexpr = q_lat.dtype
     b, row0, split, seqlen_k, s_hi, s_lo, full_hi = _unit(cache_seqlens, seqlen_k_add, seqlen_q, m_tiles, BLOCK,
                                                           CAUSAL, M_ROWS, AFTER_PRIOR)
     n = s_hi - s_lo
-    _load_block(0, 0, n, k_desc, c_desc, k_bufs, c_bufs, ready_a, ready_b, b, s_lo, seqlen_k, block_table, stride_bt,
-                max_pages, cache_rows, PAGE)  # block 0, in flight while q loads
     rows_q = seqlen_q * num_heads
-    _load_queries(q_rope, q_lat, q_ptr, qv_ptr, row0, rows_q, num_heads, stride_qb, stride_qs, stride_qh, stride_qvb,
-                  stride_qvs, stride_qvh, b)
+    q, lat0, lat1 = _q_tile(q_ptr, qv_ptr, row0, rows_q, num_heads, stride_qb, stride_qs, stride_qh, stride_qvb,
+                            stride_qvs, stride_qvh, b, M_ROWS)
+    for x in gl.static_range(2):  # in flight while q arrives
+        _load_block(x, x, n, k_desc, c_desc, k_bufs, c_bufs, ready_a, ready_b, b, s_lo, seqlen_k, block_table,
+                    stride_bt, max_pages, cache_rows, PAGE)
+    _store_queries(q_rope, q_lat, q, lat0, lat1)
     q_r = q_rope.load(Q_ROPE_A)  # before warpgroup 1 may write P1 over it (after B_S0 of pair 0)
     mbarrier.arrive(bars.index(B_Q), count=1)
     s = gl.zeros([M_ROWS, BLOCK], gl.float32, S_LAYOUT)  # ignored by the first S (use_acc=False): its registers
@@ -389,14 +400,11 @@ def _wg1(q_rope, q_lat, k_bufs, c_bufs, p0_smem, vecs, ready_a, ready_b, bars, k
          stride_bt, max_pages, cache_rows, out_ptr, o_part_ptr, cache_seqlens, seqlen_k_add, seqlen_q, m_tiles,
          num_heads, rows_per_split, stride_ob, stride_os, stride_oh, qk_scale, PAGE: gl.constexpr,
          CAUSAL: gl.constexpr, SPLIT: gl.constexpr, AFTER_PRIOR: gl.constexpr):
-    """Odd blocks' S and softmax, O[:, 256:]; loads block 1."""
+    """Odd blocks' S and softmax, O[:, 256:]."""
     dtype: gl.constexpr = q_lat.dtype
     b, row0, split, seqlen_k, s_hi, s_lo, full_hi = _unit(cache_seqlens, seqlen_k_add, seqlen_q, m_tiles, BLOCK,
                                                           CAUSAL, M_ROWS, AFTER_PRIOR)
     n = s_hi - s_lo
-    for part in gl.static_range(2):
-        _load(1 - part, 1, 1, n, k_desc, c_desc, k_bufs, c_bufs, ready_a if part else ready_b, b, s_lo, seqlen_k,
-              block_table, stride_bt, max_pages, cache_rows, PAGE)
     mbarrier.wait(bars.index(B_Q), 0)
     q_r = q_rope.load(Q_ROPE_A)
     s = gl.zeros([M_ROWS, BLOCK], gl.float32, S_LAYOUT)

@@ -35,8 +35,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .attn_fwd import _softmax
 from .common import barrier, fp16_row_scale
-from .mla_decode import (BLOCK, HALF, ROPE, _load_block, _load_queries, _masked, _q_rows, _shared_buffers,
-                         _store_half, _store_lse, _unit, _zero_past_end)
+from .mla_decode import (BLOCK, HALF, ROPE, _load_block, _masked, _q_tile, _shared_buffers, _store_half, _store_lse,
+                         _store_queries, _unit, _zero_past_end)
 
 OUT_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0]))  # 16-byte stores along a row of O
 
@@ -51,22 +51,14 @@ def _store_out(acc_t, inv_l, out_ptr, o_part_ptr, b, row0, rows_q, num_heads, sp
 
 
 @gluon.jit
-def _load_queries_fp16(q_rope, q_lat, q_ptr, qv_ptr, row0, rows_q, num_heads, stride_qb, stride_qs, stride_qh,
-                       stride_qvb, stride_qvs, stride_qvh, b, qv_factor):
-    """FP8 caches: the tile's q and qv * qv_factor as fp16 in shared memory, both times the 2^k that puts their
+def _store_queries_fp16(q_rope, q_lat, q, lat0, lat1, qv_factor):
+    """FP8 caches: _q_tile's q and qv * qv_factor as fp16 in shared memory, both times the 2^k that puts their
     largest finite |value| in [2^8, 2^9); returns 2^-k."""
-    R: gl.constexpr = q_rope.shape[0]
-    q = _q_rows(q_ptr, row0, rows_q, num_heads, stride_qb, stride_qs, stride_qh, b, 0, R, ROPE).to(gl.float32)
-    lat0 = _q_rows(qv_ptr, row0, rows_q, num_heads, stride_qvb, stride_qvs, stride_qvh, b, 0, R, HALF)
-    lat1 = _q_rows(qv_ptr, row0, rows_q, num_heads, stride_qvb, stride_qvs, stride_qvh, b, HALF, R, HALF)
+    q = q.to(gl.float32)
     lat0 = lat0.to(gl.float32) * qv_factor
     lat1 = lat1.to(gl.float32) * qv_factor
     up, down = fp16_row_scale(gl.maximum(_finite_amax(q), gl.maximum(_finite_amax(lat0), _finite_amax(lat1))))
-    q_rope.store((q * up).to(gl.float16))
-    q_lat.index(0).store((lat0 * up).to(gl.float16))
-    q_lat.index(1).store((lat1 * up).to(gl.float16))
-    fence_async_shared()
-    barrier()
+    _store_queries(q_rope, q_lat, (q * up).to(gl.float16), (lat0 * up).to(gl.float16), (lat1 * up).to(gl.float16))
     return down
 
 
@@ -205,19 +197,18 @@ def mla_decode_narrow_kernel(q_ptr, qv_ptr, k_desc, c_desc, out_ptr, lse_ptr, o_
     b, row0, split, seqlen_k, s_hi, s_lo, full_hi = _unit(cache_seqlens, seqlen_k_add, seqlen_q, m_tiles, BLOCK,
                                                           CAUSAL, ROWS, AFTER_PRIOR)
     n = s_hi - s_lo
-    for first in gl.static_range(2):  # blocks 0 and 1, in flight while q loads
+    rows_q = seqlen_q * num_heads
+    q, lat0, lat1 = _q_tile(q_ptr, qv_ptr, row0, rows_q, num_heads, stride_qb, stride_qs, stride_qh, stride_qvb,
+                            stride_qvs, stride_qvh, b, ROWS)
+    for first in gl.static_range(2):  # blocks 0 and 1, in flight while q arrives
         _load_block(first, first, n, k_desc, c_desc, k_bufs, c_bufs, ready_a, ready_b, b, s_lo, seqlen_k, block_table,
                     stride_bt, max_pages, cache_rows, PAGE)
-    rows_q = seqlen_q * num_heads
     if FP8:
         k_scale = gl.load(k_scale_ptr)
         v_scale = gl.load(v_scale_ptr)
-        q_unscale = _load_queries_fp16(q_rope, q_lat, q_ptr, qv_ptr, row0, rows_q, num_heads, stride_qb, stride_qs,
-                                       stride_qh, stride_qvb, stride_qvs, stride_qvh, b, v_scale / k_scale)
-        qk_scale = qk_scale * k_scale * q_unscale
+        qk_scale = qk_scale * k_scale * _store_queries_fp16(q_rope, q_lat, q, lat0, lat1, v_scale / k_scale)
     else:
-        _load_queries(q_rope, q_lat, q_ptr, qv_ptr, row0, rows_q, num_heads, stride_qb, stride_qs, stride_qh,
-                      stride_qvb, stride_qvs, stride_qvh, b)
+        _store_queries(q_rope, q_lat, q, lat0, lat1)
 
     s_t = gl.zeros([BLOCK, ROWS], gl.float32, acc_layout)  # ignored by each block's first S^T (use_acc=False)
     rows_layout: gl.constexpr = gl.SliceLayout(1, gl.permute(s_t, (1, 0)).type.layout)
