@@ -105,20 +105,28 @@ def _values_t(c_lo, c_hi, p_smem, alpha, acc_l, acc_r):
 
 
 @gluon.jit
-def _scores_p(k_reg, c_wide, x, q_rope, q_lat, p_smem, s_t, j, m_i, l_i, s_lo, seqlen_k, seqlen_q, row0, num_heads,
-              full_hi, qk_scale, CAUSAL: gl.constexpr):
-    """S^T of widened block x (its rotary keys from registers), retired, and its P into p_smem; the softmax state
-    and alpha."""
-    s_t = warpgroup_mma(k_reg, q_rope.permute((1, 0)), s_t, use_acc=False, is_async=True)
-    s_t = warpgroup_mma(c_wide.index(2 * x), q_lat.index(0).permute((1, 0)), s_t, is_async=True)
-    s_t = warpgroup_mma(c_wide.index(2 * x + 1), q_lat.index(1).permute((1, 0)), s_t, is_async=True)
+def _scores_p(k_blk, c_lo, c_hi, q_rope, q_lat, p_smem, s_t, jb, m_i, l_i, seqlen_k, seqlen_q, row0, num_heads,
+              full_hi, qk_scale, ready_hi, ph, t0, CAUSAL: gl.constexpr, WAIT_HI: gl.constexpr, ZERO: gl.constexpr):
+    """S^T of block jb (rotary keys k_blk from shared memory or registers, latent halves c_lo, c_hi), retired, and
+    its P in p_smem (visible to wgmma); returns (S^T's registers, the softmax state, alpha). WAIT_HI: c_hi is the
+    16-bit cache's part B, awaited on ready_hi (phase ph) once the first two products are issued. ZERO: the latent
+    rows past the sequence's end (keys t0..) zeroed before P V reads them (the plain loop; widened blocks are zeroed
+    when widened)."""
+    s_t = warpgroup_mma(k_blk, q_rope.permute((1, 0)), s_t, use_acc=False, is_async=True)
+    s_t = warpgroup_mma(c_lo, q_lat.index(0).permute((1, 0)), s_t, is_async=True)
+    if WAIT_HI:
+        mbarrier.wait(ready_hi, ph)
+    s_t = warpgroup_mma(c_hi, q_lat.index(1).permute((1, 0)), s_t, is_async=True)
     s_t = warpgroup_mma_wait(0, deps=(s_t,))
-    p, m_i, l_i, alpha = _softmax(_masked(gl.permute(s_t, (1, 0)), s_lo + j, seqlen_k, seqlen_q, row0, num_heads,
-                                          full_hi, BLOCK, CAUSAL), m_i, l_i, qk_scale)
-    p_smem.store(p.to(gl.float16))
+    p, m_i, l_i, alpha = _softmax(_masked(gl.permute(s_t, (1, 0)), jb, seqlen_k, seqlen_q, row0, num_heads, full_hi,
+                                          BLOCK, CAUSAL), m_i, l_i, qk_scale)
+    p_smem.store(p.to(p_smem.dtype))  # the last block's P V has retired (waited by the caller)
+    if ZERO:
+        _zero_past_end(c_lo, t0, seqlen_k)
+        _zero_past_end(c_hi, t0, seqlen_k)
     fence_async_shared()
     barrier()
-    return m_i, l_i, alpha
+    return s_t, m_i, l_i, alpha
 
 
 @gluon.jit
@@ -136,8 +144,9 @@ def _widened_ahead(q_rope, q_lat, k_bufs, c_bufs, c_wide, p_smem, ready_a, ready
         k_reg = _widen_block(k_bufs, c_bufs, c_wide, 0, s_lo * BLOCK, seqlen_k, k_layout)
         _load_block(0, 2, n, k_desc, c_desc, k_bufs, c_bufs, ready_a, ready_b, b, s_lo, seqlen_k, block_table,
                     stride_bt, max_pages, cache_rows, PAGE)
-        m_i, l_i, alpha = _scores_p(k_reg, c_wide, 0, q_rope, q_lat, p_smem, s_t, 0, m_i, l_i, s_lo, seqlen_k,
-                                    seqlen_q, row0, num_heads, full_hi, qk_scale, CAUSAL)
+        _, m_i, l_i, alpha = _scores_p(k_reg, c_wide.index(0), c_wide.index(1), q_rope, q_lat, p_smem, s_t, s_lo, m_i,
+                                       l_i, seqlen_k, seqlen_q, row0, num_heads, full_hi, qk_scale, ready_b.index(0), 0,
+                                       0, CAUSAL, False, False)
         for j in range(n - 1):
             x = j % 2
             acc_l, acc_r = _values_t(c_wide.index(2 * x), c_wide.index(2 * x + 1), p_smem, alpha, acc_l,
@@ -149,8 +158,9 @@ def _widened_ahead(q_rope, q_lat, k_bufs, c_bufs, c_wide, p_smem, ready_a, ready
             _load_block(1 - x, j + 3, n, k_desc, c_desc, k_bufs, c_bufs, ready_a, ready_b, b, s_lo, seqlen_k,
                         block_table, stride_bt, max_pages, cache_rows, PAGE)
             acc_l, acc_r = warpgroup_mma_wait(0, deps=(acc_l, acc_r))  # P_j V_j retired: p_smem is free
-            m_i, l_i, alpha = _scores_p(k_reg, c_wide, 1 - x, q_rope, q_lat, p_smem, s_t, j + 1, m_i, l_i, s_lo,
-                                        seqlen_k, seqlen_q, row0, num_heads, full_hi, qk_scale, CAUSAL)
+            _, m_i, l_i, alpha = _scores_p(k_reg, c_wide.index(2 * (1 - x)), c_wide.index(2 * (1 - x) + 1), q_rope,
+                                           q_lat, p_smem, s_t, s_lo + (j + 1), m_i, l_i, seqlen_k, seqlen_q, row0,
+                                           num_heads, full_hi, qk_scale, ready_b.index(0), 0, 0, CAUSAL, False, False)
         x = (n - 1) % 2
         acc_l, acc_r = _values_t(c_wide.index(2 * x), c_wide.index(2 * x + 1), p_smem, alpha, acc_l, acc_r)
         acc_l, acc_r = warpgroup_mma_wait(0, deps=(acc_l, acc_r))
@@ -243,19 +253,9 @@ def mla_decode_narrow_kernel(q_ptr, qv_ptr, k_desc, c_desc, out_ptr, lse_ptr, o_
                 k_blk = k_bufs.index(x)
                 c_lo = c_bufs.index(2 * x)
                 c_hi = c_bufs.index(2 * x + 1)
-            s_t = warpgroup_mma(k_blk, q_rope.permute((1, 0)), s_t, use_acc=False, is_async=True)
-            s_t = warpgroup_mma(c_lo, q_lat.index(0).permute((1, 0)), s_t, is_async=True)
-            if not FP8:
-                mbarrier.wait(ready_b.index(x), ph)
-            s_t = warpgroup_mma(c_hi, q_lat.index(1).permute((1, 0)), s_t, is_async=True)
-            s_t = warpgroup_mma_wait(0, deps=(s_t,))
-            p, m_i, l_i, alpha = _softmax(_masked(gl.permute(s_t, (1, 0)), s_lo + j, seqlen_k, seqlen_q, row0,
-                                                  num_heads, full_hi, BLOCK, CAUSAL), m_i, l_i, qk_scale)
-            p_smem.store(p.to(dtype))  # the last block's P V has retired (waited below, and the row reductions sync)
-            _zero_past_end(c_lo, t0, seqlen_k)
-            _zero_past_end(c_hi, t0, seqlen_k)
-            fence_async_shared()
-            barrier()
+            s_t, m_i, l_i, alpha = _scores_p(k_blk, c_lo, c_hi, q_rope, q_lat, p_smem, s_t, s_lo + j, m_i, l_i,
+                                             seqlen_k, seqlen_q, row0, num_heads, full_hi, qk_scale, ready_b.index(x),
+                                             ph, t0, CAUSAL, not FP8, True)
             acc_l, acc_r = _values_t(c_lo, c_hi, p_smem, alpha, acc_l, acc_r)
             acc_l, acc_r = warpgroup_mma_wait(0, deps=(acc_l, acc_r))
             barrier()  # every warp's share of this block's products has retired before its buffer is reused
