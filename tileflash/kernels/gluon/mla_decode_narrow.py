@@ -35,10 +35,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .attn_fwd import _softmax
 from .common import barrier, fp16_row_scale
-from .mla_decode import (BLOCK, HALF, ROPE, _load_block, _masked, _q_tile, _shared_buffers, _store_half, _store_lse,
-                         _store_queries, _unit, _zero_past_end)
-
-OUT_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0]))  # 16-byte stores along a row of O
+from .mla_decode import (BLOCK, HALF, OUT_LAYOUT, ROPE, _load_block, _masked, _q_tile, _shared_buffers, _store_half,
+                         _store_lse, _store_queries, _unit, _zero_past_end)
 
 
 @gluon.jit
