@@ -24,7 +24,7 @@ tensor pipe 42%). Here (FlashMLA's 2025-04 kernel, its deep-dive write-up):
     right half, 32 KB), each completing on its own barrier, by the warpgroup that last reads that part of the
     buffer, as soon as its product retires: 0A by warpgroup 0 after P0 V0_L, 0B by warpgroup 1 after P0 V0_R, 1B by
     warpgroup 1 after P1 V1_R, 1A by warpgroup 0 after P1 V1_L (the first two blocks: warpgroup 0, after q's loads).
-    Warpgroup 0 issues S over part A first, warpgroup 1 over part B first (run 299: its A lands first; open A/B).
+    Both warpgroups issue S over part A first: it lands first (run 299, probe/mla_waits.py).
     The sequence's partial last block loads like any other; each warpgroup zeroes the latent
     rows past the end in its half before its P V (P is 0 there, but 0 * (NaN or inf) would not be).
   * Registers: 255 per thread over 8 warps, no spill, once the loop addresses its buffers through an opaque zero
@@ -411,10 +411,10 @@ def _wg1(q_rope, q_lat, k_bufs, c_bufs, p0_smem, vecs, ready_a, ready_b, bars, k
     l_i = gl.zeros([M_ROWS], gl.float32, S_ROWS)
     acc = gl.zeros([M_ROWS, HALF], gl.float32, O_LAYOUT)
     if n > 1:
-        mbarrier.wait(ready_b.index(1), 0)
-        s = _s_part_b(q_lat, c_bufs, 1, 0, s, True)
         mbarrier.wait(ready_a.index(1), 0)
-        s = _s_part_a(q_r, q_lat, k_bufs, c_bufs, 1, 0, s, False)
+        s = _s_part_a(q_r, q_lat, k_bufs, c_bufs, 1, 0, s, True)
+        mbarrier.wait(ready_b.index(1), 0)
+        s = _s_part_b(q_lat, c_bufs, 1, 0, s, False)
         s = warpgroup_mma_wait(0, deps=(s,))
     for u in range((n + 1) // 2):
         ph = u & 1
@@ -459,11 +459,11 @@ def _wg1(q_rope, q_lat, k_bufs, c_bufs, p0_smem, vecs, ready_a, ready_b, bars, k
                                                                  is_async=True), p_a))
             _load(1, 1, 2 * u + 3, n, k_desc, c_desc, k_bufs, c_bufs, ready_b, b, s_lo, seqlen_k, block_table,
                   stride_bt, max_pages, cache_rows, PAGE)
-        if 2 * u + 3 < n:  # the next pair's S1, part B first (see the module's note: part A lands first)
-            mbarrier.wait(ready_b.index(1), ph ^ 1)
-            s = _s_part_b(q_lat, c_bufs, 1, z, s, True)  # the spent S's registers (use_acc=False)
+        if 2 * u + 3 < n:  # the next pair's S1, part A first: loaded first (warpgroup 0's P1 V1_L retires first)
             mbarrier.wait(ready_a.index(1), ph ^ 1)
-            s = _s_part_a(q_r, q_lat, k_bufs, c_bufs, 1, z, s, False)
+            s = _s_part_a(q_r, q_lat, k_bufs, c_bufs, 1, z, s, True)  # the spent S's registers (use_acc=False)
+            mbarrier.wait(ready_b.index(1), ph ^ 1)
+            s = _s_part_b(q_lat, c_bufs, 1, z, s, False)  # part B, issued just above, lands under part A's products
             s = warpgroup_mma_wait(0, deps=(s,))
 
     _publish(vecs, VL, l_i, bars.index(B_L))
