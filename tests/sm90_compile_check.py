@@ -399,7 +399,10 @@ def _cases(arch: int = 90):
             lambda: forced_fwd_ws(WsFwdConfig(128, 4, 4), lambda: fp8_prefill(128, packed=True))),
         "prefill fp8 d128, 64-key steps (a Gluon sweep tile)": warp_specialised(
             lambda: forced_fwd_ws(WsFwdConfig(64, 4, 4), lambda: fp8_prefill(128, s=2048))),
-        "prefill fp8 d256": lambda: fp8_prefill(256),
+        "prefill fp8 d256 (the Gluon forward: the planner's pick)": warp_specialised(lambda: fp8_prefill(256)),
+        "prefill fp8 d256 causal, 1024 keys (the Triton kernel)": lambda: fp8_prefill(256, causal=True),
+        "prefill fp8 d256 causal, 32-key steps (a Gluon sweep tile)": warp_specialised(
+            lambda: forced_fwd_ws(WsFwdConfig(32, 4, 4), lambda: fp8_prefill(256, causal=True, b=1, s=4096))),
         "prefill fp8 d80 packed, fp16 out (V^T by pointers)": lambda: fp8_prefill(80, s=1000, packed=True),
         "prefill fp8 d128 causal paged (page 128)": lambda: fp8_prefill(128, causal=True, packed=True,
                                                                          page=128),

@@ -189,10 +189,24 @@ def test_ws_forward_fp8_tile_configs(tile):
 
 
 @needs_sm90
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("tile", [WsFwdConfig(32, 4, 4), WsFwdConfig(32, 6, 6), WsFwdConfig(64, 4, 4)], ids=str)
+def test_ws_forward_fp8_d256(tile, causal):
+    """d256 FP8: the block product P V in two 128-column parts, each added into its half of the fp32 accumulator
+    (attn_fwd._add_part). GQA 4, Sq != Sk, 29-57 key blocks, a sink, fp16 out."""
+    q, k, v = attention_inputs(2, 650, 1800, 8, 2, 256, torch.bfloat16, seed=3)
+    sink = torch.randn(8, device=DEVICE)
+    with config.override(fwd_ws=lambda cfg: tile):
+        out, lse, deq = _fp8_call(q, k, v, causal, learnable_sink=sink, out_dtype=torch.float16)
+    check_fp8(out, lse, lambda up, inter: attention_ref(*deq, causal=causal, learnable_sink=sink, upcast=up,
+                                                        intermediate_dtype=inter), torch.float16)
+
+
+@needs_sm90
 def test_ws_forward_fp8_varlen_and_what_it_declines(monkeypatch):
     """Packed sequences of >= 576 keys on average through the Gluon forward (an empty one, Sq != Sk; forced);
-    shorter ones (V^T's narrow gap) decline even forced; d128 below 8k keys, windows, d256 and d64 stay on the
-    Triton kernel."""
+    shorter ones (V^T's narrow gap) decline even forced; d128 below 8k keys, windows and d64 stay on the Triton
+    kernel, d256 takes the Gluon forward."""
     launches = []
     monkeypatch.setattr(prefill, "launch_attn_fwd_ws", lambda *a, **kw: launches.append(1) or launch_attn_fwd_ws(
         *a, **kw))
@@ -211,9 +225,10 @@ def test_ws_forward_fp8_varlen_and_what_it_declines(monkeypatch):
     launches.clear()
     _fp8_call(*attention_inputs(1, 700, 700, 4, 4, 128, torch.bfloat16), False)  # below 8k keys
     _fp8_call(*attention_inputs(1, 700, 9000, 4, 4, 128, torch.bfloat16), False, window_size=(64, 0))
-    _fp8_call(*attention_inputs(1, 700, 9000, 2, 2, 256, torch.bfloat16), False)
     _fp8_call(*attention_inputs(1, 700, 9000, 2, 2, 64, torch.bfloat16), False)
     assert not launches
+    _fp8_call(*attention_inputs(1, 700, 1200, 2, 2, 256, torch.bfloat16), False)
+    assert launches
 
 
 @needs_sm90

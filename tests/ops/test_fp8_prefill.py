@@ -91,8 +91,10 @@ def test_fp8_wide_values_t_gap_keeps_sequences_apart():
 
 @pytest.mark.skipif(not ON_GPU, reason="thousands of keys: minutes in the interpreter")
 def test_fp8_varlen_long_sequences():
-    """Packed sequences starting at unaligned keys, long enough for many full blocks (V^T through TMA)."""
+    """Packed sequences starting at unaligned keys, long enough for many full blocks (V^T through TMA); at d256
+    (over 1024 keys, causal) on the Gluon forward, its block product P V in two column parts."""
     _check_fp8_varlen([700, 1, 301, 1000], [1000, 517, 2049, 1003], 8, 2, 128, seed=11)
+    _check_fp8_varlen([700, 1, 301, 1000], [1000, 517, 2049, 1003], 4, 2, 256, seed=12)
 
 
 def test_fp8_varlen_and_paged():

@@ -172,13 +172,16 @@ def test_fwd_ws_config_deepseek_and_split_head_dims():
 
 
 def test_fwd_ws_config_fp8():
-    """FP8 on the Gluon forward: d128 from 8k keys on 128 x 4 + 4 stages, else (and for d64, d256, V's head dim
-    not q's) the Triton kernel."""
+    """FP8 on the Gluon forward: d128 from 8k keys on 128 x 4 + 4 stages, d256 on 64 x 4 + 4 but causal up to 1024
+    keys, else (d64, d192, V's head dim not q's) the Triton kernel."""
     for causal in (False, True):
         assert fwd_ws_config(128, causal, 8192, fp8=True) == WsFwdConfig(128, 4, 4)
         assert fwd_ws_config(128, causal, 8191, fp8=True) is None
-        assert all(fwd_ws_config(d, causal, 16384, fp8=True) is None for d in (64, 192, 256))
+        assert all(fwd_ws_config(256, causal, s, fp8=True) == WsFwdConfig(64, 4, 4) for s in (1025, 16384))
+        assert (fwd_ws_config(256, causal, 1024, fp8=True) is None) == causal
+        assert all(fwd_ws_config(d, causal, 16384, fp8=True) is None for d in (64, 192))
         assert fwd_ws_config(192, causal, 16384, head_dim_v=128, fp8=True) is None
+        assert fwd_ws_config(256, causal, 16384, head_dim_v=128, fp8=True) is None
 
 
 # ---------------------------------------------------------------------------------------------------- backward

@@ -185,7 +185,11 @@ def fwd_ws_config(head_dim: int, causal: bool, seqlen_k: int, head_dim_v: int | 
     452 / 407), so only gains seen at several lengths were taken. Other head dims would need padding inside the
     kernel, which it does not do."""
     if fp8:
-        if head_dim_v not in (None, head_dim) or head_dim != 128 or seqlen_k < FP8_WS_MIN_KEYS:
+        if head_dim_v not in (None, head_dim):
+            return None
+        if head_dim == 256:
+            return None if causal and seqlen_k <= FP8_D256_TRITON_CAUSAL_KEYS else WsFwdConfig(64, 4, 4)
+        if head_dim != 128 or seqlen_k < FP8_WS_MIN_KEYS:
             return None
         return WsFwdConfig(block_n=128, k_stages=4, v_stages=4)
     if head_dim_v not in (None, head_dim):
@@ -210,6 +214,15 @@ def fwd_ws_config(head_dim: int, causal: bool, seqlen_k: int, head_dim_v: int | 
 # tests/ops/test_fp8_prefill.py) runs on it. What holds it back: P's shared-memory round trip each step, which a
 # register P would keep as triton's conversion to the 8-bit A layout (benchmarks/NEXT.md).
 FP8_WS_MIN_KEYS = 8192
+# d256 FP8 on the Gluon forward (the block product P V in two 128-column parts, attn_fwd._add_part): 64 keys, 4 + 4
+# stages (H100, runs 304-305, `sweep prefill-fp8-ws`, 16k tokens, 8 heads, TFLOP/s against the Triton FP8 kernel's
+# fp16 P V over V as stored, which served it before): 1k 505.6 vs 429.1, 4k 731.5 vs 524.4, 16k 829.5 vs 526.2,
+# causal 4k 563.6 vs 438.4, causal 16k 754.5 vs 528.8 (our bf16 d256 in the same call: 4k 669.6, 16k 658.9, causal
+# 16k 683.0). 32-key steps (no stack under triton 3.6) ran 606.7 / 647.4 at 4k / 16k; 3 or 5 stages within 3% of 4
+# (run 305). The 64-key tile holds 64-104 bytes of stack a thread under triton 3.6. Causal calls of at most
+# FP8_D256_TRITON_CAUSAL_KEYS keys keep the Triton kernel (run 307, Triton vs Gluon: causal 512 243.6 vs 238.5, 1k
+# 321.2 vs 299.9; causal 2k 386.1 vs 429.8, full 1k 429.5 vs 502.3).
+FP8_D256_TRITON_CAUSAL_KEYS = 1024
 
 
 def split_head_dim(head_dim: int) -> tuple[int, int]:

@@ -29,9 +29,10 @@ load the next sequence's rows, so keys there are masked (the last partial block 
 mask) and O is stored from registers with row masks. Scope (plan/prefill.ws_forward_config decides, else the
 Triton kernel runs): 16-bit dtypes, head dims 64, 128 and 256, or q, k 192 wide with v 128 (DeepSeek-V3's prefill:
 q's and k's columns arrive as a 128-wide block and a 64-wide tail, two S products into one accumulator, and O, not
-Q's width, is stored from registers), no window or softcap beyond causal, a positive
-softmax scale, a learnable sink or none (HAS_SINK: fp32 [Hq], folded into each row's sum once, in the
-epilogue); varlen without seqused_k or a paged cache. Gluon has no CPU
+Q's width, is stored from registers), or FP8 (e4m3 q, k and V^T with FA3's descales, d128 and d256: P through shared
+memory, each block's P V added into the fp32 accumulator, at d256 in two 128-column parts), no window or softcap
+beyond causal, a positive softmax scale, a learnable sink or none (HAS_SINK: fp32 [Hq], folded into each row's sum
+once, in the epilogue); varlen without seqused_k or a paged cache. Gluon has no CPU
 interpreter: the CPU suite checks this kernel's compilation for sm_90 (tests/sm90_compile_check.py) and the GPU
 suite its results.
 """
@@ -220,14 +221,56 @@ def _p_operand(p, p_buf, p_layout: gl.constexpr, FP8: gl.constexpr):
 
 
 @gluon.jit
-def _values(v_bufs, i, BLOCK_N: gl.constexpr, HEAD_DIM_V: gl.constexpr, FP8: gl.constexpr):
+def _values(v_bufs, i, BLOCK_N: gl.constexpr, HEAD_DIM_V: gl.constexpr, FP8: gl.constexpr, part=0,
+            PARTS: gl.constexpr = 1):
     """V stage i as the PV product's [BLOCK_N, HEAD_DIM_V] operand: rows as loaded, or FP8's V^T tile read
-    transposed (K-major, as FP8 products need)."""
+    transposed (K-major, as FP8 products need); with PARTS > 1 (FP8) its columns [part * W, (part + 1) * W), W =
+    HEAD_DIM_V / PARTS."""
     if FP8:
-        v = v_bufs.index(i).reshape([HEAD_DIM_V, BLOCK_N]).permute((1, 0))
+        vt = v_bufs.index(i).reshape([HEAD_DIM_V, BLOCK_N])
+        if PARTS > 1:
+            vt = vt.slice(part * (HEAD_DIM_V // PARTS), HEAD_DIM_V // PARTS)
+        v = vt.permute((1, 0))
     else:
         v = v_bufs.index(i).reshape([BLOCK_N, HEAD_DIM_V])
     return v
+
+
+# FP8's block product P V (two-level) in parts of at most this many columns: at d256 a whole 64 x 256 fp32 product
+# beside the accumulator took 256 registers a thread and spilled 352-592 bytes (sm_90 compile, triton 3.6)
+FP8_PV_COLS = gl.constexpr(128)
+
+
+@gluon.jit
+def _add_part(acc, pv, part, PARTS: gl.constexpr):
+    """acc [rows, PARTS * W] plus pv [rows, W] on columns [part * W, (part + 1) * W) (registers only: wgmma's
+    accumulator layout holds a thread's columns of each W-wide part in order)."""
+    if PARTS == 1:
+        out = acc + pv
+    else:
+        gl.static_assert(PARTS == 2, "two parts")
+        rows: gl.constexpr = acc.shape[0]
+        w: gl.constexpr = pv.shape[1]
+        lo, hi = gl.split(gl.permute(gl.reshape(acc, [rows, 2, w]), [0, 2, 1]))
+        if part == 0:
+            lo = lo + gl.convert_layout(pv, lo.type.layout, assert_trivial=True)
+        else:
+            hi = hi + gl.convert_layout(pv, hi.type.layout, assert_trivial=True)
+        out = gl.convert_layout(gl.reshape(gl.permute(gl.join(lo, hi), [0, 2, 1]), [rows, 2 * w]), acc.type.layout,
+                                assert_trivial=True)
+    return out
+
+
+@gluon.jit
+def _pv_fp8(p, v_bufs, i, acc, pv_init, pv, BLOCK_N: gl.constexpr, HEAD_DIM_V: gl.constexpr, PARTS: gl.constexpr):
+    """FP8's two-level P V of stage i once part 0's product pv (issued by the caller, from zero) is in flight:
+    wait for it and add it into the fp32 acc, then each further part's (issued, waited, added)."""
+    acc = _add_part(acc, warpgroup_mma_wait(0, deps=(pv,)), 0, PARTS)
+    for part in gl.static_range(1, PARTS):
+        pv = warpgroup_mma(p, _values(v_bufs, i, BLOCK_N, HEAD_DIM_V, True, part, PARTS), pv_init, use_acc=False,
+                           is_async=True)
+        acc = _add_part(acc, warpgroup_mma_wait(0, deps=(pv,)), part, PARTS)
+    return acc
 
 
 @gluon.jit
@@ -259,12 +302,15 @@ def _consumer(q_desc, o_desc, out_ptr, lse_ptr, q_smem, qt_smem, k_bufs, kt_bufs
                                                        instr_shape=[16, BLOCK_N, K_INSTR])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM_V, K_INSTR])
+    PV_PARTS: gl.constexpr = (HEAD_DIM_V + FP8_PV_COLS - 1) // FP8_PV_COLS if FP8 else 1
+    pv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HEAD_DIM_V // PV_PARTS, K_INSTR])
     # 16-bit P feeds the PV product from registers: S's accumulator layout maps onto wgmma's A fragments (FP8's P
     # goes through shared memory: _p_operand).
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4 if FP8 else 2)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     s_init = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, s_layout)  # ignored (use_acc=False): only its layout counts
-    pv_init = gl.zeros([WG_ROWS, HEAD_DIM_V], gl.float32, o_layout)  # FP8's per-block P V, likewise
+    pv_init = gl.zeros([WG_ROWS, HEAD_DIM_V // PV_PARTS], gl.float32, pv_layout)  # FP8's block P V, likewise
     p_buf = p_bufs.index(WG)  # FP8's P (unused otherwise)
     it = 0  # K/V blocks consumed so far: the position in both rings
     tiles_done = 0
@@ -309,7 +355,7 @@ def _consumer(q_desc, o_desc, out_ptr, lse_ptr, q_smem, qt_smem, k_bufs, kt_bufs
                     mbarrier.wait(v_ready.index(prev), ((it + j - 1) // V_STAGES) & 1)
                     s = _scores(q, qt, k_bufs, kt_bufs, ks, s_init, HEAD_DIM, TAIL, BLOCK_N)
                     if FP8:  # two-level: each block's product from zero, added into the fp32 acc below
-                        pv = warpgroup_mma(p, _values(v_bufs, prev, BLOCK_N, HEAD_DIM_V, FP8), pv_init,
+                        pv = warpgroup_mma(p, _values(v_bufs, prev, BLOCK_N, HEAD_DIM_V, FP8, 0, PV_PARTS), pv_init,
                                            use_acc=False, is_async=True)
                     else:
                         acc = warpgroup_mma(p, _values(v_bufs, prev, BLOCK_N, HEAD_DIM_V, FP8), acc, is_async=True)
@@ -320,8 +366,7 @@ def _consumer(q_desc, o_desc, out_ptr, lse_ptr, q_smem, qt_smem, k_bufs, kt_bufs
                     p_next, m_i, l_i, alpha = _softmax(s, m_i, l_i, tile_scale, P_SHIFT)
                     if FP8:  # (P in shared memory: waiting for the product frees its buffer)
                         p_next = p_next.to(dtype)  # before the wait, as timed (run 243; after it: no stack, untimed)
-                        pv = warpgroup_mma_wait(0, deps=(pv,))
-                        acc = acc + pv
+                        acc = _pv_fp8(p, v_bufs, prev, acc, pv_init, pv, BLOCK_N, HEAD_DIM_V, PV_PARTS)
                     else:
                         acc, p = warpgroup_mma_wait(0, deps=(acc, p))  # p stays live until its product read it
                     mbarrier.arrive(v_empty.index(prev), count=1)
@@ -332,10 +377,9 @@ def _consumer(q_desc, o_desc, out_ptr, lse_ptr, q_smem, qt_smem, k_bufs, kt_bufs
                 last = (it + n_hi - 1) % V_STAGES
                 mbarrier.wait(v_ready.index(last), ((it + n_hi - 1) // V_STAGES) & 1)
                 if FP8:
-                    pv = warpgroup_mma(p, _values(v_bufs, last, BLOCK_N, HEAD_DIM_V, FP8), pv_init, use_acc=False,
-                                       is_async=True)
-                    pv = warpgroup_mma_wait(0, deps=(pv,))
-                    acc = acc + pv
+                    pv = warpgroup_mma(p, _values(v_bufs, last, BLOCK_N, HEAD_DIM_V, FP8, 0, PV_PARTS), pv_init,
+                                       use_acc=False, is_async=True)
+                    acc = _pv_fp8(p, v_bufs, last, acc, pv_init, pv, BLOCK_N, HEAD_DIM_V, PV_PARTS)
                 else:
                     acc = warpgroup_mma(p, _values(v_bufs, last, BLOCK_N, HEAD_DIM_V, FP8), acc, is_async=True)
                     acc, p = warpgroup_mma_wait(0, deps=(acc, p))
