@@ -36,7 +36,7 @@ FAMILY_HELP = {
     "prefill-ws": "fwd_ws / WsFwdConfig: the sm_90 Gluon forward; same shapes",
     "prefill-fp8": "fwd / FwdConfig: the Triton forward on e4m3 q, k, v with descales; same shapes",
     "prefill-fp8-ws": "fwd_ws / WsFwdConfig: the sm_90 Gluon forward on e4m3 inputs (the planner's from 8k keys at "
-                      "d128; elsewhere give block_n, k_stages and v_stages); same shapes",
+                      "d128 and at d256; elsewhere give block_n, k_stages and v_stages); same shapes",
     "backward": "bwd / BwdConfig: the Triton backward; same shapes (deterministic via --vary deterministic=1)",
     "backward-ws": "bwd_ws / WsBwdConfig: the sm_90 Gluon dK/dV; same shapes",
     "decode": "decode / DecodeConfig: shapes batch,ctx,hq,hkv,d,page[,fp8] (page 0: contiguous), a bf16 cache (an "
