@@ -272,17 +272,26 @@ def _zero_past_end(buf, t0, seqlen_k):
 
 
 @gluon.jit
-def _s_part_a(q_r, q_lat, k_bufs, c_bufs, x, z, s, FIRST: gl.constexpr):
-    """S += q_rope k^T (q's rotary part from registers) + q_L c_L^T of buffer x, issued. z: an opaque 0 (see _wg0)."""
-    s = warpgroup_mma(q_r, k_bufs.index(x + z).permute((1, 0)), s, use_acc=not FIRST, is_async=True)
+def _s_part_a(q_r, q_lat, k_bufs, c_bufs, x, z, s):
+    """S = q_rope k^T (q's rotary part from registers) + q_L c_L^T of buffer x, issued into the spent S's registers
+    (use_acc=False). z: an opaque 0 (see _wg0)."""
+    s = warpgroup_mma(q_r, k_bufs.index(x + z).permute((1, 0)), s, use_acc=False, is_async=True)
     return warpgroup_mma(q_lat.index(z), c_bufs.index(2 * x + z).permute((1, 0)), s, is_async=True)
 
 
 @gluon.jit
-def _s_part_b(q_lat, c_bufs, x, z, s, FIRST: gl.constexpr):
+def _s_part_b(q_lat, c_bufs, x, z, s):
     """S += q_R c_R^T of buffer x, issued."""
-    return warpgroup_mma(q_lat.index(1 + z), c_bufs.index(2 * x + 1 + z).permute((1, 0)), s, use_acc=not FIRST,
-                         is_async=True)
+    return warpgroup_mma(q_lat.index(1 + z), c_bufs.index(2 * x + 1 + z).permute((1, 0)), s, is_async=True)
+
+
+@gluon.jit
+def _scores(q_r, q_lat, k_bufs, c_bufs, ready_a, ready_b, x, ph, z, s):
+    """S of buffer x, retired: part A as soon as it lands (it lands first: run 299, probe/mla_waits.py), then part B."""
+    mbarrier.wait(ready_a.index(x), ph)
+    s = _s_part_a(q_r, q_lat, k_bufs, c_bufs, x, z, s)
+    mbarrier.wait(ready_b.index(x), ph)
+    return warpgroup_mma_wait(0, deps=(_s_part_b(q_lat, c_bufs, x, z, s),))
 
 
 @gluon.jit
@@ -325,11 +334,7 @@ def _wg0(q_ptr, qv_ptr, stride_qb, stride_qs, stride_qh, stride_qvb, stride_qvs,
     l_i = gl.zeros([M_ROWS], gl.float32, S_ROWS)
     acc = gl.zeros([M_ROWS, HALF], gl.float32, O_LAYOUT)
     if n > 0:
-        mbarrier.wait(ready_a.index(0), 0)
-        s = _s_part_a(q_r, q_lat, k_bufs, c_bufs, 0, 0, s, True)
-        mbarrier.wait(ready_b.index(0), 0)
-        s = _s_part_b(q_lat, c_bufs, 0, 0, s, False)
-        s = warpgroup_mma_wait(0, deps=(s,))
+        s = _scores(q_r, q_lat, k_bufs, c_bufs, ready_a, ready_b, 0, 0, 0, s)
     for u in range((n + 1) // 2):
         ph = u & 1
         has1 = 2 * u + 1 < n
@@ -367,14 +372,14 @@ def _wg0(q_ptr, qv_ptr, stride_qb, stride_qs, stride_qh, stride_qvb, stride_qvs,
             acc = warpgroup_mma(q_rope, c_bufs.index(2 + z), acc, is_async=True)
         if 2 * u + 2 < n:  # the next pair's S0, part A first (loaded first)
             mbarrier.wait(ready_a.index(0), ph ^ 1)
-            s = _s_part_a(q_r, q_lat, k_bufs, c_bufs, 0, z, s, True)  # the spent S's registers (use_acc=False)
+            s = _s_part_a(q_r, q_lat, k_bufs, c_bufs, 0, z, s)
             if has1:
                 acc = warpgroup_mma_init(warpgroup_mma_wait(2, deps=(acc,)))  # P1 V1_L retired, S0's part A not
                 mbarrier.arrive(bars.index(B_P1_FREE), count=1)
                 _load(0, 1, 2 * u + 3, n, k_desc, c_desc, k_bufs, c_bufs, ready_a, b, s_lo, seqlen_k, block_table,
                       stride_bt, max_pages, cache_rows, PAGE)
             mbarrier.wait(ready_b.index(0), ph ^ 1)
-            s = _s_part_b(q_lat, c_bufs, 0, z, s, False)
+            s = _s_part_b(q_lat, c_bufs, 0, z, s)
             o, s = warpgroup_mma_wait(0, deps=(acc, s))
         else:
             o = warpgroup_mma_wait(0, deps=(acc,))
@@ -411,11 +416,7 @@ def _wg1(q_rope, q_lat, k_bufs, c_bufs, p0_smem, vecs, ready_a, ready_b, bars, k
     l_i = gl.zeros([M_ROWS], gl.float32, S_ROWS)
     acc = gl.zeros([M_ROWS, HALF], gl.float32, O_LAYOUT)
     if n > 1:
-        mbarrier.wait(ready_a.index(1), 0)
-        s = _s_part_a(q_r, q_lat, k_bufs, c_bufs, 1, 0, s, True)
-        mbarrier.wait(ready_b.index(1), 0)
-        s = _s_part_b(q_lat, c_bufs, 1, 0, s, False)
-        s = warpgroup_mma_wait(0, deps=(s,))
+        s = _scores(q_r, q_lat, k_bufs, c_bufs, ready_a, ready_b, 1, 0, 0, s)
     for u in range((n + 1) // 2):
         ph = u & 1
         has1 = 2 * u + 1 < n
@@ -459,12 +460,8 @@ def _wg1(q_rope, q_lat, k_bufs, c_bufs, p0_smem, vecs, ready_a, ready_b, bars, k
                                                                  is_async=True), p_a))
             _load(1, 1, 2 * u + 3, n, k_desc, c_desc, k_bufs, c_bufs, ready_b, b, s_lo, seqlen_k, block_table,
                   stride_bt, max_pages, cache_rows, PAGE)
-        if 2 * u + 3 < n:  # the next pair's S1, part A first: loaded first (warpgroup 0's P1 V1_L retires first)
-            mbarrier.wait(ready_a.index(1), ph ^ 1)
-            s = _s_part_a(q_r, q_lat, k_bufs, c_bufs, 1, z, s, True)  # the spent S's registers (use_acc=False)
-            mbarrier.wait(ready_b.index(1), ph ^ 1)
-            s = _s_part_b(q_lat, c_bufs, 1, z, s, False)  # part B, issued just above, lands under part A's products
-            s = warpgroup_mma_wait(0, deps=(s,))
+        if 2 * u + 3 < n:  # the next pair's S1 (part A was asked first: warpgroup 0's P1 V1_L retires first)
+            s = _scores(q_r, q_lat, k_bufs, c_bufs, ready_a, ready_b, 1, ph ^ 1, z, s)
 
     _publish(vecs, VL, l_i, bars.index(B_L))
     mbarrier.wait(bars.index(B_F), 0)
