@@ -365,7 +365,7 @@ def _consumer(q_desc, o_desc, out_ptr, lse_ptr, q_smem, qt_smem, k_bufs, kt_bufs
                         s = _masked(s, j, row0, sq, sk, CAUSAL, BLOCK_N)
                     p_next, m_i, l_i, alpha = _softmax(s, m_i, l_i, tile_scale, P_SHIFT)
                     if FP8:  # (P in shared memory: waiting for the product frees its buffer)
-                        p_next = p_next.to(dtype)  # before the wait, as timed (run 243; after it: no stack, untimed)
+                        p_next = p_next.to(dtype)  # before the wait (run 243); after it: the same (run 310)
                         acc = _pv_fp8(p, v_bufs, prev, acc, pv_init, pv, BLOCK_N, HEAD_DIM_V, PV_PARTS)
                     else:
                         acc, p = warpgroup_mma_wait(0, deps=(acc, p))  # p stays live until its product read it
