@@ -114,6 +114,25 @@ def check_tensor(name: str, t, ndim: int | None = None, dtypes=None, device=None
         raise TypeError(f"{name}: expected dtype in ({names}), got {str(t.dtype).replace('torch.', '')}")
     if device is not None and t.device != device:
         raise ValueError(f"{name}: expected device {device}, got {t.device}")
+    if device is None and t.device.type != "cuda":  # the call's first tensor: its device must run the kernels
+        check_runnable_device(name, t)
+
+
+def check_runnable_device(name: str, t: torch.Tensor) -> None:
+    """The kernels run on CUDA devices; tensors elsewhere (CPU) only under Triton's interpreter or a Triton driver
+    whose device they are on (the sm_90 stand-in of bench/standin.py). Without this, a CPU tensor failed at the
+    launch with triton's '0 active drivers' (no GPU) or a pointer error (a GPU machine)."""
+    if is_interpreter():
+        return
+    from triton.runtime import driver
+
+    try:
+        runs_here = driver.active.get_active_torch_device().type == t.device.type
+    except RuntimeError:  # no GPU driver at all
+        runs_here = False
+    if not runs_here:
+        raise ValueError(f"{name}: expected a CUDA tensor, got one on {t.device} (tileflash's kernels run on CUDA "
+                         "GPUs; CPU tensors run only under Triton's interpreter, TRITON_INTERPRET=1)")
 
 
 def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
@@ -132,17 +151,16 @@ WINDOW_UNBOUNDED_FROM = 2 ** 30  # a window this wide covers any sequence int32 
 
 
 def check_window(window_size) -> tuple[int, int]:
-    """(left, right) as ints >= -1. A bound of WINDOW_UNBOUNDED_FROM or more is unbounded (-1): the kernels add
-    windows to int32 positions, and 2**31 - 1 there wrapped around and masked every key."""
+    """(left, right) as ints >= -1. A negative bound is unbounded (-1), as flash-attn takes it; so is one of
+    WINDOW_UNBOUNDED_FROM or more: the kernels add windows to int32 positions, and 2**31 - 1 there wrapped around
+    and masked every key."""
     if isinstance(window_size, torch.Tensor):  # flash-attn accepts a tensor of two ints
         window_size = window_size.tolist()
     try:
         left, right = (operator.index(w) for w in window_size)  # ints and int-likes; floats are refused
     except (TypeError, ValueError):
         raise TypeError(f"window_size: expected a pair of ints (left, right), got {window_size!r}") from None
-    if left < -1 or right < -1:
-        raise ValueError(f"window_size: expected values >= -1 (-1 = unbounded), got {window_size!r}")
-    return tuple(-1 if w >= WINDOW_UNBOUNDED_FROM else w for w in (left, right))
+    return tuple(-1 if w < 0 or w >= WINDOW_UNBOUNDED_FROM else w for w in (left, right))
 
 
 def check_alibi_slopes(alibi_slopes, batch: int, num_heads: int, device) -> None:

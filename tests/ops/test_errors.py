@@ -41,11 +41,34 @@ def test_head_dim_too_large():
         tileflash.flash_attn_func(q, k, v)
 
 
-@pytest.mark.parametrize("kw, needle", [(dict(window_size=(-2, 0)), "window_size"), (dict(softcap=-1.0), "softcap"),
-                                        (dict(window_size=3), "window_size")])
+@pytest.mark.parametrize("kw, needle", [(dict(softcap=float("nan")), "softcap"), (dict(window_size=3), "window_size"),
+                                        (dict(window_size=(0.5, 0)), "window_size")])
 def test_option_errors(kw, needle):
     with pytest.raises((ValueError, TypeError), match=needle):
         tileflash.flash_attn_func(*qkv(), **kw)
+
+
+@pytest.mark.parametrize("kw, same", [(dict(window_size=(-2, 0)), dict(window_size=(-1, 0))),
+                                      (dict(window_size=(1, -5)), dict(window_size=(1, -1))),
+                                      (dict(softcap=-1.0), dict(softcap=0.0))])
+def test_negative_options_are_off(kw, same):
+    """flash-attn takes any negative window bound as unbounded and a softcap <= 0 as off; so does tileflash, to the
+    bit."""
+    q, k, v = qkv(sq=5, sk=9)
+    assert torch.equal(tileflash.flash_attn_func(q, k, v, **kw), tileflash.flash_attn_func(q, k, v, **same))
+
+
+def test_cpu_tensor_outside_the_interpreter(monkeypatch):
+    """Without Triton's interpreter a CPU tensor gets a clear error before any launch (it used to fail in triton's
+    launcher: '0 active drivers' without a GPU, a pointer error with one)."""
+    import tileflash._utils as tf_utils
+
+    monkeypatch.setattr(tf_utils, "is_interpreter", lambda: False)
+    q = torch.randn(1, 4, 2, 32, dtype=torch.float16)
+    with pytest.raises(ValueError, match="expected a CUDA tensor, got one on cpu"):
+        tileflash.flash_attn_func(q, q, q)
+    with pytest.raises(ValueError, match="out_a: expected a CUDA tensor"):
+        tileflash.merge_attn_states(q, torch.zeros(1, 2, 4), q, torch.zeros(1, 2, 4))
 
 
 def test_varlen_errors():

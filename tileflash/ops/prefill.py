@@ -88,10 +88,8 @@ def _check_fp8(q, k, num_batches: int, q_descale, k_descale, v_descale, out_dtyp
 
 
 def check_softcap(softcap) -> float:
-    softcap = _utils.finite_float("softcap", softcap)
-    if softcap < 0:
-        raise ValueError(f"softcap: expected >= 0 (0 disables it), got {softcap}")
-    return softcap
+    """softcap as a float, 0 (off) for any value <= 0 as flash-attn takes it."""
+    return max(_utils.finite_float("softcap", softcap), 0.0)
 
 
 class FwdPlan(direct.Replayable):
