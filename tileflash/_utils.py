@@ -200,6 +200,10 @@ def as_int(name: str, x) -> int:
 
 
 def finite_float(name: str, x) -> float:
+    """x as a finite float (numbers and 0-dim tensors; a tensor with dimensions is a misplaced argument, e.g. FA3's
+    seqused_k passed positionally, which float() would take when it holds one element)."""
+    if isinstance(x, torch.Tensor) and x.dim():
+        raise TypeError(f"{name}: expected a number, got a tensor of shape {tuple(x.shape)}")
     try:
         x = float(x)
     except (TypeError, ValueError):

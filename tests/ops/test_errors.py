@@ -42,7 +42,8 @@ def test_head_dim_too_large():
 
 
 @pytest.mark.parametrize("kw, needle", [(dict(softcap=float("nan")), "softcap"), (dict(window_size=3), "window_size"),
-                                        (dict(window_size=(0.5, 0)), "window_size")])
+                                        (dict(window_size=(0.5, 0)), "window_size"),
+                                        (dict(softmax_scale=torch.tensor([5.0])), "softmax_scale")])
 def test_option_errors(kw, needle):
     with pytest.raises((ValueError, TypeError), match=needle):
         tileflash.flash_attn_func(*qkv(), **kw)
