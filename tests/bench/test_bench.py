@@ -348,6 +348,22 @@ def test_host_timing_takes_turns_and_splits_host_from_wall():
     assert set(eager_us(fns, "cpu", calls=1, repeats=1)) == {"a", "b"}
 
 
+def test_host_one_thread_rows_turn_autograds_device_thread_off():
+    """bench host's `..., 1-thread autograd` backends time with autograd's device thread off, the others with it as
+    the caller left it; the setting comes back after each timed batch."""
+    import torch
+
+    from tileflash.bench.host import ONE_THREAD, _backend_context
+
+    seen = {}
+    for name in ("tileflash", "tileflash" + ONE_THREAD, "sdpa_flash", "sdpa_flash" + ONE_THREAD):
+        with _backend_context(name):
+            seen[name] = torch._C._is_multithreading_enabled()
+        assert torch._C._is_multithreading_enabled()
+    assert seen == {"tileflash": True, "tileflash" + ONE_THREAD: False, "sdpa_flash": True,
+                    "sdpa_flash" + ONE_THREAD: False}
+
+
 def test_speedup_uses_best_passing_runs():
     def rec(ms, ok=True):
         return {"ms": ms, "ok": ok}

@@ -9,7 +9,10 @@ effect. A call whose eager time is well above its graph time is host-bound; one 
 time is GPU-bound. Each callable's output is checked against an fp32 reference before it is timed. Forward + backward
 rows also time an empty Python autograd.Function (`autograd.Function floor`: it allocates the output and the
 gradients, launches nothing): what any attention op written in Python pays in eager autograd before it does any
-work (its backward runs in autograd's device thread and takes the GIL there).
+work (its backward runs in autograd's device thread and takes the GIL there). The same rows run tileflash and
+SDPA-flash once more with that thread off (`..., 1-thread autograd`: torch.autograd.set_multithreading_enabled(False),
+the backward in the calling thread), since work handed to the device thread right after the main thread's forward
+costs about twice its main-thread time (run 314), a Python backward's more than SDPA's C++ one.
 
 Without a GPU (or with --no-launch), the host path alone: CPU tensors through Triton's real compiler with launches
 made no-ops (bench/standin.py), so a host-time regression shows on any machine.
@@ -29,6 +32,7 @@ CALLS = 100  # back-to-back calls per timed repeat
 REPEATS = 7
 TOL = 3e-2  # max abs error of bf16 outputs (fp32 reference of the same inputs)
 FLOOR = "autograd.Function floor"  # a row of no output to check (see the module docstring)
+ONE_THREAD = ", 1-thread autograd"  # a fwd+bwd backend's name with this suffix runs its backward in the calling thread
 
 
 def eager_us(fns: dict, device, calls=CALLS, repeats=REPEATS, context=None) -> dict:
@@ -134,6 +138,9 @@ def _cases(device, with_peers: bool):
         if with_peers:
             for name in ("flash", "cudnn"):
                 backends[f"sdpa_{name}"] = _fwd_bwd(_sdpa(qg, kg, vg), (qg, kg, vg), dout)
+        backends["tileflash" + ONE_THREAD] = grads
+        if with_peers:
+            backends["sdpa_flash" + ONE_THREAD] = backends["sdpa_flash"]
         backends[FLOOR] = _fwd_bwd(lambda qg=qg, kg=kg, vg=vg: _Floor.apply(qg, kg, vg), (qg, kg, vg), dout)
         leaves32 = [t.detach().float().requires_grad_() for t in (q, k, v)]
         refs = torch.autograd.grad(_ref_attention(*leaves32, True), leaves32, dout.float())
@@ -172,12 +179,20 @@ def _sdpa(q, k, v):
 
 
 def _backend_context(name):
-    from contextlib import nullcontext
+    """Around a backend's timed calls: SDPA's backend choice, and for a name ending in ONE_THREAD autograd without
+    its device thread (torch.autograd.set_multithreading_enabled(False): the backward runs in the calling thread)."""
+    from contextlib import ExitStack
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    chosen = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}.get(name)
-    return sdpa_kernel(chosen) if chosen is not None else nullcontext()
+    base = name.removesuffix(ONE_THREAD)
+    chosen = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}.get(base)
+    stack = ExitStack()
+    if chosen is not None:
+        stack.enter_context(sdpa_kernel(chosen))
+    if base != name:
+        stack.enter_context(torch.autograd.set_multithreading_enabled(False))
+    return stack
 
 
 def _fwd_bwd(forward, leaves, dout):
