@@ -11,8 +11,8 @@ rows also time an empty Python autograd.Function (`autograd.Function floor`: it 
 gradients, launches nothing): what any attention op written in Python pays in eager autograd before it does any
 work (its backward runs in autograd's device thread and takes the GIL there). The same rows run tileflash and
 SDPA-flash once more with that thread off (`..., 1-thread autograd`: torch.autograd.set_multithreading_enabled(False),
-the backward in the calling thread), since work handed to the device thread right after the main thread's forward
-costs about twice its main-thread time (run 314), a Python backward's more than SDPA's C++ one.
+the backward in the calling thread): work handed to that thread right after the main thread's forward costs about
+twice its main-thread time (run 314), and a Python backward hands it more work than SDPA's C++ one.
 
 Without a GPU (or with --no-launch), the host path alone: CPU tensors through Triton's real compiler with launches
 made no-ops (bench/standin.py), so a host-time regression shows on any machine.
