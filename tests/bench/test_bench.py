@@ -410,22 +410,31 @@ def test_cli_runs_selected_shapes_and_writes_json(monkeypatch, tmp_path):
         cli.main(["bogus"])
 
 
+# Each suite's calls on tiny shapes (one test each, so that a parallel run spreads them over its workers).
+REAL_SUITE_CALLS = {
+    "prefill": lambda: suites.run_prefill(PREFILL_TINY, out=lambda s: None),
+    "decode": lambda: suites.run_decode(DECODE_TINY + [{**s, "kv": "fp8"} for s in DECODE_TINY], out=lambda s: None),
+    "backward": lambda: suites.run_backward(PREFILL_TINY, out=lambda s: None),
+    "extend": lambda: suites.run_extend([{"batch": 2, "prefix": 40, "sq": 20, "hq": 4, "hkv": 2, "d": 64,
+                                          "page_size": 16, "label": "page16"}], out=lambda s: None),
+    "mla": lambda: suites.run_decode([{"kind": "mla", "hq": 16, "batch": 2, "ctx": 32, "page_size": ps, "label": "mla",
+                                       **({"kv": "fp8"} if fp8 else {})} for ps, fp8 in ((16, False), (None, True))],
+                                     out=lambda s: None),
+    "sinks": lambda: suites.run_sinks([{"kind": kind, "batch": 2, "seqlen": 40, "nheads": 4, "hkv": 2, "d": 32,
+                                        "window": w, "label": kind} for kind, w in (("prefill", 15), ("decode", None))],
+                                      out=lambda s: None),
+    "dropout": lambda: suites.run_dropout([{"batch": 2, "seqlen": 40, "nheads": 4, "d": 32, "causal": c,
+                                            "label": "dropout"} for c in (False, True)], out=lambda s: None),
+}
+
+
 @pytest.mark.skipif(CUDA, reason="runs the real kernels through Triton's CPU interpreter")
-def test_suites_call_real_tileflash_cpu(monkeypatch):
+@pytest.mark.parametrize("suite", REAL_SUITE_CALLS)
+def test_suites_call_real_tileflash_cpu(monkeypatch, suite):
     """The suites' calls match tileflash's real API and agree with the fp32 reference."""
     _cpu_timing(monkeypatch)
-    rows = suites.run_prefill(PREFILL_TINY, out=lambda s: None)
-    rows += suites.run_decode(DECODE_TINY + [{**s, "kv": "fp8"} for s in DECODE_TINY], out=lambda s: None)
-    rows += suites.run_backward(PREFILL_TINY, out=lambda s: None)
-    rows += suites.run_extend([{"batch": 2, "prefix": 40, "sq": 20, "hq": 4, "hkv": 2, "d": 64, "page_size": 16,
-                                "label": "page16"}], out=lambda s: None)
-    rows += suites.run_decode([{"kind": "mla", "hq": 16, "batch": 2, "ctx": 32, "page_size": ps, "label": "mla",
-                                **({"kv": "fp8"} if fp8 else {})} for ps, fp8 in ((16, False), (None, True))],
-                              out=lambda s: None)
-    rows += suites.run_sinks([{"kind": kind, "batch": 2, "seqlen": 40, "nheads": 4, "hkv": 2, "d": 32, "window": w,
-                               "label": kind} for kind, w in (("prefill", 15), ("decode", None))], out=lambda s: None)
-    rows += suites.run_dropout([{"batch": 2, "seqlen": 40, "nheads": 4, "d": 32, "causal": c, "label": "dropout"}
-                                for c in (False, True)], out=lambda s: None)
+    rows = REAL_SUITE_CALLS[suite]()
+    assert rows
     for row in rows:
         for name, rec in row["backends"].items():
             if name.startswith("tileflash"):
