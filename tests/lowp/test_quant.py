@@ -364,5 +364,6 @@ ERROR_CASES = [
 
 @pytest.mark.parametrize("call, exc, needle", ERROR_CASES, ids=[str(i) for i in range(len(ERROR_CASES))])
 def test_errors_name_the_argument(call, exc, needle):
-    with pytest.raises(exc, match=needle):
+    """(The cases' tensors are made on the test device: on a GPU machine a CPU tensor is refused first, by device.)"""
+    with torch.device(DEVICE), pytest.raises(exc, match=needle):
         call()

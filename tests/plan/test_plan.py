@@ -656,9 +656,11 @@ def _split_plan(b, ctx, hq, hkv, d, page=0, num_splits=0, fmt="16bit", sq=1, mla
     return plan_decode.split_plan(q, k_cache, table, num_splits, mla=mla)
 
 
-def test_split_plan_properties(gpu_planning):
-    """The planned tile is decode_config's for the tokens each split streams; splits within [1, KV blocks of that
-    tile]; 1 for short caches and when batch x KV heads x M tiles fill every SM; a forced count is kept."""
+def test_split_plan_properties(gpu_planning, monkeypatch):
+    """The planned tile is decode_config's for the tokens each split streams (with the whole-cache rule's stage more
+    where it takes one split instead of several); splits within [1, KV blocks of that tile]; 1 for short caches and
+    when batch x KV heads x M tiles fill every SM; a forced count is kept."""
+    monkeypatch.setattr(plan_decode, "sm90_target", lambda: True)  # the same plans on the CPU as on an H200
     heads, dims, pages, fmts = ((8, 1), (32, 8), (64, 8), (16, 16)), (64, 128), (0, 16, 64), ("16bit", "fp8", "nvfp4")
     for (hq, hkv), d, page, fmt, ctx in itertools.product(heads, dims, pages, fmts, (256, 2048, 8192, 32768, 131072)):
         for b in (1, 4, 8, 32, 128):
@@ -666,12 +668,19 @@ def test_split_plan_properties(gpu_planning):
             args = (b, ctx, hq, hkv, d, page, fmt, cfg, s)
             first = decode_config(d, hq // hkv, kv_format=fmt, paged=bool(page), kv_tokens=b * ctx * hkv,
                                   page_size=page)  # the tile the count is made for
-            two_per_sm = num_splits_heuristic(b, hkv, _utils.cdiv(hq // hkv, first.block_m), ctx, first.block_n,
+            m_tiles = _utils.cdiv(hq // hkv, first.block_m)
+            two_per_sm = num_splits_heuristic(b, hkv, m_tiles, ctx, first.block_n,
                                               H200_SMS)  # more splits plan three programs per SM
-            assert capacity == ctx and cfg == decode_config(d, hq // hkv, kv_format=fmt, paged=bool(page),
-                                                            kv_tokens=b * ctx * hkv, tokens_per_program=ctx // s,
-                                                            page_size=page, num_splits=s,
-                                                            three_per_sm=not page and s > two_per_sm), args
+            expected = decode_config(d, hq // hkv, kv_format=fmt, paged=bool(page), kv_tokens=b * ctx * hkv,
+                                     tokens_per_program=ctx // s, page_size=page, num_splits=s,
+                                     three_per_sm=not page and s > two_per_sm)
+            whole = (not page and fmt == "16bit" and plan_decode.whole_cache_programs(b * hkv * m_tiles, H200_SMS)
+                     and num_splits_heuristic(b, hkv, m_tiles, ctx, first.block_n, H200_SMS, first.resident_per_sm,
+                                              long_per_sm=LONG_SPLIT_PROGRAMS_PER_SM) > 1)
+            if whole:  # one program per sequence-head streams the whole cache instead of splitting it
+                expected = dataclasses.replace(expected, num_stages=plan_decode.WHOLE_CACHE_STAGES)
+                assert s == 1, args
+            assert capacity == ctx and cfg == expected, args
             kv_bytes = b * ctx * hkv * d * 2 * KV_ELEMENT_BYTES[fmt]
             gathers = bool(page) and not tma_tiles(cfg, page, fmt == "nvfp4")  # the combine launch (run 282)
             assert cfg.fused_combine == (fused_combine_rule(s, min(cfg.block_m, hq // hkv), d, kv_bytes)
