@@ -22,6 +22,24 @@ def test_vary_values_parse_as_numbers_bools_or_strings():
         sweep.parse_vary(["block_m"], WsBwdConfig)
 
 
+def test_a_config_kind_in_vary_forces_that_planner_not_the_call(monkeypatch):
+    """--vary combine_pdl=0,1 beside decode tiles: the decode planner's stages replaced, combine_pdl forced through
+    config.override, and neither reaches the call."""
+    seen = []
+
+    def make(shape, call):
+        cfg = config.chosen("decode", DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=2))
+        seen.append((cfg.num_stages, config.chosen("combine_pdl", "planner's"), call))
+        return (lambda: sweep.torch.zeros(1)), (lambda ms: (ms, "ms"))
+
+    family = dataclasses.replace(sweep.FAMILIES["decode"], make=make, rotate=False)
+    monkeypatch.setattr(sweep, "bench_ms", lambda fn: 1.0)
+    for cfg, call in sweep.parse_vary(["num_stages=3", "combine_pdl=0,1", "num_splits=4"], DecodeConfig):
+        sweep.run_variant(family, (1,), cfg, call)
+    assert seen == [(3, 0, {"num_splits": 4}), (3, 1, {"num_splits": 4})]
+    assert config.chosen("combine_pdl", "planner's") == "planner's"  # the block ended
+
+
 @pytest.mark.parametrize("name", sorted(sweep.FAMILIES))
 def test_every_family_overrides_a_known_kind_with_its_dataclass(name):
     family = sweep.FAMILIES[name]

@@ -11,6 +11,8 @@ CUDA-graph replay over input copies larger than the L2. `default` is the planner
 Families: see FAMILY_HELP below (`--help` lists them).
 
 Examples: `python -m tileflash sweep decode --shapes 1,32768,32,8,128,0 --vary block_n=32,64 num_stages=2,3`,
+`python -m tileflash sweep decode --shapes 1,8192,32,8,128,64 --vary num_stages=2,3 combine_pdl=0,1` (another
+planner's choice, tileflash.config.KINDS, varied beside the tiles),
 `python -m tileflash sweep backward-ws --shapes 64,0,4096 --vary one_fence=0,1 dq_by_rows=0,1`,
 `python -m tileflash sweep decode --vary num_splits=0,4,8,16`. The winners go into tileflash/plan with the numbers.
 """
@@ -245,8 +247,8 @@ def _value(text: str):
 
 def parse_vary(items, config_type) -> list[tuple[dict, dict]]:
     """--vary FIELD=A,B items -> [(config field replacements, call keywords)] over the cartesian product; fields
-    of config_type replace the planner's choice, any other name is a call argument. Bools given as 0/1 become bools
-    for config fields typed bool."""
+    of config_type replace the planner's choice, any other name is a call argument (or, named after a config kind,
+    forces that planner's choice: run_variant). Bools given as 0/1 become bools for config fields typed bool."""
     fields = {f.name: f for f in dataclasses.fields(config_type)}
     names, values = [], []
     for item in items:
@@ -275,14 +277,17 @@ def _label(cfg: dict, call: dict) -> str:
 
 
 def run_variant(family: Family, shape, cfg: dict, call: dict):
-    """(ms, output, metric) of one variant, forced through config.override."""
+    """(ms, output, metric) of one variant, forced through config.override. A call name that is another planner's
+    kind (tileflash.config.KINDS, e.g. combine_pdl=0,1) forces that planner's choice instead of reaching the call."""
     forced = dict.fromkeys(family.also)
+    call = dict(call)
+    forced.update({kind: call.pop(kind) for kind in list(call) if kind in config.KINDS})
     if cfg:  # the planner's choice with cfg's fields replaced; where it declines the kernel, cfg must be complete
         forced[family.kind] = lambda chosen: (dataclasses.replace(chosen, **cfg) if chosen is not None
                                               else family.config(**cfg))
     with config.override(**forced):
         torch.manual_seed(0)  # every variant sees the same inputs, so outputs compare
-        fns, metric = family.make(shape, dict(call))
+        fns, metric = family.make(shape, call)
         out = (fns[0] if family.rotate else fns)().float()
         ms = rotating_graph_ms(fns) if family.rotate else bench_ms(fns)
     return ms, out, metric
