@@ -91,6 +91,21 @@ def eager_or_op(op, impl, grad: bool = False):
     return op if grad or torch.compiler.is_compiling() else impl
 
 
+def compiler_disabled(fn):
+    """torch.compiler.disable(fn), made at the first call (inside a torch.compile trace, where torch._dynamo is
+    loaded anyway): disabling at import would import torch._dynamo with tileflash, ~2 s of every `import
+    tileflash`. Dynamo treats the disabled function made during its trace as one made before: it runs eagerly."""
+    disabled = None
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        nonlocal disabled
+        if disabled is None:
+            disabled = torch.compiler.disable(fn)
+        return disabled(*args, **kwargs)
+    return call
+
+
 def needs_grad(*tensors) -> bool:
     """Whether autograd must record a call on these tensors (a non-tensor is an absent or not yet checked input)."""
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)

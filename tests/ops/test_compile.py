@@ -51,3 +51,31 @@ def test_compile_backward_matches_eager(dv):
     compiled = torch.autograd.grad(torch.compile(loss, fullgraph=True, backend="aot_eager")(q, k, v), (q, k, v))
     for a, b in zip(eager, compiled):
         assert torch.equal(a, b)
+
+
+def test_forward_only_calls_run_eagerly_under_compile():
+    """Calls without a backward (here FP8 inputs) take no custom op under
+    torch.compile: a graph break to the eager call (made disabled at its first use, _utils.compiler_disabled)."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 13, 2, 32, generator=g).to(DEVICE, torch.bfloat16) for _ in range(3))
+    q8, k8, v8, qd, kd, vd = tileflash.fp8_quantize_qkv(q, k, v)
+    cu = torch.tensor([0, 6, 13], dtype=torch.int32, device=DEVICE)
+
+    def dense(q8, k8, v8):
+        return tileflash.flash_attn_func(q8, k8, v8, causal=True, q_descale=qd, k_descale=kd, v_descale=vd) * 2
+
+    def varlen(q8, k8, v8):
+        return tileflash.flash_attn_varlen_func(q8[0], k8[0], v8[0], cu, cu, 7, 7, causal=True) * 2
+
+    for fn in (dense, varlen):
+        assert torch.equal(torch.compile(fn, backend="eager")(q8, k8, v8), fn(q8, k8, v8))
+
+
+def test_import_does_not_load_dynamo():
+    """`import tileflash` leaves torch._dynamo unloaded (~2 s of every import); torch.compile loads it."""
+    import subprocess
+    import sys
+
+    code = "import sys, tileflash; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

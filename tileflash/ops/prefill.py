@@ -478,7 +478,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     return (out, lse) if return_lse else out
 
 
-_flash_attn_func_eager = torch.compiler.disable(flash_attn_func)
+_flash_attn_func_eager = _utils.compiler_disabled(flash_attn_func)
 
 
 def _checked_dense(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
@@ -724,7 +724,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return (out, lse) if return_lse else out
 
 
-_flash_attn_varlen_func_eager = torch.compiler.disable(flash_attn_varlen_func)
+_flash_attn_varlen_func_eager = _utils.compiler_disabled(flash_attn_varlen_func)
 
 
 def _check_packed_offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, device) -> None:
