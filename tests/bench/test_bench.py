@@ -414,7 +414,8 @@ def test_cli_runs_selected_shapes_and_writes_json(monkeypatch, tmp_path):
 REAL_SUITE_CALLS = {
     "prefill": lambda: suites.run_prefill(PREFILL_TINY, out=lambda s: None),
     "decode": lambda: suites.run_decode(DECODE_TINY + [{**s, "kv": "fp8"} for s in DECODE_TINY], out=lambda s: None),
-    "backward": lambda: suites.run_backward(PREFILL_TINY, out=lambda s: None),
+    "backward": lambda: suites.run_backward([{**s, "batch": 1, "seqlen": 40, "nheads": 2} for s in PREFILL_TINY],
+                                            out=lambda s: None),
     "extend": lambda: suites.run_extend([{"batch": 2, "prefix": 40, "sq": 20, "hq": 4, "hkv": 2, "d": 64,
                                           "page_size": 16, "label": "page16"}], out=lambda s: None),
     "mla": lambda: suites.run_decode([{"kind": "mla", "hq": 16, "batch": 2, "ctx": 32, "page_size": ps, "label": "mla",
@@ -423,7 +424,7 @@ REAL_SUITE_CALLS = {
     "sinks": lambda: suites.run_sinks([{"kind": kind, "batch": 2, "seqlen": 40, "nheads": 4, "hkv": 2, "d": 32,
                                         "window": w, "label": kind} for kind, w in (("prefill", 15), ("decode", None))],
                                       out=lambda s: None),
-    "dropout": lambda: suites.run_dropout([{"batch": 2, "seqlen": 40, "nheads": 4, "d": 32, "causal": c,
+    "dropout": lambda: suites.run_dropout([{"batch": 1, "seqlen": 40, "nheads": 2, "d": 32, "causal": c,
                                             "label": "dropout"} for c in (False, True)], out=lambda s: None),
 }
 

@@ -105,8 +105,13 @@ def test_forward_matches_the_reference(case, dtype):
     assert not torch.allclose(out.float(), undropped.float(), atol=1e-2)
 
 
-@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic_dq", "deterministic"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+# (dtype, deterministic): each dtype and each dQ design on the CPU's interpreter, every pair on the GPU
+BACKWARD_PATHS = [(torch.float16, False), (torch.bfloat16, True)] + ON_GPU * [(torch.bfloat16, False),
+                                                                           (torch.float16, True)]
+
+
+@pytest.mark.parametrize("dtype, deterministic", BACKWARD_PATHS,
+                         ids=[f"{str(t)[6:]}-{'deterministic' if det else 'atomic_dq'}" for t, det in BACKWARD_PATHS])
 @pytest.mark.parametrize("case", BACKWARD_CASES.values(), ids=BACKWARD_CASES.keys())
 def test_backward_matches_the_reference(case, dtype, deterministic):
     """dq, dk, dv through the regenerated pattern (d128 takes dQ by atomics in the dK/dV kernel, d64 and
