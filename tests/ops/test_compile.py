@@ -54,8 +54,8 @@ def test_compile_backward_matches_eager(dv):
 
 
 def test_forward_only_calls_run_eagerly_under_compile():
-    """Calls without a backward (here FP8 inputs) take no custom op under
-    torch.compile: a graph break to the eager call (made disabled at its first use, _utils.compiler_disabled)."""
+    """Calls without a backward (here FP8 inputs) take no custom op under torch.compile: a graph break to the eager
+    call (disabled for dynamo at its first use, _utils.compiler_disabled), dense and varlen."""
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, 13, 2, 32, generator=g).to(DEVICE, torch.bfloat16) for _ in range(3))
     q8, k8, v8, qd, kd, vd = tileflash.fp8_quantize_qkv(q, k, v)
