@@ -669,8 +669,7 @@ def test_split_plan_properties(gpu_planning, monkeypatch):
             first = decode_config(d, hq // hkv, kv_format=fmt, paged=bool(page), kv_tokens=b * ctx * hkv,
                                   page_size=page)  # the tile the count is made for
             m_tiles = _utils.cdiv(hq // hkv, first.block_m)
-            two_per_sm = num_splits_heuristic(b, hkv, m_tiles, ctx, first.block_n,
-                                              H200_SMS)  # more splits plan three programs per SM
+            two_per_sm = num_splits_heuristic(b, hkv, m_tiles, ctx, first.block_n, H200_SMS)  # more: three an SM
             expected = decode_config(d, hq // hkv, kv_format=fmt, paged=bool(page), kv_tokens=b * ctx * hkv,
                                      tokens_per_program=ctx // s, page_size=page, num_splits=s,
                                      three_per_sm=not page and s > two_per_sm)
