@@ -595,7 +595,9 @@ def combine_pdl(block_table) -> bool:
     """Whether the split combine is a programmatic dependent launch of the attention kernel (sm_90; its launch then
     overlaps the attention's tail): for contiguous caches, where it was timed (notebook, session 14, run 102:
     -0.5 to -1.2 us at batch 1, neutral from b=8). Paged caches are slower with it (run 107, `benchmarks/
-    splits_sweep.py --pdl --flush-read`: page 16 b=8 ctx 8k 79.1 vs 74.7 us, page 64 b=1 ctx 32k 46.5 vs 44.7)."""
+    splits_sweep.py --pdl --flush-read`: page 16 b=8 ctx 8k 79.1 vs 74.7 us, page 64 b=1 ctx 32k 46.5 vs 44.7).
+    Every split attention kernel lets it start at once (griddepcontrol.launch_dependents first); the Gluon MLA
+    kernels' trigger (session 66) is not yet timed: `sweep decode-mla-gluon --vary combine_pdl=0,1`."""
     return block_table is None
 
 

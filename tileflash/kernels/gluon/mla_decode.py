@@ -47,7 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_init, warpgroup_mma_wait)
 
 from .attn_fwd import LN2, _softmax
-from .common import barrier, grid_dependency_wait, opaque_zero
+from .common import allow_dependents, barrier, grid_dependency_wait, opaque_zero
 
 ROWS = 64  # query rows per CTA: wgmma's M
 ROPE_DIM = 64
@@ -91,11 +91,15 @@ def _sequence(cache_seqlens, seqlen_k_add, b, num_splits, split, seqlen_q, BN: g
 
 @gluon.jit
 def _unit(cache_seqlens, seqlen_k_add, seqlen_q, m_tiles, BN: gl.constexpr, CAUSAL: gl.constexpr,
-          ROWS_PER_CTA: gl.constexpr, AFTER_PRIOR: gl.constexpr):
+          ROWS_PER_CTA: gl.constexpr, AFTER_PRIOR: gl.constexpr, SPLIT: gl.constexpr):
     """(sequence, first query row, split, then _sequence's four) of this CTA. AFTER_PRIOR: launched as a
-    programmatic dependent of the kernel before it, so every thread waits for that grid here, before any read."""
+    programmatic dependent of the kernel before it, so every thread waits for that grid here, before any read.
+    SPLIT: the split combine follows; where it is a programmatic dependent launch (plan.decode.combine_pdl) its
+    programs may start now and wait for this grid (as the Triton decode kernel's; a no-op for a plain launch)."""
     b = gl.program_id(0) // m_tiles
     split = gl.program_id(1)
+    if SPLIT:
+        allow_dependents(split)
     if AFTER_PRIOR:
         grid_dependency_wait(split)
     seqlen_k, s_hi, s_lo, full_hi = _sequence(cache_seqlens, seqlen_k_add, b, gl.num_programs(1), split, seqlen_q,
@@ -318,7 +322,7 @@ def _wg0(q_ptr, qv_ptr, stride_qb, stride_qs, stride_qh, stride_qvb, stride_qvs,
     lse."""
     dtype: gl.constexpr = q_lat.dtype
     b, row0, split, seqlen_k, s_hi, s_lo, full_hi = _unit(cache_seqlens, seqlen_k_add, seqlen_q, m_tiles, BLOCK,
-                                                          CAUSAL, M_ROWS, AFTER_PRIOR)
+                                                          CAUSAL, M_ROWS, AFTER_PRIOR, SPLIT)
     n = s_hi - s_lo
     rows_q = seqlen_q * num_heads
     q, lat0, lat1 = _q_tile(q_ptr, qv_ptr, row0, rows_q, num_heads, stride_qb, stride_qs, stride_qh, stride_qvb,
@@ -408,7 +412,7 @@ def _wg1(q_rope, q_lat, k_bufs, c_bufs, p0_smem, vecs, ready_a, ready_b, bars, k
     """Odd blocks' S and softmax, O[:, 256:]."""
     dtype: gl.constexpr = q_lat.dtype
     b, row0, split, seqlen_k, s_hi, s_lo, full_hi = _unit(cache_seqlens, seqlen_k_add, seqlen_q, m_tiles, BLOCK,
-                                                          CAUSAL, M_ROWS, AFTER_PRIOR)
+                                                          CAUSAL, M_ROWS, AFTER_PRIOR, SPLIT)
     n = s_hi - s_lo
     mbarrier.wait(bars.index(B_Q), 0)
     q_r = q_rope.load(Q_ROPE_A)

@@ -203,7 +203,7 @@ def mla_decode_narrow_kernel(q_ptr, qv_ptr, k_desc, c_desc, out_ptr, lse_ptr, o_
         mbarrier.init(ready_b.index(i), count=1)
 
     b, row0, split, seqlen_k, s_hi, s_lo, full_hi = _unit(cache_seqlens, seqlen_k_add, seqlen_q, m_tiles, BLOCK,
-                                                          CAUSAL, ROWS, AFTER_PRIOR)
+                                                          CAUSAL, ROWS, AFTER_PRIOR, SPLIT)
     n = s_hi - s_lo
     rows_q = seqlen_q * num_heads
     q, lat0, lat1 = _q_tile(q_ptr, qv_ptr, row0, rows_q, num_heads, stride_qb, stride_qs, stride_qh, stride_qvb,
