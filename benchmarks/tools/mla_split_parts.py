@@ -10,8 +10,8 @@ import sys
 
 import torch
 
-import tileflash
-from tileflash.bench.timing import rotating_graph_ms, rotation_copies
+from tileflash.bench.sweep import FAMILIES
+from tileflash.bench.timing import rotating_graph_ms
 
 H = int(sys.argv[1]) if len(sys.argv) > 1 else 128  # query heads
 B = int(sys.argv[2]) if len(sys.argv) > 2 else 1  # batch
@@ -20,18 +20,8 @@ SPLITS = (16, 32, 64, 0)  # 0: the planner's count
 
 
 def calls(ctx: int, num_splits: int):
-    """One decode call per cache copy, as many copies as rotation_copies asks for."""
-    dev, bf = "cuda", torch.bfloat16
-    q = torch.randn(B, 1, H, 64, device=dev, dtype=bf)
-    qv = torch.randn(B, 1, H, 512, device=dev, dtype=bf)
-    lens = torch.full((B,), ctx, dtype=torch.int32, device=dev)
-    fns = []
-    for _ in range(rotation_copies(B * ctx * 576 * 2)):
-        k = torch.randn(B, ctx, 1, 64, device=dev, dtype=bf)
-        v = torch.randn(B, ctx, 1, 512, device=dev, dtype=bf)
-        fns.append(lambda k=k, v=v: tileflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, qv=qv,
-                                                                      num_splits=num_splits))
-    return fns
+    """One decode call per cache copy: the inputs `sweep decode-mla-gluon` times."""
+    return FAMILIES["decode-mla-gluon"].make((B, ctx, H), {"num_splits": num_splits})[0]
 
 
 def kernel_us(fn) -> dict:
